@@ -1,0 +1,88 @@
+"""Input validation shared by every public entry point.
+
+Errors name the argument and the shapes involved and are raised before any kernel launches
+or any collective starts.
+"""
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+MIN_HEAD_DIM, MAX_HEAD_DIM, HEAD_DIM_MULTIPLE = 16, 256, 8
+
+
+class AttnDims(NamedTuple):
+    batch: int
+    seqlen_q: int
+    seqlen_k: int
+    heads_q: int
+    heads_kv: int
+    head_dim: int
+
+
+def _shape(t: torch.Tensor) -> str:
+    return "(" + ", ".join(str(s) for s in t.shape) + ")"
+
+
+def check_tensor(name: str, t, api: str) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{api}: {name} must be a torch.Tensor, got {type(t).__name__}")
+
+
+def check_qkv(q, k, v, api: str) -> AttnDims:
+    """Validate q (B, Sq, Hq, D), k and v (B, Sk, Hkv, D); return the dimensions."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        check_tensor(name, t, api)
+        if t.dim() != 4:
+            raise ValueError(
+                f"{api}: {name} must be 4-D (batch, seqlen, heads, head_dim), got shape {_shape(t)}"
+            )
+        if t.dtype not in SUPPORTED_DTYPES:
+            raise TypeError(
+                f"{api}: {name} has dtype {t.dtype}; supported: float16, bfloat16, float32 "
+                "(float64 on the torch backend)"
+            )
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"{api}: q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(
+            f"{api}: q, k, v must be on one device, got {q.device}, {k.device}, {v.device}"
+        )
+    B, Sq, Hq, D = q.shape
+    if k.shape != v.shape:
+        raise ValueError(f"{api}: k and v must have the same shape, got k {_shape(k)} and v {_shape(v)}")
+    Bk, Sk, Hkv, Dk = k.shape
+    if Bk != B:
+        raise ValueError(f"{api}: batch differs: q {_shape(q)} vs k {_shape(k)}")
+    if Dk != D:
+        raise ValueError(f"{api}: head_dim differs: q {_shape(q)} vs k {_shape(k)}")
+    if Hkv == 0 or Hq % Hkv != 0:
+        raise ValueError(
+            f"{api}: q heads ({Hq}) must be a multiple of k/v heads ({Hkv}); q {_shape(q)}, k {_shape(k)}"
+        )
+    if not (MIN_HEAD_DIM <= D <= MAX_HEAD_DIM and D % HEAD_DIM_MULTIPLE == 0):
+        raise ValueError(
+            f"{api}: head_dim {D} unsupported (q {_shape(q)}); need a multiple of "
+            f"{HEAD_DIM_MULTIPLE} from {MIN_HEAD_DIM} to {MAX_HEAD_DIM}"
+        )
+    if B == 0 or Sq == 0 or Sk == 0 or Hq == 0:
+        raise ValueError(f"{api}: empty input: q {_shape(q)}, k {_shape(k)}")
+    return AttnDims(B, Sq, Sk, Hq, Hkv, D)
+
+
+def resolve_scale(softmax_scale, head_dim: int, api: str) -> float:
+    if softmax_scale is None:
+        return 1.0 / math.sqrt(head_dim)
+    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)):
+        raise TypeError(f"{api}: softmax_scale must be a float or None, got {type(softmax_scale).__name__}")
+    if not math.isfinite(softmax_scale):
+        raise ValueError(f"{api}: softmax_scale must be finite, got {softmax_scale}")
+    return float(softmax_scale)
+
+
+def check_bool(name: str, value, api: str) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"{api}: {name} must be a bool, got {type(value).__name__}")

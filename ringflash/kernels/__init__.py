@@ -1,0 +1,103 @@
+"""Launchers for the Triton kernels, with the same signatures as ringflash.reference.
+
+Tensors must have a unit stride in head_dim; any other strides are passed to the kernels.
+Kernels never import distributed code.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import triton
+
+from . import configs
+from .backward import _delta_kernel, _dkdv_kernel, _dq_kernel
+from .forward import _fwd_kernel
+
+LOG2E = 1.4426950408889634
+
+
+def _block_d(head_dim: int) -> int:
+    return max(16, triton.next_power_of_2(head_dim))
+
+
+def _precision(dtype: torch.dtype) -> str:
+    # float32 inputs get true float32 products (torch's own float32 matmul does not use tf32)
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _on_device(t: torch.Tensor):
+    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
+
+
+def _check_dtype(q: torch.Tensor) -> None:
+    if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise TypeError(f"the Triton backend supports float16, bfloat16 and float32, got {q.dtype}")
+
+
+def _bsh(t):
+    return t.stride(0), t.stride(1), t.stride(2)
+
+
+def forward(q, k, v, *, q_start, k_start, causal, scale, out_o, out_lse, fold):
+    """See ringflash.reference.forward."""
+    _check_dtype(q)
+    B, Sq, Hq, D = q.shape
+    Sk, Hkv = k.shape[1], k.shape[2]
+    block_d = _block_d(D)
+    cfg = configs.forward_config(block_d)
+    grid = (triton.cdiv(Sq, cfg.block_m), B * Hq)
+    with _on_device(q):
+        _fwd_kernel[grid](
+            q, k, v, out_o, out_lse,
+            *_bsh(q), *_bsh(k), *_bsh(v), *_bsh(out_o),
+            out_lse.stride(0), out_lse.stride(1),
+            Hq, Sq, Sk, q_start, k_start, scale * LOG2E,
+            GROUP=Hq // Hkv, HEAD_DIM=D, BLOCK_D=block_d,
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+            CAUSAL=causal, HAS_STATE=fold, PRECISION=_precision(q.dtype),
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
+
+
+def delta(o, do):
+    """rowsum(dO * O): (B, S, H, D) x2 -> (B, H, S) float32."""
+    B, S, H, D = o.shape
+    out = torch.empty(B, H, S, dtype=torch.float32, device=o.device)
+    block_m = 32 if configs.interpreting() else 128
+    with _on_device(o):
+        _delta_kernel[(triton.cdiv(S, block_m), B * H)](
+            o, do, out, *_bsh(o), *_bsh(do), out.stride(0), out.stride(1), H, S,
+            HEAD_DIM=D, BLOCK_D=_block_d(D), BLOCK_M=block_m,
+        )
+    return out
+
+
+def backward(q, k, v, lse, do, delta, dq, dk, dv, *, q_start, k_start, causal, scale, accumulate):
+    """See ringflash.reference.backward. lse and delta must be contiguous (B, Hq, Sq)."""
+    _check_dtype(q)
+    B, Sq, Hq, D = q.shape
+    Sk, Hkv = k.shape[1], k.shape[2]
+    block_d = _block_d(D)
+    assert lse.stride() == delta.stride(), "lse and delta must share strides"
+    common = dict(GROUP=Hq // Hkv, HEAD_DIM=D, BLOCK_D=block_d, CAUSAL=causal,
+                  ACCUMULATE=accumulate, PRECISION=_precision(q.dtype))
+    with _on_device(q):
+        cfg = configs.dkdv_config(block_d)
+        _dkdv_kernel[(triton.cdiv(Sk, cfg.block_n), B * Hkv)](
+            q, k, v, do, lse, delta, dk, dv,
+            *_bsh(q), *_bsh(k), *_bsh(v), *_bsh(do), *_bsh(dk), *_bsh(dv),
+            lse.stride(0), lse.stride(1),
+            Hkv, Sq, Sk, q_start, k_start, scale * LOG2E, scale,
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **common,
+        )
+        cfg = configs.dq_config(block_d)
+        _dq_kernel[(triton.cdiv(Sq, cfg.block_m), B * Hq)](
+            q, k, v, do, lse, delta, dq,
+            *_bsh(q), *_bsh(k), *_bsh(v), *_bsh(do), *_bsh(dq),
+            lse.stride(0), lse.stride(1),
+            Hq, Sq, Sk, q_start, k_start, scale * LOG2E, scale,
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **common,
+        )

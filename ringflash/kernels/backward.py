@@ -1,0 +1,259 @@
+"""Triton backward kernels: delta = rowsum(dO * O), then dK/dV and dQ in separate passes.
+
+Every block uses the final lse of its query rows, so a ring step's gradients need no
+re-merge. dK/dV programs own a key tile and loop over the GQA group's query heads, dQ
+programs own a query tile: no atomics, so results are bitwise reproducible. With ACCUMULATE
+the gradients are added to the caller's (float32) buffers, otherwise written.
+"""
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _delta_kernel(
+    O, DO, DELTA,
+    stride_ob, stride_os, stride_oh,
+    stride_db, stride_ds, stride_dh,
+    stride_lb, stride_lh,
+    H, S,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // H).to(tl.int64)
+    h = (pid_bh % H).to(tl.int64)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    rows64 = offs_m.to(tl.int64)
+    mask = (offs_m[:, None] < S) & (offs_d[None, :] < HEAD_DIM)
+    o = tl.load(O + b * stride_ob + h * stride_oh + rows64[:, None] * stride_os + offs_d[None, :],
+                mask=mask, other=0.0).to(tl.float32)
+    do = tl.load(DO + b * stride_db + h * stride_dh + rows64[:, None] * stride_ds + offs_d[None, :],
+                 mask=mask, other=0.0).to(tl.float32)
+    tl.store(DELTA + b * stride_lb + h * stride_lh + offs_m, tl.sum(o * do, 1), mask=offs_m < S)
+
+
+@triton.jit
+def _load_rows(ptrs, rows, n_rows, d_ok, MASK_ROWS: tl.constexpr, PAD_D: tl.constexpr):
+    if MASK_ROWS:
+        mask = rows[:, None] < n_rows
+        if PAD_D:
+            mask = mask & d_ok
+        return tl.load(ptrs, mask=mask, other=0.0)
+    elif PAD_D:
+        return tl.load(ptrs, mask=d_ok, other=0.0)
+    else:
+        return tl.load(ptrs)
+
+
+@triton.jit
+def _store_grad(ptrs, grad, mask, ACCUMULATE: tl.constexpr):
+    if ACCUMULATE:
+        grad += tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(ptrs, grad.to(ptrs.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _dkdv_q_range(
+    dk, dv, k, v, k_pos, Q_ptrs, DO_ptrs, LSE_ptrs, DELTA_ptrs, stride_qs, stride_dos,
+    offs_m, d_ok, lo, hi, q_start, Sq, qk_scale,
+    MASKED: tl.constexpr, CAUSAL: tl.constexpr, PAD_D: tl.constexpr, BLOCK_M: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    # Q_ptrs / DO_ptrs / LSE_ptrs / DELTA_ptrs point at query row `lo` on entry
+    for start_m in range(lo, hi, BLOCK_M):
+        rows = start_m + offs_m
+        q = _load_rows(Q_ptrs, rows, Sq, d_ok, MASKED, PAD_D)
+        do = _load_rows(DO_ptrs, rows, Sq, d_ok, MASKED, PAD_D)
+        if MASKED:
+            lse = tl.load(LSE_ptrs, mask=rows < Sq, other=float("inf"))
+            delta = tl.load(DELTA_ptrs, mask=rows < Sq, other=0.0)
+        else:
+            lse = tl.load(LSE_ptrs)
+            delta = tl.load(DELTA_ptrs)
+        # a row that saw no key (lse = -inf) has p = 0: exp2(s - inf)
+        lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+        s_t = tl.dot(k, tl.trans(q), input_precision=PRECISION) * qk_scale  # (BLOCK_N, BLOCK_M)
+        p_t = tl.math.exp2(s_t - lse2[None, :])
+        if MASKED:
+            visible = rows[None, :] < Sq
+            if CAUSAL:
+                visible = visible & ((q_start + rows)[None, :] >= k_pos[:, None])
+            p_t = tl.where(visible, p_t, 0.0)
+        dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=PRECISION)
+        dp_t = tl.dot(v, tl.trans(do), input_precision=PRECISION)
+        ds_t = p_t * (dp_t - delta[None, :])
+        dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=PRECISION)
+        Q_ptrs += BLOCK_M * stride_qs
+        DO_ptrs += BLOCK_M * stride_dos
+        LSE_ptrs += BLOCK_M
+        DELTA_ptrs += BLOCK_M
+    return dk, dv
+
+
+@triton.jit(do_not_specialize=["Sq", "Sk", "q_start", "k_start"])
+def _dkdv_kernel(
+    Q, K, V, DO, LSE, DELTA, DK, DV,
+    stride_qb, stride_qs, stride_qh,
+    stride_kb, stride_ks, stride_kh,
+    stride_vb, stride_vs, stride_vh,
+    stride_dob, stride_dos, stride_doh,
+    stride_dkb, stride_dks, stride_dkh,
+    stride_dvb, stride_dvs, stride_dvh,
+    stride_lb, stride_lh,
+    Hkv, Sq, Sk, q_start, k_start, qk_scale, sm_scale,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr, ACCUMULATE: tl.constexpr, PRECISION: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // Hkv).to(tl.int64)
+    hk = (pid_bh % Hkv).to(tl.int64)
+    PAD_D: tl.constexpr = BLOCK_D != HEAD_DIM
+
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d[None, :] < HEAD_DIM
+    tile_mask = (offs_n[:, None] < Sk) & d_ok
+    cols64 = offs_n.to(tl.int64)
+    k = tl.load(K + b * stride_kb + hk * stride_kh + cols64[:, None] * stride_ks + offs_d[None, :],
+                mask=tile_mask, other=0.0)
+    v = tl.load(V + b * stride_vb + hk * stride_vh + cols64[:, None] * stride_vs + offs_d[None, :],
+                mask=tile_mask, other=0.0)
+    k_pos = k_start + offs_n
+
+    # Query rows that see some key of this tile, and the subrange that sees all of them.
+    Sq_full = (Sq // BLOCK_M) * BLOCK_M
+    if CAUSAL:
+        first_k = k_start + pid_n * BLOCK_N
+        last_k = k_start + tl.minimum((pid_n + 1) * BLOCK_N, Sk) - 1
+        lo = tl.minimum(tl.maximum(first_k - q_start, 0), Sq)
+        lo = (lo // BLOCK_M) * BLOCK_M
+        full_lo = tl.minimum(tl.maximum(last_k - q_start, 0), Sq)
+        full_lo = tl.minimum(((full_lo + BLOCK_M - 1) // BLOCK_M) * BLOCK_M, Sq_full)
+    else:
+        lo = Sq * 0
+        full_lo = lo
+    lo64 = lo.to(tl.int64)
+    full64 = full_lo.to(tl.int64)
+    end64 = Sq_full.to(tl.int64)
+    tail_lo = tl.maximum(full_lo, Sq_full)
+
+    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    for g in range(GROUP):
+        h = hk * GROUP + g
+        Q_ptrs = Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qs + offs_d[None, :]
+        DO_ptrs = DO + b * stride_dob + h * stride_doh + offs_m[:, None] * stride_dos + offs_d[None, :]
+        LSE_ptrs = LSE + b * stride_lb + h * stride_lh + offs_m
+        DELTA_ptrs = DELTA + b * stride_lb + h * stride_lh + offs_m
+        # diagonal blocks (causal mask)
+        dk, dv = _dkdv_q_range(
+            dk, dv, k, v, k_pos, Q_ptrs + lo64 * stride_qs, DO_ptrs + lo64 * stride_dos,
+            LSE_ptrs + lo64, DELTA_ptrs + lo64, stride_qs, stride_dos, offs_m, d_ok,
+            lo, full_lo, q_start, Sq, qk_scale, True, CAUSAL, PAD_D, BLOCK_M, PRECISION)
+        # fully visible blocks
+        dk, dv = _dkdv_q_range(
+            dk, dv, k, v, k_pos, Q_ptrs + full64 * stride_qs, DO_ptrs + full64 * stride_dos,
+            LSE_ptrs + full64, DELTA_ptrs + full64, stride_qs, stride_dos, offs_m, d_ok,
+            full_lo, Sq_full, q_start, Sq, qk_scale, False, CAUSAL, PAD_D, BLOCK_M, PRECISION)
+        # ragged tail of the query rows
+        tail64 = tl.maximum(full64, end64)
+        dk, dv = _dkdv_q_range(
+            dk, dv, k, v, k_pos, Q_ptrs + tail64 * stride_qs, DO_ptrs + tail64 * stride_dos,
+            LSE_ptrs + tail64, DELTA_ptrs + tail64, stride_qs, stride_dos, offs_m, d_ok,
+            tail_lo, Sq, q_start, Sq, qk_scale, True, CAUSAL, PAD_D, BLOCK_M, PRECISION)
+
+    _store_grad(DK + b * stride_dkb + hk * stride_dkh + cols64[:, None] * stride_dks + offs_d[None, :],
+                dk * sm_scale, tile_mask, ACCUMULATE)
+    _store_grad(DV + b * stride_dvb + hk * stride_dvh + cols64[:, None] * stride_dvs + offs_d[None, :],
+                dv, tile_mask, ACCUMULATE)
+
+
+@triton.jit
+def _dq_k_range(
+    dq, q, do, lse2, delta, q_pos, K_ptrs, V_ptrs, stride_ks, stride_vs, offs_n, d_ok,
+    lo, hi, k_start, Sk, qk_scale,
+    MASKED: tl.constexpr, CAUSAL: tl.constexpr, PAD_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    # K_ptrs / V_ptrs point at key row `lo` on entry
+    for start_n in range(lo, hi, BLOCK_N):
+        cols = start_n + offs_n
+        k = _load_rows(K_ptrs, cols, Sk, d_ok, MASKED, PAD_D)
+        v = _load_rows(V_ptrs, cols, Sk, d_ok, MASKED, PAD_D)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+        p = tl.math.exp2(s - lse2[:, None])
+        if MASKED:
+            visible = cols[None, :] < Sk
+            if CAUSAL:
+                visible = visible & (q_pos[:, None] >= (k_start + cols)[None, :])
+            p = tl.where(visible, p, 0.0)
+        dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
+        ds = p * (dp - delta[:, None])
+        dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=PRECISION)
+        K_ptrs += BLOCK_N * stride_ks
+        V_ptrs += BLOCK_N * stride_vs
+    return dq
+
+
+@triton.jit(do_not_specialize=["Sq", "Sk", "q_start", "k_start"])
+def _dq_kernel(
+    Q, K, V, DO, LSE, DELTA, DQ,
+    stride_qb, stride_qs, stride_qh,
+    stride_kb, stride_ks, stride_kh,
+    stride_vb, stride_vs, stride_vh,
+    stride_dob, stride_dos, stride_doh,
+    stride_dqb, stride_dqs, stride_dqh,
+    stride_lb, stride_lh,
+    Hq, Sq, Sk, q_start, k_start, qk_scale, sm_scale,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr, ACCUMULATE: tl.constexpr, PRECISION: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // Hq).to(tl.int64)
+    h = (pid_bh % Hq).to(tl.int64)
+    hk = h // GROUP
+    PAD_D: tl.constexpr = BLOCK_D != HEAD_DIM
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d[None, :] < HEAD_DIM
+    row_ok = offs_m < Sq
+    tile_mask = row_ok[:, None] & d_ok
+    rows64 = offs_m.to(tl.int64)
+    q = tl.load(Q + b * stride_qb + h * stride_qh + rows64[:, None] * stride_qs + offs_d[None, :],
+                mask=tile_mask, other=0.0)
+    do = tl.load(DO + b * stride_dob + h * stride_doh + rows64[:, None] * stride_dos + offs_d[None, :],
+                 mask=tile_mask, other=0.0)
+    lse = tl.load(LSE + b * stride_lb + h * stride_lh + offs_m, mask=row_ok, other=float("inf"))
+    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+    delta = tl.load(DELTA + b * stride_lb + h * stride_lh + offs_m, mask=row_ok, other=0.0)
+    q_pos = q_start + offs_m
+
+    if CAUSAL:
+        first_q = q_start + pid_m * BLOCK_M
+        last_q = q_start + tl.minimum((pid_m + 1) * BLOCK_M, Sq) - 1
+        hi = tl.minimum(tl.maximum(last_q - k_start + 1, 0), Sk)
+        full_end = tl.minimum(tl.maximum(first_q - k_start + 1, 0), hi)
+        full_end = (full_end // BLOCK_N) * BLOCK_N
+    else:
+        hi = Sk
+        full_end = (Sk // BLOCK_N) * BLOCK_N
+
+    K_ptrs = K + b * stride_kb + hk * stride_kh + offs_n[:, None] * stride_ks + offs_d[None, :]
+    V_ptrs = V + b * stride_vb + hk * stride_vh + offs_n[:, None] * stride_vs + offs_d[None, :]
+    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    dq = _dq_k_range(dq, q, do, lse2, delta, q_pos, K_ptrs, V_ptrs, stride_ks, stride_vs, offs_n, d_ok,
+                     0, full_end, k_start, Sk, qk_scale, False, CAUSAL, PAD_D, BLOCK_N, PRECISION)
+    skip = full_end.to(tl.int64)
+    dq = _dq_k_range(dq, q, do, lse2, delta, q_pos, K_ptrs + skip * stride_ks, V_ptrs + skip * stride_vs,
+                     stride_ks, stride_vs, offs_n, d_ok, full_end, hi, k_start, Sk, qk_scale,
+                     True, CAUSAL, PAD_D, BLOCK_N, PRECISION)
+    _store_grad(DQ + b * stride_dqb + h * stride_dqh + rows64[:, None] * stride_dqs + offs_d[None, :],
+                dq * sm_scale, tile_mask, ACCUMULATE)

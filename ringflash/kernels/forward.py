@@ -1,0 +1,132 @@
+"""Triton forward kernel: one query tile against a key range, by global positions.
+
+Causal masking is q_pos >= k_pos with q_pos = q_start + row and k_pos = k_start + col, so a
+local diagonal block, a fully visible ring block and a bottom-right aligned block are one
+kernel. With HAS_STATE the tile starts from an incoming float32 state (normalized o, lse)
+instead of empty, which folds a ring step into the running result without a merge pass.
+Softmax runs in base 2 with log2(e) folded into the scale.
+"""
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+
+
+@triton.jit
+def _fwd_block_range(
+    acc, l_i, m_i, q, q_pos, K_ptrs, V_ptrs, stride_ks, stride_vs, offs_n, offs_d,
+    lo, hi, k_start, Sk, qk_scale,
+    MASKED: tl.constexpr, CAUSAL: tl.constexpr, PAD_D: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+):
+    # K_ptrs / V_ptrs point at key row `lo` on entry
+    d_ok = offs_d[None, :] < HEAD_DIM
+    for start_n in range(lo, hi, BLOCK_N):
+        cols = start_n + offs_n
+        if MASKED:
+            kv_mask = cols[:, None] < Sk
+            if PAD_D:
+                kv_mask = kv_mask & d_ok
+            k = tl.load(K_ptrs, mask=kv_mask, other=0.0)
+        elif PAD_D:
+            k = tl.load(K_ptrs, mask=d_ok, other=0.0)
+        else:
+            k = tl.load(K_ptrs)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+        if MASKED:
+            visible = cols[None, :] < Sk
+            if CAUSAL:
+                visible = visible & (q_pos[:, None] >= (k_start + cols)[None, :])
+            s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        # A row that has seen no key yet keeps m = -inf; pivot on 0 so exp2 gives 0, not NaN.
+        m_pivot = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.math.exp2(s - m_pivot[:, None])
+        alpha = tl.math.exp2(m_i - m_pivot)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        if MASKED:
+            v = tl.load(V_ptrs, mask=kv_mask, other=0.0)
+        elif PAD_D:
+            v = tl.load(V_ptrs, mask=d_ok, other=0.0)
+        else:
+            v = tl.load(V_ptrs)
+        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=PRECISION)
+        m_i = m_new
+        K_ptrs += BLOCK_N * stride_ks
+        V_ptrs += BLOCK_N * stride_vs
+    return acc, l_i, m_i
+
+
+# Sequence lengths and positions are never specialized: a length of 1 must not turn them into
+# compile-time constants (and a new compile per value).
+@triton.jit(do_not_specialize=["Sq", "Sk", "q_start", "k_start"])
+def _fwd_kernel(
+    Q, K, V, O, LSE,
+    stride_qb, stride_qs, stride_qh,
+    stride_kb, stride_ks, stride_kh,
+    stride_vb, stride_vs, stride_vh,
+    stride_ob, stride_os, stride_oh,
+    stride_lb, stride_lh,
+    Hq, Sq, Sk, q_start, k_start, qk_scale,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr, HAS_STATE: tl.constexpr, PRECISION: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // Hq).to(tl.int64)
+    h = (pid_bh % Hq).to(tl.int64)
+    hk = h // GROUP
+    PAD_D: tl.constexpr = BLOCK_D != HEAD_DIM
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    row_ok = offs_m < Sq
+    tile_mask = row_ok[:, None] & (offs_d[None, :] < HEAD_DIM)
+    rows64 = offs_m.to(tl.int64)
+
+    q = tl.load(Q + b * stride_qb + h * stride_qh + rows64[:, None] * stride_qs + offs_d[None, :],
+                mask=tile_mask, other=0.0)
+    o_ptrs = O + b * stride_ob + h * stride_oh + rows64[:, None] * stride_os + offs_d[None, :]
+    lse_ptrs = LSE + b * stride_lb + h * stride_lh + offs_m
+    if HAS_STATE:
+        # state (o, lse) is m = lse (base 2), l = 1, acc = o; an empty row has l = 0
+        m_i = tl.load(lse_ptrs, mask=row_ok, other=float("-inf")).to(tl.float32) * 1.4426950408889634
+        l_i = tl.where(m_i == float("-inf"), 0.0, 1.0)
+        acc = tl.load(o_ptrs, mask=tile_mask, other=0.0).to(tl.float32)
+    else:
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+
+    q_pos = q_start + offs_m
+    if CAUSAL:
+        first_q = q_start + pid_m * BLOCK_M
+        last_q = q_start + tl.minimum((pid_m + 1) * BLOCK_M, Sq) - 1
+        hi = tl.minimum(tl.maximum(last_q - k_start + 1, 0), Sk)
+        full_end = tl.minimum(tl.maximum(first_q - k_start + 1, 0), hi)
+        full_end = (full_end // BLOCK_N) * BLOCK_N
+    else:
+        hi = Sk
+        full_end = (Sk // BLOCK_N) * BLOCK_N
+
+    K_ptrs = K + b * stride_kb + hk * stride_kh + offs_n[:, None] * stride_ks + offs_d[None, :]
+    V_ptrs = V + b * stride_vb + hk * stride_vh + offs_n[:, None] * stride_vs + offs_d[None, :]
+    acc, l_i, m_i = _fwd_block_range(
+        acc, l_i, m_i, q, q_pos, K_ptrs, V_ptrs, stride_ks, stride_vs, offs_n, offs_d,
+        0, full_end, k_start, Sk, qk_scale,
+        False, CAUSAL, PAD_D, HEAD_DIM, BLOCK_N, PRECISION)
+    skip = full_end.to(tl.int64)
+    acc, l_i, m_i = _fwd_block_range(
+        acc, l_i, m_i, q, q_pos, K_ptrs + skip * stride_ks, V_ptrs + skip * stride_vs,
+        stride_ks, stride_vs, offs_n, offs_d, full_end, hi, k_start, Sk, qk_scale,
+        True, CAUSAL, PAD_D, HEAD_DIM, BLOCK_N, PRECISION)
+
+    empty = l_i == 0.0
+    o = acc / tl.where(empty, 1.0, l_i)[:, None]
+    lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)
+    tl.store(o_ptrs, o.to(O.dtype.element_ty), mask=tile_mask)
+    tl.store(lse_ptrs, lse, mask=row_ok)

@@ -1,0 +1,136 @@
+"""Single-device attention: flash_attn_func, and the block operations the ring is built from.
+
+Backend choice: CUDA tensors run the Triton kernels, CPU tensors the plain-torch blockwise
+implementation (ringflash.reference). RINGFLASH_BACKEND=triton or =torch forces one; Triton
+on CPU tensors needs TRITON_INTERPRET=1 set before ringflash is imported.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from . import reference
+from ._checks import check_bool, check_qkv, resolve_scale
+from .masks import Visibility, block_visibility, local_causal_offsets
+from .merge import state_dtype
+
+BACKENDS = ("triton", "torch")
+
+
+def backend_name(device: torch.device) -> str:
+    forced = os.environ.get("RINGFLASH_BACKEND", "").strip().lower()
+    if forced:
+        if forced not in BACKENDS:
+            raise ValueError(f"RINGFLASH_BACKEND={forced!r}; expected one of {BACKENDS}")
+        if forced == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise RuntimeError("RINGFLASH_BACKEND=triton on CPU tensors needs TRITON_INTERPRET=1")
+        return forced
+    return "triton" if device.type == "cuda" else "torch"
+
+
+def _backend(device: torch.device):
+    if backend_name(device) == "triton":
+        from . import kernels  # imported lazily: the torch path needs no Triton
+
+        return kernels
+    return reference
+
+
+def _unit_stride(t: torch.Tensor) -> torch.Tensor:
+    """Kernels need head_dim contiguous; other strides are passed through."""
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def block_forward(q, k, v, *, q_start, k_start, causal, scale, out_o, out_lse, fold):
+    """Attention of q (B, Sq, Hq, D) over k, v (B, Sk, Hkv, D) at global positions
+    q_start.. and k_start.. (causal: q_pos >= k_pos), written into out_o (B, Sq, Hq, D) and
+    out_lse (B, Hq, Sq) float32. With fold=True, out_o / out_lse hold an incoming state
+    (normalized o, lse) for the same query rows and receive the merged state.
+    A block no query can see launches nothing. Returns whether anything was computed.
+    """
+    vis = block_visibility(q_start, q.shape[1], k_start, k.shape[1], causal)
+    if vis is Visibility.NONE:
+        if not fold:
+            out_o.zero_()
+            out_lse.fill_(float("-inf"))
+        return False
+    _backend(q.device).forward(
+        _unit_stride(q), _unit_stride(k), _unit_stride(v), q_start=q_start, k_start=k_start,
+        causal=vis is Visibility.PARTIAL, scale=scale, out_o=out_o, out_lse=out_lse, fold=fold,
+    )
+    return True
+
+
+def attention_delta(o, do):
+    """rowsum(dO * O) in float32 (float64 for float64): (B, S, H, D) -> (B, H, S)."""
+    return _backend(o.device).delta(_unit_stride(o), _unit_stride(do))
+
+
+def block_backward(q, k, v, lse, do, delta, dq, dk, dv, *, q_start, k_start, causal, scale, accumulate):
+    """Gradients of the block (q at q_start.., k/v at k_start..) given the final lse and
+    delta (B, Hq, Sq) of the query rows: added into (accumulate=True) or written to
+    dq (B, Sq, Hq, D), dk and dv (B, Sk, Hkv, D). Returns whether anything was computed."""
+    vis = block_visibility(q_start, q.shape[1], k_start, k.shape[1], causal)
+    if vis is Visibility.NONE:
+        if not accumulate:
+            for t in (dq, dk, dv):
+                t.zero_()
+        return False
+    _backend(q.device).backward(
+        _unit_stride(q), _unit_stride(k), _unit_stride(v), lse, _unit_stride(do), delta, dq, dk, dv,
+        q_start=q_start, k_start=k_start, causal=vis is Visibility.PARTIAL, scale=scale,
+        accumulate=accumulate,
+    )
+    return True
+
+
+class _FlashAttn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, causal, scale):
+        q_start, k_start = local_causal_offsets(q.shape[1], k.shape[1]) if causal else (0, 0)
+        out = torch.empty_like(q, memory_format=torch.contiguous_format)
+        lse = torch.empty(q.shape[0], q.shape[2], q.shape[1], dtype=state_dtype(q.dtype), device=q.device)
+        block_forward(q, k, v, q_start=q_start, k_start=k_start, causal=causal, scale=scale,
+                      out_o=out, out_lse=lse, fold=False)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.offsets = (q_start, k_start, causal, scale)
+        ctx.set_materialize_grads(False)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, do, dlse):
+        q, k, v, out, lse = ctx.saved_tensors
+        q_start, k_start, causal, scale = ctx.offsets
+        if do is None:  # only lse was used
+            do = torch.zeros_like(out)
+        delta = attention_delta(out, do)
+        if dlse is not None:
+            # d lse_i / d s_ij = p_ij, which folds into delta: ds = p * (dp - (delta - dlse))
+            delta = delta - dlse.to(delta.dtype)
+        dq = torch.empty_like(q, memory_format=torch.contiguous_format)
+        dk = torch.empty_like(k, memory_format=torch.contiguous_format)
+        dv = torch.empty_like(v, memory_format=torch.contiguous_format)
+        block_backward(q, k, v, lse, do, delta, dq, dk, dv, q_start=q_start, k_start=k_start,
+                       causal=causal, scale=scale, accumulate=False)
+        return dq, dk, dv, None, None
+
+
+def flash_attn_func(q, k, v, *, causal=False, softmax_scale=None, return_lse=False):
+    """Exact attention on one device.
+
+    q: (B, Sq, Hq, D); k, v: (B, Sk, Hkv, D) with Hq % Hkv == 0 (GQA / MQA without copies).
+    dtype float16, bfloat16 or float32 (float64 on the torch backend); D a multiple of 8 from
+    16 to 256. causal aligns bottom-right when Sq != Sk: query i sees key j iff
+    j <= i + Sk - Sq; a query that sees no key gets output 0 and lse -inf.
+    Returns out (B, Sq, Hq, D) in q's dtype, and with return_lse=True also lse (B, Hq, Sq),
+    float32 (float64 for float64 inputs), natural log. Differentiable in q, k, v (and
+    through lse).
+    """
+    api = "flash_attn_func"
+    dims = check_qkv(q, k, v, api)
+    check_bool("causal", causal, api)
+    check_bool("return_lse", return_lse, api)
+    scale = resolve_scale(softmax_scale, dims.head_dim, api)
+    out, lse = _FlashAttn.apply(q, k, v, causal, scale)
+    return (out, lse) if return_lse else out

@@ -1,0 +1,54 @@
+"""Test oracles: plain attention that materializes every score, in any dtype."""
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def naive_attention(q, k, v, *, scale=None, causal=False, q_pos=None, k_pos=None, dtype=None):
+    """Attention computed the obvious way, in `dtype` (default float64), differentiable.
+
+    q (B, Sq, Hq, D), k/v (B, Sk, Hkv, D). Causal masks use global positions q_pos / k_pos
+    (default: bottom-right alignment). Returns out (B, Sq, Hq, D) and lse (B, Hq, Sq); a row
+    with no visible key gives 0 and -inf.
+    """
+    dtype = dtype or torch.float64
+    q, k, v = (t.to(dtype) for t in (q, k, v))
+    B, Sq, Hq, D = q.shape
+    Sk, Hkv = k.shape[1], k.shape[2]
+    scale = scale if scale is not None else 1.0 / math.sqrt(D)
+    k = k.repeat_interleave(Hq // Hkv, dim=2)
+    v = v.repeat_interleave(Hq // Hkv, dim=2)
+    s = torch.einsum("bihd,bjhd->bhij", q, k) * scale
+    if causal:
+        if q_pos is None:
+            q_pos = torch.arange(Sq) + (Sk - Sq)
+            k_pos = torch.arange(Sk)
+        visible = q_pos.to(s.device)[:, None] >= k_pos.to(s.device)[None, :]
+        s = s.masked_fill(~visible, float("-inf"))
+    lse = torch.logsumexp(s.float() if dtype in (torch.float16, torch.bfloat16) else s, dim=-1).to(dtype)
+    pivot = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
+    p = torch.exp(s - pivot[..., None])
+    return torch.einsum("bhij,bjhd->bihd", p, v), lse
+
+
+def max_err(a, b) -> float:
+    """Max abs difference, treating equal infinities as equal."""
+    a, b = a.double(), b.double()
+    same_inf = torch.isinf(a) & torch.isinf(b) & (a == b)
+    return torch.where(same_inf, torch.zeros_like(a), (a - b).abs()).max().item()
+
+
+def assert_within(name, got, ref64, plain, factor=2.0):
+    """got's error against the float64 reference is at most `factor` x that of the plain
+    same-dtype computation, with a floor of a few ulps of a head_dim-long dot product (the plain
+    result can be exact by luck, e.g. dq = 0 when each query sees a single key)."""
+    assert not torch.isnan(got).any(), f"{name}: NaN in result"
+    err = max_err(got, ref64)
+    finite = ref64[torch.isfinite(ref64)]
+    scale = finite.abs().max().item() if finite.numel() else 1.0
+    eps = torch.finfo(got.dtype if got.dtype != torch.float64 else torch.float32).eps
+    dot_len = got.shape[-1] if got.dim() == 4 else 1
+    bound = factor * max(max_err(plain, ref64), 4 * eps * max(scale, 1.0) * dot_len**0.5)
+    assert err <= bound, f"{name}: error {err:.3e} > bound {bound:.3e} (plain {max_err(plain, ref64):.3e})"

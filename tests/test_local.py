@@ -1,0 +1,148 @@
+"""flash_attn_func against a float64 oracle on both backends (Triton under the interpreter on CPU)."""
+import math
+
+import pytest
+import torch
+
+from ringflash import flash_attn_func
+from oracle import assert_within, max_err, naive_attention
+
+BOTH = pytest.mark.parametrize("backend", ["torch", "triton"], indirect=True)
+
+
+def _dtypes(backend):
+    # bfloat16 tl.dot is wrong under the interpreter: bf16 is covered by the GPU tests
+    return [torch.float32, torch.float16] if backend == "triton" else [torch.float32, torch.float64, torch.bfloat16]
+
+
+def _inputs(B, Sq, Sk, Hq, Hkv, D, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    mk = lambda S, H: torch.randn(B, S, H, D, generator=g).to(dtype).requires_grad_()
+    return mk(Sq, Hq), mk(Sk, Hkv), mk(Sk, Hkv)
+
+
+def _check(q, k, v, causal, scale=None, check_grad=True):
+    out, lse = flash_attn_func(q, k, v, causal=causal, softmax_scale=scale, return_lse=True)
+    assert out.dtype == q.dtype and out.shape == q.shape
+    assert lse.dtype == (torch.float64 if q.dtype == torch.float64 else torch.float32)
+    assert lse.shape == (q.shape[0], q.shape[2], q.shape[1])
+    ref, ref_lse = naive_attention(q, k, v, scale=scale, causal=causal)
+    plain, plain_lse = naive_attention(q, k, v, scale=scale, causal=causal, dtype=q.dtype)
+    assert_within("out", out, ref, plain)
+    assert_within("lse", lse, ref_lse, plain_lse.float())
+    if not check_grad:
+        return
+    do = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), do)
+    ref_grads = torch.autograd.grad(ref, (q, k, v), do.double())
+    plain_grads = torch.autograd.grad(plain, (q, k, v), do)
+    for name, g, r, p in zip("dq dk dv".split(), grads, ref_grads, plain_grads):
+        assert g.dtype == q.dtype
+        assert_within(name, g, r, p)
+
+
+@BOTH
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("Sq,Sk", [(1, 1), (17, 17), (129, 129), (33, 100), (100, 33), (1, 57), (64, 1)])
+def test_shapes(backend, causal, Sq, Sk):
+    for dtype in _dtypes(backend):
+        _check(*_inputs(2, Sq, Sk, 4, 2, 32, dtype, seed=Sq * 1000 + Sk), causal)
+
+
+@BOTH
+@pytest.mark.parametrize("D", [16, 24, 40, 64, 80, 128, 256])
+def test_head_dims(backend, D):
+    for causal in (False, True):
+        _check(*_inputs(1, 37, 45, 2, 1, D, torch.float32, seed=D), causal)
+
+
+@BOTH
+@pytest.mark.parametrize("Hq,Hkv", [(1, 1), (4, 4), (6, 2), (8, 1)])
+def test_gqa(backend, Hq, Hkv):
+    _check(*_inputs(2, 40, 48, Hq, Hkv, 32, torch.float16 if backend == "triton" else torch.float32, seed=Hq), True)
+
+
+@BOTH
+def test_custom_scale_and_large_scores(backend):
+    q, k, v = _inputs(1, 50, 50, 2, 2, 32, torch.float32, seed=7)
+    _check(q, k, v, causal=True, scale=0.7)
+    # scores of magnitude ~1e4: exact, no overflow
+    with torch.no_grad():
+        q.mul_(30.0), k.mul_(30.0)
+    _check(q, k, v, causal=False, scale=1.0)
+
+
+@BOTH
+def test_rows_without_keys(backend):
+    # Sq > Sk, causal bottom-right: the first Sq - Sk queries see nothing
+    q, k, v = _inputs(1, 40, 10, 2, 2, 32, torch.float32, seed=3)
+    out, lse = flash_attn_func(q, k, v, causal=True, return_lse=True)
+    assert torch.all(out[:, :30] == 0) and torch.all(lse[:, :, :30] == float("-inf"))
+    assert torch.isfinite(lse[:, :, 30:]).all()
+    out.sum().backward()
+    for t in (q, k, v):
+        assert torch.isfinite(t.grad).all()
+    assert torch.all(q.grad[:, :30] == 0)
+
+
+@BOTH
+def test_strided_inputs_match_contiguous(backend):
+    g = torch.Generator().manual_seed(11)
+    base = torch.randn(2, 3, 48, 40, 32, generator=g)  # (B, 3, S, H?, D) packed qkv-like
+    q = base[:, 0, :, :4]           # (2, 48, 4, 32) non-contiguous
+    k = base[:, 1, :, 4:6]
+    v = base[:, 2, ::1, 6:8]
+    vt = torch.randn(2, 32, 2, 48, generator=g).permute(0, 3, 2, 1)  # head_dim not unit-stride
+    for causal in (False, True):
+        for vv in (v, vt):
+            a = flash_attn_func(q, k, vv, causal=causal)
+            b = flash_attn_func(q.contiguous(), k.contiguous(), vv.contiguous(), causal=causal)
+            assert torch.equal(a, b)
+
+
+@BOTH
+def test_lse_is_differentiable(backend):
+    q, k, v = _inputs(1, 20, 24, 2, 1, 32, torch.float64 if backend == "torch" else torch.float32, seed=5)
+    out, lse = flash_attn_func(q, k, v, causal=True, return_lse=True)
+    w = torch.randn_like(lse)
+    loss = (lse * w).sum() + out.sum()
+    grads = torch.autograd.grad(loss, (q, k, v))
+    ref, ref_lse = naive_attention(q, k, v, causal=True)
+    ref_grads = torch.autograd.grad((ref_lse * w.double()).sum() + ref.sum(), (q, k, v))
+    for g, r in zip(grads, ref_grads):
+        assert max_err(g, r) < 1e-4
+
+
+@pytest.mark.parametrize("backend", ["torch"], indirect=True)
+def test_gradcheck_float64(backend):
+    q, k, v = _inputs(1, 9, 7, 2, 1, 16, torch.float64, seed=1)
+    for causal in (False, True):
+        assert torch.autograd.gradcheck(lambda a, b, c: flash_attn_func(a, b, c, causal=causal), (q, k, v))
+
+
+@pytest.mark.parametrize("backend", ["triton"], indirect=True)
+def test_triton_rejects_float64(backend):
+    q, k, v = _inputs(1, 8, 8, 1, 1, 16, torch.float64, seed=1)
+    with pytest.raises(TypeError, match="float64"):
+        flash_attn_func(q, k, v)
+
+
+def test_poisoned_output_is_fully_written(monkeypatch):
+    """The kernels write every element: poison the buffers flash_attn_func allocates."""
+    monkeypatch.setenv("RINGFLASH_BACKEND", "triton")
+    real_empty_like, real_empty = torch.empty_like, torch.empty
+
+    def poisoned_empty_like(t, **kw):
+        return real_empty_like(t, **kw).fill_(float("nan"))
+
+    def poisoned_empty(*a, **kw):
+        return real_empty(*a, **kw).fill_(float("nan"))
+
+    q, k, v = _inputs(1, 33, 70, 2, 1, 24, torch.float32, seed=9)
+    monkeypatch.setattr(torch, "empty_like", poisoned_empty_like)
+    monkeypatch.setattr(torch, "empty", poisoned_empty)
+    out, lse = flash_attn_func(q, k, v, causal=True, return_lse=True)
+    dq, dk, dv = torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
+    monkeypatch.undo()
+    for t in (out, lse, dq, dk, dv):
+        assert not torch.isnan(t).any()
