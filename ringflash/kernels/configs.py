@@ -28,23 +28,24 @@ _INTERP_FWD = KernelConfig(32, 16, 4, 1)
 _INTERP_DKDV = KernelConfig(16, 32, 4, 1)
 _INTERP_DQ = KernelConfig(32, 16, 4, 1)
 
-# Hopper (H200), keyed by padded head dim.
+# Hopper (H200), keyed by padded head dim. D=64 and D=128 entries: the sweep of 2026-11-29
+# (benchmarks/results/tune_h200_call1.json, B=1, H=32, S=16K, bf16); others are scaled guesses.
 _FWD = {
-    32: KernelConfig(128, 64, 4, 3),
-    64: KernelConfig(128, 64, 4, 3),
+    32: KernelConfig(128, 64, 4, 4),
+    64: KernelConfig(128, 64, 4, 4),
     128: KernelConfig(128, 64, 8, 3),
     256: KernelConfig(64, 64, 8, 2),
 }
 _DKDV = {
     32: KernelConfig(64, 128, 4, 3),
     64: KernelConfig(64, 128, 8, 3),
-    128: KernelConfig(64, 128, 8, 2),
+    128: KernelConfig(64, 128, 8, 3),
     256: KernelConfig(32, 64, 8, 2),
 }
 _DQ = {
     32: KernelConfig(128, 64, 4, 3),
     64: KernelConfig(128, 64, 8, 3),
-    128: KernelConfig(128, 64, 8, 2),
+    128: KernelConfig(128, 64, 8, 3),
     256: KernelConfig(64, 32, 8, 2),
 }
 

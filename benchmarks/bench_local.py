@@ -1,0 +1,203 @@
+"""Local (single-GPU) attention speed: ringflash beside SDPA's FLASH_ATTENTION and
+CUDNN_ATTENTION backends, in the same run.
+
+    python benchmarks/bench_local.py --json benchmarks/results/local_h200.json
+    python benchmarks/bench_local.py --tune            # sweep block shapes at S=16K
+    python benchmarks/bench_local.py --smoke           # tiny CPU run (CI keeps it working)
+
+Prints TFLOP/s (forward 4*B*H*S*S*D, half for causal; forward+backward 3.5x) and the ratio to
+each peer. Medians of triton.testing.do_bench on the GPU.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from ringflash import flash_attn_func  # noqa: E402
+from ringflash.kernels import configs  # noqa: E402
+from ringflash.kernels.configs import KernelConfig  # noqa: E402
+
+
+def flops(B, H, S, D, causal, mode):
+    f = 4 * B * H * S * S * D * (0.5 if causal else 1.0)
+    return f * (3.5 if mode == "fwd+bwd" else 1.0)
+
+
+def bench(fn, device):
+    if device == "cuda":
+        import triton
+
+        return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+    fn()
+    times = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return sorted(times)[1]
+
+
+def make_inputs(B, S, H, D, dtype, device, seed=0):
+    g = torch.Generator(device=device).manual_seed(seed)
+    qkv = [torch.randn(B, S, H, D, device=device, dtype=dtype, generator=g).requires_grad_() for _ in range(3)]
+    # SDPA gets its own (B, H, S, D) contiguous copies
+    sdpa = [t.detach().transpose(1, 2).contiguous().requires_grad_() for t in qkv]
+    return qkv, sdpa
+
+
+def runner(impl, tensors, causal, mode):
+    q, k, v = tensors
+    do = torch.randn_like(q)
+
+    if impl == "ringflash":
+        call = lambda: flash_attn_func(q, k, v, causal=causal)
+    else:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        backend = {"sdpa_flash": SDPBackend.FLASH_ATTENTION, "sdpa_cudnn": SDPBackend.CUDNN_ATTENTION,
+                   "sdpa_math": SDPBackend.MATH}[impl]
+
+        def call():
+            with sdpa_kernel(backend):
+                return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+    if mode == "fwd":
+        def fn():
+            with torch.no_grad():
+                call()
+    else:
+        def fn():
+            for t in (q, k, v):
+                t.grad = None
+            call().backward(do)
+    return fn
+
+
+def measure(impl, tensors, B, H, S, D, causal, mode, device):
+    try:
+        ms = bench(runner(impl, tensors, causal, mode), device)
+    except Exception as e:  # a peer backend may not support a shape; say so
+        return {"impl": impl, "error": f"{type(e).__name__}: {str(e)[:120]}"}
+    return {"impl": impl, "ms": ms, "tflops": flops(B, H, S, D, causal, mode) / ms / 1e9}
+
+
+def run_table(args, device, dtype):
+    rows = []
+    peers = ["sdpa_flash", "sdpa_cudnn"] if device == "cuda" else ["sdpa_math"]
+    for D in args.head_dims:
+        for S in args.seqlens:
+            qkv, sdpa = make_inputs(args.batch, S, args.heads, D, dtype, device)
+            for causal in (False, True):
+                for mode in ("fwd", "fwd+bwd"):
+                    res = {"D": D, "S": S, "causal": causal, "mode": mode}
+                    res["ringflash"] = measure("ringflash", qkv, args.batch, args.heads, S, D, causal, mode, device)
+                    for p in peers:
+                        res[p] = measure(p, sdpa, args.batch, args.heads, S, D, causal, mode, device)
+                    rows.append(res)
+                    print(json.dumps(res), flush=True)
+            del qkv, sdpa
+    return rows
+
+
+CANDIDATES = {
+    "fwd": {
+        64: [KernelConfig(128, 64, 4, 3), KernelConfig(128, 128, 4, 3), KernelConfig(128, 128, 8, 3),
+             KernelConfig(128, 64, 4, 4), KernelConfig(64, 64, 4, 3)],
+        128: [KernelConfig(128, 64, 4, 3), KernelConfig(128, 64, 8, 3), KernelConfig(128, 128, 8, 2),
+              KernelConfig(128, 128, 8, 3), KernelConfig(128, 64, 8, 4), KernelConfig(64, 64, 4, 3)],
+    },
+    "dkdv": {
+        128: [KernelConfig(64, 128, 8, 2), KernelConfig(64, 128, 8, 3), KernelConfig(32, 128, 8, 2),
+              KernelConfig(64, 64, 4, 2), KernelConfig(32, 64, 4, 3), KernelConfig(64, 128, 4, 2)],
+    },
+    "dq": {
+        128: [KernelConfig(128, 64, 8, 2), KernelConfig(128, 64, 8, 3), KernelConfig(64, 64, 4, 2),
+              KernelConfig(128, 32, 8, 2), KernelConfig(64, 128, 8, 2), KernelConfig(128, 128, 8, 2)],
+    },
+}
+
+
+def tune(args, device, dtype):
+    """Time each candidate block shape at S = args.tune_seqlen; print the best per kernel."""
+    S, B, H = args.tune_seqlen, args.batch, args.heads
+    rows = []
+    for kind, by_d in CANDIDATES.items():
+        for D, cands in by_d.items():
+            qkv, _ = make_inputs(B, S, H, D, dtype, device)
+            mode = "fwd" if kind == "fwd" else "fwd+bwd"
+            for causal in (False, True):
+                best = None
+                for cfg in cands:
+                    configs.OVERRIDES.clear()
+                    configs.OVERRIDES[kind] = cfg
+                    r = measure("ringflash", qkv, B, H, S, D, causal, mode, device)
+                    r.update(kind=kind, D=D, causal=causal, config=cfg.__dict__)
+                    rows.append(r)
+                    print(json.dumps(r), flush=True)
+                    if "tflops" in r and (best is None or r["tflops"] > best["tflops"]):
+                        best = r
+                print(f"BEST {kind} D={D} causal={causal}: {best and best['config']} "
+                      f"{best and round(best['tflops'], 1)} TFLOP/s ({mode})", flush=True)
+            configs.OVERRIDES.clear()
+            del qkv
+    return rows
+
+
+def print_table(rows):
+    print(f"\n{'D':>4} {'S':>6} {'causal':>6} {'mode':>8} | {'ringflash':>9} {'flash':>7} {'cudnn':>7} | "
+          f"{'vs flash':>8} {'vs cudnn':>8}")
+    for r in rows:
+        rf = r["ringflash"].get("tflops", float("nan"))
+        fl = r.get("sdpa_flash", r.get("sdpa_math", {})).get("tflops", float("nan"))
+        cu = r.get("sdpa_cudnn", {}).get("tflops", float("nan"))
+        print(f"{r['D']:>4} {r['S']:>6} {str(r['causal']):>6} {r['mode']:>8} | {rf:9.1f} {fl:7.1f} {cu:7.1f} | "
+              f"{rf / fl:8.2f} {rf / cu:8.2f}")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--seqlens", type=int, nargs="+", default=[4096, 16384, 65536])
+    ap.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
+    ap.add_argument("--heads", type=int, default=32)
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp16"])
+    ap.add_argument("--json", type=Path)
+    ap.add_argument("--tune", action="store_true")
+    ap.add_argument("--tune-seqlen", type=int, default=16384)
+    ap.add_argument("--smoke", action="store_true", help="tiny CPU sizes")
+    args = ap.parse_args()
+    device = "cuda" if torch.cuda.is_available() and not args.smoke else "cpu"
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
+    if args.smoke:
+        args.seqlens, args.head_dims, args.heads, dtype = [64], [32], 2, torch.float32
+    meta = {"device": torch.cuda.get_device_name() if device == "cuda" else platform.processor() or "cpu",
+            "torch": torch.__version__, "dtype": str(dtype), "batch": args.batch, "heads": args.heads,
+            "date": time.strftime("%Y-%m-%d")}
+    try:
+        import triton
+
+        meta["triton"] = triton.__version__
+    except ImportError:
+        pass
+    out = {"meta": meta}
+    if args.tune:
+        out["tune"] = tune(args, device, dtype)
+    else:
+        out["rows"] = run_table(args, device, dtype)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(out, indent=1))
+    if "rows" in out:
+        print_table(out["rows"])
+
+
+if __name__ == "__main__":
+    main()
