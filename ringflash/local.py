@@ -70,12 +70,14 @@ def attention_delta(o, do):
 def block_backward(q, k, v, lse, do, delta, dq, dk, dv, *, q_start, k_start, causal, scale, accumulate):
     """Gradients of the block (q at q_start.., k/v at k_start..) given the final lse and
     delta (B, Hq, Sq) of the query rows: added into (accumulate=True) or written to
-    dq (B, Sq, Hq, D), dk and dv (B, Sk, Hkv, D). Returns whether anything was computed."""
+    dq (B, Sq, Hq, D), dk and dv (B, Sk, Hkv, D). dq=None skips the dQ pass, dk=dv=None the
+    dK/dV pass. Returns whether anything was computed."""
     vis = block_visibility(q_start, q.shape[1], k_start, k.shape[1], causal)
     if vis is Visibility.NONE:
         if not accumulate:
             for t in (dq, dk, dv):
-                t.zero_()
+                if t is not None:
+                    t.zero_()
         return False
     _backend(q.device).backward(
         _unit_stride(q), _unit_stride(k), _unit_stride(v), lse, _unit_stride(do), delta, dq, dk, dv,

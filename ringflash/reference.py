@@ -76,7 +76,8 @@ def delta(o, do):
 def backward(q, k, v, lse, do, delta, dq, dk, dv, *, q_start, k_start, causal, scale, accumulate):
     """Gradients of one block given the final lse (B, Hq, Sq) and delta (B, Hq, Sq).
 
-    dq (B, Sq, Hq, D), dk and dv (B, Sk, Hkv, D) are added to (accumulate=True) or overwritten.
+    dq (B, Sq, Hq, D), dk and dv (B, Sk, Hkv, D) are added to (accumulate=True) or overwritten;
+    dq=None skips dQ, dk=dv=None skips dK/dV.
     """
     B, Sq, Hq, D = q.shape
     Sk, Hkv = k.shape[1], k.shape[2]
@@ -103,10 +104,14 @@ def backward(q, k, v, lse, do, delta, dq, dk, dv, *, q_start, k_start, causal, s
             p = torch.exp(_scores(qg, kj, scale, q_start + i0, k_start + j0, vis) - lse_i[..., None])
             dp = torch.einsum("bihgd,bjhd->bhgij", dog, vj)
             ds = p * (dp - delta_i[..., None])
-            dq_acc[:, i0:i1] += torch.einsum("bhgij,bjhd->bihgd", ds, kj) * scale
-            dk_acc[:, j0:j1] += torch.einsum("bhgij,bihgd->bjhd", ds, qg) * scale
-            dv_acc[:, j0:j1] += torch.einsum("bhgij,bihgd->bjhd", p, dog)
+            if dq is not None:
+                dq_acc[:, i0:i1] += torch.einsum("bhgij,bjhd->bihgd", ds, kj) * scale
+            if dk is not None:
+                dk_acc[:, j0:j1] += torch.einsum("bhgij,bihgd->bjhd", ds, qg) * scale
+                dv_acc[:, j0:j1] += torch.einsum("bhgij,bihgd->bjhd", p, dog)
     for buf, grad in ((dq, dq_acc.reshape(B, Sq, Hq, D)), (dk, dk_acc), (dv, dv_acc)):
+        if buf is None:
+            continue
         if accumulate:
             buf += grad.to(buf.dtype)
         else:

@@ -74,7 +74,7 @@ def delta(o, do):
 
 
 def backward(q, k, v, lse, do, delta, dq, dk, dv, *, q_start, k_start, causal, scale, accumulate):
-    """See ringflash.reference.backward. lse and delta must be contiguous (B, Hq, Sq)."""
+    """See ringflash.reference.backward. lse and delta: (B, Hq, Sq) views with equal strides."""
     _check_dtype(q)
     B, Sq, Hq, D = q.shape
     Sk, Hkv = k.shape[1], k.shape[2]
@@ -82,22 +82,23 @@ def backward(q, k, v, lse, do, delta, dq, dk, dv, *, q_start, k_start, causal, s
     assert lse.stride() == delta.stride(), "lse and delta must share strides"
     common = dict(GROUP=Hq // Hkv, HEAD_DIM=D, BLOCK_D=block_d, CAUSAL=causal,
                   ACCUMULATE=accumulate, PRECISION=_precision(q.dtype))
+    positions = (Sq, Sk, q_start, k_start, scale * LOG2E, scale)
     with _on_device(q):
-        cfg = configs.dkdv_config(block_d)
-        _dkdv_kernel[(triton.cdiv(Sk, cfg.block_n), B * Hkv)](
-            q, k, v, do, lse, delta, dk, dv,
-            *_bsh(q), *_bsh(k), *_bsh(v), *_bsh(do), *_bsh(dk), *_bsh(dv),
-            lse.stride(0), lse.stride(1),
-            Hkv, Sq, Sk, q_start, k_start, scale * LOG2E, scale,
-            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **common,
-        )
-        cfg = configs.dq_config(block_d)
-        _dq_kernel[(triton.cdiv(Sq, cfg.block_m), B * Hq)](
-            q, k, v, do, lse, delta, dq,
-            *_bsh(q), *_bsh(k), *_bsh(v), *_bsh(do), *_bsh(dq),
-            lse.stride(0), lse.stride(1),
-            Hq, Sq, Sk, q_start, k_start, scale * LOG2E, scale,
-            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **common,
-        )
+        if dk is not None:
+            cfg = configs.dkdv_config(block_d)
+            _dkdv_kernel[(triton.cdiv(Sk, cfg.block_n), B * Hkv)](
+                q, k, v, do, lse, delta, dk, dv,
+                *_bsh(q), *_bsh(k), *_bsh(v), *_bsh(do), *_bsh(dk), *_bsh(dv),
+                lse.stride(0), lse.stride(1), Hkv, *positions,
+                BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+                num_warps=cfg.num_warps, num_stages=cfg.num_stages, **common,
+            )
+        if dq is not None:
+            cfg = configs.dq_config(block_d)
+            _dq_kernel[(triton.cdiv(Sq, cfg.block_m), B * Hq)](
+                q, k, v, do, lse, delta, dq,
+                *_bsh(q), *_bsh(k), *_bsh(v), *_bsh(do), *_bsh(dq),
+                lse.stride(0), lse.stride(1), Hq, *positions,
+                BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+                num_warps=cfg.num_warps, num_stages=cfg.num_stages, **common,
+            )

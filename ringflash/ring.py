@@ -1,0 +1,170 @@
+"""The ring engine: K/V blocks travel around the ranks of a process group while each rank
+folds every visible block into its queries' float32 state; backward rotates K/V again and
+sends float32 dK/dV accumulators back to their owners.
+"""
+from __future__ import annotations
+
+import struct
+
+import torch
+
+from ._checks import SUPPORTED_DTYPES, check_bool, check_qkv, resolve_scale
+from .comm import RingComm, agree_across_ranks, check_backend_device, group_rank_world
+from .local import attention_delta, block_backward, block_forward
+from .merge import state_dtype
+from .schedule import LAYOUTS, check_layout, chunks_per_rank, step_tasks
+
+_FIELD_NAMES = ("batch", "q local length", "k/v local length", "q heads", "k/v heads", "head_dim", "dtype",
+                "causal", "layout", "softmax_scale", "device type")
+
+
+def _signature(q, k, causal, scale, layout) -> dict:
+    """What every rank of a ring must agree on, as integers."""
+    B, Sq, Hq, D = q.shape
+    values = (B, Sq, k.shape[1], Hq, k.shape[2], D, SUPPORTED_DTYPES.index(q.dtype), int(causal),
+              LAYOUTS.index(layout), struct.unpack("<q", struct.pack("<d", scale))[0], int(q.is_cuda))
+    return dict(zip(_FIELD_NAMES, values))
+
+
+def _show_field(name, value):
+    if name == "dtype":
+        return str(SUPPORTED_DTYPES[value])
+    if name == "layout":
+        return LAYOUTS[value]
+    if name == "softmax_scale":
+        return repr(struct.unpack("<d", struct.pack("<q", value))[0])
+    return str(value)
+
+
+def _ring_kv(comm, k, v):
+    """The one ring loop: yield (step, k_block, v_block), this rank's own K/V first, then each
+    previous rank's, the next block already in flight while the caller computes on the current.
+    Two receive buffers are allocated once and reused."""
+    world = comm.world if comm else 1
+    bufs = [None, None]
+    cur = (k, v)
+    for step in range(world):
+        handles = None
+        if step + 1 < world:
+            slot = step % 2
+            if bufs[slot] is None:
+                bufs[slot] = (torch.empty_like(k), torch.empty_like(v))
+            handles = comm.start(list(cur), list(bufs[slot]))
+        yield step, cur[0], cur[1]
+        if handles is not None:
+            comm.wait(handles)
+            cur = bufs[step % 2]
+
+
+class _RingAttn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, causal, scale, layout, group):
+        rank, world = group_rank_world(group)
+        comm = RingComm(group) if world > 1 else None
+        k, v = k.contiguous(), v.contiguous()  # they travel whole
+        B, Sq, Hq, D = q.shape
+        acc = state_dtype(q.dtype)
+        o = torch.zeros(B, Sq, Hq, D, dtype=acc, device=q.device)
+        lse = torch.full((B, Hq, Sq), float("-inf"), dtype=acc, device=q.device)
+        for step, kb, vb in _ring_kv(comm, k, v):
+            for t in step_tasks(layout, rank, world, step, Sq, k.shape[1], causal):
+                block_forward(q[:, t.q_rows], kb[:, t.kv_rows], vb[:, t.kv_rows], q_start=t.q_start,
+                              k_start=t.k_start, causal=t.causal, scale=scale,
+                              out_o=o[:, t.q_rows], out_lse=lse[:, :, t.q_rows], fold=True)
+        out = o.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.args = (causal, scale, layout, group)
+        ctx.set_materialize_grads(False)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, do, dlse):
+        q, k, v, out, lse = ctx.saved_tensors
+        causal, scale, layout, group = ctx.args
+        rank, world = group_rank_world(group)
+        comm = RingComm(group) if world > 1 else None
+        if do is None:
+            do = torch.zeros_like(out)
+        do = do.contiguous()
+        delta = attention_delta(out, do)
+        if dlse is not None:
+            delta = delta - dlse.to(delta.dtype)  # see local._FlashAttn.backward
+        acc = state_dtype(q.dtype)
+        dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+        # dK/dV accumulators travel with their K/V block and reach the owner after the last step
+        dkv = (torch.zeros(k.shape, dtype=acc, device=k.device), torch.zeros(v.shape, dtype=acc, device=v.device))
+        dkv_next = None
+        handles = None
+        Sq, Sk = q.shape[1], k.shape[1]
+        for step, kb, vb in _ring_kv(comm, k, v):
+            tasks = step_tasks(layout, rank, world, step, Sq, Sk, causal)
+            common = lambda t: dict(q_start=t.q_start, k_start=t.k_start, causal=t.causal, scale=scale,
+                                    accumulate=True)
+            # dQ first: it does not need the incoming dK/dV accumulator, which arrives meanwhile
+            for t in tasks:
+                block_backward(q[:, t.q_rows], kb[:, t.kv_rows], vb[:, t.kv_rows], lse[:, :, t.q_rows],
+                               do[:, t.q_rows], delta[:, :, t.q_rows], dq[:, t.q_rows], None, None, **common(t))
+            if handles is not None:
+                comm.wait(handles)
+                dkv, dkv_next = dkv_next, dkv
+            for t in tasks:
+                block_backward(q[:, t.q_rows], kb[:, t.kv_rows], vb[:, t.kv_rows], lse[:, :, t.q_rows],
+                               do[:, t.q_rows], delta[:, :, t.q_rows], None, dkv[0][:, t.kv_rows],
+                               dkv[1][:, t.kv_rows], **common(t))
+            if comm is not None:
+                if dkv_next is None:
+                    dkv_next = (torch.empty_like(dkv[0]), torch.empty_like(dkv[1]))
+                handles = comm.start(list(dkv), list(dkv_next))
+        if handles is not None:
+            comm.wait(handles)
+            dkv = dkv_next
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None
+
+
+def ring_flash_attn_func(q, k, v, *, causal=False, softmax_scale=None, group=None, layout="zigzag",
+                         return_lse=False):
+    """Exact attention over a sequence sharded across the ranks of `group`.
+
+    q: (B, Sq_local, Hq, D), k, v: (B, Sk_local, Hkv, D): this rank's shards (see shard() and
+    local_positions()), Hq % Hkv == 0; float16, bfloat16 or float32 (float64 on CPU).
+    group: a process group (None: the default group). With world size 1, or no process group
+    initialized, this is local attention. layout: "zigzag" (balanced causal work) or
+    "contiguous"; causal needs Sq_local == Sk_local (the same sequence).
+    Returns this rank's shard of the output, (B, Sq_local, Hq, D) in q's dtype, exactly as
+    attention over the whole sequence on one device would give it; with return_lse=True also
+    lse (B, Hq, Sq_local), float32. Differentiable in q, k, v.
+    Every call checks with one small all_gather that all ranks passed the same shapes,
+    dtype, causal flag, layout and scale, and raises on every rank if not.
+    """
+    api = "ring_flash_attn_func"
+    rank, world = group_rank_world(group)
+    error, fields, scale = None, {}, None
+    try:
+        dims = check_qkv(q, k, v, api)
+        check_bool("causal", causal, api)
+        check_bool("return_lse", return_lse, api)
+        check_layout(layout, api)
+        scale = resolve_scale(softmax_scale, dims.head_dim, api)
+        if causal and dims.seqlen_q != dims.seqlen_k:
+            raise ValueError(f"{api}: causal ring attention needs equal q and k/v local lengths, "
+                             f"got q {tuple(q.shape)} and k {tuple(k.shape)}")
+        if world > 1:
+            check_backend_device(group, q.device, api)
+            parts = chunks_per_rank(layout)
+            for name, n in (("q", dims.seqlen_q), ("k/v", dims.seqlen_k)):
+                if n % parts:
+                    raise ValueError(f"{api}: {name} local length {n} must be a multiple of {parts} "
+                                     f"for layout {layout!r}")
+            fields = _signature(q, k, causal, scale, layout)
+    except (TypeError, ValueError) as e:
+        if world == 1:
+            raise
+        error = e
+    if world > 1:
+        # every rank fails together, or all agree: never a hang, never a mixed-up ring
+        fields = fields or dict.fromkeys(_FIELD_NAMES, 0)
+        agree_across_ranks(group, fields, error, api, device=getattr(q, "device", None), show=_show_field)
+    else:
+        layout = "contiguous"  # one rank: every layout is the identity
+    out, lse = _RingAttn.apply(q, k, v, causal, scale, layout, group)
+    return (out, lse) if return_lse else out

@@ -1,0 +1,113 @@
+"""Which (query rows, key rows) blocks a rank computes at each ring step. Pure Python.
+
+Layouts are described by segments: each rank's local sequence is a list of contiguous runs
+of global positions. At ring step s, rank r holds the keys of rank (r - s) mod P; the block
+tasks are every (query segment, key segment) pair some query can see (causal: q_pos >=
+k_pos), with fully visible neighbours coalesced into one kernel call. One ring loop serves
+every layout: layouts differ only in their segments.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .masks import Visibility, block_visibility
+
+LAYOUTS = ("contiguous", "zigzag")
+
+
+@dataclass(frozen=True)
+class Segment:
+    local_start: int  # first row in the rank's local tensor
+    global_start: int  # its global token position
+    length: int
+
+
+@dataclass(frozen=True)
+class BlockTask:
+    """Query rows q_rows of the local shard against key rows kv_rows of the held K/V block.
+
+    causal=False: every query sees every key (no mask). causal=True: the mask q_pos >= k_pos
+    applies with q_pos = q_start + i, k_pos = k_start + j.
+    """
+
+    q_rows: slice
+    kv_rows: slice
+    q_start: int
+    k_start: int
+    causal: bool
+
+
+def check_layout(layout: str, api: str) -> None:
+    if layout not in LAYOUTS:
+        raise ValueError(f"{api}: layout must be one of {LAYOUTS}, got {layout!r}")
+
+
+def chunks_per_rank(layout: str) -> int:
+    return 2 if layout == "zigzag" else 1
+
+
+def check_divisible(seq_len: int, world: int, layout: str, api: str, what: str = "sequence length") -> None:
+    parts = world * chunks_per_rank(layout)
+    if seq_len % parts:
+        lo = seq_len // parts * parts
+        hint = f"{lo} or {lo + parts}" if lo else f"{parts}"
+        raise ValueError(
+            f"{api}: {what} {seq_len} does not divide into {parts} equal chunks for layout "
+            f"{layout!r} on {world} ranks; use a multiple of {parts} (e.g. {hint}), or pad"
+        )
+
+
+def segments(layout: str, rank: int, world: int, local_len: int) -> list[Segment]:
+    """The runs of global positions held by `rank`, in local order."""
+    if layout == "contiguous":
+        return [Segment(0, rank * local_len, local_len)]
+    chunk = local_len // 2
+    return [Segment(0, rank * chunk, chunk), Segment(chunk, (2 * world - 1 - rank) * chunk, chunk)]
+
+
+def global_positions(layout: str, rank: int, world: int, local_len: int) -> list[int]:
+    return [s.global_start + i for s in segments(layout, rank, world, local_len) for i in range(s.length)]
+
+
+def _coalesce(tasks: list[BlockTask]) -> list[BlockTask]:
+    """Merge fully visible tasks that share query rows and have adjacent key rows, or share
+    key rows and have adjacent query rows: fewer, larger kernel calls."""
+    tasks = list(tasks)
+    merged = True
+    while merged:
+        merged = False
+        for i, a in enumerate(tasks):
+            for j, b in enumerate(tasks):
+                if i == j or a.causal or b.causal:
+                    continue
+                if a.q_rows == b.q_rows and a.kv_rows.stop == b.kv_rows.start:
+                    new = BlockTask(a.q_rows, slice(a.kv_rows.start, b.kv_rows.stop), 0, 0, False)
+                elif a.kv_rows == b.kv_rows and a.q_rows.stop == b.q_rows.start:
+                    new = BlockTask(slice(a.q_rows.start, b.q_rows.stop), a.kv_rows, 0, 0, False)
+                else:
+                    continue
+                tasks = [t for k, t in enumerate(tasks) if k not in (i, j)] + [new]
+                merged = True
+                break
+            if merged:
+                break
+    return sorted(tasks, key=lambda t: (t.q_rows.start, t.kv_rows.start))
+
+
+def step_tasks(layout: str, rank: int, world: int, step: int, q_len: int, kv_len: int,
+               causal: bool) -> list[BlockTask]:
+    """Block tasks for `rank` at ring `step`, when it holds the keys of rank (rank - step) % world.
+    q_len / kv_len: local lengths of the query and key shards."""
+    src = (rank - step) % world
+    tasks = []
+    for qs in segments(layout, rank, world, q_len):
+        for ks in segments(layout, src, world, kv_len):
+            vis = block_visibility(qs.global_start, qs.length, ks.global_start, ks.length, causal)
+            if vis is Visibility.NONE:
+                continue
+            tasks.append(BlockTask(
+                slice(qs.local_start, qs.local_start + qs.length),
+                slice(ks.local_start, ks.local_start + ks.length),
+                qs.global_start, ks.global_start, vis is Visibility.PARTIAL,
+            ))
+    return _coalesce(tasks)

@@ -1,0 +1,30 @@
+"""Run a function on several CPU processes joined by a gloo process group."""
+from __future__ import annotations
+
+import os
+import socket
+from datetime import timedelta
+
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank, world, port, env, fn, args):
+    os.environ.update(env)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=120))
+    try:
+        fn(rank, world, *args)
+    finally:
+        dist.destroy_process_group()
+
+
+def run_world(fn, world: int, *args, env: dict | None = None) -> None:
+    """fn(rank, world, *args) on `world` spawned processes; a failure on any rank fails the caller."""
+    mp.spawn(_entry, args=(world, free_port(), dict(env or {}), fn, args), nprocs=world, join=True)

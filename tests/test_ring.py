@@ -1,0 +1,220 @@
+"""Ring attention over gloo with several processes against a single-process float64 oracle."""
+import pytest
+import torch
+import torch.distributed as dist
+
+from ringflash import flash_attn_func, local_positions, ring_flash_attn_func, shard, unshard
+from ringflash.schedule import step_tasks
+from dist_utils import run_world
+from oracle import max_err, naive_attention
+
+
+def _full_inputs(B, S, Sk, Hq, Hkv, D, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, S, Hq, D, generator=g).to(dtype)
+    k = torch.randn(B, Sk, Hkv, D, generator=g).to(dtype)
+    v = torch.randn(B, Sk, Hkv, D, generator=g).to(dtype)
+    do = torch.randn(B, S, Hq, D, generator=g).to(dtype)
+    return q, k, v, do
+
+
+def _ring_vs_oracle(rank, world, layout, causal, B, S, Sk, Hq, Hkv, D, dtype, tol, group=None, seed=0):
+    q, k, v, do = _full_inputs(B, S, Sk, Hq, Hkv, D, dtype, seed)
+    # the oracle: top-left causal by global positions (equal lengths when causal)
+    qr, kr, vr = (t.double().requires_grad_() for t in (q, k, v))
+    ref, ref_lse = naive_attention(qr, kr, vr, causal=causal)
+    ref_grads = torch.autograd.grad(ref, (qr, kr, vr), do.double())
+
+    sh = lambda t: shard(t, group=group, layout=layout)
+    ql, kl, vl = (sh(t).clone().requires_grad_() for t in (q, k, v))
+    out, lse = ring_flash_attn_func(ql, kl, vl, causal=causal, group=group, layout=layout, return_lse=True)
+    assert out.dtype == dtype and out.shape == ql.shape
+    assert lse.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
+    grads = torch.autograd.grad(out, (ql, kl, vl), sh(do))
+    assert max_err(out, sh(ref)) < tol, ("out", layout, causal, max_err(out, sh(ref)))
+    assert max_err(lse, shard(ref_lse, group=group, layout=layout, dim=2)) < tol
+    for name, g, r in zip(("dq", "dk", "dv"), grads, ref_grads):
+        assert g.dtype == dtype
+        assert max_err(g, sh(r)) < tol, (name, layout, causal, max_err(g, sh(r)))
+    # reassembled on every rank
+    full = unshard(out, group=group, layout=layout)
+    assert max_err(full, ref) < tol
+    full_dk = unshard(grads[1], group=group, layout=layout)
+    assert max_err(full_dk, ref_grads[1]) < tol
+
+
+def _suite(rank, world, cases):
+    for case in cases:
+        _ring_vs_oracle(rank, world, **case)
+
+
+def _cases(world):
+    c = 5  # zigzag chunk length: odd, and several kernel blocks per rank under the interpreter
+    cases = []
+    for layout in ("zigzag", "contiguous"):
+        for causal in (False, True):
+            cases.append(dict(layout=layout, causal=causal, B=2, S=2 * world * c, Sk=2 * world * c,
+                              Hq=4, Hkv=2, D=16, dtype=torch.float32, tol=2e-5, seed=world))
+    # MQA, longer, float64
+    cases.append(dict(layout="zigzag", causal=True, B=1, S=2 * world * 24, Sk=2 * world * 24, Hq=3, Hkv=1, D=32,
+                      dtype=torch.float64, tol=1e-10, seed=7))
+    # cross-attention: keys of another length, non-causal
+    cases.append(dict(layout="zigzag", causal=False, B=1, S=2 * world * 3, Sk=2 * world * 7, Hq=2, Hkv=2, D=16,
+                      dtype=torch.float32, tol=2e-5, seed=8))
+    return cases
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_ring_torch_backend(world):
+    run_world(_suite, world, _cases(world), env={"RINGFLASH_BACKEND": "torch"})
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_ring_triton_interpreter(world):
+    cases = [dict(layout=layout, causal=causal, B=1, S=2 * world * 20, Sk=2 * world * 20, Hq=2, Hkv=1, D=16,
+                  dtype=torch.float32, tol=5e-5, seed=3)
+             for layout in ("zigzag", "contiguous") for causal in (False, True)]
+    run_world(_suite, world, cases, env={"RINGFLASH_BACKEND": "triton", "TRITON_INTERPRET": "1"})
+
+
+def test_no_process_group_is_local_attention():
+    q, k, v, _ = _full_inputs(2, 24, 24, 4, 2, 16, torch.float32, 0)
+    assert not dist.is_initialized()
+    for causal in (False, True):
+        a = ring_flash_attn_func(q, k, v, causal=causal)
+        b = flash_attn_func(q, k, v, causal=causal)
+        assert max_err(a, b) < 1e-6
+    assert torch.equal(shard(q), q) and torch.equal(unshard(q), q)
+    assert torch.equal(local_positions(24), torch.arange(24))
+
+
+def _subgroups(rank, world):
+    # two rings at once on disjoint subgroups: ranks [1, 3] and [0, 2]
+    ga, gb = dist.new_group([1, 3]), dist.new_group([0, 2])
+    if rank in (1, 3):
+        _ring_vs_oracle(rank, world, "zigzag", True, 1, 24, 24, 2, 1, 16, torch.float32, 2e-5, group=ga, seed=1)
+        assert local_positions(24, group=ga).tolist() == (
+            list(range(0, 6)) + list(range(18, 24)) if rank == 1 else list(range(6, 18)))
+    else:
+        _ring_vs_oracle(rank, world, "contiguous", False, 2, 16, 16, 4, 4, 16, torch.float32, 2e-5, group=gb, seed=2)
+
+
+def test_ring_on_subgroups():
+    run_world(_subgroups, 4, env={"RINGFLASH_BACKEND": "torch"})
+
+
+def _precision(rank, world, errors):
+    """relative RMS error against float64, bf16 inputs."""
+    q, k, v, do = _full_inputs(1, 64 * world, 64 * world, 2, 2, 32, torch.bfloat16, 11)
+    qr, kr, vr = (t.double().requires_grad_() for t in (q, k, v))
+    ref, _ = naive_attention(qr, kr, vr, causal=True)
+    ref_grads = torch.autograd.grad(ref, (qr, kr, vr), do.double())
+
+    def rel_rms(got, want):
+        return ((got.double() - want).pow(2).mean().sqrt() / want.pow(2).mean().sqrt()).item()
+
+    # one device
+    qs, ks, vs = (t.clone().requires_grad_() for t in (q, k, v))
+    out1 = flash_attn_func(qs, ks, vs, causal=True)
+    g1 = torch.autograd.grad(out1, (qs, ks, vs), do)
+    err1 = [rel_rms(out1, ref)] + [rel_rms(g, r) for g, r in zip(g1, ref_grads)]
+    # the ring, reassembled
+    ql, kl, vl = (shard(t).clone().requires_grad_() for t in (q, k, v))
+    out = ring_flash_attn_func(ql, kl, vl, causal=True)
+    g = torch.autograd.grad(out, (ql, kl, vl), shard(do))
+    errw = [rel_rms(unshard(out), ref)] + [rel_rms(unshard(x), r) for x, r in zip(g, ref_grads)]
+    for name, e1, ew in zip(("out", "dq", "dk", "dv"), err1, errw):
+        assert ew <= 1.2 * e1, f"{name}: world {world} error {ew:.3e} vs one device {e1:.3e}"
+
+
+@pytest.mark.parametrize("world", [4, 8])
+def test_precision_does_not_fall_with_ranks(world):
+    run_world(_precision, world, None, env={"RINGFLASH_BACKEND": "torch"})
+
+
+def test_schedule_zigzag_is_balanced_and_complete():
+    """Every (query, key) pair a causal mask allows is computed exactly once, and every rank
+    does the same causal work at every step."""
+    for world in (1, 2, 3, 4, 5):
+        c = 4
+        L = 2 * c
+        seen = torch.zeros(2 * world * c, 2 * world * c, dtype=torch.int64)
+        from ringflash.schedule import global_positions
+
+        for step in range(world):
+            work = []
+            for rank in range(world):
+                q_glob = global_positions("zigzag", rank, world, L)
+                src = (rank - step) % world
+                k_glob = global_positions("zigzag", src, world, L)
+                w = 0
+                for t in step_tasks("zigzag", rank, world, step, L, L, True):
+                    for i in range(t.q_rows.start, t.q_rows.stop):
+                        for j in range(t.kv_rows.start, t.kv_rows.stop):
+                            qp, kp = q_glob[i], k_glob[j]
+                            if not t.causal:
+                                assert qp >= kp  # unmasked blocks must be fully visible
+                            if not t.causal or qp >= kp:
+                                seen[qp, kp] += 1
+                                w += 1
+                work.append(w)
+            assert len(set(work)) == 1, (world, step, work)
+        assert torch.equal(seen, torch.ones_like(seen).tril()), world
+
+
+def test_schedule_contiguous_skips_invisible_steps():
+    world, L = 4, 8
+    for rank in range(world):
+        for step in range(world):
+            src = (rank - step) % world
+            tasks = step_tasks("contiguous", rank, world, step, L, L, True)
+            assert len(tasks) == (0 if src > rank else 1)
+            if tasks:
+                assert tasks[0].causal == (src == rank)
+
+
+def _mismatch(rank, world):
+    q, k, v, _ = _full_inputs(1, 8, 8, 2, 1, 16, torch.float32, 0)
+    bad = dict(
+        length=(q[:, : 6 if rank else 4], k[:, : 6 if rank else 4], v[:, : 6 if rank else 4], {}),
+        causal=(q[:, :4], k[:, :4], v[:, :4], {"causal": rank == 1}),
+        dtype=(q[:, :4].to(torch.float64 if rank else torch.float32), k[:, :4].to(torch.float64 if rank else torch.float32),
+               v[:, :4].to(torch.float64 if rank else torch.float32), {}),
+        heads=(q[:, :4, : 1 + rank], k[:, :4], v[:, :4], {}),
+        layout=(q[:, :4], k[:, :4], v[:, :4], {"layout": "zigzag" if rank else "contiguous"}),
+        scale=(q[:, :4], k[:, :4], v[:, :4], {"softmax_scale": 0.5 + rank}),
+    )
+    for what, (a, b, c, kw) in bad.items():
+        with pytest.raises(ValueError, match="disagree"):
+            ring_flash_attn_func(a, b, c, **kw)
+    # one rank's own input is invalid: it raises its error, the other names it
+    pattern = "head_dim 12" if rank == 1 else r"rank\(s\) \[1\] .*rejected"
+    with pytest.raises(ValueError, match=pattern):
+        bad_q = torch.randn(1, 4, 2, 12 if rank == 1 else 16)
+        ring_flash_attn_func(bad_q, bad_q[:, :, :1], bad_q[:, :, :1])
+    # odd local length under zigzag on one rank only
+    pattern = "multiple of 2" if rank == 0 else "rejected"
+    with pytest.raises(ValueError, match=pattern):
+        ring_flash_attn_func(q[:, : 5 if rank == 0 else 4], k[:, : 5 if rank == 0 else 4], v[:, : 5 if rank == 0 else 4])
+    # unshard with different shapes
+    with pytest.raises(ValueError, match="disagree"):
+        unshard(torch.zeros(1, 4 + 2 * rank))
+    # gloo cannot carry these tensors (meta stands in for a GPU tensor here)
+    with pytest.raises(ValueError, match="cannot carry meta"):
+        m = q[:, :4].to("meta")
+        ring_flash_attn_func(m, m[:, :, :1], m[:, :, :1])
+    # the group still works afterwards
+    _ring_vs_oracle(rank, world, "zigzag", True, 1, 8, 8, 2, 1, 16, torch.float32, 2e-5)
+
+
+def test_cross_rank_mismatch_raises_on_every_rank():
+    run_world(_mismatch, 2, env={"RINGFLASH_BACKEND": "torch"})
+
+
+def test_layout_errors_say_what_divides():
+    with pytest.raises(ValueError, match=r"multiple of 2 \(e.g. 10 or 12\)"):
+        local_positions(11)  # zigzag on one rank: 2 chunks
+    with pytest.raises(ValueError, match="layout must be one of"):
+        shard(torch.zeros(1, 8), layout="striped")
+    with pytest.raises(ValueError, match="dim 3 out of range"):
+        shard(torch.zeros(1, 8), dim=3)
