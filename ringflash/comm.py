@@ -82,6 +82,9 @@ def agree_across_ranks(group, fields: dict, local_error, api: str, device=None, 
         raise ValueError(f"{api}: ranks of the group disagree ({detail})")
 
 
+_TAGS = {"kv": 0, "grad": 1}
+
+
 class RingComm:
     """Point-to-point exchange with the ring neighbours of this rank in `group`."""
 
@@ -93,14 +96,55 @@ class RingComm:
         self.next = dist.get_global_rank(self.group, (self.rank + 1) % self.world)
         self.prev = dist.get_global_rank(self.group, (self.rank - 1) % self.world)
 
-    def start(self, send: list[torch.Tensor], recv: list[torch.Tensor]):
+    def start(self, send: list[torch.Tensor], recv: list[torch.Tensor], kind: str):
         """Send `send` to the next rank and receive `recv` from the previous one, asynchronously.
-        Returns handles for wait()."""
-        ops = [dist.P2POp(dist.isend, t, self.next, self.group) for t in send]
-        ops += [dist.P2POp(dist.irecv, t, self.prev, self.group) for t in recv]
+        kind: "kv" (key/value blocks) or "grad" (dK/dV accumulators); the two may be in flight
+        at once and are kept apart by tag. Returns handles for wait()."""
+        tag = _TAGS[kind]
+        ops = [dist.P2POp(dist.isend, t, self.next, self.group, tag) for t in send]
+        ops += [dist.P2POp(dist.irecv, t, self.prev, self.group, tag) for t in recv]
         return dist.batch_isend_irecv(ops)
 
     @staticmethod
     def wait(handles) -> None:
         for h in handles or ():
             h.wait()
+
+
+class ReplayComm:
+    """Plays rank `rank` of a `world`-rank ring inside one process (no process group), so the
+    ring's CUDA path can be checked and timed on a single GPU.
+
+    The K/V block "received" at each step is copied from `k_shards` / `v_shards` (every rank's
+    local K/V). Gradient accumulators sent on are recorded in `sent_grads` as
+    (owner rank of the block, [dk, dv]) when `record` is set, and zeros come back, so summing
+    the records of every replayed rank gives each block's dK/dV.
+    """
+
+    def __init__(self, rank: int, world: int, k_shards, v_shards, record: bool = True):
+        if world < 2:
+            raise ValueError("ReplayComm needs world >= 2")
+        self.rank, self.world = rank, world
+        self.k_shards, self.v_shards = k_shards, v_shards
+        self.record = record
+        self.sent_grads = []
+        self._calls = {"kv": 0, "grad": 0}
+
+    def start(self, send, recv, kind: str):
+        # each forward or backward pass makes world-1 K/V exchanges and world gradient exchanges
+        n = self._calls[kind]
+        self._calls[kind] += 1
+        if kind == "kv":
+            src = (self.rank - n % (self.world - 1) - 1) % self.world
+            recv[0].copy_(self.k_shards[src])
+            recv[1].copy_(self.v_shards[src])
+        else:
+            if self.record:
+                self.sent_grads.append(((self.rank - n % self.world) % self.world, [t.clone() for t in send]))
+            for t in recv:
+                t.zero_()
+        return None
+
+    @staticmethod
+    def wait(handles) -> None:
+        pass

@@ -32,9 +32,28 @@ def shard(x, *, group=None, layout="zigzag", dim=1):
     dim = _norm_dim(x, dim, api)
     rank, world = group_rank_world(group)
     check_divisible(x.shape[dim], world, layout, api)
+    return _shard_of(x, rank, world, layout, dim)
+
+
+def _shard_of(x, rank, world, layout, dim=1):
     local_len = x.shape[dim] // world
     parts = [x.narrow(dim, s.global_start, s.length) for s in segments(layout, rank, world, local_len)]
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim)
+
+
+def _split(x, world, layout, dim=1):
+    """Every rank's shard of the full tensor x, in rank order."""
+    return [_shard_of(x, r, world, layout, dim) for r in range(world)]
+
+
+def _place(pieces, layout, dim=1):
+    """Inverse of _split: rank-ordered shards back into sequence order."""
+    world, local_len = len(pieces), pieces[0].shape[dim]
+    placed = []
+    for r, piece in enumerate(pieces):
+        for s in segments(layout, r, world, local_len):
+            placed.append((s.global_start, piece.narrow(dim, s.local_start, s.length)))
+    return torch.cat([p for _, p in sorted(placed, key=lambda t: t[0])], dim)
 
 
 def local_positions(seq_len, *, group=None, layout="zigzag", device=None):
@@ -55,14 +74,9 @@ class _Unshard(torch.autograd.Function):
     def forward(ctx, x_local, group, layout, dim):
         rank, world = group_rank_world(group)
         ctx.args = (group, layout, dim)
-        local_len = x_local.shape[dim]
         pieces = [torch.empty_like(x_local, memory_format=torch.contiguous_format) for _ in range(world)]
         dist.all_gather(pieces, x_local.contiguous(), group=resolve_group(group))
-        placed = []
-        for r, piece in enumerate(pieces):
-            for s in segments(layout, r, world, local_len):
-                placed.append((s.global_start, piece.narrow(dim, s.local_start, s.length)))
-        return torch.cat([p for _, p in sorted(placed, key=lambda t: t[0])], dim)
+        return _place(pieces, layout, dim)
 
     @staticmethod
     def backward(ctx, grad_full):

@@ -9,7 +9,8 @@ import struct
 import torch
 
 from ._checks import SUPPORTED_DTYPES, check_bool, check_qkv, resolve_scale
-from .comm import RingComm, agree_across_ranks, check_backend_device, group_rank_world
+from .comm import ReplayComm, RingComm, agree_across_ranks, check_backend_device, group_rank_world
+from .layout import _place, _split
 from .local import attention_delta, block_backward, block_forward
 from .merge import state_dtype
 from .schedule import LAYOUTS, check_layout, chunks_per_rank, step_tasks
@@ -44,23 +45,23 @@ def _ring_kv(comm, k, v):
     bufs = [None, None]
     cur = (k, v)
     for step in range(world):
-        handles = None
-        if step + 1 < world:
+        last = step + 1 == world
+        if not last:
             slot = step % 2
             if bufs[slot] is None:
                 bufs[slot] = (torch.empty_like(k), torch.empty_like(v))
-            handles = comm.start(list(cur), list(bufs[slot]))
+            handles = comm.start(list(cur), list(bufs[slot]), "kv")
         yield step, cur[0], cur[1]
-        if handles is not None:
+        if not last:
             comm.wait(handles)
-            cur = bufs[step % 2]
+            cur = bufs[slot]
 
 
 class _RingAttn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, causal, scale, layout, group):
-        rank, world = group_rank_world(group)
-        comm = RingComm(group) if world > 1 else None
+    def forward(ctx, q, k, v, causal, scale, layout, comm):
+        """comm: RingComm, ReplayComm, or None for a single rank."""
+        rank, world = (comm.rank, comm.world) if comm else (0, 1)
         k, v = k.contiguous(), v.contiguous()  # they travel whole
         B, Sq, Hq, D = q.shape
         acc = state_dtype(q.dtype)
@@ -73,16 +74,15 @@ class _RingAttn(torch.autograd.Function):
                               out_o=o[:, t.q_rows], out_lse=lse[:, :, t.q_rows], fold=True)
         out = o.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.args = (causal, scale, layout, group)
+        ctx.args = (causal, scale, layout, comm)
         ctx.set_materialize_grads(False)
         return out, lse
 
     @staticmethod
     def backward(ctx, do, dlse):
         q, k, v, out, lse = ctx.saved_tensors
-        causal, scale, layout, group = ctx.args
-        rank, world = group_rank_world(group)
-        comm = RingComm(group) if world > 1 else None
+        causal, scale, layout, comm = ctx.args
+        rank, world = (comm.rank, comm.world) if comm else (0, 1)
         if do is None:
             do = torch.zeros_like(out)
         do = do.contiguous()
@@ -104,7 +104,7 @@ class _RingAttn(torch.autograd.Function):
             for t in tasks:
                 block_backward(q[:, t.q_rows], kb[:, t.kv_rows], vb[:, t.kv_rows], lse[:, :, t.q_rows],
                                do[:, t.q_rows], delta[:, :, t.q_rows], dq[:, t.q_rows], None, None, **common(t))
-            if handles is not None:
+            if step > 0:
                 comm.wait(handles)
                 dkv, dkv_next = dkv_next, dkv
             for t in tasks:
@@ -114,8 +114,8 @@ class _RingAttn(torch.autograd.Function):
             if comm is not None:
                 if dkv_next is None:
                     dkv_next = (torch.empty_like(dkv[0]), torch.empty_like(dkv[1]))
-                handles = comm.start(list(dkv), list(dkv_next))
-        if handles is not None:
+                handles = comm.start(list(dkv), list(dkv_next), "grad")
+        if comm is not None:
             comm.wait(handles)
             dkv = dkv_next
         return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None
@@ -166,5 +166,36 @@ def ring_flash_attn_func(q, k, v, *, causal=False, softmax_scale=None, group=Non
         agree_across_ranks(group, fields, error, api, device=getattr(q, "device", None), show=_show_field)
     else:
         layout = "contiguous"  # one rank: every layout is the identity
-    out, lse = _RingAttn.apply(q, k, v, causal, scale, layout, group)
+    comm = RingComm(group) if world > 1 else None
+    out, lse = _RingAttn.apply(q, k, v, causal, scale, layout, comm)
     return (out, lse) if return_lse else out
+
+
+def replay_ring(q, k, v, do, *, world, causal=False, softmax_scale=None, layout="zigzag", ranks=None):
+    """Run the ring's schedule for `world` ranks inside one process on full tensors, without
+    a process group: each rank in `ranks` (default all) is replayed in turn with ReplayComm.
+
+    q, k, v, do: full (B, S, H, D) tensors. Returns out, dq, dk, dv as full tensors
+    (positions of ranks not replayed are zero; dk/dv then hold only the replayed ranks'
+    contributions). For checking the ring's device path on one GPU against flash_attn_func,
+    and for timing one rank's share of the work without communication.
+    """
+    dims = check_qkv(q, k, v, "replay_ring")
+    scale = resolve_scale(softmax_scale, dims.head_dim, "replay_ring")
+    k_shards, v_shards = _split(k, world, layout), _split(v, world, layout)
+    q_shards, do_shards = _split(q, world, layout), _split(do, world, layout)
+    outs, dqs = [torch.zeros_like(t) for t in q_shards], [torch.zeros_like(t) for t in q_shards]
+    dks = [torch.zeros_like(t, dtype=state_dtype(k.dtype)) for t in k_shards]
+    dvs = [torch.zeros_like(t, dtype=state_dtype(v.dtype)) for t in v_shards]
+    for rank in range(world) if ranks is None else ranks:
+        comm = ReplayComm(rank, world, k_shards, v_shards) if world > 1 else None
+        ql = q_shards[rank].detach().requires_grad_()
+        kl, vl = k_shards[rank].detach().requires_grad_(), v_shards[rank].detach().requires_grad_()
+        out, _ = _RingAttn.apply(ql, kl, vl, causal, scale, layout, comm)
+        dq, dk, dv = torch.autograd.grad(out, (ql, kl, vl), do_shards[rank])
+        outs[rank], dqs[rank] = out.detach(), dq
+        for owner, (dk, dv) in comm.sent_grads if comm else [(rank, (dk, dv))]:
+            dks[owner] += dk
+            dvs[owner] += dv
+    return (_place(outs, layout), _place(dqs, layout),
+            _place([t.to(k.dtype) for t in dks], layout), _place([t.to(v.dtype) for t in dvs], layout))

@@ -1,0 +1,36 @@
+"""Process-group set-up for scripts started by torchrun (examples, benchmarks, GPU tests)."""
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+
+def init_from_env(*, timeout_s: float = 300.0, backend: str | None = None) -> tuple[int, int, torch.device]:
+    """Initialize the default process group from torchrun's environment.
+
+    Backend: `backend`, else $RINGFLASH_DIST_BACKEND, else "nccl" when CUDA is available and
+    "gloo" otherwise. With NCCL each process takes the GPU of its LOCAL_RANK. Collectives fail
+    after `timeout_s` seconds instead of hanging (a rank that died, a mismatched call).
+    Without torchrun's variables (RANK unset) nothing is initialized: one process, world 1.
+    Returns (rank, world_size, device).
+    """
+    backend = backend or os.environ.get("RINGFLASH_DIST_BACKEND") or ("nccl" if torch.cuda.is_available() else "gloo")
+    use_cuda = backend == "nccl"
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
+    if use_cuda:
+        torch.cuda.set_device(device)
+    if "RANK" not in os.environ:
+        return 0, 1, device
+    if not dist.is_initialized():
+        kwargs = {"device_id": device} if use_cuda else {}
+        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s), **kwargs)
+    return dist.get_rank(), dist.get_world_size(), device
+
+
+def close() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
