@@ -107,11 +107,11 @@ def ring_cases(args, S, causal, mode, device, dtype, rank, world):
     call = lambda: ring_flash_attn_func(q, k, v, causal=causal, layout=args.layout)
     out["ring"] = timed(step_fn(call, (q, k, v), do, mode), iters=args.iters, warmup=args.warmup, device=device)
     scale = args.head_dim ** -0.5
-    shards = [k.detach()] * world, [v.detach()] * world  # contents do not change the work
+    blocks = [(k.detach(), v.detach())] * world  # contents do not change the work
 
     def replay():
-        comm = ReplayComm(rank, world, *shards, record=False)
-        return _RingAttn.apply(q, k, v, causal, scale, args.layout, comm)[0]
+        comm = ReplayComm(rank, world, blocks, record=False)
+        return _RingAttn.apply(q, k, v, None, causal, scale, args.layout, comm)[0]
 
     out["local"] = timed(step_fn(replay, (q, k, v), do, mode), iters=args.iters, warmup=args.warmup, device=device)
     return out

@@ -86,3 +86,21 @@ def resolve_scale(softmax_scale, head_dim: int, api: str) -> float:
 def check_bool(name: str, value, api: str) -> None:
     if not isinstance(value, bool):
         raise TypeError(f"{api}: {name} must be a bool, got {type(value).__name__}")
+
+
+def key_bias_from_mask(mask, dims: AttnDims, device, api: str):
+    """key_padding_mask (B, Sk), bool (True = ignore the key) or float (added to the scores),
+    as a float32 (B, Sk) bias, or None."""
+    if mask is None:
+        return None
+    check_tensor("key_padding_mask", mask, api)
+    want = (dims.batch, dims.seqlen_k)
+    if tuple(mask.shape) != want:
+        raise ValueError(f"{api}: key_padding_mask must have shape (batch, k seqlen) = {want}, got {_shape(mask)}")
+    if mask.device != device:
+        raise ValueError(f"{api}: key_padding_mask is on {mask.device}, q on {device}")
+    if mask.dtype == torch.bool:
+        return torch.zeros(want, dtype=torch.float32, device=device).masked_fill_(mask, float("-inf"))
+    if not mask.is_floating_point():
+        raise TypeError(f"{api}: key_padding_mask must be bool or floating point, got {mask.dtype}")
+    return mask.detach().to(torch.float32).contiguous()

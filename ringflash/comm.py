@@ -115,17 +115,17 @@ class ReplayComm:
     """Plays rank `rank` of a `world`-rank ring inside one process (no process group), so the
     ring's CUDA path can be checked and timed on a single GPU.
 
-    The K/V block "received" at each step is copied from `k_shards` / `v_shards` (every rank's
-    local K/V). Gradient accumulators sent on are recorded in `sent_grads` as
+    The K/V blocks "received" at each step are copied from `blocks[src]`, the tuple of
+    tensors (k, v, and the key bias if any) that rank src holds. Gradient accumulators sent on are recorded in `sent_grads` as
     (owner rank of the block, [dk, dv]) when `record` is set, and zeros come back, so summing
     the records of every replayed rank gives each block's dK/dV.
     """
 
-    def __init__(self, rank: int, world: int, k_shards, v_shards, record: bool = True):
+    def __init__(self, rank: int, world: int, blocks, record: bool = True):
         if world < 2:
             raise ValueError("ReplayComm needs world >= 2")
         self.rank, self.world = rank, world
-        self.k_shards, self.v_shards = k_shards, v_shards
+        self.blocks = blocks
         self.record = record
         self.sent_grads = []
         self._calls = {"kv": 0, "grad": 0}
@@ -136,8 +136,8 @@ class ReplayComm:
         self._calls[kind] += 1
         if kind == "kv":
             src = (self.rank - n % (self.world - 1) - 1) % self.world
-            recv[0].copy_(self.k_shards[src])
-            recv[1].copy_(self.v_shards[src])
+            for buf, t in zip(recv, self.blocks[src], strict=True):
+                buf.copy_(t)
         else:
             if self.record:
                 self.sent_grads.append(((self.rank - n % self.world) % self.world, [t.clone() for t in send]))

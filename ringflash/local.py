@@ -11,7 +11,7 @@ import os
 import torch
 
 from . import reference
-from ._checks import check_bool, check_qkv, resolve_scale
+from ._checks import check_bool, check_qkv, key_bias_from_mask, resolve_scale
 from .masks import Visibility, block_visibility, local_causal_offsets
 from .merge import state_dtype
 
@@ -42,11 +42,12 @@ def _unit_stride(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-def block_forward(q, k, v, *, q_start, k_start, causal, scale, out_o, out_lse, fold):
+def block_forward(q, k, v, *, q_start, k_start, causal, scale, out_o, out_lse, fold, key_bias=None):
     """Attention of q (B, Sq, Hq, D) over k, v (B, Sk, Hkv, D) at global positions
     q_start.. and k_start.. (causal: q_pos >= k_pos), written into out_o (B, Sq, Hq, D) and
     out_lse (B, Hq, Sq) float32. With fold=True, out_o / out_lse hold an incoming state
-    (normalized o, lse) for the same query rows and receive the merged state.
+    (normalized o, lse) for the same query rows and receive the merged state. key_bias:
+    optional (B, Sk) float32 added to the scores of each key (-inf: a padded key).
     A block no query can see launches nothing. Returns whether anything was computed.
     """
     vis = block_visibility(q_start, q.shape[1], k_start, k.shape[1], causal)
@@ -58,6 +59,7 @@ def block_forward(q, k, v, *, q_start, k_start, causal, scale, out_o, out_lse, f
     _backend(q.device).forward(
         _unit_stride(q), _unit_stride(k), _unit_stride(v), q_start=q_start, k_start=k_start,
         causal=vis is Visibility.PARTIAL, scale=scale, out_o=out_o, out_lse=out_lse, fold=fold,
+        key_bias=key_bias,
     )
     return True
 
@@ -67,7 +69,8 @@ def attention_delta(o, do):
     return _backend(o.device).delta(_unit_stride(o), _unit_stride(do))
 
 
-def block_backward(q, k, v, lse, do, delta, dq, dk, dv, *, q_start, k_start, causal, scale, accumulate):
+def block_backward(q, k, v, lse, do, delta, dq, dk, dv, *, q_start, k_start, causal, scale, accumulate,
+                   key_bias=None):
     """Gradients of the block (q at q_start.., k/v at k_start..) given the final lse and
     delta (B, Hq, Sq) of the query rows: added into (accumulate=True) or written to
     dq (B, Sq, Hq, D), dk and dv (B, Sk, Hkv, D). dq=None skips the dQ pass, dk=dv=None the
@@ -82,27 +85,27 @@ def block_backward(q, k, v, lse, do, delta, dq, dk, dv, *, q_start, k_start, cau
     _backend(q.device).backward(
         _unit_stride(q), _unit_stride(k), _unit_stride(v), lse, _unit_stride(do), delta, dq, dk, dv,
         q_start=q_start, k_start=k_start, causal=vis is Visibility.PARTIAL, scale=scale,
-        accumulate=accumulate,
+        accumulate=accumulate, key_bias=key_bias,
     )
     return True
 
 
 class _FlashAttn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, causal, scale):
+    def forward(ctx, q, k, v, key_bias, causal, scale):
         q_start, k_start = local_causal_offsets(q.shape[1], k.shape[1]) if causal else (0, 0)
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
         lse = torch.empty(q.shape[0], q.shape[2], q.shape[1], dtype=state_dtype(q.dtype), device=q.device)
         block_forward(q, k, v, q_start=q_start, k_start=k_start, causal=causal, scale=scale,
-                      out_o=out, out_lse=lse, fold=False)
-        ctx.save_for_backward(q, k, v, out, lse)
+                      out_o=out, out_lse=lse, fold=False, key_bias=key_bias)
+        ctx.save_for_backward(q, k, v, out, lse, key_bias)
         ctx.offsets = (q_start, k_start, causal, scale)
         ctx.set_materialize_grads(False)
         return out, lse
 
     @staticmethod
     def backward(ctx, do, dlse):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, key_bias = ctx.saved_tensors
         q_start, k_start, causal, scale = ctx.offsets
         if do is None:  # only lse was used
             do = torch.zeros_like(out)
@@ -114,17 +117,19 @@ class _FlashAttn(torch.autograd.Function):
         dk = torch.empty_like(k, memory_format=torch.contiguous_format)
         dv = torch.empty_like(v, memory_format=torch.contiguous_format)
         block_backward(q, k, v, lse, do, delta, dq, dk, dv, q_start=q_start, k_start=k_start,
-                       causal=causal, scale=scale, accumulate=False)
-        return dq, dk, dv, None, None
+                       causal=causal, scale=scale, accumulate=False, key_bias=key_bias)
+        return dq, dk, dv, None, None, None
 
 
-def flash_attn_func(q, k, v, *, causal=False, softmax_scale=None, return_lse=False):
+def flash_attn_func(q, k, v, *, causal=False, softmax_scale=None, key_padding_mask=None, return_lse=False):
     """Exact attention on one device.
 
     q: (B, Sq, Hq, D); k, v: (B, Sk, Hkv, D) with Hq % Hkv == 0 (GQA / MQA without copies).
     dtype float16, bfloat16 or float32 (float64 on the torch backend); D a multiple of 8 from
     16 to 256. causal aligns bottom-right when Sq != Sk: query i sees key j iff
     j <= i + Sk - Sq; a query that sees no key gets output 0 and lse -inf.
+    key_padding_mask: optional (B, Sk), bool (True = padding: the key is ignored) or float
+    (added to every query's scores of that key; not differentiated).
     Returns out (B, Sq, Hq, D) in q's dtype, and with return_lse=True also lse (B, Hq, Sq),
     float32 (float64 for float64 inputs), natural log. Differentiable in q, k, v (and
     through lse).
@@ -134,5 +139,6 @@ def flash_attn_func(q, k, v, *, causal=False, softmax_scale=None, return_lse=Fal
     check_bool("causal", causal, api)
     check_bool("return_lse", return_lse, api)
     scale = resolve_scale(softmax_scale, dims.head_dim, api)
-    out, lse = _FlashAttn.apply(q, k, v, causal, scale)
+    key_bias = key_bias_from_mask(key_padding_mask, dims, q.device, api)
+    out, lse = _FlashAttn.apply(q, k, v, key_bias, causal, scale)
     return (out, lse) if return_lse else out

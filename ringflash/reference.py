@@ -22,9 +22,12 @@ def _grouped(x: torch.Tensor, heads_kv: int, dtype) -> torch.Tensor:
     return x.to(dtype).reshape(B, S, heads_kv, H // heads_kv, D)
 
 
-def _scores(qg, kj, scale, q_pos0, k_pos0, vis):
-    """Scaled scores (B, Hkv, G, n_q, n_k) with invisible entries at -inf."""
+def _scores(qg, kj, scale, q_pos0, k_pos0, vis, bias_j):
+    """Scaled scores (B, Hkv, G, n_q, n_k), plus the per-key bias (B, n_k) if any, with
+    invisible entries at -inf."""
     s = torch.einsum("bihgd,bjhd->bhgij", qg, kj) * scale
+    if bias_j is not None:
+        s = s + bias_j.to(s.dtype)[:, None, None, None, :]
     if vis is Visibility.PARTIAL:
         q_pos = torch.arange(q_pos0, q_pos0 + s.shape[-2], device=s.device)
         k_pos = torch.arange(k_pos0, k_pos0 + s.shape[-1], device=s.device)
@@ -32,12 +35,17 @@ def _scores(qg, kj, scale, q_pos0, k_pos0, vis):
     return s
 
 
-def forward(q, k, v, *, q_start, k_start, causal, scale, out_o, out_lse, fold):
+def _bias_slice(key_bias, j0, j1):
+    return None if key_bias is None else key_bias[:, j0:j1]
+
+
+def forward(q, k, v, *, q_start, k_start, causal, scale, out_o, out_lse, fold, key_bias=None):
     """Attention of q (B, Sq, Hq, D) over k, v (B, Sk, Hkv, D) by global positions.
 
     Writes out_o (B, Sq, Hq, D) and out_lse (B, Hq, Sq). With fold=True they hold an incoming
     state (normalized o, lse) over other keys, and the result is that state merged with this
-    block's.
+    block's. key_bias: optional (B, Sk) float, added to every query's scores of that key
+    (-inf drops the key: key padding).
     """
     B, Sq, Hq, D = q.shape
     Sk, Hkv = k.shape[1], k.shape[2]
@@ -57,7 +65,7 @@ def forward(q, k, v, *, q_start, k_start, causal, scale, out_o, out_lse, fold):
             vis = block_visibility(q_start + i0, n, k_start + j0, j1 - j0, causal)
             if vis is Visibility.NONE:
                 continue
-            s = _scores(qg, k[:, j0:j1].to(acc), scale, q_start + i0, k_start + j0, vis)
+            s = _scores(qg, k[:, j0:j1].to(acc), scale, q_start + i0, k_start + j0, vis, _bias_slice(key_bias, j0, j1))
             lse_c = torch.logsumexp(s, dim=-1)
             pivot = torch.where(torch.isinf(lse_c), torch.zeros_like(lse_c), lse_c)
             p = torch.exp(s - pivot[..., None])
@@ -73,7 +81,8 @@ def delta(o, do):
     return (do.to(acc) * o.to(acc)).sum(-1).transpose(1, 2).contiguous()
 
 
-def backward(q, k, v, lse, do, delta, dq, dk, dv, *, q_start, k_start, causal, scale, accumulate):
+def backward(q, k, v, lse, do, delta, dq, dk, dv, *, q_start, k_start, causal, scale, accumulate,
+             key_bias=None):
     """Gradients of one block given the final lse (B, Hq, Sq) and delta (B, Hq, Sq).
 
     dq (B, Sq, Hq, D), dk and dv (B, Sk, Hkv, D) are added to (accumulate=True) or overwritten;
@@ -101,7 +110,8 @@ def backward(q, k, v, lse, do, delta, dq, dk, dv, *, q_start, k_start, causal, s
             if vis is Visibility.NONE:
                 continue
             kj, vj = k[:, j0:j1].to(acc), v[:, j0:j1].to(acc)
-            p = torch.exp(_scores(qg, kj, scale, q_start + i0, k_start + j0, vis) - lse_i[..., None])
+            s = _scores(qg, kj, scale, q_start + i0, k_start + j0, vis, _bias_slice(key_bias, j0, j1))
+            p = torch.exp(s - lse_i[..., None])
             dp = torch.einsum("bihgd,bjhd->bhgij", dog, vj)
             ds = p * (dp - delta_i[..., None])
             if dq is not None:

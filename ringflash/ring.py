@@ -8,7 +8,7 @@ import struct
 
 import torch
 
-from ._checks import SUPPORTED_DTYPES, check_bool, check_qkv, resolve_scale
+from ._checks import SUPPORTED_DTYPES, check_bool, check_qkv, key_bias_from_mask, resolve_scale
 from .comm import ReplayComm, RingComm, agree_across_ranks, check_backend_device, group_rank_world
 from .layout import _place, _split
 from .local import attention_delta, block_backward, block_forward
@@ -16,14 +16,15 @@ from .merge import state_dtype
 from .schedule import LAYOUTS, check_layout, chunks_per_rank, step_tasks
 
 _FIELD_NAMES = ("batch", "q local length", "k/v local length", "q heads", "k/v heads", "head_dim", "dtype",
-                "causal", "layout", "softmax_scale", "device type")
+                "causal", "layout", "softmax_scale", "device type", "key_padding_mask given")
 
 
-def _signature(q, k, causal, scale, layout) -> dict:
+def _signature(q, k, causal, scale, layout, has_mask) -> dict:
     """What every rank of a ring must agree on, as integers."""
     B, Sq, Hq, D = q.shape
     values = (B, Sq, k.shape[1], Hq, k.shape[2], D, SUPPORTED_DTYPES.index(q.dtype), int(causal),
-              LAYOUTS.index(layout), struct.unpack("<q", struct.pack("<d", scale))[0], int(q.is_cuda))
+              LAYOUTS.index(layout), struct.unpack("<q", struct.pack("<d", scale))[0], int(q.is_cuda),
+              int(has_mask))
     return dict(zip(_FIELD_NAMES, values))
 
 
@@ -37,50 +38,56 @@ def _show_field(name, value):
     return str(value)
 
 
-def _ring_kv(comm, k, v):
-    """The one ring loop: yield (step, k_block, v_block), this rank's own K/V first, then each
-    previous rank's, the next block already in flight while the caller computes on the current.
-    Two receive buffers are allocated once and reused."""
+def _ring_kv(comm, blocks):
+    """The one ring loop: yield (step, blocks), this rank's own K/V blocks (k, v and the key
+    bias if any) first, then each previous rank's; the next blocks are already in flight while
+    the caller computes on the current. Two sets of receive buffers, allocated once, reused."""
     world = comm.world if comm else 1
     bufs = [None, None]
-    cur = (k, v)
+    cur = blocks
     for step in range(world):
         last = step + 1 == world
         if not last:
             slot = step % 2
             if bufs[slot] is None:
-                bufs[slot] = (torch.empty_like(k), torch.empty_like(v))
+                bufs[slot] = tuple(torch.empty_like(t) for t in blocks)
             handles = comm.start(list(cur), list(bufs[slot]), "kv")
-        yield step, cur[0], cur[1]
+        yield step, cur
         if not last:
             comm.wait(handles)
             cur = bufs[slot]
 
 
+def _rows(key_bias, rows):
+    return None if key_bias is None else key_bias[:, rows]
+
+
 class _RingAttn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, causal, scale, layout, comm):
-        """comm: RingComm, ReplayComm, or None for a single rank."""
+    def forward(ctx, q, k, v, key_bias, causal, scale, layout, comm):
+        """comm: RingComm, ReplayComm, or None for a single rank. key_bias: None or (B, Sk) float32."""
         rank, world = (comm.rank, comm.world) if comm else (0, 1)
         k, v = k.contiguous(), v.contiguous()  # they travel whole
+        blocks = (k, v) if key_bias is None else (k, v, key_bias)
         B, Sq, Hq, D = q.shape
         acc = state_dtype(q.dtype)
         o = torch.zeros(B, Sq, Hq, D, dtype=acc, device=q.device)
         lse = torch.full((B, Hq, Sq), float("-inf"), dtype=acc, device=q.device)
-        for step, kb, vb in _ring_kv(comm, k, v):
+        for step, (kb, vb, *bias) in _ring_kv(comm, blocks):
             for t in step_tasks(layout, rank, world, step, Sq, k.shape[1], causal):
                 block_forward(q[:, t.q_rows], kb[:, t.kv_rows], vb[:, t.kv_rows], q_start=t.q_start,
                               k_start=t.k_start, causal=t.causal, scale=scale,
-                              out_o=o[:, t.q_rows], out_lse=lse[:, :, t.q_rows], fold=True)
+                              out_o=o[:, t.q_rows], out_lse=lse[:, :, t.q_rows], fold=True,
+                              key_bias=_rows(bias[0] if bias else None, t.kv_rows))
         out = o.to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.save_for_backward(q, k, v, out, lse, key_bias)
         ctx.args = (causal, scale, layout, comm)
         ctx.set_materialize_grads(False)
         return out, lse
 
     @staticmethod
     def backward(ctx, do, dlse):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, key_bias = ctx.saved_tensors
         causal, scale, layout, comm = ctx.args
         rank, world = (comm.rank, comm.world) if comm else (0, 1)
         if do is None:
@@ -96,10 +103,11 @@ class _RingAttn(torch.autograd.Function):
         dkv_next = None
         handles = None
         Sq, Sk = q.shape[1], k.shape[1]
-        for step, kb, vb in _ring_kv(comm, k, v):
+        blocks = (k, v) if key_bias is None else (k, v, key_bias)
+        for step, (kb, vb, *bias) in _ring_kv(comm, blocks):
             tasks = step_tasks(layout, rank, world, step, Sq, Sk, causal)
             common = lambda t: dict(q_start=t.q_start, k_start=t.k_start, causal=t.causal, scale=scale,
-                                    accumulate=True)
+                                    accumulate=True, key_bias=_rows(bias[0] if bias else None, t.kv_rows))
             # dQ first: it does not need the incoming dK/dV accumulator, which arrives meanwhile
             for t in tasks:
                 block_backward(q[:, t.q_rows], kb[:, t.kv_rows], vb[:, t.kv_rows], lse[:, :, t.q_rows],
@@ -118,11 +126,11 @@ class _RingAttn(torch.autograd.Function):
         if comm is not None:
             comm.wait(handles)
             dkv = dkv_next
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None, None
 
 
 def ring_flash_attn_func(q, k, v, *, causal=False, softmax_scale=None, group=None, layout="zigzag",
-                         return_lse=False):
+                         key_padding_mask=None, return_lse=False):
     """Exact attention over a sequence sharded across the ranks of `group`.
 
     q: (B, Sq_local, Hq, D), k, v: (B, Sk_local, Hkv, D): this rank's shards (see shard() and
@@ -130,6 +138,9 @@ def ring_flash_attn_func(q, k, v, *, causal=False, softmax_scale=None, group=Non
     group: a process group (None: the default group). With world size 1, or no process group
     initialized, this is local attention. layout: "zigzag" (balanced causal work) or
     "contiguous"; causal needs Sq_local == Sk_local (the same sequence).
+    key_padding_mask: optional (B, Sk_local) for this rank's keys, bool (True = padding, the
+    key is ignored) or float (added to the scores; not differentiated); it travels around the
+    ring with its keys.
     Returns this rank's shard of the output, (B, Sq_local, Hq, D) in q's dtype, exactly as
     attention over the whole sequence on one device would give it; with return_lse=True also
     lse (B, Hq, Sq_local), float32. Differentiable in q, k, v.
@@ -138,13 +149,14 @@ def ring_flash_attn_func(q, k, v, *, causal=False, softmax_scale=None, group=Non
     """
     api = "ring_flash_attn_func"
     rank, world = group_rank_world(group)
-    error, fields, scale = None, {}, None
+    error, fields, scale, key_bias = None, {}, None, None
     try:
         dims = check_qkv(q, k, v, api)
         check_bool("causal", causal, api)
         check_bool("return_lse", return_lse, api)
         check_layout(layout, api)
         scale = resolve_scale(softmax_scale, dims.head_dim, api)
+        key_bias = key_bias_from_mask(key_padding_mask, dims, q.device, api)
         if causal and dims.seqlen_q != dims.seqlen_k:
             raise ValueError(f"{api}: causal ring attention needs equal q and k/v local lengths, "
                              f"got q {tuple(q.shape)} and k {tuple(k.shape)}")
@@ -155,7 +167,7 @@ def ring_flash_attn_func(q, k, v, *, causal=False, softmax_scale=None, group=Non
                 if n % parts:
                     raise ValueError(f"{api}: {name} local length {n} must be a multiple of {parts} "
                                      f"for layout {layout!r}")
-            fields = _signature(q, k, causal, scale, layout)
+            fields = _signature(q, k, causal, scale, layout, key_bias is not None)
     except (TypeError, ValueError) as e:
         if world == 1:
             raise
@@ -167,11 +179,12 @@ def ring_flash_attn_func(q, k, v, *, causal=False, softmax_scale=None, group=Non
     else:
         layout = "contiguous"  # one rank: every layout is the identity
     comm = RingComm(group) if world > 1 else None
-    out, lse = _RingAttn.apply(q, k, v, causal, scale, layout, comm)
+    out, lse = _RingAttn.apply(q, k, v, key_bias, causal, scale, layout, comm)
     return (out, lse) if return_lse else out
 
 
-def replay_ring(q, k, v, do, *, world, causal=False, softmax_scale=None, layout="zigzag", ranks=None):
+def replay_ring(q, k, v, do, *, world, causal=False, softmax_scale=None, layout="zigzag", key_padding_mask=None,
+                ranks=None):
     """Run the ring's schedule for `world` ranks inside one process on full tensors, without
     a process group: each rank in `ranks` (default all) is replayed in turn with ReplayComm.
 
@@ -182,16 +195,19 @@ def replay_ring(q, k, v, do, *, world, causal=False, softmax_scale=None, layout=
     """
     dims = check_qkv(q, k, v, "replay_ring")
     scale = resolve_scale(softmax_scale, dims.head_dim, "replay_ring")
+    key_bias = key_bias_from_mask(key_padding_mask, dims, q.device, "replay_ring")
     k_shards, v_shards = _split(k, world, layout), _split(v, world, layout)
+    bias_shards = [None] * world if key_bias is None else _split(key_bias, world, layout)
+    blocks = [(ks, vs) if bs is None else (ks, vs, bs) for ks, vs, bs in zip(k_shards, v_shards, bias_shards)]
     q_shards, do_shards = _split(q, world, layout), _split(do, world, layout)
     outs, dqs = [torch.zeros_like(t) for t in q_shards], [torch.zeros_like(t) for t in q_shards]
     dks = [torch.zeros_like(t, dtype=state_dtype(k.dtype)) for t in k_shards]
     dvs = [torch.zeros_like(t, dtype=state_dtype(v.dtype)) for t in v_shards]
     for rank in range(world) if ranks is None else ranks:
-        comm = ReplayComm(rank, world, k_shards, v_shards) if world > 1 else None
+        comm = ReplayComm(rank, world, blocks) if world > 1 else None
         ql = q_shards[rank].detach().requires_grad_()
         kl, vl = k_shards[rank].detach().requires_grad_(), v_shards[rank].detach().requires_grad_()
-        out, _ = _RingAttn.apply(ql, kl, vl, causal, scale, layout, comm)
+        out, _ = _RingAttn.apply(ql, kl, vl, bias_shards[rank], causal, scale, layout, comm)
         dq, dk, dv = torch.autograd.grad(out, (ql, kl, vl), do_shards[rank])
         outs[rank], dqs[rank] = out.detach(), dq
         for owner, (dk, dv) in comm.sent_grads if comm else [(rank, (dk, dv))]:

@@ -6,11 +6,12 @@ import math
 import torch
 
 
-def naive_attention(q, k, v, *, scale=None, causal=False, q_pos=None, k_pos=None, dtype=None):
+def naive_attention(q, k, v, *, scale=None, causal=False, q_pos=None, k_pos=None, dtype=None, key_padding_mask=None):
     """Attention computed the obvious way, in `dtype` (default float64), differentiable.
 
     q (B, Sq, Hq, D), k/v (B, Sk, Hkv, D). Causal masks use global positions q_pos / k_pos
-    (default: bottom-right alignment). Returns out (B, Sq, Hq, D) and lse (B, Hq, Sq); a row
+    (default: bottom-right alignment). key_padding_mask (B, Sk): bool (True = ignored) or
+    float (added to the scores). Returns out (B, Sq, Hq, D) and lse (B, Hq, Sq); a row
     with no visible key gives 0 and -inf.
     """
     dtype = dtype or torch.float64
@@ -21,6 +22,10 @@ def naive_attention(q, k, v, *, scale=None, causal=False, q_pos=None, k_pos=None
     k = k.repeat_interleave(Hq // Hkv, dim=2)
     v = v.repeat_interleave(Hq // Hkv, dim=2)
     s = torch.einsum("bihd,bjhd->bhij", q, k) * scale
+    if key_padding_mask is not None:
+        m = key_padding_mask.to(s.device)
+        bias = torch.zeros(m.shape, dtype=dtype, device=s.device).masked_fill(m, float("-inf")) if m.dtype == torch.bool else m.to(dtype)
+        s = s + bias[:, None, None, :]
     if causal:
         if q_pos is None:
             q_pos = torch.arange(Sq) + (Sk - Sq)

@@ -146,3 +146,37 @@ def test_poisoned_output_is_fully_written(monkeypatch):
     monkeypatch.undo()
     for t in (out, lse, dq, dk, dv):
         assert not torch.isnan(t).any()
+
+
+@BOTH
+@pytest.mark.parametrize("kind", ["bool", "float"])
+def test_key_padding_mask(backend, kind):
+    g = torch.Generator().manual_seed(21)
+    q, k, v = _inputs(2, 33, 70, 4, 2, 32, torch.float32, seed=21)
+    if kind == "bool":
+        mask = torch.rand(2, 70, generator=g) < 0.3
+        mask[1] = True  # batch 1: every key padded -> output 0, lse -inf, no NaN
+    else:
+        mask = torch.randn(2, 70, generator=g) * 2
+    for causal in (False, True):
+        out, lse = flash_attn_func(q, k, v, causal=causal, key_padding_mask=mask, return_lse=True)
+        ref, ref_lse = naive_attention(q, k, v, causal=causal, key_padding_mask=mask)
+        plain, plain_lse = naive_attention(q, k, v, causal=causal, key_padding_mask=mask, dtype=torch.float32)
+        assert_within("out", out, ref, plain)
+        assert_within("lse", lse, ref_lse, plain_lse)
+        do = torch.randn_like(out)
+        grads = torch.autograd.grad(out, (q, k, v), do)
+        ref_grads = torch.autograd.grad(ref, (q, k, v), do.double())
+        plain_grads = torch.autograd.grad(plain, (q, k, v), do)
+        for name, gr, r, p in zip(("dq", "dk", "dv"), grads, ref_grads, plain_grads):
+            assert_within(name, gr, torch.nan_to_num(r), torch.nan_to_num(p))
+        if kind == "bool":
+            assert torch.all(out[1] == 0) and torch.all(lse[1] == float("-inf"))
+
+
+def test_key_padding_mask_errors():
+    q = torch.randn(2, 8, 2, 16)
+    with pytest.raises(ValueError, match=r"key_padding_mask must have shape \(batch, k seqlen\) = \(2, 8\)"):
+        flash_attn_func(q, q, q, key_padding_mask=torch.zeros(8, 2, dtype=torch.bool))
+    with pytest.raises(TypeError, match="bool or floating point"):
+        flash_attn_func(q, q, q, key_padding_mask=torch.zeros(2, 8, dtype=torch.int64))

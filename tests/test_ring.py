@@ -18,16 +18,22 @@ def _full_inputs(B, S, Sk, Hq, Hkv, D, dtype, seed):
     return q, k, v, do
 
 
-def _ring_vs_oracle(rank, world, layout, causal, B, S, Sk, Hq, Hkv, D, dtype, tol, group=None, seed=0):
+def _ring_vs_oracle(rank, world, layout, causal, B, S, Sk, Hq, Hkv, D, dtype, tol, group=None, seed=0,
+                    mask=None):
     q, k, v, do = _full_inputs(B, S, Sk, Hq, Hkv, D, dtype, seed)
+    if mask is not None:  # a key padding mask: "bool" or "float"
+        g = torch.Generator().manual_seed(seed + 1)
+        mask = torch.rand(B, Sk, generator=g) < 0.3 if mask == "bool" else torch.randn(B, Sk, generator=g)
     # the oracle: top-left causal by global positions (equal lengths when causal)
     qr, kr, vr = (t.double().requires_grad_() for t in (q, k, v))
-    ref, ref_lse = naive_attention(qr, kr, vr, causal=causal)
+    ref, ref_lse = naive_attention(qr, kr, vr, causal=causal, key_padding_mask=mask)
     ref_grads = torch.autograd.grad(ref, (qr, kr, vr), do.double())
 
     sh = lambda t: shard(t, group=group, layout=layout)
     ql, kl, vl = (sh(t).clone().requires_grad_() for t in (q, k, v))
-    out, lse = ring_flash_attn_func(ql, kl, vl, causal=causal, group=group, layout=layout, return_lse=True)
+    local_mask = None if mask is None else sh(mask)
+    out, lse = ring_flash_attn_func(ql, kl, vl, causal=causal, group=group, layout=layout, return_lse=True,
+                                    key_padding_mask=local_mask)
     assert out.dtype == dtype and out.shape == ql.shape
     assert lse.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
     grads = torch.autograd.grad(out, (ql, kl, vl), sh(do))
@@ -58,9 +64,11 @@ def _cases(world):
     # MQA, longer, float64
     cases.append(dict(layout="zigzag", causal=True, B=1, S=2 * world * 24, Sk=2 * world * 24, Hq=3, Hkv=1, D=32,
                       dtype=torch.float64, tol=1e-10, seed=7))
-    # cross-attention: keys of another length, non-causal
-    cases.append(dict(layout="zigzag", causal=False, B=1, S=2 * world * 3, Sk=2 * world * 7, Hq=2, Hkv=2, D=16,
-                      dtype=torch.float32, tol=2e-5, seed=8))
+    # cross-attention: keys of another length, non-causal, padded keys
+    cases.append(dict(layout="zigzag", causal=False, B=2, S=2 * world * 3, Sk=2 * world * 7, Hq=2, Hkv=2, D=16,
+                      dtype=torch.float32, tol=2e-5, seed=8, mask="bool"))
+    cases.append(dict(layout="contiguous", causal=True, B=2, S=2 * world * 5, Sk=2 * world * 5, Hq=2, Hkv=1, D=16,
+                      dtype=torch.float32, tol=2e-5, seed=9, mask="float"))
     return cases
 
 
@@ -72,8 +80,9 @@ def test_ring_torch_backend(world):
 @pytest.mark.parametrize("world", [2, 3])
 def test_ring_triton_interpreter(world):
     cases = [dict(layout=layout, causal=causal, B=1, S=2 * world * 20, Sk=2 * world * 20, Hq=2, Hkv=1, D=16,
-                  dtype=torch.float32, tol=5e-5, seed=3)
-             for layout in ("zigzag", "contiguous") for causal in (False, True)]
+                  dtype=torch.float32, tol=5e-5, seed=3, mask=mask)
+             for layout in ("zigzag", "contiguous") for causal in (False, True)
+             for mask in ((None, "bool") if causal else (None,))]
     run_world(_suite, world, cases, env={"RINGFLASH_BACKEND": "triton", "TRITON_INTERPRET": "1"})
 
 

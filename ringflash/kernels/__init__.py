@@ -39,7 +39,12 @@ def _bsh(t):
     return t.stride(0), t.stride(1), t.stride(2)
 
 
-def forward(q, k, v, *, q_start, k_start, causal, scale, out_o, out_lse, fold):
+def _bias_args(key_bias, q):
+    """(pointer, batch stride, HAS_BIAS); q stands in for the pointer when there is no bias."""
+    return (q, 0, False) if key_bias is None else (key_bias, key_bias.stride(0), True)
+
+
+def forward(q, k, v, *, q_start, k_start, causal, scale, out_o, out_lse, fold, key_bias=None):
     """See ringflash.reference.forward."""
     _check_dtype(q)
     B, Sq, Hq, D = q.shape
@@ -47,15 +52,16 @@ def forward(q, k, v, *, q_start, k_start, causal, scale, out_o, out_lse, fold):
     block_d = _block_d(D)
     cfg = configs.forward_config(block_d)
     grid = (triton.cdiv(Sq, cfg.block_m), B * Hq)
+    kb, stride_kbb, has_bias = _bias_args(key_bias, q)
     with _on_device(q):
         _fwd_kernel[grid](
-            q, k, v, out_o, out_lse,
+            q, k, v, out_o, out_lse, kb,
             *_bsh(q), *_bsh(k), *_bsh(v), *_bsh(out_o),
-            out_lse.stride(0), out_lse.stride(1),
+            out_lse.stride(0), out_lse.stride(1), stride_kbb,
             Hq, Sq, Sk, q_start, k_start, scale * LOG2E,
             GROUP=Hq // Hkv, HEAD_DIM=D, BLOCK_D=block_d,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-            CAUSAL=causal, HAS_STATE=fold, PRECISION=_precision(q.dtype),
+            CAUSAL=causal, HAS_STATE=fold, HAS_BIAS=has_bias, PRECISION=_precision(q.dtype),
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
 
@@ -73,32 +79,34 @@ def delta(o, do):
     return out
 
 
-def backward(q, k, v, lse, do, delta, dq, dk, dv, *, q_start, k_start, causal, scale, accumulate):
+def backward(q, k, v, lse, do, delta, dq, dk, dv, *, q_start, k_start, causal, scale, accumulate,
+             key_bias=None):
     """See ringflash.reference.backward. lse and delta: (B, Hq, Sq) views with equal strides."""
     _check_dtype(q)
     B, Sq, Hq, D = q.shape
     Sk, Hkv = k.shape[1], k.shape[2]
     block_d = _block_d(D)
     assert lse.stride() == delta.stride(), "lse and delta must share strides"
+    kb, stride_kbb, has_bias = _bias_args(key_bias, q)
     common = dict(GROUP=Hq // Hkv, HEAD_DIM=D, BLOCK_D=block_d, CAUSAL=causal,
-                  ACCUMULATE=accumulate, PRECISION=_precision(q.dtype))
+                  ACCUMULATE=accumulate, HAS_BIAS=has_bias, PRECISION=_precision(q.dtype))
     positions = (Sq, Sk, q_start, k_start, scale * LOG2E, scale)
     with _on_device(q):
         if dk is not None:
             cfg = configs.dkdv_config(block_d)
             _dkdv_kernel[(triton.cdiv(Sk, cfg.block_n), B * Hkv)](
-                q, k, v, do, lse, delta, dk, dv,
+                q, k, v, do, lse, delta, dk, dv, kb,
                 *_bsh(q), *_bsh(k), *_bsh(v), *_bsh(do), *_bsh(dk), *_bsh(dv),
-                lse.stride(0), lse.stride(1), Hkv, *positions,
+                lse.stride(0), lse.stride(1), stride_kbb, Hkv, *positions,
                 BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
                 num_warps=cfg.num_warps, num_stages=cfg.num_stages, **common,
             )
         if dq is not None:
             cfg = configs.dq_config(block_d)
             _dq_kernel[(triton.cdiv(Sq, cfg.block_m), B * Hq)](
-                q, k, v, do, lse, delta, dq,
+                q, k, v, do, lse, delta, dq, kb,
                 *_bsh(q), *_bsh(k), *_bsh(v), *_bsh(do), *_bsh(dq),
-                lse.stride(0), lse.stride(1), Hq, *positions,
+                lse.stride(0), lse.stride(1), stride_kbb, Hq, *positions,
                 BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
                 num_warps=cfg.num_warps, num_stages=cfg.num_stages, **common,
             )

@@ -55,10 +55,10 @@ def _store_grad(ptrs, grad, mask, ACCUMULATE: tl.constexpr):
 
 @triton.jit
 def _dkdv_q_range(
-    dk, dv, k, v, k_pos, Q_ptrs, DO_ptrs, LSE_ptrs, DELTA_ptrs, stride_qs, stride_dos,
+    dk, dv, k, v, k_pos, kb, Q_ptrs, DO_ptrs, LSE_ptrs, DELTA_ptrs, stride_qs, stride_dos,
     offs_m, d_ok, lo, hi, q_start, Sq, qk_scale,
     MASKED: tl.constexpr, CAUSAL: tl.constexpr, PAD_D: tl.constexpr, BLOCK_M: tl.constexpr,
-    PRECISION: tl.constexpr,
+    HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr,
 ):
     # Q_ptrs / DO_ptrs / LSE_ptrs / DELTA_ptrs point at query row `lo` on entry
     for start_m in range(lo, hi, BLOCK_M):
@@ -74,6 +74,8 @@ def _dkdv_q_range(
         # a row that saw no key (lse = -inf) has p = 0: exp2(s - inf)
         lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
         s_t = tl.dot(k, tl.trans(q), input_precision=PRECISION) * qk_scale  # (BLOCK_N, BLOCK_M)
+        if HAS_BIAS:
+            s_t += kb[:, None]
         p_t = tl.math.exp2(s_t - lse2[None, :])
         if MASKED:
             visible = rows[None, :] < Sq
@@ -93,18 +95,18 @@ def _dkdv_q_range(
 
 @triton.jit(do_not_specialize=["Sq", "Sk", "q_start", "k_start"])
 def _dkdv_kernel(
-    Q, K, V, DO, LSE, DELTA, DK, DV,
+    Q, K, V, DO, LSE, DELTA, DK, DV, KB,
     stride_qb, stride_qs, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
     stride_dob, stride_dos, stride_doh,
     stride_dkb, stride_dks, stride_dkh,
     stride_dvb, stride_dvs, stride_dvh,
-    stride_lb, stride_lh,
+    stride_lb, stride_lh, stride_kbb,
     Hkv, Sq, Sk, q_start, k_start, qk_scale, sm_scale,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr, ACCUMULATE: tl.constexpr, PRECISION: tl.constexpr,
+    CAUSAL: tl.constexpr, ACCUMULATE: tl.constexpr, HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -123,6 +125,9 @@ def _dkdv_kernel(
     v = tl.load(V + b * stride_vb + hk * stride_vh + cols64[:, None] * stride_vs + offs_d[None, :],
                 mask=tile_mask, other=0.0)
     k_pos = k_start + offs_n
+    kb = offs_n * 0.0
+    if HAS_BIAS:  # per-key additive bias, in base-2 units like the scores
+        kb = tl.load(KB + b * stride_kbb + offs_n, mask=offs_n < Sk, other=float("-inf")) * 1.4426950408889634
 
     # Query rows that see some key of this tile, and the subrange that sees all of them.
     Sq_full = (Sq // BLOCK_M) * BLOCK_M
@@ -151,20 +156,20 @@ def _dkdv_kernel(
         DELTA_ptrs = DELTA + b * stride_lb + h * stride_lh + offs_m
         # diagonal blocks (causal mask)
         dk, dv = _dkdv_q_range(
-            dk, dv, k, v, k_pos, Q_ptrs + lo64 * stride_qs, DO_ptrs + lo64 * stride_dos,
+            dk, dv, k, v, k_pos, kb, Q_ptrs + lo64 * stride_qs, DO_ptrs + lo64 * stride_dos,
             LSE_ptrs + lo64, DELTA_ptrs + lo64, stride_qs, stride_dos, offs_m, d_ok,
-            lo, full_lo, q_start, Sq, qk_scale, True, CAUSAL, PAD_D, BLOCK_M, PRECISION)
+            lo, full_lo, q_start, Sq, qk_scale, True, CAUSAL, PAD_D, BLOCK_M, HAS_BIAS, PRECISION)
         # fully visible blocks
         dk, dv = _dkdv_q_range(
-            dk, dv, k, v, k_pos, Q_ptrs + full64 * stride_qs, DO_ptrs + full64 * stride_dos,
+            dk, dv, k, v, k_pos, kb, Q_ptrs + full64 * stride_qs, DO_ptrs + full64 * stride_dos,
             LSE_ptrs + full64, DELTA_ptrs + full64, stride_qs, stride_dos, offs_m, d_ok,
-            full_lo, Sq_full, q_start, Sq, qk_scale, False, CAUSAL, PAD_D, BLOCK_M, PRECISION)
+            full_lo, Sq_full, q_start, Sq, qk_scale, False, CAUSAL, PAD_D, BLOCK_M, HAS_BIAS, PRECISION)
         # ragged tail of the query rows
         tail64 = tl.maximum(full64, end64)
         dk, dv = _dkdv_q_range(
-            dk, dv, k, v, k_pos, Q_ptrs + tail64 * stride_qs, DO_ptrs + tail64 * stride_dos,
+            dk, dv, k, v, k_pos, kb, Q_ptrs + tail64 * stride_qs, DO_ptrs + tail64 * stride_dos,
             LSE_ptrs + tail64, DELTA_ptrs + tail64, stride_qs, stride_dos, offs_m, d_ok,
-            tail_lo, Sq, q_start, Sq, qk_scale, True, CAUSAL, PAD_D, BLOCK_M, PRECISION)
+            tail_lo, Sq, q_start, Sq, qk_scale, True, CAUSAL, PAD_D, BLOCK_M, HAS_BIAS, PRECISION)
 
     _store_grad(DK + b * stride_dkb + hk * stride_dkh + cols64[:, None] * stride_dks + offs_d[None, :],
                 dk * sm_scale, tile_mask, ACCUMULATE)
@@ -174,17 +179,24 @@ def _dkdv_kernel(
 
 @triton.jit
 def _dq_k_range(
-    dq, q, do, lse2, delta, q_pos, K_ptrs, V_ptrs, stride_ks, stride_vs, offs_n, d_ok,
+    dq, q, do, lse2, delta, q_pos, K_ptrs, V_ptrs, KB_ptrs, stride_ks, stride_vs, offs_n, d_ok,
     lo, hi, k_start, Sk, qk_scale,
     MASKED: tl.constexpr, CAUSAL: tl.constexpr, PAD_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    PRECISION: tl.constexpr,
+    HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    # K_ptrs / V_ptrs point at key row `lo` on entry
+    # K_ptrs / V_ptrs / KB_ptrs point at key row `lo` on entry
     for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + offs_n
         k = _load_rows(K_ptrs, cols, Sk, d_ok, MASKED, PAD_D)
         v = _load_rows(V_ptrs, cols, Sk, d_ok, MASKED, PAD_D)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+        if HAS_BIAS:
+            if MASKED:
+                kb = tl.load(KB_ptrs, mask=cols < Sk, other=float("-inf"))
+            else:
+                kb = tl.load(KB_ptrs)
+            s += kb[None, :] * 1.4426950408889634
+            KB_ptrs += BLOCK_N
         p = tl.math.exp2(s - lse2[:, None])
         if MASKED:
             visible = cols[None, :] < Sk
@@ -201,17 +213,17 @@ def _dq_k_range(
 
 @triton.jit(do_not_specialize=["Sq", "Sk", "q_start", "k_start"])
 def _dq_kernel(
-    Q, K, V, DO, LSE, DELTA, DQ,
+    Q, K, V, DO, LSE, DELTA, DQ, KB,
     stride_qb, stride_qs, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
     stride_dob, stride_dos, stride_doh,
     stride_dqb, stride_dqs, stride_dqh,
-    stride_lb, stride_lh,
+    stride_lb, stride_lh, stride_kbb,
     Hq, Sq, Sk, q_start, k_start, qk_scale, sm_scale,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr, ACCUMULATE: tl.constexpr, PRECISION: tl.constexpr,
+    CAUSAL: tl.constexpr, ACCUMULATE: tl.constexpr, HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -248,12 +260,13 @@ def _dq_kernel(
 
     K_ptrs = K + b * stride_kb + hk * stride_kh + offs_n[:, None] * stride_ks + offs_d[None, :]
     V_ptrs = V + b * stride_vb + hk * stride_vh + offs_n[:, None] * stride_vs + offs_d[None, :]
+    KB_ptrs = KB + b * stride_kbb + offs_n
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    dq = _dq_k_range(dq, q, do, lse2, delta, q_pos, K_ptrs, V_ptrs, stride_ks, stride_vs, offs_n, d_ok,
-                     0, full_end, k_start, Sk, qk_scale, False, CAUSAL, PAD_D, BLOCK_N, PRECISION)
+    dq = _dq_k_range(dq, q, do, lse2, delta, q_pos, K_ptrs, V_ptrs, KB_ptrs, stride_ks, stride_vs, offs_n,
+                     d_ok, 0, full_end, k_start, Sk, qk_scale, False, CAUSAL, PAD_D, BLOCK_N, HAS_BIAS, PRECISION)
     skip = full_end.to(tl.int64)
     dq = _dq_k_range(dq, q, do, lse2, delta, q_pos, K_ptrs + skip * stride_ks, V_ptrs + skip * stride_vs,
-                     stride_ks, stride_vs, offs_n, d_ok, full_end, hi, k_start, Sk, qk_scale,
-                     True, CAUSAL, PAD_D, BLOCK_N, PRECISION)
+                     KB_ptrs + skip, stride_ks, stride_vs, offs_n, d_ok, full_end, hi, k_start, Sk, qk_scale,
+                     True, CAUSAL, PAD_D, BLOCK_N, HAS_BIAS, PRECISION)
     _store_grad(DQ + b * stride_dqb + h * stride_dqh + rows64[:, None] * stride_dqs + offs_d[None, :],
                 dq * sm_scale, tile_mask, ACCUMULATE)

@@ -15,12 +15,12 @@ LN2 = 0.6931471805599453
 
 @triton.jit
 def _fwd_block_range(
-    acc, l_i, m_i, q, q_pos, K_ptrs, V_ptrs, stride_ks, stride_vs, offs_n, offs_d,
+    acc, l_i, m_i, q, q_pos, K_ptrs, V_ptrs, KB_ptrs, stride_ks, stride_vs, offs_n, offs_d,
     lo, hi, k_start, Sk, qk_scale,
     MASKED: tl.constexpr, CAUSAL: tl.constexpr, PAD_D: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    # K_ptrs / V_ptrs point at key row `lo` on entry
+    # K_ptrs / V_ptrs / KB_ptrs point at key row `lo` on entry
     d_ok = offs_d[None, :] < HEAD_DIM
     for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + offs_n
@@ -34,6 +34,13 @@ def _fwd_block_range(
         else:
             k = tl.load(K_ptrs)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+        if HAS_BIAS:  # per-key additive bias (key padding), natural log units
+            if MASKED:
+                kb = tl.load(KB_ptrs, mask=cols < Sk, other=float("-inf"))
+            else:
+                kb = tl.load(KB_ptrs)
+            s += kb[None, :] * 1.4426950408889634
+            KB_ptrs += BLOCK_N
         if MASKED:
             visible = cols[None, :] < Sk
             if CAUSAL:
@@ -63,16 +70,16 @@ def _fwd_block_range(
 # compile-time constants (and a new compile per value).
 @triton.jit(do_not_specialize=["Sq", "Sk", "q_start", "k_start"])
 def _fwd_kernel(
-    Q, K, V, O, LSE,
+    Q, K, V, O, LSE, KB,
     stride_qb, stride_qs, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
     stride_ob, stride_os, stride_oh,
-    stride_lb, stride_lh,
+    stride_lb, stride_lh, stride_kbb,
     Hq, Sq, Sk, q_start, k_start, qk_scale,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr, HAS_STATE: tl.constexpr, PRECISION: tl.constexpr,
+    CAUSAL: tl.constexpr, HAS_STATE: tl.constexpr, HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -115,15 +122,16 @@ def _fwd_kernel(
 
     K_ptrs = K + b * stride_kb + hk * stride_kh + offs_n[:, None] * stride_ks + offs_d[None, :]
     V_ptrs = V + b * stride_vb + hk * stride_vh + offs_n[:, None] * stride_vs + offs_d[None, :]
+    KB_ptrs = KB + b * stride_kbb + offs_n
     acc, l_i, m_i = _fwd_block_range(
-        acc, l_i, m_i, q, q_pos, K_ptrs, V_ptrs, stride_ks, stride_vs, offs_n, offs_d,
+        acc, l_i, m_i, q, q_pos, K_ptrs, V_ptrs, KB_ptrs, stride_ks, stride_vs, offs_n, offs_d,
         0, full_end, k_start, Sk, qk_scale,
-        False, CAUSAL, PAD_D, HEAD_DIM, BLOCK_N, PRECISION)
+        False, CAUSAL, PAD_D, HEAD_DIM, BLOCK_N, HAS_BIAS, PRECISION)
     skip = full_end.to(tl.int64)
     acc, l_i, m_i = _fwd_block_range(
-        acc, l_i, m_i, q, q_pos, K_ptrs + skip * stride_ks, V_ptrs + skip * stride_vs,
+        acc, l_i, m_i, q, q_pos, K_ptrs + skip * stride_ks, V_ptrs + skip * stride_vs, KB_ptrs + skip,
         stride_ks, stride_vs, offs_n, offs_d, full_end, hi, k_start, Sk, qk_scale,
-        True, CAUSAL, PAD_D, HEAD_DIM, BLOCK_N, PRECISION)
+        True, CAUSAL, PAD_D, HEAD_DIM, BLOCK_N, HAS_BIAS, PRECISION)
 
     empty = l_i == 0.0
     o = acc / tl.where(empty, 1.0, l_i)[:, None]
