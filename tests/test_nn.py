@@ -1,0 +1,166 @@
+"""RingMultiheadAttention against torch.nn.MultiheadAttention, inside torch's own layers."""
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ringflash import shard, unshard
+from ringflash.nn import RingMultiheadAttention
+from dist_utils import run_world
+
+E, H = 64, 4
+
+
+def _ring_like(mha: nn.MultiheadAttention, **kw) -> RingMultiheadAttention:
+    ring = RingMultiheadAttention(mha.embed_dim, mha.num_heads, dropout=mha.dropout, bias=mha.in_proj_bias is not None,
+                                  kdim=mha.kdim, vdim=mha.vdim, batch_first=mha.batch_first, **kw)
+    ring.load_state_dict(mha.state_dict())
+    return ring
+
+
+def _swap_attention(layer, **kw):
+    """A copy of a torch Transformer layer with every MultiheadAttention replaced by the ring one."""
+    layer = copy.deepcopy(layer)
+    for name in ("self_attn", "multihead_attn"):
+        if hasattr(layer, name):
+            setattr(layer, name, _ring_like(getattr(layer, name), **kw))
+    return layer
+
+
+def _layers(batch_first, seed=0):
+    torch.manual_seed(seed)
+    enc = nn.TransformerEncoderLayer(E, H, dim_feedforward=128, dropout=0.0, batch_first=batch_first)
+    dec = nn.TransformerDecoderLayer(E, H, dim_feedforward=128, dropout=0.0, batch_first=batch_first)
+    return enc, dec
+
+
+def _data(batch_first, B=2, S=24, S_mem=16, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    shape = lambda L: (B, L, E) if batch_first else (L, B, E)
+    x, mem, w = torch.randn(shape(S), generator=g), torch.randn(shape(S_mem), generator=g), torch.randn(shape(S), generator=g)
+    pad = torch.rand(B, S, generator=g) < 0.25
+    mem_pad = torch.rand(B, S_mem, generator=g) < 0.25
+    pad[:, 0] = False  # with a causal mask, row 0 sees only key 0: keep it (torch gives NaN otherwise)
+    return x, mem, w, pad, mem_pad
+
+
+def _run(layer, kind, x, mem, pad, mem_pad, causal):
+    S = x.shape[1] if layer.self_attn.batch_first else x.shape[0]
+    mask = nn.Transformer.generate_square_subsequent_mask(S) if causal else None
+    if kind == "enc":
+        return layer(x, src_mask=mask, src_key_padding_mask=pad, is_causal=causal)
+    return layer(x, mem, tgt_mask=mask, tgt_key_padding_mask=pad, memory_key_padding_mask=mem_pad,
+                 tgt_is_causal=causal)
+
+
+@pytest.mark.parametrize("batch_first", [True, False])
+@pytest.mark.parametrize("kind", ["enc", "dec"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_world1_matches_torch_layers(batch_first, kind, causal):
+    enc, dec = _layers(batch_first)
+    ref_layer = enc if kind == "enc" else dec
+    ring_layer = _swap_attention(ref_layer)
+    x, mem, w, pad, mem_pad = _data(batch_first)
+    outs, grads = [], []
+    for layer in (ref_layer, ring_layer):
+        out = _run(layer, kind, x, mem, pad, mem_pad, causal)
+        (out * w).sum().backward()
+        outs.append(out)
+        grads.append({n: p.grad.clone() for n, p in layer.named_parameters()})
+    assert (outs[0] - outs[1]).abs().max() < 2e-5
+    assert grads[0].keys() == grads[1].keys()
+    for n in grads[0]:
+        assert (grads[0][n] - grads[1][n]).abs().max() < 5e-5, n
+
+
+def _world2(rank, world, batch_first, kind, causal, train):
+    enc, dec = _layers(batch_first)
+    ref_layer = enc if kind == "enc" else dec
+    ring_layer = _swap_attention(ref_layer)
+    for layer in (ref_layer, ring_layer):
+        layer.train(train)
+    x, mem, w, pad, mem_pad = _data(batch_first, S=8 * world, S_mem=4 * world)
+    seq_dim = 1 if batch_first else 0
+    sh = lambda t, d=seq_dim: shard(t, dim=d)
+    with torch.set_grad_enabled(train):
+        ref = _run(ref_layer, kind, x, mem, pad, mem_pad, causal)
+        out = _run(ring_layer, kind, sh(x), sh(mem), sh(pad, 1), sh(mem_pad, 1), causal)
+    assert (unshard(out, dim=seq_dim) - ref).abs().max() < 2e-5
+    if train:
+        (ref * w).sum().backward()
+        (out * sh(w)).sum().backward()
+        for (n, p_ref), (_, p) in zip(ref_layer.named_parameters(), ring_layer.named_parameters()):
+            g = p.grad.clone()
+            dist.all_reduce(g)  # each rank's gradient covers its own tokens
+            assert (g - p_ref.grad).abs().max() < 5e-5, n
+
+
+@pytest.mark.parametrize("batch_first", [True, False])
+@pytest.mark.parametrize("kind", ["enc", "dec"])
+def test_world2_matches_torch_layers(batch_first, kind):
+    for causal in (False, True):
+        for train in (True, False):  # eval + no_grad: torch's encoder fast path must stay off
+            run_world(_world2, 2, batch_first, kind, causal, train, env={"RINGFLASH_BACKEND": "torch"})
+
+
+def test_state_dict_round_trip():
+    for kw in (dict(), dict(bias=False), dict(kdim=24, vdim=40), dict(batch_first=True)):
+        torch.manual_seed(0)
+        mha = nn.MultiheadAttention(E, H, **kw)
+        ring = RingMultiheadAttention(E, H, **kw)
+        ring.load_state_dict(mha.state_dict())
+        assert {k: v.shape for k, v in ring.state_dict().items()} == {k: v.shape for k, v in mha.state_dict().items()}
+        torch.manual_seed(1)
+        ring2 = RingMultiheadAttention(E, H, **kw)
+        mha.load_state_dict(ring2.state_dict())
+        for (k1, v1), (k2, v2) in zip(mha.state_dict().items(), ring2.state_dict().items()):
+            assert k1 == k2 and torch.equal(v1, v2)
+
+
+def test_kdim_vdim_cross_attention_and_unbatched():
+    torch.manual_seed(0)
+    mha = nn.MultiheadAttention(E, H, kdim=24, vdim=40)
+    ring = _ring_like(mha)
+    q, k, v = torch.randn(10, 3, E), torch.randn(14, 3, 24), torch.randn(14, 3, 40)
+    ref, _ = mha(q, k, v, need_weights=False)
+    out, weights = ring(q, k, v, need_weights=False)
+    assert weights is None and (out - ref).abs().max() < 2e-5
+    ref, _ = mha(q[:, 0], k[:, 0], v[:, 0], need_weights=False)
+    out, _ = ring(q[:, 0], k[:, 0], v[:, 0], need_weights=False)
+    assert out.shape == ref.shape and (out - ref).abs().max() < 2e-5
+
+
+def test_need_weights_warns_once():
+    ring = RingMultiheadAttention(E, H, batch_first=True)
+    x = torch.randn(2, 5, E)
+    with pytest.warns(UserWarning, match="never materialized"):
+        _, w = ring(x, x, x)
+    assert w is None
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ring(x, x, x)
+
+
+def test_unsupported_arguments_raise():
+    with pytest.raises(NotImplementedError, match="add_bias_kv"):
+        RingMultiheadAttention(E, H, add_bias_kv=True)
+    with pytest.raises(NotImplementedError, match="add_zero_attn"):
+        RingMultiheadAttention(E, H, add_zero_attn=True)
+    ring = RingMultiheadAttention(E, H, dropout=0.1, batch_first=True)
+    x = torch.randn(2, 6, E)
+    with pytest.raises(NotImplementedError, match="dropout"):
+        ring(x, x, x, need_weights=False)
+    ring.eval()
+    ring(x, x, x, need_weights=False)  # dropout is inactive in eval mode
+    with pytest.raises(NotImplementedError, match="attn_mask"):
+        ring(x, x, x, attn_mask=torch.zeros(6, 6, dtype=torch.bool), need_weights=False)
+    with pytest.raises(ValueError, match="not the causal mask"):
+        ring(x, x, x, attn_mask=torch.zeros(6, 6, dtype=torch.bool), is_causal=True, need_weights=False)
+    with pytest.raises(ValueError, match="layout"):
+        RingMultiheadAttention(E, H, layout="striped")
+    with pytest.raises(ValueError, match="causal ring attention needs equal"):
+        ring(x, torch.randn(2, 4, E), torch.randn(2, 4, E), is_causal=True, need_weights=False)
