@@ -109,18 +109,22 @@ def run_table(args, device, dtype):
 
 CANDIDATES = {
     "fwd": {
-        64: [KernelConfig(128, 64, 4, 3), KernelConfig(128, 128, 4, 3), KernelConfig(128, 128, 8, 3),
-             KernelConfig(128, 64, 4, 4), KernelConfig(64, 64, 4, 3)],
-        128: [KernelConfig(128, 64, 4, 3), KernelConfig(128, 64, 8, 3), KernelConfig(128, 128, 8, 2),
-              KernelConfig(128, 128, 8, 3), KernelConfig(128, 64, 8, 4), KernelConfig(64, 64, 4, 3)],
+        64: [KernelConfig(128, 64, 4, 4), KernelConfig(64, 64, 4, 3), KernelConfig(128, 128, 8, 3),
+             KernelConfig(128, 64, 4, 4, tma=True), KernelConfig(64, 64, 4, 3, tma=True),
+             KernelConfig(128, 128, 8, 3, tma=True), KernelConfig(128, 64, 4, 4, tma=True, warp_specialize=True)],
+        128: [KernelConfig(128, 64, 8, 3), KernelConfig(128, 64, 8, 4), KernelConfig(128, 128, 8, 2),
+              KernelConfig(128, 64, 8, 3, tma=True), KernelConfig(128, 64, 8, 4, tma=True),
+              KernelConfig(128, 128, 8, 2, tma=True), KernelConfig(128, 128, 8, 3, tma=True),
+              KernelConfig(128, 64, 8, 3, tma=True, warp_specialize=True),
+              KernelConfig(128, 128, 8, 2, tma=True, warp_specialize=True)],
     },
     "dkdv": {
-        128: [KernelConfig(64, 128, 8, 2), KernelConfig(64, 128, 8, 3), KernelConfig(32, 128, 8, 2),
-              KernelConfig(64, 64, 4, 2), KernelConfig(32, 64, 4, 3), KernelConfig(64, 128, 4, 2)],
+        64: [KernelConfig(64, 128, 8, 3), KernelConfig(64, 128, 4, 3), KernelConfig(32, 128, 4, 3),
+             KernelConfig(64, 64, 4, 3), KernelConfig(128, 128, 8, 2)],
     },
     "dq": {
-        128: [KernelConfig(128, 64, 8, 2), KernelConfig(128, 64, 8, 3), KernelConfig(64, 64, 4, 2),
-              KernelConfig(128, 32, 8, 2), KernelConfig(64, 128, 8, 2), KernelConfig(128, 128, 8, 2)],
+        64: [KernelConfig(128, 64, 8, 3), KernelConfig(128, 64, 4, 3), KernelConfig(64, 64, 4, 3),
+             KernelConfig(128, 128, 8, 2), KernelConfig(128, 32, 4, 3)],
     },
 }
 
@@ -129,8 +133,8 @@ def tune(args, device, dtype):
     """Time each candidate block shape at S = args.tune_seqlen; print the best per kernel."""
     S, B, H = args.tune_seqlen, args.batch, args.heads
     rows = []
-    for kind, by_d in CANDIDATES.items():
-        for D, cands in by_d.items():
+    for kind in args.tune_kinds:
+        for D, cands in CANDIDATES[kind].items():
             qkv, _ = make_inputs(B, S, H, D, dtype, device)
             mode = "fwd" if kind == "fwd" else "fwd+bwd"
             for causal in (False, True):
@@ -171,6 +175,7 @@ def main():
     ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp16"])
     ap.add_argument("--json", type=Path)
     ap.add_argument("--tune", action="store_true")
+    ap.add_argument("--tune-kinds", nargs="+", default=list(CANDIDATES), choices=list(CANDIDATES))
     ap.add_argument("--tune-seqlen", type=int, default=16384)
     ap.add_argument("--smoke", action="store_true", help="tiny CPU sizes")
     args = ap.parse_args()

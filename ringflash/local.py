@@ -6,6 +6,7 @@ on CPU tensors needs TRITON_INTERPRET=1 set before ringflash is imported.
 """
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -90,8 +91,22 @@ def block_backward(q, k, v, lse, do, delta, dq, dk, dv, *, q_start, k_start, cau
     return True
 
 
+def without_autocast(method):
+    """For autograd Function forward/backward: an enclosing torch.autocast must not downcast
+    the float32 state or the torch backend's einsums; the inputs' own dtypes decide."""
+
+    @functools.wraps(method)
+    def wrapper(ctx, *args):
+        device_type = next(a.device.type for a in args if isinstance(a, torch.Tensor))
+        with torch.autocast(device_type, enabled=False):
+            return method(ctx, *args)
+
+    return wrapper
+
+
 class _FlashAttn(torch.autograd.Function):
     @staticmethod
+    @without_autocast
     def forward(ctx, q, k, v, key_bias, causal, scale):
         q_start, k_start = local_causal_offsets(q.shape[1], k.shape[1]) if causal else (0, 0)
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
@@ -104,6 +119,7 @@ class _FlashAttn(torch.autograd.Function):
         return out, lse
 
     @staticmethod
+    @without_autocast
     def backward(ctx, do, dlse):
         q, k, v, out, lse, key_bias = ctx.saved_tensors
         q_start, k_start, causal, scale = ctx.offsets

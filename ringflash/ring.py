@@ -11,7 +11,7 @@ import torch
 from ._checks import SUPPORTED_DTYPES, check_bool, check_qkv, key_bias_from_mask, resolve_scale
 from .comm import ReplayComm, RingComm, agree_across_ranks, check_backend_device, group_rank_world
 from .layout import _place, _split
-from .local import attention_delta, block_backward, block_forward
+from .local import attention_delta, block_backward, block_forward, without_autocast
 from .merge import state_dtype
 from .schedule import LAYOUTS, check_layout, chunks_per_rank, step_tasks
 
@@ -64,6 +64,7 @@ def _rows(key_bias, rows):
 
 class _RingAttn(torch.autograd.Function):
     @staticmethod
+    @without_autocast
     def forward(ctx, q, k, v, key_bias, causal, scale, layout, comm):
         """comm: RingComm, ReplayComm, or None for a single rank. key_bias: None or (B, Sk) float32."""
         rank, world = (comm.rank, comm.world) if comm else (0, 1)
@@ -86,6 +87,7 @@ class _RingAttn(torch.autograd.Function):
         return out, lse
 
     @staticmethod
+    @without_autocast
     def backward(ctx, do, dlse):
         q, k, v, out, lse, key_bias = ctx.saved_tensors
         causal, scale, layout, comm = ctx.args

@@ -51,3 +51,29 @@ def test_deterministic_on_gpu():
         results.append((out, *torch.autograd.grad(out, (q, k, v), torch.ones_like(out))))
     for a, b in zip(*results):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("D", [256, 32])
+@pytest.mark.parametrize("causal", [False, True])
+def test_other_head_dims(D, causal):
+    test_forward_backward_vs_float64(torch.bfloat16, causal, (1, 2049, 2049, 4, 2, D))
+
+
+@pytest.mark.parametrize("variant", ["pointers", "tma", "tma+ws"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_forward_variants_and_key_padding(variant, causal, monkeypatch):
+    """Every forward variant the sweep may pick, with and without a key padding mask."""
+    from ringflash.kernels import configs
+
+    base = configs.forward_config(128)
+    monkeypatch.setitem(configs.OVERRIDES, "fwd", configs.KernelConfig(
+        base.block_m, base.block_n, base.num_warps, base.num_stages, tma=variant != "pointers",
+        warp_specialize=variant == "tma+ws"))
+    g = torch.Generator(device="cuda").manual_seed(5)
+    q, k, v = (torch.randn(2, 3001, 4, 128, device="cuda", generator=g, dtype=torch.bfloat16) for _ in range(3))
+    mask = torch.rand(2, 3001, device="cuda", generator=g) < 0.2
+    for kpm in (None, mask):
+        out = flash_attn_func(q, k, v, causal=causal, key_padding_mask=kpm)
+        ref, _ = naive_attention(q, k, v, causal=causal, key_padding_mask=kpm)
+        plain, _ = naive_attention(q, k, v, causal=causal, key_padding_mask=kpm, dtype=torch.bfloat16)
+        assert_within(f"out {variant}", out, ref, plain)

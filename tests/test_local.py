@@ -180,3 +180,30 @@ def test_key_padding_mask_errors():
         flash_attn_func(q, q, q, key_padding_mask=torch.zeros(8, 2, dtype=torch.bool))
     with pytest.raises(TypeError, match="bool or floating point"):
         flash_attn_func(q, q, q, key_padding_mask=torch.zeros(2, 8, dtype=torch.int64))
+
+
+@pytest.mark.parametrize("backend", ["triton"], indirect=True)
+@pytest.mark.parametrize("tma", [False, True])
+def test_forward_kernel_variants(backend, tma, monkeypatch):
+    """The forward kernel's tensor-descriptor path computes the same function (interpreter)."""
+    from ringflash.kernels import configs
+
+    monkeypatch.setitem(configs.OVERRIDES, "fwd", configs.KernelConfig(32, 16, 4, 1, tma=tma))
+    for causal in (False, True):
+        for Sq, Sk, D in ((37, 45, 24), (1, 70, 16), (64, 64, 32)):
+            q, k, v = _inputs(2, Sq, Sk, 4, 2, D, torch.float16, seed=Sq + D)
+            _check(q, k, v, causal, check_grad=False)
+
+
+@BOTH
+def test_autocast_does_not_lower_precision(backend):
+    """An enclosing autocast must not downcast the float32 state or the torch backend's math."""
+    q, k, v = _inputs(1, 40, 40, 2, 2, 32, torch.float32, seed=2)
+    ref = flash_attn_func(q, k, v, causal=True)
+    ref_grads = torch.autograd.grad(ref, (q, k, v), torch.ones_like(ref))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = flash_attn_func(q, k, v, causal=True)
+        grads = torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
+    assert out.dtype == torch.float32 and max_err(out, ref) < 1e-6
+    for g, r in zip(grads, ref_grads):
+        assert max_err(g, r) < 1e-5

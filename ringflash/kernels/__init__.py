@@ -39,6 +39,18 @@ def _bsh(t):
     return t.stride(0), t.stride(1), t.stride(2)
 
 
+def _tma_ok(t: torch.Tensor) -> bool:
+    """Tensor descriptors need a 16-byte aligned base and 16-byte aligned outer strides."""
+    size = t.element_size()
+    return t.data_ptr() % 16 == 0 and all((st * size) % 16 == 0 for st in t.stride()[:-1])
+
+
+def _kv_descriptor(t, block_n, block_d):
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), [1, block_n, 1, block_d])
+
+
 def _bias_args(key_bias, q):
     """(pointer, batch stride, HAS_BIAS); q stands in for the pointer when there is no bias."""
     return (q, 0, False) if key_bias is None else (key_bias, key_bias.stride(0), True)
@@ -53,15 +65,18 @@ def forward(q, k, v, *, q_start, k_start, causal, scale, out_o, out_lse, fold, k
     cfg = configs.forward_config(block_d)
     grid = (triton.cdiv(Sq, cfg.block_m), B * Hq)
     kb, stride_kbb, has_bias = _bias_args(key_bias, q)
+    use_tma = cfg.tma and _tma_ok(k) and _tma_ok(v)
+    k_arg, v_arg = (_kv_descriptor(t, cfg.block_n, block_d) for t in (k, v)) if use_tma else (k, v)
     with _on_device(q):
         _fwd_kernel[grid](
-            q, k, v, out_o, out_lse, kb,
+            q, k_arg, v_arg, out_o, out_lse, kb,
             *_bsh(q), *_bsh(k), *_bsh(v), *_bsh(out_o),
             out_lse.stride(0), out_lse.stride(1), stride_kbb,
             Hq, Sq, Sk, q_start, k_start, scale * LOG2E,
             GROUP=Hq // Hkv, HEAD_DIM=D, BLOCK_D=block_d,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
             CAUSAL=causal, HAS_STATE=fold, HAS_BIAS=has_bias, PRECISION=_precision(q.dtype),
+            TMA=use_tma, WARP_SPECIALIZE=cfg.warp_specialize,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
 

@@ -17,6 +17,8 @@ class KernelConfig:
     block_n: int  # key rows per tile
     num_warps: int
     num_stages: int
+    tma: bool = False  # K/V tiles through tensor descriptors (forward only)
+    warp_specialize: bool = False  # tl.range(..., warp_specialize=True) on the unmasked loop
 
 
 def interpreting() -> bool:

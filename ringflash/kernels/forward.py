@@ -14,25 +14,36 @@ LN2 = 0.6931471805599453
 
 
 @triton.jit
+def _load_kv_tile(ptrs, desc, b, row, hk, kv_mask, d_ok, MASKED: tl.constexpr, PAD_D: tl.constexpr,
+                  TMA: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    """A (BLOCK_N, BLOCK_D) tile of K or V: through the tensor-memory engine from a
+    (B, S, H, D) descriptor (out-of-range rows and columns read as 0), or by pointers."""
+    if TMA:
+        return tl.reshape(desc.load([b, row, hk, 0]), (BLOCK_N, BLOCK_D))
+    elif MASKED:
+        return tl.load(ptrs, mask=kv_mask, other=0.0)
+    elif PAD_D:
+        return tl.load(ptrs, mask=d_ok, other=0.0)
+    else:
+        return tl.load(ptrs)
+
+
+@triton.jit
 def _fwd_block_range(
     acc, l_i, m_i, q, q_pos, K_ptrs, V_ptrs, KB_ptrs, stride_ks, stride_vs, offs_n, offs_d,
-    lo, hi, k_start, Sk, qk_scale,
+    lo, hi, k_start, Sk, qk_scale, K_desc, V_desc, b32, hk32,
     MASKED: tl.constexpr, CAUSAL: tl.constexpr, PAD_D: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr,
+    TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
 ):
-    # K_ptrs / V_ptrs / KB_ptrs point at key row `lo` on entry
+    # K_ptrs / V_ptrs / KB_ptrs point at key row `lo` on entry (pointer path)
     d_ok = offs_d[None, :] < HEAD_DIM
-    for start_n in range(lo, hi, BLOCK_N):
+    for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
         cols = start_n + offs_n
-        if MASKED:
-            kv_mask = cols[:, None] < Sk
-            if PAD_D:
-                kv_mask = kv_mask & d_ok
-            k = tl.load(K_ptrs, mask=kv_mask, other=0.0)
-        elif PAD_D:
-            k = tl.load(K_ptrs, mask=d_ok, other=0.0)
-        else:
-            k = tl.load(K_ptrs)
+        kv_mask = cols[:, None] < Sk
+        if PAD_D:
+            kv_mask = kv_mask & d_ok
+        k = _load_kv_tile(K_ptrs, K_desc, b32, start_n, hk32, kv_mask, d_ok, MASKED, PAD_D, TMA, BLOCK_N, BLOCK_D)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
         if HAS_BIAS:  # per-key additive bias (key padding), natural log units
             if MASKED:
@@ -53,16 +64,12 @@ def _fwd_block_range(
         alpha = tl.math.exp2(m_i - m_pivot)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
-        if MASKED:
-            v = tl.load(V_ptrs, mask=kv_mask, other=0.0)
-        elif PAD_D:
-            v = tl.load(V_ptrs, mask=d_ok, other=0.0)
-        else:
-            v = tl.load(V_ptrs)
+        v = _load_kv_tile(V_ptrs, V_desc, b32, start_n, hk32, kv_mask, d_ok, MASKED, PAD_D, TMA, BLOCK_N, BLOCK_D)
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision=PRECISION)
         m_i = m_new
-        K_ptrs += BLOCK_N * stride_ks
-        V_ptrs += BLOCK_N * stride_vs
+        if not TMA:
+            K_ptrs += BLOCK_N * stride_ks
+            V_ptrs += BLOCK_N * stride_vs
     return acc, l_i, m_i
 
 
@@ -80,7 +87,10 @@ def _fwd_kernel(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_STATE: tl.constexpr, HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr,
+    TMA: tl.constexpr = False, WARP_SPECIALIZE: tl.constexpr = False,
 ):
+    """K and V are tensors, or (B, Sk, Hkv, D) tensor descriptors with blocks
+    [1, BLOCK_N, 1, BLOCK_D] when TMA."""
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = (pid_bh // Hq).to(tl.int64)
@@ -120,18 +130,23 @@ def _fwd_kernel(
         hi = Sk
         full_end = (Sk // BLOCK_N) * BLOCK_N
 
-    K_ptrs = K + b * stride_kb + hk * stride_kh + offs_n[:, None] * stride_ks + offs_d[None, :]
-    V_ptrs = V + b * stride_vb + hk * stride_vh + offs_n[:, None] * stride_vs + offs_d[None, :]
+    skip = full_end.to(tl.int64)
     KB_ptrs = KB + b * stride_kbb + offs_n
+    if TMA:
+        K_ptrs, V_ptrs, K_rest, V_rest = KB_ptrs, KB_ptrs, KB_ptrs, KB_ptrs  # unused
+    else:
+        K_ptrs = K + b * stride_kb + hk * stride_kh + offs_n[:, None] * stride_ks + offs_d[None, :]
+        V_ptrs = V + b * stride_vb + hk * stride_vh + offs_n[:, None] * stride_vs + offs_d[None, :]
+        K_rest, V_rest = K_ptrs + skip * stride_ks, V_ptrs + skip * stride_vs
+    b32, hk32 = b.to(tl.int32), hk.to(tl.int32)
     acc, l_i, m_i = _fwd_block_range(
         acc, l_i, m_i, q, q_pos, K_ptrs, V_ptrs, KB_ptrs, stride_ks, stride_vs, offs_n, offs_d,
-        0, full_end, k_start, Sk, qk_scale,
-        False, CAUSAL, PAD_D, HEAD_DIM, BLOCK_N, HAS_BIAS, PRECISION)
-    skip = full_end.to(tl.int64)
+        0, full_end, k_start, Sk, qk_scale, K, V, b32, hk32,
+        False, CAUSAL, PAD_D, HEAD_DIM, BLOCK_N, BLOCK_D, HAS_BIAS, PRECISION, TMA, WARP_SPECIALIZE)
     acc, l_i, m_i = _fwd_block_range(
-        acc, l_i, m_i, q, q_pos, K_ptrs + skip * stride_ks, V_ptrs + skip * stride_vs, KB_ptrs + skip,
-        stride_ks, stride_vs, offs_n, offs_d, full_end, hi, k_start, Sk, qk_scale,
-        True, CAUSAL, PAD_D, HEAD_DIM, BLOCK_N, HAS_BIAS, PRECISION)
+        acc, l_i, m_i, q, q_pos, K_rest, V_rest, KB_ptrs + skip,
+        stride_ks, stride_vs, offs_n, offs_d, full_end, hi, k_start, Sk, qk_scale, K, V, b32, hk32,
+        True, CAUSAL, PAD_D, HEAD_DIM, BLOCK_N, BLOCK_D, HAS_BIAS, PRECISION, TMA, False)
 
     empty = l_i == 0.0
     o = acc / tl.where(empty, 1.0, l_i)[:, None]

@@ -1,0 +1,309 @@
+"""Train a small GPT-style byte-level language model on ONE long sequence split across ranks.
+
+Sequence parallelism: every rank holds all the parameters and 1/P of the tokens of each
+sequence (its shard, layout zigzag or contiguous); attention runs on ringflash's ring, so each
+token attends to the whole causal prefix although no rank ever holds the whole sequence.
+
+    RINGFLASH_NPROC=2 launch/run.sh examples/train_long_context.py            # CPU, gloo, ~1 min
+    RINGFLASH_NPROC=2 launch/run.sh examples/train_long_context.py --check    # vs one process
+    python examples/train_long_context.py --steps 50                          # one process
+    # 2 GPUs (NCCL), 128K tokens per sequence:
+    RINGFLASH_NPROC=2 launch/run.sh examples/train_long_context.py --seq-len 131072 \\
+        --dtype bfloat16 --dim 512 --layers 4 --heads 8 --kv-heads 2 --steps 100 --log-every 5
+
+--check: after the run, every rank also trains the same model (same seed, same data) in one
+process on the full sequence with ringflash.flash_attn_func, for the first --check-steps
+steps, and compares the per-step losses with the distributed run's; exit status 1 if they
+differ by more than the tolerance (only meant for sizes one device can hold).
+
+The text is generated in-process from a seeded RNG (no downloads): paragraphs about characters
+with made-up names, so there is both grammar to learn and names that can only be predicted by
+looking back in the context.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import random
+import sys
+import time
+from functools import partial
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+import ringflash
+from ringflash.dist_env import close, init_from_env
+
+VOCAB = 256  # bytes
+ROPE_BASE = 10000.0
+
+
+# ----------------------------------------------------------------------------- data
+
+_SYLLABLES = ["ka", "lo", "mi", "zu", "ter", "bax", "ro", "ni", "vel", "qua", "dor", "shi", "pen", "yo"]
+_VERBS = ["found", "lost", "painted", "carried", "sold", "hid", "borrowed", "fixed", "dropped", "counted"]
+_THINGS = ["a red box", "the old map", "seven stones", "a tiny boat", "the blue lamp", "two keys",
+           "a wooden spoon", "the silver coin", "three apples", "a broken clock"]
+_PLACES = ["near the river", "in the garden", "under the bridge", "at the market", "behind the mill",
+           "on the hill", "in the kitchen", "by the sea"]
+
+
+def make_corpus(n_bytes: int, seed: int) -> torch.Tensor:
+    """Deterministic synthetic text as uint8 bytes: paragraphs that introduce three made-up
+    names and then tell short sentences about them."""
+    rng = random.Random(seed)
+    parts, size = [], 0
+    while size < n_bytes:
+        names = ["".join(rng.choice(_SYLLABLES) for _ in range(rng.randint(2, 3))) for _ in range(3)]
+        text = f"once there were {names[0]}, {names[1]} and {names[2]}. "
+        for _ in range(rng.randint(3, 8)):
+            text += f"{rng.choice(names)} {rng.choice(_VERBS)} {rng.choice(_THINGS)} {rng.choice(_PLACES)}. "
+        text += f"in the end {rng.choice(names)} went home.\n"
+        parts.append(text)
+        size += len(text)
+    return torch.frombuffer(bytearray("".join(parts).encode()[:n_bytes]), dtype=torch.uint8)
+
+
+def get_sequence(corpus: torch.Tensor, step: int, seq_len: int, seed: int):
+    """The step's (inputs, targets), each (1, seq_len) int64: a window of seq_len + 1 bytes at an
+    offset that depends only on (seed, step), so every rank and the --check run see the same data."""
+    start = random.Random(seed * 1_000_003 + step).randrange(len(corpus) - seq_len)
+    window = corpus[start:start + seq_len + 1].long()
+    return window[None, :-1], window[None, 1:]
+
+
+# ----------------------------------------------------------------------------- model
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        x32 = x.float()  # the statistics in float32 under bf16 autocast
+        return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight).type_as(x)
+
+
+def rope_tables(positions: torch.Tensor, head_dim: int):
+    """cos, sin (S, head_dim / 2) in float32 for the given GLOBAL token positions."""
+    inv_freq = ROPE_BASE ** -(torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim)
+    angles = positions.float()[:, None] * inv_freq[None, :]
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x, cos, sin):
+    """Rotate the two halves of each head of x (B, S, H, D) (GPT-NeoX style)."""
+    x1, x2 = x.float().chunk(2, dim=-1)
+    cos, sin = cos[None, :, None, :], sin[None, :, None, :]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).type_as(x)
+
+
+class Attention(nn.Module):
+    """Grouped-query attention: n_heads query heads share n_kv_heads key/value heads."""
+
+    def __init__(self, dim, n_heads, n_kv_heads, attn_fn):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, dim // n_heads
+        self.wq = nn.Linear(dim, n_heads * self.head_dim, bias=False)
+        self.wkv = nn.Linear(dim, 2 * n_kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(n_heads * self.head_dim, dim, bias=False)
+        self.attn_fn = attn_fn  # (q, k, v) -> out, all (B, S, heads, head_dim)
+
+    def forward(self, x, cos, sin):
+        B, S, _ = x.shape
+        q = self.wq(x).view(B, S, self.n_heads, self.head_dim)
+        k, v = self.wkv(x).view(B, S, 2, self.n_kv_heads, self.head_dim).unbind(2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        # The attention kernels take q, k, v in one dtype and keep their own float32 state:
+        # run them outside autocast, in the dtype the projections produced.
+        with torch.autocast(x.device.type, enabled=False):
+            out = self.attn_fn(q, k.to(q.dtype), v.to(q.dtype))
+        return self.wo(out.reshape(B, S, -1))
+
+
+class MLP(nn.Module):
+    """SwiGLU feed-forward."""
+
+    def __init__(self, dim):
+        super().__init__()
+        hidden = 4 * dim * 2 // 3
+        self.w_in = nn.Linear(dim, 2 * hidden, bias=False)
+        self.w_out = nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x):
+        gate, up = self.w_in(x).chunk(2, dim=-1)
+        return self.w_out(F.silu(gate) * up)
+
+
+class Block(nn.Module):
+    def __init__(self, dim, n_heads, n_kv_heads, attn_fn):
+        super().__init__()
+        self.attn_norm, self.attn = RMSNorm(dim), Attention(dim, n_heads, n_kv_heads, attn_fn)
+        self.mlp_norm, self.mlp = RMSNorm(dim), MLP(dim)
+
+    def forward(self, x, cos, sin):
+        x = x + self.attn(self.attn_norm(x), cos, sin)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class GPT(nn.Module):
+    """Decoder-only LM over bytes. attn_fn is the only thing that differs between the
+    sequence-parallel model (ring attention on the local shard) and the one-process reference
+    (flash attention on the full sequence)."""
+
+    def __init__(self, dim, n_layers, n_heads, n_kv_heads, attn_fn):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, dim)
+        self.blocks = nn.ModuleList(Block(dim, n_heads, n_kv_heads, attn_fn) for _ in range(n_layers))
+        self.norm = RMSNorm(dim)
+        self.head_dim = dim // n_heads
+        for name, p in self.named_parameters():  # small init; output projections scaled by depth
+            if p.dim() == 2:
+                std = 0.02 / math.sqrt(2 * n_layers) if name.endswith(("wo.weight", "w_out.weight")) else 0.02
+                nn.init.normal_(p, std=std)
+
+    def forward(self, tokens, positions):
+        """tokens (B, S) int64 and their GLOBAL positions (S,) -> logits (B, S, VOCAB)."""
+        cos, sin = rope_tables(positions, self.head_dim)
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = block(x, cos, sin)
+        return F.linear(self.norm(x), self.embed.weight)  # LM head tied to the embedding
+
+
+# ----------------------------------------------------------------------------- training
+
+def all_reduce_grads(model: nn.Module) -> None:
+    """Each rank's gradients are partial sums over its own tokens' loss terms (ring attention
+    already sends dK/dV home across ranks): summing them over ranks gives the full gradient.
+    One flat buffer: a single collective per step."""
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat)
+    for g, reduced in zip(grads, flat.split([g.numel() for g in grads])):
+        g.copy_(reduced.view_as(g))
+
+
+def train(args, corpus, device, *, distributed: bool, steps: int, log=None) -> list[float]:
+    """Train a fresh model (seed args.seed) for `steps` steps; return the global loss per step.
+
+    distributed=True: this rank's shard of each sequence, ring attention over the default
+    process group, gradients summed over ranks. False: the full sequence in this process,
+    one-device flash attention (the --check reference)."""
+    if distributed:
+        attn_fn = partial(ringflash.ring_flash_attn_func, causal=True, layout=args.layout)
+        positions = ringflash.local_positions(args.seq_len, layout=args.layout, device=device)
+        world = dist.get_world_size() if dist.is_initialized() else 1
+    else:
+        attn_fn = partial(ringflash.flash_attn_func, causal=True)
+        positions = torch.arange(args.seq_len, device=device)
+        world = 1
+    torch.manual_seed(args.seed)  # identical parameters on every rank and in the reference
+    model = GPT(args.dim, args.layers, args.heads, args.kv_heads, attn_fn).to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.dtype == "bfloat16")
+    losses = []
+    for step in range(steps):
+        inputs, targets = (t.to(device) for t in get_sequence(corpus, step, args.seq_len, args.seed))
+        if distributed:  # inputs and targets in the same layout as attention
+            inputs = ringflash.shard(inputs, layout=args.layout)
+            targets = ringflash.shard(targets, layout=args.layout)
+        with autocast:
+            logits = model(inputs, positions)
+        # sum over local tokens / global token count: summed over ranks, the mean loss
+        loss_sum = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="sum")
+        (loss_sum / args.seq_len).backward()
+        loss_sum = loss_sum.detach()
+        if world > 1:
+            all_reduce_grads(model)
+            dist.all_reduce(loss_sum)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # same grads everywhere: same clip
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss_sum.item() / args.seq_len)  # .item() also syncs the GPU for timing
+        if log:
+            log(step, losses[-1])
+    return losses
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--seq-len", type=int, default=1024, help="tokens per sequence (all ranks together)")
+    p.add_argument("--steps", type=int, default=150)
+    p.add_argument("--dim", type=int, default=128)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--kv-heads", type=int, default=2)
+    p.add_argument("--layout", choices=["zigzag", "contiguous"], default="zigzag")
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                   help="bfloat16: autocast the matmuls and attention (float32 weights and optimizer)")
+    p.add_argument("--log-every", type=int, default=10)
+    p.add_argument("--check", action="store_true", help="compare with a one-process run (see above)")
+    p.add_argument("--check-steps", type=int, default=3)
+    p.add_argument("--timeout", type=float, default=300.0, help="collective timeout, seconds")
+    args = p.parse_args(argv)
+    if min(args.steps, args.check_steps, args.log_every, args.seq_len) < 1:
+        p.error("--steps, --check-steps, --log-every and --seq-len must be positive")
+    if args.dim % args.heads or args.heads % args.kv_heads:
+        p.error("--dim must be a multiple of --heads, and --heads a multiple of --kv-heads")
+    if (args.dim // args.heads) % 2:
+        p.error("head dim (--dim / --heads) must be even for RoPE")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    rank, world, device = init_from_env(timeout_s=args.timeout)
+    say = (lambda *a: print(*a, flush=True)) if rank == 0 else (lambda *a: None)
+    backend = dist.get_backend() if dist.is_initialized() else "none"
+    say(f"world {world} ({backend}, {device.type}), layout {args.layout}, {args.dtype}: sequence of "
+        f"{args.seq_len} tokens, {args.seq_len // world} per rank; dim {args.dim}, {args.layers} layers, "
+        f"{args.heads} heads / {args.kv_heads} kv heads")
+    corpus = make_corpus(max(4 * (args.seq_len + 1), 1 << 18), args.seed)
+
+    clock = {"t": 0.0, "step": 1}
+
+    def log(step, loss):
+        done = step + 1
+        if done == 1:  # the first step pays for warm-up (connections, kernel compiles): not timed
+            say(f"step {done:5d}/{args.steps}  loss {loss:.4f}  (warm-up)")
+            clock["t"] = time.perf_counter()
+        elif done % args.log_every == 0 or done == args.steps:
+            now = time.perf_counter()
+            tok_s = (done - clock["step"]) * args.seq_len / (now - clock["t"])  # global tokens
+            say(f"step {done:5d}/{args.steps}  loss {loss:.4f}  {tok_s:,.0f} tok/s")
+            clock.update(t=now, step=done)
+
+    losses = train(args, corpus, device, distributed=True, steps=args.steps, log=log)
+    say(f"first loss {losses[0]:.4f}  last loss {losses[-1]:.4f}")
+    status = 0
+    if args.steps >= 50 and not losses[-1] < 0.75 * losses[0]:
+        say("FAILED: the loss did not fall by 25%")
+        status = 1
+
+    if args.check:
+        n = min(args.check_steps, args.steps)
+        ref = train(args, corpus, device, distributed=False, steps=n)
+        # float32: only summation order differs. bf16: rounding of activations differs too.
+        rtol = 1e-4 if args.dtype == "float32" else 2e-2
+        worst = max(abs(a - b) / abs(b) for a, b in zip(losses, ref))
+        say(f"check: {world}-rank ring vs 1-process flash_attn_func, first {n} steps (rtol {rtol:g})")
+        for i, (a, b) in enumerate(zip(losses, ref)):
+            say(f"  step {i + 1}: ring {a:.6f}  single {b:.6f}  rel diff {abs(a - b) / abs(b):.1e}")
+        if worst <= rtol:
+            say(f"check passed: max rel diff {worst:.1e}")
+        else:
+            say(f"check FAILED: max rel diff {worst:.1e} > {rtol:g}")
+            status = 1
+    close()
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())
