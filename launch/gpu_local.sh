@@ -12,8 +12,8 @@ python3 -c "import torch, triton; print(torch.__version__, triton.__version__, t
 status=0
 for step in "$@"; do
   case $step in
-    tests) timeout 420 python3 -m pytest -m gpu tests/ -q -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" || status=1 ;;
-    tune)  timeout 420 python3 benchmarks/bench_local.py --tune --json "$OUT/tune.json" 2>&1 | tee "$OUT/tune.log" | grep -E "BEST|error" || status=1 ;;
+    tests) timeout 540 python3 -m pytest -m gpu tests/ -q -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" || status=1 ;;
+    tune)  timeout 540 python3 benchmarks/bench_local.py --tune ${TUNE_ARGS:-} --json "$OUT/tune.json" 2>&1 | tee "$OUT/tune.log" | grep -E "BEST|error" || status=1 ;;
     bench) timeout 500 python3 benchmarks/bench_local.py --json "$OUT/local.json" 2>&1 | tee "$OUT/bench.log" | tail -30 || status=1 ;;
     *) echo "unknown step $step"; status=2 ;;
   esac

@@ -97,8 +97,10 @@ def without_autocast(method):
 
     @functools.wraps(method)
     def wrapper(ctx, *args):
-        device_type = next(a.device.type for a in args if isinstance(a, torch.Tensor))
-        with torch.autocast(device_type, enabled=False):
+        tensors = [a for a in args if isinstance(a, torch.Tensor)]
+        if not tensors:  # a backward that received no gradient tensor
+            tensors = list(ctx.saved_tensors)
+        with torch.autocast(tensors[0].device.type, enabled=False):
             return method(ctx, *args)
 
     return wrapper

@@ -207,3 +207,26 @@ def test_autocast_does_not_lower_precision(backend):
     assert out.dtype == torch.float32 and max_err(out, ref) < 1e-6
     for g, r in zip(grads, ref_grads):
         assert max_err(g, r) < 1e-5
+
+
+@pytest.mark.parametrize("backend", ["triton"], indirect=True)
+def test_backward_kernel_tma_variant(backend, monkeypatch):
+    """The backward kernels' tensor-descriptor path computes the same gradients (interpreter)."""
+    from ringflash.kernels import configs
+
+    monkeypatch.setitem(configs.OVERRIDES, "dkdv", configs.KernelConfig(16, 32, 4, 1, tma=True))
+    monkeypatch.setitem(configs.OVERRIDES, "dq", configs.KernelConfig(32, 16, 4, 1, tma=True))
+    for causal in (False, True):
+        _check(*_inputs(2, 37, 45, 4, 2, 24, torch.float16, seed=4), causal)
+
+
+def test_kernel_configs_file(tmp_path, monkeypatch):
+    from ringflash.kernels import configs
+
+    path = tmp_path / "cfg.json"
+    configs.write_configs(str(path), {"fwd": {128: configs.KernelConfig(64, 32, 4, 2, tma=True)}})
+    monkeypatch.setattr(configs, "interpreting", lambda: False)
+    monkeypatch.setenv("RINGFLASH_KERNEL_CONFIGS", str(path))
+    assert configs.forward_config(128) == configs.KernelConfig(64, 32, 4, 2, tma=True)
+    assert configs.forward_config(64) == configs._FWD[64]  # not in the file: the built-in table
+    assert configs.dq_config(128) == configs._DQ[128]

@@ -45,10 +45,14 @@ def _tma_ok(t: torch.Tensor) -> bool:
     return t.data_ptr() % 16 == 0 and all((st * size) % 16 == 0 for st in t.stride()[:-1])
 
 
-def _kv_descriptor(t, block_n, block_d):
+def _maybe_descriptors(cfg, tensors, rows, block_d):
+    """(True, descriptors with blocks [1, rows, 1, block_d]) when the config asks for TMA and
+    every tensor allows it, else (False, the tensors)."""
+    if not (cfg.tma and all(_tma_ok(t) for t in tensors)):
+        return False, tensors
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    return TensorDescriptor(t, list(t.shape), list(t.stride()), [1, block_n, 1, block_d])
+    return True, tuple(TensorDescriptor(t, list(t.shape), list(t.stride()), [1, rows, 1, block_d]) for t in tensors)
 
 
 def _bias_args(key_bias, q):
@@ -65,8 +69,7 @@ def forward(q, k, v, *, q_start, k_start, causal, scale, out_o, out_lse, fold, k
     cfg = configs.forward_config(block_d)
     grid = (triton.cdiv(Sq, cfg.block_m), B * Hq)
     kb, stride_kbb, has_bias = _bias_args(key_bias, q)
-    use_tma = cfg.tma and _tma_ok(k) and _tma_ok(v)
-    k_arg, v_arg = (_kv_descriptor(t, cfg.block_n, block_d) for t in (k, v)) if use_tma else (k, v)
+    use_tma, (k_arg, v_arg) = _maybe_descriptors(cfg, (k, v), cfg.block_n, block_d)
     with _on_device(q):
         _fwd_kernel[grid](
             q, k_arg, v_arg, out_o, out_lse, kb,
@@ -109,19 +112,21 @@ def backward(q, k, v, lse, do, delta, dq, dk, dv, *, q_start, k_start, causal, s
     with _on_device(q):
         if dk is not None:
             cfg = configs.dkdv_config(block_d)
+            tma, (q_arg, do_arg) = _maybe_descriptors(cfg, (q, do), cfg.block_m, block_d)
             _dkdv_kernel[(triton.cdiv(Sk, cfg.block_n), B * Hkv)](
-                q, k, v, do, lse, delta, dk, dv, kb,
+                q_arg, k, v, do_arg, lse, delta, dk, dv, kb,
                 *_bsh(q), *_bsh(k), *_bsh(v), *_bsh(do), *_bsh(dk), *_bsh(dv),
                 lse.stride(0), lse.stride(1), stride_kbb, Hkv, *positions,
-                BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+                BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, TMA=tma,
                 num_warps=cfg.num_warps, num_stages=cfg.num_stages, **common,
             )
         if dq is not None:
             cfg = configs.dq_config(block_d)
+            tma, (k_arg, v_arg) = _maybe_descriptors(cfg, (k, v), cfg.block_n, block_d)
             _dq_kernel[(triton.cdiv(Sq, cfg.block_m), B * Hq)](
-                q, k, v, do, lse, delta, dq, kb,
+                q, k_arg, v_arg, do, lse, delta, dq, kb,
                 *_bsh(q), *_bsh(k), *_bsh(v), *_bsh(do), *_bsh(dq),
                 lse.stride(0), lse.stride(1), stride_kbb, Hq, *positions,
-                BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+                BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, TMA=tma,
                 num_warps=cfg.num_warps, num_stages=cfg.num_stages, **common,
             )

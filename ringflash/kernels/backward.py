@@ -8,6 +8,8 @@ the gradients are added to the caller's (float32) buffers, otherwise written.
 import triton
 import triton.language as tl
 
+from .tiles import load_tile
+
 
 @triton.jit
 def _delta_kernel(
@@ -34,19 +36,6 @@ def _delta_kernel(
 
 
 @triton.jit
-def _load_rows(ptrs, rows, n_rows, d_ok, MASK_ROWS: tl.constexpr, PAD_D: tl.constexpr):
-    if MASK_ROWS:
-        mask = rows[:, None] < n_rows
-        if PAD_D:
-            mask = mask & d_ok
-        return tl.load(ptrs, mask=mask, other=0.0)
-    elif PAD_D:
-        return tl.load(ptrs, mask=d_ok, other=0.0)
-    else:
-        return tl.load(ptrs)
-
-
-@triton.jit
 def _store_grad(ptrs, grad, mask, ACCUMULATE: tl.constexpr):
     if ACCUMULATE:
         grad += tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
@@ -56,15 +45,15 @@ def _store_grad(ptrs, grad, mask, ACCUMULATE: tl.constexpr):
 @triton.jit
 def _dkdv_q_range(
     dk, dv, k, v, k_pos, kb, Q_ptrs, DO_ptrs, LSE_ptrs, DELTA_ptrs, stride_qs, stride_dos,
-    offs_m, d_ok, lo, hi, q_start, Sq, qk_scale,
+    offs_m, d_ok, lo, hi, q_start, Sq, qk_scale, Q_desc, DO_desc, b32, h32,
     MASKED: tl.constexpr, CAUSAL: tl.constexpr, PAD_D: tl.constexpr, BLOCK_M: tl.constexpr,
-    HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_D: tl.constexpr, HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr, TMA: tl.constexpr,
 ):
-    # Q_ptrs / DO_ptrs / LSE_ptrs / DELTA_ptrs point at query row `lo` on entry
+    # Q_ptrs / DO_ptrs (pointer path) / LSE_ptrs / DELTA_ptrs point at query row `lo` on entry
     for start_m in range(lo, hi, BLOCK_M):
         rows = start_m + offs_m
-        q = _load_rows(Q_ptrs, rows, Sq, d_ok, MASKED, PAD_D)
-        do = _load_rows(DO_ptrs, rows, Sq, d_ok, MASKED, PAD_D)
+        q = load_tile(Q_ptrs, Q_desc, b32, start_m, h32, rows, Sq, d_ok, MASKED, PAD_D, TMA, BLOCK_M, BLOCK_D)
+        do = load_tile(DO_ptrs, DO_desc, b32, start_m, h32, rows, Sq, d_ok, MASKED, PAD_D, TMA, BLOCK_M, BLOCK_D)
         if MASKED:
             lse = tl.load(LSE_ptrs, mask=rows < Sq, other=float("inf"))
             delta = tl.load(DELTA_ptrs, mask=rows < Sq, other=0.0)
@@ -86,8 +75,9 @@ def _dkdv_q_range(
         dp_t = tl.dot(v, tl.trans(do), input_precision=PRECISION)
         ds_t = p_t * (dp_t - delta[None, :])
         dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=PRECISION)
-        Q_ptrs += BLOCK_M * stride_qs
-        DO_ptrs += BLOCK_M * stride_dos
+        if not TMA:
+            Q_ptrs += BLOCK_M * stride_qs
+            DO_ptrs += BLOCK_M * stride_dos
         LSE_ptrs += BLOCK_M
         DELTA_ptrs += BLOCK_M
     return dk, dv
@@ -107,7 +97,10 @@ def _dkdv_kernel(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, ACCUMULATE: tl.constexpr, HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr,
+    TMA: tl.constexpr = False,
 ):
+    """Q and DO are tensors, or (B, Sq, Hq, D) descriptors with blocks [1, BLOCK_M, 1, BLOCK_D]
+    when TMA."""
     pid_n = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = (pid_bh // Hkv).to(tl.int64)
@@ -148,28 +141,37 @@ def _dkdv_kernel(
 
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    tail64 = tl.maximum(full64, end64)
+    b32 = b.to(tl.int32)
     for g in range(GROUP):
         h = hk * GROUP + g
-        Q_ptrs = Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qs + offs_d[None, :]
-        DO_ptrs = DO + b * stride_dob + h * stride_doh + offs_m[:, None] * stride_dos + offs_d[None, :]
+        h32 = h.to(tl.int32)
         LSE_ptrs = LSE + b * stride_lb + h * stride_lh + offs_m
         DELTA_ptrs = DELTA + b * stride_lb + h * stride_lh + offs_m
+        if TMA:  # rows come from the descriptors; the pointer arguments are unused
+            Q_ptrs, DO_ptrs = LSE_ptrs, LSE_ptrs
+            Q_lo, DO_lo, Q_full, DO_full, Q_tail, DO_tail = LSE_ptrs, LSE_ptrs, LSE_ptrs, LSE_ptrs, LSE_ptrs, LSE_ptrs
+        else:
+            Q_ptrs = Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qs + offs_d[None, :]
+            DO_ptrs = DO + b * stride_dob + h * stride_doh + offs_m[:, None] * stride_dos + offs_d[None, :]
+            Q_lo, DO_lo = Q_ptrs + lo64 * stride_qs, DO_ptrs + lo64 * stride_dos
+            Q_full, DO_full = Q_ptrs + full64 * stride_qs, DO_ptrs + full64 * stride_dos
+            Q_tail, DO_tail = Q_ptrs + tail64 * stride_qs, DO_ptrs + tail64 * stride_dos
         # diagonal blocks (causal mask)
         dk, dv = _dkdv_q_range(
-            dk, dv, k, v, k_pos, kb, Q_ptrs + lo64 * stride_qs, DO_ptrs + lo64 * stride_dos,
-            LSE_ptrs + lo64, DELTA_ptrs + lo64, stride_qs, stride_dos, offs_m, d_ok,
-            lo, full_lo, q_start, Sq, qk_scale, True, CAUSAL, PAD_D, BLOCK_M, HAS_BIAS, PRECISION)
+            dk, dv, k, v, k_pos, kb, Q_lo, DO_lo, LSE_ptrs + lo64, DELTA_ptrs + lo64, stride_qs, stride_dos,
+            offs_m, d_ok, lo, full_lo, q_start, Sq, qk_scale, Q, DO, b32, h32,
+            True, CAUSAL, PAD_D, BLOCK_M, BLOCK_D, HAS_BIAS, PRECISION, TMA)
         # fully visible blocks
         dk, dv = _dkdv_q_range(
-            dk, dv, k, v, k_pos, kb, Q_ptrs + full64 * stride_qs, DO_ptrs + full64 * stride_dos,
-            LSE_ptrs + full64, DELTA_ptrs + full64, stride_qs, stride_dos, offs_m, d_ok,
-            full_lo, Sq_full, q_start, Sq, qk_scale, False, CAUSAL, PAD_D, BLOCK_M, HAS_BIAS, PRECISION)
+            dk, dv, k, v, k_pos, kb, Q_full, DO_full, LSE_ptrs + full64, DELTA_ptrs + full64, stride_qs,
+            stride_dos, offs_m, d_ok, full_lo, Sq_full, q_start, Sq, qk_scale, Q, DO, b32, h32,
+            False, CAUSAL, PAD_D, BLOCK_M, BLOCK_D, HAS_BIAS, PRECISION, TMA)
         # ragged tail of the query rows
-        tail64 = tl.maximum(full64, end64)
         dk, dv = _dkdv_q_range(
-            dk, dv, k, v, k_pos, kb, Q_ptrs + tail64 * stride_qs, DO_ptrs + tail64 * stride_dos,
-            LSE_ptrs + tail64, DELTA_ptrs + tail64, stride_qs, stride_dos, offs_m, d_ok,
-            tail_lo, Sq, q_start, Sq, qk_scale, True, CAUSAL, PAD_D, BLOCK_M, HAS_BIAS, PRECISION)
+            dk, dv, k, v, k_pos, kb, Q_tail, DO_tail, LSE_ptrs + tail64, DELTA_ptrs + tail64, stride_qs,
+            stride_dos, offs_m, d_ok, tail_lo, Sq, q_start, Sq, qk_scale, Q, DO, b32, h32,
+            True, CAUSAL, PAD_D, BLOCK_M, BLOCK_D, HAS_BIAS, PRECISION, TMA)
 
     _store_grad(DK + b * stride_dkb + hk * stride_dkh + cols64[:, None] * stride_dks + offs_d[None, :],
                 dk * sm_scale, tile_mask, ACCUMULATE)
@@ -180,15 +182,15 @@ def _dkdv_kernel(
 @triton.jit
 def _dq_k_range(
     dq, q, do, lse2, delta, q_pos, K_ptrs, V_ptrs, KB_ptrs, stride_ks, stride_vs, offs_n, d_ok,
-    lo, hi, k_start, Sk, qk_scale,
+    lo, hi, k_start, Sk, qk_scale, K_desc, V_desc, b32, hk32,
     MASKED: tl.constexpr, CAUSAL: tl.constexpr, PAD_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_D: tl.constexpr, HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr, TMA: tl.constexpr,
 ):
-    # K_ptrs / V_ptrs / KB_ptrs point at key row `lo` on entry
+    # K_ptrs / V_ptrs (pointer path) / KB_ptrs point at key row `lo` on entry
     for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + offs_n
-        k = _load_rows(K_ptrs, cols, Sk, d_ok, MASKED, PAD_D)
-        v = _load_rows(V_ptrs, cols, Sk, d_ok, MASKED, PAD_D)
+        k = load_tile(K_ptrs, K_desc, b32, start_n, hk32, cols, Sk, d_ok, MASKED, PAD_D, TMA, BLOCK_N, BLOCK_D)
+        v = load_tile(V_ptrs, V_desc, b32, start_n, hk32, cols, Sk, d_ok, MASKED, PAD_D, TMA, BLOCK_N, BLOCK_D)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
         if HAS_BIAS:
             if MASKED:
@@ -206,8 +208,9 @@ def _dq_k_range(
         dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
         ds = p * (dp - delta[:, None])
         dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=PRECISION)
-        K_ptrs += BLOCK_N * stride_ks
-        V_ptrs += BLOCK_N * stride_vs
+        if not TMA:
+            K_ptrs += BLOCK_N * stride_ks
+            V_ptrs += BLOCK_N * stride_vs
     return dq
 
 
@@ -224,8 +227,13 @@ def _dq_kernel(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, ACCUMULATE: tl.constexpr, HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr,
+    TMA: tl.constexpr = False,
 ):
+    """K and V are tensors, or (B, Sk, Hkv, D) descriptors with blocks [1, BLOCK_N, 1, BLOCK_D]
+    when TMA."""
     pid_m = tl.program_id(0)
+    if CAUSAL:  # later query tiles see more keys: start them first, so the tail is short
+        pid_m = tl.num_programs(0) - 1 - pid_m
     pid_bh = tl.program_id(1)
     b = (pid_bh // Hq).to(tl.int64)
     h = (pid_bh % Hq).to(tl.int64)
@@ -258,15 +266,21 @@ def _dq_kernel(
         hi = Sk
         full_end = (Sk // BLOCK_N) * BLOCK_N
 
-    K_ptrs = K + b * stride_kb + hk * stride_kh + offs_n[:, None] * stride_ks + offs_d[None, :]
-    V_ptrs = V + b * stride_vb + hk * stride_vh + offs_n[:, None] * stride_vs + offs_d[None, :]
+    skip = full_end.to(tl.int64)
     KB_ptrs = KB + b * stride_kbb + offs_n
+    if TMA:  # rows come from the descriptors; the pointer arguments are unused
+        K_ptrs, V_ptrs, K_rest, V_rest = KB_ptrs, KB_ptrs, KB_ptrs, KB_ptrs
+    else:
+        K_ptrs = K + b * stride_kb + hk * stride_kh + offs_n[:, None] * stride_ks + offs_d[None, :]
+        V_ptrs = V + b * stride_vb + hk * stride_vh + offs_n[:, None] * stride_vs + offs_d[None, :]
+        K_rest, V_rest = K_ptrs + skip * stride_ks, V_ptrs + skip * stride_vs
+    b32, hk32 = b.to(tl.int32), hk.to(tl.int32)
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     dq = _dq_k_range(dq, q, do, lse2, delta, q_pos, K_ptrs, V_ptrs, KB_ptrs, stride_ks, stride_vs, offs_n,
-                     d_ok, 0, full_end, k_start, Sk, qk_scale, False, CAUSAL, PAD_D, BLOCK_N, HAS_BIAS, PRECISION)
-    skip = full_end.to(tl.int64)
-    dq = _dq_k_range(dq, q, do, lse2, delta, q_pos, K_ptrs + skip * stride_ks, V_ptrs + skip * stride_vs,
-                     KB_ptrs + skip, stride_ks, stride_vs, offs_n, d_ok, full_end, hi, k_start, Sk, qk_scale,
-                     True, CAUSAL, PAD_D, BLOCK_N, HAS_BIAS, PRECISION)
+                     d_ok, 0, full_end, k_start, Sk, qk_scale, K, V, b32, hk32,
+                     False, CAUSAL, PAD_D, BLOCK_N, BLOCK_D, HAS_BIAS, PRECISION, TMA)
+    dq = _dq_k_range(dq, q, do, lse2, delta, q_pos, K_rest, V_rest, KB_ptrs + skip, stride_ks, stride_vs,
+                     offs_n, d_ok, full_end, hi, k_start, Sk, qk_scale, K, V, b32, hk32,
+                     True, CAUSAL, PAD_D, BLOCK_N, BLOCK_D, HAS_BIAS, PRECISION, TMA)
     _store_grad(DQ + b * stride_dqb + h * stride_dqh + rows64[:, None] * stride_dqs + offs_d[None, :],
                 dq * sm_scale, tile_mask, ACCUMULATE)

@@ -9,23 +9,8 @@ Softmax runs in base 2 with log2(e) folded into the scale.
 import triton
 import triton.language as tl
 
-LOG2E = 1.4426950408889634
-LN2 = 0.6931471805599453
+from .tiles import load_tile
 
-
-@triton.jit
-def _load_kv_tile(ptrs, desc, b, row, hk, kv_mask, d_ok, MASKED: tl.constexpr, PAD_D: tl.constexpr,
-                  TMA: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
-    """A (BLOCK_N, BLOCK_D) tile of K or V: through the tensor-memory engine from a
-    (B, S, H, D) descriptor (out-of-range rows and columns read as 0), or by pointers."""
-    if TMA:
-        return tl.reshape(desc.load([b, row, hk, 0]), (BLOCK_N, BLOCK_D))
-    elif MASKED:
-        return tl.load(ptrs, mask=kv_mask, other=0.0)
-    elif PAD_D:
-        return tl.load(ptrs, mask=d_ok, other=0.0)
-    else:
-        return tl.load(ptrs)
 
 
 @triton.jit
@@ -40,10 +25,7 @@ def _fwd_block_range(
     d_ok = offs_d[None, :] < HEAD_DIM
     for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
         cols = start_n + offs_n
-        kv_mask = cols[:, None] < Sk
-        if PAD_D:
-            kv_mask = kv_mask & d_ok
-        k = _load_kv_tile(K_ptrs, K_desc, b32, start_n, hk32, kv_mask, d_ok, MASKED, PAD_D, TMA, BLOCK_N, BLOCK_D)
+        k = load_tile(K_ptrs, K_desc, b32, start_n, hk32, cols, Sk, d_ok, MASKED, PAD_D, TMA, BLOCK_N, BLOCK_D)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
         if HAS_BIAS:  # per-key additive bias (key padding), natural log units
             if MASKED:
@@ -64,7 +46,7 @@ def _fwd_block_range(
         alpha = tl.math.exp2(m_i - m_pivot)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
-        v = _load_kv_tile(V_ptrs, V_desc, b32, start_n, hk32, kv_mask, d_ok, MASKED, PAD_D, TMA, BLOCK_N, BLOCK_D)
+        v = load_tile(V_ptrs, V_desc, b32, start_n, hk32, cols, Sk, d_ok, MASKED, PAD_D, TMA, BLOCK_N, BLOCK_D)
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision=PRECISION)
         m_i = m_new
         if not TMA:
@@ -92,6 +74,8 @@ def _fwd_kernel(
     """K and V are tensors, or (B, Sk, Hkv, D) tensor descriptors with blocks
     [1, BLOCK_N, 1, BLOCK_D] when TMA."""
     pid_m = tl.program_id(0)
+    if CAUSAL:  # later query tiles see more keys: start them first, so the tail is short
+        pid_m = tl.num_programs(0) - 1 - pid_m
     pid_bh = tl.program_id(1)
     b = (pid_bh // Hq).to(tl.int64)
     h = (pid_bh % Hq).to(tl.int64)
