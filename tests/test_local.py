@@ -230,3 +230,17 @@ def test_kernel_configs_file(tmp_path, monkeypatch):
     assert configs.forward_config(128) == configs.KernelConfig(64, 32, 4, 2, tma=True)
     assert configs.forward_config(64) == configs._FWD[64]  # not in the file: the built-in table
     assert configs.dq_config(128) == configs._DQ[128]
+
+
+def test_builtin_configs_match_the_h200_sweep():
+    """The table the kernels use on Hopper is the one the committed sweep chose."""
+    import json
+    from pathlib import Path
+
+    from ringflash.kernels import configs
+
+    chosen = json.loads((Path(__file__).parents[1] / "benchmarks/results/configs_h200.json").read_text())
+    tables = {"fwd": configs._FWD, "dkdv": configs._DKDV, "dq": configs._DQ}
+    for kind, by_d in chosen.items():
+        for d, cfg in by_d.items():
+            assert tables[kind][int(d)] == configs.KernelConfig(**cfg), (kind, d)

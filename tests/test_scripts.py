@@ -33,3 +33,9 @@ def test_bench_ring_smoke_on_gloo(tmp_path):
     for row in data["rows"]:
         assert row["tflops_per_gpu"]["ring"] > 0 and row["tflops_per_gpu"]["local"] > 0
     assert "per-GPU TFLOP/s" in out
+
+
+def test_bench_blockops_smoke(tmp_path):
+    _run([sys.executable, "benchmarks/bench_blockops.py", "--smoke", "--json", str(tmp_path / "b.json")], tmp_path)
+    data = json.loads((tmp_path / "b.json").read_text())
+    assert len(data["block_ops"]) == 2 and data["replay"][0]["efficiency"] > 0

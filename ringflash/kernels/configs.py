@@ -38,7 +38,9 @@ _INTERP_DQ = KernelConfig(32, 16, 4, 1)
 
 # Hopper (H200), keyed by padded head dim. D=64 and D=128 entries: the sweep of 2026-11-29
 # (benchmarks/results/tune_h200_call1.json, B=1, H=32, S=16K, bf16); others are scaled guesses.
-# D=64 and D=128 sweeps: benchmarks/results/tune_h200_call1.json and tune_h200_call2.json.
+# D=64 and D=128: the third sweep's choice, benchmarks/results/configs_h200.json (written by
+# `bench_local.py --tune --write-configs`; sweeps in benchmarks/results/tune_h200_call*.json).
+# D=32 and D=256 were checked for correctness on the H200, not tuned.
 _FWD = {
     32: KernelConfig(128, 64, 4, 4),
     64: KernelConfig(128, 64, 4, 4, tma=True),
@@ -47,14 +49,14 @@ _FWD = {
 }
 _DKDV = {
     32: KernelConfig(32, 128, 4, 3),
-    64: KernelConfig(32, 128, 4, 3),
-    128: KernelConfig(64, 128, 8, 3),
+    64: KernelConfig(32, 128, 4, 3, tma=True),
+    128: KernelConfig(64, 128, 8, 3, tma=True),
     256: KernelConfig(32, 64, 8, 2),
 }
 _DQ = {
     32: KernelConfig(128, 32, 4, 3),
-    64: KernelConfig(128, 32, 4, 3),
-    128: KernelConfig(128, 64, 8, 3),
+    64: KernelConfig(128, 64, 4, 3, tma=True),
+    128: KernelConfig(128, 64, 8, 3, tma=True),
     256: KernelConfig(64, 32, 8, 2),
 }
 

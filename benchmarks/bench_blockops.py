@@ -1,0 +1,120 @@
+"""What the ring's block operations cost on one GPU, beside the plain kernel on the same work.
+
+    python benchmarks/bench_blockops.py --json benchmarks/results/blockops_h200.json
+
+1. Block operations: the forward folding a block into a float32 (o, lse) state at global
+   position offsets, against flash_attn_func's forward (fresh state, 16-bit output); the
+   backward accumulating into float32 dQ/dK/dV buffers, against writing 16-bit gradients.
+2. The ring's schedule without communication: rank 0 of a P-rank zigzag ring replayed on this
+   GPU (ReplayComm: each K/V block is copied in, not received), against the whole sequence in
+   one flash_attn_func call divided by P. Zigzag gives every rank the same work, so the ratio
+   is the ring efficiency this GPU allows before any communication cost.
+Medians of triton.testing.do_bench; bf16, B=1, H=32, D=128.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from ringflash import flash_attn_func  # noqa: E402
+from ringflash.comm import ReplayComm  # noqa: E402
+from ringflash.local import attention_delta, block_backward, block_forward  # noqa: E402
+from ringflash.ring import _RingAttn  # noqa: E402
+
+
+def bench(fn, device):
+    if device.type == "cuda":
+        import triton
+
+        return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+    t0 = time.perf_counter()
+    fn()
+    return (time.perf_counter() - t0) * 1e3
+
+
+def block_op_rows(S, H, D, dtype, device):
+    g = torch.Generator(device=device).manual_seed(0)
+    q, k, v, do = (torch.randn(1, S, H, D, device=device, dtype=dtype, generator=g) for _ in range(4))
+    scale, offset = D ** -0.5, 3 * S  # any global offset; the diagonal stays the diagonal
+    rows = []
+    for causal in (False, True):
+        o32 = torch.zeros(1, S, H, D, device=device)
+        lse32 = torch.full((1, H, S), float("-inf"), device=device)
+        plain_fwd = bench(lambda: flash_attn_func(q, k, v, causal=causal), device)
+        block_fwd = bench(lambda: block_forward(q, k, v, q_start=offset, k_start=offset, causal=causal, scale=scale,
+                                                out_o=o32, out_lse=lse32, fold=True), device)
+        out, lse = flash_attn_func(q, k, v, causal=causal, return_lse=True)
+        grads16 = [torch.empty_like(t) for t in (q, k, v)]
+        grads32 = [torch.zeros(t.shape, device=device) for t in (q, k, v)]
+
+        def backward(bufs, accumulate, q_start):
+            delta = attention_delta(out, do)
+            block_backward(q, k, v, lse, do, delta, *bufs, q_start=q_start, k_start=q_start, causal=causal,
+                           scale=scale, accumulate=accumulate)
+
+        plain_bwd = bench(lambda: backward(grads16, False, 0), device)
+        block_bwd = bench(lambda: backward(grads32, True, offset), device)
+        rows.append({"S": S, "causal": causal, "plain_fwd_ms": plain_fwd, "block_fwd_ms": block_fwd,
+                     "fwd_loss": block_fwd / plain_fwd - 1, "plain_bwd_ms": plain_bwd, "block_bwd_ms": block_bwd,
+                     "bwd_loss": block_bwd / plain_bwd - 1})
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def replay_rows(S, world, H, D, dtype, device):
+    g = torch.Generator(device=device).manual_seed(1)
+    S_local = S // world
+    q, k, v, do = (torch.randn(1, S_local, H, D, device=device, dtype=dtype, generator=g).requires_grad_()
+                   for _ in range(4))
+    qf, kf, vf = (torch.randn(1, S, H, D, device=device, dtype=dtype, generator=g).requires_grad_() for _ in range(3))
+    dof = torch.randn_like(qf)
+    blocks = [(k.detach(), v.detach())] * world
+    scale = D ** -0.5
+
+    def replay():
+        comm = ReplayComm(0, world, blocks, record=False)
+        out = _RingAttn.apply(q, k, v, None, True, scale, "zigzag", comm)[0]
+        out.backward(do.detach())
+
+    def full():
+        flash_attn_func(qf, kf, vf, causal=True).backward(dof)
+
+    r, f = bench(replay, device), bench(full, device)
+    row = {"S": S, "world": world, "replay_rank0_ms": r, "full_over_world_ms": f / world, "efficiency": f / world / r}
+    print(json.dumps(row), flush=True)
+    return row
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--json", type=Path)
+    ap.add_argument("--smoke", action="store_true", help="tiny CPU sizes")
+    args = ap.parse_args()
+    device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
+    dtype, H, D = (torch.bfloat16, 32, 128) if device.type == "cuda" else (torch.float32, 2, 32)
+    sizes = [16384] if device.type == "cuda" else [128]
+    replays = [(32768, 2), (131072, 2), (131072, 4), (131072, 8)] if device.type == "cuda" else [(128, 2)]
+    out = {"meta": {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+                    "dtype": str(dtype), "heads": H, "head_dim": D, "date": time.strftime("%Y-%m-%d")},
+           "block_ops": [r for S in sizes for r in block_op_rows(S, H, D, dtype, device)],
+           "replay": [replay_rows(S, w, H, D, dtype, device) for S, w in replays]}
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(out, indent=1))
+    print("\nblock operations vs the plain kernel (same work):")
+    for r in out["block_ops"]:
+        print(f"  S={r['S']} causal={r['causal']}: forward {r['fwd_loss'] * 100:+.1f}%, "
+              f"backward {r['bwd_loss'] * 100:+.1f}%")
+    print("ring schedule replayed without communication (rank 0) vs one-GPU attention / P:")
+    for r in out["replay"]:
+        print(f"  S={r['S']} P={r['world']}: efficiency {r['efficiency']:.3f}")
+
+
+if __name__ == "__main__":
+    main()
