@@ -9,6 +9,9 @@
    GPU (ReplayComm: each K/V block is copied in, not received), against the whole sequence in
    one flash_attn_func call divided by P. Zigzag gives every rank the same work, so the ratio
    is the ring efficiency this GPU allows before any communication cost.
+3. Memory: the peak of rank 0's replayed ring forward+backward (P=4, zigzag, causal) beyond
+   its inputs, against flash_attn_func forward+backward on the same local q, k, v plus the
+   two K/V receive buffers.
 Medians of triton.testing.do_bench; bf16, B=1, H=32, D=128.
 """
 from __future__ import annotations
@@ -91,10 +94,45 @@ def replay_rows(S, world, H, D, dtype, device):
     return row
 
 
+def memory_rows(S_local, world, H, Hkv, D, dtype, device):
+    g = torch.Generator(device=device).manual_seed(2)
+    mk = lambda heads: torch.randn(1, S_local, heads, D, device=device, dtype=dtype, generator=g).requires_grad_()
+    q, k, v = mk(H), mk(Hkv), mk(Hkv)
+    do = torch.randn_like(q)
+    blocks = [(k.detach(), v.detach())] * world
+
+    def peak(fn):
+        for t in (q, k, v):
+            t.grad = None
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        fn()
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - base
+
+    def ring():
+        comm = ReplayComm(0, world, blocks, record=False)
+        _RingAttn.apply(q, k, v, None, True, D ** -0.5, "zigzag", comm)[0].backward(do)
+
+    def local():
+        flash_attn_func(q, k, v, causal=True).backward(do)
+
+    ring(), local()  # warm-up: compiled kernels, allocator
+    kv_buffers = 2 * (k.numel() + v.numel()) * k.element_size()
+    r, l = peak(ring), peak(local)
+    row = {"S_local": S_local, "world": world, "heads": H, "kv_heads": Hkv, "ring_peak_gib": r / 2**30,
+           "local_peak_gib": l / 2**30, "kv_buffers_gib": kv_buffers / 2**30, "ratio": r / (l + kv_buffers)}
+    print(json.dumps(row), flush=True)
+    return row
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", type=Path)
     ap.add_argument("--smoke", action="store_true", help="tiny CPU sizes")
+    ap.add_argument("--sections", nargs="+", default=["block_ops", "replay", "memory"],
+                    choices=["block_ops", "replay", "memory"])
     args = ap.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
     dtype, H, D = (torch.bfloat16, 32, 128) if device.type == "cuda" else (torch.float32, 2, 32)
@@ -102,8 +140,13 @@ def main():
     replays = [(32768, 2), (131072, 2), (131072, 4), (131072, 8)] if device.type == "cuda" else [(128, 2)]
     out = {"meta": {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
                     "dtype": str(dtype), "heads": H, "head_dim": D, "date": time.strftime("%Y-%m-%d")},
-           "block_ops": [r for S in sizes for r in block_op_rows(S, H, D, dtype, device)],
-           "replay": [replay_rows(S, w, H, D, dtype, device) for S, w in replays]}
+           "block_ops": [], "replay": [], "memory": []}
+    if "block_ops" in args.sections:
+        out["block_ops"] = [r for S in sizes for r in block_op_rows(S, H, D, dtype, device)]
+    if "replay" in args.sections:
+        out["replay"] = [replay_rows(S, w, H, D, dtype, device) for S, w in replays]
+    if "memory" in args.sections and device.type == "cuda":
+        out["memory"] = [memory_rows(S, 4, H, Hkv, D, dtype, device) for S in (32768, 65536) for Hkv in (H, H // 4)]
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(out, indent=1))
@@ -114,6 +157,10 @@ def main():
     print("ring schedule replayed without communication (rank 0) vs one-GPU attention / P:")
     for r in out["replay"]:
         print(f"  S={r['S']} P={r['world']}: efficiency {r['efficiency']:.3f}")
+    print("peak memory beyond the inputs, ring (P=4) vs local + 2 K/V buffers:")
+    for r in out["memory"]:
+        print(f"  S_local={r['S_local']} H={r['heads']}/{r['kv_heads']}: ring {r['ring_peak_gib']:.2f} GiB, "
+              f"local {r['local_peak_gib']:.2f} + buffers {r['kv_buffers_gib']:.2f} GiB: ratio {r['ratio']:.2f}")
 
 
 if __name__ == "__main__":

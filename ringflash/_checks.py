@@ -88,9 +88,9 @@ def check_bool(name: str, value, api: str) -> None:
         raise TypeError(f"{api}: {name} must be a bool, got {type(value).__name__}")
 
 
-def key_bias_from_mask(mask, dims: AttnDims, device, api: str):
+def key_bias_from_mask(mask, dims: AttnDims, device, api: str, dtype=torch.float32):
     """key_padding_mask (B, Sk), bool (True = ignore the key) or float (added to the scores),
-    as a float32 (B, Sk) bias, or None."""
+    as a (B, Sk) bias in `dtype` (the state dtype: float32, float64 for float64), or None."""
     if mask is None:
         return None
     check_tensor("key_padding_mask", mask, api)
@@ -100,7 +100,7 @@ def key_bias_from_mask(mask, dims: AttnDims, device, api: str):
     if mask.device != device:
         raise ValueError(f"{api}: key_padding_mask is on {mask.device}, q on {device}")
     if mask.dtype == torch.bool:
-        return torch.zeros(want, dtype=torch.float32, device=device).masked_fill_(mask, float("-inf"))
+        return torch.zeros(want, dtype=dtype, device=device).masked_fill_(mask, float("-inf"))
     if not mask.is_floating_point():
         raise TypeError(f"{api}: key_padding_mask must be bool or floating point, got {mask.dtype}")
-    return mask.detach().to(torch.float32).contiguous()
+    return mask.detach().to(dtype).contiguous()

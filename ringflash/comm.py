@@ -103,12 +103,23 @@ class RingComm:
         tag = _TAGS[kind]
         ops = [dist.P2POp(dist.isend, t, self.next, self.group, tag) for t in send]
         ops += [dist.P2POp(dist.irecv, t, self.prev, self.group, tag) for t in recv]
-        return dist.batch_isend_irecv(ops)
+        try:
+            return dist.batch_isend_irecv(ops)
+        except RuntimeError as e:
+            raise self._failure(e) from e
 
-    @staticmethod
-    def wait(handles) -> None:
-        for h in handles or ():
-            h.wait()
+    def wait(self, handles) -> None:
+        try:
+            for h in handles or ():
+                h.wait()
+        except RuntimeError as e:
+            raise self._failure(e) from e
+
+    def _failure(self, error: Exception) -> RuntimeError:
+        return RuntimeError(
+            f"ringflash: the ring exchange of rank {dist.get_global_rank(self.group, self.rank)} with "
+            f"rank {self.prev} (receiving) / rank {self.next} (sending) failed; a rank may have died or "
+            f"stopped calling the ring, or the process group timed out: {error}")
 
 
 class ReplayComm:

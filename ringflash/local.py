@@ -157,6 +157,6 @@ def flash_attn_func(q, k, v, *, causal=False, softmax_scale=None, key_padding_ma
     check_bool("causal", causal, api)
     check_bool("return_lse", return_lse, api)
     scale = resolve_scale(softmax_scale, dims.head_dim, api)
-    key_bias = key_bias_from_mask(key_padding_mask, dims, q.device, api)
+    key_bias = key_bias_from_mask(key_padding_mask, dims, q.device, api, state_dtype(q.dtype))
     out, lse = _FlashAttn.apply(q, k, v, key_bias, causal, scale)
     return (out, lse) if return_lse else out

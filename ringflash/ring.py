@@ -158,7 +158,7 @@ def ring_flash_attn_func(q, k, v, *, causal=False, softmax_scale=None, group=Non
         check_bool("return_lse", return_lse, api)
         check_layout(layout, api)
         scale = resolve_scale(softmax_scale, dims.head_dim, api)
-        key_bias = key_bias_from_mask(key_padding_mask, dims, q.device, api)
+        key_bias = key_bias_from_mask(key_padding_mask, dims, q.device, api, state_dtype(q.dtype))
         if causal and dims.seqlen_q != dims.seqlen_k:
             raise ValueError(f"{api}: causal ring attention needs equal q and k/v local lengths, "
                              f"got q {tuple(q.shape)} and k {tuple(k.shape)}")
@@ -197,7 +197,7 @@ def replay_ring(q, k, v, do, *, world, causal=False, softmax_scale=None, layout=
     """
     dims = check_qkv(q, k, v, "replay_ring")
     scale = resolve_scale(softmax_scale, dims.head_dim, "replay_ring")
-    key_bias = key_bias_from_mask(key_padding_mask, dims, q.device, "replay_ring")
+    key_bias = key_bias_from_mask(key_padding_mask, dims, q.device, "replay_ring", state_dtype(q.dtype))
     k_shards, v_shards = _split(k, world, layout), _split(v, world, layout)
     bias_shards = [None] * world if key_bias is None else _split(key_bias, world, layout)
     blocks = [(ks, vs) if bs is None else (ks, vs, bs) for ks, vs, bs in zip(k_shards, v_shards, bias_shards)]

@@ -32,9 +32,12 @@ def naive_attention(q, k, v, *, scale=None, causal=False, q_pos=None, k_pos=None
             k_pos = torch.arange(Sk)
         visible = q_pos.to(s.device)[:, None] >= k_pos.to(s.device)[None, :]
         s = s.masked_fill(~visible, float("-inf"))
+    # rows that see no key: output 0, lse -inf, zero gradients (and no NaN from autograd)
+    empty = torch.isneginf(s).all(-1, keepdim=True)
+    s = s.masked_fill(empty, 0.0)
     lse = torch.logsumexp(s.float() if dtype in (torch.float16, torch.bfloat16) else s, dim=-1).to(dtype)
-    pivot = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
-    p = torch.exp(s - pivot[..., None])
+    p = torch.exp(s - lse[..., None]).masked_fill(empty, 0.0)
+    lse = lse.masked_fill(empty.squeeze(-1), float("-inf"))
     return torch.einsum("bhij,bjhd->bihd", p, v), lse
 
 
