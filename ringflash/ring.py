@@ -47,13 +47,11 @@ def _ring_kv(comm, blocks):
     cur = blocks
     for step in range(world):
         last = step + 1 == world
-        slot = step % 2
         if not last:
+            slot = step % 2
             if bufs[slot] is None:
                 bufs[slot] = tuple(torch.empty_like(t) for t in blocks)
             handles = comm.start(list(cur), list(bufs[slot]), "kv")
-        else:
-            bufs[slot] = None  # nothing more arrives: free the idle buffers before the last block
         yield step, cur
         if not last:
             comm.wait(handles)
