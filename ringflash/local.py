@@ -106,6 +106,17 @@ def without_autocast(method):
     return wrapper
 
 
+def backward_inputs(out, do, dlse):
+    """(dO, delta) for the backward of (out, lse): dO may be None (only lse was used);
+    delta = rowsum(dO * out), minus dlse when lse was used (d lse_i / d s_ij = p_ij folds into
+    ds = p * (dp - delta))."""
+    do = torch.zeros_like(out) if do is None else do.contiguous()
+    delta = attention_delta(out, do)
+    if dlse is not None:
+        delta = delta - dlse.to(delta.dtype)
+    return do, delta
+
+
 class _FlashAttn(torch.autograd.Function):
     @staticmethod
     @without_autocast
@@ -125,12 +136,7 @@ class _FlashAttn(torch.autograd.Function):
     def backward(ctx, do, dlse):
         q, k, v, out, lse, key_bias = ctx.saved_tensors
         q_start, k_start, causal, scale = ctx.offsets
-        if do is None:  # only lse was used
-            do = torch.zeros_like(out)
-        delta = attention_delta(out, do)
-        if dlse is not None:
-            # d lse_i / d s_ij = p_ij, which folds into delta: ds = p * (dp - (delta - dlse))
-            delta = delta - dlse.to(delta.dtype)
+        do, delta = backward_inputs(out, do, dlse)
         dq = torch.empty_like(q, memory_format=torch.contiguous_format)
         dk = torch.empty_like(k, memory_format=torch.contiguous_format)
         dv = torch.empty_like(v, memory_format=torch.contiguous_format)

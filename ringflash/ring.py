@@ -11,7 +11,7 @@ import torch
 from ._checks import SUPPORTED_DTYPES, check_bool, check_qkv, key_bias_from_mask, resolve_scale
 from .comm import ReplayComm, RingComm, agree_across_ranks, check_backend_device, group_rank_world
 from .layout import _place, _split
-from .local import attention_delta, block_backward, block_forward, without_autocast
+from .local import backward_inputs, block_backward, block_forward, without_autocast
 from .merge import state_dtype
 from .schedule import LAYOUTS, check_layout, chunks_per_rank, step_tasks
 
@@ -92,12 +92,7 @@ class _RingAttn(torch.autograd.Function):
         q, k, v, out, lse, key_bias = ctx.saved_tensors
         causal, scale, layout, comm = ctx.args
         rank, world = (comm.rank, comm.world) if comm else (0, 1)
-        if do is None:
-            do = torch.zeros_like(out)
-        do = do.contiguous()
-        delta = attention_delta(out, do)
-        if dlse is not None:
-            delta = delta - dlse.to(delta.dtype)  # see local._FlashAttn.backward
+        do, delta = backward_inputs(out, do, dlse)
         acc = state_dtype(q.dtype)
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
         # dK/dV accumulators travel with their K/V block and reach the owner after the last step

@@ -9,7 +9,7 @@ Softmax runs in base 2 with log2(e) folded into the scale.
 import triton
 import triton.language as tl
 
-from .tiles import load_tile
+from .tiles import key_range, load_tile
 
 
 
@@ -104,15 +104,7 @@ def _fwd_kernel(
         acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
     q_pos = q_start + offs_m
-    if CAUSAL:
-        first_q = q_start + pid_m * BLOCK_M
-        last_q = q_start + tl.minimum((pid_m + 1) * BLOCK_M, Sq) - 1
-        hi = tl.minimum(tl.maximum(last_q - k_start + 1, 0), Sk)
-        full_end = tl.minimum(tl.maximum(first_q - k_start + 1, 0), hi)
-        full_end = (full_end // BLOCK_N) * BLOCK_N
-    else:
-        hi = Sk
-        full_end = (Sk // BLOCK_N) * BLOCK_N
+    hi, full_end = key_range(pid_m, q_start, k_start, Sq, Sk, CAUSAL, BLOCK_M, BLOCK_N)
 
     skip = full_end.to(tl.int64)
     KB_ptrs = KB + b * stride_kbb + offs_n

@@ -1,4 +1,4 @@
-"""Tile loads shared by the forward and backward kernels."""
+"""Pieces shared by the forward and backward kernels: tile loads, the key range of a query tile."""
 import triton
 import triton.language as tl
 
@@ -23,3 +23,20 @@ def load_tile(ptrs, desc, b, row, h, rows, n_rows, d_ok, MASKED: tl.constexpr, P
         return tl.load(ptrs, mask=d_ok, other=0.0)
     else:
         return tl.load(ptrs)
+
+
+@triton.jit
+def key_range(pid_m, q_start, k_start, Sq, Sk, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr,
+              BLOCK_N: tl.constexpr):
+    """For query tile pid_m: (hi, full_end). Keys [0, hi) are visible to some row of the tile;
+    [0, full_end) are whole BLOCK_N blocks visible to every row (no mask needed); the rest of
+    [full_end, hi) needs the causal and bounds mask."""
+    if CAUSAL:
+        first_q = q_start + pid_m * BLOCK_M
+        last_q = q_start + tl.minimum((pid_m + 1) * BLOCK_M, Sq) - 1
+        hi = tl.minimum(tl.maximum(last_q - k_start + 1, 0), Sk)
+        full_end = tl.minimum(tl.maximum(first_q - k_start + 1, 0), hi)
+    else:
+        hi = Sk
+        full_end = Sk
+    return hi, (full_end // BLOCK_N) * BLOCK_N
