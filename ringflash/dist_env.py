@@ -32,5 +32,6 @@ def init_from_env(*, timeout_s: float = 300.0, backend: str | None = None) -> tu
 
 
 def close() -> None:
+    """Destroy the default group, if any."""
     if dist.is_initialized():
         dist.destroy_process_group()
