@@ -10,10 +10,6 @@ def resolve_group(group):
     return dist.group.WORLD if group is None else group
 
 
-def is_distributed(group) -> bool:
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size(resolve_group(group)) > 1
-
-
 def group_rank_world(group) -> tuple[int, int]:
     """(rank, world size) in `group`; (0, 1) when no process group is initialized."""
     if not (dist.is_available() and dist.is_initialized()):

@@ -92,9 +92,10 @@ def backward(q, k, v, lse, do, delta, dq, dk, dv, *, q_start, k_start, causal, s
     Sk, Hkv = k.shape[1], k.shape[2]
     G = Hq // Hkv
     acc = state_dtype(q.dtype)
-    dq_acc = torch.zeros(B, Sq, Hkv, G, D, dtype=acc, device=q.device)
-    dk_acc = torch.zeros(B, Sk, Hkv, D, dtype=acc, device=q.device)
-    dv_acc = torch.zeros_like(dk_acc)
+    # accumulators only for the gradients asked for
+    dq_acc = None if dq is None else torch.zeros(B, Sq, Hkv, G, D, dtype=acc, device=q.device)
+    dk_acc = None if dk is None else torch.zeros(B, Sk, Hkv, D, dtype=acc, device=q.device)
+    dv_acc = None if dv is None else torch.zeros(B, Sk, Hkv, D, dtype=acc, device=q.device)
     for i0 in range(0, Sq, Q_CHUNK):
         i1 = min(i0 + Q_CHUNK, Sq)
         n = i1 - i0
@@ -119,9 +120,10 @@ def backward(q, k, v, lse, do, delta, dq, dk, dv, *, q_start, k_start, causal, s
             if dk is not None:
                 dk_acc[:, j0:j1] += torch.einsum("bhgij,bihgd->bjhd", ds, qg) * scale
                 dv_acc[:, j0:j1] += torch.einsum("bhgij,bihgd->bjhd", p, dog)
-    for buf, grad in ((dq, dq_acc.reshape(B, Sq, Hq, D)), (dk, dk_acc), (dv, dv_acc)):
+    for buf, grad in ((dq, dq_acc), (dk, dk_acc), (dv, dv_acc)):
         if buf is None:
             continue
+        grad = grad.reshape(buf.shape)
         if accumulate:
             buf += grad.to(buf.dtype)
         else:

@@ -38,11 +38,13 @@ def _show_field(name, value):
     return str(value)
 
 
-def _ring_kv(comm, blocks):
-    """The one ring loop: yield (step, blocks), this rank's own K/V blocks (k, v and the key
-    bias if any) first, then each previous rank's; the next blocks are already in flight while
-    the caller computes on the current. Two sets of receive buffers, allocated once, reused."""
+def _ring_kv(comm, k, v, key_bias):
+    """The one ring loop: yield (step, k, v, key_bias) blocks, this rank's own first, then each
+    previous rank's (key_bias travels with its keys, or stays None); the next blocks are
+    already in flight while the caller computes on the current. Two sets of receive buffers,
+    allocated once, reused."""
     world = comm.world if comm else 1
+    blocks = (k, v) if key_bias is None else (k, v, key_bias)
     bufs = [None, None]
     cur = blocks
     for step in range(world):
@@ -52,7 +54,7 @@ def _ring_kv(comm, blocks):
             if bufs[slot] is None:
                 bufs[slot] = tuple(torch.empty_like(t) for t in blocks)
             handles = comm.start(list(cur), list(bufs[slot]), "kv")
-        yield step, cur
+        yield step, cur[0], cur[1], (cur[2] if key_bias is not None else None)
         if not last:
             comm.wait(handles)
             cur = bufs[slot]
@@ -69,17 +71,16 @@ class _RingAttn(torch.autograd.Function):
         """comm: RingComm, ReplayComm, or None for a single rank. key_bias: None or (B, Sk) float32."""
         rank, world = (comm.rank, comm.world) if comm else (0, 1)
         k, v = k.contiguous(), v.contiguous()  # they travel whole
-        blocks = (k, v) if key_bias is None else (k, v, key_bias)
         B, Sq, Hq, D = q.shape
         acc = state_dtype(q.dtype)
         o = torch.zeros(B, Sq, Hq, D, dtype=acc, device=q.device)
         lse = torch.full((B, Hq, Sq), float("-inf"), dtype=acc, device=q.device)
-        for step, (kb, vb, *bias) in _ring_kv(comm, blocks):
+        for step, kb, vb, bias in _ring_kv(comm, k, v, key_bias):
             for t in step_tasks(layout, rank, world, step, Sq, k.shape[1], causal):
                 block_forward(q[:, t.q_rows], kb[:, t.kv_rows], vb[:, t.kv_rows], q_start=t.q_start,
                               k_start=t.k_start, causal=t.causal, scale=scale,
                               out_o=o[:, t.q_rows], out_lse=lse[:, :, t.q_rows], fold=True,
-                              key_bias=_rows(bias[0] if bias else None, t.kv_rows))
+                              key_bias=_rows(bias, t.kv_rows))
         out = o.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse, key_bias)
         ctx.args = (causal, scale, layout, comm)
@@ -98,13 +99,11 @@ class _RingAttn(torch.autograd.Function):
         # dK/dV accumulators travel with their K/V block and reach the owner after the last step
         dkv = (torch.zeros(k.shape, dtype=acc, device=k.device), torch.zeros(v.shape, dtype=acc, device=v.device))
         dkv_next = None
-        handles = None
         Sq, Sk = q.shape[1], k.shape[1]
-        blocks = (k, v) if key_bias is None else (k, v, key_bias)
-        for step, (kb, vb, *bias) in _ring_kv(comm, blocks):
+        for step, kb, vb, bias in _ring_kv(comm, k, v, key_bias):
             tasks = step_tasks(layout, rank, world, step, Sq, Sk, causal)
             common = lambda t: dict(q_start=t.q_start, k_start=t.k_start, causal=t.causal, scale=scale,
-                                    accumulate=True, key_bias=_rows(bias[0] if bias else None, t.kv_rows))
+                                    accumulate=True, key_bias=_rows(bias, t.kv_rows))
             # dQ first: it does not need the incoming dK/dV accumulator, which arrives meanwhile
             for t in tasks:
                 block_backward(q[:, t.q_rows], kb[:, t.kv_rows], vb[:, t.kv_rows], lse[:, :, t.q_rows],
