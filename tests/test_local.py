@@ -38,7 +38,13 @@ def _check(q, k, v, causal, scale=None, check_grad=True):
     plain_grads = torch.autograd.grad(plain, (q, k, v), do)
     for name, g, r, p in zip("dq dk dv".split(), grads, ref_grads, plain_grads):
         assert g.dtype == q.dtype
-        assert_within(name, g, r, p)
+        # With a single key every softmax is 1: dk is exactly 0 (plain autograd gets 0 exactly)
+        # and ours is the rounding noise of dp - delta summed over all queries of the group, so
+        # the floor covers that sum rather than one dot product. (Seen at 5.6e-6 against a 5.4e-6
+        # dot-product floor in one CI run, depending on memory layout.)
+        one_key_dk = name == "dk" and k.shape[1] == 1
+        sum_len = q.shape[-1] * q.shape[1] * (q.shape[2] // k.shape[2]) if one_key_dk else None
+        assert_within(name, g, r, p, sum_len=sum_len)
 
 
 @BOTH
