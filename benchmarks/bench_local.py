@@ -57,10 +57,8 @@ def runner(impl, tensors, causal, mode):
     q, k, v = tensors
     do = torch.randn_like(q)
 
-    if impl in ("ringflash", "ringflash_det"):
-        # ringflash: the default backward (fused, atomic dQ); ringflash_det: deterministic=True
-        det = impl == "ringflash_det"
-        call = lambda: flash_attn_func(q, k, v, causal=causal, deterministic=det)
+    if impl == "ringflash":
+        call = lambda: flash_attn_func(q, k, v, causal=causal)
     else:
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -101,9 +99,6 @@ def run_table(args, device, dtype):
                 for mode in ("fwd", "fwd+bwd"):
                     res = {"D": D, "S": S, "causal": causal, "mode": mode}
                     res["ringflash"] = measure("ringflash", qkv, args.batch, args.heads, S, D, causal, mode, device)
-                    if mode == "fwd+bwd":
-                        res["ringflash_det"] = measure("ringflash_det", qkv, args.batch, args.heads, S, D, causal,
-                                                       mode, device)
                     for p in peers:
                         res[p] = measure(p, sdpa, args.batch, args.heads, S, D, causal, mode, device)
                     rows.append(res)
@@ -113,7 +108,7 @@ def run_table(args, device, dtype):
 
 
 KC = KernelConfig
-CANDIDATES = {  # fwd, dkdv, dq: the third sweep; fused: the fourth (earlier ones: benchmarks/NOTES.md)
+CANDIDATES = {  # the third sweep (earlier ones: benchmarks/NOTES.md)
     "fwd": {
         64: [KC(128, 64, 4, 4, tma=True), KC(128, 64, 4, 3, tma=True), KC(128, 128, 8, 3, tma=True),
              KC(64, 64, 4, 4, tma=True)],
@@ -129,10 +124,6 @@ CANDIDATES = {  # fwd, dkdv, dq: the third sweep; fused: the fourth (earlier one
         64: [KC(128, 32, 4, 3), KC(128, 32, 4, 3, tma=True), KC(128, 64, 4, 3, tma=True), KC(64, 64, 4, 3, tma=True)],
         128: [KC(128, 64, 8, 3), KC(128, 64, 8, 3, tma=True), KC(128, 64, 8, 4, tma=True), KC(128, 128, 8, 2, tma=True),
               KC(64, 64, 4, 3, tma=True)],
-    },
-    "fused": {  # the fifth sweep, pointer atomics (the fourth, with TMA: benchmarks/NOTES.md)
-        64: [KC(64, 64, 4, 3), KC(64, 64, 4, 4), KC(64, 128, 8, 3), KC(128, 64, 8, 3)],
-        128: [KC(64, 128, 8, 3), KC(64, 128, 8, 4), KC(128, 64, 8, 2), KC(128, 64, 8, 3), KC(64, 64, 4, 3)],
     },
 }
 
@@ -154,8 +145,7 @@ def tune(args, device, dtype):
                     configs.OVERRIDES.clear()
                     configs.OVERRIDES.update({k: by_d[D] for k, by_d in chosen.items() if D in by_d})
                     configs.OVERRIDES[kind] = cfg
-                    impl = "ringflash_det" if kind in ("dkdv", "dq") else "ringflash"
-                    r = measure(impl, qkv, B, H, S, D, causal, mode, device)
+                    r = measure("ringflash", qkv, B, H, S, D, causal, mode, device)
                     r.update(kind=kind, D=D, causal=causal, config=cfg.__dict__)
                     rows.append(r)
                     print(json.dumps(r), flush=True)
@@ -174,16 +164,14 @@ def tune(args, device, dtype):
 
 
 def print_table(rows):
-    print("ringflash: default backward (fused, atomic dQ); det: deterministic=True")
-    print(f"\n{'D':>4} {'S':>6} {'causal':>6} {'mode':>8} | {'ringflash':>9} {'det':>7} {'flash':>7} {'cudnn':>7} | "
-          f"{'vs flash':>8} {'vs cudnn':>8} {'det/cudnn':>9}")
+    print(f"\n{'D':>4} {'S':>6} {'causal':>6} {'mode':>8} | {'ringflash':>9} {'flash':>7} {'cudnn':>7} | "
+          f"{'vs flash':>8} {'vs cudnn':>8}")
     for r in rows:
         rf = r["ringflash"].get("tflops", float("nan"))
-        det = r.get("ringflash_det", r["ringflash"]).get("tflops", float("nan"))
         fl = r.get("sdpa_flash", r.get("sdpa_math", {})).get("tflops", float("nan"))
         cu = r.get("sdpa_cudnn", {}).get("tflops", float("nan"))
-        print(f"{r['D']:>4} {r['S']:>6} {str(r['causal']):>6} {r['mode']:>8} | {rf:9.1f} {det:7.1f} {fl:7.1f} "
-              f"{cu:7.1f} | {rf / fl:8.2f} {rf / cu:8.2f} {det / cu:9.2f}")
+        print(f"{r['D']:>4} {r['S']:>6} {str(r['causal']):>6} {r['mode']:>8} | {rf:9.1f} {fl:7.1f} {cu:7.1f} | "
+              f"{rf / fl:8.2f} {rf / cu:8.2f}")
 
 
 def main():

@@ -71,13 +71,11 @@ def attention_delta(o, do):
 
 
 def block_backward(q, k, v, lse, do, delta, dq, dk, dv, *, q_start, k_start, causal, scale, accumulate,
-                   key_bias=None, deterministic=True):
+                   key_bias=None):
     """Gradients of the block (q at q_start.., k/v at k_start..) given the final lse and
     delta (B, Hq, Sq) of the query rows: added into (accumulate=True) or written to
     dq (B, Sq, Hq, D), dk and dv (B, Sk, Hkv, D). dq=None skips the dQ pass, dk=dv=None the
-    dK/dV pass. deterministic=False lets the Triton backend compute dq and dk/dv in one pass
-    with atomic dQ additions (faster; the last bits of dq vary run to run).
-    Returns whether anything was computed."""
+    dK/dV pass. Returns whether anything was computed."""
     vis = block_visibility(q_start, q.shape[1], k_start, k.shape[1], causal)
     if vis is Visibility.NONE:
         if not accumulate:
@@ -88,17 +86,9 @@ def block_backward(q, k, v, lse, do, delta, dq, dk, dv, *, q_start, k_start, cau
     _backend(q.device).backward(
         _unit_stride(q), _unit_stride(k), _unit_stride(v), lse, _unit_stride(do), delta, dq, dk, dv,
         q_start=q_start, k_start=k_start, causal=vis is Visibility.PARTIAL, scale=scale,
-        accumulate=accumulate, key_bias=key_bias, deterministic=deterministic,
+        accumulate=accumulate, key_bias=key_bias,
     )
     return True
-
-
-def resolve_deterministic(deterministic, api: str) -> bool:
-    """None follows torch.use_deterministic_algorithms()."""
-    if deterministic is None:
-        return torch.are_deterministic_algorithms_enabled()
-    check_bool("deterministic", deterministic, api)
-    return deterministic
 
 
 def without_autocast(method):
@@ -130,14 +120,14 @@ def backward_inputs(out, do, dlse):
 class _FlashAttn(torch.autograd.Function):
     @staticmethod
     @without_autocast
-    def forward(ctx, q, k, v, key_bias, causal, scale, deterministic):
+    def forward(ctx, q, k, v, key_bias, causal, scale):
         q_start, k_start = local_causal_offsets(q.shape[1], k.shape[1]) if causal else (0, 0)
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
         lse = torch.empty(q.shape[0], q.shape[2], q.shape[1], dtype=state_dtype(q.dtype), device=q.device)
         block_forward(q, k, v, q_start=q_start, k_start=k_start, causal=causal, scale=scale,
                       out_o=out, out_lse=lse, fold=False, key_bias=key_bias)
         ctx.save_for_backward(q, k, v, out, lse, key_bias)
-        ctx.offsets = (q_start, k_start, causal, scale, deterministic)
+        ctx.offsets = (q_start, k_start, causal, scale)
         ctx.set_materialize_grads(False)
         return out, lse
 
@@ -145,19 +135,17 @@ class _FlashAttn(torch.autograd.Function):
     @without_autocast
     def backward(ctx, do, dlse):
         q, k, v, out, lse, key_bias = ctx.saved_tensors
-        q_start, k_start, causal, scale, deterministic = ctx.offsets
+        q_start, k_start, causal, scale = ctx.offsets
         do, delta = backward_inputs(out, do, dlse)
         dq = torch.empty_like(q, memory_format=torch.contiguous_format)
         dk = torch.empty_like(k, memory_format=torch.contiguous_format)
         dv = torch.empty_like(v, memory_format=torch.contiguous_format)
         block_backward(q, k, v, lse, do, delta, dq, dk, dv, q_start=q_start, k_start=k_start,
-                       causal=causal, scale=scale, accumulate=False, key_bias=key_bias,
-                       deterministic=deterministic)
-        return dq, dk, dv, None, None, None, None
+                       causal=causal, scale=scale, accumulate=False, key_bias=key_bias)
+        return dq, dk, dv, None, None, None
 
 
-def flash_attn_func(q, k, v, *, causal=False, softmax_scale=None, key_padding_mask=None, return_lse=False,
-                    deterministic=None):
+def flash_attn_func(q, k, v, *, causal=False, softmax_scale=None, key_padding_mask=None, return_lse=False):
     """Exact attention on one device.
 
     q: (B, Sq, Hq, D); k, v: (B, Sk, Hkv, D) with Hq % Hkv == 0 (GQA / MQA without copies).
@@ -166,10 +154,6 @@ def flash_attn_func(q, k, v, *, causal=False, softmax_scale=None, key_padding_ma
     j <= i + Sk - Sq; a query that sees no key gets output 0 and lse -inf.
     key_padding_mask: optional (B, Sk), bool (True = padding: the key is ignored) or float
     (added to every query's scores of that key; not differentiated).
-    deterministic: backward on the Triton backend. False: one fused pass that adds dq with
-    atomics (faster; dq's last bits vary from run to run); True: a separate dq pass, bitwise
-    reproducible. None (default): True exactly when torch.use_deterministic_algorithms(True)
-    is in effect. The CPU (torch) backend is always deterministic.
     Returns out (B, Sq, Hq, D) in q's dtype, and with return_lse=True also lse (B, Hq, Sq),
     float32 (float64 for float64 inputs), natural log. Differentiable in q, k, v (and
     through lse).
@@ -178,8 +162,7 @@ def flash_attn_func(q, k, v, *, causal=False, softmax_scale=None, key_padding_ma
     dims = check_qkv(q, k, v, api)
     check_bool("causal", causal, api)
     check_bool("return_lse", return_lse, api)
-    deterministic = resolve_deterministic(deterministic, api)
     scale = resolve_scale(softmax_scale, dims.head_dim, api)
     key_bias = key_bias_from_mask(key_padding_mask, dims, q.device, api, state_dtype(q.dtype))
-    out, lse = _FlashAttn.apply(q, k, v, key_bias, causal, scale, deterministic)
+    out, lse = _FlashAttn.apply(q, k, v, key_bias, causal, scale)
     return (out, lse) if return_lse else out

@@ -82,12 +82,11 @@ def delta(o, do):
 
 
 def backward(q, k, v, lse, do, delta, dq, dk, dv, *, q_start, k_start, causal, scale, accumulate,
-             key_bias=None, deterministic=True):
+             key_bias=None):
     """Gradients of one block given the final lse (B, Hq, Sq) and delta (B, Hq, Sq).
 
     dq (B, Sq, Hq, D), dk and dv (B, Sk, Hkv, D) are added to (accumulate=True) or overwritten;
-    dq=None skips dQ, dk=dv=None skips dK/dV. This backend is always deterministic (the
-    argument is accepted for the Triton backend's signature).
+    dq=None skips dQ, dk=dv=None skips dK/dV.
     """
     B, Sq, Hq, D = q.shape
     Sk, Hkv = k.shape[1], k.shape[2]

@@ -253,15 +253,14 @@ def test_builtin_configs_match_the_h200_sweep():
 
 
 @pytest.mark.parametrize("backend", ["triton"], indirect=True)
-@pytest.mark.parametrize("deterministic", [False, True])
-def test_backward_modes_with_very_negative_scores(backend, deterministic):
-    """Both backward modes (fused with atomic dQ, and two-pass) with every score near -140 and
-    a ragged last key tile: the zero rows past the end of the keys must not reach dQ as
-    exp(140) * 0 (inf in float32)."""
+def test_backward_with_very_negative_scores(backend):
+    """Every score near -140 and a ragged last key tile: the zero rows past the end of the keys
+    get p = exp(140) = inf in float32 inside the dK/dV program; they must stay out of every
+    gradient."""
     q, k, v = _inputs(1, 40, 45, 4, 2, 32, torch.float32, seed=11)
     with torch.no_grad():
         q.sub_(5.0), k.add_(5.0)  # scores ~ -140
-    out = flash_attn_func(q, k, v, causal=False, deterministic=deterministic)
+    out = flash_attn_func(q, k, v)
     do = torch.randn(out.shape, generator=torch.Generator().manual_seed(12))
     grads = torch.autograd.grad(out, (q, k, v), do)
     ref, _ = naive_attention(q, k, v)
@@ -273,9 +272,3 @@ def test_backward_modes_with_very_negative_scores(backend, deterministic):
         # scores ~ -140: exp's argument s - lse carries ~1e-5 absolute rounding in both; the
         # kernel's base-2 scaling (s * log2 e) rounds once more
         assert_within(name, g, r, p, factor=3.0)
-
-
-def test_deterministic_argument():
-    q = torch.randn(1, 8, 2, 16)
-    with pytest.raises(TypeError, match="deterministic"):
-        flash_attn_func(q, q, q, deterministic="yes")

@@ -98,9 +98,8 @@ def delta(o, do):
 
 
 def backward(q, k, v, lse, do, delta, dq, dk, dv, *, q_start, k_start, causal, scale, accumulate,
-             key_bias=None, deterministic=True):
-    """See ringflash.reference.backward. lse and delta: (B, Hq, Sq) views with equal strides.
-    deterministic=False with dq and dk both asked for: one fused pass adding dQ atomically."""
+             key_bias=None):
+    """See ringflash.reference.backward. lse and delta: (B, Hq, Sq) views with equal strides."""
     _check_dtype(q)
     B, Sq, Hq, D = q.shape
     Sk, Hkv = k.shape[1], k.shape[2]
@@ -110,34 +109,18 @@ def backward(q, k, v, lse, do, delta, dq, dk, dv, *, q_start, k_start, causal, s
     common = dict(GROUP=Hq // Hkv, HEAD_DIM=D, BLOCK_D=block_d, CAUSAL=causal,
                   ACCUMULATE=accumulate, HAS_BIAS=has_bias, PRECISION=_precision(q.dtype))
     positions = (Sq, Sk, q_start, k_start, scale * LOG2E, scale)
-    fused = not deterministic and dq is not None and dk is not None
     with _on_device(q):
         if dk is not None:
-            dq_sum = None
-            if fused:  # atomics need a float32 target; the ring's accumulator already is one
-                direct = accumulate and dq.dtype == torch.float32
-                dq_sum = dq if direct else torch.zeros(dq.shape, dtype=torch.float32, device=dq.device)
-                cfg = configs.fused_config(block_d)
-            else:
-                cfg = configs.dkdv_config(block_d)
-            tiles = (q, do) if dq_sum is None else (q, do, dq_sum)
-            tma, descs = _maybe_descriptors(cfg, tiles, cfg.block_m, block_d)
-            q_arg, do_arg = descs[:2]
-            dq_arg = descs[2] if dq_sum is not None else q
-            dq_strides = _bsh(dq_sum) if dq_sum is not None else (0, 0, 0)
+            cfg = configs.dkdv_config(block_d)
+            tma, (q_arg, do_arg) = _maybe_descriptors(cfg, (q, do), cfg.block_m, block_d)
             _dkdv_kernel[(triton.cdiv(Sk, cfg.block_n), B * Hkv)](
-                q_arg, k, v, do_arg, lse, delta, dk, dv, kb, dq_arg,
-                *_bsh(q), *_bsh(k), *_bsh(v), *_bsh(do), *_bsh(dk), *_bsh(dv), *dq_strides,
+                q_arg, k, v, do_arg, lse, delta, dk, dv, kb,
+                *_bsh(q), *_bsh(k), *_bsh(v), *_bsh(do), *_bsh(dk), *_bsh(dv),
                 lse.stride(0), lse.stride(1), stride_kbb, Hkv, *positions,
-                BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, TMA=tma, FUSE_DQ=fused,
+                BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, TMA=tma,
                 num_warps=cfg.num_warps, num_stages=cfg.num_stages, **common,
             )
-            if fused and dq_sum is not dq:
-                if accumulate:
-                    dq += dq_sum
-                else:
-                    dq.copy_(dq_sum)
-        if dq is not None and not fused:
+        if dq is not None:
             cfg = configs.dq_config(block_d)
             tma, (k_arg, v_arg) = _maybe_descriptors(cfg, (k, v), cfg.block_n, block_d)
             _dq_kernel[(triton.cdiv(Sq, cfg.block_m), B * Hq)](

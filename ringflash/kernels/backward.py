@@ -1,12 +1,9 @@
-"""Triton backward kernels: delta = rowsum(dO * O), then dK/dV and dQ.
+"""Triton backward kernels: delta = rowsum(dO * O), then dK/dV and dQ in separate passes.
 
 Every block uses the final lse of its query rows, so a ring step's gradients need no
-re-merge. dK/dV programs own a key tile and loop over the GQA group's query heads.
-Deterministic mode: dQ programs own a query tile in a second pass (7 matmuls per tile pair,
-no atomics, bitwise reproducible). Fused mode (FUSE_DQ): the dK/dV program also computes each
-query tile's dQ share and adds it to a float32 dQ with atomics (5 matmuls; the order of the
-additions, so the last bits of dQ, varies run to run). With ACCUMULATE the dK/dV gradients
-are added to the caller's (float32) buffers, otherwise written.
+re-merge. dK/dV programs own a key tile and loop over the GQA group's query heads, dQ
+programs own a query tile: no atomics, so results are bitwise reproducible. With ACCUMULATE
+the gradients are added to the caller's (float32) buffers, otherwise written.
 """
 import triton
 import triton.language as tl
@@ -49,13 +46,10 @@ def _store_grad(ptrs, grad, mask, ACCUMULATE: tl.constexpr):
 def _dkdv_q_range(
     dk, dv, k, v, k_pos, kb, Q_ptrs, DO_ptrs, LSE_ptrs, DELTA_ptrs, stride_qs, stride_dos,
     offs_m, d_ok, lo, hi, q_start, Sq, qk_scale, Q_desc, DO_desc, b32, h32,
-    DQ_ptrs, stride_dqs, DQ_desc, sm_scale, ragged_keys,
     MASKED: tl.constexpr, CAUSAL: tl.constexpr, PAD_D: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_D: tl.constexpr, HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr, TMA: tl.constexpr,
-    FUSE_DQ: tl.constexpr,
 ):
-    # Q_ptrs / DO_ptrs / DQ_ptrs (pointer path) / LSE_ptrs / DELTA_ptrs point at query row `lo`
-    # on entry
+    # Q_ptrs / DO_ptrs (pointer path) / LSE_ptrs / DELTA_ptrs point at query row `lo` on entry
     for start_m in range(lo, hi, BLOCK_M):
         rows = start_m + offs_m
         q = load_tile(Q_ptrs, Q_desc, b32, start_m, h32, rows, Sq, d_ok, MASKED, PAD_D, TMA, BLOCK_M, BLOCK_D)
@@ -71,10 +65,6 @@ def _dkdv_q_range(
         s_t = tl.dot(k, tl.trans(q), input_precision=PRECISION) * qk_scale  # (BLOCK_N, BLOCK_M)
         if HAS_BIAS:
             s_t += kb[:, None]
-        elif FUSE_DQ:
-            # keys past Sk (zero rows) must get p = 0 here: their ds would reach dQ as inf * 0
-            if ragged_keys:
-                s_t += kb[:, None]
         p_t = tl.math.exp2(s_t - lse2[None, :])
         if MASKED:
             visible = rows[None, :] < Sq
@@ -83,22 +73,11 @@ def _dkdv_q_range(
             p_t = tl.where(visible, p_t, 0.0)
         dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=PRECISION)
         dp_t = tl.dot(v, tl.trans(do), input_precision=PRECISION)
-        ds_t = (p_t * (dp_t - delta[None, :])).to(q.dtype)
-        dk = tl.dot(ds_t, q, dk, input_precision=PRECISION)
-        if FUSE_DQ:
-            dq = tl.dot(tl.trans(ds_t), k, input_precision=PRECISION) * sm_scale  # (BLOCK_M, BLOCK_D)
-            if TMA:
-                DQ_desc.atomic_add([b32, start_m, h32, 0], tl.reshape(dq, (1, BLOCK_M, 1, BLOCK_D)))
-            elif MASKED:
-                tl.atomic_add(DQ_ptrs, dq, mask=(rows[:, None] < Sq) & d_ok, sem="relaxed")
-            elif PAD_D:
-                tl.atomic_add(DQ_ptrs, dq, mask=d_ok, sem="relaxed")
-            else:
-                tl.atomic_add(DQ_ptrs, dq, sem="relaxed")
+        ds_t = p_t * (dp_t - delta[None, :])
+        dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=PRECISION)
         if not TMA:
             Q_ptrs += BLOCK_M * stride_qs
             DO_ptrs += BLOCK_M * stride_dos
-            DQ_ptrs += BLOCK_M * stride_dqs
         LSE_ptrs += BLOCK_M
         DELTA_ptrs += BLOCK_M
     return dk, dv
@@ -106,23 +85,22 @@ def _dkdv_q_range(
 
 @triton.jit(do_not_specialize=["Sq", "Sk", "q_start", "k_start"])
 def _dkdv_kernel(
-    Q, K, V, DO, LSE, DELTA, DK, DV, KB, DQ,
+    Q, K, V, DO, LSE, DELTA, DK, DV, KB,
     stride_qb, stride_qs, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
     stride_dob, stride_dos, stride_doh,
     stride_dkb, stride_dks, stride_dkh,
     stride_dvb, stride_dvs, stride_dvh,
-    stride_dqb, stride_dqs, stride_dqh,
     stride_lb, stride_lh, stride_kbb,
     Hkv, Sq, Sk, q_start, k_start, qk_scale, sm_scale,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, ACCUMULATE: tl.constexpr, HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr,
-    TMA: tl.constexpr = False, FUSE_DQ: tl.constexpr = False,
+    TMA: tl.constexpr = False,
 ):
     """Q and DO are tensors, or (B, Sq, Hq, D) descriptors with blocks [1, BLOCK_M, 1, BLOCK_D]
-    when TMA; so is DQ (float32, added to atomically) when FUSE_DQ, else unused."""
+    when TMA."""
     pid_n = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = (pid_bh // Hkv).to(tl.int64)
@@ -140,11 +118,9 @@ def _dkdv_kernel(
     v = tl.load(V + b * stride_vb + hk * stride_vh + cols64[:, None] * stride_vs + offs_d[None, :],
                 mask=tile_mask, other=0.0)
     k_pos = k_start + offs_n
-    ragged_keys = (pid_n + 1) * BLOCK_N > Sk
+    kb = offs_n * 0.0
     if HAS_BIAS:  # per-key additive bias, in base-2 units like the scores
         kb = tl.load(KB + b * stride_kbb + offs_n, mask=offs_n < Sk, other=float("-inf")) * 1.4426950408889634
-    else:
-        kb = tl.where(offs_n < Sk, 0.0, float("-inf"))
 
     # Query rows that see some key of this tile, and the subrange that sees all of them.
     Sq_full = (Sq // BLOCK_M) * BLOCK_M
@@ -173,35 +149,29 @@ def _dkdv_kernel(
         LSE_ptrs = LSE + b * stride_lb + h * stride_lh + offs_m
         DELTA_ptrs = DELTA + b * stride_lb + h * stride_lh + offs_m
         if TMA:  # rows come from the descriptors; the pointer arguments are unused
-            Q_ptrs, DO_ptrs, DQ_ptrs = LSE_ptrs, LSE_ptrs, LSE_ptrs
+            Q_ptrs, DO_ptrs = LSE_ptrs, LSE_ptrs
             Q_lo, DO_lo, Q_full, DO_full, Q_tail, DO_tail = LSE_ptrs, LSE_ptrs, LSE_ptrs, LSE_ptrs, LSE_ptrs, LSE_ptrs
-            DQ_lo, DQ_full, DQ_tail = LSE_ptrs, LSE_ptrs, LSE_ptrs
         else:
             Q_ptrs = Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qs + offs_d[None, :]
             DO_ptrs = DO + b * stride_dob + h * stride_doh + offs_m[:, None] * stride_dos + offs_d[None, :]
-            DQ_ptrs = DQ + b * stride_dqb + h * stride_dqh + offs_m[:, None] * stride_dqs + offs_d[None, :]
             Q_lo, DO_lo = Q_ptrs + lo64 * stride_qs, DO_ptrs + lo64 * stride_dos
             Q_full, DO_full = Q_ptrs + full64 * stride_qs, DO_ptrs + full64 * stride_dos
             Q_tail, DO_tail = Q_ptrs + tail64 * stride_qs, DO_ptrs + tail64 * stride_dos
-            DQ_lo, DQ_full, DQ_tail = DQ_ptrs + lo64 * stride_dqs, DQ_ptrs + full64 * stride_dqs, DQ_ptrs + tail64 * stride_dqs
         # diagonal blocks (causal mask)
         dk, dv = _dkdv_q_range(
             dk, dv, k, v, k_pos, kb, Q_lo, DO_lo, LSE_ptrs + lo64, DELTA_ptrs + lo64, stride_qs, stride_dos,
             offs_m, d_ok, lo, full_lo, q_start, Sq, qk_scale, Q, DO, b32, h32,
-            DQ_lo, stride_dqs, DQ, sm_scale, ragged_keys,
-            True, CAUSAL, PAD_D, BLOCK_M, BLOCK_D, HAS_BIAS, PRECISION, TMA, FUSE_DQ)
+            True, CAUSAL, PAD_D, BLOCK_M, BLOCK_D, HAS_BIAS, PRECISION, TMA)
         # fully visible blocks
         dk, dv = _dkdv_q_range(
             dk, dv, k, v, k_pos, kb, Q_full, DO_full, LSE_ptrs + full64, DELTA_ptrs + full64, stride_qs,
             stride_dos, offs_m, d_ok, full_lo, Sq_full, q_start, Sq, qk_scale, Q, DO, b32, h32,
-            DQ_full, stride_dqs, DQ, sm_scale, ragged_keys,
-            False, CAUSAL, PAD_D, BLOCK_M, BLOCK_D, HAS_BIAS, PRECISION, TMA, FUSE_DQ)
+            False, CAUSAL, PAD_D, BLOCK_M, BLOCK_D, HAS_BIAS, PRECISION, TMA)
         # ragged tail of the query rows
         dk, dv = _dkdv_q_range(
             dk, dv, k, v, k_pos, kb, Q_tail, DO_tail, LSE_ptrs + tail64, DELTA_ptrs + tail64, stride_qs,
             stride_dos, offs_m, d_ok, tail_lo, Sq, q_start, Sq, qk_scale, Q, DO, b32, h32,
-            DQ_tail, stride_dqs, DQ, sm_scale, ragged_keys,
-            True, CAUSAL, PAD_D, BLOCK_M, BLOCK_D, HAS_BIAS, PRECISION, TMA, FUSE_DQ)
+            True, CAUSAL, PAD_D, BLOCK_M, BLOCK_D, HAS_BIAS, PRECISION, TMA)
 
     _store_grad(DK + b * stride_dkb + hk * stride_dkh + cols64[:, None] * stride_dks + offs_d[None, :],
                 dk * sm_scale, tile_mask, ACCUMULATE)

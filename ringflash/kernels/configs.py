@@ -35,7 +35,6 @@ def interpreting() -> bool:
 _INTERP_FWD = KernelConfig(32, 16, 4, 1)
 _INTERP_DKDV = KernelConfig(16, 32, 4, 1)
 _INTERP_DQ = KernelConfig(32, 16, 4, 1)
-_INTERP_FUSED = KernelConfig(16, 32, 4, 1)
 
 # Hopper (H200), keyed by padded head dim. D=64 and D=128 entries: the sweep of 2026-11-29
 # (benchmarks/results/tune_h200_call1.json, B=1, H=32, S=16K, bf16); others are scaled guesses.
@@ -59,13 +58,6 @@ _DQ = {
     64: KernelConfig(128, 64, 4, 3, tma=True),
     128: KernelConfig(128, 64, 8, 3, tma=True),
     256: KernelConfig(64, 32, 8, 2),
-}
-# the fused backward (dK/dV program adding dQ atomically): untuned starting points
-_FUSED = {
-    32: KernelConfig(64, 128, 4, 2),
-    64: KernelConfig(64, 128, 8, 2, tma=True),
-    128: KernelConfig(64, 128, 8, 2, tma=True),
-    256: KernelConfig(32, 64, 8, 2),
 }
 
 # Overrides for the tuning sweep: {"fwd": KernelConfig, ...}; empty in normal use.
@@ -108,7 +100,3 @@ def dkdv_config(block_d: int) -> KernelConfig:
 
 def dq_config(block_d: int) -> KernelConfig:
     return _pick("dq", _DQ, _INTERP_DQ, block_d)
-
-
-def fused_config(block_d: int) -> KernelConfig:
-    return _pick("fused", _FUSED, _INTERP_FUSED, block_d)
