@@ -72,6 +72,9 @@ def test_gqa(backend, Hq, Hkv):
 def test_custom_scale_and_large_scores(backend):
     q, k, v = _inputs(1, 50, 50, 2, 2, 32, torch.float32, seed=7)
     _check(q, k, v, causal=True, scale=0.7)
+    # zero and negative scales: the row max of the scaled scores is not max(s) * scale
+    _check(q, k, v, causal=True, scale=0.0)
+    _check(q, k, v, causal=True, scale=-0.4)
     # scores of magnitude ~1e4: exact, no overflow
     with torch.no_grad():
         q.mul_(30.0), k.mul_(30.0)

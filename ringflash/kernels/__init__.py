@@ -79,7 +79,7 @@ def forward(q, k, v, *, q_start, k_start, causal, scale, out_o, out_lse, fold, k
             GROUP=Hq // Hkv, HEAD_DIM=D, BLOCK_D=block_d,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
             CAUSAL=causal, HAS_STATE=fold, HAS_BIAS=has_bias, PRECISION=_precision(q.dtype),
-            TMA=use_tma, WARP_SPECIALIZE=cfg.warp_specialize,
+            TMA=use_tma, WARP_SPECIALIZE=cfg.warp_specialize, POSITIVE_SCALE=scale > 0,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
 

@@ -19,14 +19,22 @@ def _fwd_block_range(
     lo, hi, k_start, Sk, qk_scale, K_desc, V_desc, b32, hk32,
     MASKED: tl.constexpr, CAUSAL: tl.constexpr, PAD_D: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr,
-    TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
+    TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, PRESCALE: tl.constexpr,
 ):
     # K_ptrs / V_ptrs / KB_ptrs point at key row `lo` on entry (pointer path)
     d_ok = offs_d[None, :] < HEAD_DIM
     for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
         cols = start_n + offs_n
         k = load_tile(K_ptrs, K_desc, b32, start_n, hk32, cols, Sk, d_ok, MASKED, PAD_D, TMA, BLOCK_N, BLOCK_D)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+        # Scores in base-2 units are s * qk_scale. Without PRESCALE the scale is applied inside
+        # exp2's argument, one FMA per score; max(s) * scale is the max only for scale > 0, and
+        # a bias must be added after scaling, so those cases scale first.
+        if PRESCALE:
+            s = s * qk_scale
+            scale = 1.0
+        else:
+            scale = qk_scale
         if HAS_BIAS:  # per-key additive bias (key padding), natural log units
             if MASKED:
                 kb = tl.load(KB_ptrs, mask=cols < Sk, other=float("-inf"))
@@ -39,10 +47,10 @@ def _fwd_block_range(
             if CAUSAL:
                 visible = visible & (q_pos[:, None] >= (k_start + cols)[None, :])
             s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_new = tl.maximum(m_i, tl.max(s, 1) * scale)
         # A row that has seen no key yet keeps m = -inf; pivot on 0 so exp2 gives 0, not NaN.
         m_pivot = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.math.exp2(s - m_pivot[:, None])
+        p = tl.math.exp2(s * scale - m_pivot[:, None])
         alpha = tl.math.exp2(m_i - m_pivot)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
@@ -69,10 +77,11 @@ def _fwd_kernel(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_STATE: tl.constexpr, HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr,
-    TMA: tl.constexpr = False, WARP_SPECIALIZE: tl.constexpr = False,
+    TMA: tl.constexpr = False, WARP_SPECIALIZE: tl.constexpr = False, POSITIVE_SCALE: tl.constexpr = True,
 ):
     """K and V are tensors, or (B, Sk, Hkv, D) tensor descriptors with blocks
-    [1, BLOCK_N, 1, BLOCK_D] when TMA."""
+    [1, BLOCK_N, 1, BLOCK_D] when TMA. POSITIVE_SCALE: qk_scale > 0."""
+    PRESCALE: tl.constexpr = HAS_BIAS or not POSITIVE_SCALE
     pid_m = tl.program_id(0)
     if CAUSAL:  # later query tiles see more keys: start them first, so the tail is short
         pid_m = tl.num_programs(0) - 1 - pid_m
@@ -118,11 +127,11 @@ def _fwd_kernel(
     acc, l_i, m_i = _fwd_block_range(
         acc, l_i, m_i, q, q_pos, K_ptrs, V_ptrs, KB_ptrs, stride_ks, stride_vs, offs_n, offs_d,
         0, full_end, k_start, Sk, qk_scale, K, V, b32, hk32,
-        False, CAUSAL, PAD_D, HEAD_DIM, BLOCK_N, BLOCK_D, HAS_BIAS, PRECISION, TMA, WARP_SPECIALIZE)
+        False, CAUSAL, PAD_D, HEAD_DIM, BLOCK_N, BLOCK_D, HAS_BIAS, PRECISION, TMA, WARP_SPECIALIZE, PRESCALE)
     acc, l_i, m_i = _fwd_block_range(
         acc, l_i, m_i, q, q_pos, K_rest, V_rest, KB_ptrs + skip,
         stride_ks, stride_vs, offs_n, offs_d, full_end, hi, k_start, Sk, qk_scale, K, V, b32, hk32,
-        True, CAUSAL, PAD_D, HEAD_DIM, BLOCK_N, BLOCK_D, HAS_BIAS, PRECISION, TMA, False)
+        True, CAUSAL, PAD_D, HEAD_DIM, BLOCK_N, BLOCK_D, HAS_BIAS, PRECISION, TMA, False, PRESCALE)
 
     empty = l_i == 0.0
     o = acc / tl.where(empty, 1.0, l_i)[:, None]
