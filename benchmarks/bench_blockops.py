@@ -70,31 +70,32 @@ def block_op_rows(S, H, D, dtype, device):
     return rows
 
 
-def replay_rows(S, world, H, D, dtype, device):
+def replay_rows(S, world, H, Hkv, D, dtype, device, grad_chunks):
     g = torch.Generator(device=device).manual_seed(1)
     S_local = S // world
-    q, k, v, do = (torch.randn(1, S_local, H, D, device=device, dtype=dtype, generator=g).requires_grad_()
-                   for _ in range(4))
-    qf, kf, vf = (torch.randn(1, S, H, D, device=device, dtype=dtype, generator=g).requires_grad_() for _ in range(3))
+    mk = lambda S, heads: torch.randn(1, S, heads, D, device=device, dtype=dtype, generator=g).requires_grad_()
+    q, k, v, do = mk(S_local, H), mk(S_local, Hkv), mk(S_local, Hkv), mk(S_local, H)
+    qf, kf, vf = mk(S, H), mk(S, Hkv), mk(S, Hkv)
     dof = torch.randn_like(qf)
     blocks = [(k.detach(), v.detach())] * world
     scale = D ** -0.5
 
     def replay():
         comm = ReplayComm(0, world, blocks, record=False)
-        out = _RingAttn.apply(q, k, v, None, True, scale, "zigzag", comm)[0]
+        out = _RingAttn.apply(q, k, v, None, True, scale, "zigzag", comm, grad_chunks)[0]
         out.backward(do.detach())
 
     def full():
         flash_attn_func(qf, kf, vf, causal=True).backward(dof)
 
     r, f = bench(replay, device), bench(full, device)
-    row = {"S": S, "world": world, "replay_rank0_ms": r, "full_over_world_ms": f / world, "efficiency": f / world / r}
+    row = {"S": S, "world": world, "kv_heads": Hkv, "grad_chunks": grad_chunks, "replay_rank0_ms": r,
+           "full_over_world_ms": f / world, "efficiency": f / world / r}
     print(json.dumps(row), flush=True)
     return row
 
 
-def memory_rows(S_local, world, H, Hkv, D, dtype, device):
+def memory_rows(S_local, world, H, Hkv, D, dtype, device, grad_chunks):
     g = torch.Generator(device=device).manual_seed(2)
     mk = lambda heads: torch.randn(1, S_local, heads, D, device=device, dtype=dtype, generator=g).requires_grad_()
     q, k, v = mk(H), mk(Hkv), mk(Hkv)
@@ -113,7 +114,7 @@ def memory_rows(S_local, world, H, Hkv, D, dtype, device):
 
     def ring():
         comm = ReplayComm(0, world, blocks, record=False)
-        _RingAttn.apply(q, k, v, None, True, D ** -0.5, "zigzag", comm)[0].backward(do)
+        _RingAttn.apply(q, k, v, None, True, D ** -0.5, "zigzag", comm, grad_chunks)[0].backward(do)
 
     def local():
         flash_attn_func(q, k, v, causal=True).backward(do)
@@ -121,7 +122,8 @@ def memory_rows(S_local, world, H, Hkv, D, dtype, device):
     ring(), local()  # warm-up: compiled kernels, allocator
     kv_buffers = 2 * (k.numel() + v.numel()) * k.element_size()
     r, l = peak(ring), peak(local)
-    row = {"S_local": S_local, "world": world, "heads": H, "kv_heads": Hkv, "ring_peak_gib": r / 2**30,
+    row = {"S_local": S_local, "world": world, "heads": H, "kv_heads": Hkv, "grad_chunks": grad_chunks,
+           "ring_peak_gib": r / 2**30,
            "local_peak_gib": l / 2**30, "kv_buffers_gib": kv_buffers / 2**30, "ratio": r / (l + kv_buffers)}
     print(json.dumps(row), flush=True)
     return row
@@ -133,20 +135,27 @@ def main():
     ap.add_argument("--smoke", action="store_true", help="tiny CPU sizes")
     ap.add_argument("--sections", nargs="+", default=["block_ops", "replay", "memory"],
                     choices=["block_ops", "replay", "memory"])
+    ap.add_argument("--grad-chunks", type=int, nargs="+", default=[None],
+                    help="kv-head chunks of the backward's dK/dV exchange (default: the library's)")
     args = ap.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
     dtype, H, D = (torch.bfloat16, 32, 128) if device.type == "cuda" else (torch.float32, 2, 32)
     sizes = [16384] if device.type == "cuda" else [128]
-    replays = [(32768, 2), (131072, 2), (131072, 4), (131072, 8)] if device.type == "cuda" else [(128, 2)]
+    # (S, P, Hkv): the last one is small per rank (S_local = 4K) with GQA, where chunked dK/dV
+    # kernels have the fewest programs
+    replays = ([(32768, 2, H), (131072, 2, H), (131072, 4, H), (131072, 8, H), (16384, 4, H // 4)]
+               if device.type == "cuda" else [(128, 2, H)])
     out = {"meta": {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
                     "dtype": str(dtype), "heads": H, "head_dim": D, "date": time.strftime("%Y-%m-%d")},
            "block_ops": [], "replay": [], "memory": []}
     if "block_ops" in args.sections:
         out["block_ops"] = [r for S in sizes for r in block_op_rows(S, H, D, dtype, device)]
     if "replay" in args.sections:
-        out["replay"] = [replay_rows(S, w, H, D, dtype, device) for S, w in replays]
+        out["replay"] = [replay_rows(S, w, H, Hkv, D, dtype, device, c) for S, w, Hkv in replays
+                         for c in args.grad_chunks]
     if "memory" in args.sections and device.type == "cuda":
-        out["memory"] = [memory_rows(S, 4, H, Hkv, D, dtype, device) for S in (32768, 65536) for Hkv in (H, H // 4)]
+        out["memory"] = [memory_rows(S, 4, H, Hkv, D, dtype, device, c) for S in (32768, 65536) for Hkv in (H, H // 4)
+                         for c in args.grad_chunks]
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(out, indent=1))
@@ -156,10 +165,12 @@ def main():
               f"backward {r['bwd_loss'] * 100:+.1f}%")
     print("ring schedule replayed without communication (rank 0) vs one-GPU attention / P:")
     for r in out["replay"]:
-        print(f"  S={r['S']} P={r['world']}: efficiency {r['efficiency']:.3f}")
+        print(f"  S={r['S']} P={r['world']} Hkv={r['kv_heads']} grad chunks={r['grad_chunks']}: "
+              f"efficiency {r['efficiency']:.3f}")
     print("peak memory beyond the inputs, ring (P=4) vs local + 2 K/V buffers:")
     for r in out["memory"]:
-        print(f"  S_local={r['S_local']} H={r['heads']}/{r['kv_heads']}: ring {r['ring_peak_gib']:.2f} GiB, "
+        print(f"  S_local={r['S_local']} H={r['heads']}/{r['kv_heads']} grad chunks={r['grad_chunks']}: "
+              f"ring {r['ring_peak_gib']:.2f} GiB, "
               f"local {r['local_peak_gib']:.2f} + buffers {r['kv_buffers_gib']:.2f} GiB: ratio {r['ratio']:.2f}")
 
 

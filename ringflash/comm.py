@@ -92,10 +92,14 @@ class RingComm:
         self.next = dist.get_global_rank(self.group, (self.rank + 1) % self.world)
         self.prev = dist.get_global_rank(self.group, (self.rank - 1) % self.world)
 
-    def start(self, send: list[torch.Tensor], recv: list[torch.Tensor], kind: str):
+    def start(self, send: list[torch.Tensor], recv: list[torch.Tensor], kind: str, *, step: int,
+              heads: slice | None = None):
         """Send `send` to the next rank and receive `recv` from the previous one, asynchronously.
         kind: "kv" (key/value blocks) or "grad" (dK/dV accumulators); the two may be in flight
-        at once and are kept apart by tag. Returns handles for wait()."""
+        at once and are kept apart by tag; messages of one kind match in the order they are
+        started. step (the ring step) and heads (the kv heads a "grad" exchange carries) are
+        what ReplayComm needs to play one; the ring passes them to either. Returns handles
+        for wait()."""
         tag = _TAGS[kind]
         ops = [dist.P2POp(dist.isend, t, self.next, self.group, tag) for t in send]
         ops += [dist.P2POp(dist.irecv, t, self.prev, self.group, tag) for t in recv]
@@ -122,10 +126,12 @@ class ReplayComm:
     """Plays rank `rank` of a `world`-rank ring inside one process (no process group), so the
     ring's CUDA path can be checked and timed on a single GPU.
 
-    The K/V blocks "received" at each step are copied from `blocks[src]`, the tuple of
-    tensors (k, v, and the key bias if any) that rank src holds. Gradient accumulators sent on are recorded in `sent_grads` as
-    (owner rank of the block, [dk, dv]) when `record` is set, and zeros come back, so summing
-    the records of every replayed rank gives each block's dK/dV.
+    The K/V blocks "received" at step s are copied from `blocks[(rank - s - 1) % world]`, the
+    tuple of tensors (k, v, and the key bias if any) that rank holds. Gradient accumulators
+    sent on at step s belong to the block of rank (rank - s) % world; with `record` set each is
+    recorded in `sent_grads` as (owner rank, kv heads slice, [dk, dv]), and zeros come back, so
+    adding the records of every replayed rank into dk[:, :, heads] / dv[:, :, heads] gives each
+    block's dK/dV.
     """
 
     def __init__(self, rank: int, world: int, blocks, record: bool = True):
@@ -135,19 +141,15 @@ class ReplayComm:
         self.blocks = blocks
         self.record = record
         self.sent_grads = []
-        self._calls = {"kv": 0, "grad": 0}
 
-    def start(self, send, recv, kind: str):
-        # each forward or backward pass makes world-1 K/V exchanges and world gradient exchanges
-        n = self._calls[kind]
-        self._calls[kind] += 1
+    def start(self, send, recv, kind: str, *, step: int, heads: slice | None = None):
         if kind == "kv":
-            src = (self.rank - n % (self.world - 1) - 1) % self.world
-            for buf, t in zip(recv, self.blocks[src], strict=True):
+            for buf, t in zip(recv, self.blocks[(self.rank - step - 1) % self.world], strict=True):
                 buf.copy_(t)
         else:
             if self.record:
-                self.sent_grads.append(((self.rank - n % self.world) % self.world, [t.clone() for t in send]))
+                owner = (self.rank - step) % self.world
+                self.sent_grads.append((owner, slice(None) if heads is None else heads, [t.clone() for t in send]))
             for t in recv:
                 t.zero_()
         return None

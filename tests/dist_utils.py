@@ -28,3 +28,17 @@ def _entry(rank, world, port, env, fn, args):
 def run_world(fn, world: int, *args, env: dict | None = None) -> None:
     """fn(rank, world, *args) on `world` spawned processes; a failure on any rank fails the caller."""
     mp.spawn(_entry, args=(world, free_port(), dict(env or {}), fn, args), nprocs=world, join=True)
+
+
+def grad_chunks(chunks: int):
+    """Context manager: the ring backward exchanges dK/dV in min(chunks, Hkv) kv-head chunks,
+    whatever the size (the library's default keeps small accumulators in one chunk)."""
+    import contextlib
+    from unittest import mock
+
+    import ringflash.ring
+
+    stack = contextlib.ExitStack()
+    stack.enter_context(mock.patch.object(ringflash.ring, "GRAD_CHUNKS", chunks))
+    stack.enter_context(mock.patch.object(ringflash.ring, "GRAD_CHUNK_MIN_BYTES", 0))
+    return stack

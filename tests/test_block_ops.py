@@ -27,8 +27,8 @@ def _fold(q, k, v, blocks, order, causal, q_start=0):
     first = True
     for i in order:
         a, b = blocks[i]
-        ran = block_forward(q, k[:, a:b], v[:, a:b], q_start=q_start, k_start=a, causal=causal,
-                            scale=q.shape[-1] ** -0.5, out_o=o, out_lse=lse, fold=not first)
+        block_forward(q, k[:, a:b], v[:, a:b], q_start=q_start, k_start=a, causal=causal,
+                      scale=q.shape[-1] ** -0.5, out_o=o, out_lse=lse, fold=not first)
         first = False
     return o, lse
 

@@ -4,11 +4,14 @@ With one GPU: every rank's block schedule is replayed in one process (ReplayComm
 match single-GPU attention. With two or more GPUs: the real ring over NCCL, one process per
 GPU. Run with `pytest -m gpu` on a CUDA machine.
 """
+import contextlib
+
 import pytest
 import torch
 
 from ringflash import flash_attn_func, ring_flash_attn_func, shard, unshard
 from ringflash.ring import replay_ring
+from dist_utils import grad_chunks
 from oracle import naive_attention
 
 pytestmark = pytest.mark.gpu
@@ -51,14 +54,28 @@ def test_replayed_ring_matches_single_gpu(dtype, layout, causal, world):
         assert e_ring <= 1.2 * e_single + 1e-6, f"{name}: ring {e_ring:.3e} vs single GPU {e_single:.3e}"
 
 
-def _nccl_worker(rank, world, layout, causal, dtype):
+@pytest.mark.parametrize("heads_q,heads_kv,chunks", [(6, 3, 2), (8, 4, 4), (8, 4, 1), (3, 1, 4)])
+def test_replayed_ring_with_chunked_grads(heads_q, heads_kv, chunks):
+    """The dK/dV accumulators in 1 to 4 kv-head chunks (2+1 heads for Hkv=3, C=2), exchanged on
+    the side stream, replayed on one GPU."""
+    q, k, v, do = _inputs(1, 3072, heads_q, heads_kv, 128, torch.bfloat16, seed=chunks)
+    ref = _reference(q, k, v, do, True)
+    single = _single_gpu(q, k, v, do, True)
+    with grad_chunks(chunks):
+        ring = replay_ring(q, k, v, do, world=3, causal=True)
+    for name, r, s, g in zip(("out", "dq", "dk", "dv"), ref, single, ring):
+        assert _rel_rms(g, r) <= 1.2 * _rel_rms(s, r) + 1e-6, name
+
+
+def _nccl_worker(rank, world, layout, causal, dtype, heads=(8, 2), chunks=None):
     torch.cuda.set_device(rank)
-    q, k, v, do = _inputs(2, 8192, 8, 2, 128, dtype, seed=0)  # same full tensors on every rank
+    q, k, v, do = _inputs(2, 8192, *heads, 128, dtype, seed=0)  # same full tensors on every rank
     ref = _reference(q, k, v, do, causal)
     single = _single_gpu(q, k, v, do, causal)
     ql, kl, vl = (shard(t, layout=layout).clone().requires_grad_() for t in (q, k, v))
-    out = ring_flash_attn_func(ql, kl, vl, causal=causal, layout=layout)
-    grads = torch.autograd.grad(out, (ql, kl, vl), shard(do, layout=layout))
+    with grad_chunks(chunks) if chunks else contextlib.nullcontext():
+        out = ring_flash_attn_func(ql, kl, vl, causal=causal, layout=layout)
+        grads = torch.autograd.grad(out, (ql, kl, vl), shard(do, layout=layout))
     ring = [unshard(t, layout=layout) for t in (out, *grads)]
     for name, r, s, g in zip(("out", "dq", "dk", "dv"), ref, single, ring):
         assert _rel_rms(g, r) <= 1.2 * _rel_rms(s, r) + 1e-6, name
@@ -77,7 +94,19 @@ def test_nccl_ring_matches_single_gpu(dtype, layout, causal):
     mp.spawn(_nccl_entry, args=(world, port, layout, causal, dtype), nprocs=world, join=True)
 
 
-def _nccl_entry(rank, world, port, layout, causal, dtype):
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="the NCCL ring needs 2 or more GPUs")
+@pytest.mark.parametrize("heads,chunks", [((6, 3), 2), ((8, 4), 4), ((8, 4), 1)])
+def test_nccl_ring_with_chunked_grads(heads, chunks):
+    import torch.multiprocessing as mp
+
+    from dist_utils import free_port
+
+    world, port = torch.cuda.device_count(), free_port()
+    mp.spawn(_nccl_entry, args=(world, port, "zigzag", True, torch.bfloat16, heads, chunks), nprocs=world,
+             join=True)
+
+
+def _nccl_entry(rank, world, port, layout, causal, dtype, heads=(8, 2), chunks=None):
     import os
     from datetime import timedelta
 
@@ -88,7 +117,7 @@ def _nccl_entry(rank, world, port, layout, causal, dtype):
     dist.init_process_group("nccl", rank=rank, world_size=world, timeout=timedelta(seconds=300),
                             device_id=torch.device("cuda", rank))
     try:
-        _nccl_worker(rank, world, layout, causal, dtype)
+        _nccl_worker(rank, world, layout, causal, dtype, heads, chunks)
     finally:
         dist.destroy_process_group()
 

@@ -1,5 +1,4 @@
 """flash_attn_func against a float64 oracle on both backends (Triton under the interpreter on CPU)."""
-import math
 
 import pytest
 import torch

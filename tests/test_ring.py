@@ -1,11 +1,16 @@
 """Ring attention over gloo with several processes against a single-process float64 oracle."""
+import contextlib
+from unittest import mock
+
 import pytest
 import torch
 import torch.distributed as dist
 
+import ringflash.ring
 from ringflash import flash_attn_func, local_positions, ring_flash_attn_func, shard, unshard
+from ringflash.comm import RingComm
 from ringflash.schedule import step_tasks
-from dist_utils import run_world
+from dist_utils import grad_chunks, run_world
 from oracle import max_err, naive_attention
 
 
@@ -18,8 +23,26 @@ def _full_inputs(B, S, Sk, Hq, Hkv, D, dtype, seed):
     return q, k, v, do
 
 
+@contextlib.contextmanager
+def _grad_chunks(chunks, heads_sent):
+    """Run the ring backward with `chunks` dK/dV chunks (None: the default), recording the kv
+    heads slice of every gradient exchange this rank starts into `heads_sent`."""
+    real = RingComm.start
+
+    def start(self, send, recv, kind, **kw):
+        if kind == "grad":
+            heads_sent.append(kw["heads"])
+        return real(self, send, recv, kind, **kw)
+
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(mock.patch.object(RingComm, "start", start))
+        if chunks is not None:
+            stack.enter_context(grad_chunks(chunks))
+        yield
+
+
 def _ring_vs_oracle(rank, world, layout, causal, B, S, Sk, Hq, Hkv, D, dtype, tol, group=None, seed=0,
-                    mask=None):
+                    mask=None, chunks=None):
     q, k, v, do = _full_inputs(B, S, Sk, Hq, Hkv, D, dtype, seed)
     if mask is not None:  # a key padding mask: "bool" or "float"
         g = torch.Generator().manual_seed(seed + 1)
@@ -32,11 +55,22 @@ def _ring_vs_oracle(rank, world, layout, causal, B, S, Sk, Hq, Hkv, D, dtype, to
     sh = lambda t: shard(t, group=group, layout=layout)
     ql, kl, vl = (sh(t).clone().requires_grad_() for t in (q, k, v))
     local_mask = None if mask is None else sh(mask)
-    out, lse = ring_flash_attn_func(ql, kl, vl, causal=causal, group=group, layout=layout, return_lse=True,
-                                    key_padding_mask=local_mask)
-    assert out.dtype == dtype and out.shape == ql.shape
-    assert lse.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
-    grads = torch.autograd.grad(out, (ql, kl, vl), sh(do))
+    heads_sent = []
+    with _grad_chunks(chunks, heads_sent):
+        out, lse = ring_flash_attn_func(ql, kl, vl, causal=causal, group=group, layout=layout, return_lse=True,
+                                        key_padding_mask=local_mask)
+        assert out.dtype == dtype and out.shape == ql.shape
+        assert lse.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
+        grads = torch.autograd.grad(out, (ql, kl, vl), sh(do))
+    # the accumulators travel in min(chunks, Hkv) near-equal head chunks, every step
+    default = ringflash.ring._default_grad_chunks(kl, torch.float64 if dtype == torch.float64 else torch.float32)
+    n = min(default if chunks is None else chunks, Hkv)
+    ring_world = dist.get_world_size(group)
+    assert len(heads_sent) == (ring_world * n if ring_world > 1 else 0), (len(heads_sent), ring_world, n)
+    for i in range(0, len(heads_sent), n):
+        step = sorted(heads_sent[i:i + n], key=lambda h: h.start)
+        assert [h.start for h in step] == [0] + [h.stop for h in step[:-1]] and step[-1].stop == Hkv, step
+        assert max(h.stop - h.start for h in step) - min(h.stop - h.start for h in step) <= 1, step
     assert max_err(out, sh(ref)) < tol, ("out", layout, causal, max_err(out, sh(ref)))
     assert max_err(lse, shard(ref_lse, group=group, layout=layout, dim=2)) < tol
     for name, g, r in zip(("dq", "dk", "dv"), grads, ref_grads):
@@ -77,12 +111,42 @@ def test_ring_torch_backend(world):
     run_world(_suite, world, _cases(world), env={"RINGFLASH_BACKEND": "torch"})
 
 
+def _chunked_cases(world):
+    """The dK/dV accumulators in 1, 2 or 3 head chunks: equal chunks, unequal ones (Hkv % C != 0),
+    C > Hkv (MQA), GQA, both layouts, causal or not, masks, cross-attention."""
+    c = 3
+    cases = []
+    for layout in ("zigzag", "contiguous"):
+        for causal in (False, True):
+            for chunks in (1, 2, 3):  # Hkv=4: chunks of 4; 2+2; 2+1+1 heads
+                cases.append(dict(layout=layout, causal=causal, B=2, S=2 * world * c, Sk=2 * world * c, Hq=8, Hkv=4,
+                                  D=16, dtype=torch.float32, tol=2e-5, seed=10 * world + chunks, chunks=chunks))
+    cases.append(dict(layout="zigzag", causal=True, B=1, S=2 * world * 8, Sk=2 * world * 8, Hq=3, Hkv=1, D=16,
+                      dtype=torch.float64, tol=1e-10, seed=5, chunks=3))  # MQA: one chunk
+    cases.append(dict(layout="zigzag", causal=False, B=1, S=2 * world * 2, Sk=2 * world * 5, Hq=5, Hkv=5, D=16,
+                      dtype=torch.float32, tol=2e-5, seed=6, mask="bool", chunks=3))  # 2+2+1, cross-attention
+    cases.append(dict(layout="contiguous", causal=True, B=2, S=2 * world * 3, Sk=2 * world * 3, Hq=6, Hkv=3, D=16,
+                      dtype=torch.float64, tol=1e-10, seed=7, mask="float", chunks=2))  # 2+1
+    return cases
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_ring_chunked_grad_exchange(world):
+    cases = _chunked_cases(world)
+    if world == 4:
+        cases = [c for c in cases if c["layout"] == "zigzag" and c["causal"] and c["chunks"] == 3]
+    run_world(_suite, world, cases, env={"RINGFLASH_BACKEND": "torch"})
+
+
 @pytest.mark.parametrize("world", [2, 3])
 def test_ring_triton_interpreter(world):
     cases = [dict(layout=layout, causal=causal, B=1, S=2 * world * 20, Sk=2 * world * 20, Hq=2, Hkv=1, D=16,
                   dtype=torch.float32, tol=5e-5, seed=3, mask=mask)
              for layout in ("zigzag", "contiguous") for causal in (False, True)
              for mask in ((None, "bool") if causal else (None,))]
+    # GQA in two kv-head chunks: the kernels on head-sliced views of q, k, v, lse and the slots
+    cases.append(dict(layout="zigzag", causal=True, B=1, S=2 * world * 8, Sk=2 * world * 8, Hq=4, Hkv=2, D=16,
+                      dtype=torch.float32, tol=5e-5, seed=4, chunks=2))
     run_world(_suite, world, cases, env={"RINGFLASH_BACKEND": "triton", "TRITON_INTERPRET": "1"})
 
 
@@ -245,3 +309,46 @@ def test_replay_on_one_device_matches_local(backend, layout):
         assert max_err(out, ref) < 2e-5
         for g, r in zip((dq, dk, dv), ref_grads):
             assert max_err(g, r) < 2e-5
+
+
+@pytest.mark.parametrize("backend", ["torch"], indirect=True)
+def test_replay_with_chunked_grad_exchange(backend):
+    """replay_ring (ReplayComm records each head chunk it sends) with the accumulators in 1 to 3
+    chunks, against the float64 oracle."""
+    from ringflash.comm import ReplayComm
+    from ringflash.ring import replay_ring
+
+    records = []
+    real_init = ReplayComm.__init__
+
+    def init(self, *a, **kw):
+        real_init(self, *a, **kw)
+        records.append(self.sent_grads)
+
+    for world, layout, causal, Hq, Hkv, chunks in ((2, "zigzag", True, 8, 4, 3), (3, "contiguous", False, 8, 4, 2),
+                                                  (3, "zigzag", True, 6, 3, 2), (2, "contiguous", True, 2, 1, 3),
+                                                  (4, "zigzag", False, 5, 5, 3), (3, "zigzag", True, 4, 4, 1)):
+        q, k, v, do = _full_inputs(2, 2 * world * 4, 2 * world * 4, Hq, Hkv, 16, torch.float64, world + chunks)
+        records.clear()
+        with grad_chunks(chunks), mock.patch.object(ReplayComm, "__init__", init):
+            out, dq, dk, dv = replay_ring(q, k, v, do, world=world, causal=causal, layout=layout)
+        qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
+        ref, _ = naive_attention(qr, kr, vr, causal=causal)
+        ref_grads = torch.autograd.grad(ref, (qr, kr, vr), do)
+        assert max_err(out, ref) < 1e-10
+        for name, g, r in zip(("dq", "dk", "dv"), (dq, dk, dv), ref_grads):
+            assert max_err(g, r) < 1e-10, (name, world, layout, chunks)
+        n = min(chunks, Hkv)
+        assert len(records) == world and all(len(sent) == world * n for sent in records)
+        assert all(dkc.shape[2] == h.stop - h.start <= -(-Hkv // n) for sent in records for _, h, (dkc, _) in sent)
+
+
+def test_default_grad_chunks_follow_the_accumulator_size():
+    """Small dK/dV accumulators stay in one chunk (chunked kernels over short sequences leave
+    the GPU idle); from GRAD_CHUNK_MIN_BYTES per chunk up, GRAD_CHUNKS of them."""
+    count = lambda S, Hkv: ringflash.ring._default_grad_chunks(
+        torch.empty(1, S, Hkv, 128, device="meta"), torch.float32)
+    assert count(4096, 8) == 1  # 32 MiB of float32 dK + dV
+    assert count(16384, 8) == 2  # 128 MiB
+    assert count(32768, 8) == ringflash.ring.GRAD_CHUNKS  # 256 MiB
+    assert count(32768, 32) == ringflash.ring.GRAD_CHUNKS

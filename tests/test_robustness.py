@@ -1,4 +1,5 @@
 """No hangs, no silent wrong answers, determinism, and property-based checks."""
+import contextlib
 import os
 import subprocess
 import sys
@@ -11,9 +12,10 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ringflash import flash_attn_func, ring_flash_attn_func, shard, unshard
+from ringflash import flash_attn_func, ring_flash_attn_func, shard
 from ringflash.ring import replay_ring
 from dist_utils import free_port, run_world
+from dist_utils import grad_chunks as grad_chunks_patch
 from oracle import max_err, naive_attention
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -90,38 +92,76 @@ def test_bitwise_deterministic_on_cpu(backend):
     run_world(_determinism, 3, env={"RINGFLASH_BACKEND": "torch"})
 
 
-def _counting_allocations(rank, world, counts):
-    """Tensor allocations made by the ring module itself, per forward+backward."""
+@contextlib.contextmanager
+def _ring_allocations():
+    """Record (function name, dtype, bytes) of every tensor allocation made by the ring module
+    itself (torch.empty / zeros / full / empty_like / zeros_like called from ringflash.ring)."""
     made = []
     real = {name: getattr(torch, name) for name in ("empty_like", "zeros", "full", "zeros_like", "empty")}
 
     def wrap(name):
         def alloc(*a, **kw):
+            t = real[name](*a, **kw)
             if sys._getframe(1).f_globals.get("__name__") == "ringflash.ring":
-                made.append(name)
-            return real[name](*a, **kw)
+                made.append((name, t.dtype, t.numel() * t.element_size()))
+            return t
         return alloc
 
     for name in real:
         setattr(torch, name, wrap(name))
     try:
-        g = torch.Generator().manual_seed(0)
-        q, k, v = (shard(torch.randn(1, 8 * world, 2, 16, generator=g)).requires_grad_() for _ in range(3))
-        out = ring_flash_attn_func(q, k, v, causal=True)
-        out.sum().backward()
+        yield made
     finally:
         for name, fn in real.items():
             setattr(torch, name, fn)
+
+
+def _counting_allocations(rank, world, counts):
+    """Tensor allocations made by the ring module itself, per forward+backward."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (shard(torch.randn(1, 8 * world, 2, 16, generator=g)).requires_grad_() for _ in range(3))
+    with grad_chunks_patch(2), _ring_allocations() as made:
+        out = ring_flash_attn_func(q, k, v, causal=True)
+        out.sum().backward()
+    names = [name for name, _, _ in made]
     if rank == 0:
-        print(f"world {world}: {len(made)} allocations in ringflash.ring: {made}")
-        assert len(made) == counts, made
+        print(f"world {world}: {len(made)} allocations in ringflash.ring: {names}")
+        assert len(made) == counts, names
 
 
 @pytest.mark.parametrize("world", [3, 6])
 def test_no_allocation_per_ring_step(world):
-    # forward: o, lse and 2 receive buffers x (k, v) = 6; backward: dq, dk, dv, the second
-    # dK/dV pair and 2 receive buffers x (k, v) = 9: the same 15 for 3 steps or 6
-    run_world(_counting_allocations, world, 15, env={"RINGFLASH_BACKEND": "torch"})
+    # forward: o, lse and 2 receive buffers x (k, v) = 6; backward: dq, one slot per dK/dV head
+    # chunk (2 heads: 2 chunks), one spare slot, 2 receive buffers x (k, v), the dk and dv
+    # outputs = 10: the same 16 for 3 steps or 6
+    run_world(_counting_allocations, world, 16, env={"RINGFLASH_BACKEND": "torch"})
+
+
+def _float32_bytes(rank, world):
+    """bf16 inputs: the ring module's float32 allocations are o, lse, dq and the dK/dV
+    accumulators with their receive space, which must shrink to one head chunk."""
+    B, S, Hq, Hkv, D = 1, 4 * world, 8, 4, 16
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (shard(torch.randn(B, S, H, D, generator=g, dtype=torch.bfloat16)).requires_grad_()
+               for H in (Hq, Hkv, Hkv))
+    S_local = S // world
+    state = B * S_local * Hq * D * 4 * 2 + B * Hq * S_local * 4  # o and dq; lse
+    head = B * S_local * D * 4 * 2  # one kv head of dK and dV
+    totals = {}
+    for chunks in (1, 2, 3, 4, 8):
+        with grad_chunks_patch(chunks), _ring_allocations() as made:
+            out = ring_flash_attn_func(q, k, v, causal=True)
+            out.sum().backward()
+        totals[chunks] = sum(n for _, dtype, n in made if dtype == torch.float32)
+        largest = -(-Hkv // min(chunks, Hkv))
+        # the accumulators (Hkv heads) and one spare slot of the largest chunk: no second full pair
+        assert totals[chunks] == state + head * (Hkv + largest), (chunks, totals[chunks], state, head)
+    assert totals[1] > totals[2] == totals[3] > totals[4] == totals[8], totals
+    assert totals[1] - totals[4] == head * 3
+
+
+def test_float32_gradient_buffers_shrink_with_chunks():
+    run_world(_float32_bytes, 2, env={"RINGFLASH_BACKEND": "torch"})
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -130,19 +170,22 @@ def test_no_allocation_per_ring_step(world):
     layout=st.sampled_from(["zigzag", "contiguous"]),
     causal=st.booleans(),
     batch=st.integers(1, 2),
-    heads_kv=st.integers(1, 3),
+    heads_kv=st.integers(1, 5),
     group=st.integers(1, 3),
     head_dim=st.sampled_from([16, 24, 32, 48]),
     chunk=st.integers(1, 6),
     kv_chunk=st.integers(1, 6),
     mask=st.sampled_from([None, "bool", "float"]),
+    grad_chunks=st.integers(1, 4),
     seed=st.integers(0, 2**31 - 1),
 )
 def test_property_ring_schedule_matches_float64(world, layout, causal, batch, heads_kv, group, head_dim, chunk,
-                                                 kv_chunk, mask, seed):
+                                                 kv_chunk, mask, grad_chunks, seed):
     """Every rank's ring schedule (replayed in one process, torch backend) against the float64
-    oracle, over shapes, GQA ratios, masks, layouts and world sizes. (Real process groups at
-    world 1-4 and 8 are in test_ring.py.)"""
+    oracle, over shapes, GQA ratios, masks, layouts, world sizes and the number of kv-head
+    chunks the dK/dV accumulators travel in. (Real process groups at world 1-4 and 8 are in
+    test_ring.py.)"""
+
     parts = world * (2 if layout == "zigzag" else 1)
     S = parts * chunk
     Sk = S if causal else parts * kv_chunk
@@ -155,7 +198,8 @@ def test_property_ring_schedule_matches_float64(world, layout, causal, batch, he
         kpm = torch.rand(batch, Sk, generator=g) < 0.3
     elif mask == "float":
         kpm = torch.randn(batch, Sk, generator=g, dtype=torch.float64)
-    with mock.patch.dict(os.environ, {"RINGFLASH_BACKEND": "torch"}):
+    with mock.patch.dict(os.environ, {"RINGFLASH_BACKEND": "torch"}), \
+            grad_chunks_patch(grad_chunks):
         out, dq, dk, dv = replay_ring(q, k, v, do, world=world, causal=causal, layout=layout, key_padding_mask=kpm)
     qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
     ref, _ = naive_attention(qr, kr, vr, causal=causal, key_padding_mask=kpm)
