@@ -8,7 +8,7 @@ the gradients are added to the caller's (float32) buffers, otherwise written.
 import triton
 import triton.language as tl
 
-from .tiles import key_range, load_tile
+from .tiles import add_key_bias, key_range, load_tile, query_program, visible_keys
 
 
 @triton.jit
@@ -193,18 +193,10 @@ def _dq_k_range(
         v = load_tile(V_ptrs, V_desc, b32, start_n, hk32, cols, Sk, d_ok, MASKED, PAD_D, TMA, BLOCK_N, BLOCK_D)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
         if HAS_BIAS:
-            if MASKED:
-                kb = tl.load(KB_ptrs, mask=cols < Sk, other=float("-inf"))
-            else:
-                kb = tl.load(KB_ptrs)
-            s += kb[None, :] * 1.4426950408889634
-            KB_ptrs += BLOCK_N
+            s, KB_ptrs = add_key_bias(s, KB_ptrs, cols, Sk, MASKED, BLOCK_N)
         p = tl.math.exp2(s - lse2[:, None])
         if MASKED:
-            visible = cols[None, :] < Sk
-            if CAUSAL:
-                visible = visible & (q_pos[:, None] >= (k_start + cols)[None, :])
-            p = tl.where(visible, p, 0.0)
+            p = tl.where(visible_keys(q_pos, cols, Sk, k_start, CAUSAL), p, 0.0)
         dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
         ds = p * (dp - delta[:, None])
         dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=PRECISION)
@@ -231,13 +223,7 @@ def _dq_kernel(
 ):
     """K and V are tensors, or (B, Sk, Hkv, D) descriptors with blocks [1, BLOCK_N, 1, BLOCK_D]
     when TMA."""
-    pid_m = tl.program_id(0)
-    if CAUSAL:  # later query tiles see more keys: start them first, so the tail is short
-        pid_m = tl.num_programs(0) - 1 - pid_m
-    pid_bh = tl.program_id(1)
-    b = (pid_bh // Hq).to(tl.int64)
-    h = (pid_bh % Hq).to(tl.int64)
-    hk = h // GROUP
+    pid_m, b, h, hk = query_program(Hq, GROUP, CAUSAL)
     PAD_D: tl.constexpr = BLOCK_D != HEAD_DIM
 
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)

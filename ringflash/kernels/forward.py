@@ -9,7 +9,7 @@ Softmax runs in base 2 with log2(e) folded into the scale.
 import triton
 import triton.language as tl
 
-from .tiles import key_range, load_tile
+from .tiles import add_key_bias, key_range, load_tile, query_program, visible_keys
 
 
 
@@ -35,18 +35,10 @@ def _fwd_block_range(
             scale = 1.0
         else:
             scale = qk_scale
-        if HAS_BIAS:  # per-key additive bias (key padding), natural log units
-            if MASKED:
-                kb = tl.load(KB_ptrs, mask=cols < Sk, other=float("-inf"))
-            else:
-                kb = tl.load(KB_ptrs)
-            s += kb[None, :] * 1.4426950408889634
-            KB_ptrs += BLOCK_N
+        if HAS_BIAS:  # per-key additive bias (key padding)
+            s, KB_ptrs = add_key_bias(s, KB_ptrs, cols, Sk, MASKED, BLOCK_N)
         if MASKED:
-            visible = cols[None, :] < Sk
-            if CAUSAL:
-                visible = visible & (q_pos[:, None] >= (k_start + cols)[None, :])
-            s = tl.where(visible, s, float("-inf"))
+            s = tl.where(visible_keys(q_pos, cols, Sk, k_start, CAUSAL), s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1) * scale)
         # A row that has seen no key yet keeps m = -inf; pivot on 0 so exp2 gives 0, not NaN.
         m_pivot = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -82,13 +74,7 @@ def _fwd_kernel(
     """K and V are tensors, or (B, Sk, Hkv, D) tensor descriptors with blocks
     [1, BLOCK_N, 1, BLOCK_D] when TMA. POSITIVE_SCALE: qk_scale > 0."""
     PRESCALE: tl.constexpr = HAS_BIAS or not POSITIVE_SCALE
-    pid_m = tl.program_id(0)
-    if CAUSAL:  # later query tiles see more keys: start them first, so the tail is short
-        pid_m = tl.num_programs(0) - 1 - pid_m
-    pid_bh = tl.program_id(1)
-    b = (pid_bh // Hq).to(tl.int64)
-    h = (pid_bh % Hq).to(tl.int64)
-    hk = h // GROUP
+    pid_m, b, h, hk = query_program(Hq, GROUP, CAUSAL)
     PAD_D: tl.constexpr = BLOCK_D != HEAD_DIM
 
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)

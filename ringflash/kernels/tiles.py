@@ -1,4 +1,5 @@
-"""Pieces shared by the forward and backward kernels: tile loads, the key range of a query tile."""
+"""Pieces shared by the forward and backward kernels: program ids, tile loads, key bias and
+visibility, the key range of a query tile."""
 import triton
 import triton.language as tl
 
@@ -40,3 +41,38 @@ def key_range(pid_m, q_start, k_start, Sq, Sk, CAUSAL: tl.constexpr, BLOCK_M: tl
         hi = Sk
         full_end = Sk
     return hi, (full_end // BLOCK_N) * BLOCK_N
+
+
+@triton.jit
+def query_program(Hq, GROUP: tl.constexpr, CAUSAL: tl.constexpr):
+    """(pid_m, b, h, hk) of a program over (query tiles, batch x q heads): its query tile, batch,
+    q head and kv head (int64). Causal: later query tiles see more keys, so they start first
+    and the tail is short."""
+    pid_m = tl.program_id(0)
+    if CAUSAL:
+        pid_m = tl.num_programs(0) - 1 - pid_m
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // Hq).to(tl.int64)
+    h = (pid_bh % Hq).to(tl.int64)
+    return pid_m, b, h, h // GROUP
+
+
+@triton.jit
+def add_key_bias(s, KB_ptrs, cols, Sk, MASKED: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Scores s (rows, BLOCK_N) in base-2 units plus the per-key bias (natural-log units, -inf
+    for keys past Sk when MASKED) at KB_ptrs; returns (s, KB_ptrs moved to the next key tile)."""
+    if MASKED:
+        kb = tl.load(KB_ptrs, mask=cols < Sk, other=float("-inf"))
+    else:
+        kb = tl.load(KB_ptrs)
+    return s + kb[None, :] * 1.4426950408889634, KB_ptrs + BLOCK_N
+
+
+@triton.jit
+def visible_keys(q_pos, cols, Sk, k_start, CAUSAL: tl.constexpr):
+    """(rows, keys) mask of a key tile at local columns `cols`: inside the keys and, when
+    CAUSAL, at or before each query's global position q_pos."""
+    visible = cols[None, :] < Sk
+    if CAUSAL:
+        visible = visible & (q_pos[:, None] >= (k_start + cols)[None, :])
+    return visible
