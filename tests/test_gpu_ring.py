@@ -81,32 +81,7 @@ def _nccl_worker(rank, world, layout, causal, dtype, heads=(8, 2), chunks=None):
         assert _rel_rms(g, r) <= 1.2 * _rel_rms(s, r) + 1e-6, name
 
 
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="the NCCL ring needs 2 or more GPUs")
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
-@pytest.mark.parametrize("causal", [False, True])
-def test_nccl_ring_matches_single_gpu(dtype, layout, causal):
-    import torch.multiprocessing as mp
-
-    from dist_utils import free_port
-
-    world, port = torch.cuda.device_count(), free_port()
-    mp.spawn(_nccl_entry, args=(world, port, layout, causal, dtype), nprocs=world, join=True)
-
-
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="the NCCL ring needs 2 or more GPUs")
-@pytest.mark.parametrize("heads,chunks", [((6, 3), 2), ((8, 4), 4), ((8, 4), 1)])
-def test_nccl_ring_with_chunked_grads(heads, chunks):
-    import torch.multiprocessing as mp
-
-    from dist_utils import free_port
-
-    world, port = torch.cuda.device_count(), free_port()
-    mp.spawn(_nccl_entry, args=(world, port, "zigzag", True, torch.bfloat16, heads, chunks), nprocs=world,
-             join=True)
-
-
-def _nccl_entry(rank, world, port, layout, causal, dtype, heads=(8, 2), chunks=None):
+def _nccl_entry(rank, world, port, worker, args):
     import os
     from datetime import timedelta
 
@@ -117,9 +92,55 @@ def _nccl_entry(rank, world, port, layout, causal, dtype, heads=(8, 2), chunks=N
     dist.init_process_group("nccl", rank=rank, world_size=world, timeout=timedelta(seconds=300),
                             device_id=torch.device("cuda", rank))
     try:
-        _nccl_worker(rank, world, layout, causal, dtype, heads, chunks)
+        worker(rank, world, *args)
     finally:
         dist.destroy_process_group()
+
+
+def _nccl_run(worker, *args):
+    """worker(rank, world, *args) in one process per GPU, over NCCL."""
+    import torch.multiprocessing as mp
+
+    from dist_utils import free_port
+
+    world, port = torch.cuda.device_count(), free_port()
+    mp.spawn(_nccl_entry, args=(world, port, worker, args), nprocs=world, join=True)
+
+
+NEEDS_2_GPUS = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="the NCCL ring needs 2 or more GPUs")
+
+
+@NEEDS_2_GPUS
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_nccl_ring_matches_single_gpu(dtype, layout, causal):
+    _nccl_run(_nccl_worker, layout, causal, dtype)
+
+
+@NEEDS_2_GPUS
+@pytest.mark.parametrize("heads,chunks", [((6, 3), 2), ((8, 4), 4), ((8, 4), 1)])
+def test_nccl_ring_with_chunked_grads(heads, chunks):
+    _nccl_run(_nccl_worker, "zigzag", True, torch.bfloat16, heads, chunks)
+
+
+def _nccl_deterministic_worker(rank, world, chunks):
+    q, k, v, do = _inputs(1, 16384, 8, 2, 128, torch.bfloat16, seed=3)
+    ql, kl, vl = (shard(t).clone().requires_grad_() for t in (q, k, v))
+    runs = []
+    with grad_chunks(chunks):
+        for _ in range(2):
+            out = ring_flash_attn_func(ql, kl, vl, causal=True)
+            runs.append((out, *torch.autograd.grad(out, (ql, kl, vl), shard(do))))
+    for name, a, b in zip(("out", "dq", "dk", "dv"), *runs):
+        assert torch.equal(a, b), (name, rank)
+
+
+@NEEDS_2_GPUS
+@pytest.mark.parametrize("chunks", [1, 2])
+def test_nccl_ring_is_bitwise_deterministic(chunks):
+    """The same inputs twice over NCCL: bitwise equal forward and backward on every rank."""
+    _nccl_run(_nccl_deterministic_worker, chunks)
 
 
 def test_replayed_ring_is_bitwise_deterministic():

@@ -39,3 +39,14 @@ def test_bench_blockops_smoke(tmp_path):
     _run([sys.executable, "benchmarks/bench_blockops.py", "--smoke", "--json", str(tmp_path / "b.json")], tmp_path)
     data = json.loads((tmp_path / "b.json").read_text())
     assert len(data["block_ops"]) == 2 and data["replay"][0]["efficiency"] > 0
+
+
+def test_gpu_ring_script_refuses_without_two_gpus(tmp_path):
+    import pytest
+    import torch
+
+    if torch.cuda.device_count() >= 2:
+        pytest.skip("on a multi-GPU machine the script is the real thing, run on purpose")
+    res = subprocess.run(["bash", "launch/gpu_ring.sh", "tests"], cwd=ROOT, capture_output=True, text=True,
+                         timeout=120, env={**os.environ, "OUT": str(tmp_path)})
+    assert res.returncode == 2 and "needs 2 or more GPUs" in res.stderr, res.stderr
