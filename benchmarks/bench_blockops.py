@@ -12,6 +12,8 @@
 3. Memory: the peak of rank 0's replayed ring forward+backward (P=4, zigzag, causal) beyond
    its inputs, against flash_attn_func forward+backward on the same local q, k, v plus the
    two K/V receive buffers.
+--grad-chunks 1 4 repeats sections 2 and 3 with the dK/dV accumulators exchanged in 1 and 4
+kv-head chunks (default: the library's choice).
 Medians of triton.testing.do_bench; bf16, B=1, H=32, D=128.
 """
 from __future__ import annotations
