@@ -5,6 +5,7 @@ sends the float32 dK/dV accumulators back to their owners in kv-head chunks (_Gr
 from __future__ import annotations
 
 import contextlib
+import math
 import struct
 
 import torch
@@ -122,7 +123,7 @@ class _GradRelay:
         self.comm = comm
         self.heads = _head_chunks(H, chunks if comm is not None else 1)
         self.shapes = [(B, S, h.stop - h.start, D) for h in self.heads]
-        numel = [B * S * (h.stop - h.start) * D for h in self.heads]
+        numel = [math.prod(shape) for shape in self.shapes]
         # one flat float32 tensor per slot holds the chunk's dK then its dV
         self.slots = [torch.zeros(2 * n, dtype=acc, device=k.device) for n in numel]
         self.spare = torch.empty(2 * max(numel), dtype=acc, device=k.device) if comm is not None else None
@@ -133,7 +134,7 @@ class _GradRelay:
 
     def _views(self, slot, c):
         shape = self.shapes[c]
-        n = shape[0] * shape[1] * shape[2] * shape[3]
+        n = math.prod(shape)
         return slot[:n].view(shape), slot[n:2 * n].view(shape)
 
     def order(self, step: int) -> list[int]:
