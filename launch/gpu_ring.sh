@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Several GPUs of one node: the ring over NCCL (issues 7 and 8), in one device call.
-#   launch/gpu_ring.sh tests bench train      (any subset, in order)
+#   launch/gpu_ring.sh tests bench maxlen train      (any subset, in order)
 # tests: the GPU ring tests (NCCL ring vs one GPU, chunked dK/dV exchange, bitwise determinism,
 #        replayed schedules); bench: benchmarks/bench_ring.py for MHA and GQA 32/8 beside
-#        PyTorch's context_parallel; train: the long-context example at 128K tokens, bf16,
+#        PyTorch's context_parallel; maxlen: the longest causal sequence whose forward+backward
+#        fits (MHA and GQA 32/8), with peak memory per GPU; train: the long-context example at 128K tokens, bf16,
 #        with --check against a one-process run of the same model.
 # Logs and JSON go to $OUT (default .device_out/).
 set -u
@@ -24,6 +25,10 @@ for step in "$@"; do
              | tee "$OUT/bench_ring_mha.log" | tail -12 || status=1
            timeout 270 launch/run.sh benchmarks/bench_ring.py --kv-heads 8 --json "$OUT/ring_gqa.json" 2>&1 \
              | tee "$OUT/bench_ring_gqa.log" | tail -12 || status=1 ;;
+    maxlen) timeout 320 launch/run.sh benchmarks/bench_ring_maxlen.py --json "$OUT/maxlen_mha.json" 2>&1 \
+             | tee "$OUT/maxlen_mha.log" | tail -8 || status=1
+            timeout 300 launch/run.sh benchmarks/bench_ring_maxlen.py --kv-heads 8 --json "$OUT/maxlen_gqa.json" 2>&1 \
+             | tee "$OUT/maxlen_gqa.log" | tail -8 || status=1 ;;
     train) timeout 500 launch/run.sh examples/train_long_context.py --seq-len 131072 --dtype bfloat16 \
              --dim 512 --layers 4 --heads 8 --kv-heads 2 --steps 30 --check 2>&1 \
              | tee "$OUT/train_128k.log" | tail -12 || status=1 ;;

@@ -35,6 +35,14 @@ def test_bench_ring_smoke_on_gloo(tmp_path):
     assert "per-GPU TFLOP/s" in out
 
 
+def test_bench_ring_maxlen_smoke_on_gloo(tmp_path):
+    out = _run(["bash", "launch/run.sh", "benchmarks/bench_ring_maxlen.py", "--smoke", "--json",
+                str(tmp_path / "m.json")], tmp_path, env={"RINGFLASH_NPROC": "2", "RINGFLASH_DIST_BACKEND": "gloo"})
+    data = json.loads((tmp_path / "m.json").read_text())
+    assert data["meta"]["world"] == 2 and [r["S"] for r in data["rows"]] == [64, 128]
+    assert all(r["seconds"] > 0 for r in data["rows"]) and "peak allocated per GPU" in out
+
+
 def test_bench_blockops_smoke(tmp_path):
     _run([sys.executable, "benchmarks/bench_blockops.py", "--smoke", "--json", str(tmp_path / "b.json")], tmp_path)
     data = json.loads((tmp_path / "b.json").read_text())
