@@ -13,7 +13,8 @@
    its inputs, against flash_attn_func forward+backward on the same local q, k, v plus the
    two K/V receive buffers.
 --grad-chunks 1 4 repeats sections 2 and 3 with the dK/dV accumulators exchanged in 1 and 4
-kv-head chunks (default: the library's choice).
+kv-head chunks (default: the library's choice); --grad-accum float32 input repeats them with
+the gradient accumulators in float32 (default) and in the inputs' dtype (grad_accum_dtype).
 Medians of triton.testing.do_bench; bf16, B=1, H=32, D=128.
 """
 from __future__ import annotations
@@ -72,7 +73,7 @@ def block_op_rows(S, H, D, dtype, device):
     return rows
 
 
-def replay_rows(S, world, H, Hkv, D, dtype, device, grad_chunks):
+def replay_rows(S, world, H, Hkv, D, dtype, device, grad_chunks, grad_accum):
     g = torch.Generator(device=device).manual_seed(1)
     S_local = S // world
     mk = lambda S, heads: torch.randn(1, S, heads, D, device=device, dtype=dtype, generator=g).requires_grad_()
@@ -84,20 +85,21 @@ def replay_rows(S, world, H, Hkv, D, dtype, device, grad_chunks):
 
     def replay():
         comm = ReplayComm(0, world, blocks, record=False)
-        out = _RingAttn.apply(q, k, v, None, True, scale, "zigzag", comm, grad_chunks)[0]
+        out = _RingAttn.apply(q, k, v, None, True, scale, "zigzag", comm, grad_chunks, ACCUM[grad_accum](dtype))[0]
         out.backward(do.detach())
 
     def full():
         flash_attn_func(qf, kf, vf, causal=True).backward(dof)
 
     r, f = bench(replay, device), bench(full, device)
-    row = {"S": S, "world": world, "kv_heads": Hkv, "grad_chunks": grad_chunks, "replay_rank0_ms": r,
+    row = {"S": S, "world": world, "kv_heads": Hkv, "grad_chunks": grad_chunks, "grad_accum": grad_accum,
+           "replay_rank0_ms": r,
            "full_over_world_ms": f / world, "efficiency": f / world / r}
     print(json.dumps(row), flush=True)
     return row
 
 
-def memory_rows(S_local, world, H, Hkv, D, dtype, device, grad_chunks):
+def memory_rows(S_local, world, H, Hkv, D, dtype, device, grad_chunks, grad_accum):
     g = torch.Generator(device=device).manual_seed(2)
     mk = lambda heads: torch.randn(1, S_local, heads, D, device=device, dtype=dtype, generator=g).requires_grad_()
     q, k, v = mk(H), mk(Hkv), mk(Hkv)
@@ -116,7 +118,8 @@ def memory_rows(S_local, world, H, Hkv, D, dtype, device, grad_chunks):
 
     def ring():
         comm = ReplayComm(0, world, blocks, record=False)
-        _RingAttn.apply(q, k, v, None, True, D ** -0.5, "zigzag", comm, grad_chunks)[0].backward(do)
+        _RingAttn.apply(q, k, v, None, True, D ** -0.5, "zigzag", comm, grad_chunks,
+                        ACCUM[grad_accum](dtype))[0].backward(do)
 
     def local():
         flash_attn_func(q, k, v, causal=True).backward(do)
@@ -125,10 +128,14 @@ def memory_rows(S_local, world, H, Hkv, D, dtype, device, grad_chunks):
     kv_buffers = 2 * (k.numel() + v.numel()) * k.element_size()
     r, l = peak(ring), peak(local)
     row = {"S_local": S_local, "world": world, "heads": H, "kv_heads": Hkv, "grad_chunks": grad_chunks,
-           "ring_peak_gib": r / 2**30,
+           "grad_accum": grad_accum, "ring_peak_gib": r / 2**30,
            "local_peak_gib": l / 2**30, "kv_buffers_gib": kv_buffers / 2**30, "ratio": r / (l + kv_buffers)}
     print(json.dumps(row), flush=True)
     return row
+
+
+# --grad-accum names -> the accumulator dtype for inputs of a dtype (None: the library's float32)
+ACCUM = {"float32": lambda dtype: None, "input": lambda dtype: dtype}
 
 
 def main():
@@ -139,6 +146,8 @@ def main():
                     choices=["block_ops", "replay", "memory"])
     ap.add_argument("--grad-chunks", type=int, nargs="+", default=[None],
                     help="kv-head chunks of the backward's dK/dV exchange (default: the library's)")
+    ap.add_argument("--grad-accum", nargs="+", default=["float32"], choices=sorted(ACCUM),
+                    help="gradient accumulators in float32 or in the inputs' dtype")
     args = ap.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
     dtype, H, D = (torch.bfloat16, 32, 128) if device.type == "cuda" else (torch.float32, 2, 32)
@@ -153,11 +162,11 @@ def main():
     if "block_ops" in args.sections:
         out["block_ops"] = [r for S in sizes for r in block_op_rows(S, H, D, dtype, device)]
     if "replay" in args.sections:
-        out["replay"] = [replay_rows(S, w, H, Hkv, D, dtype, device, c) for S, w, Hkv in replays
-                         for c in args.grad_chunks]
+        out["replay"] = [replay_rows(S, w, H, Hkv, D, dtype, device, c, a) for S, w, Hkv in replays
+                         for c in args.grad_chunks for a in args.grad_accum]
     if "memory" in args.sections and device.type == "cuda":
-        out["memory"] = [memory_rows(S, 4, H, Hkv, D, dtype, device, c) for S in (32768, 65536) for Hkv in (H, H // 4)
-                         for c in args.grad_chunks]
+        out["memory"] = [memory_rows(S, 4, H, Hkv, D, dtype, device, c, a) for S in (32768, 65536)
+                         for Hkv in (H, H // 4) for c in args.grad_chunks for a in args.grad_accum]
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(out, indent=1))
@@ -167,11 +176,13 @@ def main():
               f"backward {r['bwd_loss'] * 100:+.1f}%")
     print("ring schedule replayed without communication (rank 0) vs one-GPU attention / P:")
     for r in out["replay"]:
-        print(f"  S={r['S']} P={r['world']} Hkv={r['kv_heads']} grad chunks={r['grad_chunks']}: "
+        print(f"  S={r['S']} P={r['world']} Hkv={r['kv_heads']} grad chunks={r['grad_chunks']} "
+              f"accumulators {r['grad_accum']}: "
               f"efficiency {r['efficiency']:.3f}")
     print("peak memory beyond the inputs, ring (P=4) vs local + 2 K/V buffers:")
     for r in out["memory"]:
-        print(f"  S_local={r['S_local']} H={r['heads']}/{r['kv_heads']} grad chunks={r['grad_chunks']}: "
+        print(f"  S_local={r['S_local']} H={r['heads']}/{r['kv_heads']} grad chunks={r['grad_chunks']} "
+              f"accumulators {r['grad_accum']}: "
               f"ring {r['ring_peak_gib']:.2f} GiB, "
               f"local {r['local_peak_gib']:.2f} + buffers {r['kv_buffers_gib']:.2f} GiB: ratio {r['ratio']:.2f}")
 

@@ -2,6 +2,7 @@
 
     launch/run.sh benchmarks/bench_ring_maxlen.py --json benchmarks/results/maxlen_2xh200_mha.json
     launch/run.sh benchmarks/bench_ring_maxlen.py --kv-heads 8 --json ...         # GQA 32/8
+    launch/run.sh benchmarks/bench_ring_maxlen.py --grad-accum input ...  # 16-bit gradient accumulators
     RINGFLASH_NPROC=2 launch/run.sh benchmarks/bench_ring_maxlen.py --smoke       # CPU, gloo
 
 Causal, zigzag, bf16, B=1. It runs one forward+backward at each of --probe total lengths and
@@ -43,7 +44,8 @@ def run_once(args, S, rank, world, device, dtype):
         torch.cuda.reset_peak_memory_stats(device)
     dist.barrier()
     t0 = time.perf_counter()
-    ring_flash_attn_func(q, k, v, causal=True, layout="zigzag").backward(do)
+    accum = dtype if args.grad_accum == "input" else None
+    ring_flash_attn_func(q, k, v, causal=True, layout="zigzag", grad_accum_dtype=accum).backward(do)
     if cuda:
         torch.cuda.synchronize(device)
     seconds = time.perf_counter() - t0
@@ -68,6 +70,8 @@ def main():
     ap.add_argument("--step", type=int, default=65536, help="the predicted length is a multiple of this")
     ap.add_argument("--time-limit", type=float, default=240.0,
                     help="skip the confirming run when it is predicted to take longer (seconds)")
+    ap.add_argument("--grad-accum", choices=["float32", "input"], default="float32",
+                    help="the ring's gradient accumulators: float32 (default) or the inputs' dtype")
     ap.add_argument("--json", type=Path)
     ap.add_argument("--smoke", action="store_true", help="toy sizes (CPU with gloo), no prediction run")
     args = ap.parse_args()
@@ -115,12 +119,14 @@ def main():
         result["meta"] = {"world": world, "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
                           "torch": torch.__version__, "dtype": str(dtype), "batch": args.batch, "heads": args.heads,
                           "kv_heads": args.kv_heads, "head_dim": args.head_dim, "layout": "zigzag", "causal": True,
+                          "grad_accum": args.grad_accum,
                           "date": time.strftime("%Y-%m-%d")}
         if args.json:
             args.json.parent.mkdir(parents=True, exist_ok=True)
             args.json.write_text(json.dumps(result, indent=1))
         print(f"\nring forward+backward, causal zigzag, P={world}, H={args.heads}/{args.kv_heads}, "
-              f"D={args.head_dim}, {dtype}: peak allocated per GPU (max over ranks)")
+              f"D={args.head_dim}, {dtype}, {args.grad_accum} gradient accumulators: peak allocated per GPU "
+              f"(max over ranks)")
         print(f"{'S':>9} {'S_local':>9} {'peak GiB':>9} {'GiB/1K local':>12} {'seconds':>8}")
         for r in rows:
             print(f"{r['S']:>9} {r['S_local']:>9} {r['peak_gib']:9.2f} {r['peak_gib'] / r['S_local'] * 1024:12.4f} "

@@ -83,6 +83,17 @@ def resolve_scale(softmax_scale, head_dim: int, api: str) -> float:
     return float(softmax_scale)
 
 
+def resolve_grad_accum(grad_accum_dtype, input_dtype: torch.dtype, exact: torch.dtype, api: str) -> torch.dtype:
+    """The dtype the ring's gradient accumulators are kept in: `exact` (the state dtype) when
+    None, else one of `exact` and the inputs' dtype."""
+    if grad_accum_dtype is None:
+        return exact
+    if not isinstance(grad_accum_dtype, torch.dtype) or grad_accum_dtype not in (exact, input_dtype):
+        raise ValueError(f"{api}: grad_accum_dtype must be None, {exact} or the inputs' dtype {input_dtype}, "
+                         f"got {grad_accum_dtype!r}")
+    return grad_accum_dtype
+
+
 def check_bool(name: str, value, api: str) -> None:
     if not isinstance(value, bool):
         raise TypeError(f"{api}: {name} must be a bool, got {type(value).__name__}")

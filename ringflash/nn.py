@@ -21,7 +21,8 @@ class RingMultiheadAttention(nn.MultiheadAttention):
     with batch_first=True, else (L_local, B, E); unbatched (L_local, E) works too. Keys and
     values are sharded the same way as their own sequence (see ringflash.shard). The output
     is this rank's shard, and attention weights are never materialized: the second return
-    value is always None.
+    value is always None. group, layout and grad_accum_dtype (keyword-only) are passed to
+    ring_flash_attn_func.
 
     Supported: self- and cross-attention, kdim/vdim, is_causal=True (attn_mask None or the
     causal mask as a hint, as torch documents; self-attention only), key_padding_mask of this
@@ -33,7 +34,7 @@ class RingMultiheadAttention(nn.MultiheadAttention):
 
     def __init__(self, embed_dim, num_heads, dropout=0.0, bias=True, add_bias_kv=False, add_zero_attn=False,
                  kdim=None, vdim=None, batch_first=False, device=None, dtype=None, *, group=None,
-                 layout="zigzag"):
+                 layout="zigzag", grad_accum_dtype=None):
         if add_bias_kv:
             raise NotImplementedError("RingMultiheadAttention: add_bias_kv=True is not supported")
         if add_zero_attn:
@@ -43,6 +44,7 @@ class RingMultiheadAttention(nn.MultiheadAttention):
                          batch_first=batch_first, device=device, dtype=dtype)
         self.group = group
         self.layout = layout
+        self.grad_accum_dtype = grad_accum_dtype
         self._warned_weights = False
         # torch's TransformerEncoderLayer has a fused inference fast path that reads these
         # weights and runs local attention itself, bypassing forward(); an attached hook is one
@@ -102,7 +104,7 @@ class RingMultiheadAttention(nn.MultiheadAttention):
         k = F.linear(key, w_k, b_k).view(B, key.shape[1], H, hd)
         v = F.linear(value, w_v, b_v).view(B, value.shape[1], H, hd)
         o = ring_flash_attn_func(q, k, v, causal=is_causal, group=self.group, layout=self.layout,
-                                 key_padding_mask=key_padding_mask)
+                                 key_padding_mask=key_padding_mask, grad_accum_dtype=self.grad_accum_dtype)
         return self.out_proj(o.reshape(B, L, E))
 
 

@@ -1,6 +1,7 @@
 """The ring engine: K/V blocks travel around the ranks of a process group while each rank
 folds every visible block into its queries' float32 state; backward rotates K/V again and
-sends the float32 dK/dV accumulators back to their owners in kv-head chunks (_GradRelay).
+sends the dK/dV accumulators (float32 unless the caller chose the inputs' 16-bit dtype to save
+memory) back to their owners in kv-head chunks (_GradRelay).
 """
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ import struct
 
 import torch
 
-from ._checks import SUPPORTED_DTYPES, check_bool, check_qkv, key_bias_from_mask, resolve_scale
+from ._checks import (SUPPORTED_DTYPES, check_bool, check_qkv, key_bias_from_mask, resolve_grad_accum,
+                      resolve_scale)
 from .comm import ReplayComm, RingComm, agree_across_ranks, check_backend_device, group_rank_world
 from .layout import _place, _split
 from .local import backward_inputs, block_backward, block_forward, without_autocast
@@ -18,20 +20,21 @@ from .merge import state_dtype
 from .schedule import LAYOUTS, check_layout, chunks_per_rank, step_tasks
 
 _FIELD_NAMES = ("batch", "q local length", "k/v local length", "q heads", "k/v heads", "head_dim", "dtype",
-                "causal", "layout", "softmax_scale", "device type", "key_padding_mask given")
+                "causal", "layout", "softmax_scale", "device type", "key_padding_mask given",
+                "grad_accum_dtype")
 
 
-def _signature(q, k, causal, scale, layout, has_mask) -> dict:
+def _signature(q, k, causal, scale, layout, has_mask, grad_accum) -> dict:
     """What every rank of a ring must agree on, as integers."""
     B, Sq, Hq, D = q.shape
     values = (B, Sq, k.shape[1], Hq, k.shape[2], D, SUPPORTED_DTYPES.index(q.dtype), int(causal),
               LAYOUTS.index(layout), struct.unpack("<q", struct.pack("<d", scale))[0], int(q.is_cuda),
-              int(has_mask))
+              int(has_mask), SUPPORTED_DTYPES.index(grad_accum))
     return dict(zip(_FIELD_NAMES, values))
 
 
 def _show_field(name, value):
-    if name == "dtype":
+    if name in ("dtype", "grad_accum_dtype"):
         return str(SUPPORTED_DTYPES[value])
     if name == "layout":
         return LAYOUTS[value]
@@ -67,7 +70,7 @@ def _rows(key_bias, rows):
 
 
 GRAD_CHUNKS = 4
-"""Default number of kv-head chunks the float32 dK/dV accumulators travel the ring in (at most
+"""Default number of kv-head chunks the dK/dV accumulators travel the ring in (at most
 Hkv): the backward's receive memory is one chunk, 1/GRAD_CHUNKS of the accumulators. Tests
 patch it (mock.patch.object); _RingAttn.apply takes an explicit count as its last argument."""
 
@@ -93,8 +96,9 @@ def _head_chunks(heads: int, chunks: int) -> list[slice]:
 
 
 class _GradRelay:
-    """The float32 dK/dV accumulators of the K/V block a rank holds at a ring step, split by
-    kv heads into chunks, each in its own slot; after each step's dK/dV pass they move on to
+    """The dK/dV accumulators (float32, or the 16-bit grad_accum_dtype) of the K/V block a rank
+    holds at a ring step, split by kv heads into chunks, each in its own slot; after each
+    step's dK/dV pass they move on to
     the next rank (after the last step they reach the block's owner) one chunk at a time,
     through ONE spare slot of the largest chunk's size: chunk c is sent from its slot while the
     incoming chunk c is received into the spare; once that exchange has completed, the sent slot
@@ -124,7 +128,7 @@ class _GradRelay:
         self.heads = _head_chunks(H, chunks if comm is not None else 1)
         self.shapes = [(B, S, h.stop - h.start, D) for h in self.heads]
         numel = [math.prod(shape) for shape in self.shapes]
-        # one flat float32 tensor per slot holds the chunk's dK then its dV
+        # one flat tensor of the accumulator dtype per slot holds the chunk's dK then its dV
         self.slots = [torch.zeros(2 * n, dtype=acc, device=k.device) for n in numel]
         self.spare = torch.empty(2 * max(numel), dtype=acc, device=k.device) if comm is not None else None
         self.side = torch.cuda.Stream(k.device) if comm is not None and k.is_cuda else None
@@ -176,7 +180,7 @@ class _GradRelay:
         self._start_next()
 
     def ready(self, c: int):
-        """(dK, dV) of chunk c, float32 (B, Sk, heads of chunk c, D), once the incoming chunk
+        """(dK, dV) of chunk c, (B, Sk, heads of chunk c, D) in the accumulator dtype, once the incoming chunk
         has arrived; exchanges queued behind it start now."""
         while self.in_flight is not None and (self.in_flight[0] == c or c in self.chain):
             done = self._complete()
@@ -210,10 +214,11 @@ class _GradRelay:
 class _RingAttn(torch.autograd.Function):
     @staticmethod
     @without_autocast
-    def forward(ctx, q, k, v, key_bias, causal, scale, layout, comm, grad_chunks=None):
+    def forward(ctx, q, k, v, key_bias, causal, scale, layout, comm, grad_chunks=None, grad_accum=None):
         """comm: RingComm, ReplayComm, or None for a single rank. key_bias: None or (B, Sk) float32.
         grad_chunks: kv-head chunks for the backward's dK/dV exchange (None: GRAD_CHUNKS, fewer
-        for accumulators under GRAD_CHUNKS * GRAD_CHUNK_MIN_BYTES)."""
+        for accumulators under GRAD_CHUNKS * GRAD_CHUNK_MIN_BYTES). grad_accum: the dtype of
+        the backward's dQ and dK/dV accumulators (None: the state dtype, float32)."""
         rank, world = (comm.rank, comm.world) if comm else (0, 1)
         k, v = k.contiguous(), v.contiguous()  # they travel whole
         B, Sq, Hq, D = q.shape
@@ -228,8 +233,9 @@ class _RingAttn(torch.autograd.Function):
                               key_bias=_rows(bias, t.kv_rows))
         out = o.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse, key_bias)
-        chunks = _default_grad_chunks(k, acc) if grad_chunks is None else int(grad_chunks)
-        ctx.args = (causal, scale, layout, comm, chunks)
+        grad_accum = grad_accum or acc
+        chunks = _default_grad_chunks(k, grad_accum) if grad_chunks is None else int(grad_chunks)
+        ctx.args = (causal, scale, layout, comm, chunks, grad_accum)
         ctx.set_materialize_grads(False)
         return out, lse
 
@@ -237,10 +243,9 @@ class _RingAttn(torch.autograd.Function):
     @without_autocast
     def backward(ctx, do, dlse):
         q, k, v, out, lse, key_bias = ctx.saved_tensors
-        causal, scale, layout, comm, grad_chunks = ctx.args
+        causal, scale, layout, comm, grad_chunks, acc = ctx.args
         rank, world = (comm.rank, comm.world) if comm else (0, 1)
         do, delta = backward_inputs(out, do, dlse)
-        acc = state_dtype(q.dtype)
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
         # dK/dV accumulators travel with their K/V block and reach the owner after the last step
         relay = _GradRelay(comm, k, acc, grad_chunks)
@@ -265,11 +270,11 @@ class _RingAttn(torch.autograd.Function):
             relay.send(step)
         kb = vb = bias = None  # the K/V receive buffers go before the outputs are made
         dk, dv = relay.finish(k.dtype)
-        return dq.to(q.dtype), dk, dv, None, None, None, None, None, None
+        return dq.to(q.dtype), dk, dv, None, None, None, None, None, None, None
 
 
 def ring_flash_attn_func(q, k, v, *, causal=False, softmax_scale=None, group=None, layout="zigzag",
-                         key_padding_mask=None, return_lse=False):
+                         key_padding_mask=None, return_lse=False, grad_accum_dtype=None):
     """Exact attention over a sequence sharded across the ranks of `group`.
 
     q: (B, Sq_local, Hq, D), k, v: (B, Sk_local, Hkv, D): this rank's shards (see shard() and
@@ -283,6 +288,12 @@ def ring_flash_attn_func(q, k, v, *, causal=False, softmax_scale=None, group=Non
     Returns this rank's shard of the output, (B, Sq_local, Hq, D) in q's dtype, exactly as
     attention over the whole sequence on one device would give it; with return_lse=True also
     lse (B, Hq, Sq_local), float32. Differentiable in q, k, v.
+    grad_accum_dtype: the dtype the backward accumulates dQ and the travelling dK/dV in across
+    the ring's steps. None (default): float32 (float64 for float64), and the gradients' error
+    does not grow with the number of ranks. q's own dtype (float16 / bfloat16) saves memory
+    (measured on an H200, P=4, H=32, D=128: a rank's peak beyond its inputs 12X -> 8.5X, X =
+    one 16-bit shard of q) at the price of one 16-bit rounding per step, so the gradients'
+    error grows like sqrt(P) (README: Memory). The forward is the same either way.
     Every call checks with one small all_gather that all ranks passed the same shapes,
     dtype, causal flag, layout and scale, and raises on every rank if not.
     """
@@ -296,6 +307,7 @@ def ring_flash_attn_func(q, k, v, *, causal=False, softmax_scale=None, group=Non
         check_layout(layout, api)
         scale = resolve_scale(softmax_scale, dims.head_dim, api)
         key_bias = key_bias_from_mask(key_padding_mask, dims, q.device, api, state_dtype(q.dtype))
+        grad_accum = resolve_grad_accum(grad_accum_dtype, q.dtype, state_dtype(q.dtype), api)
         if causal and dims.seqlen_q != dims.seqlen_k:
             raise ValueError(f"{api}: causal ring attention needs equal q and k/v local lengths, "
                              f"got q {tuple(q.shape)} and k {tuple(k.shape)}")
@@ -306,7 +318,7 @@ def ring_flash_attn_func(q, k, v, *, causal=False, softmax_scale=None, group=Non
                 if n % parts:
                     raise ValueError(f"{api}: {name} local length {n} must be a multiple of {parts} "
                                      f"for layout {layout!r}")
-            fields = _signature(q, k, causal, scale, layout, key_bias is not None)
+            fields = _signature(q, k, causal, scale, layout, key_bias is not None, grad_accum)
     except (TypeError, ValueError) as e:
         if world == 1:
             raise
@@ -318,22 +330,24 @@ def ring_flash_attn_func(q, k, v, *, causal=False, softmax_scale=None, group=Non
     else:
         layout = "contiguous"  # one rank: every layout is the identity
     comm = RingComm(group) if world > 1 else None
-    out, lse = _RingAttn.apply(q, k, v, key_bias, causal, scale, layout, comm)
+    out, lse = _RingAttn.apply(q, k, v, key_bias, causal, scale, layout, comm, None, grad_accum)
     return (out, lse) if return_lse else out
 
 
 def replay_ring(q, k, v, do, *, world, causal=False, softmax_scale=None, layout="zigzag", key_padding_mask=None,
-                ranks=None):
+                ranks=None, grad_accum_dtype=None):
     """Run the ring's schedule for `world` ranks inside one process on full tensors, without
     a process group: each rank in `ranks` (default all) is replayed in turn with ReplayComm.
 
     q, k, v, do: full (B, S, H, D) tensors. Returns out, dq, dk, dv as full tensors
     (positions of ranks not replayed are zero; dk/dv then hold only the replayed ranks'
     contributions). For checking the ring's device path on one GPU against flash_attn_func,
-    and for timing one rank's share of the work without communication.
+    and for timing one rank's share of the work without communication. grad_accum_dtype: as
+    in ring_flash_attn_func (the summing of dK/dV over the replayed ranks is float32).
     """
     dims = check_qkv(q, k, v, "replay_ring")
     scale = resolve_scale(softmax_scale, dims.head_dim, "replay_ring")
+    grad_accum = resolve_grad_accum(grad_accum_dtype, q.dtype, state_dtype(q.dtype), "replay_ring")
     key_bias = key_bias_from_mask(key_padding_mask, dims, q.device, "replay_ring", state_dtype(q.dtype))
     k_shards, v_shards = _split(k, world, layout), _split(v, world, layout)
     bias_shards = [None] * world if key_bias is None else _split(key_bias, world, layout)
@@ -346,7 +360,7 @@ def replay_ring(q, k, v, do, *, world, causal=False, softmax_scale=None, layout=
         comm = ReplayComm(rank, world, blocks) if world > 1 else None
         ql = q_shards[rank].detach().requires_grad_()
         kl, vl = k_shards[rank].detach().requires_grad_(), v_shards[rank].detach().requires_grad_()
-        out, _ = _RingAttn.apply(ql, kl, vl, bias_shards[rank], causal, scale, layout, comm)
+        out, _ = _RingAttn.apply(ql, kl, vl, bias_shards[rank], causal, scale, layout, comm, None, grad_accum)
         dq, dk, dv = torch.autograd.grad(out, (ql, kl, vl), do_shards[rank])
         outs[rank], dqs[rank] = out.detach(), dq
         for owner, heads, (dk, dv) in comm.sent_grads if comm else [(rank, slice(None), (dk, dv))]:

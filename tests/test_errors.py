@@ -42,6 +42,13 @@ def test_bad_options():
         flash_attn_func(q, q, q, causal=1)
     with pytest.raises(TypeError):
         flash_attn_func(q, q, q, True)  # options are keyword-only
+    from ringflash import ring_flash_attn_func
+
+    h = q.to(torch.bfloat16)
+    for bad in (torch.float16, torch.float64, "bfloat16"):  # neither float32 nor the inputs' dtype
+        with pytest.raises(ValueError, match=r"grad_accum_dtype must be None, torch.float32 or the inputs' dtype "
+                                             r"torch.bfloat16, got"):
+            ring_flash_attn_func(h, h, h, grad_accum_dtype=bad)
 
 
 def test_bad_backend_env(monkeypatch):

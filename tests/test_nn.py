@@ -164,3 +164,21 @@ def test_unsupported_arguments_raise():
         RingMultiheadAttention(E, H, layout="striped")
     with pytest.raises(ValueError, match="causal ring attention needs equal"):
         ring(x, torch.randn(2, 4, E), torch.randn(2, 4, E), is_causal=True, need_weights=False)
+
+
+def test_grad_accum_dtype_reaches_the_ring():
+    """The module passes grad_accum_dtype on: an invalid one is refused by name, the inputs'
+    own dtype is taken (the module's gradients then differ from float32 accumulation only by
+    16-bit rounding)."""
+    x = torch.randn(1, 8, E, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="grad_accum_dtype must be None"):
+        RingMultiheadAttention(E, H, batch_first=True, dtype=torch.bfloat16,
+                               grad_accum_dtype=torch.float16)(x, x, x, need_weights=False)
+    torch.manual_seed(0)
+    exact = RingMultiheadAttention(E, H, batch_first=True, dtype=torch.bfloat16)
+    low = RingMultiheadAttention(E, H, batch_first=True, dtype=torch.bfloat16, grad_accum_dtype=torch.bfloat16)
+    low.load_state_dict(exact.state_dict())
+    for m in (exact, low):
+        m(x, x, x, need_weights=False, is_causal=True, attn_mask=None)[0].float().square().sum().backward()
+    for a, b in zip(exact.parameters(), low.parameters()):
+        assert torch.allclose(a.grad.float(), b.grad.float(), rtol=0.05, atol=0.05 * a.grad.float().abs().max().item())

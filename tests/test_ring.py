@@ -176,8 +176,12 @@ def test_ring_on_subgroups():
     run_world(_subgroups, 4, env={"RINGFLASH_BACKEND": "torch"})
 
 
-def _precision(rank, world, errors):
-    """relative RMS error against float64, bf16 inputs."""
+def _precision(rank, world, grad_accum):
+    """relative RMS error against float64, bf16 inputs: the ring's within 1.2x of one device's
+    with float32 gradient accumulators. With bf16 ones (grad_accum_dtype) the gradients take one
+    rounding per step, and their error grows like sqrt(world): within 1.3 sqrt(world) of one
+    device's (measured 1.2-1.7 at world 2, 1.6-3.1 at world 8); their forward is bitwise the
+    default's."""
     q, k, v, do = _full_inputs(1, 64 * world, 64 * world, 2, 2, 32, torch.bfloat16, 11)
     qr, kr, vr = (t.double().requires_grad_() for t in (q, k, v))
     ref, _ = naive_attention(qr, kr, vr, causal=True)
@@ -193,16 +197,24 @@ def _precision(rank, world, errors):
     err1 = [rel_rms(out1, ref)] + [rel_rms(g, r) for g, r in zip(g1, ref_grads)]
     # the ring, reassembled
     ql, kl, vl = (shard(t).clone().requires_grad_() for t in (q, k, v))
-    out = ring_flash_attn_func(ql, kl, vl, causal=True)
+    out = ring_flash_attn_func(ql, kl, vl, causal=True, grad_accum_dtype=grad_accum)
     g = torch.autograd.grad(out, (ql, kl, vl), shard(do))
     errw = [rel_rms(unshard(out), ref)] + [rel_rms(unshard(x), r) for x, r in zip(g, ref_grads)]
     for name, e1, ew in zip(("out", "dq", "dk", "dv"), err1, errw):
-        assert ew <= 1.2 * e1, f"{name}: world {world} error {ew:.3e} vs one device {e1:.3e}"
+        bound = 1.2 if grad_accum is None or name == "out" else 1.3 * world ** 0.5
+        assert ew <= bound * e1, f"{name}: world {world} error {ew:.3e} vs one device {e1:.3e}"
+    if grad_accum is not None:
+        assert torch.equal(out, ring_flash_attn_func(ql, kl, vl, causal=True))
 
 
 @pytest.mark.parametrize("world", [4, 8])
 def test_precision_does_not_fall_with_ranks(world):
     run_world(_precision, world, None, env={"RINGFLASH_BACKEND": "torch"})
+
+
+@pytest.mark.parametrize("world", [2, 8])
+def test_precision_with_16bit_grad_accumulators(world):
+    run_world(_precision, world, torch.bfloat16, env={"RINGFLASH_BACKEND": "torch"})
 
 
 def test_schedule_zigzag_is_balanced_and_complete():
@@ -256,6 +268,8 @@ def _mismatch(rank, world):
         heads=(q[:, :4, : 1 + rank], k[:, :4], v[:, :4], {}),
         layout=(q[:, :4], k[:, :4], v[:, :4], {"layout": "zigzag" if rank else "contiguous"}),
         scale=(q[:, :4], k[:, :4], v[:, :4], {"softmax_scale": 0.5 + rank}),
+        grad_accum=(q[:, :4].bfloat16(), k[:, :4].bfloat16(), v[:, :4].bfloat16(),
+                    {"grad_accum_dtype": torch.bfloat16 if rank else None}),
     )
     for what, (a, b, c, kw) in bad.items():
         with pytest.raises(ValueError, match="disagree"):

@@ -164,6 +164,32 @@ def test_float32_gradient_buffers_shrink_with_chunks():
     run_world(_float32_bytes, 2, env={"RINGFLASH_BACKEND": "torch"})
 
 
+def _accumulator_bytes(rank, world):
+    """grad_accum_dtype=bf16: the backward allocates nothing in float32 (only the forward's o
+    and lse are), and dQ plus the dK/dV slots and spare take half the default's bytes."""
+    B, S, Hq, Hkv, D = 1, 4 * world, 8, 4, 16
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (shard(torch.randn(B, S, H, D, generator=g, dtype=torch.bfloat16)).requires_grad_()
+               for H in (Hq, Hkv, Hkv))
+    S_local = S // world
+    forward_state = B * S_local * Hq * D * 4 + B * Hq * S_local * 4  # o and lse, float32
+    made = {}
+    for accum in (None, torch.bfloat16):
+        with grad_chunks_patch(2), _ring_allocations() as made[accum]:
+            out = ring_flash_attn_func(q, k, v, causal=True, grad_accum_dtype=accum)
+            out.sum().backward()
+    f32 = {a: sum(n for _, dtype, n in m if dtype == torch.float32) for a, m in made.items()}
+    assert f32[torch.bfloat16] == forward_state, (f32, forward_state)
+    # the gradient state: dq (Hq heads), dK/dV slots (Hkv heads) and a spare of 2 heads
+    grad_state = B * S_local * D * 4 * (Hq + 2 * Hkv + 2 * 2)
+    total = {a: sum(n for _, _, n in m) for a, m in made.items()}
+    assert total[None] - total[torch.bfloat16] == grad_state // 2, (total, grad_state)
+
+
+def test_16bit_gradient_accumulators_halve_the_gradient_state():
+    run_world(_accumulator_bytes, 2, env={"RINGFLASH_BACKEND": "torch"})
+
+
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     world=st.integers(1, 5),
