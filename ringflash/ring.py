@@ -180,8 +180,8 @@ class _GradRelay:
         self._start_next()
 
     def ready(self, c: int):
-        """(dK, dV) of chunk c, (B, Sk, heads of chunk c, D) in the accumulator dtype, once the incoming chunk
-        has arrived; exchanges queued behind it start now."""
+        """(dK, dV) of chunk c, (B, Sk, heads of chunk c, D) in the accumulator dtype, once the
+        incoming chunk has arrived; exchanges queued behind it start now."""
         while self.in_flight is not None and (self.in_flight[0] == c or c in self.chain):
             done = self._complete()
             if done == c and self.side is not None:
