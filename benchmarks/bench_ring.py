@@ -127,7 +127,8 @@ def main():
     ap.add_argument("--layout", default="zigzag", choices=["zigzag", "contiguous"])
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--no-peers", action="store_true", help="skip context_parallel")
+    ap.add_argument("--peers", nargs="*", default=["cudnn", "flash"], choices=["cudnn", "flash"],
+                    help="context_parallel's SDPA backends to time beside the ring (none: --peers)")
     ap.add_argument("--json", type=Path)
     ap.add_argument("--smoke", action="store_true", help="toy sizes (CPU with gloo)")
     args = ap.parse_args()
@@ -142,7 +143,7 @@ def main():
     # context_parallel runs on GPUs only: on CPU its math path is no meaningful peer, fails on
     # causal inputs part-way through its collectives, and with gloo (torch 2.13) made one of the
     # processes abort at exit in about 1 run of 10 even when it had only run forward.
-    peers = [] if args.no_peers or device.type != "cuda" else ["cudnn", "flash"]
+    peers = args.peers if device.type == "cuda" else []
     mesh = None
     if peers:
         from torch.distributed.device_mesh import init_device_mesh

@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # Several GPUs of one node: the ring over NCCL (issues 7 and 8), in one device call.
-#   launch/gpu_ring.sh tests bench maxlen train      (any subset, in order)
+#   launch/gpu_ring.sh tests bench maxlen train scaling      (any subset, in order)
 # tests: the GPU ring tests (NCCL ring vs one GPU, chunked dK/dV exchange, bitwise determinism,
 #        replayed schedules); bench: benchmarks/bench_ring.py for MHA and GQA 32/8 beside
 #        PyTorch's context_parallel; maxlen: the longest causal sequence whose forward+backward
 #        fits (MHA and GQA 32/8), with peak memory per GPU; train: the long-context example at 128K tokens, bf16,
-#        with --check against a one-process run of the same model.
+#        with --check against a one-process run of the same model; scaling: weak (S = P x 32K) and
+#        strong (S = 256K) scaling points for this P, MHA and GQA 32/8, beside context_parallel with
+#        cuDNN (issue 8; benchmarks/plot_scaling.py turns the files of several P into a plot).
 # Logs and JSON go to $OUT (default .device_out/).
 set -u
 cd "$(dirname "$0")/.."
@@ -32,6 +34,11 @@ for step in "$@"; do
     train) timeout 500 launch/run.sh examples/train_long_context.py --seq-len 131072 --dtype bfloat16 \
              --dim 512 --layers 4 --heads 8 --kv-heads 2 --steps 30 --check 2>&1 \
              | tee "$OUT/train_128k.log" | tail -12 || status=1 ;;
+    scaling) for kv in 32 8; do
+               timeout 280 launch/run.sh benchmarks/bench_ring.py --seqlens $((NGPU * 32768)) 262144 --kv-heads $kv \
+                 --peers cudnn --json "$OUT/scaling_p${NGPU}_kv${kv}.json" 2>&1 \
+                 | tee "$OUT/scaling_p${NGPU}_kv${kv}.log" | tail -10 || status=1
+             done ;;
     *) echo "unknown step $step"; status=2 ;;
   esac
 done

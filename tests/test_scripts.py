@@ -58,3 +58,30 @@ def test_gpu_ring_script_refuses_without_two_gpus(tmp_path):
     res = subprocess.run(["bash", "launch/gpu_ring.sh", "tests"], cwd=ROOT, capture_output=True, text=True,
                          timeout=120, env={**os.environ, "OUT": str(tmp_path)})
     assert res.returncode == 2 and "needs 2 or more GPUs" in res.stderr, res.stderr
+
+
+def test_plot_scaling_picks_weak_and_strong_rows(tmp_path):
+    """Synthetic bench_ring.py files for P = 2, 4, 8: the table lists each weak (S = P x 32K) and
+    strong (S = 256K) point once, ignores the others, and the SVG has one ring and one CP line
+    per series and panel layout."""
+    import xml.dom.minidom
+
+    files = []
+    for P in (2, 4, 8):
+        rows = []
+        for S in sorted({P * 32768, 262144, 1000}):
+            for causal in (False, True):
+                for mode in ("fwd", "fwd+bwd"):
+                    t = {"ring": 400.0 + P, "local": 420.0, "cp_cudnn": 500.0}
+                    rows.append({"S": S, "causal": causal, "mode": mode, "tflops_per_gpu": t})
+        path = tmp_path / f"p{P}.json"
+        path.write_text(json.dumps({"meta": {"world": P, "heads": 32, "kv_heads": 8}, "rows": rows}))
+        files.append(str(path))
+    out = _run([sys.executable, "benchmarks/plot_scaling.py", *files, "--out", str(tmp_path / "s.svg")], tmp_path)
+    lines = [line for line in out.splitlines() if line.startswith("| weak") or line.startswith("| strong")]
+    # 2 kinds x 2 causal x 3 P; at P = 8, 8 x 32K = 256K is both weak and strong
+    assert len(lines) == 12, out
+    assert "| weak, H 32/8, causal | 4 | 404 | 0.96 | 500 | 0.81 |" in lines
+    doc = xml.dom.minidom.parse(str(tmp_path / "s.svg"))
+    # 4 series: ring + CP in the throughput panel, ring in the efficiency panel
+    assert len(doc.getElementsByTagName("polyline")) == 4 * 3
