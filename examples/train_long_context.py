@@ -195,7 +195,10 @@ def train(args, corpus, device, *, distributed: bool, steps: int, log=None) -> l
     process group, gradients summed over ranks. False: the full sequence in this process,
     one-device flash attention (the --check reference)."""
     if distributed:
-        attn_fn = partial(ringflash.ring_flash_attn_func, causal=True, layout=args.layout)
+        # --grad-accum input: the ring's gradient accumulators in the attention inputs' 16-bit
+        # dtype (autocast's bfloat16), which lets a longer sequence fit (README: Memory)
+        accum = torch.bfloat16 if args.grad_accum == "input" and args.dtype == "bfloat16" else None
+        attn_fn = partial(ringflash.ring_flash_attn_func, causal=True, layout=args.layout, grad_accum_dtype=accum)
         positions = ringflash.local_positions(args.seq_len, layout=args.layout, device=device)
         world = dist.get_world_size() if dist.is_initialized() else 1
     else:
@@ -243,6 +246,9 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
                    help="bfloat16: autocast the matmuls and attention (float32 weights and optimizer)")
+    p.add_argument("--grad-accum", choices=["float32", "input"], default="float32",
+                   help="the ring's gradient accumulators: float32 (exact), or with --dtype bfloat16 the "
+                        "inputs' bfloat16 (less memory, gradient error growing with the number of ranks)")
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--check", action="store_true", help="compare with a one-process run (see above)")
     p.add_argument("--check-steps", type=int, default=3)
@@ -262,7 +268,9 @@ def main(argv=None) -> int:
     rank, world, device = init_from_env(timeout_s=args.timeout)
     say = (lambda *a: print(*a, flush=True)) if rank == 0 else (lambda *a: None)
     backend = dist.get_backend() if dist.is_initialized() else "none"
-    say(f"world {world} ({backend}, {device.type}), layout {args.layout}, {args.dtype}: sequence of "
+    accum = "bfloat16" if args.grad_accum == "input" and args.dtype == "bfloat16" else "float32"
+    say(f"world {world} ({backend}, {device.type}), layout {args.layout}, {args.dtype}, {accum} gradient "
+        f"accumulators: sequence of "
         f"{args.seq_len} tokens, {args.seq_len // world} per rank; dim {args.dim}, {args.layers} layers, "
         f"{args.heads} heads / {args.kv_heads} kv heads")
     corpus = make_corpus(max(4 * (args.seq_len + 1), 1 << 18), args.seed)

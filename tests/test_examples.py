@@ -49,6 +49,12 @@ def test_train_check_matches_one_process(tmp_path):
     assert "check passed" in out
 
 
+def test_train_check_with_16bit_grad_accumulators(tmp_path):
+    out = _run(["bash", "launch/run.sh", TRAIN, "--check", "--steps", "3", "--seq-len", "256", "--dtype", "bfloat16",
+                "--grad-accum", "input"], tmp_path, env=TWO_RANKS)
+    assert "bfloat16, bfloat16 gradient accumulators" in out and "check passed" in out, out
+
+
 def test_train_loss_falls(tmp_path):
     # the other layout, and enough steps (>= 50) that the script itself checks the loss fell
     out = _run(["bash", "launch/run.sh", TRAIN, "--steps", "50", "--seq-len", "256", "--layout", "contiguous"],
