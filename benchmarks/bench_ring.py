@@ -96,13 +96,42 @@ def cp_case(args, backend_name, S, causal, mode, device, mesh, dtype):
         return timed(step_fn(call, (ql, kl, vl), do, mode), iters=args.iters, warmup=args.warmup, device=device)
 
 
-def ring_cases(args, S, causal, mode, device, dtype, rank, world):
+def add_shape_args(ap):
+    """The attention-shape options of the ring benchmarks (this one and bench_ring_maxlen.py)."""
+    ap.add_argument("--heads", type=int, default=32)
+    ap.add_argument("--kv-heads", type=int, default=None, help="GQA: K/V heads (default: --heads)")
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--batch", type=int, default=1)
+
+
+def start(args, script, *, timeout_s):
+    """Join torchrun's process group (2 or more ranks, else exit naming `script`); returns
+    (rank, world, device, dtype): bf16, or float32 for --smoke on CPU."""
+    rank, world, device = init_from_env(timeout_s=timeout_s)
+    if world < 2:
+        sys.exit(f"{script}: start it on 2 or more processes (launch/run.sh)")
+    dtype = torch.float32 if args.smoke and device.type == "cpu" else torch.bfloat16
+    return rank, world, device, dtype
+
+
+def rank_inputs(args, S_local, rank, device, dtype):
+    """This rank's q, k, v (requiring grad) and dO, (B, S_local, heads, D) in dtype, seeded by rank."""
     g = torch.Generator(device=device).manual_seed(rank)
-    S_local = S // world
-    mk = lambda H: torch.randn(args.batch, S_local, H, args.head_dim, device=device, dtype=dtype,
-                               generator=g).requires_grad_()
-    q, k, v = mk(args.heads), mk(args.kv_heads), mk(args.kv_heads)
-    do = torch.randn_like(q)
+    mk = lambda H: torch.randn(args.batch, S_local, H, args.head_dim, device=device, dtype=dtype, generator=g)
+    q, k, v = (t.requires_grad_() for t in (mk(args.heads), mk(args.kv_heads), mk(args.kv_heads)))
+    return q, k, v, torch.randn_like(q)
+
+
+def run_meta(args, world, device, dtype, **extra):
+    """What a result file says about the run."""
+    return {"world": world, "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+            "torch": torch.__version__, "dtype": str(dtype), "batch": args.batch, "heads": args.heads,
+            "kv_heads": args.kv_heads, "head_dim": args.head_dim, **extra,
+            "backend": dist.get_backend(), "date": time.strftime("%Y-%m-%d")}
+
+
+def ring_cases(args, S, causal, mode, device, dtype, rank, world):
+    q, k, v, do = rank_inputs(args, S // world, rank, device, dtype)
     out = {}
     call = lambda: ring_flash_attn_func(q, k, v, causal=causal, layout=args.layout)
     out["ring"] = timed(step_fn(call, (q, k, v), do, mode), iters=args.iters, warmup=args.warmup, device=device)
@@ -120,10 +149,7 @@ def ring_cases(args, S, causal, mode, device, dtype, rank, world):
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seqlens", type=int, nargs="+", default=[32768, 131072])
-    ap.add_argument("--heads", type=int, default=32)
-    ap.add_argument("--kv-heads", type=int, default=None, help="GQA: K/V heads (default: --heads)")
-    ap.add_argument("--head-dim", type=int, default=128)
-    ap.add_argument("--batch", type=int, default=1)
+    add_shape_args(ap)
     ap.add_argument("--layout", default="zigzag", choices=["zigzag", "contiguous"])
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=2)
@@ -132,13 +158,9 @@ def main():
     ap.add_argument("--json", type=Path)
     ap.add_argument("--smoke", action="store_true", help="toy sizes (CPU with gloo)")
     args = ap.parse_args()
-    rank, world, device = init_from_env(timeout_s=600)
-    if world < 2:
-        sys.exit("bench_ring.py: start it on 2 or more processes (launch/run.sh)")
-    dtype = torch.bfloat16
+    rank, world, device, dtype = start(args, "bench_ring.py", timeout_s=600)
     if args.smoke:
         args.seqlens, args.heads, args.head_dim, args.iters, args.warmup = [64 * world], 2, 16, 2, 1
-        dtype = torch.float32 if device.type == "cpu" else dtype
     args.kv_heads = args.kv_heads or args.heads
     # context_parallel runs on GPUs only: on CPU its math path is no meaningful peer, fails on
     # causal inputs part-way through its collectives, and with gloo (torch 2.13) made one of the
@@ -165,10 +187,7 @@ def main():
                 if rank == 0:
                     print(json.dumps(row), flush=True)
     if rank == 0:
-        meta = {"world": world, "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-                "torch": torch.__version__, "dtype": str(dtype), "batch": args.batch, "heads": args.heads,
-                "kv_heads": args.kv_heads, "head_dim": args.head_dim, "layout": args.layout,
-                "backend": dist.get_backend(), "date": time.strftime("%Y-%m-%d")}
+        meta = run_meta(args, world, device, dtype, layout=args.layout)
         if args.json:
             args.json.parent.mkdir(parents=True, exist_ok=True)
             args.json.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))

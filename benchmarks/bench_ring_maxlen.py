@@ -27,24 +27,20 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from ringflash import ring_flash_attn_func  # noqa: E402
-from ringflash.dist_env import close, init_from_env  # noqa: E402
+from ringflash.dist_env import close  # noqa: E402
+from bench_ring import add_shape_args, rank_inputs, run_meta, start  # noqa: E402  (same folder)
 
 
 def run_once(args, S, rank, world, device, dtype):
     """One forward+backward at total length S; returns (max peak GiB over ranks, seconds)."""
-    S_local = S // world
-    g = torch.Generator(device=device).manual_seed(rank)
-    mk = lambda H: torch.randn(args.batch, S_local, H, args.head_dim, device=device, dtype=dtype,
-                               generator=g).requires_grad_()
-    q, k, v = mk(args.heads), mk(args.kv_heads), mk(args.kv_heads)
-    do = torch.randn_like(q)
+    q, k, v, do = rank_inputs(args, S // world, rank, device, dtype)
+    accum = dtype if args.grad_accum == "input" else None
     cuda = device.type == "cuda"
     if cuda:
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
     dist.barrier()
     t0 = time.perf_counter()
-    accum = dtype if args.grad_accum == "input" else None
     ring_flash_attn_func(q, k, v, causal=True, layout="zigzag", grad_accum_dtype=accum).backward(do)
     if cuda:
         torch.cuda.synchronize(device)
@@ -62,10 +58,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--probe", type=int, nargs="+", default=[131072, 262144, 524288],
                     help="total lengths measured for the linear fit")
-    ap.add_argument("--heads", type=int, default=32)
-    ap.add_argument("--kv-heads", type=int, default=None, help="GQA: K/V heads (default: --heads)")
-    ap.add_argument("--head-dim", type=int, default=128)
-    ap.add_argument("--batch", type=int, default=1)
+    add_shape_args(ap)
     ap.add_argument("--fraction", type=float, default=0.92, help="share of the GPU memory the peak may reach")
     ap.add_argument("--step", type=int, default=65536, help="the predicted length is a multiple of this")
     ap.add_argument("--time-limit", type=float, default=240.0,
@@ -75,13 +68,9 @@ def main():
     ap.add_argument("--json", type=Path)
     ap.add_argument("--smoke", action="store_true", help="toy sizes (CPU with gloo), no prediction run")
     args = ap.parse_args()
-    rank, world, device = init_from_env(timeout_s=300)
-    if world < 2:
-        sys.exit("bench_ring_maxlen.py: start it on 2 or more processes (launch/run.sh)")
-    dtype = torch.bfloat16
+    rank, world, device, dtype = start(args, "bench_ring_maxlen.py", timeout_s=300)
     if args.smoke:
         args.probe, args.heads, args.head_dim = [32 * world, 64 * world], 2, 16
-        dtype = torch.float32 if device.type == "cpu" else dtype
     args.kv_heads = args.kv_heads or args.heads
     rows = []
     for S in args.probe:
@@ -116,11 +105,8 @@ def main():
             print(f"S={S_max} not run: predicted {predicted_seconds:.0f} s > --time-limit {args.time_limit:.0f} s; "
                   f"predicted peak {a + b * (S_max // world):.2f} GiB per GPU", flush=True)
     if rank == 0:
-        result["meta"] = {"world": world, "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-                          "torch": torch.__version__, "dtype": str(dtype), "batch": args.batch, "heads": args.heads,
-                          "kv_heads": args.kv_heads, "head_dim": args.head_dim, "layout": "zigzag", "causal": True,
-                          "grad_accum": args.grad_accum,
-                          "date": time.strftime("%Y-%m-%d")}
+        result["meta"] = run_meta(args, world, device, dtype, layout="zigzag", causal=True,
+                                  grad_accum=args.grad_accum)
         if args.json:
             args.json.parent.mkdir(parents=True, exist_ok=True)
             args.json.write_text(json.dumps(result, indent=1))
