@@ -295,7 +295,8 @@ def ring_flash_attn_func(q, k, v, *, causal=False, softmax_scale=None, group=Non
     one 16-bit shard of q) at the price of one 16-bit rounding per step, so the gradients'
     error grows like sqrt(P) (README: Memory). The forward is the same either way.
     Every call checks with one small all_gather that all ranks passed the same shapes,
-    dtype, causal flag, layout and scale, and raises on every rank if not.
+    dtype, causal flag, layout, scale, mask presence and grad_accum_dtype, and raises on every
+    rank if not.
     """
     api = "ring_flash_attn_func"
     rank, world = group_rank_world(group)
