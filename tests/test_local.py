@@ -192,15 +192,25 @@ def test_key_padding_mask_errors():
 
 @pytest.mark.parametrize("backend", ["triton"], indirect=True)
 @pytest.mark.parametrize("tma", [False, True])
-def test_forward_kernel_variants(backend, tma, monkeypatch):
-    """The forward kernel's tensor-descriptor path computes the same function (interpreter)."""
+@pytest.mark.parametrize("pipeline", [False, True])
+def test_forward_kernel_variants(backend, tma, pipeline, monkeypatch):
+    """The forward kernel's tensor-descriptor and scores-ahead paths compute the same function
+    (interpreter). Unmasked key ranges of 0 to 6 blocks of 16: the fallback under 2 blocks,
+    even and odd block counts of the pipelined loop's pairs."""
     from ringflash.kernels import configs
 
-    monkeypatch.setitem(configs.OVERRIDES, "fwd", configs.KernelConfig(32, 16, 4, 1, tma=tma))
+    monkeypatch.setitem(configs.OVERRIDES, "fwd", configs.KernelConfig(32, 16, 4, 1, tma=tma, pipeline=pipeline))
     for causal in (False, True):
-        for Sq, Sk, D in ((37, 45, 24), (1, 70, 16), (64, 64, 32)):
+        for Sq, Sk, D in ((37, 45, 24), (1, 70, 16), (64, 64, 32), (20, 100, 16), (5, 50, 16)):
             q, k, v = _inputs(2, Sq, Sk, 4, 2, D, torch.float16, seed=Sq + D)
             _check(q, k, v, causal, check_grad=False)
+            _check(q, k, v, causal, scale=-0.3, check_grad=False)  # scores scaled before the max
+        q, k, v = _inputs(2, 33, 70, 4, 2, 32, torch.float32, seed=21)
+        mask = torch.rand(2, 70, generator=torch.Generator().manual_seed(3)) < 0.3
+        out = flash_attn_func(q, k, v, causal=causal, key_padding_mask=mask)
+        ref, _ = naive_attention(q, k, v, causal=causal, key_padding_mask=mask)
+        plain, _ = naive_attention(q, k, v, causal=causal, key_padding_mask=mask, dtype=torch.float32)
+        assert_within("out with key padding", out, ref, plain)
 
 
 @BOTH
@@ -218,14 +228,30 @@ def test_autocast_does_not_lower_precision(backend):
 
 
 @pytest.mark.parametrize("backend", ["triton"], indirect=True)
-def test_backward_kernel_tma_variant(backend, monkeypatch):
-    """The backward kernels' tensor-descriptor path computes the same gradients (interpreter)."""
+@pytest.mark.parametrize("tma,pipeline", [(True, False), (False, True), (True, True)])
+def test_backward_kernel_variants(backend, tma, pipeline, monkeypatch):
+    """The backward kernels' tensor-descriptor and product-ahead paths compute the same
+    gradients (interpreter): unmasked ranges of 2 blocks (the loop's last iteration recomputes
+    its own product) and of several, causal offsets either way, and a key padding bias."""
     from ringflash.kernels import configs
 
-    monkeypatch.setitem(configs.OVERRIDES, "dkdv", configs.KernelConfig(16, 32, 4, 1, tma=True))
-    monkeypatch.setitem(configs.OVERRIDES, "dq", configs.KernelConfig(32, 16, 4, 1, tma=True))
+    monkeypatch.setitem(configs.OVERRIDES, "dkdv", configs.KernelConfig(16, 32, 4, 1, tma=tma, pipeline=pipeline))
+    monkeypatch.setitem(configs.OVERRIDES, "dq", configs.KernelConfig(32, 16, 4, 1, tma=tma, pipeline=pipeline))
     for causal in (False, True):
         _check(*_inputs(2, 37, 45, 4, 2, 24, torch.float16, seed=4), causal)
+        _check(*_inputs(1, 100, 70, 2, 1, 16, torch.float16, seed=5), causal)
+        _check(*_inputs(1, 50, 120, 2, 2, 16, torch.float32, seed=6), causal, scale=-0.3)
+    q, k, v = _inputs(2, 40, 70, 2, 1, 16, torch.float32, seed=8)
+    mask = torch.rand(2, 70, generator=torch.Generator().manual_seed(4)) < 0.3
+    out = flash_attn_func(q, k, v, causal=True, key_padding_mask=mask)
+    ref, _ = naive_attention(q, k, v, causal=True, key_padding_mask=mask)
+    plain, _ = naive_attention(q, k, v, causal=True, key_padding_mask=mask, dtype=torch.float32)
+    do = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), do)
+    ref_grads = torch.autograd.grad(ref, (q, k, v), do.double())
+    plain_grads = torch.autograd.grad(plain, (q, k, v), do)
+    for name, gr, r, p in zip(("dq", "dk", "dv"), grads, ref_grads, plain_grads):
+        assert_within(f"{name} with key padding", gr, r, p)
 
 
 def test_kernel_configs_file(tmp_path, monkeypatch):
