@@ -1,6 +1,6 @@
 """Registers, spills and wgmma waits of the Triton kernels one fwd+bwd call compiles (GPU).
 
-    python benchmarks/kernel_report.py --seqlen 16384 --head-dim 128 [--pipeline] [--causal] [--fwd-shape 128 64 8 4]
+    python benchmarks/kernel_report.py --seqlen 16384 --head-dim 128 [--causal] [--fwd-shape 128 64 8 4]
 
 For each compiled kernel: registers per thread, spilled bytes, and how many
 `wgmma.wait_group N` instructions its PTX has for each N (N > 0 means a dot left in flight
@@ -37,18 +37,13 @@ def main():
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--heads", type=int, default=32)
     ap.add_argument("--causal", action="store_true")
-    ap.add_argument("--pipeline", action="store_true", help="the built-in shapes with pipeline=True")
     ap.add_argument("--fwd-shape", type=int, nargs=4, metavar=("BLOCK_M", "BLOCK_N", "WARPS", "STAGES"),
                     help="the forward's block shape instead of the built-in one")
     ap.add_argument("--dump", type=Path)
     args = ap.parse_args()
     D = args.head_dim
-    for kind, pick in (("fwd", configs.forward_config), ("dkdv", configs.dkdv_config), ("dq", configs.dq_config)):
-        c = pick(D)
-        configs.OVERRIDES[kind] = configs.KernelConfig(c.block_m, c.block_n, c.num_warps, c.num_stages, c.tma,
-                                                       c.warp_specialize, pipeline=args.pipeline)
     if args.fwd_shape:
-        configs.OVERRIDES["fwd"] = configs.KernelConfig(*args.fwd_shape, tma=True, pipeline=args.pipeline)
+        configs.OVERRIDES["fwd"] = configs.KernelConfig(*args.fwd_shape, tma=True)
     q, k, v = (torch.randn(1, args.seqlen, args.heads, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
                for _ in range(3))
     flash_attn_func(q, k, v, causal=args.causal).sum().backward()
@@ -58,11 +53,11 @@ def main():
             ptx = kern.asm.get("ptx", "")
             waits = collections.Counter(int(n) for n in re.findall(r"wgmma\.wait_group\.sync\.aligned\s+(\d+)", ptx))
             n_wgmma = len(re.findall(r"wgmma\.mma_async", ptx))
-            print(f"{kern.name:14s} pipeline={args.pipeline} causal={args.causal} D={D} regs={kern.n_regs} "
+            print(f"{kern.name:14s} causal={args.causal} D={D} regs={kern.n_regs} "
                   f"spills={kern.n_spills} wgmma={n_wgmma} waits={dict(sorted(waits.items()))}")
             if args.dump:
                 args.dump.mkdir(parents=True, exist_ok=True)
-                stem = f"{kern.name}_p{int(args.pipeline)}_c{int(args.causal)}_d{D}"
+                stem = f"{kern.name}_c{int(args.causal)}_d{D}"
                 (args.dump / f"{stem}.ptx").write_text(ptx)
                 (args.dump / f"{stem}.ttgir").write_text(kern.asm.get("ttgir", ""))
 

@@ -16,7 +16,7 @@ status=0
 for step in "$@"; do
   case $step in
     tests) timeout ${TESTS_TIMEOUT:-540} python3 -m pytest -m gpu tests/ -q -p no:cacheprovider ${TESTS_K:+-k "$TESTS_K"} 2>&1 | tee "$OUT/gpu_tests.log" | tail -15 || status=1 ;;
-    report) for p in "" --pipeline; do timeout 120 python3 benchmarks/kernel_report.py --dump "$OUT/kernels" $p ${REPORT_ARGS:-}; done 2>&1 | tee "$OUT/report.log"
+    report) timeout 120 python3 benchmarks/kernel_report.py --dump "$OUT/kernels" ${REPORT_ARGS:-} 2>&1 | tee "$OUT/report.log"
             tar czf "$OUT/kernels.tgz" -C "$OUT" kernels && rm -r "$OUT/kernels" ;;
     tune)  timeout ${TUNE_TIMEOUT:-540} python3 benchmarks/bench_local.py --tune ${TUNE_ARGS:-} --json "$OUT/tune.json" 2>&1 | tee "$OUT/tune.log" | grep -E "BEST|error" || status=1 ;;
     bench) timeout 500 python3 benchmarks/bench_local.py --json "$OUT/local.json" 2>&1 | tee "$OUT/bench.log" | tail -30 || status=1 ;;

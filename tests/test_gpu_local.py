@@ -59,27 +59,16 @@ def test_other_head_dims(D, causal):
     test_forward_backward_vs_float64(torch.bfloat16, causal, (1, 2049, 2049, 4, 2, D))
 
 
-def _shape(block_m, block_n, num_warps, num_stages):
-    from ringflash.kernels.configs import KernelConfig
-
-    return KernelConfig(block_m, block_n, num_warps, num_stages)
-
-
-# shapes of the pipelined kernels that fit in an H200's shared memory at D <= 128
-PIPELINED_SHAPES = {"fwd": _shape(128, 64, 8, 2), "dkdv": _shape(64, 64, 4, 2), "dq": _shape(128, 64, 8, 2)}
-
-
-@pytest.mark.parametrize("variant", ["pointers", "tma", "tma+ws", "pointers+pipeline", "tma+pipeline"])
+@pytest.mark.parametrize("variant", ["pointers", "tma", "tma+ws"])
 @pytest.mark.parametrize("causal", [False, True])
 def test_forward_variants_and_key_padding(variant, causal, monkeypatch):
     """Every forward variant the sweep may pick, with and without a key padding mask."""
     from ringflash.kernels import configs
 
-    # the pipelined loop needs about twice the shared memory: a shape that fits
-    base = PIPELINED_SHAPES["fwd"] if variant.endswith("pipeline") else configs.forward_config(128)
+    base = configs.forward_config(128)
     monkeypatch.setitem(configs.OVERRIDES, "fwd", configs.KernelConfig(
-        base.block_m, base.block_n, base.num_warps, base.num_stages, tma=not variant.startswith("pointers"),
-        warp_specialize=variant == "tma+ws", pipeline=variant.endswith("pipeline")))
+        base.block_m, base.block_n, base.num_warps, base.num_stages, tma=variant != "pointers",
+        warp_specialize=variant == "tma+ws"))
     g = torch.Generator(device="cuda").manual_seed(5)
     q, k, v = (torch.randn(2, 3001, 4, 128, device="cuda", generator=g, dtype=torch.bfloat16) for _ in range(3))
     mask = torch.rand(2, 3001, device="cuda", generator=g) < 0.2
@@ -88,31 +77,3 @@ def test_forward_variants_and_key_padding(variant, causal, monkeypatch):
         ref, _ = naive_attention(q, k, v, causal=causal, key_padding_mask=kpm)
         plain, _ = naive_attention(q, k, v, causal=causal, key_padding_mask=kpm, dtype=torch.bfloat16)
         assert_within(f"out {variant}", out, ref, plain)
-
-
-@pytest.mark.parametrize("tma", [False, True], ids=["pointers", "tma"])
-@pytest.mark.parametrize("D", [64, 128])
-@pytest.mark.parametrize("causal", [False, True])
-def test_pipelined_kernels_vs_float64(tma, D, causal, monkeypatch):
-    """Forward, dK/dV and dQ with the product one block ahead (config `pipeline`), in bf16,
-    with and without a key padding mask, against float64."""
-    from ringflash.kernels import configs
-
-    for kind, c in PIPELINED_SHAPES.items():
-        monkeypatch.setitem(configs.OVERRIDES, kind, configs.KernelConfig(
-            c.block_m, c.block_n, c.num_warps, c.num_stages, tma=tma, pipeline=True))
-    g = torch.Generator(device="cuda").manual_seed(D)
-    mk = lambda H: torch.randn(2, 3001, H, D, device="cuda", generator=g, dtype=torch.bfloat16).requires_grad_()
-    q, k, v = mk(4), mk(2), mk(2)
-    mask = torch.rand(2, 3001, device="cuda", generator=g) < 0.2
-    for kpm in (None, mask):
-        out = flash_attn_func(q, k, v, causal=causal, key_padding_mask=kpm)
-        do = torch.randn_like(out)
-        grads = torch.autograd.grad(out, (q, k, v), do)
-        ref, _ = naive_attention(q, k, v, causal=causal, key_padding_mask=kpm)
-        ref_grads = torch.autograd.grad(ref, (q, k, v), do.double())
-        plain, _ = naive_attention(q, k, v, causal=causal, key_padding_mask=kpm, dtype=torch.bfloat16)
-        plain_grads = torch.autograd.grad(plain, (q, k, v), do)
-        assert_within("out", out, ref, plain)
-        for name, got, r, p in zip(("dq", "dk", "dv"), grads, ref_grads, plain_grads):
-            assert_within(f"{name} (mask: {kpm is not None})", got, r, p)

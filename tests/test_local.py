@@ -192,14 +192,12 @@ def test_key_padding_mask_errors():
 
 @pytest.mark.parametrize("backend", ["triton"], indirect=True)
 @pytest.mark.parametrize("tma", [False, True])
-@pytest.mark.parametrize("pipeline", [False, True])
-def test_forward_kernel_variants(backend, tma, pipeline, monkeypatch):
-    """The forward kernel's tensor-descriptor and scores-ahead paths compute the same function
-    (interpreter). Unmasked key ranges of 0 to 6 blocks of 16: the fallback under 2 blocks,
-    even and odd block counts of the pipelined loop's pairs."""
+def test_forward_kernel_variants(backend, tma, monkeypatch):
+    """The forward kernel's tensor-descriptor path computes the same function (interpreter):
+    unmasked key ranges of 0 to 6 blocks of 16, a negative scale, a key padding bias."""
     from ringflash.kernels import configs
 
-    monkeypatch.setitem(configs.OVERRIDES, "fwd", configs.KernelConfig(32, 16, 4, 1, tma=tma, pipeline=pipeline))
+    monkeypatch.setitem(configs.OVERRIDES, "fwd", configs.KernelConfig(32, 16, 4, 1, tma=tma))
     for causal in (False, True):
         for Sq, Sk, D in ((37, 45, 24), (1, 70, 16), (64, 64, 32), (20, 100, 16), (5, 50, 16)):
             q, k, v = _inputs(2, Sq, Sk, 4, 2, D, torch.float16, seed=Sq + D)
@@ -228,15 +226,14 @@ def test_autocast_does_not_lower_precision(backend):
 
 
 @pytest.mark.parametrize("backend", ["triton"], indirect=True)
-@pytest.mark.parametrize("tma,pipeline", [(True, False), (False, True), (True, True)])
-def test_backward_kernel_variants(backend, tma, pipeline, monkeypatch):
-    """The backward kernels' tensor-descriptor and product-ahead paths compute the same
-    gradients (interpreter): unmasked ranges of 2 blocks (the loop's last iteration recomputes
-    its own product) and of several, causal offsets either way, and a key padding bias."""
+def test_backward_kernel_tma_variant(backend, monkeypatch):
+    """The backward kernels' tensor-descriptor path computes the same gradients (interpreter):
+    unmasked ranges of 2 to 7 blocks, causal offsets either way, a negative scale, a key
+    padding bias."""
     from ringflash.kernels import configs
 
-    monkeypatch.setitem(configs.OVERRIDES, "dkdv", configs.KernelConfig(16, 32, 4, 1, tma=tma, pipeline=pipeline))
-    monkeypatch.setitem(configs.OVERRIDES, "dq", configs.KernelConfig(32, 16, 4, 1, tma=tma, pipeline=pipeline))
+    monkeypatch.setitem(configs.OVERRIDES, "dkdv", configs.KernelConfig(16, 32, 4, 1, tma=True))
+    monkeypatch.setitem(configs.OVERRIDES, "dq", configs.KernelConfig(32, 16, 4, 1, tma=True))
     for causal in (False, True):
         _check(*_inputs(2, 37, 45, 4, 2, 24, torch.float16, seed=4), causal)
         _check(*_inputs(1, 100, 70, 2, 1, 16, torch.float16, seed=5), causal)

@@ -79,7 +79,7 @@ def forward(q, k, v, *, q_start, k_start, causal, scale, out_o, out_lse, fold, k
             GROUP=Hq // Hkv, HEAD_DIM=D, BLOCK_D=block_d,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
             CAUSAL=causal, HAS_STATE=fold, HAS_BIAS=has_bias, PRECISION=_precision(q.dtype),
-            TMA=use_tma, WARP_SPECIALIZE=cfg.warp_specialize, POSITIVE_SCALE=scale > 0, PIPELINE=cfg.pipeline,
+            TMA=use_tma, WARP_SPECIALIZE=cfg.warp_specialize, POSITIVE_SCALE=scale > 0,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
 
@@ -117,7 +117,7 @@ def backward(q, k, v, lse, do, delta, dq, dk, dv, *, q_start, k_start, causal, s
                 q_arg, k, v, do_arg, lse, delta, dk, dv, kb,
                 *_bsh(q), *_bsh(k), *_bsh(v), *_bsh(do), *_bsh(dk), *_bsh(dv),
                 lse.stride(0), lse.stride(1), stride_kbb, Hkv, *positions,
-                BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, TMA=tma, PIPELINE=cfg.pipeline,
+                BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, TMA=tma,
                 num_warps=cfg.num_warps, num_stages=cfg.num_stages, **common,
             )
         if dq is not None:
@@ -127,6 +127,6 @@ def backward(q, k, v, lse, do, delta, dq, dk, dv, *, q_start, k_start, causal, s
                 q, k_arg, v_arg, do, lse, delta, dq, kb,
                 *_bsh(q), *_bsh(k), *_bsh(v), *_bsh(do), *_bsh(dq),
                 lse.stride(0), lse.stride(1), stride_kbb, Hq, *positions,
-                BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, TMA=tma, PIPELINE=cfg.pipeline,
+                BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, TMA=tma,
                 num_warps=cfg.num_warps, num_stages=cfg.num_stages, **common,
             )

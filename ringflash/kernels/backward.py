@@ -43,44 +43,34 @@ def _store_grad(ptrs, grad, mask, ACCUMULATE: tl.constexpr):
 
 
 @triton.jit
-def _dkdv_p(s_t, k_pos, kb, rows, LSE_ptrs, DELTA_ptrs, q_start, Sq, qk_scale,
-            MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr):
-    """Raw transposed scores s_t (BLOCK_N, BLOCK_M) of query rows `rows` -> (p_t in float32,
-    the rows' delta)."""
-    if MASKED:
-        lse = tl.load(LSE_ptrs, mask=rows < Sq, other=float("inf"))
-        delta = tl.load(DELTA_ptrs, mask=rows < Sq, other=0.0)
-    else:
-        lse = tl.load(LSE_ptrs)
-        delta = tl.load(DELTA_ptrs)
-    # a row that saw no key (lse = -inf) has p = 0: exp2(s - inf)
-    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
-    s_t = s_t * qk_scale
-    if HAS_BIAS:
-        s_t += kb[:, None]
-    p_t = tl.math.exp2(s_t - lse2[None, :])
-    if MASKED:
-        visible = rows[None, :] < Sq
-        if CAUSAL:
-            visible = visible & ((q_start + rows)[None, :] >= k_pos[:, None])
-        p_t = tl.where(visible, p_t, 0.0)
-    return p_t, delta
-
-
-@triton.jit
-def _dkdv_plain(
+def _dkdv_q_range(
     dk, dv, k, v, k_pos, kb, Q_ptrs, DO_ptrs, LSE_ptrs, DELTA_ptrs, stride_qs, stride_dos,
     offs_m, d_ok, lo, hi, q_start, Sq, qk_scale, Q_desc, DO_desc, b32, h32,
     MASKED: tl.constexpr, CAUSAL: tl.constexpr, PAD_D: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_D: tl.constexpr, HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr, TMA: tl.constexpr,
 ):
+    # Q_ptrs / DO_ptrs (pointer path) / LSE_ptrs / DELTA_ptrs point at query row `lo` on entry
     for start_m in range(lo, hi, BLOCK_M):
         rows = start_m + offs_m
         q = load_tile(Q_ptrs, Q_desc, b32, start_m, h32, rows, Sq, d_ok, MASKED, PAD_D, TMA, BLOCK_M, BLOCK_D)
         do = load_tile(DO_ptrs, DO_desc, b32, start_m, h32, rows, Sq, d_ok, MASKED, PAD_D, TMA, BLOCK_M, BLOCK_D)
-        s_t = tl.dot(k, tl.trans(q), input_precision=PRECISION)  # (BLOCK_N, BLOCK_M)
-        p_t, delta = _dkdv_p(s_t, k_pos, kb, rows, LSE_ptrs, DELTA_ptrs, q_start, Sq, qk_scale,
-                             MASKED, CAUSAL, HAS_BIAS)
+        if MASKED:
+            lse = tl.load(LSE_ptrs, mask=rows < Sq, other=float("inf"))
+            delta = tl.load(DELTA_ptrs, mask=rows < Sq, other=0.0)
+        else:
+            lse = tl.load(LSE_ptrs)
+            delta = tl.load(DELTA_ptrs)
+        # a row that saw no key (lse = -inf) has p = 0: exp2(s - inf)
+        lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+        s_t = tl.dot(k, tl.trans(q), input_precision=PRECISION) * qk_scale  # (BLOCK_N, BLOCK_M)
+        if HAS_BIAS:
+            s_t += kb[:, None]
+        p_t = tl.math.exp2(s_t - lse2[None, :])
+        if MASKED:
+            visible = rows[None, :] < Sq
+            if CAUSAL:
+                visible = visible & ((q_start + rows)[None, :] >= k_pos[:, None])
+            p_t = tl.where(visible, p_t, 0.0)
         dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=PRECISION)
         dp_t = tl.dot(v, tl.trans(do), input_precision=PRECISION)
         ds_t = p_t * (dp_t - delta[None, :])
@@ -90,92 +80,6 @@ def _dkdv_plain(
             DO_ptrs += BLOCK_M * stride_dos
         LSE_ptrs += BLOCK_M
         DELTA_ptrs += BLOCK_M
-    return dk, dv
-
-
-@triton.jit
-def _dkdv_pipelined(
-    dk, dv, k, v, k_pos, kb, Q_ptrs, DO_ptrs, LSE_ptrs, DELTA_ptrs, stride_qs, stride_dos,
-    offs_m, d_ok, lo, hi, q_start, Sq, qk_scale, Q_desc, DO_desc, b32, h32,
-    CAUSAL: tl.constexpr, PAD_D: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_D: tl.constexpr, HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr, TMA: tl.constexpr,
-):
-    """Unmasked query blocks [lo, hi), at least two, in pairs (even e, odd o): the next pair's
-    V dO_e^T runs on the tensor cores while block o's exp2 and dS are computed (the pattern and
-    why: forward._fwd_pipelined). dO of an even block is loaded twice (for the product ahead,
-    then for dV), the second time from L2."""
-    do = load_tile(DO_ptrs, DO_desc, b32, lo, h32, lo + offs_m, Sq, d_ok, False, PAD_D, TMA, BLOCK_M, BLOCK_D)
-    dp_e = tl.dot(v, tl.trans(do), input_precision=PRECISION)
-    n_blocks = (hi - lo) // BLOCK_M
-    for i in tl.range(0, n_blocks // 2):
-        e = lo + 2 * i * BLOCK_M
-        o = e + BLOCK_M
-        q = load_tile(Q_ptrs + (e - lo) * stride_qs, Q_desc, b32, e, h32, e + offs_m, Sq, d_ok, False, PAD_D, TMA,
-                      BLOCK_M, BLOCK_D)
-        s_t = tl.dot(k, tl.trans(q), input_precision=PRECISION)  # (BLOCK_N, BLOCK_M)
-        p_t, delta = _dkdv_p(s_t, k_pos, kb, e + offs_m, LSE_ptrs + (e - lo), DELTA_ptrs + (e - lo), q_start, Sq,
-                             qk_scale, False, CAUSAL, HAS_BIAS)
-        ds_t = p_t * (dp_e - delta[None, :])
-        do = load_tile(DO_ptrs + (e - lo) * stride_dos, DO_desc, b32, e, h32, e + offs_m, Sq, d_ok, False, PAD_D,
-                       TMA, BLOCK_M, BLOCK_D)
-        dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=PRECISION)
-        dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=PRECISION)
-        q = load_tile(Q_ptrs + (o - lo) * stride_qs, Q_desc, b32, o, h32, o + offs_m, Sq, d_ok, False, PAD_D, TMA,
-                      BLOCK_M, BLOCK_D)
-        s_t = tl.dot(k, tl.trans(q), input_precision=PRECISION)
-        do = load_tile(DO_ptrs + (o - lo) * stride_dos, DO_desc, b32, o, h32, o + offs_m, Sq, d_ok, False, PAD_D,
-                       TMA, BLOCK_M, BLOCK_D)
-        dp_o = tl.dot(v, tl.trans(do), input_precision=PRECISION)
-        # the next pair's even block; past the end it repeats the last block, dropped
-        nxt = tl.minimum(o + BLOCK_M, hi - BLOCK_M)
-        do_n = load_tile(DO_ptrs + (nxt - lo) * stride_dos, DO_desc, b32, nxt, h32, nxt + offs_m, Sq, d_ok, False,
-                         PAD_D, TMA, BLOCK_M, BLOCK_D)
-        dp_e = tl.dot(v, tl.trans(do_n), input_precision=PRECISION)
-        p_t, delta = _dkdv_p(s_t, k_pos, kb, o + offs_m, LSE_ptrs + (o - lo), DELTA_ptrs + (o - lo), q_start, Sq,
-                             qk_scale, False, CAUSAL, HAS_BIAS)
-        ds_t = p_t * (dp_o - delta[None, :])
-        dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=PRECISION)
-        dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=PRECISION)
-    if n_blocks % 2 == 1:  # dp_e holds the last block's product
-        last = hi - BLOCK_M
-        q = load_tile(Q_ptrs + (last - lo) * stride_qs, Q_desc, b32, last, h32, last + offs_m, Sq, d_ok, False,
-                      PAD_D, TMA, BLOCK_M, BLOCK_D)
-        s_t = tl.dot(k, tl.trans(q), input_precision=PRECISION)
-        p_t, delta = _dkdv_p(s_t, k_pos, kb, last + offs_m, LSE_ptrs + (last - lo), DELTA_ptrs + (last - lo),
-                             q_start, Sq, qk_scale, False, CAUSAL, HAS_BIAS)
-        ds_t = p_t * (dp_e - delta[None, :])
-        do = load_tile(DO_ptrs + (last - lo) * stride_dos, DO_desc, b32, last, h32, last + offs_m, Sq, d_ok, False,
-                       PAD_D, TMA, BLOCK_M, BLOCK_D)
-        dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=PRECISION)
-        dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=PRECISION)
-    return dk, dv
-
-
-@triton.jit
-def _dkdv_q_range(
-    dk, dv, k, v, k_pos, kb, Q_ptrs, DO_ptrs, LSE_ptrs, DELTA_ptrs, stride_qs, stride_dos,
-    offs_m, d_ok, lo, hi, q_start, Sq, qk_scale, Q_desc, DO_desc, b32, h32,
-    MASKED: tl.constexpr, CAUSAL: tl.constexpr, PAD_D: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_D: tl.constexpr, HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr, TMA: tl.constexpr,
-    PIPELINE: tl.constexpr,
-):
-    # Q_ptrs / DO_ptrs (pointer path) / LSE_ptrs / DELTA_ptrs point at query row `lo` on entry
-    if PIPELINE:  # unmasked ranges only
-        if hi - lo >= 2 * BLOCK_M:
-            dk, dv = _dkdv_pipelined(
-                dk, dv, k, v, k_pos, kb, Q_ptrs, DO_ptrs, LSE_ptrs, DELTA_ptrs, stride_qs, stride_dos,
-                offs_m, d_ok, lo, hi, q_start, Sq, qk_scale, Q_desc, DO_desc, b32, h32,
-                CAUSAL, PAD_D, BLOCK_M, BLOCK_D, HAS_BIAS, PRECISION, TMA)
-        else:
-            dk, dv = _dkdv_plain(
-                dk, dv, k, v, k_pos, kb, Q_ptrs, DO_ptrs, LSE_ptrs, DELTA_ptrs, stride_qs, stride_dos,
-                offs_m, d_ok, lo, hi, q_start, Sq, qk_scale, Q_desc, DO_desc, b32, h32,
-                MASKED, CAUSAL, PAD_D, BLOCK_M, BLOCK_D, HAS_BIAS, PRECISION, TMA)
-    else:
-        dk, dv = _dkdv_plain(
-            dk, dv, k, v, k_pos, kb, Q_ptrs, DO_ptrs, LSE_ptrs, DELTA_ptrs, stride_qs, stride_dos,
-            offs_m, d_ok, lo, hi, q_start, Sq, qk_scale, Q_desc, DO_desc, b32, h32,
-            MASKED, CAUSAL, PAD_D, BLOCK_M, BLOCK_D, HAS_BIAS, PRECISION, TMA)
     return dk, dv
 
 
@@ -193,10 +97,10 @@ def _dkdv_kernel(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, ACCUMULATE: tl.constexpr, HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr,
-    TMA: tl.constexpr = False, PIPELINE: tl.constexpr = False,
+    TMA: tl.constexpr = False,
 ):
     """Q and DO are tensors, or (B, Sq, Hq, D) descriptors with blocks [1, BLOCK_M, 1, BLOCK_D]
-    when TMA. PIPELINE: dO V^T one query block ahead in the unmasked range (_dkdv_pipelined)."""
+    when TMA."""
     pid_n = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = (pid_bh // Hkv).to(tl.int64)
@@ -257,17 +161,17 @@ def _dkdv_kernel(
         dk, dv = _dkdv_q_range(
             dk, dv, k, v, k_pos, kb, Q_lo, DO_lo, LSE_ptrs + lo64, DELTA_ptrs + lo64, stride_qs, stride_dos,
             offs_m, d_ok, lo, full_lo, q_start, Sq, qk_scale, Q, DO, b32, h32,
-            True, CAUSAL, PAD_D, BLOCK_M, BLOCK_D, HAS_BIAS, PRECISION, TMA, False)
+            True, CAUSAL, PAD_D, BLOCK_M, BLOCK_D, HAS_BIAS, PRECISION, TMA)
         # fully visible blocks
         dk, dv = _dkdv_q_range(
             dk, dv, k, v, k_pos, kb, Q_full, DO_full, LSE_ptrs + full64, DELTA_ptrs + full64, stride_qs,
             stride_dos, offs_m, d_ok, full_lo, Sq_full, q_start, Sq, qk_scale, Q, DO, b32, h32,
-            False, CAUSAL, PAD_D, BLOCK_M, BLOCK_D, HAS_BIAS, PRECISION, TMA, PIPELINE)
+            False, CAUSAL, PAD_D, BLOCK_M, BLOCK_D, HAS_BIAS, PRECISION, TMA)
         # ragged tail of the query rows
         dk, dv = _dkdv_q_range(
             dk, dv, k, v, k_pos, kb, Q_tail, DO_tail, LSE_ptrs + tail64, DELTA_ptrs + tail64, stride_qs,
             stride_dos, offs_m, d_ok, tail_lo, Sq, q_start, Sq, qk_scale, Q, DO, b32, h32,
-            True, CAUSAL, PAD_D, BLOCK_M, BLOCK_D, HAS_BIAS, PRECISION, TMA, False)
+            True, CAUSAL, PAD_D, BLOCK_M, BLOCK_D, HAS_BIAS, PRECISION, TMA)
 
     _store_grad(DK + b * stride_dkb + hk * stride_dkh + cols64[:, None] * stride_dks + offs_d[None, :],
                 dk * sm_scale, tile_mask, ACCUMULATE)
@@ -276,112 +180,29 @@ def _dkdv_kernel(
 
 
 @triton.jit
-def _dq_p(s, lse2, q_pos, cols, KB_ptrs, k_start, Sk, qk_scale,
-          MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Raw scores s (BLOCK_M, BLOCK_N) of key columns `cols` -> (p in float32, KB_ptrs moved on)."""
-    s = s * qk_scale
-    if HAS_BIAS:
-        s, KB_ptrs = add_key_bias(s, KB_ptrs, cols, Sk, MASKED, BLOCK_N)
-    p = tl.math.exp2(s - lse2[:, None])
-    if MASKED:
-        p = tl.where(visible_keys(q_pos, cols, Sk, k_start, CAUSAL), p, 0.0)
-    return p, KB_ptrs
-
-
-@triton.jit
-def _dq_plain(
+def _dq_k_range(
     dq, q, do, lse2, delta, q_pos, K_ptrs, V_ptrs, KB_ptrs, stride_ks, stride_vs, offs_n, d_ok,
     lo, hi, k_start, Sk, qk_scale, K_desc, V_desc, b32, hk32,
     MASKED: tl.constexpr, CAUSAL: tl.constexpr, PAD_D: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr, TMA: tl.constexpr,
 ):
+    # K_ptrs / V_ptrs (pointer path) / KB_ptrs point at key row `lo` on entry
     for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + offs_n
         k = load_tile(K_ptrs, K_desc, b32, start_n, hk32, cols, Sk, d_ok, MASKED, PAD_D, TMA, BLOCK_N, BLOCK_D)
         v = load_tile(V_ptrs, V_desc, b32, start_n, hk32, cols, Sk, d_ok, MASKED, PAD_D, TMA, BLOCK_N, BLOCK_D)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
-        p, KB_ptrs = _dq_p(s, lse2, q_pos, cols, KB_ptrs, k_start, Sk, qk_scale, MASKED, CAUSAL, HAS_BIAS, BLOCK_N)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+        if HAS_BIAS:
+            s, KB_ptrs = add_key_bias(s, KB_ptrs, cols, Sk, MASKED, BLOCK_N)
+        p = tl.math.exp2(s - lse2[:, None])
+        if MASKED:
+            p = tl.where(visible_keys(q_pos, cols, Sk, k_start, CAUSAL), p, 0.0)
         dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
         ds = p * (dp - delta[:, None])
         dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=PRECISION)
         if not TMA:
             K_ptrs += BLOCK_N * stride_ks
             V_ptrs += BLOCK_N * stride_vs
-    return dq
-
-
-@triton.jit
-def _dq_pipelined(
-    dq, q, do, lse2, delta, q_pos, K_ptrs, V_ptrs, KB_ptrs, stride_ks, stride_vs, offs_n, d_ok,
-    lo, hi, k_start, Sk, qk_scale, K_desc, V_desc, b32, hk32,
-    CAUSAL: tl.constexpr, PAD_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr, HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr, TMA: tl.constexpr,
-):
-    """Unmasked key blocks [lo, hi), at least two, in pairs (even e, odd o): the next pair's
-    dO V_e^T runs on the tensor cores while block o's exp2 and dS are computed (the pattern and
-    why: forward._fwd_pipelined)."""
-    v = load_tile(V_ptrs, V_desc, b32, lo, hk32, lo + offs_n, Sk, d_ok, False, PAD_D, TMA, BLOCK_N, BLOCK_D)
-    dp_e = tl.dot(do, tl.trans(v), input_precision=PRECISION)
-    n_blocks = (hi - lo) // BLOCK_N
-    for i in tl.range(0, n_blocks // 2):
-        e = lo + 2 * i * BLOCK_N
-        o = e + BLOCK_N
-        k = load_tile(K_ptrs + (e - lo) * stride_ks, K_desc, b32, e, hk32, e + offs_n, Sk, d_ok, False, PAD_D,
-                      TMA, BLOCK_N, BLOCK_D)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
-        p, KB_ptrs = _dq_p(s, lse2, q_pos, e + offs_n, KB_ptrs, k_start, Sk, qk_scale, False, CAUSAL, HAS_BIAS,
-                           BLOCK_N)
-        ds = p * (dp_e - delta[:, None])
-        dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=PRECISION)
-        k = load_tile(K_ptrs + (o - lo) * stride_ks, K_desc, b32, o, hk32, o + offs_n, Sk, d_ok, False, PAD_D,
-                      TMA, BLOCK_N, BLOCK_D)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
-        v = load_tile(V_ptrs + (o - lo) * stride_vs, V_desc, b32, o, hk32, o + offs_n, Sk, d_ok, False, PAD_D,
-                      TMA, BLOCK_N, BLOCK_D)
-        dp_o = tl.dot(do, tl.trans(v), input_precision=PRECISION)
-        # the next pair's even block; past the end it repeats the last block, dropped
-        nxt = tl.minimum(o + BLOCK_N, hi - BLOCK_N)
-        v = load_tile(V_ptrs + (nxt - lo) * stride_vs, V_desc, b32, nxt, hk32, nxt + offs_n, Sk, d_ok, False,
-                      PAD_D, TMA, BLOCK_N, BLOCK_D)
-        dp_e = tl.dot(do, tl.trans(v), input_precision=PRECISION)
-        p, KB_ptrs = _dq_p(s, lse2, q_pos, o + offs_n, KB_ptrs, k_start, Sk, qk_scale, False, CAUSAL, HAS_BIAS,
-                           BLOCK_N)
-        ds = p * (dp_o - delta[:, None])
-        dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=PRECISION)
-    if n_blocks % 2 == 1:  # dp_e holds the last block's product
-        last = hi - BLOCK_N
-        k = load_tile(K_ptrs + (last - lo) * stride_ks, K_desc, b32, last, hk32, last + offs_n, Sk, d_ok, False,
-                      PAD_D, TMA, BLOCK_N, BLOCK_D)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
-        p, KB_ptrs = _dq_p(s, lse2, q_pos, last + offs_n, KB_ptrs, k_start, Sk, qk_scale, False, CAUSAL, HAS_BIAS,
-                           BLOCK_N)
-        ds = p * (dp_e - delta[:, None])
-        dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=PRECISION)
-    return dq
-
-
-@triton.jit
-def _dq_k_range(
-    dq, q, do, lse2, delta, q_pos, K_ptrs, V_ptrs, KB_ptrs, stride_ks, stride_vs, offs_n, d_ok,
-    lo, hi, k_start, Sk, qk_scale, K_desc, V_desc, b32, hk32,
-    MASKED: tl.constexpr, CAUSAL: tl.constexpr, PAD_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr, HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr, TMA: tl.constexpr,
-    PIPELINE: tl.constexpr,
-):
-    # K_ptrs / V_ptrs (pointer path) / KB_ptrs point at key row `lo` on entry
-    if PIPELINE:  # unmasked ranges only
-        if hi - lo >= 2 * BLOCK_N:
-            dq = _dq_pipelined(dq, q, do, lse2, delta, q_pos, K_ptrs, V_ptrs, KB_ptrs, stride_ks, stride_vs,
-                               offs_n, d_ok, lo, hi, k_start, Sk, qk_scale, K_desc, V_desc, b32, hk32,
-                               CAUSAL, PAD_D, BLOCK_N, BLOCK_D, HAS_BIAS, PRECISION, TMA)
-        else:
-            dq = _dq_plain(dq, q, do, lse2, delta, q_pos, K_ptrs, V_ptrs, KB_ptrs, stride_ks, stride_vs,
-                           offs_n, d_ok, lo, hi, k_start, Sk, qk_scale, K_desc, V_desc, b32, hk32,
-                           MASKED, CAUSAL, PAD_D, BLOCK_N, BLOCK_D, HAS_BIAS, PRECISION, TMA)
-    else:
-        dq = _dq_plain(dq, q, do, lse2, delta, q_pos, K_ptrs, V_ptrs, KB_ptrs, stride_ks, stride_vs,
-                       offs_n, d_ok, lo, hi, k_start, Sk, qk_scale, K_desc, V_desc, b32, hk32,
-                       MASKED, CAUSAL, PAD_D, BLOCK_N, BLOCK_D, HAS_BIAS, PRECISION, TMA)
     return dq
 
 
@@ -398,10 +219,10 @@ def _dq_kernel(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, ACCUMULATE: tl.constexpr, HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr,
-    TMA: tl.constexpr = False, PIPELINE: tl.constexpr = False,
+    TMA: tl.constexpr = False,
 ):
     """K and V are tensors, or (B, Sk, Hkv, D) descriptors with blocks [1, BLOCK_N, 1, BLOCK_D]
-    when TMA. PIPELINE: dO V^T one key block ahead in the unmasked range (_dq_pipelined)."""
+    when TMA."""
     pid_m, b, h, hk = query_program(Hq, GROUP, CAUSAL)
     PAD_D: tl.constexpr = BLOCK_D != HEAD_DIM
 
@@ -435,9 +256,9 @@ def _dq_kernel(
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     dq = _dq_k_range(dq, q, do, lse2, delta, q_pos, K_ptrs, V_ptrs, KB_ptrs, stride_ks, stride_vs, offs_n,
                      d_ok, 0, full_end, k_start, Sk, qk_scale, K, V, b32, hk32,
-                     False, CAUSAL, PAD_D, BLOCK_N, BLOCK_D, HAS_BIAS, PRECISION, TMA, PIPELINE)
+                     False, CAUSAL, PAD_D, BLOCK_N, BLOCK_D, HAS_BIAS, PRECISION, TMA)
     dq = _dq_k_range(dq, q, do, lse2, delta, q_pos, K_rest, V_rest, KB_ptrs + skip, stride_ks, stride_vs,
                      offs_n, d_ok, full_end, hi, k_start, Sk, qk_scale, K, V, b32, hk32,
-                     True, CAUSAL, PAD_D, BLOCK_N, BLOCK_D, HAS_BIAS, PRECISION, TMA, False)
+                     True, CAUSAL, PAD_D, BLOCK_N, BLOCK_D, HAS_BIAS, PRECISION, TMA)
     _store_grad(DQ + b * stride_dqb + h * stride_dqh + rows64[:, None] * stride_dqs + offs_d[None, :],
                 dq * sm_scale, tile_mask, ACCUMULATE)

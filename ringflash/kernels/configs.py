@@ -25,9 +25,6 @@ class KernelConfig:
     num_stages: int
     tma: bool = False  # streamed tiles through tensor descriptors (the tensor-memory engine)
     warp_specialize: bool = False  # tl.range(..., warp_specialize=True) on the unmasked loop
-    # scores one block ahead so the softmax overlaps the next Q K^T (forward) or the next
-    # dO V^T (backward passes) on the tensor cores
-    pipeline: bool = False
 
 
 def interpreting() -> bool:

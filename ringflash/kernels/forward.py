@@ -12,109 +12,6 @@ import triton.language as tl
 from .tiles import add_key_bias, key_range, load_tile, query_program, visible_keys
 
 
-@triton.jit
-def _fwd_softmax(
-    s, acc, l_i, m_i, q_pos, cols, KB_ptrs, k_start, Sk, qk_scale,
-    MASKED: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr,
-    PRESCALE: tl.constexpr, P_DTYPE: tl.constexpr,
-):
-    """Fold raw scores s (BLOCK_M, BLOCK_N) of key columns `cols` into the running (l, m):
-    returns (p in P_DTYPE, acc rescaled to the new max, l, m, KB_ptrs moved on)."""
-    # Scores in base-2 units are s * qk_scale. Without PRESCALE the scale is applied inside
-    # exp2's argument, one FMA per score; max(s) * scale is the max only for scale > 0, and
-    # a bias must be added after scaling, so those cases scale first.
-    if PRESCALE:
-        s = s * qk_scale
-        scale = 1.0
-    else:
-        scale = qk_scale
-    if HAS_BIAS:  # per-key additive bias (key padding)
-        s, KB_ptrs = add_key_bias(s, KB_ptrs, cols, Sk, MASKED, BLOCK_N)
-    if MASKED:
-        s = tl.where(visible_keys(q_pos, cols, Sk, k_start, CAUSAL), s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1) * scale)
-    # A row that has seen no key yet keeps m = -inf; pivot on 0 so exp2 gives 0, not NaN.
-    m_pivot = tl.where(m_new == float("-inf"), 0.0, m_new)
-    p = tl.math.exp2(s * scale - m_pivot[:, None])
-    alpha = tl.math.exp2(m_i - m_pivot)
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None]
-    return p.to(P_DTYPE), acc, l_i, m_new, KB_ptrs
-
-
-@triton.jit
-def _fwd_plain(
-    acc, l_i, m_i, q, q_pos, K_ptrs, V_ptrs, KB_ptrs, stride_ks, stride_vs, offs_n, d_ok,
-    lo, hi, k_start, Sk, qk_scale, K_desc, V_desc, b32, hk32,
-    MASKED: tl.constexpr, CAUSAL: tl.constexpr, PAD_D: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr,
-    TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, PRESCALE: tl.constexpr,
-):
-    for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
-        cols = start_n + offs_n
-        k = load_tile(K_ptrs, K_desc, b32, start_n, hk32, cols, Sk, d_ok, MASKED, PAD_D, TMA, BLOCK_N, BLOCK_D)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
-        p, acc, l_i, m_i, KB_ptrs = _fwd_softmax(s, acc, l_i, m_i, q_pos, cols, KB_ptrs, k_start, Sk, qk_scale,
-                                                 MASKED, CAUSAL, BLOCK_N, HAS_BIAS, PRESCALE, q.dtype)
-        v = load_tile(V_ptrs, V_desc, b32, start_n, hk32, cols, Sk, d_ok, MASKED, PAD_D, TMA, BLOCK_N, BLOCK_D)
-        acc = tl.dot(p, v, acc, input_precision=PRECISION)
-        if not TMA:
-            K_ptrs += BLOCK_N * stride_ks
-            V_ptrs += BLOCK_N * stride_vs
-    return acc, l_i, m_i
-
-
-@triton.jit
-def _fwd_pipelined(
-    acc, l_i, m_i, q, q_pos, K_ptrs, V_ptrs, KB_ptrs, stride_ks, stride_vs, offs_n, d_ok,
-    lo, hi, k_start, Sk, qk_scale, K_desc, V_desc, b32, hk32,
-    CAUSAL: tl.constexpr, PAD_D: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr,
-    TMA: tl.constexpr, PRESCALE: tl.constexpr,
-):
-    """The unmasked key range [lo, hi) of at least two blocks, in pairs (even e, odd o): the
-    next pair's Q K_e^T runs on the tensor cores while block o's softmax is computed.
-
-    Triton (3.6) leaves a dot in flight only when its result is merely carried to the next
-    iteration and first read after a synchronous dot; and ptxas serializes every wgmma of the
-    kernel if a register of an in-flight accumulator is read, which the copy of a carried
-    value does when the old value is still live. So the carried scores s_e are issued only
-    after the previous s_e is consumed, and Q K_o^T (synchronous) comes first."""
-    dt = q.dtype
-    k = load_tile(K_ptrs, K_desc, b32, lo, hk32, lo + offs_n, Sk, d_ok, False, PAD_D, TMA, BLOCK_N, BLOCK_D)
-    s_e = tl.dot(q, tl.trans(k), input_precision=PRECISION)
-    n_blocks = (hi - lo) // BLOCK_N
-    for i in tl.range(0, n_blocks // 2):
-        e = lo + 2 * i * BLOCK_N
-        o = e + BLOCK_N
-        k = load_tile(K_ptrs + (o - lo) * stride_ks, K_desc, b32, o, hk32, o + offs_n, Sk, d_ok, False, PAD_D,
-                      TMA, BLOCK_N, BLOCK_D)
-        s_o = tl.dot(q, tl.trans(k), input_precision=PRECISION)
-        p, acc, l_i, m_i, KB_ptrs = _fwd_softmax(s_e, acc, l_i, m_i, q_pos, e + offs_n, KB_ptrs, k_start, Sk,
-                                                 qk_scale, False, CAUSAL, BLOCK_N, HAS_BIAS, PRESCALE, dt)
-        v = load_tile(V_ptrs + (e - lo) * stride_vs, V_desc, b32, e, hk32, e + offs_n, Sk, d_ok, False, PAD_D,
-                      TMA, BLOCK_N, BLOCK_D)
-        acc = tl.dot(p, v, acc, input_precision=PRECISION)
-        # the next pair's even block; past the end (even block count) it repeats the last
-        # block, whose scores are then dropped
-        nxt = tl.minimum(o + BLOCK_N, hi - BLOCK_N)
-        k = load_tile(K_ptrs + (nxt - lo) * stride_ks, K_desc, b32, nxt, hk32, nxt + offs_n, Sk, d_ok, False,
-                      PAD_D, TMA, BLOCK_N, BLOCK_D)
-        s_e = tl.dot(q, tl.trans(k), input_precision=PRECISION)
-        p, acc, l_i, m_i, KB_ptrs = _fwd_softmax(s_o, acc, l_i, m_i, q_pos, o + offs_n, KB_ptrs, k_start, Sk,
-                                                 qk_scale, False, CAUSAL, BLOCK_N, HAS_BIAS, PRESCALE, dt)
-        v = load_tile(V_ptrs + (o - lo) * stride_vs, V_desc, b32, o, hk32, o + offs_n, Sk, d_ok, False, PAD_D,
-                      TMA, BLOCK_N, BLOCK_D)
-        acc = tl.dot(p, v, acc, input_precision=PRECISION)
-    if n_blocks % 2 == 1:  # s_e holds the last block's scores
-        last = hi - BLOCK_N
-        p, acc, l_i, m_i, KB_ptrs = _fwd_softmax(s_e, acc, l_i, m_i, q_pos, last + offs_n, KB_ptrs, k_start, Sk,
-                                                 qk_scale, False, CAUSAL, BLOCK_N, HAS_BIAS, PRESCALE, dt)
-        v = load_tile(V_ptrs + (last - lo) * stride_vs, V_desc, b32, last, hk32, last + offs_n, Sk, d_ok, False,
-                      PAD_D, TMA, BLOCK_N, BLOCK_D)
-        acc = tl.dot(p, v, acc, input_precision=PRECISION)
-    return acc, l_i, m_i
-
 
 @triton.jit
 def _fwd_block_range(
@@ -122,27 +19,39 @@ def _fwd_block_range(
     lo, hi, k_start, Sk, qk_scale, K_desc, V_desc, b32, hk32,
     MASKED: tl.constexpr, CAUSAL: tl.constexpr, PAD_D: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr,
-    TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, PRESCALE: tl.constexpr, PIPELINE: tl.constexpr,
+    TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, PRESCALE: tl.constexpr,
 ):
-    # K_ptrs / V_ptrs / KB_ptrs point at key row `lo` on entry (pointer path; moved by pointer
-    # arithmetic, which is unused but harmless with TMA)
+    # K_ptrs / V_ptrs / KB_ptrs point at key row `lo` on entry (pointer path)
     d_ok = offs_d[None, :] < HEAD_DIM
-    if PIPELINE:  # the unmasked range only
-        if hi - lo >= 2 * BLOCK_N:
-            acc, l_i, m_i = _fwd_pipelined(
-                acc, l_i, m_i, q, q_pos, K_ptrs, V_ptrs, KB_ptrs, stride_ks, stride_vs, offs_n, d_ok,
-                lo, hi, k_start, Sk, qk_scale, K_desc, V_desc, b32, hk32,
-                CAUSAL, PAD_D, BLOCK_N, BLOCK_D, HAS_BIAS, PRECISION, TMA, PRESCALE)
+    for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
+        cols = start_n + offs_n
+        k = load_tile(K_ptrs, K_desc, b32, start_n, hk32, cols, Sk, d_ok, MASKED, PAD_D, TMA, BLOCK_N, BLOCK_D)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+        # Scores in base-2 units are s * qk_scale. Without PRESCALE the scale is applied inside
+        # exp2's argument, one FMA per score; max(s) * scale is the max only for scale > 0, and
+        # a bias must be added after scaling, so those cases scale first.
+        if PRESCALE:
+            s = s * qk_scale
+            scale = 1.0
         else:
-            acc, l_i, m_i = _fwd_plain(
-                acc, l_i, m_i, q, q_pos, K_ptrs, V_ptrs, KB_ptrs, stride_ks, stride_vs, offs_n, d_ok,
-                lo, hi, k_start, Sk, qk_scale, K_desc, V_desc, b32, hk32,
-                MASKED, CAUSAL, PAD_D, BLOCK_N, BLOCK_D, HAS_BIAS, PRECISION, TMA, WARP_SPECIALIZE, PRESCALE)
-    else:
-        acc, l_i, m_i = _fwd_plain(
-            acc, l_i, m_i, q, q_pos, K_ptrs, V_ptrs, KB_ptrs, stride_ks, stride_vs, offs_n, d_ok,
-            lo, hi, k_start, Sk, qk_scale, K_desc, V_desc, b32, hk32,
-            MASKED, CAUSAL, PAD_D, BLOCK_N, BLOCK_D, HAS_BIAS, PRECISION, TMA, WARP_SPECIALIZE, PRESCALE)
+            scale = qk_scale
+        if HAS_BIAS:  # per-key additive bias (key padding)
+            s, KB_ptrs = add_key_bias(s, KB_ptrs, cols, Sk, MASKED, BLOCK_N)
+        if MASKED:
+            s = tl.where(visible_keys(q_pos, cols, Sk, k_start, CAUSAL), s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1) * scale)
+        # A row that has seen no key yet keeps m = -inf; pivot on 0 so exp2 gives 0, not NaN.
+        m_pivot = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.math.exp2(s * scale - m_pivot[:, None])
+        alpha = tl.math.exp2(m_i - m_pivot)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        v = load_tile(V_ptrs, V_desc, b32, start_n, hk32, cols, Sk, d_ok, MASKED, PAD_D, TMA, BLOCK_N, BLOCK_D)
+        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=PRECISION)
+        m_i = m_new
+        if not TMA:
+            K_ptrs += BLOCK_N * stride_ks
+            V_ptrs += BLOCK_N * stride_vs
     return acc, l_i, m_i
 
 
@@ -161,11 +70,9 @@ def _fwd_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_STATE: tl.constexpr, HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr,
     TMA: tl.constexpr = False, WARP_SPECIALIZE: tl.constexpr = False, POSITIVE_SCALE: tl.constexpr = True,
-    PIPELINE: tl.constexpr = False,
 ):
     """K and V are tensors, or (B, Sk, Hkv, D) tensor descriptors with blocks
-    [1, BLOCK_N, 1, BLOCK_D] when TMA. POSITIVE_SCALE: qk_scale > 0. PIPELINE: scores one key
-    block ahead in the unmasked range (_fwd_pipelined)."""
+    [1, BLOCK_N, 1, BLOCK_D] when TMA. POSITIVE_SCALE: qk_scale > 0."""
     PRESCALE: tl.constexpr = HAS_BIAS or not POSITIVE_SCALE
     pid_m, b, h, hk = query_program(Hq, GROUP, CAUSAL)
     PAD_D: tl.constexpr = BLOCK_D != HEAD_DIM
@@ -206,11 +113,11 @@ def _fwd_kernel(
     acc, l_i, m_i = _fwd_block_range(
         acc, l_i, m_i, q, q_pos, K_ptrs, V_ptrs, KB_ptrs, stride_ks, stride_vs, offs_n, offs_d,
         0, full_end, k_start, Sk, qk_scale, K, V, b32, hk32,
-        False, CAUSAL, PAD_D, HEAD_DIM, BLOCK_N, BLOCK_D, HAS_BIAS, PRECISION, TMA, WARP_SPECIALIZE, PRESCALE, PIPELINE)
+        False, CAUSAL, PAD_D, HEAD_DIM, BLOCK_N, BLOCK_D, HAS_BIAS, PRECISION, TMA, WARP_SPECIALIZE, PRESCALE)
     acc, l_i, m_i = _fwd_block_range(
         acc, l_i, m_i, q, q_pos, K_rest, V_rest, KB_ptrs + skip,
         stride_ks, stride_vs, offs_n, offs_d, full_end, hi, k_start, Sk, qk_scale, K, V, b32, hk32,
-        True, CAUSAL, PAD_D, HEAD_DIM, BLOCK_N, BLOCK_D, HAS_BIAS, PRECISION, TMA, False, PRESCALE, False)
+        True, CAUSAL, PAD_D, HEAD_DIM, BLOCK_N, BLOCK_D, HAS_BIAS, PRECISION, TMA, False, PRESCALE)
 
     empty = l_i == 0.0
     o = acc / tl.where(empty, 1.0, l_i)[:, None]
