@@ -1,65 +1,126 @@
-"""Registers, spills and wgmma waits of the Triton kernels one fwd+bwd call compiles (GPU).
+"""Compile the Triton kernels for Hopper (sm_90a) on any machine, no GPU needed, and report
+what ptxas says about each: registers per thread, spilled bytes, shared memory, how many
+`wgmma.wait_group N` the PTX has for each N (N > 0: a matmul left in flight while other work
+runs), and ptxas's performance warnings (C7514 / C7512: every wgmma of the kernel serialized).
 
-    python benchmarks/kernel_report.py --seqlen 16384 --head-dim 128 [--causal] [--fwd-shape 128 64 8 4]
+    python benchmarks/kernel_report.py                       # built-in shapes, D=64 and 128
+    python benchmarks/kernel_report.py --kind fwd --head-dims 128 --shape 128 64 8 4 --dump DIR
 
-For each compiled kernel: registers per thread, spilled bytes, and how many
-`wgmma.wait_group N` instructions its PTX has for each N (N > 0 means a dot left in flight
-while other work runs). The PTX and TTGIR go to --dump DIR when given.
+Pointers and strides are compiled as 16-divisible, as the launcher's arguments are at these
+shapes, so the figures match a compile on the GPU machine (checked on an H200: forward 196
+registers, dQ 183, dK/dV 255 at D=128; benchmarks/results/kernel_report_h200.log).
 """
 from __future__ import annotations
 
 import argparse
 import collections
+import json
+import os
 import re
+import subprocess
 import sys
+from dataclasses import asdict
 from pathlib import Path
 
-import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from ringflash import flash_attn_func  # noqa: E402
 from ringflash.kernels import configs  # noqa: E402
 from ringflash.kernels.backward import _dkdv_kernel, _dq_kernel  # noqa: E402
 from ringflash.kernels.forward import _fwd_kernel  # noqa: E402
 
+KERNELS = {"fwd": (_fwd_kernel, configs._FWD), "dkdv": (_dkdv_kernel, configs._DKDV), "dq": (_dq_kernel, configs._DQ)}
+HOPPER_SHARED_BYTES = 232448  # per block on H100/H200 (227 KiB)
 
-def compiled(jit_fn):
-    """The CompiledKernel objects in a JITFunction's caches (the cache layout differs by version)."""
-    for entry in getattr(jit_fn, "device_caches", {}).values():
-        for part in entry if isinstance(entry, tuple) else (entry,):
-            if isinstance(part, dict):
-                yield from (k for k in part.values() if hasattr(k, "asm"))
+
+def compile_for_hopper(kind: str, D: int, causal: bool, cfg: configs.KernelConfig):
+    """The kernel `kind` for bf16 inputs of head dim D (a power of two), one kv head per q head."""
+    fn = KERNELS[kind][0]
+    rows = cfg.block_m if kind == "dkdv" else cfg.block_n
+    descriptors = ({"Q", "DO"} if kind == "dkdv" else {"K", "V"}) if cfg.tma else set()
+    signature, attrs = {}, {}
+    for i, name in enumerate(fn.arg_names):
+        if name in descriptors:
+            signature[name] = f"tensordesc<bf16[1,{rows},1,{D}]>"
+        elif name in ("LSE", "DELTA"):
+            signature[name] = "*fp32"
+        elif name.isupper():  # the other tensors
+            signature[name] = "*bf16"
+        elif name.startswith("stride") or name in ("Hq", "Hkv", "Sq", "Sk", "q_start", "k_start"):
+            signature[name] = "i32"
+        elif name in ("qk_scale", "sm_scale"):
+            signature[name] = "fp32"
+        else:
+            continue
+        if signature[name].startswith("*") or name.startswith("stride"):
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    constants = dict(GROUP=1, HEAD_DIM=D, BLOCK_D=D, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, CAUSAL=causal,
+                     HAS_BIAS=False, PRECISION="tf32", TMA=cfg.tma)
+    if kind == "fwd":
+        constants.update(HAS_STATE=False, WARP_SPECIALIZE=cfg.warp_specialize, POSITIVE_SCALE=True)
+    else:
+        constants.update(ACCUMULATE=False)
+    signature.update({name: "constexpr" for name in constants})
+    return triton.compile(ASTSource(fn, signature, constexprs=constants, attrs=attrs),
+                          target=GPUTarget("cuda", 90, 32),
+                          options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
+
+
+def ptxas_report(ptx: str, workdir: Path) -> dict:
+    """Run the ptxas that ships with Triton on one kernel's PTX."""
+    ptxas = Path(triton.__file__).parent / "backends/nvidia/bin/ptxas"
+    path = workdir / "kernel.ptx"
+    path.write_text(ptx)
+    res = subprocess.run([str(ptxas), "-arch=sm_90a", "-v", str(path), "-o", os.devnull],
+                         capture_output=True, text=True, check=True)
+    log = res.stderr
+    return {"regs": int(re.search(r"Used (\d+) registers", log).group(1)),
+            "spill_bytes": int(re.search(r"(\d+) bytes spill stores", log).group(1)),
+            "warnings": sorted(set(re.findall(r"\((C7\d+)\)", log)))}
+
+
+def report(kind: str, D: int, causal: bool, cfg: configs.KernelConfig, workdir: Path, dump: Path | None = None) -> dict:
+    kern = compile_for_hopper(kind, D, causal, cfg)
+    ptx = kern.asm["ptx"]
+    row = {"kind": kind, "D": D, "causal": causal, "config": cfg, "shared": kern.metadata.shared,
+           "waits": dict(sorted(collections.Counter(
+               int(n) for n in re.findall(r"wgmma\.wait_group\.sync\.aligned\s+(\d+)", ptx)).items())),
+           **ptxas_report(ptx, workdir)}
+    if dump:
+        dump.mkdir(parents=True, exist_ok=True)
+        stem = f"{kind}_d{D}_c{int(causal)}_{cfg.block_m}x{cfg.block_n}_w{cfg.num_warps}_s{cfg.num_stages}"
+        (dump / f"{stem}.ptx").write_text(ptx)
+        (dump / f"{stem}.ttgir").write_text(kern.asm["ttgir"])
+    return row
 
 
 def main():
+    import tempfile
+
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--seqlen", type=int, default=16384)
-    ap.add_argument("--head-dim", type=int, default=128)
-    ap.add_argument("--heads", type=int, default=32)
-    ap.add_argument("--causal", action="store_true")
-    ap.add_argument("--fwd-shape", type=int, nargs=4, metavar=("BLOCK_M", "BLOCK_N", "WARPS", "STAGES"),
-                    help="the forward's block shape instead of the built-in one")
-    ap.add_argument("--dump", type=Path)
+    ap.add_argument("--kind", nargs="+", default=list(KERNELS), choices=list(KERNELS))
+    ap.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
+    ap.add_argument("--shape", type=int, nargs=4, metavar=("BLOCK_M", "BLOCK_N", "WARPS", "STAGES"),
+                    help="this block shape (with tensor descriptors) instead of the built-in one")
+    ap.add_argument("--dump", type=Path, help="write each kernel's PTX and TTGIR here")
+    ap.add_argument("--json", type=Path, help="write the rows here")
     args = ap.parse_args()
-    D = args.head_dim
-    if args.fwd_shape:
-        configs.OVERRIDES["fwd"] = configs.KernelConfig(*args.fwd_shape, tma=True)
-    q, k, v = (torch.randn(1, args.seqlen, args.heads, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-               for _ in range(3))
-    flash_attn_func(q, k, v, causal=args.causal).sum().backward()
-    torch.cuda.synchronize()
-    for fn in (_fwd_kernel, _dkdv_kernel, _dq_kernel):
-        for kern in compiled(fn):
-            ptx = kern.asm.get("ptx", "")
-            waits = collections.Counter(int(n) for n in re.findall(r"wgmma\.wait_group\.sync\.aligned\s+(\d+)", ptx))
-            n_wgmma = len(re.findall(r"wgmma\.mma_async", ptx))
-            print(f"{kern.name:14s} causal={args.causal} D={D} regs={kern.n_regs} "
-                  f"spills={kern.n_spills} wgmma={n_wgmma} waits={dict(sorted(waits.items()))}")
-            if args.dump:
-                args.dump.mkdir(parents=True, exist_ok=True)
-                stem = f"{kern.name}_c{int(args.causal)}_d{D}"
-                (args.dump / f"{stem}.ptx").write_text(ptx)
-                (args.dump / f"{stem}.ttgir").write_text(kern.asm.get("ttgir", ""))
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for kind in args.kind:
+            for D in args.head_dims:
+                cfg = configs.KernelConfig(*args.shape, tma=True) if args.shape else KERNELS[kind][1][D]
+                for causal in (False, True):
+                    r = report(kind, D, causal, cfg, Path(tmp), args.dump)
+                    rows.append({**r, "config": asdict(cfg), "fits": r["shared"] <= HOPPER_SHARED_BYTES})
+                    fits = "" if r["shared"] <= HOPPER_SHARED_BYTES else " (over the H200's shared memory)"
+                    print(f"{kind:4s} D={D:<3d} causal={causal!s:5s} {cfg.block_m}x{cfg.block_n} w{cfg.num_warps} "
+                          f"s{cfg.num_stages} tma={cfg.tma!s:5s} regs={r['regs']} spill_bytes={r['spill_bytes']} "
+                          f"shared={r['shared']}{fits} waits={r['waits']} warnings={r['warnings'] or '-'}", flush=True)
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=1))
 
 
 if __name__ == "__main__":

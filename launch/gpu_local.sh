@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # One GPU: the GPU tests of the local kernels, then the block-shape sweep or the benchmark.
-#   launch/gpu_local.sh tests tune bench report     (any subset, in order)
+#   launch/gpu_local.sh tests tune bench      (any subset, in order)
 # TESTS_K (a pytest -k expression), TUNE_ARGS (e.g. "--head-dims 128"), TESTS_TIMEOUT and
-# TUNE_TIMEOUT (seconds) narrow a step; report: registers, spills and wgmma waits per kernel
-# (REPORT_ARGS, e.g. "--causal --fwd-shape 128 64 8 4").
+# TUNE_TIMEOUT (seconds) narrow a step. Registers, spills, shared memory and wgmma waits of the
+# kernels need no GPU: benchmarks/kernel_report.py.
 # Logs and JSON go to $OUT (default .device_out/). TRITON_CACHE_DIR is kept in the checkout
 # so compiled kernels can be carried to the next call.
 set -u -o pipefail
@@ -16,8 +16,6 @@ status=0
 for step in "$@"; do
   case $step in
     tests) timeout ${TESTS_TIMEOUT:-540} python3 -m pytest -m gpu tests/ -q -p no:cacheprovider ${TESTS_K:+-k "$TESTS_K"} 2>&1 | tee "$OUT/gpu_tests.log" | tail -15 || status=1 ;;
-    report) timeout 120 python3 benchmarks/kernel_report.py --dump "$OUT/kernels" ${REPORT_ARGS:-} 2>&1 | tee "$OUT/report.log"
-            tar czf "$OUT/kernels.tgz" -C "$OUT" kernels && rm -r "$OUT/kernels" ;;
     tune)  timeout ${TUNE_TIMEOUT:-540} python3 benchmarks/bench_local.py --tune ${TUNE_ARGS:-} --json "$OUT/tune.json" 2>&1 | tee "$OUT/tune.log" | grep -E "BEST|error" || status=1 ;;
     bench) timeout 500 python3 benchmarks/bench_local.py --json "$OUT/local.json" 2>&1 | tee "$OUT/bench.log" | tail -30 || status=1 ;;
     *) echo "unknown step $step"; status=2 ;;

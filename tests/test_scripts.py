@@ -85,3 +85,18 @@ def test_plot_scaling_picks_weak_and_strong_rows(tmp_path):
     doc = xml.dom.minidom.parse(str(tmp_path / "s.svg"))
     # 4 series: ring + CP in the throughput panel, ring in the efficiency panel
     assert len(doc.getElementsByTagName("polyline")) == 4 * 3
+
+
+def test_builtin_shapes_compile_for_hopper(tmp_path):
+    """Every built-in kernel shape compiles for sm_90a (on this CPU machine, with the ptxas that
+    ships with Triton) within the H200's shared memory and without ptxas serializing the
+    kernel's wgmma instructions; a shape known not to fit is reported as not fitting."""
+    _run([sys.executable, "benchmarks/kernel_report.py", "--json", str(tmp_path / "k.json")], tmp_path)
+    rows = json.loads((tmp_path / "k.json").read_text())
+    assert len(rows) == 12  # 3 kernels x D 64, 128 x causal or not
+    for r in rows:
+        assert r["fits"] and not r["warnings"] and r["waits"] and r["regs"] <= 255, r  # C7514/C7512: serialized
+    _run([sys.executable, "benchmarks/kernel_report.py", "--kind", "fwd", "--head-dims", "128",
+          "--shape", "128", "128", "8", "4", "--json", str(tmp_path / "big.json")], tmp_path)
+    # 295936 bytes: the sixth sweep's OutOfResources on the H200
+    assert not any(r["fits"] for r in json.loads((tmp_path / "big.json").read_text()))
