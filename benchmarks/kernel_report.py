@@ -19,6 +19,7 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 from dataclasses import asdict
 from pathlib import Path
 
@@ -84,7 +85,8 @@ def ptxas_report(ptx: str, workdir: Path) -> dict:
 def report(kind: str, D: int, causal: bool, cfg: configs.KernelConfig, workdir: Path, dump: Path | None = None) -> dict:
     kern = compile_for_hopper(kind, D, causal, cfg)
     ptx = kern.asm["ptx"]
-    row = {"kind": kind, "D": D, "causal": causal, "config": cfg, "shared": kern.metadata.shared,
+    row = {"kind": kind, "D": D, "causal": causal, "config": asdict(cfg), "shared": kern.metadata.shared,
+           "fits": kern.metadata.shared <= HOPPER_SHARED_BYTES,
            "waits": dict(sorted(collections.Counter(
                int(n) for n in re.findall(r"wgmma\.wait_group\.sync\.aligned\s+(\d+)", ptx)).items())),
            **ptxas_report(ptx, workdir)}
@@ -97,8 +99,6 @@ def report(kind: str, D: int, causal: bool, cfg: configs.KernelConfig, workdir: 
 
 
 def main():
-    import tempfile
-
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--kind", nargs="+", default=list(KERNELS), choices=list(KERNELS))
     ap.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
@@ -114,8 +114,8 @@ def main():
                 cfg = configs.KernelConfig(*args.shape, tma=True) if args.shape else KERNELS[kind][1][D]
                 for causal in (False, True):
                     r = report(kind, D, causal, cfg, Path(tmp), args.dump)
-                    rows.append({**r, "config": asdict(cfg), "fits": r["shared"] <= HOPPER_SHARED_BYTES})
-                    fits = "" if r["shared"] <= HOPPER_SHARED_BYTES else " (over the H200's shared memory)"
+                    rows.append(r)
+                    fits = "" if r["fits"] else " (over the H200's shared memory)"
                     print(f"{kind:4s} D={D:<3d} causal={causal!s:5s} {cfg.block_m}x{cfg.block_n} w{cfg.num_warps} "
                           f"s{cfg.num_stages} tma={cfg.tma!s:5s} regs={r['regs']} spill_bytes={r['spill_bytes']} "
                           f"shared={r['shared']}{fits} waits={r['waits']} warnings={r['warnings'] or '-'}", flush=True)

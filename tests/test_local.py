@@ -20,17 +20,20 @@ def _inputs(B, Sq, Sk, Hq, Hkv, D, dtype, seed):
     return mk(Sq, Hq), mk(Sk, Hkv), mk(Sk, Hkv)
 
 
-def _check(q, k, v, causal, scale=None, check_grad=True):
-    out, lse = flash_attn_func(q, k, v, causal=causal, softmax_scale=scale, return_lse=True)
+def _check(q, k, v, causal, scale=None, check_grad=True, key_padding_mask=None):
+    """flash_attn_func's out, lse (and gradients) within tolerance of float64; returns (out, lse)."""
+    out, lse = flash_attn_func(q, k, v, causal=causal, softmax_scale=scale, return_lse=True,
+                               key_padding_mask=key_padding_mask)
     assert out.dtype == q.dtype and out.shape == q.shape
     assert lse.dtype == (torch.float64 if q.dtype == torch.float64 else torch.float32)
     assert lse.shape == (q.shape[0], q.shape[2], q.shape[1])
-    ref, ref_lse = naive_attention(q, k, v, scale=scale, causal=causal)
-    plain, plain_lse = naive_attention(q, k, v, scale=scale, causal=causal, dtype=q.dtype)
+    ref, ref_lse = naive_attention(q, k, v, scale=scale, causal=causal, key_padding_mask=key_padding_mask)
+    plain, plain_lse = naive_attention(q, k, v, scale=scale, causal=causal, key_padding_mask=key_padding_mask,
+                                       dtype=q.dtype)
     assert_within("out", out, ref, plain)
     assert_within("lse", lse, ref_lse, plain_lse.float())
     if not check_grad:
-        return
+        return out, lse
     do = torch.randn_like(out)
     grads = torch.autograd.grad(out, (q, k, v), do)
     ref_grads = torch.autograd.grad(ref, (q, k, v), do.double())
@@ -44,6 +47,7 @@ def _check(q, k, v, causal, scale=None, check_grad=True):
         one_key_dk = name == "dk" and k.shape[1] == 1
         sum_len = q.shape[-1] * q.shape[1] * (q.shape[2] // k.shape[2]) if one_key_dk else None
         assert_within(name, g, r, p, sum_len=sum_len)
+    return out, lse
 
 
 @BOTH
@@ -167,17 +171,7 @@ def test_key_padding_mask(backend, kind):
     else:
         mask = torch.randn(2, 70, generator=g) * 2
     for causal in (False, True):
-        out, lse = flash_attn_func(q, k, v, causal=causal, key_padding_mask=mask, return_lse=True)
-        ref, ref_lse = naive_attention(q, k, v, causal=causal, key_padding_mask=mask)
-        plain, plain_lse = naive_attention(q, k, v, causal=causal, key_padding_mask=mask, dtype=torch.float32)
-        assert_within("out", out, ref, plain)
-        assert_within("lse", lse, ref_lse, plain_lse)
-        do = torch.randn_like(out)
-        grads = torch.autograd.grad(out, (q, k, v), do)
-        ref_grads = torch.autograd.grad(ref, (q, k, v), do.double())
-        plain_grads = torch.autograd.grad(plain, (q, k, v), do)
-        for name, gr, r, p in zip(("dq", "dk", "dv"), grads, ref_grads, plain_grads):
-            assert_within(name, gr, r, p)
+        out, lse = _check(q, k, v, causal, key_padding_mask=mask)
         if kind == "bool":
             assert torch.all(out[1] == 0) and torch.all(lse[1] == float("-inf"))
 
@@ -205,10 +199,7 @@ def test_forward_kernel_variants(backend, tma, monkeypatch):
             _check(q, k, v, causal, scale=-0.3, check_grad=False)  # scores scaled before the max
         q, k, v = _inputs(2, 33, 70, 4, 2, 32, torch.float32, seed=21)
         mask = torch.rand(2, 70, generator=torch.Generator().manual_seed(3)) < 0.3
-        out = flash_attn_func(q, k, v, causal=causal, key_padding_mask=mask)
-        ref, _ = naive_attention(q, k, v, causal=causal, key_padding_mask=mask)
-        plain, _ = naive_attention(q, k, v, causal=causal, key_padding_mask=mask, dtype=torch.float32)
-        assert_within("out with key padding", out, ref, plain)
+        _check(q, k, v, causal, check_grad=False, key_padding_mask=mask)
 
 
 @BOTH
@@ -238,17 +229,8 @@ def test_backward_kernel_tma_variant(backend, monkeypatch):
         _check(*_inputs(2, 37, 45, 4, 2, 24, torch.float16, seed=4), causal)
         _check(*_inputs(1, 100, 70, 2, 1, 16, torch.float16, seed=5), causal)
         _check(*_inputs(1, 50, 120, 2, 2, 16, torch.float32, seed=6), causal, scale=-0.3)
-    q, k, v = _inputs(2, 40, 70, 2, 1, 16, torch.float32, seed=8)
     mask = torch.rand(2, 70, generator=torch.Generator().manual_seed(4)) < 0.3
-    out = flash_attn_func(q, k, v, causal=True, key_padding_mask=mask)
-    ref, _ = naive_attention(q, k, v, causal=True, key_padding_mask=mask)
-    plain, _ = naive_attention(q, k, v, causal=True, key_padding_mask=mask, dtype=torch.float32)
-    do = torch.randn_like(out)
-    grads = torch.autograd.grad(out, (q, k, v), do)
-    ref_grads = torch.autograd.grad(ref, (q, k, v), do.double())
-    plain_grads = torch.autograd.grad(plain, (q, k, v), do)
-    for name, gr, r, p in zip(("dq", "dk", "dv"), grads, ref_grads, plain_grads):
-        assert_within(f"{name} with key padding", gr, r, p)
+    _check(*_inputs(2, 40, 70, 2, 1, 16, torch.float32, seed=8), True, key_padding_mask=mask)
 
 
 def test_kernel_configs_file(tmp_path, monkeypatch):
