@@ -31,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from ringflash import flash_attn_func  # noqa: E402
 from ringflash.comm import ReplayComm  # noqa: E402
 from ringflash.local import attention_delta, block_backward, block_forward  # noqa: E402
+from ringflash.merge import SoftmaxState  # noqa: E402
 from ringflash.ring import _RingAttn  # noqa: E402
 
 
@@ -50,18 +51,19 @@ def block_op_rows(S, H, D, dtype, device):
     scale, offset = D ** -0.5, 3 * S  # any global offset; the diagonal stays the diagonal
     rows = []
     for causal in (False, True):
-        o32 = torch.zeros(1, S, H, D, device=device)
-        lse32 = torch.full((1, H, S), float("-inf"), device=device)
+        state = SoftmaxState.zeros(q.shape, torch.float32, device)
         plain_fwd = bench(lambda: flash_attn_func(q, k, v, causal=causal), device)
-        block_fwd = bench(lambda: block_forward(q, k, v, q_start=offset, k_start=offset, causal=causal, scale=scale,
-                                                out_o=o32, out_lse=lse32, fold=True), device)
-        out, lse = flash_attn_func(q, k, v, causal=causal, return_lse=True)
+        block_fwd = bench(lambda: block_forward(q, k, v, state, q_start=offset, k_start=offset, causal=causal,
+                                                scale=scale, fold=True), device)
+        local = SoftmaxState.empty(torch.empty_like(q))
+        block_forward(q, k, v, local, q_start=0, k_start=0, causal=causal, scale=scale, fold=False, normalize=True)
+        out = local.o
         grads16 = [torch.empty_like(t) for t in (q, k, v)]
         grads32 = [torch.zeros(t.shape, device=device) for t in (q, k, v)]
 
         def backward(bufs, accumulate, q_start):
             delta = attention_delta(out, do)
-            block_backward(q, k, v, lse, do, delta, *bufs, q_start=q_start, k_start=q_start, causal=causal,
+            block_backward(q, k, v, local.m, local.l, do, delta, *bufs, q_start=q_start, k_start=q_start, causal=causal,
                            scale=scale, accumulate=accumulate)
 
         plain_bwd = bench(lambda: backward(grads16, False, 0), device)

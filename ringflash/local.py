@@ -14,7 +14,7 @@ import torch
 from . import reference
 from ._checks import check_bool, check_qkv, key_bias_from_mask, resolve_scale
 from .masks import Visibility, block_visibility, local_causal_offsets
-from .merge import state_dtype
+from .merge import SoftmaxState, state_dtype
 
 BACKENDS = ("triton", "torch")
 
@@ -43,24 +43,25 @@ def _unit_stride(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-def block_forward(q, k, v, *, q_start, k_start, causal, scale, out_o, out_lse, fold, key_bias=None):
+def block_forward(q, k, v, state, *, q_start, k_start, causal, scale, fold, normalize=False, key_bias=None):
     """Attention of q (B, Sq, Hq, D) over k, v (B, Sk, Hkv, D) at global positions
-    q_start.. and k_start.. (causal: q_pos >= k_pos), written into out_o (B, Sq, Hq, D) and
-    out_lse (B, Hq, Sq) float32. With fold=True, out_o / out_lse hold an incoming state
-    (normalized o, lse) for the same query rows and receive the merged state. key_bias:
-    optional (B, Sk) float32 added to the scores of each key (-inf: a padded key).
+    q_start.. and k_start.. (causal: q_pos >= k_pos), into `state`, a SoftmaxState of the Sq
+    rows (ringflash.merge). fold=True: state holds an incoming unnormalized state for the same
+    rows and receives the merged one; otherwise it is overwritten. normalize=True: state.o
+    receives the normalized output (in its own dtype) instead of the unnormalized sum.
+    key_bias: optional (B, Sk) float32 added to the scores of each key (-inf: a padded key).
     A block no query can see launches nothing. Returns whether anything was computed.
     """
     vis = block_visibility(q_start, q.shape[1], k_start, k.shape[1], causal)
     if vis is Visibility.NONE:
         if not fold:
-            out_o.zero_()
-            out_lse.fill_(float("-inf"))
+            state.o.zero_()
+            state.m.fill_(float("-inf"))
+            state.l.zero_()
         return False
     _backend(q.device).forward(
-        _unit_stride(q), _unit_stride(k), _unit_stride(v), q_start=q_start, k_start=k_start,
-        causal=vis is Visibility.PARTIAL, scale=scale, out_o=out_o, out_lse=out_lse, fold=fold,
-        key_bias=key_bias,
+        _unit_stride(q), _unit_stride(k), _unit_stride(v), state, q_start=q_start, k_start=k_start,
+        causal=vis is Visibility.PARTIAL, scale=scale, fold=fold, normalize=normalize, key_bias=key_bias,
     )
     return True
 
@@ -70,12 +71,13 @@ def attention_delta(o, do):
     return _backend(o.device).delta(_unit_stride(o), _unit_stride(do))
 
 
-def block_backward(q, k, v, lse, do, delta, dq, dk, dv, *, q_start, k_start, causal, scale, accumulate,
+def block_backward(q, k, v, m, l, do, delta, dq, dk, dv, *, q_start, k_start, causal, scale, accumulate,
                    key_bias=None):
-    """Gradients of the block (q at q_start.., k/v at k_start..) given the final lse and
-    delta (B, Hq, Sq) of the query rows: added into (accumulate=True) or written to
-    dq (B, Sq, Hq, D), dk and dv (B, Sk, Hkv, D). dq=None skips the dQ pass, dk=dv=None the
-    dK/dV pass. Returns whether anything was computed."""
+    """Gradients of the block (q at q_start.., k/v at k_start..) given the final row
+    statistics m, l (SoftmaxState.m / .l) and delta, (B, Hq, Sq) each, of the query rows:
+    added into (accumulate=True) or written to dq (B, Sq, Hq, D), dk and dv (B, Sk, Hkv, D).
+    dq=None skips the dQ pass, dk=dv=None the dK/dV pass. Returns whether anything was
+    computed."""
     vis = block_visibility(q_start, q.shape[1], k_start, k.shape[1], causal)
     if vis is Visibility.NONE:
         if not accumulate:
@@ -84,7 +86,7 @@ def block_backward(q, k, v, lse, do, delta, dq, dk, dv, *, q_start, k_start, cau
                     t.zero_()
         return False
     _backend(q.device).backward(
-        _unit_stride(q), _unit_stride(k), _unit_stride(v), lse, _unit_stride(do), delta, dq, dk, dv,
+        _unit_stride(q), _unit_stride(k), _unit_stride(v), m, l, _unit_stride(do), delta, dq, dk, dv,
         q_start=q_start, k_start=k_start, causal=vis is Visibility.PARTIAL, scale=scale,
         accumulate=accumulate, key_bias=key_bias,
     )
@@ -122,25 +124,24 @@ class _FlashAttn(torch.autograd.Function):
     @without_autocast
     def forward(ctx, q, k, v, key_bias, causal, scale):
         q_start, k_start = local_causal_offsets(q.shape[1], k.shape[1]) if causal else (0, 0)
-        out = torch.empty_like(q, memory_format=torch.contiguous_format)
-        lse = torch.empty(q.shape[0], q.shape[2], q.shape[1], dtype=state_dtype(q.dtype), device=q.device)
-        block_forward(q, k, v, q_start=q_start, k_start=k_start, causal=causal, scale=scale,
-                      out_o=out, out_lse=lse, fold=False, key_bias=key_bias)
-        ctx.save_for_backward(q, k, v, out, lse, key_bias)
+        state = SoftmaxState.empty(torch.empty_like(q, memory_format=torch.contiguous_format))
+        block_forward(q, k, v, state, q_start=q_start, k_start=k_start, causal=causal, scale=scale,
+                      fold=False, normalize=True, key_bias=key_bias)
+        ctx.save_for_backward(q, k, v, state.o, state.m, state.l, key_bias)
         ctx.offsets = (q_start, k_start, causal, scale)
         ctx.set_materialize_grads(False)
-        return out, lse
+        return state.o, state.lse()
 
     @staticmethod
     @without_autocast
     def backward(ctx, do, dlse):
-        q, k, v, out, lse, key_bias = ctx.saved_tensors
+        q, k, v, out, m, l, key_bias = ctx.saved_tensors
         q_start, k_start, causal, scale = ctx.offsets
         do, delta = backward_inputs(out, do, dlse)
         dq = torch.empty_like(q, memory_format=torch.contiguous_format)
         dk = torch.empty_like(k, memory_format=torch.contiguous_format)
         dv = torch.empty_like(v, memory_format=torch.contiguous_format)
-        block_backward(q, k, v, lse, do, delta, dq, dk, dv, q_start=q_start, k_start=k_start,
+        block_backward(q, k, v, m, l, do, delta, dq, dk, dv, q_start=q_start, k_start=k_start,
                        causal=causal, scale=scale, accumulate=False, key_bias=key_bias)
         return dq, dk, dv, None, None, None
 

@@ -10,7 +10,8 @@ from __future__ import annotations
 import torch
 
 from .masks import Visibility, block_visibility
-from .merge import _merge, state_dtype
+from .merge import LOG2E, SoftmaxState, state_dtype
+from .merge import fold as fold_states
 
 Q_CHUNK = 1024
 K_CHUNK = 1024
@@ -22,12 +23,13 @@ def _grouped(x: torch.Tensor, heads_kv: int, dtype) -> torch.Tensor:
     return x.to(dtype).reshape(B, S, heads_kv, H // heads_kv, D)
 
 
-def _scores(qg, kj, scale, q_pos0, k_pos0, vis, bias_j):
-    """Scaled scores (B, Hkv, G, n_q, n_k), plus the per-key bias (B, n_k) if any, with
-    invisible entries at -inf."""
-    s = torch.einsum("bihgd,bjhd->bhgij", qg, kj) * scale
+def _scores2(qg, kj, qk_scale, q_pos0, k_pos0, vis, bias_j):
+    """Scores in base-2 units (B, Hkv, G, n_q, n_k): q.k * scale * log2(e), plus the per-key
+    bias (B, n_k) times log2(e) if any, invisible entries at -inf. The forward and the
+    backward call this on the same chunks, so the backward's probabilities are the forward's."""
+    s = torch.einsum("bihgd,bjhd->bhgij", qg, kj) * qk_scale
     if bias_j is not None:
-        s = s + bias_j.to(s.dtype)[:, None, None, None, :]
+        s = s + (bias_j.to(s.dtype) * LOG2E)[:, None, None, None, :]
     if vis is Visibility.PARTIAL:
         q_pos = torch.arange(q_pos0, q_pos0 + s.shape[-2], device=s.device)
         k_pos = torch.arange(k_pos0, k_pos0 + s.shape[-1], device=s.device)
@@ -39,40 +41,43 @@ def _bias_slice(key_bias, j0, j1):
     return None if key_bias is None else key_bias[:, j0:j1]
 
 
-def forward(q, k, v, *, q_start, k_start, causal, scale, out_o, out_lse, fold, key_bias=None):
-    """Attention of q (B, Sq, Hq, D) over k, v (B, Sk, Hkv, D) by global positions.
+def forward(q, k, v, state, *, q_start, k_start, causal, scale, fold, normalize, key_bias=None):
+    """Attention of q (B, Sq, Hq, D) over k, v (B, Sk, Hkv, D) by global positions, into
+    `state` (a SoftmaxState for the Sq rows; see ringflash.merge).
 
-    Writes out_o (B, Sq, Hq, D) and out_lse (B, Hq, Sq). With fold=True they hold an incoming
-    state (normalized o, lse) over other keys, and the result is that state merged with this
-    block's. key_bias: optional (B, Sk) float, added to every query's scores of that key
-    (-inf drops the key: key padding).
+    fold=True: state holds an incoming unnormalized state over other keys, and receives the
+    merge of it with this block's. normalize=True: state.o receives o / l (in its dtype)
+    instead of the unnormalized o. key_bias: optional (B, Sk) float, added to every query's
+    scores of that key (-inf drops the key: key padding).
     """
     B, Sq, Hq, D = q.shape
     Sk, Hkv = k.shape[1], k.shape[2]
     acc = state_dtype(q.dtype)
+    qk_scale = scale * LOG2E
     for i0 in range(0, Sq, Q_CHUNK):
         i1 = min(i0 + Q_CHUNK, Sq)
         n = i1 - i0
         qg = _grouped(q[:, i0:i1], Hkv, acc)
         if fold:
-            o = out_o[:, i0:i1].to(acc)
-            lse = out_lse[:, :, i0:i1].to(acc)
+            o = state.o[:, i0:i1].to(acc)
+            m, l = state.m[:, :, i0:i1].to(acc), state.l[:, :, i0:i1].to(acc)
         else:
-            o = torch.zeros(B, n, Hq, D, dtype=acc, device=q.device)
-            lse = torch.full((B, Hq, n), float("-inf"), dtype=acc, device=q.device)
+            o, m, l = SoftmaxState.zeros((B, n, Hq, D), acc, q.device)
         for j0 in range(0, Sk, K_CHUNK):
             j1 = min(j0 + K_CHUNK, Sk)
             vis = block_visibility(q_start + i0, n, k_start + j0, j1 - j0, causal)
             if vis is Visibility.NONE:
                 continue
-            s = _scores(qg, k[:, j0:j1].to(acc), scale, q_start + i0, k_start + j0, vis, _bias_slice(key_bias, j0, j1))
-            lse_c = torch.logsumexp(s, dim=-1)
-            pivot = torch.where(torch.isinf(lse_c), torch.zeros_like(lse_c), lse_c)
-            p = torch.exp(s - pivot[..., None])
+            s = _scores2(qg, k[:, j0:j1].to(acc), qk_scale, q_start + i0, k_start + j0, vis,
+                         _bias_slice(key_bias, j0, j1))
+            m_c = s.amax(dim=-1)
+            pivot = torch.where(m_c == float("-inf"), torch.zeros_like(m_c), m_c)
+            p = torch.exp2(s - pivot[..., None])
             o_c = torch.einsum("bhgij,bjhd->bihgd", p, v[:, j0:j1].to(acc)).reshape(B, n, Hq, D)
-            o, lse = _merge(o, lse, o_c, lse_c.reshape(B, Hq, n))
-        out_o[:, i0:i1] = o
-        out_lse[:, :, i0:i1] = lse
+            o, m, l = fold_states(o, m, l, o_c, m_c.reshape(B, Hq, n), p.sum(-1).reshape(B, Hq, n))
+        state.m[:, :, i0:i1] = m
+        state.l[:, :, i0:i1] = l
+        state.o[:, i0:i1] = SoftmaxState(o, m, l).normalized(state.o.dtype) if normalize else o
 
 
 def delta(o, do):
@@ -81,9 +86,9 @@ def delta(o, do):
     return (do.to(acc) * o.to(acc)).sum(-1).transpose(1, 2).contiguous()
 
 
-def backward(q, k, v, lse, do, delta, dq, dk, dv, *, q_start, k_start, causal, scale, accumulate,
+def backward(q, k, v, m, l, do, delta, dq, dk, dv, *, q_start, k_start, causal, scale, accumulate,
              key_bias=None):
-    """Gradients of one block given the final lse (B, Hq, Sq) and delta (B, Hq, Sq).
+    """Gradients of one block given the final row statistics m, l and delta (B, Hq, Sq).
 
     dq (B, Sq, Hq, D), dk and dv (B, Sk, Hkv, D) are added to (accumulate=True) or overwritten;
     dq=None skips dQ, dk=dv=None skips dK/dV.
@@ -92,6 +97,7 @@ def backward(q, k, v, lse, do, delta, dq, dk, dv, *, q_start, k_start, causal, s
     Sk, Hkv = k.shape[1], k.shape[2]
     G = Hq // Hkv
     acc = state_dtype(q.dtype)
+    qk_scale = scale * LOG2E
     # accumulators only for the gradients asked for
     dq_acc = None if dq is None else torch.zeros(B, Sq, Hkv, G, D, dtype=acc, device=q.device)
     dk_acc = None if dk is None else torch.zeros(B, Sk, Hkv, D, dtype=acc, device=q.device)
@@ -101,9 +107,11 @@ def backward(q, k, v, lse, do, delta, dq, dk, dv, *, q_start, k_start, causal, s
         n = i1 - i0
         qg = _grouped(q[:, i0:i1], Hkv, acc)
         dog = _grouped(do[:, i0:i1], Hkv, acc)
-        lse_i = lse[:, :, i0:i1].to(acc).reshape(B, Hkv, G, n)
-        # A row that saw no key has p = 0 everywhere: exp(s - inf).
-        lse_i = torch.where(lse_i == float("-inf"), torch.full_like(lse_i, float("inf")), lse_i)
+        m_i = m[:, :, i0:i1].to(acc).reshape(B, Hkv, G, n)
+        l_i = l[:, :, i0:i1].to(acc).reshape(B, Hkv, G, n)
+        # p = exp2(s2 - m) / l as the forward computed it; a row that saw no key has p = 0
+        m_i = torch.where(l_i > 0, m_i, torch.full_like(m_i, float("inf")))
+        inv_l = torch.where(l_i > 0, 1.0 / l_i, torch.zeros_like(l_i))
         delta_i = delta[:, :, i0:i1].to(acc).reshape(B, Hkv, G, n)
         for j0 in range(0, Sk, K_CHUNK):
             j1 = min(j0 + K_CHUNK, Sk)
@@ -111,8 +119,8 @@ def backward(q, k, v, lse, do, delta, dq, dk, dv, *, q_start, k_start, causal, s
             if vis is Visibility.NONE:
                 continue
             kj, vj = k[:, j0:j1].to(acc), v[:, j0:j1].to(acc)
-            s = _scores(qg, kj, scale, q_start + i0, k_start + j0, vis, _bias_slice(key_bias, j0, j1))
-            p = torch.exp(s - lse_i[..., None])
+            s = _scores2(qg, kj, qk_scale, q_start + i0, k_start + j0, vis, _bias_slice(key_bias, j0, j1))
+            p = torch.exp2(s - m_i[..., None]) * inv_l[..., None]
             dp = torch.einsum("bihgd,bjhd->bhgij", dog, vj)
             ds = p * (dp - delta_i[..., None])
             if dq is not None:

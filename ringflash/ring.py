@@ -16,7 +16,7 @@ from ._checks import (SUPPORTED_DTYPES, check_bool, check_qkv, key_bias_from_mas
 from .comm import ReplayComm, RingComm, agree_across_ranks, check_backend_device, group_rank_world
 from .layout import _place, _split
 from .local import backward_inputs, block_backward, block_forward, without_autocast
-from .merge import state_dtype
+from .merge import SoftmaxState, state_dtype
 from .schedule import LAYOUTS, check_layout, chunks_per_rank, step_tasks
 
 _FIELD_NAMES = ("batch", "q local length", "k/v local length", "q heads", "k/v heads", "head_dim", "dtype",
@@ -223,16 +223,15 @@ class _RingAttn(torch.autograd.Function):
         k, v = k.contiguous(), v.contiguous()  # they travel whole
         B, Sq, Hq, D = q.shape
         acc = state_dtype(q.dtype)
-        o = torch.zeros(B, Sq, Hq, D, dtype=acc, device=q.device)
-        lse = torch.full((B, Hq, Sq), float("-inf"), dtype=acc, device=q.device)
+        state = SoftmaxState.zeros(q.shape, acc, q.device)
         for step, kb, vb, bias in _ring_kv(comm, k, v, key_bias):
             for t in step_tasks(layout, rank, world, step, Sq, k.shape[1], causal):
-                block_forward(q[:, t.q_rows], kb[:, t.kv_rows], vb[:, t.kv_rows], q_start=t.q_start,
-                              k_start=t.k_start, causal=t.causal, scale=scale,
-                              out_o=o[:, t.q_rows], out_lse=lse[:, :, t.q_rows], fold=True,
+                block_forward(q[:, t.q_rows], kb[:, t.kv_rows], vb[:, t.kv_rows], state.rows(t.q_rows),
+                              q_start=t.q_start, k_start=t.k_start, causal=t.causal, scale=scale, fold=True,
                               key_bias=_rows(bias, t.kv_rows))
-        out = o.to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, lse, key_bias)
+        m, l, lse = state.m, state.l, state.lse()
+        out = state.normalized(q.dtype)
+        ctx.save_for_backward(q, k, v, out, m, l, key_bias)
         grad_accum = grad_accum or acc
         chunks = _default_grad_chunks(k, grad_accum) if grad_chunks is None else int(grad_chunks)
         ctx.args = (causal, scale, layout, comm, chunks, grad_accum)
@@ -242,7 +241,7 @@ class _RingAttn(torch.autograd.Function):
     @staticmethod
     @without_autocast
     def backward(ctx, do, dlse):
-        q, k, v, out, lse, key_bias = ctx.saved_tensors
+        q, k, v, out, m, l, key_bias = ctx.saved_tensors
         causal, scale, layout, comm, grad_chunks, acc = ctx.args
         rank, world = (comm.rank, comm.world) if comm else (0, 1)
         do, delta = backward_inputs(out, do, dlse)
@@ -256,8 +255,9 @@ class _RingAttn(torch.autograd.Function):
                                     accumulate=True, key_bias=_rows(bias, t.kv_rows))
             # dQ first: it does not need the incoming dK/dV accumulators, which arrive meanwhile
             for t in tasks:
-                block_backward(q[:, t.q_rows], kb[:, t.kv_rows], vb[:, t.kv_rows], lse[:, :, t.q_rows],
-                               do[:, t.q_rows], delta[:, :, t.q_rows], dq[:, t.q_rows], None, None, **common(t))
+                block_backward(q[:, t.q_rows], kb[:, t.kv_rows], vb[:, t.kv_rows], m[:, :, t.q_rows],
+                               l[:, :, t.q_rows], do[:, t.q_rows], delta[:, :, t.q_rows], dq[:, t.q_rows], None, None,
+                               **common(t))
             # dK/dV per kv-head chunk h, with the q heads of its group
             for c in relay.compute_order(step):
                 dk, dv = relay.ready(c)
@@ -265,8 +265,8 @@ class _RingAttn(torch.autograd.Function):
                 qh = slice(h.start * G, h.stop * G)
                 for t in tasks:
                     block_backward(q[:, t.q_rows, qh], kb[:, t.kv_rows, h], vb[:, t.kv_rows, h],
-                                   lse[:, qh, t.q_rows], do[:, t.q_rows, qh], delta[:, qh, t.q_rows], None,
-                                   dk[:, t.kv_rows], dv[:, t.kv_rows], **common(t))
+                                   m[:, qh, t.q_rows], l[:, qh, t.q_rows], do[:, t.q_rows, qh],
+                                   delta[:, qh, t.q_rows], None, dk[:, t.kv_rows], dv[:, t.kv_rows], **common(t))
             relay.send(step)
         kb = vb = bias = None  # the K/V receive buffers go before the outputs are made
         dk, dv = relay.finish(k.dtype)

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from ringflash.local import attention_delta, block_backward, block_forward
+from ringflash.merge import SoftmaxState
 from oracle import max_err, naive_attention
 
 BOTH = pytest.mark.parametrize("backend", ["torch", "triton"], indirect=True)
@@ -22,21 +23,22 @@ def _split(S, n_blocks, seed):
 
 
 def _fold(q, k, v, blocks, order, causal, q_start=0):
-    o = torch.empty(q.shape, dtype=torch.float32)
-    lse = torch.empty(q.shape[0], q.shape[2], q.shape[1], dtype=torch.float32)
+    """Fold the key blocks in `order` into one state; returns (normalized o, lse, state)."""
+    state = SoftmaxState.empty(torch.empty(q.shape, dtype=torch.float32))
     first = True
     for i in order:
         a, b = blocks[i]
-        block_forward(q, k[:, a:b], v[:, a:b], q_start=q_start, k_start=a, causal=causal,
-                      scale=q.shape[-1] ** -0.5, out_o=o, out_lse=lse, fold=not first)
+        block_forward(q, k[:, a:b], v[:, a:b], state, q_start=q_start, k_start=a, causal=causal,
+                      scale=q.shape[-1] ** -0.5, fold=not first)
         first = False
-    return o, lse
+    lse = state.lse()
+    return state.normalized(torch.float32), lse, state
 
 
 def _tree_fold(q, k, v, blocks, causal):
     from ringflash import merge_attn_states
 
-    states = [_fold(q, k, v, [blk], [0], causal) for blk in blocks]
+    states = [_fold(q, k, v, [blk], [0], causal)[:2] for blk in blocks]
     while len(states) > 1:
         nxt = [merge_attn_states(*states[i], *states[i + 1]) for i in range(0, len(states) - 1, 2)]
         states = nxt + ([states[-1]] if len(states) % 2 else [])
@@ -58,7 +60,7 @@ def test_any_fold_order_equals_one_pass(backend, causal):
     results = {name: _fold(q, k, v, blocks, order, causal) for name, order in orders.items()}
     results["tree"] = _tree_fold(q, k, v, blocks, causal)
     one_pass = _fold(q, k, v, [(0, S)], [0], causal)
-    for name, (o, lse) in results.items():
+    for name, (o, lse, *_) in results.items():
         assert max_err(o, ref) < 2e-5, name
         assert max_err(lse, ref_lse) < 2e-5, name
         assert max_err(o, one_pass[0]) < 2e-5, name
@@ -68,20 +70,19 @@ def test_any_fold_order_equals_one_pass(backend, causal):
 def test_global_positions_and_invisible_blocks(backend):
     q, k, v = _qkv(48, seed=4)
     qs, ks = 1000, 1000  # any global offset
-    o = torch.empty(q.shape)
-    lse = torch.empty(2, 4, 48)
+    state = SoftmaxState.empty(torch.full(q.shape, float("nan")))
     # keys entirely after every query: nothing launched, state stays empty
-    assert not block_forward(q, k, v, q_start=qs, k_start=ks + 48, causal=True, scale=0.2,
-                             out_o=o, out_lse=lse, fold=False)
-    assert torch.all(o == 0) and torch.all(lse == float("-inf"))
+    assert not block_forward(q, k, v, state, q_start=qs, k_start=ks + 48, causal=True, scale=0.2, fold=False,
+                             normalize=True)
+    assert torch.all(state.o == 0) and torch.all(state.lse() == float("-inf")) and torch.all(state.l == 0)
     # keys entirely before every query: no mask; equals non-causal attention
-    block_forward(q, k, v, q_start=qs + 48, k_start=ks, causal=True, scale=0.2, out_o=o, out_lse=lse, fold=False)
+    block_forward(q, k, v, state, q_start=qs + 48, k_start=ks, causal=True, scale=0.2, fold=False, normalize=True)
     ref, _ = naive_attention(q, k, v, scale=0.2)
-    assert max_err(o, ref) < 2e-5
+    assert max_err(state.o, ref) < 2e-5
     # a diagonal block at an offset equals the local causal block
-    block_forward(q, k, v, q_start=qs + 5, k_start=ks, causal=True, scale=0.2, out_o=o, out_lse=lse, fold=False)
+    block_forward(q, k, v, state, q_start=qs + 5, k_start=ks, causal=True, scale=0.2, fold=False, normalize=True)
     ref, ref_lse = naive_attention(q, k, v, scale=0.2, causal=True, q_pos=torch.arange(48) + 5, k_pos=torch.arange(48))
-    assert max_err(o, ref) < 2e-5 and max_err(lse, ref_lse) < 2e-5
+    assert max_err(state.o, ref) < 2e-5 and max_err(state.lse(), ref_lse) < 2e-5
 
 
 @BOTH
@@ -94,7 +95,7 @@ def test_block_backward_accumulates_to_full_gradient(backend, causal):
     do = torch.randn_like(q)
     ref_dq, ref_dk, ref_dv = torch.autograd.grad(ref, (qr, kr, vr), do.double())
 
-    o, lse = _fold(q, k, v, [(0, S)], [0], causal)
+    o, _, state = _fold(q, k, v, [(0, S)], [0], causal)
     delta = attention_delta(o, do)
     dq = torch.zeros(q.shape)
     dk = torch.zeros(k.shape)
@@ -105,8 +106,8 @@ def test_block_backward_accumulates_to_full_gradient(backend, causal):
     pairs = [(qb, kb) for qb in q_blocks for kb in k_blocks]
     random.Random(8).shuffle(pairs)
     for (qa, qb), (ka, kb) in pairs:
-        block_backward(q[:, qa:qb], k[:, ka:kb], v[:, ka:kb], lse[:, :, qa:qb], do[:, qa:qb],
-                       delta[:, :, qa:qb], dq[:, qa:qb], dk[:, ka:kb], dv[:, ka:kb],
+        block_backward(q[:, qa:qb], k[:, ka:kb], v[:, ka:kb], state.m[:, :, qa:qb], state.l[:, :, qa:qb],
+                       do[:, qa:qb], delta[:, :, qa:qb], dq[:, qa:qb], dk[:, ka:kb], dv[:, ka:kb],
                        q_start=qa, k_start=ka, causal=causal, scale=scale, accumulate=True)
     assert max_err(dq, ref_dq) < 5e-5
     assert max_err(dk, ref_dk) < 5e-5

@@ -56,11 +56,18 @@ def _maybe_descriptors(cfg, tensors, rows, block_d):
 
 
 def _bias_args(key_bias, q):
-    """(pointer, batch stride, HAS_BIAS); q stands in for the pointer when there is no bias."""
+    """(key bias pointer, its batch stride, HAS_BIAS); q stands in for the pointer when there is
+    no bias."""
     return (q, 0, False) if key_bias is None else (key_bias, key_bias.stride(0), True)
 
 
-def forward(q, k, v, *, q_start, k_start, causal, scale, out_o, out_lse, fold, key_bias=None):
+def _stat_strides(*stats):
+    """(batch, head) strides shared by the (B, H, S) row statistics."""
+    assert len({t.stride() for t in stats}) == 1, "row statistics must share strides"
+    return stats[0].stride(0), stats[0].stride(1)
+
+
+def forward(q, k, v, state, *, q_start, k_start, causal, scale, fold, normalize, key_bias=None):
     """See ringflash.reference.forward."""
     _check_dtype(q)
     B, Sq, Hq, D = q.shape
@@ -68,17 +75,17 @@ def forward(q, k, v, *, q_start, k_start, causal, scale, out_o, out_lse, fold, k
     block_d = _block_d(D)
     cfg = configs.forward_config(block_d)
     grid = (triton.cdiv(Sq, cfg.block_m), B * Hq)
-    kb, stride_kbb, has_bias = _bias_args(key_bias, q)
+    bias, stride_bias_b, has_bias = _bias_args(key_bias, q)
     use_tma, (k_arg, v_arg) = _maybe_descriptors(cfg, (k, v), cfg.block_n, block_d)
     with _on_device(q):
         _fwd_kernel[grid](
-            q, k_arg, v_arg, out_o, out_lse, kb,
-            *_bsh(q), *_bsh(k), *_bsh(v), *_bsh(out_o),
-            out_lse.stride(0), out_lse.stride(1), stride_kbb,
+            q, k_arg, v_arg, state.o, state.m, state.l, bias,
+            *_bsh(q), *_bsh(k), *_bsh(v), *_bsh(state.o),
+            *_stat_strides(state.m, state.l), stride_bias_b,
             Hq, Sq, Sk, q_start, k_start, scale * LOG2E,
             GROUP=Hq // Hkv, HEAD_DIM=D, BLOCK_D=block_d,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-            CAUSAL=causal, HAS_STATE=fold, HAS_BIAS=has_bias, PRECISION=_precision(q.dtype),
+            CAUSAL=causal, HAS_STATE=fold, NORMALIZE=normalize, HAS_BIAS=has_bias, PRECISION=_precision(q.dtype),
             TMA=use_tma, WARP_SPECIALIZE=cfg.warp_specialize, POSITIVE_SCALE=scale > 0,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
@@ -97,36 +104,36 @@ def delta(o, do):
     return out
 
 
-def backward(q, k, v, lse, do, delta, dq, dk, dv, *, q_start, k_start, causal, scale, accumulate,
+def backward(q, k, v, m, l, do, delta, dq, dk, dv, *, q_start, k_start, causal, scale, accumulate,
              key_bias=None):
-    """See ringflash.reference.backward. lse and delta: (B, Hq, Sq) views with equal strides."""
+    """See ringflash.reference.backward. m, l and delta: (B, Hq, Sq) views with equal strides."""
     _check_dtype(q)
     B, Sq, Hq, D = q.shape
     Sk, Hkv = k.shape[1], k.shape[2]
     block_d = _block_d(D)
-    assert lse.stride() == delta.stride(), "lse and delta must share strides"
-    kb, stride_kbb, has_bias = _bias_args(key_bias, q)
-    common = dict(GROUP=Hq // Hkv, HEAD_DIM=D, BLOCK_D=block_d, CAUSAL=causal,
-                  ACCUMULATE=accumulate, HAS_BIAS=has_bias, PRECISION=_precision(q.dtype))
+    bias, stride_bias_b, has_bias = _bias_args(key_bias, q)
+    common = dict(GROUP=Hq // Hkv, HEAD_DIM=D, BLOCK_D=block_d, CAUSAL=causal, ACCUMULATE=accumulate,
+                  HAS_BIAS=has_bias, PRECISION=_precision(q.dtype), POSITIVE_SCALE=scale > 0)
     positions = (Sq, Sk, q_start, k_start, scale * LOG2E, scale)
+    stat_strides = _stat_strides(m, l, delta)
     with _on_device(q):
         if dk is not None:
             cfg = configs.dkdv_config(block_d)
             tma, (q_arg, do_arg) = _maybe_descriptors(cfg, (q, do), cfg.block_m, block_d)
             _dkdv_kernel[(triton.cdiv(Sk, cfg.block_n), B * Hkv)](
-                q_arg, k, v, do_arg, lse, delta, dk, dv, kb,
+                q_arg, k, v, do_arg, m, l, delta, dk, dv, bias,
                 *_bsh(q), *_bsh(k), *_bsh(v), *_bsh(do), *_bsh(dk), *_bsh(dv),
-                lse.stride(0), lse.stride(1), stride_kbb, Hkv, *positions,
-                BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, TMA=tma,
+                *stat_strides, stride_bias_b, Hkv, *positions,
+                BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, TMA=tma, QK_ORDER=cfg.qk_order,
                 num_warps=cfg.num_warps, num_stages=cfg.num_stages, **common,
             )
         if dq is not None:
             cfg = configs.dq_config(block_d)
             tma, (k_arg, v_arg) = _maybe_descriptors(cfg, (k, v), cfg.block_n, block_d)
             _dq_kernel[(triton.cdiv(Sq, cfg.block_m), B * Hq)](
-                q, k_arg, v_arg, do, lse, delta, dq, kb,
+                q, k_arg, v_arg, do, m, l, delta, dq, bias,
                 *_bsh(q), *_bsh(k), *_bsh(v), *_bsh(do), *_bsh(dq),
-                lse.stride(0), lse.stride(1), stride_kbb, Hq, *positions,
+                *stat_strides, stride_bias_b, Hq, *positions,
                 BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, TMA=tma,
                 num_warps=cfg.num_warps, num_stages=cfg.num_stages, **common,
             )

@@ -1,14 +1,16 @@
 """Triton backward kernels: delta = rowsum(dO * O), then dK/dV and dQ in separate passes.
 
-Every block uses the final lse of its query rows, so a ring step's gradients need no
-re-merge. dK/dV programs own a key tile and loop over the GQA group's query heads, dQ
+Every block uses the final row statistics (m, l) of its query rows, so a ring step's gradients
+need no re-merge, and rebuilds each probability as exp2(s2 - m) / l with the forward's own
+arithmetic (base2_scores, exp2_probs). dK/dV programs own a key tile and loop over the GQA group's query heads, dQ
 programs own a query tile: no atomics, so results are bitwise reproducible. With ACCUMULATE
 the gradients are added to the caller's (float32) buffers, otherwise written.
 """
 import triton
 import triton.language as tl
 
-from .tiles import add_key_bias, key_range, load_tile, query_program, visible_keys
+from .tiles import (add_key_bias, base2_scores, exp2_probs, key_range, load_tile, query_program, row_stats,
+                    visible_keys)
 
 
 @triton.jit
@@ -44,28 +46,36 @@ def _store_grad(ptrs, grad, mask, ACCUMULATE: tl.constexpr):
 
 @triton.jit
 def _dkdv_q_range(
-    dk, dv, k, v, k_pos, kb, Q_ptrs, DO_ptrs, LSE_ptrs, DELTA_ptrs, stride_qs, stride_dos,
+    dk, dv, k, v, k_pos, kb, Q_ptrs, DO_ptrs, M_ptrs, L_ptrs, DELTA_ptrs, stride_qs, stride_dos,
     offs_m, d_ok, lo, hi, q_start, Sq, qk_scale, Q_desc, DO_desc, b32, h32,
     MASKED: tl.constexpr, CAUSAL: tl.constexpr, PAD_D: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_D: tl.constexpr, HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr, TMA: tl.constexpr,
+    PRESCALE: tl.constexpr, QK_ORDER: tl.constexpr,
 ):
-    # Q_ptrs / DO_ptrs (pointer path) / LSE_ptrs / DELTA_ptrs point at query row `lo` on entry
+    # Q_ptrs / DO_ptrs (pointer path) / M_ptrs / L_ptrs / DELTA_ptrs point at query row `lo` on entry
     for start_m in range(lo, hi, BLOCK_M):
         rows = start_m + offs_m
         q = load_tile(Q_ptrs, Q_desc, b32, start_m, h32, rows, Sq, d_ok, MASKED, PAD_D, TMA, BLOCK_M, BLOCK_D)
         do = load_tile(DO_ptrs, DO_desc, b32, start_m, h32, rows, Sq, d_ok, MASKED, PAD_D, TMA, BLOCK_M, BLOCK_D)
+        m, inv_l = row_stats(M_ptrs, L_ptrs, rows, Sq, MASKED)
         if MASKED:
-            lse = tl.load(LSE_ptrs, mask=rows < Sq, other=float("inf"))
             delta = tl.load(DELTA_ptrs, mask=rows < Sq, other=0.0)
         else:
-            lse = tl.load(LSE_ptrs)
             delta = tl.load(DELTA_ptrs)
-        # a row that saw no key (lse = -inf) has p = 0: exp2(s - inf)
-        lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
-        s_t = tl.dot(k, tl.trans(q), input_precision=PRECISION) * qk_scale  # (BLOCK_N, BLOCK_M)
-        if HAS_BIAS:
-            s_t += kb[:, None]
-        p_t = tl.math.exp2(s_t - lse2[None, :])
+        if QK_ORDER:
+            # the scores as the forward computed them, Q K^T, then transposed: the rebuilt
+            # probabilities are the forward's to the last bit wherever the matmul is
+            # deterministic for a tile shape (the CPU interpreter's BLAS is not symmetric in
+            # its operands)
+            s, scale = base2_scores(tl.dot(q, tl.trans(k), input_precision=PRECISION), qk_scale, PRESCALE)
+            if HAS_BIAS:
+                s += kb[None, :]
+            p_t = tl.trans(exp2_probs(s, scale, m, inv_l))
+        else:
+            s_t, scale = base2_scores(tl.dot(k, tl.trans(q), input_precision=PRECISION), qk_scale, PRESCALE)
+            if HAS_BIAS:
+                s_t += kb[:, None]
+            p_t = tl.math.exp2(s_t * scale - m[None, :]) * inv_l[None, :]
         if MASKED:
             visible = rows[None, :] < Sq
             if CAUSAL:
@@ -78,14 +88,15 @@ def _dkdv_q_range(
         if not TMA:
             Q_ptrs += BLOCK_M * stride_qs
             DO_ptrs += BLOCK_M * stride_dos
-        LSE_ptrs += BLOCK_M
+        M_ptrs += BLOCK_M
+        L_ptrs += BLOCK_M
         DELTA_ptrs += BLOCK_M
     return dk, dv
 
 
 @triton.jit(do_not_specialize=["Sq", "Sk", "q_start", "k_start"])
 def _dkdv_kernel(
-    Q, K, V, DO, LSE, DELTA, DK, DV, KB,
+    Q, K, V, DO, M, L, DELTA, DK, DV, KB,
     stride_qb, stride_qs, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
@@ -97,10 +108,12 @@ def _dkdv_kernel(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, ACCUMULATE: tl.constexpr, HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr,
-    TMA: tl.constexpr = False,
+    TMA: tl.constexpr = False, POSITIVE_SCALE: tl.constexpr = True, QK_ORDER: tl.constexpr = False,
 ):
     """Q and DO are tensors, or (B, Sq, Hq, D) descriptors with blocks [1, BLOCK_M, 1, BLOCK_D]
-    when TMA."""
+    when TMA. M, L, DELTA: (B, Hq, Sq) float32 with equal strides. QK_ORDER: recompute the
+    scores as Q K^T (the forward's operand order) and transpose them, instead of K Q^T."""
+    PRESCALE: tl.constexpr = HAS_BIAS or not POSITIVE_SCALE
     pid_n = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = (pid_bh // Hkv).to(tl.int64)
@@ -146,11 +159,12 @@ def _dkdv_kernel(
     for g in range(GROUP):
         h = hk * GROUP + g
         h32 = h.to(tl.int32)
-        LSE_ptrs = LSE + b * stride_lb + h * stride_lh + offs_m
-        DELTA_ptrs = DELTA + b * stride_lb + h * stride_lh + offs_m
+        stat_offs = b * stride_lb + h * stride_lh + offs_m
+        M_ptrs, L_ptrs, DELTA_ptrs = M + stat_offs, L + stat_offs, DELTA + stat_offs
         if TMA:  # rows come from the descriptors; the pointer arguments are unused
-            Q_ptrs, DO_ptrs = LSE_ptrs, LSE_ptrs
-            Q_lo, DO_lo, Q_full, DO_full, Q_tail, DO_tail = LSE_ptrs, LSE_ptrs, LSE_ptrs, LSE_ptrs, LSE_ptrs, LSE_ptrs
+            Q_ptrs, DO_ptrs = DELTA_ptrs, DELTA_ptrs
+            Q_lo, DO_lo, Q_full, DO_full, Q_tail, DO_tail = (DELTA_ptrs, DELTA_ptrs, DELTA_ptrs, DELTA_ptrs,
+                                                            DELTA_ptrs, DELTA_ptrs)
         else:
             Q_ptrs = Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qs + offs_d[None, :]
             DO_ptrs = DO + b * stride_dob + h * stride_doh + offs_m[:, None] * stride_dos + offs_d[None, :]
@@ -159,19 +173,20 @@ def _dkdv_kernel(
             Q_tail, DO_tail = Q_ptrs + tail64 * stride_qs, DO_ptrs + tail64 * stride_dos
         # diagonal blocks (causal mask)
         dk, dv = _dkdv_q_range(
-            dk, dv, k, v, k_pos, kb, Q_lo, DO_lo, LSE_ptrs + lo64, DELTA_ptrs + lo64, stride_qs, stride_dos,
+            dk, dv, k, v, k_pos, kb, Q_lo, DO_lo, M_ptrs + lo64, L_ptrs + lo64, DELTA_ptrs + lo64, stride_qs,
+            stride_dos,
             offs_m, d_ok, lo, full_lo, q_start, Sq, qk_scale, Q, DO, b32, h32,
-            True, CAUSAL, PAD_D, BLOCK_M, BLOCK_D, HAS_BIAS, PRECISION, TMA)
+            True, CAUSAL, PAD_D, BLOCK_M, BLOCK_D, HAS_BIAS, PRECISION, TMA, PRESCALE, QK_ORDER)
         # fully visible blocks
         dk, dv = _dkdv_q_range(
-            dk, dv, k, v, k_pos, kb, Q_full, DO_full, LSE_ptrs + full64, DELTA_ptrs + full64, stride_qs,
+            dk, dv, k, v, k_pos, kb, Q_full, DO_full, M_ptrs + full64, L_ptrs + full64, DELTA_ptrs + full64, stride_qs,
             stride_dos, offs_m, d_ok, full_lo, Sq_full, q_start, Sq, qk_scale, Q, DO, b32, h32,
-            False, CAUSAL, PAD_D, BLOCK_M, BLOCK_D, HAS_BIAS, PRECISION, TMA)
+            False, CAUSAL, PAD_D, BLOCK_M, BLOCK_D, HAS_BIAS, PRECISION, TMA, PRESCALE, QK_ORDER)
         # ragged tail of the query rows
         dk, dv = _dkdv_q_range(
-            dk, dv, k, v, k_pos, kb, Q_tail, DO_tail, LSE_ptrs + tail64, DELTA_ptrs + tail64, stride_qs,
+            dk, dv, k, v, k_pos, kb, Q_tail, DO_tail, M_ptrs + tail64, L_ptrs + tail64, DELTA_ptrs + tail64, stride_qs,
             stride_dos, offs_m, d_ok, tail_lo, Sq, q_start, Sq, qk_scale, Q, DO, b32, h32,
-            True, CAUSAL, PAD_D, BLOCK_M, BLOCK_D, HAS_BIAS, PRECISION, TMA)
+            True, CAUSAL, PAD_D, BLOCK_M, BLOCK_D, HAS_BIAS, PRECISION, TMA, PRESCALE, QK_ORDER)
 
     _store_grad(DK + b * stride_dkb + hk * stride_dkh + cols64[:, None] * stride_dks + offs_d[None, :],
                 dk * sm_scale, tile_mask, ACCUMULATE)
@@ -181,20 +196,21 @@ def _dkdv_kernel(
 
 @triton.jit
 def _dq_k_range(
-    dq, q, do, lse2, delta, q_pos, K_ptrs, V_ptrs, KB_ptrs, stride_ks, stride_vs, offs_n, d_ok,
+    dq, q, do, m, inv_l, delta, q_pos, K_ptrs, V_ptrs, KB_ptrs, stride_ks, stride_vs, offs_n, d_ok,
     lo, hi, k_start, Sk, qk_scale, K_desc, V_desc, b32, hk32,
     MASKED: tl.constexpr, CAUSAL: tl.constexpr, PAD_D: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr, TMA: tl.constexpr,
+    PRESCALE: tl.constexpr,
 ):
     # K_ptrs / V_ptrs (pointer path) / KB_ptrs point at key row `lo` on entry
     for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + offs_n
         k = load_tile(K_ptrs, K_desc, b32, start_n, hk32, cols, Sk, d_ok, MASKED, PAD_D, TMA, BLOCK_N, BLOCK_D)
         v = load_tile(V_ptrs, V_desc, b32, start_n, hk32, cols, Sk, d_ok, MASKED, PAD_D, TMA, BLOCK_N, BLOCK_D)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+        s, scale = base2_scores(tl.dot(q, tl.trans(k), input_precision=PRECISION), qk_scale, PRESCALE)
         if HAS_BIAS:
             s, KB_ptrs = add_key_bias(s, KB_ptrs, cols, Sk, MASKED, BLOCK_N)
-        p = tl.math.exp2(s - lse2[:, None])
+        p = exp2_probs(s, scale, m, inv_l)
         if MASKED:
             p = tl.where(visible_keys(q_pos, cols, Sk, k_start, CAUSAL), p, 0.0)
         dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
@@ -208,7 +224,7 @@ def _dq_k_range(
 
 @triton.jit(do_not_specialize=["Sq", "Sk", "q_start", "k_start"])
 def _dq_kernel(
-    Q, K, V, DO, LSE, DELTA, DQ, KB,
+    Q, K, V, DO, M, L, DELTA, DQ, KB,
     stride_qb, stride_qs, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
@@ -219,10 +235,11 @@ def _dq_kernel(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, ACCUMULATE: tl.constexpr, HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr,
-    TMA: tl.constexpr = False,
+    TMA: tl.constexpr = False, POSITIVE_SCALE: tl.constexpr = True,
 ):
     """K and V are tensors, or (B, Sk, Hkv, D) descriptors with blocks [1, BLOCK_N, 1, BLOCK_D]
-    when TMA."""
+    when TMA. M, L, DELTA: (B, Hq, Sq) float32 with equal strides."""
+    PRESCALE: tl.constexpr = HAS_BIAS or not POSITIVE_SCALE
     pid_m, b, h, hk = query_program(Hq, GROUP, CAUSAL)
     PAD_D: tl.constexpr = BLOCK_D != HEAD_DIM
 
@@ -237,9 +254,9 @@ def _dq_kernel(
                 mask=tile_mask, other=0.0)
     do = tl.load(DO + b * stride_dob + h * stride_doh + rows64[:, None] * stride_dos + offs_d[None, :],
                  mask=tile_mask, other=0.0)
-    lse = tl.load(LSE + b * stride_lb + h * stride_lh + offs_m, mask=row_ok, other=float("inf"))
-    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
-    delta = tl.load(DELTA + b * stride_lb + h * stride_lh + offs_m, mask=row_ok, other=0.0)
+    stat_offs = b * stride_lb + h * stride_lh + offs_m
+    m, inv_l = row_stats(M + stat_offs, L + stat_offs, offs_m, Sq, True)
+    delta = tl.load(DELTA + stat_offs, mask=row_ok, other=0.0)
     q_pos = q_start + offs_m
 
     hi, full_end = key_range(pid_m, q_start, k_start, Sq, Sk, CAUSAL, BLOCK_M, BLOCK_N)
@@ -254,11 +271,11 @@ def _dq_kernel(
         K_rest, V_rest = K_ptrs + skip * stride_ks, V_ptrs + skip * stride_vs
     b32, hk32 = b.to(tl.int32), hk.to(tl.int32)
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    dq = _dq_k_range(dq, q, do, lse2, delta, q_pos, K_ptrs, V_ptrs, KB_ptrs, stride_ks, stride_vs, offs_n,
+    dq = _dq_k_range(dq, q, do, m, inv_l, delta, q_pos, K_ptrs, V_ptrs, KB_ptrs, stride_ks, stride_vs, offs_n,
                      d_ok, 0, full_end, k_start, Sk, qk_scale, K, V, b32, hk32,
-                     False, CAUSAL, PAD_D, BLOCK_N, BLOCK_D, HAS_BIAS, PRECISION, TMA)
-    dq = _dq_k_range(dq, q, do, lse2, delta, q_pos, K_rest, V_rest, KB_ptrs + skip, stride_ks, stride_vs,
+                     False, CAUSAL, PAD_D, BLOCK_N, BLOCK_D, HAS_BIAS, PRECISION, TMA, PRESCALE)
+    dq = _dq_k_range(dq, q, do, m, inv_l, delta, q_pos, K_rest, V_rest, KB_ptrs + skip, stride_ks, stride_vs,
                      offs_n, d_ok, full_end, hi, k_start, Sk, qk_scale, K, V, b32, hk32,
-                     True, CAUSAL, PAD_D, BLOCK_N, BLOCK_D, HAS_BIAS, PRECISION, TMA)
+                     True, CAUSAL, PAD_D, BLOCK_N, BLOCK_D, HAS_BIAS, PRECISION, TMA, PRESCALE)
     _store_grad(DQ + b * stride_dqb + h * stride_dqh + rows64[:, None] * stride_dqs + offs_d[None, :],
                 dq * sm_scale, tile_mask, ACCUMULATE)

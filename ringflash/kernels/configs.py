@@ -25,15 +25,22 @@ class KernelConfig:
     num_stages: int
     tma: bool = False  # streamed tiles through tensor descriptors (the tensor-memory engine)
     warp_specialize: bool = False  # tl.range(..., warp_specialize=True) on the unmasked loop
+    # dK/dV pass only: recompute the scores as Q K^T, the forward's operand order, and transpose
+    # them, so the rebuilt probabilities are bitwise the forward's where a matmul's rounding
+    # depends on its operand order (numpy's BLAS under the interpreter)
+    qk_order: bool = False
 
 
 def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-# Interpreter: tl.dot runs in numpy; warps and stages are ignored.
+# Interpreter: tl.dot runs in numpy; warps and stages are ignored. The three kernels use the same
+# (32 query rows, 16 key rows) tiles and the dK/dV pass the forward's operand order: numpy's
+# matmul rounds differently for other shapes or operand orders, and the backward must rebuild
+# the forward's probabilities exactly (at |scores| ~ 1e4 a rounding of s is 1e-3 of a weight).
 _INTERP_FWD = KernelConfig(32, 16, 4, 1)
-_INTERP_DKDV = KernelConfig(16, 32, 4, 1)
+_INTERP_DKDV = KernelConfig(32, 16, 4, 1, qk_order=True)
 _INTERP_DQ = KernelConfig(32, 16, 4, 1)
 
 # Hopper (H200), keyed by padded head dim. D=64 and D=128 entries: the sweep of 2026-11-29

@@ -2,14 +2,17 @@
 
 Causal masking is q_pos >= k_pos with q_pos = q_start + row and k_pos = k_start + col, so a
 local diagonal block, a fully visible ring block and a bottom-right aligned block are one
-kernel. With HAS_STATE the tile starts from an incoming float32 state (normalized o, lse)
-instead of empty, which folds a ring step into the running result without a merge pass.
-Softmax runs in base 2 with log2(e) folded into the scale.
+kernel. The softmax state of a row is (acc, m, l) (ringflash.merge): m the row max of the
+base-2 scores, l the sum of exp2(s2 - m), acc the unnormalized weighted sum of values. With
+HAS_STATE the tile starts from an incoming float32 state instead of empty, which folds a ring
+step into the running result without a merge pass; NORMALIZE writes acc / l in the output's
+dtype (local attention), otherwise acc itself (a ring step). Softmax runs in base 2 with
+log2(e) folded into the scale.
 """
 import triton
 import triton.language as tl
 
-from .tiles import add_key_bias, key_range, load_tile, query_program, visible_keys
+from .tiles import add_key_bias, base2_scores, exp2_shifted, key_range, load_tile, query_program, visible_keys
 
 
 
@@ -26,23 +29,15 @@ def _fwd_block_range(
     for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
         cols = start_n + offs_n
         k = load_tile(K_ptrs, K_desc, b32, start_n, hk32, cols, Sk, d_ok, MASKED, PAD_D, TMA, BLOCK_N, BLOCK_D)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
-        # Scores in base-2 units are s * qk_scale. Without PRESCALE the scale is applied inside
-        # exp2's argument, one FMA per score; max(s) * scale is the max only for scale > 0, and
-        # a bias must be added after scaling, so those cases scale first.
-        if PRESCALE:
-            s = s * qk_scale
-            scale = 1.0
-        else:
-            scale = qk_scale
-        if HAS_BIAS:  # per-key additive bias (key padding)
+        s, scale = base2_scores(tl.dot(q, tl.trans(k), input_precision=PRECISION), qk_scale, PRESCALE)
+        if HAS_BIAS:  # per-key additive bias (key padding), after scaling
             s, KB_ptrs = add_key_bias(s, KB_ptrs, cols, Sk, MASKED, BLOCK_N)
         if MASKED:
             s = tl.where(visible_keys(q_pos, cols, Sk, k_start, CAUSAL), s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1) * scale)
         # A row that has seen no key yet keeps m = -inf; pivot on 0 so exp2 gives 0, not NaN.
         m_pivot = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.math.exp2(s * scale - m_pivot[:, None])
+        p = exp2_shifted(s, scale, m_pivot)
         alpha = tl.math.exp2(m_i - m_pivot)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
@@ -59,20 +54,22 @@ def _fwd_block_range(
 # compile-time constants (and a new compile per value).
 @triton.jit(do_not_specialize=["Sq", "Sk", "q_start", "k_start"])
 def _fwd_kernel(
-    Q, K, V, O, LSE, KB,
+    Q, K, V, O, M, L, KB,
     stride_qb, stride_qs, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
     stride_ob, stride_os, stride_oh,
-    stride_lb, stride_lh, stride_kbb,
+    stride_mb, stride_mh, stride_kbb,
     Hq, Sq, Sk, q_start, k_start, qk_scale,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr, HAS_STATE: tl.constexpr, HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr,
+    CAUSAL: tl.constexpr, HAS_STATE: tl.constexpr, NORMALIZE: tl.constexpr, HAS_BIAS: tl.constexpr,
+    PRECISION: tl.constexpr,
     TMA: tl.constexpr = False, WARP_SPECIALIZE: tl.constexpr = False, POSITIVE_SCALE: tl.constexpr = True,
 ):
     """K and V are tensors, or (B, Sk, Hkv, D) tensor descriptors with blocks
-    [1, BLOCK_N, 1, BLOCK_D] when TMA. POSITIVE_SCALE: qk_scale > 0."""
+    [1, BLOCK_N, 1, BLOCK_D] when TMA. M and L: (B, Hq, Sq) float32 with equal strides.
+    POSITIVE_SCALE: qk_scale > 0."""
     PRESCALE: tl.constexpr = HAS_BIAS or not POSITIVE_SCALE
     pid_m, b, h, hk = query_program(Hq, GROUP, CAUSAL)
     PAD_D: tl.constexpr = BLOCK_D != HEAD_DIM
@@ -87,11 +84,10 @@ def _fwd_kernel(
     q = tl.load(Q + b * stride_qb + h * stride_qh + rows64[:, None] * stride_qs + offs_d[None, :],
                 mask=tile_mask, other=0.0)
     o_ptrs = O + b * stride_ob + h * stride_oh + rows64[:, None] * stride_os + offs_d[None, :]
-    lse_ptrs = LSE + b * stride_lb + h * stride_lh + offs_m
-    if HAS_STATE:
-        # state (o, lse) is m = lse (base 2), l = 1, acc = o; an empty row has l = 0
-        m_i = tl.load(lse_ptrs, mask=row_ok, other=float("-inf")).to(tl.float32) * 1.4426950408889634
-        l_i = tl.where(m_i == float("-inf"), 0.0, 1.0)
+    stat_offs = b * stride_mb + h * stride_mh + offs_m
+    if HAS_STATE:  # an empty incoming row has m = -inf, l = 0, acc = 0
+        m_i = tl.load(M + stat_offs, mask=row_ok, other=float("-inf"))
+        l_i = tl.load(L + stat_offs, mask=row_ok, other=0.0)
         acc = tl.load(o_ptrs, mask=tile_mask, other=0.0).to(tl.float32)
     else:
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -119,8 +115,8 @@ def _fwd_kernel(
         stride_ks, stride_vs, offs_n, offs_d, full_end, hi, k_start, Sk, qk_scale, K, V, b32, hk32,
         True, CAUSAL, PAD_D, HEAD_DIM, BLOCK_N, BLOCK_D, HAS_BIAS, PRECISION, TMA, False, PRESCALE)
 
-    empty = l_i == 0.0
-    o = acc / tl.where(empty, 1.0, l_i)[:, None]
-    lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)
-    tl.store(o_ptrs, o.to(O.dtype.element_ty), mask=tile_mask)
-    tl.store(lse_ptrs, lse, mask=row_ok)
+    if NORMALIZE:
+        acc = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    tl.store(o_ptrs, acc.to(O.dtype.element_ty), mask=tile_mask)
+    tl.store(M + stat_offs, m_i, mask=row_ok)
+    tl.store(L + stat_offs, l_i, mask=row_ok)

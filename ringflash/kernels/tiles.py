@@ -1,7 +1,49 @@
 """Pieces shared by the forward and backward kernels: program ids, tile loads, key bias and
-visibility, the key range of a query tile."""
+visibility, the key range of a query tile, and the softmax arithmetic the backward must repeat
+exactly as the forward did it."""
 import triton
 import triton.language as tl
+
+LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)  # log2(e): natural-log units -> base 2
+LN2: tl.constexpr = tl.constexpr(0.6931471805599453)
+
+
+@triton.jit
+def base2_scores(s, qk_scale, PRESCALE: tl.constexpr):
+    """Raw scores q.k -> (s, scale) with s * scale the base-2 scores. Without PRESCALE the scale
+    is applied later inside exp2's argument (one FMA per score; the row max is max(s) * scale,
+    true for qk_scale > 0); with PRESCALE (a key bias follows, or scale <= 0) now."""
+    if PRESCALE:
+        return s * qk_scale, 1.0
+    else:
+        return s, qk_scale
+
+
+@triton.jit
+def exp2_shifted(s, scale, m):
+    """exp2(s * scale - m) for scores s (rows, keys) and row offsets m (rows,)."""
+    return tl.math.exp2(s * scale - m[:, None])
+
+
+@triton.jit
+def exp2_probs(s, scale, m, inv_l):
+    """The probabilities exp2(s * scale - m) / l of scores s (rows, keys), as the forward's
+    exp2_shifted computed their numerators."""
+    return exp2_shifted(s, scale, m) * inv_l[:, None]
+
+
+@triton.jit
+def row_stats(M_ptrs, L_ptrs, rows, n_rows, MASKED: tl.constexpr):
+    """(m, 1 / l) of query rows for the backward; a row that saw no key (l = 0), or past
+    n_rows, gets m = +inf and 1 / l = 0, so that its probabilities are 0, not NaN."""
+    if MASKED:
+        m = tl.load(M_ptrs, mask=rows < n_rows, other=0.0)
+        l = tl.load(L_ptrs, mask=rows < n_rows, other=0.0)
+    else:
+        m = tl.load(M_ptrs)
+        l = tl.load(L_ptrs)
+    seen = l > 0.0
+    return tl.where(seen, m, float("inf")), tl.where(seen, 1.0 / tl.where(seen, l, 1.0), 0.0)
 
 
 @triton.jit
@@ -65,7 +107,7 @@ def add_key_bias(s, KB_ptrs, cols, Sk, MASKED: tl.constexpr, BLOCK_N: tl.constex
         kb = tl.load(KB_ptrs, mask=cols < Sk, other=float("-inf"))
     else:
         kb = tl.load(KB_ptrs)
-    return s + kb[None, :] * 1.4426950408889634, KB_ptrs + BLOCK_N
+    return s + kb[None, :] * LOG2E, KB_ptrs + BLOCK_N
 
 
 @triton.jit
