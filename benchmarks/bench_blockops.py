@@ -1,6 +1,6 @@
 """What the ring's block operations cost on one GPU, beside the plain kernel on the same work.
 
-    python benchmarks/bench_blockops.py --json benchmarks/results/blockops_h200.json
+    python -m benchmarks.bench_blockops --json benchmarks/results/blockops_h200.json
 
 1. Block operations: the forward folding a block into a float32 (o, lse) state at global
    position offsets, against flash_attn_func's forward (fresh state, 16-bit output); the
@@ -17,44 +17,39 @@ kv-head chunks (default: the library's choice); --grad-accum float32 input repea
 the gradient accumulators in float32 (default) and in the inputs' dtype (grad_accum_dtype).
 Medians of triton.testing.do_bench; bf16, B=1, H=32, D=128.
 """
+
 from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from ringflash import flash_attn_func  # noqa: E402
-from ringflash.comm import ReplayComm  # noqa: E402
-from ringflash.local import attention_delta, block_backward, block_forward  # noqa: E402
-from ringflash.merge import SoftmaxState  # noqa: E402
-from ringflash.ring import _RingAttn  # noqa: E402
-
-
-def bench(fn, device):
-    if device.type == "cuda":
-        import triton
-
-        return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
-    t0 = time.perf_counter()
-    fn()
-    return (time.perf_counter() - t0) * 1e3
+from benchmarks.common import bench_ms as bench
+from benchmarks.common import write_json
+from ringflash import flash_attn_func
+from ringflash.local import attention_delta, block_backward, block_forward
+from ringflash.merge import SoftmaxState
+from ringflash.ring import RingSpec, _RingAttn
+from ringflash.testing import ReplayComm
 
 
 def block_op_rows(S, H, D, dtype, device):
     g = torch.Generator(device=device).manual_seed(0)
     q, k, v, do = (torch.randn(1, S, H, D, device=device, dtype=dtype, generator=g) for _ in range(4))
-    scale, offset = D ** -0.5, 3 * S  # any global offset; the diagonal stays the diagonal
+    scale, offset = D**-0.5, 3 * S  # any global offset; the diagonal stays the diagonal
     rows = []
     for causal in (False, True):
         state = SoftmaxState.zeros(q.shape, torch.float32, device)
         plain_fwd = bench(lambda: flash_attn_func(q, k, v, causal=causal), device)
-        block_fwd = bench(lambda: block_forward(q, k, v, state, q_start=offset, k_start=offset, causal=causal,
-                                                scale=scale, fold=True), device)
+        block_fwd = bench(
+            lambda: block_forward(
+                q, k, v, state, q_start=offset, k_start=offset, causal=causal, scale=scale, fold=True
+            ),
+            device,
+        )
         local = SoftmaxState.empty(torch.empty_like(q))
         block_forward(q, k, v, local, q_start=0, k_start=0, causal=causal, scale=scale, fold=False, normalize=True)
         out = local.o
@@ -63,14 +58,36 @@ def block_op_rows(S, H, D, dtype, device):
 
         def backward(bufs, accumulate, q_start):
             delta = attention_delta(out, do)
-            block_backward(q, k, v, local.m, local.l, do, delta, *bufs, q_start=q_start, k_start=q_start, causal=causal,
-                           scale=scale, accumulate=accumulate)
+            block_backward(
+                q,
+                k,
+                v,
+                local.m,
+                local.l,
+                do,
+                delta,
+                *bufs,
+                q_start=q_start,
+                k_start=q_start,
+                causal=causal,
+                scale=scale,
+                accumulate=accumulate,
+            )
 
         plain_bwd = bench(lambda: backward(grads16, False, 0), device)
         block_bwd = bench(lambda: backward(grads32, True, offset), device)
-        rows.append({"S": S, "causal": causal, "plain_fwd_ms": plain_fwd, "block_fwd_ms": block_fwd,
-                     "fwd_loss": block_fwd / plain_fwd - 1, "plain_bwd_ms": plain_bwd, "block_bwd_ms": block_bwd,
-                     "bwd_loss": block_bwd / plain_bwd - 1})
+        rows.append(
+            {
+                "S": S,
+                "causal": causal,
+                "plain_fwd_ms": plain_fwd,
+                "block_fwd_ms": block_fwd,
+                "fwd_loss": block_fwd / plain_fwd - 1,
+                "plain_bwd_ms": plain_bwd,
+                "block_bwd_ms": block_bwd,
+                "bwd_loss": block_bwd / plain_bwd - 1,
+            }
+        )
         print(json.dumps(rows[-1]), flush=True)
     return rows
 
@@ -83,20 +100,26 @@ def replay_rows(S, world, H, Hkv, D, dtype, device, grad_chunks, grad_accum):
     qf, kf, vf = mk(S, H), mk(S, Hkv), mk(S, Hkv)
     dof = torch.randn_like(qf)
     blocks = [(k.detach(), v.detach())] * world
-    scale = D ** -0.5
+    spec = RingSpec(True, D**-0.5, "zigzag", grad_chunks, ACCUM[grad_accum](dtype))
 
     def replay():
         comm = ReplayComm(0, world, blocks, record=False)
-        out = _RingAttn.apply(q, k, v, None, True, scale, "zigzag", comm, grad_chunks, ACCUM[grad_accum](dtype))[0]
-        out.backward(do.detach())
+        _RingAttn.apply(q, k, v, None, spec, comm)[0].backward(do.detach())
 
     def full():
         flash_attn_func(qf, kf, vf, causal=True).backward(dof)
 
     r, f = bench(replay, device), bench(full, device)
-    row = {"S": S, "world": world, "kv_heads": Hkv, "grad_chunks": grad_chunks, "grad_accum": grad_accum,
-           "replay_rank0_ms": r,
-           "full_over_world_ms": f / world, "efficiency": f / world / r}
+    row = {
+        "S": S,
+        "world": world,
+        "kv_heads": Hkv,
+        "grad_chunks": grad_chunks,
+        "grad_accum": grad_accum,
+        "replay_rank0_ms": r,
+        "full_over_world_ms": f / world,
+        "efficiency": f / world / r,
+    }
     print(json.dumps(row), flush=True)
     return row
 
@@ -118,10 +141,11 @@ def memory_rows(S_local, world, H, Hkv, D, dtype, device, grad_chunks, grad_accu
         torch.cuda.synchronize()
         return torch.cuda.max_memory_allocated() - base
 
+    spec = RingSpec(True, D**-0.5, "zigzag", grad_chunks, ACCUM[grad_accum](dtype))
+
     def ring():
         comm = ReplayComm(0, world, blocks, record=False)
-        _RingAttn.apply(q, k, v, None, True, D ** -0.5, "zigzag", comm, grad_chunks,
-                        ACCUM[grad_accum](dtype))[0].backward(do)
+        _RingAttn.apply(q, k, v, None, spec, comm)[0].backward(do)
 
     def local():
         flash_attn_func(q, k, v, causal=True).backward(do)
@@ -129,9 +153,18 @@ def memory_rows(S_local, world, H, Hkv, D, dtype, device, grad_chunks, grad_accu
     ring(), local()  # warm-up: compiled kernels, allocator
     kv_buffers = 2 * (k.numel() + v.numel()) * k.element_size()
     r, l = peak(ring), peak(local)
-    row = {"S_local": S_local, "world": world, "heads": H, "kv_heads": Hkv, "grad_chunks": grad_chunks,
-           "grad_accum": grad_accum, "ring_peak_gib": r / 2**30,
-           "local_peak_gib": l / 2**30, "kv_buffers_gib": kv_buffers / 2**30, "ratio": r / (l + kv_buffers)}
+    row = {
+        "S_local": S_local,
+        "world": world,
+        "heads": H,
+        "kv_heads": Hkv,
+        "grad_chunks": grad_chunks,
+        "grad_accum": grad_accum,
+        "ring_peak_gib": r / 2**30,
+        "local_peak_gib": l / 2**30,
+        "kv_buffers_gib": kv_buffers / 2**30,
+        "ratio": r / (l + kv_buffers),
+    }
     print(json.dumps(row), flush=True)
     return row
 
@@ -144,49 +177,85 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", type=Path)
     ap.add_argument("--smoke", action="store_true", help="tiny CPU sizes")
-    ap.add_argument("--sections", nargs="+", default=["block_ops", "replay", "memory"],
-                    choices=["block_ops", "replay", "memory"])
-    ap.add_argument("--grad-chunks", type=int, nargs="+", default=[None],
-                    help="kv-head chunks of the backward's dK/dV exchange (default: the library's)")
-    ap.add_argument("--grad-accum", nargs="+", default=["float32"], choices=sorted(ACCUM),
-                    help="gradient accumulators in float32 or in the inputs' dtype")
+    ap.add_argument(
+        "--sections", nargs="+", default=["block_ops", "replay", "memory"], choices=["block_ops", "replay", "memory"]
+    )
+    ap.add_argument(
+        "--grad-chunks",
+        type=int,
+        nargs="+",
+        default=[None],
+        help="kv-head chunks of the backward's dK/dV exchange (default: the library's)",
+    )
+    ap.add_argument(
+        "--grad-accum",
+        nargs="+",
+        default=["float32"],
+        choices=sorted(ACCUM),
+        help="gradient accumulators in float32 or in the inputs' dtype",
+    )
     args = ap.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
     dtype, H, D = (torch.bfloat16, 32, 128) if device.type == "cuda" else (torch.float32, 2, 32)
     sizes = [16384] if device.type == "cuda" else [128]
     # (S, P, Hkv): the last one is small per rank (S_local = 4K) with GQA, where chunked dK/dV
     # kernels have the fewest programs
-    replays = ([(32768, 2, H), (131072, 2, H), (131072, 4, H), (131072, 8, H), (16384, 4, H // 4)]
-               if device.type == "cuda" else [(128, 2, H)])
-    out = {"meta": {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-                    "dtype": str(dtype), "heads": H, "head_dim": D, "date": time.strftime("%Y-%m-%d")},
-           "block_ops": [], "replay": [], "memory": []}
+    replays = (
+        [(32768, 2, H), (131072, 2, H), (131072, 4, H), (131072, 8, H), (16384, 4, H // 4)]
+        if device.type == "cuda"
+        else [(128, 2, H)]
+    )
+    out = {
+        "meta": {
+            "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+            "dtype": str(dtype),
+            "heads": H,
+            "head_dim": D,
+            "date": time.strftime("%Y-%m-%d"),
+        },
+        "block_ops": [],
+        "replay": [],
+        "memory": [],
+    }
     if "block_ops" in args.sections:
         out["block_ops"] = [r for S in sizes for r in block_op_rows(S, H, D, dtype, device)]
     if "replay" in args.sections:
-        out["replay"] = [replay_rows(S, w, H, Hkv, D, dtype, device, c, a) for S, w, Hkv in replays
-                         for c in args.grad_chunks for a in args.grad_accum]
+        out["replay"] = [
+            replay_rows(S, w, H, Hkv, D, dtype, device, c, a)
+            for S, w, Hkv in replays
+            for c in args.grad_chunks
+            for a in args.grad_accum
+        ]
     if "memory" in args.sections and device.type == "cuda":
-        out["memory"] = [memory_rows(S, 4, H, Hkv, D, dtype, device, c, a) for S in (32768, 65536)
-                         for Hkv in (H, H // 4) for c in args.grad_chunks for a in args.grad_accum]
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(out, indent=1))
+        out["memory"] = [
+            memory_rows(S, 4, H, Hkv, D, dtype, device, c, a)
+            for S in (32768, 65536)
+            for Hkv in (H, H // 4)
+            for c in args.grad_chunks
+            for a in args.grad_accum
+        ]
+    write_json(args.json, out)
     print("\nblock operations vs the plain kernel (same work):")
     for r in out["block_ops"]:
-        print(f"  S={r['S']} causal={r['causal']}: forward {r['fwd_loss'] * 100:+.1f}%, "
-              f"backward {r['bwd_loss'] * 100:+.1f}%")
+        print(
+            f"  S={r['S']} causal={r['causal']}: forward {r['fwd_loss'] * 100:+.1f}%, "
+            f"backward {r['bwd_loss'] * 100:+.1f}%"
+        )
     print("ring schedule replayed without communication (rank 0) vs one-GPU attention / P:")
     for r in out["replay"]:
-        print(f"  S={r['S']} P={r['world']} Hkv={r['kv_heads']} grad chunks={r['grad_chunks']} "
-              f"accumulators {r['grad_accum']}: "
-              f"efficiency {r['efficiency']:.3f}")
+        print(
+            f"  S={r['S']} P={r['world']} Hkv={r['kv_heads']} grad chunks={r['grad_chunks']} "
+            f"accumulators {r['grad_accum']}: "
+            f"efficiency {r['efficiency']:.3f}"
+        )
     print("peak memory beyond the inputs, ring (P=4) vs local + 2 K/V buffers:")
     for r in out["memory"]:
-        print(f"  S_local={r['S_local']} H={r['heads']}/{r['kv_heads']} grad chunks={r['grad_chunks']} "
-              f"accumulators {r['grad_accum']}: "
-              f"ring {r['ring_peak_gib']:.2f} GiB, "
-              f"local {r['local_peak_gib']:.2f} + buffers {r['kv_buffers_gib']:.2f} GiB: ratio {r['ratio']:.2f}")
+        print(
+            f"  S_local={r['S_local']} H={r['heads']}/{r['kv_heads']} grad chunks={r['grad_chunks']} "
+            f"accumulators {r['grad_accum']}: "
+            f"ring {r['ring_peak_gib']:.2f} GiB, "
+            f"local {r['local_peak_gib']:.2f} + buffers {r['kv_buffers_gib']:.2f} GiB: ratio {r['ratio']:.2f}"
+        )
 
 
 if __name__ == "__main__":

@@ -1,48 +1,29 @@
 """Local (single-GPU) attention speed: ringflash beside SDPA's FLASH_ATTENTION and
 CUDNN_ATTENTION backends, in the same run.
 
-    python benchmarks/bench_local.py --json benchmarks/results/local_h200.json
-    python benchmarks/bench_local.py --tune            # sweep block shapes at S=16K (--head-dims picks)
-    python benchmarks/bench_local.py --smoke           # tiny CPU run (CI keeps it working)
+    python -m benchmarks.bench_local --json benchmarks/results/local_h200.json
+    python -m benchmarks.bench_local --tune            # sweep block shapes at S=16K (--head-dims picks)
+    python -m benchmarks.bench_local --smoke           # tiny CPU run (CI keeps it working)
 
 Prints TFLOP/s (forward 4*B*H*S*S*D, half for causal; forward+backward 3.5x) and the ratio to
 each peer. Medians of triton.testing.do_bench on the GPU.
 """
+
 from __future__ import annotations
 
 import argparse
 import json
 import platform
-import sys
 import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from ringflash import flash_attn_func  # noqa: E402
-from ringflash.kernels import configs  # noqa: E402
-from ringflash.kernels.configs import KernelConfig  # noqa: E402
-
-
-def flops(B, H, S, D, causal, mode):
-    f = 4 * B * H * S * S * D * (0.5 if causal else 1.0)
-    return f * (3.5 if mode == "fwd+bwd" else 1.0)
-
-
-def bench(fn, device):
-    if device == "cuda":
-        import triton
-
-        return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
-    fn()
-    times = []
-    for _ in range(3):
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return sorted(times)[1]
+from benchmarks.common import attention_flops, bench_ms, step_fn, write_json
+from ringflash import flash_attn_func
+from ringflash.kernels import configs
+from ringflash.kernels.configs import KernelConfig
 
 
 def make_inputs(B, S, H, D, dtype, device, seed=0):
@@ -62,31 +43,25 @@ def runner(impl, tensors, causal, mode):
     else:
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
-        backend = {"sdpa_flash": SDPBackend.FLASH_ATTENTION, "sdpa_cudnn": SDPBackend.CUDNN_ATTENTION,
-                   "sdpa_math": SDPBackend.MATH}[impl]
+        backend = {
+            "sdpa_flash": SDPBackend.FLASH_ATTENTION,
+            "sdpa_cudnn": SDPBackend.CUDNN_ATTENTION,
+            "sdpa_math": SDPBackend.MATH,
+        }[impl]
 
         def call():
             with sdpa_kernel(backend):
                 return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
 
-    if mode == "fwd":
-        def fn():
-            with torch.no_grad():
-                call()
-    else:
-        def fn():
-            for t in (q, k, v):
-                t.grad = None
-            call().backward(do)
-    return fn
+    return step_fn(call, (q, k, v), do, mode)
 
 
 def measure(impl, tensors, B, H, S, D, causal, mode, device):
     try:
-        ms = bench(runner(impl, tensors, causal, mode), device)
+        ms = bench_ms(runner(impl, tensors, causal, mode), device)
     except Exception as e:  # a peer backend may not support a shape; say so
         return {"impl": impl, "error": f"{type(e).__name__}: {str(e)[:120]}"}
-    return {"impl": impl, "ms": ms, "tflops": flops(B, H, S, D, causal, mode) / ms / 1e9}
+    return {"impl": impl, "ms": ms, "tflops": attention_flops(B, H, S, D, causal, mode) / ms / 1e9}
 
 
 def run_table(args, device, dtype):
@@ -110,21 +85,40 @@ def run_table(args, device, dtype):
 KC = KernelConfig
 CANDIDATES = {  # fwd: the sixth sweep (scale folded into exp2's FMA); dkdv, dq: the third (earlier: NOTES.md)
     "fwd": {
-        64: [KC(128, 64, 4, 4, tma=True), KC(128, 64, 4, 3, tma=True), KC(128, 128, 8, 3, tma=True),
-             KC(128, 128, 4, 3, tma=True)],
-        128: [KC(128, 128, 8, 3, tma=True), KC(128, 128, 8, 2, tma=True), KC(128, 128, 8, 4, tma=True),
-              KC(128, 128, 8, 3, tma=True, warp_specialize=True), KC(128, 64, 4, 3, tma=True, warp_specialize=True),
-              KC(128, 64, 8, 4, tma=True)],
+        64: [
+            KC(128, 64, 4, 4, tma=True),
+            KC(128, 64, 4, 3, tma=True),
+            KC(128, 128, 8, 3, tma=True),
+            KC(128, 128, 4, 3, tma=True),
+        ],
+        128: [
+            KC(128, 128, 8, 3, tma=True),
+            KC(128, 128, 8, 2, tma=True),
+            KC(128, 128, 8, 4, tma=True),
+            KC(128, 128, 8, 3, tma=True, warp_specialize=True),
+            KC(128, 64, 4, 3, tma=True, warp_specialize=True),
+            KC(128, 64, 8, 4, tma=True),
+        ],
     },
     "dkdv": {
         64: [KC(32, 128, 4, 3), KC(32, 128, 4, 3, tma=True), KC(64, 128, 8, 3, tma=True), KC(64, 64, 4, 3, tma=True)],
-        128: [KC(64, 128, 8, 3), KC(64, 128, 8, 3, tma=True), KC(64, 128, 8, 2, tma=True), KC(32, 128, 8, 3, tma=True),
-              KC(64, 64, 4, 3, tma=True)],
+        128: [
+            KC(64, 128, 8, 3),
+            KC(64, 128, 8, 3, tma=True),
+            KC(64, 128, 8, 2, tma=True),
+            KC(32, 128, 8, 3, tma=True),
+            KC(64, 64, 4, 3, tma=True),
+        ],
     },
     "dq": {
         64: [KC(128, 32, 4, 3), KC(128, 32, 4, 3, tma=True), KC(128, 64, 4, 3, tma=True), KC(64, 64, 4, 3, tma=True)],
-        128: [KC(128, 64, 8, 3), KC(128, 64, 8, 3, tma=True), KC(128, 64, 8, 4, tma=True), KC(128, 128, 8, 2, tma=True),
-              KC(64, 64, 4, 3, tma=True)],
+        128: [
+            KC(128, 64, 8, 3),
+            KC(128, 64, 8, 3, tma=True),
+            KC(128, 64, 8, 4, tma=True),
+            KC(128, 128, 8, 2, tma=True),
+            KC(64, 64, 4, 3, tma=True),
+        ],
     },
 }
 
@@ -145,20 +139,21 @@ def tune(args, device, dtype):
                 best = None
                 for cfg in cands:
                     # kernels swept earlier in this run use their best shape for this head dim
-                    configs.OVERRIDES.clear()
-                    configs.OVERRIDES.update({k: by_d[D] for k, by_d in chosen.items() if D in by_d})
-                    configs.OVERRIDES[kind] = cfg
-                    r = measure("ringflash", qkv, B, H, S, D, causal, mode, device)
+                    best_so_far = {k: by_d[D] for k, by_d in chosen.items() if D in by_d}
+                    with configs.override(**{**best_so_far, kind: cfg}):
+                        r = measure("ringflash", qkv, B, H, S, D, causal, mode, device)
                     r.update(kind=kind, D=D, causal=causal, config=cfg.__dict__)
                     rows.append(r)
                     print(json.dumps(r), flush=True)
                     if "tflops" in r and (best is None or r["tflops"] > best["tflops"]):
                         best = r
                     score[cfg] = score.get(cfg, 0.0) + r.get("tflops", float("-inf"))
-                print(f"BEST {kind} D={D} causal={causal}: {best and best['config']} "
-                      f"{best and round(best['tflops'], 1)} TFLOP/s ({mode})", flush=True)
+                print(
+                    f"BEST {kind} D={D} causal={causal}: {best and best['config']} "
+                    f"{best and round(best['tflops'], 1)} TFLOP/s ({mode})",
+                    flush=True,
+                )
             chosen.setdefault(kind, {})[D] = max(score, key=score.get)
-            configs.OVERRIDES.clear()
             del qkv
     if args.write_configs:
         configs.write_configs(str(args.write_configs), chosen)
@@ -167,14 +162,18 @@ def tune(args, device, dtype):
 
 
 def print_table(rows):
-    print(f"\n{'D':>4} {'S':>6} {'causal':>6} {'mode':>8} | {'ringflash':>9} {'flash':>7} {'cudnn':>7} | "
-          f"{'vs flash':>8} {'vs cudnn':>8}")
+    print(
+        f"\n{'D':>4} {'S':>6} {'causal':>6} {'mode':>8} | {'ringflash':>9} {'flash':>7} {'cudnn':>7} | "
+        f"{'vs flash':>8} {'vs cudnn':>8}"
+    )
     for r in rows:
         rf = r["ringflash"].get("tflops", float("nan"))
         fl = r.get("sdpa_flash", r.get("sdpa_math", {})).get("tflops", float("nan"))
         cu = r.get("sdpa_cudnn", {}).get("tflops", float("nan"))
-        print(f"{r['D']:>4} {r['S']:>6} {str(r['causal']):>6} {r['mode']:>8} | {rf:9.1f} {fl:7.1f} {cu:7.1f} | "
-              f"{rf / fl:8.2f} {rf / cu:8.2f}")
+        print(
+            f"{r['D']:>4} {r['S']:>6} {str(r['causal']):>6} {r['mode']:>8} | {rf:9.1f} {fl:7.1f} {cu:7.1f} | "
+            f"{rf / fl:8.2f} {rf / cu:8.2f}"
+        )
 
 
 def main():
@@ -195,9 +194,14 @@ def main():
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
     if args.smoke:
         args.seqlens, args.head_dims, args.heads, dtype = [64], [32], 2, torch.float32
-    meta = {"device": torch.cuda.get_device_name() if device == "cuda" else platform.processor() or "cpu",
-            "torch": torch.__version__, "dtype": str(dtype), "batch": args.batch, "heads": args.heads,
-            "date": time.strftime("%Y-%m-%d")}
+    meta = {
+        "device": torch.cuda.get_device_name() if device == "cuda" else platform.processor() or "cpu",
+        "torch": torch.__version__,
+        "dtype": str(dtype),
+        "batch": args.batch,
+        "heads": args.heads,
+        "date": time.strftime("%Y-%m-%d"),
+    }
     try:
         import triton
 
@@ -209,9 +213,7 @@ def main():
         out["tune"] = tune(args, device, dtype)
     else:
         out["rows"] = run_table(args, device, dtype)
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(out, indent=1))
+    write_json(args.json, out)
     if "rows" in out:
         print_table(out["rows"])
 

@@ -1,9 +1,9 @@
 """The longest sequence whose ring attention forward+backward fits, and its peak memory per GPU.
 
-    launch/run.sh benchmarks/bench_ring_maxlen.py --json benchmarks/results/maxlen_2xh200_mha.json
-    launch/run.sh benchmarks/bench_ring_maxlen.py --kv-heads 8 --json ...         # GQA 32/8
-    launch/run.sh benchmarks/bench_ring_maxlen.py --grad-accum input ...  # 16-bit gradient accumulators
-    RINGFLASH_NPROC=2 launch/run.sh benchmarks/bench_ring_maxlen.py --smoke       # CPU, gloo
+    ringflash-run -m benchmarks.bench_ring_maxlen --json benchmarks/results/maxlen_2xh200_mha.json
+    ringflash-run -m benchmarks.bench_ring_maxlen --kv-heads 8 --json ...         # GQA 32/8
+    ringflash-run -m benchmarks.bench_ring_maxlen --grad-accum input ...  # 16-bit gradient accumulators
+    ringflash-run --nproc 2 --backend gloo -m benchmarks.bench_ring_maxlen --smoke  # CPU
 
 Causal, zigzag, bf16, B=1. It runs one forward+backward at each of --probe total lengths and
 records every rank's peak allocated memory, fits peak = a + b * S_local over the probes (memory
@@ -14,21 +14,20 @@ length once to confirm it, reporting its peak and time, unless that run would ta
 reported as not confirmed. It does not search by running out of
 memory: on NCCL one rank's OOM would leave the other waiting in the ring until the timeout.
 """
+
 from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from ringflash import ring_flash_attn_func  # noqa: E402
-from ringflash.dist_env import close  # noqa: E402
-from bench_ring import add_shape_args, rank_inputs, run_meta, start  # noqa: E402  (same folder)
+from benchmarks.common import add_shape_args, rank_inputs, run_meta, start_ring, write_json
+from ringflash import ring_flash_attn_func
+from ringflash.dist_env import close
 
 
 def run_once(args, S, rank, world, device, dtype):
@@ -56,19 +55,32 @@ def run_once(args, S, rank, world, device, dtype):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--probe", type=int, nargs="+", default=[131072, 262144, 524288],
-                    help="total lengths measured for the linear fit")
+    ap.add_argument(
+        "--probe",
+        type=int,
+        nargs="+",
+        default=[131072, 262144, 524288],
+        help="total lengths measured for the linear fit",
+    )
     add_shape_args(ap)
     ap.add_argument("--fraction", type=float, default=0.92, help="share of the GPU memory the peak may reach")
     ap.add_argument("--step", type=int, default=65536, help="the predicted length is a multiple of this")
-    ap.add_argument("--time-limit", type=float, default=240.0,
-                    help="skip the confirming run when it is predicted to take longer (seconds)")
-    ap.add_argument("--grad-accum", choices=["float32", "input"], default="float32",
-                    help="the ring's gradient accumulators: float32 (default) or the inputs' dtype")
+    ap.add_argument(
+        "--time-limit",
+        type=float,
+        default=240.0,
+        help="skip the confirming run when it is predicted to take longer (seconds)",
+    )
+    ap.add_argument(
+        "--grad-accum",
+        choices=["float32", "input"],
+        default="float32",
+        help="the ring's gradient accumulators: float32 (default) or the inputs' dtype",
+    )
     ap.add_argument("--json", type=Path)
     ap.add_argument("--smoke", action="store_true", help="toy sizes (CPU with gloo), no prediction run")
     args = ap.parse_args()
-    rank, world, device, dtype = start(args, "bench_ring_maxlen.py", timeout_s=300)
+    rank, world, device, dtype = start_ring(args, "bench_ring_maxlen", timeout_s=300)
     if args.smoke:
         args.probe, args.heads, args.head_dim = [32 * world, 64 * world], 2, 16
     args.kv_heads = args.kv_heads or args.heads
@@ -88,8 +100,12 @@ def main():
         capacity = torch.cuda.get_device_properties(device).total_memory / 2**30
         unit = args.step
         S_max = int((args.fraction * capacity - a) / b * world) // unit * unit
-        result.update(fit={"gib_fixed": a, "gib_per_1k_tokens_local": b * 1024, "max_rel_residual": residual},
-                      capacity_gib=capacity, fraction=args.fraction, predicted_S=S_max)
+        result.update(
+            fit={"gib_fixed": a, "gib_per_1k_tokens_local": b * 1024, "max_rel_residual": residual},
+            capacity_gib=capacity,
+            fraction=args.fraction,
+            predicted_S=S_max,
+        )
         if rank == 0:
             print(json.dumps({k: result[k] for k in ("fit", "capacity_gib", "predicted_S")}), flush=True)
         longest = rows[-1]
@@ -97,26 +113,38 @@ def main():
         result["predicted_seconds"] = predicted_seconds
         if predicted_seconds <= args.time_limit:
             peak, sec = run_once(args, S_max, rank, world, device, dtype)
-            rows.append({"S": S_max, "S_local": S_max // world, "peak_gib": peak, "seconds": sec, "probe": False,
-                         "predicted_peak_gib": a + b * (S_max // world)})
+            rows.append(
+                {
+                    "S": S_max,
+                    "S_local": S_max // world,
+                    "peak_gib": peak,
+                    "seconds": sec,
+                    "probe": False,
+                    "predicted_peak_gib": a + b * (S_max // world),
+                }
+            )
             if rank == 0:
                 print(json.dumps(rows[-1]), flush=True)
         elif rank == 0:
-            print(f"S={S_max} not run: predicted {predicted_seconds:.0f} s > --time-limit {args.time_limit:.0f} s; "
-                  f"predicted peak {a + b * (S_max // world):.2f} GiB per GPU", flush=True)
+            print(
+                f"S={S_max} not run: predicted {predicted_seconds:.0f} s > --time-limit {args.time_limit:.0f} s; "
+                f"predicted peak {a + b * (S_max // world):.2f} GiB per GPU",
+                flush=True,
+            )
     if rank == 0:
-        result["meta"] = run_meta(args, world, device, dtype, layout="zigzag", causal=True,
-                                  grad_accum=args.grad_accum)
-        if args.json:
-            args.json.parent.mkdir(parents=True, exist_ok=True)
-            args.json.write_text(json.dumps(result, indent=1))
-        print(f"\nring forward+backward, causal zigzag, P={world}, H={args.heads}/{args.kv_heads}, "
-              f"D={args.head_dim}, {dtype}, {args.grad_accum} gradient accumulators: peak allocated per GPU "
-              f"(max over ranks)")
+        result["meta"] = run_meta(args, world, device, dtype, layout="zigzag", causal=True, grad_accum=args.grad_accum)
+        write_json(args.json, result)
+        print(
+            f"\nring forward+backward, causal zigzag, P={world}, H={args.heads}/{args.kv_heads}, "
+            f"D={args.head_dim}, {dtype}, {args.grad_accum} gradient accumulators: peak allocated per GPU "
+            f"(max over ranks)"
+        )
         print(f"{'S':>9} {'S_local':>9} {'peak GiB':>9} {'GiB/1K local':>12} {'seconds':>8}")
         for r in rows:
-            print(f"{r['S']:>9} {r['S_local']:>9} {r['peak_gib']:9.2f} {r['peak_gib'] / r['S_local'] * 1024:12.4f} "
-                  f"{r['seconds']:8.1f}" + ("" if r["probe"] else "  <- longest predicted to fit"))
+            print(
+                f"{r['S']:>9} {r['S_local']:>9} {r['peak_gib']:9.2f} {r['peak_gib'] / r['S_local'] * 1024:12.4f} "
+                f"{r['seconds']:8.1f}" + ("" if r["probe"] else "  <- longest predicted to fit")
+            )
     close()
 
 

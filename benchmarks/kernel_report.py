@@ -3,13 +3,14 @@ what ptxas says about each: registers per thread, spilled bytes, shared memory, 
 `wgmma.wait_group N` the PTX has for each N (N > 0: a matmul left in flight while other work
 runs), and ptxas's performance warnings (C7514 / C7512: every wgmma of the kernel serialized).
 
-    python benchmarks/kernel_report.py                       # built-in shapes, D=64 and 128
-    python benchmarks/kernel_report.py --kind fwd --head-dims 128 --shape 128 64 8 4 --dump DIR
+    python -m benchmarks.kernel_report                       # built-in shapes, D=64 and 128
+    python -m benchmarks.kernel_report --kind fwd --head-dims 128 --shape 128 64 8 4 --dump DIR
 
 Pointers and strides are compiled as 16-divisible, as the launcher's arguments are at these
 shapes, so the figures match a compile on the GPU machine (checked on an H200: forward 196
 registers, dQ 183, dK/dV 255 at D=128; benchmarks/results/kernel_report_h200.log).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -18,7 +19,6 @@ import json
 import os
 import re
 import subprocess
-import sys
 import tempfile
 from dataclasses import asdict
 from pathlib import Path
@@ -27,10 +27,9 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from ringflash.kernels import configs  # noqa: E402
-from ringflash.kernels.backward import _dkdv_kernel, _dq_kernel  # noqa: E402
-from ringflash.kernels.forward import _fwd_kernel  # noqa: E402
+from ringflash.kernels import configs
+from ringflash.kernels.backward import _dkdv_kernel, _dq_kernel
+from ringflash.kernels.forward import _fwd_kernel
 
 KERNELS = {"fwd": (_fwd_kernel, configs._FWD), "dkdv": (_dkdv_kernel, configs._DKDV), "dq": (_dq_kernel, configs._DQ)}
 HOPPER_SHARED_BYTES = 232448  # per block on H100/H200 (227 KiB)
@@ -45,7 +44,7 @@ def compile_for_hopper(kind: str, D: int, causal: bool, cfg: configs.KernelConfi
     for i, name in enumerate(fn.arg_names):
         if name in descriptors:
             signature[name] = f"tensordesc<bf16[1,{rows},1,{D}]>"
-        elif name in ("LSE", "DELTA"):
+        elif name in ("M", "L", "DELTA"):
             signature[name] = "*fp32"
         elif name.isupper():  # the other tensors
             signature[name] = "*bf16"
@@ -57,16 +56,29 @@ def compile_for_hopper(kind: str, D: int, causal: bool, cfg: configs.KernelConfi
             continue
         if signature[name].startswith("*") or name.startswith("stride"):
             attrs[(i,)] = [["tt.divisibility", 16]]
-    constants = dict(GROUP=1, HEAD_DIM=D, BLOCK_D=D, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, CAUSAL=causal,
-                     HAS_BIAS=False, PRECISION="tf32", TMA=cfg.tma)
+    constants = dict(
+        GROUP=1,
+        HEAD_DIM=D,
+        BLOCK_D=D,
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        CAUSAL=causal,
+        HAS_BIAS=False,
+        PRECISION="tf32",
+        TMA=cfg.tma,
+    )
     if kind == "fwd":
-        constants.update(HAS_STATE=False, WARP_SPECIALIZE=cfg.warp_specialize, POSITIVE_SCALE=True)
+        constants.update(HAS_STATE=False, NORMALIZE=True, WARP_SPECIALIZE=cfg.warp_specialize, POSITIVE_SCALE=True)
     else:
-        constants.update(ACCUMULATE=False)
+        constants.update(ACCUMULATE=False, POSITIVE_SCALE=True)
+    if kind == "dkdv":
+        constants.update(QK_ORDER=cfg.qk_order)
     signature.update({name: "constexpr" for name in constants})
-    return triton.compile(ASTSource(fn, signature, constexprs=constants, attrs=attrs),
-                          target=GPUTarget("cuda", 90, 32),
-                          options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
+    return triton.compile(
+        ASTSource(fn, signature, constexprs=constants, attrs=attrs),
+        target=GPUTarget("cuda", 90, 32),
+        options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
+    )
 
 
 def ptxas_report(ptx: str, workdir: Path) -> dict:
@@ -74,22 +86,36 @@ def ptxas_report(ptx: str, workdir: Path) -> dict:
     ptxas = Path(triton.__file__).parent / "backends/nvidia/bin/ptxas"
     path = workdir / "kernel.ptx"
     path.write_text(ptx)
-    res = subprocess.run([str(ptxas), "-arch=sm_90a", "-v", str(path), "-o", os.devnull],
-                         capture_output=True, text=True, check=True)
+    res = subprocess.run(
+        [str(ptxas), "-arch=sm_90a", "-v", str(path), "-o", os.devnull], capture_output=True, text=True, check=True
+    )
     log = res.stderr
-    return {"regs": int(re.search(r"Used (\d+) registers", log).group(1)),
-            "spill_bytes": int(re.search(r"(\d+) bytes spill stores", log).group(1)),
-            "warnings": sorted(set(re.findall(r"\((C7\d+)\)", log)))}
+    return {
+        "regs": int(re.search(r"Used (\d+) registers", log).group(1)),
+        "spill_bytes": int(re.search(r"(\d+) bytes spill stores", log).group(1)),
+        "warnings": sorted(set(re.findall(r"\((C7\d+)\)", log))),
+    }
 
 
 def report(kind: str, D: int, causal: bool, cfg: configs.KernelConfig, workdir: Path, dump: Path | None = None) -> dict:
     kern = compile_for_hopper(kind, D, causal, cfg)
     ptx = kern.asm["ptx"]
-    row = {"kind": kind, "D": D, "causal": causal, "config": asdict(cfg), "shared": kern.metadata.shared,
-           "fits": kern.metadata.shared <= HOPPER_SHARED_BYTES,
-           "waits": dict(sorted(collections.Counter(
-               int(n) for n in re.findall(r"wgmma\.wait_group\.sync\.aligned\s+(\d+)", ptx)).items())),
-           **ptxas_report(ptx, workdir)}
+    row = {
+        "kind": kind,
+        "D": D,
+        "causal": causal,
+        "config": asdict(cfg),
+        "shared": kern.metadata.shared,
+        "fits": kern.metadata.shared <= HOPPER_SHARED_BYTES,
+        "waits": dict(
+            sorted(
+                collections.Counter(
+                    int(n) for n in re.findall(r"wgmma\.wait_group\.sync\.aligned\s+(\d+)", ptx)
+                ).items()
+            )
+        ),
+        **ptxas_report(ptx, workdir),
+    }
     if dump:
         dump.mkdir(parents=True, exist_ok=True)
         stem = f"{kind}_d{D}_c{int(causal)}_{cfg.block_m}x{cfg.block_n}_w{cfg.num_warps}_s{cfg.num_stages}"
@@ -102,8 +128,13 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--kind", nargs="+", default=list(KERNELS), choices=list(KERNELS))
     ap.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
-    ap.add_argument("--shape", type=int, nargs=4, metavar=("BLOCK_M", "BLOCK_N", "WARPS", "STAGES"),
-                    help="this block shape (with tensor descriptors) instead of the built-in one")
+    ap.add_argument(
+        "--shape",
+        type=int,
+        nargs=4,
+        metavar=("BLOCK_M", "BLOCK_N", "WARPS", "STAGES"),
+        help="this block shape (with tensor descriptors) instead of the built-in one",
+    )
     ap.add_argument("--dump", type=Path, help="write each kernel's PTX and TTGIR here")
     ap.add_argument("--json", type=Path, help="write the rows here")
     args = ap.parse_args()
@@ -116,9 +147,12 @@ def main():
                     r = report(kind, D, causal, cfg, Path(tmp), args.dump)
                     rows.append(r)
                     fits = "" if r["fits"] else " (over the H200's shared memory)"
-                    print(f"{kind:4s} D={D:<3d} causal={causal!s:5s} {cfg.block_m}x{cfg.block_n} w{cfg.num_warps} "
-                          f"s{cfg.num_stages} tma={cfg.tma!s:5s} regs={r['regs']} spill_bytes={r['spill_bytes']} "
-                          f"shared={r['shared']}{fits} waits={r['waits']} warnings={r['warnings'] or '-'}", flush=True)
+                    print(
+                        f"{kind:4s} D={D:<3d} causal={causal!s:5s} {cfg.block_m}x{cfg.block_n} w{cfg.num_warps} "
+                        f"s{cfg.num_stages} tma={cfg.tma!s:5s} regs={r['regs']} spill_bytes={r['spill_bytes']} "
+                        f"shared={r['shared']}{fits} waits={r['waits']} warnings={r['warnings'] or '-'}",
+                        flush=True,
+                    )
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))
 

@@ -9,6 +9,7 @@ causal) at one --mode (default fwd+bwd), against P. Left panel: per-GPU TFLOP/s 
 (solid) and of context_parallel with cuDNN (dashed, same colour) where the file has it; right
 panel: ring efficiency (ring / the same rank's work without communication).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -40,12 +41,17 @@ def label(key, heads):
 
 
 def table(series, heads):
-    lines = ["| series | P | ring TFLOP/s per GPU | efficiency | CP cuDNN | ring / CP cuDNN |", "|---|---|---|---|---|---|"]
+    lines = [
+        "| series | P | ring TFLOP/s per GPU | efficiency | CP cuDNN | ring / CP cuDNN |",
+        "|---|---|---|---|---|---|",
+    ]
     for key, points in series.items():
         for P, t in sorted(points.items()):
             cp = t.get("cp_cudnn")
-            lines.append(f"| {label(key, heads)} | {P} | {t['ring']:.0f} | {t['ring'] / t['local']:.2f} | "
-                         + (f"{cp:.0f} | {t['ring'] / cp:.2f} |" if cp else "- | - |"))
+            lines.append(
+                f"| {label(key, heads)} | {P} | {t['ring']:.0f} | {t['ring'] / t['local']:.2f} | "
+                + (f"{cp:.0f} | {t['ring'] / cp:.2f} |" if cp else "- | - |")
+            )
     return "\n".join(lines)
 
 
@@ -55,10 +61,15 @@ def svg(series, heads, mode):
     lo, hi = math.log2(worlds[0]), math.log2(worlds[-1])
     x = lambda P: pad + (math.log2(P) - lo) / ((hi - lo) or 1) * (W - 2 * pad)
     peak = max([t.get(k, 0) for points in series.values() for t in points.values() for k in ("ring", "cp_cudnn")] + [1])
-    panels = [("per-GPU TFLOP/s, " + mode, lambda t: t["ring"], lambda t: t.get("cp_cudnn"), peak * 1.1),
-              ("ring efficiency", lambda t: t["ring"] / t["local"], lambda t: None, 1.05)]
-    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{2 * W}" height="{H + 24 * len(series) + 20}" '
-           'font-family="sans-serif" font-size="11">', '<rect width="100%" height="100%" fill="white"/>']
+    panels = [
+        ("per-GPU TFLOP/s, " + mode, lambda t: t["ring"], lambda t: t.get("cp_cudnn"), peak * 1.1),
+        ("ring efficiency", lambda t: t["ring"] / t["local"], lambda t: None, 1.05),
+    ]
+    out = [
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{2 * W}" height="{H + 24 * len(series) + 20}" '
+        'font-family="sans-serif" font-size="11">',
+        '<rect width="100%" height="100%" fill="white"/>',
+    ]
     for i, (title, ring_y, peer_y, top) in enumerate(panels):
         ox = i * W
         y = lambda v: H - pad + 10 - v / top * (H - 2 * pad)
@@ -69,8 +80,11 @@ def svg(series, heads, mode):
             out.append(f'<text x="{ox + x(P)}" y="{y(0) + 15}" text-anchor="middle">P={P}</text>')
         for j in range(6):
             v = top * j / 5
-            out.append(f'<text x="{ox + pad - 5}" y="{y(v) + 4}" text-anchor="end">{v:.2f}</text>' if top < 2 else
-                       f'<text x="{ox + pad - 5}" y="{y(v) + 4}" text-anchor="end">{v:.0f}</text>')
+            out.append(
+                f'<text x="{ox + pad - 5}" y="{y(v) + 4}" text-anchor="end">{v:.2f}</text>'
+                if top < 2
+                else f'<text x="{ox + pad - 5}" y="{y(v) + 4}" text-anchor="end">{v:.0f}</text>'
+            )
             out.append(f'<line x1="{ox + pad}" y1="{y(v)}" x2="{ox + W - pad}" y2="{y(v)}" stroke="#ddd"/>')
         for n, points in enumerate(series.values()):
             colour = COLOURS[n % len(COLOURS)]
@@ -82,8 +96,10 @@ def svg(series, heads, mode):
                     out += [f'<circle cx="{ox + x(P):.1f}" cy="{y(v):.1f}" r="3" fill="{colour}"/>' for P, v in pts]
     for n, key in enumerate(series):
         yy = H + 10 + 24 * n
-        out.append(f'<line x1="{pad}" y1="{yy}" x2="{pad + 30}" y2="{yy}" stroke="{COLOURS[n % len(COLOURS)]}" '
-                   'stroke-width="2"/>')
+        out.append(
+            f'<line x1="{pad}" y1="{yy}" x2="{pad + 30}" y2="{yy}" stroke="{COLOURS[n % len(COLOURS)]}" '
+            'stroke-width="2"/>'
+        )
         out.append(f'<text x="{pad + 38}" y="{yy + 4}">{label(key, heads)} (dashed: context_parallel cuDNN)</text>')
     out.append("</svg>")
     return "\n".join(out)

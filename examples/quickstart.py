@@ -1,12 +1,13 @@
 """Quickstart: exact causal attention over a sequence sharded across processes.
 
-    RINGFLASH_NPROC=2 launch/run.sh examples/quickstart.py   # 2 processes (CPU: gloo)
-    launch/run.sh examples/quickstart.py                      # one process per GPU (NCCL)
-    python examples/quickstart.py                             # one process
+    ringflash-run --nproc 2 examples/quickstart.py   # 2 processes (CPU: gloo)
+    ringflash-run examples/quickstart.py             # one process per GPU (NCCL)
+    python examples/quickstart.py                    # one process
 
 Every rank holds 1/P of the sequence; ring_flash_attn_func gives each rank its part of the
 output of attention over the WHOLE sequence, which rank 0 checks against one-device attention.
 """
+
 import sys
 
 import torch
@@ -32,8 +33,11 @@ if rank == 0:
     ref = ringflash.flash_attn_func(q, k, v, causal=True)  # the whole sequence on one device
     err = (out.float() - ref.float()).abs().max().item()
     tol = 3e-2 if dtype == torch.bfloat16 else 1e-4
-    print(f"world {world}, {device.type}, {dtype}: q {tuple(q.shape)} -> local {tuple(q_local.shape)}; "
-          f"ring vs one-device max abs error {err:.2e} (tolerance {tol:.0e})", flush=True)
+    print(
+        f"world {world}, {device.type}, {dtype}: q {tuple(q.shape)} -> local {tuple(q_local.shape)}; "
+        f"ring vs one-device max abs error {err:.2e} (tolerance {tol:.0e})",
+        flush=True,
+    )
     failed = not err <= tol
 close()
 sys.exit(1 if failed else 0)

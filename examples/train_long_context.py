@@ -4,11 +4,11 @@ Sequence parallelism: every rank holds all the parameters and 1/P of the tokens 
 sequence (its shard, layout zigzag or contiguous); attention runs on ringflash's ring, so each
 token attends to the whole causal prefix although no rank ever holds the whole sequence.
 
-    RINGFLASH_NPROC=2 launch/run.sh examples/train_long_context.py            # CPU, gloo, ~1 min
-    RINGFLASH_NPROC=2 launch/run.sh examples/train_long_context.py --check    # vs one process
-    python examples/train_long_context.py --steps 50                          # one process
+    ringflash-run --nproc 2 examples/train_long_context.py            # CPU: gloo, ~1 min on 2 cores
+    ringflash-run --nproc 2 examples/train_long_context.py --check    # and compare with one process
+    python examples/train_long_context.py --steps 50                  # one process
     # 2 GPUs (NCCL), 128K tokens per sequence:
-    RINGFLASH_NPROC=2 launch/run.sh examples/train_long_context.py --seq-len 131072 \\
+    ringflash-run --nproc 2 examples/train_long_context.py --seq-len 131072 \\
         --dtype bfloat16 --dim 512 --layers 4 --heads 8 --kv-heads 2 --steps 100 --log-every 5
 
 --check: after the run, every rank also trains the same model (same seed, same data) in one
@@ -20,6 +20,7 @@ The text is generated in-process from a seeded RNG (no downloads): paragraphs ab
 with made-up names, so there is both grammar to learn and names that can only be predicted by
 looking back in the context.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -45,10 +46,28 @@ ROPE_BASE = 10000.0
 
 _SYLLABLES = ["ka", "lo", "mi", "zu", "ter", "bax", "ro", "ni", "vel", "qua", "dor", "shi", "pen", "yo"]
 _VERBS = ["found", "lost", "painted", "carried", "sold", "hid", "borrowed", "fixed", "dropped", "counted"]
-_THINGS = ["a red box", "the old map", "seven stones", "a tiny boat", "the blue lamp", "two keys",
-           "a wooden spoon", "the silver coin", "three apples", "a broken clock"]
-_PLACES = ["near the river", "in the garden", "under the bridge", "at the market", "behind the mill",
-           "on the hill", "in the kitchen", "by the sea"]
+_THINGS = [
+    "a red box",
+    "the old map",
+    "seven stones",
+    "a tiny boat",
+    "the blue lamp",
+    "two keys",
+    "a wooden spoon",
+    "the silver coin",
+    "three apples",
+    "a broken clock",
+]
+_PLACES = [
+    "near the river",
+    "in the garden",
+    "under the bridge",
+    "at the market",
+    "behind the mill",
+    "on the hill",
+    "in the kitchen",
+    "by the sea",
+]
 
 
 def make_corpus(n_bytes: int, seed: int) -> torch.Tensor:
@@ -71,11 +90,12 @@ def get_sequence(corpus: torch.Tensor, step: int, seq_len: int, seed: int):
     """The step's (inputs, targets), each (1, seq_len) int64: a window of seq_len + 1 bytes at an
     offset that depends only on (seed, step), so every rank and the --check run see the same data."""
     start = random.Random(seed * 1_000_003 + step).randrange(len(corpus) - seq_len)
-    window = corpus[start:start + seq_len + 1].long()
+    window = corpus[start : start + seq_len + 1].long()
     return window[None, :-1], window[None, 1:]
 
 
 # ----------------------------------------------------------------------------- model
+
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float = 1e-6):
@@ -177,6 +197,7 @@ class GPT(nn.Module):
 
 # ----------------------------------------------------------------------------- training
 
+
 def all_reduce_grads(model: nn.Module) -> None:
     """Each rank's gradients are partial sums over its own tokens' loss terms (ring attention
     already sends dK/dV home across ranks): summing them over ranks gives the full gradient.
@@ -244,11 +265,19 @@ def parse_args(argv=None):
     p.add_argument("--layout", choices=["zigzag", "contiguous"], default="zigzag")
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
-                   help="bfloat16: autocast the matmuls and attention (float32 weights and optimizer)")
-    p.add_argument("--grad-accum", choices=["float32", "input"], default="float32",
-                   help="the ring's gradient accumulators: float32 (exact), or with --dtype bfloat16 the "
-                        "inputs' bfloat16 (less memory, gradient error growing with the number of ranks)")
+    p.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16"],
+        default="float32",
+        help="bfloat16: autocast the matmuls and attention (float32 weights and optimizer)",
+    )
+    p.add_argument(
+        "--grad-accum",
+        choices=["float32", "input"],
+        default="float32",
+        help="the ring's gradient accumulators: float32 (exact), or with --dtype bfloat16 the "
+        "inputs' bfloat16 (less memory, gradient error growing with the number of ranks)",
+    )
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--check", action="store_true", help="compare with a one-process run (see above)")
     p.add_argument("--check-steps", type=int, default=3)
@@ -264,15 +293,27 @@ def parse_args(argv=None):
 
 
 def main(argv=None) -> int:
+    started = time.perf_counter()
     args = parse_args(argv)
     rank, world, device = init_from_env(timeout_s=args.timeout)
     say = (lambda *a: print(*a, flush=True)) if rank == 0 else (lambda *a: None)
+    parts = world * (2 if args.layout == "zigzag" else 1)
+    if args.seq_len % parts:
+        lo = args.seq_len // parts * parts
+        say(
+            f"--seq-len {args.seq_len} does not split into {parts} equal chunks for layout {args.layout!r} on "
+            f"{world} ranks: use a multiple of {parts}, e.g. {lo or parts} or {lo + parts}"
+        )
+        close()
+        return 2
     backend = dist.get_backend() if dist.is_initialized() else "none"
     accum = "bfloat16" if args.grad_accum == "input" and args.dtype == "bfloat16" else "float32"
-    say(f"world {world} ({backend}, {device.type}), layout {args.layout}, {args.dtype}, {accum} gradient "
+    say(
+        f"world {world} ({backend}, {device.type}), layout {args.layout}, {args.dtype}, {accum} gradient "
         f"accumulators: sequence of "
         f"{args.seq_len} tokens, {args.seq_len // world} per rank; dim {args.dim}, {args.layers} layers, "
-        f"{args.heads} heads / {args.kv_heads} kv heads")
+        f"{args.heads} heads / {args.kv_heads} kv heads"
+    )
     corpus = make_corpus(max(4 * (args.seq_len + 1), 1 << 18), args.seed)
 
     clock = {"t": 0.0, "step": 1}
@@ -310,6 +351,11 @@ def main(argv=None) -> int:
             say(f"check FAILED: max rel diff {worst:.1e} > {rtol:g}")
             status = 1
     close()
+    verdict = "OK" if status == 0 else "FAILED"
+    say(
+        f"{verdict}: {args.steps} steps on {world} rank(s), loss {losses[0]:.3f} -> {losses[-1]:.3f}"
+        f"{', check passed' if args.check and status == 0 else ''}; total {time.perf_counter() - started:.1f} s"
+    )
     return status
 
 

@@ -1,8 +1,10 @@
 """ringflash: exact multi-GPU sequence-parallel ring attention with Triton flash kernels."""
+
+from . import nn
 from .layout import local_positions, shard, unshard
 from .local import flash_attn_func
 from .merge import merge_attn_states
 from .ring import ring_flash_attn_func
 
-__all__ = ["flash_attn_func", "ring_flash_attn_func", "merge_attn_states", "shard", "unshard", "local_positions"]
+__all__ = ["flash_attn_func", "ring_flash_attn_func", "merge_attn_states", "shard", "unshard", "local_positions", "nn"]
 __version__ = "0.1.0"

@@ -3,6 +3,7 @@
 Errors name the argument and the shapes involved and are raised before any kernel launches
 or any collective starts.
 """
+
 from __future__ import annotations
 
 import math
@@ -37,9 +38,7 @@ def check_qkv(q, k, v, api: str) -> AttnDims:
     for name, t in (("q", q), ("k", k), ("v", v)):
         check_tensor(name, t, api)
         if t.dim() != 4:
-            raise ValueError(
-                f"{api}: {name} must be 4-D (batch, seqlen, heads, head_dim), got shape {_shape(t)}"
-            )
+            raise ValueError(f"{api}: {name} must be 4-D (batch, seqlen, heads, head_dim), got shape {_shape(t)}")
         if t.dtype not in SUPPORTED_DTYPES:
             raise TypeError(
                 f"{api}: {name} has dtype {t.dtype}; supported: float16, bfloat16, float32 "
@@ -48,9 +47,7 @@ def check_qkv(q, k, v, api: str) -> AttnDims:
     if not (q.dtype == k.dtype == v.dtype):
         raise TypeError(f"{api}: q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     if not (q.device == k.device == v.device):
-        raise ValueError(
-            f"{api}: q, k, v must be on one device, got {q.device}, {k.device}, {v.device}"
-        )
+        raise ValueError(f"{api}: q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
     B, Sq, Hq, D = q.shape
     if k.shape != v.shape:
         raise ValueError(f"{api}: k and v must have the same shape, got k {_shape(k)} and v {_shape(v)}")
@@ -60,9 +57,7 @@ def check_qkv(q, k, v, api: str) -> AttnDims:
     if Dk != D:
         raise ValueError(f"{api}: head_dim differs: q {_shape(q)} vs k {_shape(k)}")
     if Hkv == 0 or Hq % Hkv != 0:
-        raise ValueError(
-            f"{api}: q heads ({Hq}) must be a multiple of k/v heads ({Hkv}); q {_shape(q)}, k {_shape(k)}"
-        )
+        raise ValueError(f"{api}: q heads ({Hq}) must be a multiple of k/v heads ({Hkv}); q {_shape(q)}, k {_shape(k)}")
     if not (MIN_HEAD_DIM <= D <= MAX_HEAD_DIM and D % HEAD_DIM_MULTIPLE == 0):
         raise ValueError(
             f"{api}: head_dim {D} unsupported (q {_shape(q)}); need a multiple of "
@@ -89,8 +84,10 @@ def resolve_grad_accum(grad_accum_dtype, input_dtype: torch.dtype, exact: torch.
     if grad_accum_dtype is None:
         return exact
     if not isinstance(grad_accum_dtype, torch.dtype) or grad_accum_dtype not in (exact, input_dtype):
-        raise ValueError(f"{api}: grad_accum_dtype must be None, {exact} or the inputs' dtype {input_dtype}, "
-                         f"got {grad_accum_dtype!r}")
+        raise ValueError(
+            f"{api}: grad_accum_dtype must be None, {exact} or the inputs' dtype {input_dtype}, "
+            f"got {grad_accum_dtype!r}"
+        )
     return grad_accum_dtype
 
 

@@ -1,5 +1,9 @@
-"""RingComm: asynchronous send-to-next / receive-from-previous over any process group."""
+"""Process groups: who is in the ring, ranks agreeing on a call, and the point-to-point
+exchange with the ring neighbours (RingComm; LocalComm for a single rank)."""
+
 from __future__ import annotations
+
+import os
 
 import torch
 import torch.distributed as dist
@@ -11,11 +15,23 @@ def resolve_group(group):
 
 
 def group_rank_world(group) -> tuple[int, int]:
-    """(rank, world size) in `group`; (0, 1) when no process group is initialized."""
-    if not (dist.is_available() and dist.is_initialized()):
-        return 0, 1
-    group = resolve_group(group)
-    return dist.get_rank(group), dist.get_world_size(group)
+    """(rank, world size) in `group`; (0, 1) when no process group is initialized.
+
+    Under a launcher that says there are several processes (WORLD_SIZE > 1) but with no
+    process group, this raises instead of quietly treating each process as the whole ring
+    (which would shard nothing and compute every rank's part as if it were all).
+    """
+    if dist.is_available() and dist.is_initialized():
+        group = resolve_group(group)
+        return dist.get_rank(group), dist.get_world_size(group)
+    world_env = os.environ.get("WORLD_SIZE", "1")
+    if group is None and world_env.isdigit() and int(world_env) > 1:
+        raise RuntimeError(
+            f"ringflash: WORLD_SIZE={world_env} but no torch.distributed process group is initialized; "
+            "call ringflash.dist_env.init_from_env() (or torch.distributed.init_process_group) first, "
+            "or use ringflash.flash_attn_func for attention on one device"
+        )
+    return 0, 1
 
 
 def _backend_for(group, device_type: str):
@@ -48,34 +64,71 @@ def _exchange_device(group, preferred) -> torch.device:
     return torch.device("cuda", torch.cuda.current_device())
 
 
+def _collective_failure(group, api: str, error: Exception) -> RuntimeError:
+    rank = dist.get_rank()
+    return RuntimeError(
+        f"ringflash {api}: the check that every rank of the group passed the same call failed on rank {rank}; "
+        f"a rank may have died or stopped calling, or the process group timed out: {error}"
+    )
+
+
 def agree_across_ranks(group, fields: dict, local_error, api: str, device=None, show=None) -> None:
     """Make every rank of `group` fail together instead of hanging or computing garbage.
 
     Each rank contributes whether its own validation passed (local_error is None) and its
     integer `fields` (same keys on every rank), in one small all_gather. Then: a rank whose
-    own check failed raises its error; the others raise a ValueError naming the failed ranks;
-    if all passed but some field differs, every rank raises the same ValueError listing each
-    rank's value. show(name, value) formats a value for the message.
+    own check failed raises its error; the others raise a ValueError that quotes it (a second
+    collective, on that path only); if all passed but some field differs, every rank raises the
+    same ValueError listing each rank's value. show(name, value) formats a value for the
+    message. A collective that fails (a dead rank, a timeout) raises a RuntimeError naming
+    ringflash and the call.
     """
     group = resolve_group(group)
     row = [1 if local_error is None else 0] + [int(v) for v in fields.values()]
     mine = torch.tensor(row, dtype=torch.int64, device=_exchange_device(group, device))
     every = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(every, mine, group=group)
-    rows = [t.tolist() for t in every]
+    try:
+        dist.all_gather(every, mine, group=group)
+        rows = [t.tolist() for t in every]
+        failed = [r for r, other in enumerate(rows) if other[0] == 0]
+        messages = [None] * len(rows)
+        if failed:
+            dist.all_gather_object(messages, None if local_error is None else str(local_error), group=group)
+    except RuntimeError as e:
+        raise _collective_failure(group, api, e) from e
     if local_error is not None:
         raise local_error
-    failed = [r for r, other in enumerate(rows) if other[0] == 0]
     if failed:
-        raise ValueError(f"{api}: rank(s) {failed} of the group rejected their inputs (see their error)")
+        quoted = "; ".join(f"rank {r}: {messages[r]}" for r in failed)
+        raise ValueError(f"{api}: rank(s) {failed} of the group rejected their inputs ({quoted})")
     show = show or (lambda name, v: str(v))
     names = list(fields)
     diffs = [i for i in range(len(names)) if len({other[i + 1] for other in rows}) > 1]
     if diffs:
         detail = "; ".join(
             f"{names[i]}: " + ", ".join(f"rank {r}={show(names[i], other[i + 1])}" for r, other in enumerate(rows))
-            for i in diffs)
+            for i in diffs
+        )
         raise ValueError(f"{api}: ranks of the group disagree ({detail})")
+
+
+def validated_across_ranks(group, api: str, validate, field_names, *, device=None, show=None):
+    """Run validate() -> (fields, result) on every rank and agree across `group`: returns
+    result when every rank's validation passed with equal fields, else raises on every rank
+    (agree_across_ranks). With one rank, validate()'s errors propagate as they are.
+
+    validate raises TypeError / ValueError for bad input; fields is a dict of ints with the
+    keys `field_names` (a rank whose validation failed contributes zeros)."""
+    _, world = group_rank_world(group)
+    if world == 1:
+        return validate()[1]
+    try:
+        fields, result = validate()
+        error = None
+    except (TypeError, ValueError) as e:
+        fields, result, error = dict.fromkeys(field_names, 0), None, e
+    agree_across_ranks(group, fields, error, api, device=device, show=show)
+    return result
 
 
 _TAGS = {"kv": 0, "grad": 1}
@@ -92,14 +145,15 @@ class RingComm:
         self.next = dist.get_global_rank(self.group, (self.rank + 1) % self.world)
         self.prev = dist.get_global_rank(self.group, (self.rank - 1) % self.world)
 
-    def start(self, send: list[torch.Tensor], recv: list[torch.Tensor], kind: str, *, step: int,
-              heads: slice | None = None):
+    def start(
+        self, send: list[torch.Tensor], recv: list[torch.Tensor], kind: str, *, step: int, heads: slice | None = None
+    ):
         """Send `send` to the next rank and receive `recv` from the previous one, asynchronously.
         kind: "kv" (key/value blocks) or "grad" (dK/dV accumulators); the two may be in flight
         at once and are kept apart by tag; messages of one kind match in the order they are
         started. step (the ring step) and heads (the kv heads a "grad" exchange carries) are
-        what ReplayComm needs to play one; the ring passes them to either. Returns handles
-        for wait()."""
+        what ringflash.testing.ReplayComm needs to play one; the ring passes them to either.
+        Returns handles for wait()."""
         tag = _TAGS[kind]
         ops = [dist.P2POp(dist.isend, t, self.next, self.group, tag) for t in send]
         ops += [dist.P2POp(dist.irecv, t, self.prev, self.group, tag) for t in recv]
@@ -119,40 +173,18 @@ class RingComm:
         return RuntimeError(
             f"ringflash: the ring exchange of rank {dist.get_global_rank(self.group, self.rank)} with "
             f"rank {self.prev} (receiving) / rank {self.next} (sending) failed; a rank may have died or "
-            f"stopped calling the ring, or the process group timed out: {error}")
+            f"stopped calling the ring, or the process group timed out: {error}"
+        )
 
 
-class ReplayComm:
-    """Plays rank `rank` of a `world`-rank ring inside one process (no process group), so the
-    ring's CUDA path can be checked and timed on a single GPU.
+class LocalComm:
+    """The ring of one rank: nothing is ever exchanged (the ring loop makes no exchange when
+    world == 1), so the same engine serves a single device."""
 
-    The K/V blocks "received" at step s are copied from `blocks[(rank - s - 1) % world]`, the
-    tuple of tensors (k, v, and the key bias if any) that rank holds. Gradient accumulators
-    sent on at step s belong to the block of rank (rank - s) % world; with `record` set each is
-    recorded in `sent_grads` as (owner rank, kv heads slice, [dk, dv]), and zeros come back, so
-    adding the records of every replayed rank into dk[:, :, heads] / dv[:, :, heads] gives each
-    block's dK/dV.
-    """
-
-    def __init__(self, rank: int, world: int, blocks, record: bool = True):
-        if world < 2:
-            raise ValueError("ReplayComm needs world >= 2")
-        self.rank, self.world = rank, world
-        self.blocks = blocks
-        self.record = record
-        self.sent_grads = []
+    rank, world = 0, 1
 
     def start(self, send, recv, kind: str, *, step: int, heads: slice | None = None):
-        if kind == "kv":
-            for buf, t in zip(recv, self.blocks[(self.rank - step - 1) % self.world], strict=True):
-                buf.copy_(t)
-        else:
-            if self.record:
-                owner = (self.rank - step) % self.world
-                self.sent_grads.append((owner, slice(None) if heads is None else heads, [t.clone() for t in send]))
-            for t in recv:
-                t.zero_()
-        return None
+        raise AssertionError("a one-rank ring exchanges nothing")
 
     @staticmethod
     def wait(handles) -> None:

@@ -1,4 +1,5 @@
 """Process-group set-up for scripts started by torchrun (examples, benchmarks, GPU tests)."""
+
 from __future__ import annotations
 
 import os

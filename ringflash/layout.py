@@ -4,14 +4,15 @@ contiguous: rank r holds the r-th of P equal slices. zigzag: the sequence is cut
 chunks and rank r holds chunks r and 2P-1-r, so causal work is equal on every rank at every
 ring step. shard(x) == x[:, local_positions(...)] in both.
 """
+
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
 
 from ._checks import check_tensor
-from .comm import agree_across_ranks, group_rank_world, resolve_group
-from .schedule import check_divisible, check_layout, segments
+from .comm import group_rank_world, resolve_group, validated_across_ranks
+from .schedule import LAYOUTS, check_divisible, check_layout, segments
 
 
 def _norm_dim(x: torch.Tensor, dim: int, api: str) -> int:
@@ -90,27 +91,28 @@ def unshard(x_local, *, group=None, layout="zigzag", dim=1):
     Differentiable. The gathered tensor is treated as the same value on every rank: the
     gradient reaching x_local is this rank's part of this rank's gradient (so computing one
     loss from the unsharded tensor on every rank gives single-device gradients).
-    All ranks must pass equal shapes; the local length must divide into the layout's chunks.
+    All ranks must pass equal shapes and the same layout and dim (checked: a mismatch raises
+    on every rank); the local length must divide into the layout's chunks.
     """
     api = "unshard"
     rank, world = group_rank_world(group)
-    error, shape = None, ()
-    try:
+    device = getattr(x_local, "device", None)
+
+    def validate_rank():
         check_tensor("x_local", x_local, api)
         check_layout(layout, api)
-        dim = _norm_dim(x_local, dim, api)
-        if world > 1 and layout == "zigzag" and x_local.shape[dim] % 2:
-            raise ValueError(f"{api}: local length {x_local.shape[dim]} on dim {dim} must be even for layout 'zigzag'")
-        shape = (dim, x_local.dim(), *x_local.shape)
-    except (TypeError, ValueError) as e:
-        if world == 1:
-            raise
-        error = e
+        d = _norm_dim(x_local, dim, api)
+        if world > 1 and layout == "zigzag" and x_local.shape[d] % 2:
+            raise ValueError(f"{api}: local length {x_local.shape[d]} on dim {d} must be even for layout 'zigzag'")
+        return {"layout": LAYOUTS.index(layout), "dim": d, "ndim": x_local.dim()}, d
+
+    names = ("layout", "dim", "ndim")
+    dim = validated_across_ranks(
+        group, api, validate_rank, names, device=device, show=lambda name, v: LAYOUTS[v] if name == "layout" else str(v)
+    )
     if world == 1:
         return x_local
-    # all_gather needs equal shapes: agree first (up to 8 dims), so a mismatch raises everywhere
-    fields = {"dim": 0, "ndim": 0, **{f"size[{i}]": 0 for i in range(8)}}
-    for key, value in zip(fields, shape):
-        fields[key] = value
-    agree_across_ranks(group, fields, error, api, device=getattr(x_local, "device", None))
+    # all_gather needs equal shapes: agree on every size, now that the rank count is agreed
+    sizes = {f"size[{i}]": n for i, n in enumerate(x_local.shape)}
+    validated_across_ranks(group, api, lambda: (sizes, None), tuple(sizes), device=device)
     return _Unshard.apply(x_local, group, layout, dim)

@@ -1,11 +1,16 @@
 """Single-device attention: flash_attn_func, and the block operations the ring is built from.
 
 Backend choice: CUDA tensors run the Triton kernels, CPU tensors the plain-torch blockwise
-implementation (ringflash.reference). RINGFLASH_BACKEND=triton or =torch forces one; Triton
-on CPU tensors needs TRITON_INTERPRET=1 set before ringflash is imported.
+implementation (ringflash.reference). The environment variable RINGFLASH_BACKEND=triton or
+=torch, read once when ringflash is imported, forces one for the whole process; use_backend()
+forces one inside a `with` block. Triton on CPU tensors runs Triton's interpreter, which needs
+TRITON_INTERPRET=1 set before ringflash (and triton) are imported.
 """
+
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import os
 
@@ -18,16 +23,44 @@ from .merge import SoftmaxState, state_dtype
 
 BACKENDS = ("triton", "torch")
 
+# read once: RINGFLASH_BACKEND (checked at first use, so a bad value cannot break the import)
+# and whether Triton runs its CPU interpreter (triton reads it once, at import, too)
+_ENV_BACKEND = os.environ.get("RINGFLASH_BACKEND", "").strip().lower() or None
+_INTERPRETER = os.environ.get("TRITON_INTERPRET") == "1"
+_FORCED = contextvars.ContextVar("ringflash_backend", default=None)
+
+
+def _check_backend(name, source: str) -> str:
+    if name not in BACKENDS:
+        raise ValueError(f"{source}={name!r}; expected one of {BACKENDS}")
+    return name
+
+
+@contextlib.contextmanager
+def use_backend(name: str):
+    """Inside the block, block operations run on backend `name` ("triton" or "torch")
+    whatever the device, as RINGFLASH_BACKEND does for the whole process."""
+    token = _FORCED.set(_check_backend(name, "use_backend"))
+    try:
+        yield
+    finally:
+        _FORCED.reset(token)
+
 
 def backend_name(device: torch.device) -> str:
-    forced = os.environ.get("RINGFLASH_BACKEND", "").strip().lower()
-    if forced:
-        if forced not in BACKENDS:
-            raise ValueError(f"RINGFLASH_BACKEND={forced!r}; expected one of {BACKENDS}")
-        if forced == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-            raise RuntimeError("RINGFLASH_BACKEND=triton on CPU tensors needs TRITON_INTERPRET=1")
-        return forced
-    return "triton" if device.type == "cuda" else "torch"
+    """The backend tensors on `device` run on: use_backend's, else RINGFLASH_BACKEND's, else
+    "triton" for CUDA and "torch" for anything else."""
+    forced = _FORCED.get()
+    if forced is None and _ENV_BACKEND is not None:
+        forced = _check_backend(_ENV_BACKEND, "RINGFLASH_BACKEND")
+    if forced is None:
+        return "triton" if device.type == "cuda" else "torch"
+    if forced == "triton" and device.type != "cuda" and not _INTERPRETER:
+        raise RuntimeError(
+            "the triton backend on CPU tensors needs TRITON_INTERPRET=1 set before ringflash "
+            "is imported (Triton's interpreter)"
+        )
+    return forced
 
 
 def _backend(device: torch.device):
@@ -60,8 +93,17 @@ def block_forward(q, k, v, state, *, q_start, k_start, causal, scale, fold, norm
             state.l.zero_()
         return False
     _backend(q.device).forward(
-        _unit_stride(q), _unit_stride(k), _unit_stride(v), state, q_start=q_start, k_start=k_start,
-        causal=vis is Visibility.PARTIAL, scale=scale, fold=fold, normalize=normalize, key_bias=key_bias,
+        _unit_stride(q),
+        _unit_stride(k),
+        _unit_stride(v),
+        state,
+        q_start=q_start,
+        k_start=k_start,
+        causal=vis is Visibility.PARTIAL,
+        scale=scale,
+        fold=fold,
+        normalize=normalize,
+        key_bias=key_bias,
     )
     return True
 
@@ -71,8 +113,7 @@ def attention_delta(o, do):
     return _backend(o.device).delta(_unit_stride(o), _unit_stride(do))
 
 
-def block_backward(q, k, v, m, l, do, delta, dq, dk, dv, *, q_start, k_start, causal, scale, accumulate,
-                   key_bias=None):
+def block_backward(q, k, v, m, l, do, delta, dq, dk, dv, *, q_start, k_start, causal, scale, accumulate, key_bias=None):
     """Gradients of the block (q at q_start.., k/v at k_start..) given the final row
     statistics m, l (SoftmaxState.m / .l) and delta, (B, Hq, Sq) each, of the query rows:
     added into (accumulate=True) or written to dq (B, Sq, Hq, D), dk and dv (B, Sk, Hkv, D).
@@ -86,9 +127,22 @@ def block_backward(q, k, v, m, l, do, delta, dq, dk, dv, *, q_start, k_start, ca
                     t.zero_()
         return False
     _backend(q.device).backward(
-        _unit_stride(q), _unit_stride(k), _unit_stride(v), m, l, _unit_stride(do), delta, dq, dk, dv,
-        q_start=q_start, k_start=k_start, causal=vis is Visibility.PARTIAL, scale=scale,
-        accumulate=accumulate, key_bias=key_bias,
+        _unit_stride(q),
+        _unit_stride(k),
+        _unit_stride(v),
+        m,
+        l,
+        _unit_stride(do),
+        delta,
+        dq,
+        dk,
+        dv,
+        q_start=q_start,
+        k_start=k_start,
+        causal=vis is Visibility.PARTIAL,
+        scale=scale,
+        accumulate=accumulate,
+        key_bias=key_bias,
     )
     return True
 
@@ -125,8 +179,19 @@ class _FlashAttn(torch.autograd.Function):
     def forward(ctx, q, k, v, key_bias, causal, scale):
         q_start, k_start = local_causal_offsets(q.shape[1], k.shape[1]) if causal else (0, 0)
         state = SoftmaxState.empty(torch.empty_like(q, memory_format=torch.contiguous_format))
-        block_forward(q, k, v, state, q_start=q_start, k_start=k_start, causal=causal, scale=scale,
-                      fold=False, normalize=True, key_bias=key_bias)
+        block_forward(
+            q,
+            k,
+            v,
+            state,
+            q_start=q_start,
+            k_start=k_start,
+            causal=causal,
+            scale=scale,
+            fold=False,
+            normalize=True,
+            key_bias=key_bias,
+        )
         ctx.save_for_backward(q, k, v, state.o, state.m, state.l, key_bias)
         ctx.offsets = (q_start, k_start, causal, scale)
         ctx.set_materialize_grads(False)
@@ -141,8 +206,24 @@ class _FlashAttn(torch.autograd.Function):
         dq = torch.empty_like(q, memory_format=torch.contiguous_format)
         dk = torch.empty_like(k, memory_format=torch.contiguous_format)
         dv = torch.empty_like(v, memory_format=torch.contiguous_format)
-        block_backward(q, k, v, m, l, do, delta, dq, dk, dv, q_start=q_start, k_start=k_start,
-                       causal=causal, scale=scale, accumulate=False, key_bias=key_bias)
+        block_backward(
+            q,
+            k,
+            v,
+            m,
+            l,
+            do,
+            delta,
+            dq,
+            dk,
+            dv,
+            q_start=q_start,
+            k_start=k_start,
+            causal=causal,
+            scale=scale,
+            accumulate=False,
+            key_bias=key_bias,
+        )
         return dq, dk, dv, None, None, None
 
 

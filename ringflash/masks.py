@@ -4,6 +4,7 @@ A block is query rows [q_start, q_start + n_q) against key rows [k_start, k_star
 The same rule covers a local diagonal block, a fully visible block and every offset a ring
 step produces. Pure Python.
 """
+
 from __future__ import annotations
 
 import enum

@@ -8,6 +8,7 @@ beside the normalizer, instead of only lse = m + log l, is what lets the backwar
 probability with the forward's own arithmetic: at |scores| ~ 1e4 a float32 lse carries ~1e-3 of
 rounding, which exp turns into a 1e-3 relative error on the dominant weight.
 """
+
 from __future__ import annotations
 
 from typing import NamedTuple
@@ -39,7 +40,7 @@ class SoftmaxState(NamedTuple):
     l: torch.Tensor
 
     @staticmethod
-    def empty(o: torch.Tensor) -> "SoftmaxState":
+    def empty(o: torch.Tensor) -> SoftmaxState:
         """A state for the rows of `o` (B, S, H, D) with m and l allocated as one (2, B, H, S)
         buffer of the state dtype, contents undefined."""
         B, S, H, _ = o.shape
@@ -47,7 +48,7 @@ class SoftmaxState(NamedTuple):
         return SoftmaxState(o, stats[0], stats[1])
 
     @staticmethod
-    def zeros(shape, dtype: torch.dtype, device) -> "SoftmaxState":
+    def zeros(shape, dtype: torch.dtype, device) -> SoftmaxState:
         """The state of rows that have seen no key yet: o = 0, m = -inf, l = 0."""
         B, S, H, _ = shape
         stats = torch.empty(2, B, H, S, dtype=dtype, device=device)
@@ -55,7 +56,7 @@ class SoftmaxState(NamedTuple):
         stats[1].zero_()
         return SoftmaxState(torch.zeros(shape, dtype=dtype, device=device), stats[0], stats[1])
 
-    def rows(self, rows: slice) -> "SoftmaxState":
+    def rows(self, rows: slice) -> SoftmaxState:
         return SoftmaxState(self.o[:, rows], self.m[:, :, rows], self.l[:, :, rows])
 
     def lse(self) -> torch.Tensor:
@@ -99,7 +100,9 @@ def merge_attn_states(o_a, lse_a, o_b, lse_b):
     B, S, H, _ = o_a.shape
     for name, t in (("lse_a", lse_a), ("lse_b", lse_b)):
         if tuple(t.shape) != (B, H, S):
-            raise ValueError(f"{api}: {name} must have shape (B, H, S) = {(B, H, S)} for o {_shape(o_a)}, got {_shape(t)}")
+            raise ValueError(
+                f"{api}: {name} must have shape (B, H, S) = {(B, H, S)} for o {_shape(o_a)}, got {_shape(t)}"
+            )
     devices = {t.device for t in (o_a, lse_a, o_b, lse_b)}
     if len(devices) != 1:
         raise ValueError(f"{api}: all inputs must be on one device, got {sorted(map(str, devices))}")

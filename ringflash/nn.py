@@ -1,6 +1,7 @@
 """RingMultiheadAttention: a drop-in for torch.nn.MultiheadAttention whose attention runs on
 the ring. The module never calls torch.distributed itself; ring_flash_attn_func does.
 """
+
 from __future__ import annotations
 
 import warnings
@@ -32,16 +33,40 @@ class RingMultiheadAttention(nn.MultiheadAttention):
     add_bias_kv, add_zero_attn, dropout > 0 while training.
     """
 
-    def __init__(self, embed_dim, num_heads, dropout=0.0, bias=True, add_bias_kv=False, add_zero_attn=False,
-                 kdim=None, vdim=None, batch_first=False, device=None, dtype=None, *, group=None,
-                 layout="zigzag", grad_accum_dtype=None):
+    def __init__(
+        self,
+        embed_dim,
+        num_heads,
+        dropout=0.0,
+        bias=True,
+        add_bias_kv=False,
+        add_zero_attn=False,
+        kdim=None,
+        vdim=None,
+        batch_first=False,
+        device=None,
+        dtype=None,
+        *,
+        group=None,
+        layout="zigzag",
+        grad_accum_dtype=None,
+    ):
         if add_bias_kv:
             raise NotImplementedError("RingMultiheadAttention: add_bias_kv=True is not supported")
         if add_zero_attn:
             raise NotImplementedError("RingMultiheadAttention: add_zero_attn=True is not supported")
         check_layout(layout, "RingMultiheadAttention")
-        super().__init__(embed_dim, num_heads, dropout=dropout, bias=bias, kdim=kdim, vdim=vdim,
-                         batch_first=batch_first, device=device, dtype=dtype)
+        super().__init__(
+            embed_dim,
+            num_heads,
+            dropout=dropout,
+            bias=bias,
+            kdim=kdim,
+            vdim=vdim,
+            batch_first=batch_first,
+            device=device,
+            dtype=dtype,
+        )
         self.group = group
         self.layout = layout
         self.grad_accum_dtype = grad_accum_dtype
@@ -60,33 +85,51 @@ class RingMultiheadAttention(nn.MultiheadAttention):
         b = (None, None, None) if self.in_proj_bias is None else self.in_proj_bias.split(E)
         return (w_q, b[0]), (w_k, b[1]), (w_v, b[2])
 
-    def forward(self, query, key, value, key_padding_mask=None, need_weights=True, attn_mask=None,
-                average_attn_weights=True, is_causal=False):
+    def forward(
+        self,
+        query,
+        key,
+        value,
+        key_padding_mask=None,
+        need_weights=True,
+        attn_mask=None,
+        average_attn_weights=True,
+        is_causal=False,
+    ):
         api = "RingMultiheadAttention"
         if self.dropout > 0.0 and self.training:
-            raise NotImplementedError(f"{api}: dropout={self.dropout} in training mode is not supported "
-                                      "(use dropout=0.0, or eval mode)")
+            raise NotImplementedError(
+                f"{api}: dropout={self.dropout} in training mode is not supported (use dropout=0.0, or eval mode)"
+            )
         if any(getattr(t, "is_nested", False) for t in (query, key, value)):
-            raise NotImplementedError(f"{api}: nested tensors are not supported "
-                                      "(nn.TransformerEncoder: pass enable_nested_tensor=False)")
+            raise NotImplementedError(
+                f"{api}: nested tensors are not supported (nn.TransformerEncoder: pass enable_nested_tensor=False)"
+            )
         unbatched = query.dim() == 2
         if unbatched:
             query, key, value = (t.unsqueeze(1) for t in (query, key, value))  # (L, 1, E)
             if key_padding_mask is not None:
                 key_padding_mask = key_padding_mask.unsqueeze(0)
         if query.dim() != 3 or key.dim() != 3 or value.dim() != 3:
-            raise ValueError(f"{api}: query, key, value must be 2-D or 3-D, got {tuple(query.shape)}, "
-                             f"{tuple(key.shape)}, {tuple(value.shape)}")
+            raise ValueError(
+                f"{api}: query, key, value must be 2-D or 3-D, got {tuple(query.shape)}, "
+                f"{tuple(key.shape)}, {tuple(value.shape)}"
+            )
         if not self.batch_first or unbatched:  # (L, B, E) -> (B, L, E)
             query, key, value = (t.transpose(0, 1) for t in (query, key, value))
         if attn_mask is not None:
             if not is_causal:
-                raise NotImplementedError(f"{api}: attn_mask is not supported (an arbitrary mask cannot be "
-                                          "sharded); use is_causal=True or key_padding_mask")
+                raise NotImplementedError(
+                    f"{api}: attn_mask is not supported (an arbitrary mask cannot be "
+                    "sharded); use is_causal=True or key_padding_mask"
+                )
             _check_causal_hint(attn_mask, query.shape[1], api)
         if need_weights and not self._warned_weights:
-            warnings.warn(f"{api}: attention weights are never materialized; attn_weights is None. "
-                          "Pass need_weights=False to silence this.", stacklevel=2)
+            warnings.warn(
+                f"{api}: attention weights are never materialized; attn_weights is None. "
+                "Pass need_weights=False to silence this.",
+                stacklevel=2,
+            )
             self._warned_weights = True
         out = self._attention(query, key, value, key_padding_mask, is_causal)
         if not self.batch_first or unbatched:
@@ -103,8 +146,16 @@ class RingMultiheadAttention(nn.MultiheadAttention):
         q = F.linear(query, w_q, b_q).view(B, L, H, hd)
         k = F.linear(key, w_k, b_k).view(B, key.shape[1], H, hd)
         v = F.linear(value, w_v, b_v).view(B, value.shape[1], H, hd)
-        o = ring_flash_attn_func(q, k, v, causal=is_causal, group=self.group, layout=self.layout,
-                                 key_padding_mask=key_padding_mask, grad_accum_dtype=self.grad_accum_dtype)
+        o = ring_flash_attn_func(
+            q,
+            k,
+            v,
+            causal=is_causal,
+            group=self.group,
+            layout=self.layout,
+            key_padding_mask=key_padding_mask,
+            grad_accum_dtype=self.grad_accum_dtype,
+        )
         return self.out_proj(o.reshape(B, L, E))
 
 
@@ -116,8 +167,10 @@ def _check_causal_hint(mask, length, api):
     """Accept attn_mask with is_causal=True only if it looks like the causal mask of the
     local length (shape, and a spot check of its first and last rows), as torch's hint."""
     if mask.shape[-2:] != (length, length):
-        raise ValueError(f"{api}: is_causal=True with an attn_mask of shape {tuple(mask.shape)}; expected the "
-                         f"causal mask ({length}, {length}) or None")
+        raise ValueError(
+            f"{api}: is_causal=True with an attn_mask of shape {tuple(mask.shape)}; expected the "
+            f"causal mask ({length}, {length}) or None"
+        )
     m = mask.reshape(-1, length, length)[0]
     hidden = m if m.dtype == torch.bool else torch.isneginf(m)
     first_ok = not hidden[0, 0] and bool(hidden[0, 1:].all())

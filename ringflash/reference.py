@@ -5,6 +5,7 @@ Work is chunked over query and key rows, so the full Sq x Sk score matrix is nev
 long sequences. Statistics are kept in float32 (float64 for float64 inputs). GQA is handled by
 viewing the Hq query heads as (Hkv, group): no copies of K/V.
 """
+
 from __future__ import annotations
 
 import torch
@@ -68,8 +69,9 @@ def forward(q, k, v, state, *, q_start, k_start, causal, scale, fold, normalize,
             vis = block_visibility(q_start + i0, n, k_start + j0, j1 - j0, causal)
             if vis is Visibility.NONE:
                 continue
-            s = _scores2(qg, k[:, j0:j1].to(acc), qk_scale, q_start + i0, k_start + j0, vis,
-                         _bias_slice(key_bias, j0, j1))
+            s = _scores2(
+                qg, k[:, j0:j1].to(acc), qk_scale, q_start + i0, k_start + j0, vis, _bias_slice(key_bias, j0, j1)
+            )
             m_c = s.amax(dim=-1)
             pivot = torch.where(m_c == float("-inf"), torch.zeros_like(m_c), m_c)
             p = torch.exp2(s - pivot[..., None])
@@ -86,8 +88,7 @@ def delta(o, do):
     return (do.to(acc) * o.to(acc)).sum(-1).transpose(1, 2).contiguous()
 
 
-def backward(q, k, v, m, l, do, delta, dq, dk, dv, *, q_start, k_start, causal, scale, accumulate,
-             key_bias=None):
+def backward(q, k, v, m, l, do, delta, dq, dk, dv, *, q_start, k_start, causal, scale, accumulate, key_bias=None):
     """Gradients of one block given the final row statistics m, l and delta (B, Hq, Sq).
 
     dq (B, Sq, Hq, D), dk and dv (B, Sk, Hkv, D) are added to (accumulate=True) or overwritten;

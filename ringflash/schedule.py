@@ -6,6 +6,7 @@ tasks are every (query segment, key segment) pair some query can see (causal: q_
 k_pos), with fully visible neighbours coalesced into one kernel call. One ring loop serves
 every layout: layouts differ only in their segments.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -94,8 +95,7 @@ def _coalesce(tasks: list[BlockTask]) -> list[BlockTask]:
     return sorted(tasks, key=lambda t: (t.q_rows.start, t.kv_rows.start))
 
 
-def step_tasks(layout: str, rank: int, world: int, step: int, q_len: int, kv_len: int,
-               causal: bool) -> list[BlockTask]:
+def step_tasks(layout: str, rank: int, world: int, step: int, q_len: int, kv_len: int, causal: bool) -> list[BlockTask]:
     """Block tasks for `rank` at ring `step`, when it holds the keys of rank (rank - step) % world.
     q_len / kv_len: local lengths of the query and key shards."""
     src = (rank - step) % world
@@ -105,9 +105,13 @@ def step_tasks(layout: str, rank: int, world: int, step: int, q_len: int, kv_len
             vis = block_visibility(qs.global_start, qs.length, ks.global_start, ks.length, causal)
             if vis is Visibility.NONE:
                 continue
-            tasks.append(BlockTask(
-                slice(qs.local_start, qs.local_start + qs.length),
-                slice(ks.local_start, ks.local_start + ks.length),
-                qs.global_start, ks.global_start, vis is Visibility.PARTIAL,
-            ))
+            tasks.append(
+                BlockTask(
+                    slice(qs.local_start, qs.local_start + qs.length),
+                    slice(ks.local_start, ks.local_start + ks.length),
+                    qs.global_start,
+                    ks.global_start,
+                    vis is Visibility.PARTIAL,
+                )
+            )
     return _coalesce(tasks)

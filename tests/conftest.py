@@ -4,7 +4,7 @@ import pytest
 import torch
 
 # The Triton kernels run under the interpreter on CPU-only machines; this must be set before
-# triton.jit decorates the kernels, i.e. before ringflash.kernels is imported.
+# triton is imported (by ringflash.kernels, which ringflash imports lazily).
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
@@ -21,7 +21,28 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture
-def backend(request, monkeypatch):
-    """Parametrize with indirect=True over 'torch' / 'triton'."""
-    monkeypatch.setenv("RINGFLASH_BACKEND", request.param)
-    return request.param
+def backend(request):
+    """Parametrize with indirect=True over 'torch' / 'triton': the block operations run there."""
+    from ringflash.local import use_backend
+
+    with use_backend(request.param):
+        yield request.param
+
+
+@pytest.fixture(scope="module")
+def worlds():
+    """worlds(size, **env) -> a dist_utils.World of `size` gloo processes with that environment
+    (e.g. RINGFLASH_BACKEND="torch"), started at first use and kept for the module."""
+    from dist_utils import World
+
+    pool = {}
+
+    def get(size, **env):
+        key = (size, tuple(sorted(env.items())))
+        if key not in pool:
+            pool[key] = World(size, env)
+        return pool[key]
+
+    yield get
+    for world in pool.values():
+        world.close()

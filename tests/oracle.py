@@ -1,4 +1,5 @@
 """Test oracles: plain attention that materializes every score, in any dtype."""
+
 from __future__ import annotations
 
 import math
@@ -24,7 +25,11 @@ def naive_attention(q, k, v, *, scale=None, causal=False, q_pos=None, k_pos=None
     s = torch.einsum("bihd,bjhd->bhij", q, k) * scale
     if key_padding_mask is not None:
         m = key_padding_mask.to(s.device)
-        bias = torch.zeros(m.shape, dtype=dtype, device=s.device).masked_fill(m, float("-inf")) if m.dtype == torch.bool else m.to(dtype)
+        bias = (
+            torch.zeros(m.shape, dtype=dtype, device=s.device).masked_fill(m, float("-inf"))
+            if m.dtype == torch.bool
+            else m.to(dtype)
+        )
         s = s + bias[:, None, None, :]
     if causal:
         if q_pos is None:
@@ -90,8 +95,11 @@ def plain_errors(q, k, v, do, ref, *, orders=1, seed=0, **kw):
     for i in range(orders):
         pk, pv = (torch.arange(D), torch.arange(D)) if i == 0 else (torch.randperm(D, generator=g) for _ in range(2))
         uk, uv = torch.argsort(pk), torch.argsort(pv)
-        qp, kp, vp = q.detach()[..., pk].requires_grad_(), k.detach()[..., pk].requires_grad_(), \
-            v.detach()[..., pv].requires_grad_()
+        qp, kp, vp = (
+            q.detach()[..., pk].requires_grad_(),
+            k.detach()[..., pk].requires_grad_(),
+            v.detach()[..., pv].requires_grad_(),
+        )
         out, lse = naive_attention(qp, kp, vp, dtype=q.dtype, **kw)
         dq, dk, dv = torch.autograd.grad(out, (qp, kp, vp), do[..., pv].to(q.dtype))
         if q.dtype in (torch.float32, torch.float64):
@@ -145,3 +153,9 @@ def flash_plain(q, k, v, do, *, scale=None, causal=False, key_padding_mask=None,
     dk = torch.einsum("bhij,bihd->bjhd", ds, q).reshape(B, Sk, Hkv, G, D).sum(3) * scale
     dv = torch.einsum("bhij,bihd->bjhd", p, do).reshape(B, Sk, Hkv, G, D).sum(3)
     return out, lse, dq, dk, dv
+
+
+def rel_rms(got, want) -> float:
+    """Relative RMS error of got against want (both cast to float64)."""
+    got, want = got.double(), want.double()
+    return ((got - want).pow(2).mean().sqrt() / want.pow(2).mean().sqrt()).item()

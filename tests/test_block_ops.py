@@ -1,5 +1,6 @@
 """The block operations the ring uses: global positions, state folding in any order,
 accumulating backward."""
+
 import random
 
 import pytest
@@ -7,6 +8,7 @@ import torch
 
 from ringflash.local import attention_delta, block_backward, block_forward
 from ringflash.merge import SoftmaxState
+
 from oracle import max_err, naive_attention
 
 BOTH = pytest.mark.parametrize("backend", ["torch", "triton"], indirect=True)
@@ -28,8 +30,17 @@ def _fold(q, k, v, blocks, order, causal, q_start=0):
     first = True
     for i in order:
         a, b = blocks[i]
-        block_forward(q, k[:, a:b], v[:, a:b], state, q_start=q_start, k_start=a, causal=causal,
-                      scale=q.shape[-1] ** -0.5, fold=not first)
+        block_forward(
+            q,
+            k[:, a:b],
+            v[:, a:b],
+            state,
+            q_start=q_start,
+            k_start=a,
+            causal=causal,
+            scale=q.shape[-1] ** -0.5,
+            fold=not first,
+        )
         first = False
     lse = state.lse()
     return state.normalized(torch.float32), lse, state
@@ -72,8 +83,9 @@ def test_global_positions_and_invisible_blocks(backend):
     qs, ks = 1000, 1000  # any global offset
     state = SoftmaxState.empty(torch.full(q.shape, float("nan")))
     # keys entirely after every query: nothing launched, state stays empty
-    assert not block_forward(q, k, v, state, q_start=qs, k_start=ks + 48, causal=True, scale=0.2, fold=False,
-                             normalize=True)
+    assert not block_forward(
+        q, k, v, state, q_start=qs, k_start=ks + 48, causal=True, scale=0.2, fold=False, normalize=True
+    )
     assert torch.all(state.o == 0) and torch.all(state.lse() == float("-inf")) and torch.all(state.l == 0)
     # keys entirely before every query: no mask; equals non-causal attention
     block_forward(q, k, v, state, q_start=qs + 48, k_start=ks, causal=True, scale=0.2, fold=False, normalize=True)
@@ -100,15 +112,29 @@ def test_block_backward_accumulates_to_full_gradient(backend, causal):
     dq = torch.zeros(q.shape)
     dk = torch.zeros(k.shape)
     dv = torch.zeros(v.shape)
-    scale = D ** -0.5
+    scale = D**-0.5
     # query blocks x key blocks, in a shuffled order, accumulating in float32
     q_blocks, k_blocks = _split(S, 3, 6), _split(S, 4, 7)
     pairs = [(qb, kb) for qb in q_blocks for kb in k_blocks]
     random.Random(8).shuffle(pairs)
     for (qa, qb), (ka, kb) in pairs:
-        block_backward(q[:, qa:qb], k[:, ka:kb], v[:, ka:kb], state.m[:, :, qa:qb], state.l[:, :, qa:qb],
-                       do[:, qa:qb], delta[:, :, qa:qb], dq[:, qa:qb], dk[:, ka:kb], dv[:, ka:kb],
-                       q_start=qa, k_start=ka, causal=causal, scale=scale, accumulate=True)
+        block_backward(
+            q[:, qa:qb],
+            k[:, ka:kb],
+            v[:, ka:kb],
+            state.m[:, :, qa:qb],
+            state.l[:, :, qa:qb],
+            do[:, qa:qb],
+            delta[:, :, qa:qb],
+            dq[:, qa:qb],
+            dk[:, ka:kb],
+            dv[:, ka:kb],
+            q_start=qa,
+            k_start=ka,
+            causal=causal,
+            scale=scale,
+            accumulate=True,
+        )
     assert max_err(dq, ref_dq) < 5e-5
     assert max_err(dk, ref_dk) < 5e-5
     assert max_err(dv, ref_dv) < 5e-5

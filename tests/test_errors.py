@@ -1,8 +1,19 @@
-"""Bad input to the local API: errors name the argument and the shapes, before any kernel."""
+"""Bad input: errors name the argument and the shapes, before any kernel launches; on a ring,
+every rank raises (never a hang, never a mixed-up ring)."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
-from ringflash import flash_attn_func
+from ringflash import flash_attn_func, ring_flash_attn_func, unshard
+
+from ring_cases import TORCH, Case, full_inputs, ring_vs_oracle
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def _t(*shape, dtype=torch.float32):
@@ -14,7 +25,11 @@ def _t(*shape, dtype=torch.float32):
     [
         ((_t(2, 8, 4), _t(2, 8, 4, 32), _t(2, 8, 4, 32)), ValueError, r"q must be 4-D.*\(2, 8, 4\)"),
         ((_t(2, 8, 4, 32), _t(2, 8, 4, 32, 1), _t(2, 8, 4, 32)), ValueError, r"k must be 4-D"),
-        ((_t(2, 8, 4, 32), _t(3, 8, 4, 32), _t(3, 8, 4, 32)), ValueError, r"batch differs.*\(2, 8, 4, 32\).*\(3, 8, 4, 32\)"),
+        (
+            (_t(2, 8, 4, 32), _t(3, 8, 4, 32), _t(3, 8, 4, 32)),
+            ValueError,
+            r"batch differs.*\(2, 8, 4, 32\).*\(3, 8, 4, 32\)",
+        ),
         ((_t(2, 8, 4, 32), _t(2, 8, 4, 64), _t(2, 8, 4, 64)), ValueError, r"head_dim differs"),
         ((_t(2, 8, 4, 32), _t(2, 8, 3, 32), _t(2, 8, 3, 32)), ValueError, r"multiple of k/v heads \(3\)"),
         ((_t(2, 8, 4, 32), _t(2, 8, 4, 32), _t(2, 9, 4, 32)), ValueError, r"k and v must have the same shape"),
@@ -46,20 +61,115 @@ def test_bad_options():
 
     h = q.to(torch.bfloat16)
     for bad in (torch.float16, torch.float64, "bfloat16"):  # neither float32 nor the inputs' dtype
-        with pytest.raises(ValueError, match=r"grad_accum_dtype must be None, torch.float32 or the inputs' dtype "
-                                             r"torch.bfloat16, got"):
+        with pytest.raises(
+            ValueError,
+            match=r"grad_accum_dtype must be None, torch.float32 or the inputs' dtype "
+            r"torch.bfloat16, got",
+        ):
             ring_flash_attn_func(h, h, h, grad_accum_dtype=bad)
 
 
-def test_bad_backend_env(monkeypatch):
+def _python(code: str, **env) -> subprocess.CompletedProcess:
+    """Run `code` in a fresh interpreter with the repository importable and `env` set."""
+    full = {k: v for k, v in os.environ.items() if k not in ("RINGFLASH_BACKEND", "TRITON_INTERPRET", "WORLD_SIZE")}
+    full.update(PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", **env)
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=full, timeout=120)
+
+
+ATTEND = "import torch, ringflash; q = torch.randn(1, 4, 2, 16); ringflash.flash_attn_func(q, q, q)"
+
+
+def test_bad_backend_env():
+    """RINGFLASH_BACKEND is read once, at import, and a bad value is named at the first call."""
+    res = _python(ATTEND, RINGFLASH_BACKEND="cuda")
+    assert res.returncode != 0 and "RINGFLASH_BACKEND='cuda'" in res.stderr, res.stderr[-2000:]
+    res = _python(ATTEND, RINGFLASH_BACKEND="triton", TRITON_INTERPRET="0")
+    assert res.returncode != 0 and "TRITON_INTERPRET=1" in res.stderr, res.stderr[-2000:]
+    assert _python(ATTEND, RINGFLASH_BACKEND="torch").returncode == 0
+
+
+def test_use_backend_rejects_unknown_names():
+    from ringflash.local import use_backend
+
+    with pytest.raises(ValueError, match="use_backend='cuda'"):
+        with use_backend("cuda"):
+            pass
+
+
+def test_several_ranks_without_a_process_group_raise():
+    """Under torchrun (WORLD_SIZE=2) but without init_process_group, the ring functions and
+    shard would silently treat each process as the whole ring: they raise instead."""
+    for call in ("ringflash.shard(q)", "ringflash.ring_flash_attn_func(q, q, q)", "ringflash.local_positions(4)"):
+        res = _python(f"import torch, ringflash; q = torch.randn(1, 4, 2, 16); {call}", WORLD_SIZE="2")
+        assert res.returncode != 0 and "WORLD_SIZE=2 but no torch.distributed process group" in res.stderr, (
+            call,
+            res.stderr[-2000:],
+        )
+    assert _python(ATTEND, WORLD_SIZE="2").returncode == 0  # one-device attention needs no group
+
+
+def test_bad_grad_chunks():
     q = _t(1, 4, 2, 16)
-    monkeypatch.setenv("RINGFLASH_BACKEND", "cuda")
-    with pytest.raises(ValueError, match="RINGFLASH_BACKEND"):
-        flash_attn_func(q, q, q)
-    monkeypatch.setenv("RINGFLASH_BACKEND", "triton")
-    monkeypatch.setenv("TRITON_INTERPRET", "0")
-    with pytest.raises(RuntimeError, match="TRITON_INTERPRET"):
-        flash_attn_func(q, q, q)
+    for bad in (0, -1, 1.5, True, "2"):
+        with pytest.raises(ValueError, match="grad_chunks must be None or a positive int"):
+            ring_flash_attn_func(q, q, q, grad_chunks=bad)
+
+
+def _mismatch(rank, world):
+    q, k, v, _ = full_inputs(1, 8, 8, 2, 1, 16, torch.float32, 0)
+    bad = dict(
+        length=(q[:, : 6 if rank else 4], k[:, : 6 if rank else 4], v[:, : 6 if rank else 4], {}),
+        causal=(q[:, :4], k[:, :4], v[:, :4], {"causal": rank == 1}),
+        dtype=(
+            q[:, :4].to(torch.float64 if rank else torch.float32),
+            k[:, :4].to(torch.float64 if rank else torch.float32),
+            v[:, :4].to(torch.float64 if rank else torch.float32),
+            {},
+        ),
+        heads=(q[:, :4, : 1 + rank], k[:, :4], v[:, :4], {}),
+        layout=(q[:, :4], k[:, :4], v[:, :4], {"layout": "zigzag" if rank else "contiguous"}),
+        scale=(q[:, :4], k[:, :4], v[:, :4], {"softmax_scale": 0.5 + rank}),
+        grad_accum=(
+            q[:, :4].bfloat16(),
+            k[:, :4].bfloat16(),
+            v[:, :4].bfloat16(),
+            {"grad_accum_dtype": torch.bfloat16 if rank else None},
+        ),
+        grad_chunks=(q[:, :4], k[:, :4], v[:, :4], {"grad_chunks": 1 + rank}),
+    )
+    for a, b, c, kw in bad.values():
+        with pytest.raises(ValueError, match="disagree"):
+            ring_flash_attn_func(a, b, c, **kw)
+    # one rank's own input is invalid: it raises its error, the other quotes it
+    pattern = "head_dim 12" if rank == 1 else r"rank\(s\) \[1\] .*rejected their inputs \(rank 1: .*head_dim 12"
+    with pytest.raises(ValueError, match=pattern):
+        bad_q = torch.randn(1, 4, 2, 12 if rank == 1 else 16)
+        ring_flash_attn_func(bad_q, bad_q[:, :, :1], bad_q[:, :, :1])
+    # odd local length under zigzag on one rank only
+    pattern = "multiple of 2" if rank == 0 else "rejected"
+    with pytest.raises(ValueError, match=pattern):
+        ring_flash_attn_func(
+            q[:, : 5 if rank == 0 else 4], k[:, : 5 if rank == 0 else 4], v[:, : 5 if rank == 0 else 4]
+        )
+    # unshard with different shapes, also past the eighth dimension, or numbers of dimensions
+    with pytest.raises(ValueError, match="disagree"):
+        unshard(torch.zeros(1, 4 + 2 * rank))
+    with pytest.raises(ValueError, match=r"disagree \(size\[9\]: rank 0=1, rank 1=2\)"):
+        unshard(torch.zeros([1, 4] + [1] * 7 + [1 + rank]))
+    with pytest.raises(ValueError, match="disagree.*ndim"):
+        unshard(torch.zeros([1, 4] + [1] * rank))
+    with pytest.raises(ValueError, match="disagree.*layout"):
+        unshard(torch.zeros(1, 4), layout="zigzag" if rank else "contiguous")
+    # gloo cannot carry these tensors (meta stands in for a GPU tensor here)
+    with pytest.raises(ValueError, match="cannot carry meta"):
+        m = q[:, :4].to("meta")
+        ring_flash_attn_func(m, m[:, :, :1], m[:, :, :1])
+    # the group still works afterwards
+    ring_vs_oracle(rank, world, Case("zigzag", True, 1, 2, 2, 1, 16, torch.float32, 2e-5, seed=0))
+
+
+def test_cross_rank_mismatch_raises_on_every_rank(worlds):
+    worlds(2, **TORCH).run(_mismatch)
 
 
 def test_device_mismatch_named():

@@ -1,26 +1,11 @@
 """The examples run and check themselves (toy sizes, CPU, gloo on 2 processes)."""
-import os
+
 import re
-import subprocess
 import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-# PYTHON: launch/run.sh starts torchrun with this interpreter (default python3 from PATH)
-TWO_RANKS = {"RINGFLASH_NPROC": "2", "RINGFLASH_DIST_BACKEND": "gloo", "PYTHON": sys.executable}
+from commands import TWO_RANKS, run
+
 TRAIN = "examples/train_long_context.py"
-
-
-def _run(cmd, tmp_path, timeout=300, env=None, expect_ok=True):
-    full_env = {**os.environ, "RINGFLASH_LOG_DIR": str(tmp_path / "logs"), **(env or {})}
-    full_env.pop("RINGFLASH_BACKEND", None)
-    full_env.pop("TRITON_INTERPRET", None)
-    res = subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout)
-    if expect_ok:
-        assert res.returncode == 0, f"{cmd} failed:\n{res.stdout[-3000:]}\n{res.stderr[-3000:]}"
-    else:
-        assert res.returncode != 0, f"{cmd} passed, expected a failure:\n{res.stdout[-3000:]}"
-    return res.stdout
 
 
 def _losses(out):
@@ -29,20 +14,19 @@ def _losses(out):
 
 
 def test_quickstart_two_ranks(tmp_path):
-    out = _run(["bash", "launch/run.sh", "examples/quickstart.py"], tmp_path, env=TWO_RANKS)
+    out = run(TWO_RANKS + ["examples/quickstart.py"], tmp_path)
     assert "world 2" in out
     err = float(re.search(r"max abs error ([0-9.e+-]+)", out).group(1))
     assert err < 1e-4
 
 
 def test_quickstart_one_process(tmp_path):
-    out = _run([sys.executable, "examples/quickstart.py"], tmp_path)
+    out = run([sys.executable, "examples/quickstart.py"], tmp_path)
     assert "world 1" in out and "max abs error" in out
 
 
 def test_train_check_matches_one_process(tmp_path):
-    out = _run(["bash", "launch/run.sh", TRAIN, "--check", "--steps", "3", "--seq-len", "256"], tmp_path,
-               env=TWO_RANKS)
+    out = run(TWO_RANKS + [TRAIN, "--check", "--steps", "3", "--seq-len", "256"], tmp_path)
     assert "check: 2-rank ring vs 1-process flash_attn_func, first 3 steps" in out
     for step in (1, 2, 3):
         assert re.search(rf"step {step}: ring [0-9.]+ +single [0-9.]+", out), out
@@ -50,15 +34,17 @@ def test_train_check_matches_one_process(tmp_path):
 
 
 def test_train_check_with_16bit_grad_accumulators(tmp_path):
-    out = _run(["bash", "launch/run.sh", TRAIN, "--check", "--steps", "3", "--seq-len", "256", "--dtype", "bfloat16",
-                "--grad-accum", "input"], tmp_path, env=TWO_RANKS)
+    out = run(
+        TWO_RANKS
+        + [TRAIN, "--check", "--steps", "3", "--seq-len", "256", "--dtype", "bfloat16", "--grad-accum", "input"],
+        tmp_path,
+    )
     assert "bfloat16, bfloat16 gradient accumulators" in out and "check passed" in out, out
 
 
 def test_train_loss_falls(tmp_path):
     # the other layout, and enough steps (>= 50) that the script itself checks the loss fell
-    out = _run(["bash", "launch/run.sh", TRAIN, "--steps", "50", "--seq-len", "256", "--layout", "contiguous"],
-               tmp_path, env=TWO_RANKS)
+    out = run(TWO_RANKS + [TRAIN, "--steps", "50", "--seq-len", "256", "--layout", "contiguous"], tmp_path)
     losses = _losses(out)
     assert len(losses) >= 5 and "tok/s" in out
     assert losses[-1] < losses[0] - 2.0, losses  # from ln(256) ~ 5.55 to well under 3.5
@@ -67,7 +53,7 @@ def test_train_loss_falls(tmp_path):
 
 
 def test_train_one_process_check(tmp_path):
-    out = _run([sys.executable, TRAIN, "--check", "--steps", "2", "--check-steps", "2", "--seq-len", "128"], tmp_path)
+    out = run([sys.executable, TRAIN, "--check", "--steps", "2", "--check-steps", "2", "--seq-len", "128"], tmp_path)
     assert "world 1" in out and "check passed" in out
 
 
@@ -89,6 +75,7 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 def test_train_check_catches_wrong_positions(tmp_path):
     wrapper = tmp_path / "wrong_positions.py"
     wrapper.write_text(LOCAL_POSITIONS_BUG)
-    out = _run(["bash", "launch/run.sh", str(wrapper), TRAIN, "--check", "--steps", "3", "--seq-len", "256"],
-               tmp_path, env=TWO_RANKS, expect_ok=False)
+    out = run(
+        TWO_RANKS + [str(wrapper), TRAIN, "--check", "--steps", "3", "--seq-len", "256"], tmp_path, expect_ok=False
+    )
     assert "check FAILED" in out

@@ -2,11 +2,13 @@
 
 Run on a CUDA machine with `pytest -m gpu` (CPU CI skips these).
 """
+
 import pytest
 import torch
 
 from ringflash import flash_attn_func
-from oracle import assert_within, naive_attention
+
+from oracle import assert_within, naive_attention, plain_errors, reference
 
 pytestmark = pytest.mark.gpu
 
@@ -43,8 +45,10 @@ def test_forward_backward_vs_float64(dtype, causal, case):
 
 def test_deterministic_on_gpu():
     g = torch.Generator(device="cuda").manual_seed(0)
-    q, k, v = (torch.randn(1, 4096, 8, 128, device="cuda", generator=g, dtype=torch.bfloat16).requires_grad_()
-               for _ in range(3))
+    q, k, v = (
+        torch.randn(1, 4096, 8, 128, device="cuda", generator=g, dtype=torch.bfloat16).requires_grad_()
+        for _ in range(3)
+    )
     results = []
     for _ in range(2):
         out = flash_attn_func(q, k, v, causal=True)
@@ -61,19 +65,71 @@ def test_other_head_dims(D, causal):
 
 @pytest.mark.parametrize("variant", ["pointers", "tma", "tma+ws"])
 @pytest.mark.parametrize("causal", [False, True])
-def test_forward_variants_and_key_padding(variant, causal, monkeypatch):
+def test_forward_variants_and_key_padding(variant, causal):
     """Every forward variant the sweep may pick, with and without a key padding mask."""
     from ringflash.kernels import configs
 
     base = configs.forward_config(128)
-    monkeypatch.setitem(configs.OVERRIDES, "fwd", configs.KernelConfig(
-        base.block_m, base.block_n, base.num_warps, base.num_stages, tma=variant != "pointers",
-        warp_specialize=variant == "tma+ws"))
-    g = torch.Generator(device="cuda").manual_seed(5)
-    q, k, v = (torch.randn(2, 3001, 4, 128, device="cuda", generator=g, dtype=torch.bfloat16) for _ in range(3))
-    mask = torch.rand(2, 3001, device="cuda", generator=g) < 0.2
-    for kpm in (None, mask):
-        out = flash_attn_func(q, k, v, causal=causal, key_padding_mask=kpm)
-        ref, _ = naive_attention(q, k, v, causal=causal, key_padding_mask=kpm)
-        plain, _ = naive_attention(q, k, v, causal=causal, key_padding_mask=kpm, dtype=torch.bfloat16)
-        assert_within(f"out {variant}", out, ref, plain)
+    with configs.override(
+        fwd=configs.KernelConfig(
+            base.block_m,
+            base.block_n,
+            base.num_warps,
+            base.num_stages,
+            tma=variant != "pointers",
+            warp_specialize=variant == "tma+ws",
+        )
+    ):
+        g = torch.Generator(device="cuda").manual_seed(5)
+        q, k, v = (torch.randn(2, 3001, 4, 128, device="cuda", generator=g, dtype=torch.bfloat16) for _ in range(3))
+        mask = torch.rand(2, 3001, device="cuda", generator=g) < 0.2
+        for kpm in (None, mask):
+            out = flash_attn_func(q, k, v, causal=causal, key_padding_mask=kpm)
+            ref, _ = naive_attention(q, k, v, causal=causal, key_padding_mask=kpm)
+            plain, _ = naive_attention(q, k, v, causal=causal, key_padding_mask=kpm, dtype=torch.bfloat16)
+            assert_within(f"out {variant}", out, ref, plain)
+
+
+@pytest.mark.parametrize("qk_order", [False, True], ids=["kq_order", "qk_order"])
+@pytest.mark.parametrize("seed", range(8))
+def test_large_scores_float32(seed, qk_order):
+    """test_local.test_large_scores on the GPU's compiled kernels and block shapes, float32
+    (true float32 products): out, lse and dV at the level of plain float32, dQ/dK at the level
+    of the flash algorithm done plainly, over 4 summation orders. With the dK/dV pass in either
+    operand order: whether K Q^T rebuilds the forward's probabilities here decides qk_order."""
+    from ringflash.kernels import configs
+
+    mag = (3.0, 10.0, 30.0, 70.0)[seed % 4]
+    causal, scale = bool(seed % 2), (1.0, 0.3, None, -0.5)[(seed // 2) % 4]
+    g = torch.Generator(device="cuda").manual_seed(100 + seed)
+    q, k, v = (torch.randn(1, 300, H, 32, device="cuda", generator=g) for H in (4, 2, 2))
+    q, k = q * mag, k * mag
+    do = torch.randn(q.shape, device="cuda", generator=g)
+    base = configs.dkdv_config(32)
+    with configs.override(dkdv=configs.KernelConfig(**{**base.__dict__, "qk_order": qk_order})):
+        qs, ks, vs = (t.clone().requires_grad_() for t in (q, k, v))
+        out, lse = flash_attn_func(qs, ks, vs, causal=causal, softmax_scale=scale, return_lse=True)
+        got = (out, lse, *torch.autograd.grad(out, (qs, ks, vs), do))
+    kw = dict(causal=causal, scale=scale)
+    ref = reference(q.cpu(), k.cpu(), v.cpu(), do.cpu(), **kw)
+    plain = plain_errors(q.cpu(), k.cpu(), v.cpu(), do.cpu(), ref, orders=4, seed=seed, **kw)
+    for name, x, r in zip(("out", "lse", "dq", "dk", "dv"), got, ref):
+        assert_within(name, x.cpu(), r, plain[name])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("causal", [False, True])
+def test_large_scores_16bit(dtype, causal):
+    """|scores| ~ 1e3-1e4 in 16-bit inputs with the built-in D=128 shapes: against float64,
+    within 2x of plain 16-bit attention (autograd through a softmax)."""
+    g = torch.Generator(device="cuda").manual_seed(7)
+    q, k, v, do = (torch.randn(1, 1031, H, 128, device="cuda", generator=g) for H in (4, 2, 2, 4))
+    q, k = (t * 8.0 for t in (q, k))
+    q, k, v, do = (t.to(dtype) for t in (q, k, v, do))
+    qs, ks, vs = (t.clone().requires_grad_() for t in (q, k, v))
+    out = flash_attn_func(qs, ks, vs, causal=causal, softmax_scale=1.0)
+    got = (out, *torch.autograd.grad(out, (qs, ks, vs), do))
+    ref = reference(q, k, v, do, causal=causal, scale=1.0)
+    plain = plain_errors(q, k, v, do, ref, causal=causal, scale=1.0)
+    for name, x, r in zip(("out", "dq", "dk", "dv"), got, (ref[0], *ref[2:])):
+        assert_within(name, x, r, plain[name])

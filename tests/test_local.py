@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from ringflash import flash_attn_func
+
 from oracle import assert_within, max_err, naive_attention, plain_errors, reference
 
 BOTH = pytest.mark.parametrize("backend", ["torch", "triton"], indirect=True)
@@ -23,8 +24,9 @@ def _inputs(B, Sq, Sk, Hq, Hkv, D, dtype, seed):
 def _check(q, k, v, causal, scale=None, check_grad=True, key_padding_mask=None, seed=0, orders=1):
     """flash_attn_func's out, lse (and gradients) within tolerance of float64; returns (out, lse).
     orders: summation orders of the plain baseline (oracle.plain_errors)."""
-    out, lse = flash_attn_func(q, k, v, causal=causal, softmax_scale=scale, return_lse=True,
-                               key_padding_mask=key_padding_mask)
+    out, lse = flash_attn_func(
+        q, k, v, causal=causal, softmax_scale=scale, return_lse=True, key_padding_mask=key_padding_mask
+    )
     assert out.dtype == q.dtype and out.shape == q.shape
     assert lse.dtype == (torch.float64 if q.dtype == torch.float64 else torch.float32)
     assert lse.shape == (q.shape[0], q.shape[2], q.shape[1])
@@ -121,7 +123,7 @@ def test_rows_without_keys(backend):
 def test_strided_inputs_match_contiguous(backend):
     g = torch.Generator().manual_seed(11)
     base = torch.randn(2, 3, 48, 40, 32, generator=g)  # (B, 3, S, H?, D) packed qkv-like
-    q = base[:, 0, :, :4]           # (2, 48, 4, 32) non-contiguous
+    q = base[:, 0, :, :4]  # (2, 48, 4, 32) non-contiguous
     k = base[:, 1, :, 4:6]
     v = base[:, 2, ::1, 6:8]
     vt = torch.randn(2, 32, 2, 48, generator=g).permute(0, 3, 2, 1)  # head_dim not unit-stride
@@ -159,9 +161,9 @@ def test_triton_rejects_float64(backend):
         flash_attn_func(q, k, v)
 
 
-def test_poisoned_output_is_fully_written(monkeypatch):
+@pytest.mark.parametrize("backend", ["triton"], indirect=True)
+def test_poisoned_output_is_fully_written(backend, monkeypatch):
     """The kernels write every element: poison the buffers flash_attn_func allocates."""
-    monkeypatch.setenv("RINGFLASH_BACKEND", "triton")
     real_empty_like, real_empty = torch.empty_like, torch.empty
 
     def poisoned_empty_like(t, **kw):
@@ -206,20 +208,20 @@ def test_key_padding_mask_errors():
 
 @pytest.mark.parametrize("backend", ["triton"], indirect=True)
 @pytest.mark.parametrize("tma", [False, True])
-def test_forward_kernel_variants(backend, tma, monkeypatch):
+def test_forward_kernel_variants(backend, tma):
     """The forward kernel's tensor-descriptor path computes the same function (interpreter):
     unmasked key ranges of 0 to 6 blocks of 16, a negative scale, a key padding bias."""
     from ringflash.kernels import configs
 
-    monkeypatch.setitem(configs.OVERRIDES, "fwd", configs.KernelConfig(32, 16, 4, 1, tma=tma))
-    for causal in (False, True):
-        for Sq, Sk, D in ((37, 45, 24), (1, 70, 16), (64, 64, 32), (20, 100, 16), (5, 50, 16)):
-            q, k, v = _inputs(2, Sq, Sk, 4, 2, D, torch.float16, seed=Sq + D)
-            _check(q, k, v, causal, check_grad=False)
-            _check(q, k, v, causal, scale=-0.3, check_grad=False)  # scores scaled before the max
-        q, k, v = _inputs(2, 33, 70, 4, 2, 32, torch.float32, seed=21)
-        mask = torch.rand(2, 70, generator=torch.Generator().manual_seed(3)) < 0.3
-        _check(q, k, v, causal, check_grad=False, key_padding_mask=mask)
+    with configs.override(fwd=configs.KernelConfig(32, 16, 4, 1, tma=tma)):
+        for causal in (False, True):
+            for Sq, Sk, D in ((37, 45, 24), (1, 70, 16), (64, 64, 32), (20, 100, 16), (5, 50, 16)):
+                q, k, v = _inputs(2, Sq, Sk, 4, 2, D, torch.float16, seed=Sq + D)
+                _check(q, k, v, causal, check_grad=False)
+                _check(q, k, v, causal, scale=-0.3, check_grad=False)  # scores scaled before the max
+            q, k, v = _inputs(2, 33, 70, 4, 2, 32, torch.float32, seed=21)
+            mask = torch.rand(2, 70, generator=torch.Generator().manual_seed(3)) < 0.3
+            _check(q, k, v, causal, check_grad=False, key_padding_mask=mask)
 
 
 @BOTH
@@ -237,32 +239,44 @@ def test_autocast_does_not_lower_precision(backend):
 
 
 @pytest.mark.parametrize("backend", ["triton"], indirect=True)
-def test_backward_kernel_tma_variant(backend, monkeypatch):
-    """The backward kernels' tensor-descriptor path computes the same gradients (interpreter):
-    unmasked ranges of 2 to 7 blocks, causal offsets either way, a negative scale, a key
-    padding bias."""
+@pytest.mark.parametrize("variant", ["tma", "pointers"])
+def test_backward_kernel_variants(backend, variant):
+    """The backward kernels with the GPU's dK/dV shape (fewer query rows than key rows per
+    tile), through tensor descriptors or pointers, and the dK/dV pass's K Q^T operand order,
+    compute the same gradients (interpreter): unmasked ranges of 2 to 7 blocks, causal offsets
+    either way, a negative scale, a key padding bias."""
     from ringflash.kernels import configs
 
-    monkeypatch.setitem(configs.OVERRIDES, "dkdv", configs.KernelConfig(16, 32, 4, 1, tma=True))
-    monkeypatch.setitem(configs.OVERRIDES, "dq", configs.KernelConfig(32, 16, 4, 1, tma=True))
-    for causal in (False, True):
-        _check(*_inputs(2, 37, 45, 4, 2, 24, torch.float16, seed=4), causal)
-        _check(*_inputs(1, 100, 70, 2, 1, 16, torch.float16, seed=5), causal)
-        _check(*_inputs(1, 50, 120, 2, 2, 16, torch.float32, seed=6), causal, scale=-0.3)
-    mask = torch.rand(2, 70, generator=torch.Generator().manual_seed(4)) < 0.3
-    _check(*_inputs(2, 40, 70, 2, 1, 16, torch.float32, seed=8), True, key_padding_mask=mask)
+    tma = variant == "tma"
+    with configs.override(
+        dkdv=configs.KernelConfig(16, 32, 4, 1, tma=tma), dq=configs.KernelConfig(32, 16, 4, 1, tma=tma)
+    ):
+        for causal in (False, True):
+            _check(*_inputs(2, 37, 45, 4, 2, 24, torch.float16, seed=4), causal)
+            _check(*_inputs(1, 100, 70, 2, 1, 16, torch.float16, seed=5), causal)
+            _check(*_inputs(1, 50, 120, 2, 2, 16, torch.float32, seed=6), causal, scale=-0.3)
+        mask = torch.rand(2, 70, generator=torch.Generator().manual_seed(4)) < 0.3
+        _check(*_inputs(2, 40, 70, 2, 1, 16, torch.float32, seed=8), True, key_padding_mask=mask)
 
 
-def test_kernel_configs_file(tmp_path, monkeypatch):
+def test_kernel_configs_file(tmp_path):
+    """A RINGFLASH_KERNEL_CONFIGS file replaces the entries it has; override() wins over it."""
     from ringflash.kernels import configs
 
     path = tmp_path / "cfg.json"
-    configs.write_configs(str(path), {"fwd": {128: configs.KernelConfig(64, 32, 4, 2, tma=True)}})
-    monkeypatch.setattr(configs, "interpreting", lambda: False)
-    monkeypatch.setenv("RINGFLASH_KERNEL_CONFIGS", str(path))
-    assert configs.forward_config(128) == configs.KernelConfig(64, 32, 4, 2, tma=True)
-    assert configs.forward_config(64) == configs._FWD[64]  # not in the file: the built-in table
-    assert configs.dq_config(128) == configs._DQ[128]
+    mine = configs.KernelConfig(64, 32, 4, 2, tma=True)
+    configs.write_configs(str(path), {"fwd": {128: mine}})
+    on_gpu = dict(interpreting=False, file_configs=configs.read_configs(str(path)))
+    assert configs.pick("fwd", 128, **on_gpu) == mine
+    assert configs.pick("fwd", 64, **on_gpu) == configs._FWD[64]  # not in the file: the built-in table
+    assert configs.pick("dq", 128, **on_gpu) == configs._DQ[128]
+    other = configs.KernelConfig(32, 32, 4, 1)
+    with configs.override(fwd=other):
+        assert configs.pick("fwd", 128, **on_gpu) == other
+    assert configs.pick("fwd", 128, **on_gpu) == mine
+    with pytest.raises(ValueError, match="unknown kernel"):
+        with configs.override(bwd=other):
+            pass
 
 
 def test_builtin_configs_match_the_h200_sweep():

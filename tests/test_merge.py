@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from ringflash import merge_attn_states
+
 from oracle import max_err
 
 

@@ -1,4 +1,5 @@
 """RingMultiheadAttention against torch.nn.MultiheadAttention, inside torch's own layers."""
+
 import copy
 
 import pytest
@@ -8,14 +9,23 @@ from torch import nn
 
 from ringflash import shard, unshard
 from ringflash.nn import RingMultiheadAttention
-from dist_utils import run_world
+
+from ring_cases import TORCH
 
 E, H = 64, 4
 
 
 def _ring_like(mha: nn.MultiheadAttention, **kw) -> RingMultiheadAttention:
-    ring = RingMultiheadAttention(mha.embed_dim, mha.num_heads, dropout=mha.dropout, bias=mha.in_proj_bias is not None,
-                                  kdim=mha.kdim, vdim=mha.vdim, batch_first=mha.batch_first, **kw)
+    ring = RingMultiheadAttention(
+        mha.embed_dim,
+        mha.num_heads,
+        dropout=mha.dropout,
+        bias=mha.in_proj_bias is not None,
+        kdim=mha.kdim,
+        vdim=mha.vdim,
+        batch_first=mha.batch_first,
+        **kw,
+    )
     ring.load_state_dict(mha.state_dict())
     return ring
 
@@ -39,7 +49,11 @@ def _layers(batch_first, seed=0):
 def _data(batch_first, B=2, S=24, S_mem=16, seed=1):
     g = torch.Generator().manual_seed(seed)
     shape = lambda L: (B, L, E) if batch_first else (L, B, E)
-    x, mem, w = torch.randn(shape(S), generator=g), torch.randn(shape(S_mem), generator=g), torch.randn(shape(S), generator=g)
+    x, mem, w = (
+        torch.randn(shape(S), generator=g),
+        torch.randn(shape(S_mem), generator=g),
+        torch.randn(shape(S), generator=g),
+    )
     pad = torch.rand(B, S, generator=g) < 0.25
     mem_pad = torch.rand(B, S_mem, generator=g) < 0.25
     pad[:, 0] = False  # with a causal mask, row 0 sees only key 0: keep it (torch gives NaN otherwise)
@@ -51,8 +65,7 @@ def _run(layer, kind, x, mem, pad, mem_pad, causal):
     mask = nn.Transformer.generate_square_subsequent_mask(S) if causal else None
     if kind == "enc":
         return layer(x, src_mask=mask, src_key_padding_mask=pad, is_causal=causal)
-    return layer(x, mem, tgt_mask=mask, tgt_key_padding_mask=pad, memory_key_padding_mask=mem_pad,
-                 tgt_is_causal=causal)
+    return layer(x, mem, tgt_mask=mask, tgt_key_padding_mask=pad, memory_key_padding_mask=mem_pad, tgt_is_causal=causal)
 
 
 @pytest.mark.parametrize("batch_first", [True, False])
@@ -97,12 +110,12 @@ def _world2(rank, world, batch_first, kind, causal, train):
             assert (g - p_ref.grad).abs().max() < 5e-5, n
 
 
-@pytest.mark.parametrize("batch_first", [True, False])
+@pytest.mark.parametrize("train", [True, False], ids=["train", "eval"])  # eval + no_grad: torch's fast path stays off
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("batch_first", [True, False], ids=["batch_first", "seq_first"])
 @pytest.mark.parametrize("kind", ["enc", "dec"])
-def test_world2_matches_torch_layers(batch_first, kind):
-    for causal in (False, True):
-        for train in (True, False):  # eval + no_grad: torch's encoder fast path must stay off
-            run_world(_world2, 2, batch_first, kind, causal, train, env={"RINGFLASH_BACKEND": "torch"})
+def test_world2_matches_torch_layers(worlds, batch_first, kind, causal, train):
+    worlds(2, **TORCH).run(_world2, batch_first, kind, causal, train)
 
 
 def test_state_dict_round_trip():
@@ -172,8 +185,9 @@ def test_grad_accum_dtype_reaches_the_ring():
     16-bit rounding)."""
     x = torch.randn(1, 8, E, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="grad_accum_dtype must be None"):
-        RingMultiheadAttention(E, H, batch_first=True, dtype=torch.bfloat16,
-                               grad_accum_dtype=torch.float16)(x, x, x, need_weights=False)
+        RingMultiheadAttention(E, H, batch_first=True, dtype=torch.bfloat16, grad_accum_dtype=torch.float16)(
+            x, x, x, need_weights=False
+        )
     torch.manual_seed(0)
     exact = RingMultiheadAttention(E, H, batch_first=True, dtype=torch.bfloat16)
     low = RingMultiheadAttention(E, H, batch_first=True, dtype=torch.bfloat16, grad_accum_dtype=torch.bfloat16)

@@ -1,32 +1,22 @@
 """The benchmarks, examples and launch scripts keep working (toy sizes, CPU, gloo)."""
+
 import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def _run(cmd, tmp_path, timeout=300, env=None):
-    full_env = {**os.environ, "RINGFLASH_LOG_DIR": str(tmp_path / "logs"), **(env or {})}
-    full_env.pop("RINGFLASH_BACKEND", None)
-    full_env.pop("TRITON_INTERPRET", None)
-    res = subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout)
-    assert res.returncode == 0, f"{cmd} failed:\n{res.stdout[-3000:]}\n{res.stderr[-3000:]}"
-    return res.stdout
+from commands import ROOT, TWO_RANKS, run
 
 
 def test_bench_local_smoke(tmp_path):
-    out = _run([sys.executable, "benchmarks/bench_local.py", "--smoke", "--json", str(tmp_path / "l.json")], tmp_path)
+    out = run([sys.executable, "-m", "benchmarks.bench_local", "--smoke", "--json", str(tmp_path / "l.json")], tmp_path)
     data = json.loads((tmp_path / "l.json").read_text())
     assert len(data["rows"]) == 4 and all(r["ringflash"]["tflops"] > 0 for r in data["rows"])
     assert "vs flash" in out
 
 
 def test_bench_ring_smoke_on_gloo(tmp_path):
-    out = _run(["bash", "launch/run.sh", "benchmarks/bench_ring.py", "--smoke", "--json", str(tmp_path / "r.json")],
-               tmp_path, env={"RINGFLASH_NPROC": "2", "RINGFLASH_DIST_BACKEND": "gloo"})
+    out = run(TWO_RANKS + ["-m", "benchmarks.bench_ring", "--smoke", "--json", str(tmp_path / "r.json")], tmp_path)
     data = json.loads((tmp_path / "r.json").read_text())
     assert data["meta"]["world"] == 2 and data["meta"]["backend"] == "gloo"
     assert len(data["rows"]) == 4
@@ -36,15 +26,16 @@ def test_bench_ring_smoke_on_gloo(tmp_path):
 
 
 def test_bench_ring_maxlen_smoke_on_gloo(tmp_path):
-    out = _run(["bash", "launch/run.sh", "benchmarks/bench_ring_maxlen.py", "--smoke", "--json",
-                str(tmp_path / "m.json")], tmp_path, env={"RINGFLASH_NPROC": "2", "RINGFLASH_DIST_BACKEND": "gloo"})
+    out = run(
+        TWO_RANKS + ["-m", "benchmarks.bench_ring_maxlen", "--smoke", "--json", str(tmp_path / "m.json")], tmp_path
+    )
     data = json.loads((tmp_path / "m.json").read_text())
     assert data["meta"]["world"] == 2 and [r["S"] for r in data["rows"]] == [64, 128]
     assert all(r["seconds"] > 0 for r in data["rows"]) and "peak allocated per GPU" in out
 
 
 def test_bench_blockops_smoke(tmp_path):
-    _run([sys.executable, "benchmarks/bench_blockops.py", "--smoke", "--json", str(tmp_path / "b.json")], tmp_path)
+    run([sys.executable, "-m", "benchmarks.bench_blockops", "--smoke", "--json", str(tmp_path / "b.json")], tmp_path)
     data = json.loads((tmp_path / "b.json").read_text())
     assert len(data["block_ops"]) == 2 and data["replay"][0]["efficiency"] > 0
 
@@ -55,8 +46,14 @@ def test_gpu_ring_script_refuses_without_two_gpus(tmp_path):
 
     if torch.cuda.device_count() >= 2:
         pytest.skip("on a multi-GPU machine the script is the real thing, run on purpose")
-    res = subprocess.run(["bash", "launch/gpu_ring.sh", "tests"], cwd=ROOT, capture_output=True, text=True,
-                         timeout=120, env={**os.environ, "OUT": str(tmp_path)})
+    res = subprocess.run(
+        ["bash", "launch/gpu_ring.sh", "tests"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "OUT": str(tmp_path)},
+    )
     assert res.returncode == 2 and "needs 2 or more GPUs" in res.stderr, res.stderr
 
 
@@ -77,7 +74,7 @@ def test_plot_scaling_picks_weak_and_strong_rows(tmp_path):
         path = tmp_path / f"p{P}.json"
         path.write_text(json.dumps({"meta": {"world": P, "heads": 32, "kv_heads": 8}, "rows": rows}))
         files.append(str(path))
-    out = _run([sys.executable, "benchmarks/plot_scaling.py", *files, "--out", str(tmp_path / "s.svg")], tmp_path)
+    out = run([sys.executable, "-m", "benchmarks.plot_scaling", *files, "--out", str(tmp_path / "s.svg")], tmp_path)
     lines = [line for line in out.splitlines() if line.startswith("| weak") or line.startswith("| strong")]
     # 2 kinds x 2 causal x 3 P; at P = 8, 8 x 32K = 256K is both weak and strong
     assert len(lines) == 12, out
@@ -91,12 +88,52 @@ def test_builtin_shapes_compile_for_hopper(tmp_path):
     """Every built-in kernel shape compiles for sm_90a (on this CPU machine, with the ptxas that
     ships with Triton) within the H200's shared memory and without ptxas serializing the
     kernel's wgmma instructions; a shape known not to fit is reported as not fitting."""
-    _run([sys.executable, "benchmarks/kernel_report.py", "--json", str(tmp_path / "k.json")], tmp_path)
+    run([sys.executable, "-m", "benchmarks.kernel_report", "--json", str(tmp_path / "k.json")], tmp_path)
     rows = json.loads((tmp_path / "k.json").read_text())
     assert len(rows) == 12  # 3 kernels x D 64, 128 x causal or not
     for r in rows:
         assert r["fits"] and not r["warnings"] and r["waits"] and r["regs"] <= 255, r  # C7514/C7512: serialized
-    _run([sys.executable, "benchmarks/kernel_report.py", "--kind", "fwd", "--head-dims", "128",
-          "--shape", "128", "128", "8", "4", "--json", str(tmp_path / "big.json")], tmp_path)
+    run(
+        [
+            sys.executable,
+            "-m",
+            "benchmarks.kernel_report",
+            "--kind",
+            "fwd",
+            "--head-dims",
+            "128",
+            "--shape",
+            "128",
+            "128",
+            "8",
+            "4",
+            "--json",
+            str(tmp_path / "big.json"),
+        ],
+        tmp_path,
+    )
     # 295936 bytes: the sixth sweep's OutOfResources on the H200
     assert not any(r["fits"] for r in json.loads((tmp_path / "big.json").read_text()))
+
+
+def test_ringflash_run_builds_the_torchrun_command(tmp_path):
+    """ringflash-run: defaults from the machine, options over environment variables, the CPU
+    cores shared out, no change of directory or paths, -m for modules, clear refusals."""
+    import pytest
+
+    from ringflash.launch import torchrun_command
+
+    log = str(tmp_path / "logs")
+    cmd, env = torchrun_command(["--log-dir", log, "train.py", "--steps", "3"], {}, gpus=0, cores=2)
+    assert cmd[1:4] == ["-m", "torch.distributed.run", "--standalone"] and "--nproc-per-node=2" in cmd
+    assert cmd[-3:] == ["train.py", "--steps", "3"] and env["RINGFLASH_DIST_BACKEND"] == "gloo"
+    assert env["OMP_NUM_THREADS"] == "1" and "PYTHONPATH" not in env
+    cmd, env = torchrun_command(["--log-dir", log, "-m", "benchmarks.bench_ring", "--smoke"], {}, gpus=4, cores=64)
+    assert "--nproc-per-node=4" in cmd and cmd[-3:] == ["-m", "benchmarks.bench_ring", "--smoke"]
+    assert env["RINGFLASH_DIST_BACKEND"] == "nccl" and env["OMP_NUM_THREADS"] == "16"
+    cmd, env = torchrun_command(
+        ["--log-dir", log, "x.py"], {"RINGFLASH_NPROC": "3", "OMP_NUM_THREADS": "7"}, gpus=0, cores=2
+    )
+    assert "--nproc-per-node=3" in cmd and env["OMP_NUM_THREADS"] == "7"
+    with pytest.raises(SystemExit):
+        torchrun_command(["--log-dir", log, "--nproc", "3", "--backend", "nccl", "x.py"], {}, gpus=2, cores=8)

@@ -3,6 +3,7 @@
 Tensors must have a unit stride in head_dim; any other strides are passed to the kernels.
 Kernels never import distributed code.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -10,11 +11,10 @@ import contextlib
 import torch
 import triton
 
+from ..merge import LOG2E
 from . import configs
 from .backward import _delta_kernel, _dkdv_kernel, _dq_kernel
 from .forward import _fwd_kernel
-
-LOG2E = 1.4426950408889634
 
 
 def _block_d(head_dim: int) -> int:
@@ -79,15 +79,40 @@ def forward(q, k, v, state, *, q_start, k_start, causal, scale, fold, normalize,
     use_tma, (k_arg, v_arg) = _maybe_descriptors(cfg, (k, v), cfg.block_n, block_d)
     with _on_device(q):
         _fwd_kernel[grid](
-            q, k_arg, v_arg, state.o, state.m, state.l, bias,
-            *_bsh(q), *_bsh(k), *_bsh(v), *_bsh(state.o),
-            *_stat_strides(state.m, state.l), stride_bias_b,
-            Hq, Sq, Sk, q_start, k_start, scale * LOG2E,
-            GROUP=Hq // Hkv, HEAD_DIM=D, BLOCK_D=block_d,
-            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-            CAUSAL=causal, HAS_STATE=fold, NORMALIZE=normalize, HAS_BIAS=has_bias, PRECISION=_precision(q.dtype),
-            TMA=use_tma, WARP_SPECIALIZE=cfg.warp_specialize, POSITIVE_SCALE=scale > 0,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            q,
+            k_arg,
+            v_arg,
+            state.o,
+            state.m,
+            state.l,
+            bias,
+            *_bsh(q),
+            *_bsh(k),
+            *_bsh(v),
+            *_bsh(state.o),
+            *_stat_strides(state.m, state.l),
+            stride_bias_b,
+            Hq,
+            Sq,
+            Sk,
+            q_start,
+            k_start,
+            scale * LOG2E,
+            GROUP=Hq // Hkv,
+            HEAD_DIM=D,
+            BLOCK_D=block_d,
+            BLOCK_M=cfg.block_m,
+            BLOCK_N=cfg.block_n,
+            CAUSAL=causal,
+            HAS_STATE=fold,
+            NORMALIZE=normalize,
+            HAS_BIAS=has_bias,
+            PRECISION=_precision(q.dtype),
+            TMA=use_tma,
+            WARP_SPECIALIZE=cfg.warp_specialize,
+            POSITIVE_SCALE=scale > 0,
+            num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages,
         )
 
 
@@ -95,25 +120,42 @@ def delta(o, do):
     """rowsum(dO * O): (B, S, H, D) x2 -> (B, H, S) float32."""
     B, S, H, D = o.shape
     out = torch.empty(B, H, S, dtype=torch.float32, device=o.device)
-    block_m = 32 if configs.interpreting() else 128
+    block_m = 32 if configs.INTERPRETING else 128
     with _on_device(o):
         _delta_kernel[(triton.cdiv(S, block_m), B * H)](
-            o, do, out, *_bsh(o), *_bsh(do), out.stride(0), out.stride(1), H, S,
-            HEAD_DIM=D, BLOCK_D=_block_d(D), BLOCK_M=block_m,
+            o,
+            do,
+            out,
+            *_bsh(o),
+            *_bsh(do),
+            out.stride(0),
+            out.stride(1),
+            H,
+            S,
+            HEAD_DIM=D,
+            BLOCK_D=_block_d(D),
+            BLOCK_M=block_m,
         )
     return out
 
 
-def backward(q, k, v, m, l, do, delta, dq, dk, dv, *, q_start, k_start, causal, scale, accumulate,
-             key_bias=None):
+def backward(q, k, v, m, l, do, delta, dq, dk, dv, *, q_start, k_start, causal, scale, accumulate, key_bias=None):
     """See ringflash.reference.backward. m, l and delta: (B, Hq, Sq) views with equal strides."""
     _check_dtype(q)
     B, Sq, Hq, D = q.shape
     Sk, Hkv = k.shape[1], k.shape[2]
     block_d = _block_d(D)
     bias, stride_bias_b, has_bias = _bias_args(key_bias, q)
-    common = dict(GROUP=Hq // Hkv, HEAD_DIM=D, BLOCK_D=block_d, CAUSAL=causal, ACCUMULATE=accumulate,
-                  HAS_BIAS=has_bias, PRECISION=_precision(q.dtype), POSITIVE_SCALE=scale > 0)
+    common = dict(
+        GROUP=Hq // Hkv,
+        HEAD_DIM=D,
+        BLOCK_D=block_d,
+        CAUSAL=causal,
+        ACCUMULATE=accumulate,
+        HAS_BIAS=has_bias,
+        PRECISION=_precision(q.dtype),
+        POSITIVE_SCALE=scale > 0,
+    )
     positions = (Sq, Sk, q_start, k_start, scale * LOG2E, scale)
     stat_strides = _stat_strides(m, l, delta)
     with _on_device(q):
@@ -121,19 +163,60 @@ def backward(q, k, v, m, l, do, delta, dq, dk, dv, *, q_start, k_start, causal, 
             cfg = configs.dkdv_config(block_d)
             tma, (q_arg, do_arg) = _maybe_descriptors(cfg, (q, do), cfg.block_m, block_d)
             _dkdv_kernel[(triton.cdiv(Sk, cfg.block_n), B * Hkv)](
-                q_arg, k, v, do_arg, m, l, delta, dk, dv, bias,
-                *_bsh(q), *_bsh(k), *_bsh(v), *_bsh(do), *_bsh(dk), *_bsh(dv),
-                *stat_strides, stride_bias_b, Hkv, *positions,
-                BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, TMA=tma, QK_ORDER=cfg.qk_order,
-                num_warps=cfg.num_warps, num_stages=cfg.num_stages, **common,
+                q_arg,
+                k,
+                v,
+                do_arg,
+                m,
+                l,
+                delta,
+                dk,
+                dv,
+                bias,
+                *_bsh(q),
+                *_bsh(k),
+                *_bsh(v),
+                *_bsh(do),
+                *_bsh(dk),
+                *_bsh(dv),
+                *stat_strides,
+                stride_bias_b,
+                Hkv,
+                *positions,
+                BLOCK_M=cfg.block_m,
+                BLOCK_N=cfg.block_n,
+                TMA=tma,
+                QK_ORDER=cfg.qk_order,
+                num_warps=cfg.num_warps,
+                num_stages=cfg.num_stages,
+                **common,
             )
         if dq is not None:
             cfg = configs.dq_config(block_d)
             tma, (k_arg, v_arg) = _maybe_descriptors(cfg, (k, v), cfg.block_n, block_d)
             _dq_kernel[(triton.cdiv(Sq, cfg.block_m), B * Hq)](
-                q, k_arg, v_arg, do, m, l, delta, dq, bias,
-                *_bsh(q), *_bsh(k), *_bsh(v), *_bsh(do), *_bsh(dq),
-                *stat_strides, stride_bias_b, Hq, *positions,
-                BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, TMA=tma,
-                num_warps=cfg.num_warps, num_stages=cfg.num_stages, **common,
+                q,
+                k_arg,
+                v_arg,
+                do,
+                m,
+                l,
+                delta,
+                dq,
+                bias,
+                *_bsh(q),
+                *_bsh(k),
+                *_bsh(v),
+                *_bsh(do),
+                *_bsh(dq),
+                *stat_strides,
+                stride_bias_b,
+                Hq,
+                *positions,
+                BLOCK_M=cfg.block_m,
+                BLOCK_N=cfg.block_n,
+                TMA=tma,
+                num_warps=cfg.num_warps,
+                num_stages=cfg.num_stages,
+                **common,
             )

@@ -9,8 +9,18 @@ the gradients are added to the caller's (float32) buffers, otherwise written.
 import triton
 import triton.language as tl
 
-from .tiles import (add_key_bias, base2_scores, exp2_probs, key_range, load_tile, query_program, row_stats,
-                    visible_keys)
+from .tiles import (
+    LOG2E,
+    add_key_bias,
+    base2_scores,
+    exp2_probs,
+    key_range,
+    load_tile,
+    query_program,
+    query_range,
+    row_stats,
+    visible_keys,
+)
 
 
 @triton.jit
@@ -46,7 +56,7 @@ def _store_grad(ptrs, grad, mask, ACCUMULATE: tl.constexpr):
 
 @triton.jit
 def _dkdv_q_range(
-    dk, dv, k, v, k_pos, kb, Q_ptrs, DO_ptrs, M_ptrs, L_ptrs, DELTA_ptrs, stride_qs, stride_dos,
+    dk, dv, k, v, k_pos, bias, Q_ptrs, DO_ptrs, M_ptrs, L_ptrs, DELTA_ptrs, stride_qs, stride_dos,
     offs_m, d_ok, lo, hi, q_start, Sq, qk_scale, Q_desc, DO_desc, b32, h32,
     MASKED: tl.constexpr, CAUSAL: tl.constexpr, PAD_D: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_D: tl.constexpr, HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr, TMA: tl.constexpr,
@@ -69,12 +79,12 @@ def _dkdv_q_range(
             # its operands)
             s, scale = base2_scores(tl.dot(q, tl.trans(k), input_precision=PRECISION), qk_scale, PRESCALE)
             if HAS_BIAS:
-                s += kb[None, :]
+                s += bias[None, :]
             p_t = tl.trans(exp2_probs(s, scale, m, inv_l))
         else:
             s_t, scale = base2_scores(tl.dot(k, tl.trans(q), input_precision=PRECISION), qk_scale, PRESCALE)
             if HAS_BIAS:
-                s_t += kb[:, None]
+                s_t += bias[:, None]
             p_t = tl.math.exp2(s_t * scale - m[None, :]) * inv_l[None, :]
         if MASKED:
             visible = rows[None, :] < Sq
@@ -96,14 +106,14 @@ def _dkdv_q_range(
 
 @triton.jit(do_not_specialize=["Sq", "Sk", "q_start", "k_start"])
 def _dkdv_kernel(
-    Q, K, V, DO, M, L, DELTA, DK, DV, KB,
+    Q, K, V, DO, M, L, DELTA, DK, DV, BIAS,
     stride_qb, stride_qs, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
     stride_dob, stride_dos, stride_doh,
     stride_dkb, stride_dks, stride_dkh,
     stride_dvb, stride_dvs, stride_dvh,
-    stride_lb, stride_lh, stride_kbb,
+    stride_lb, stride_lh, stride_bias_b,
     Hkv, Sq, Sk, q_start, k_start, qk_scale, sm_scale,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -131,22 +141,12 @@ def _dkdv_kernel(
     v = tl.load(V + b * stride_vb + hk * stride_vh + cols64[:, None] * stride_vs + offs_d[None, :],
                 mask=tile_mask, other=0.0)
     k_pos = k_start + offs_n
-    kb = offs_n * 0.0
+    bias = offs_n * 0.0  # zeros of the scores' type (unused without HAS_BIAS; Triton needs it defined)
     if HAS_BIAS:  # per-key additive bias, in base-2 units like the scores
-        kb = tl.load(KB + b * stride_kbb + offs_n, mask=offs_n < Sk, other=float("-inf")) * 1.4426950408889634
+        bias = tl.load(BIAS + b * stride_bias_b + offs_n, mask=offs_n < Sk, other=float("-inf")) * LOG2E
 
     # Query rows that see some key of this tile, and the subrange that sees all of them.
-    Sq_full = (Sq // BLOCK_M) * BLOCK_M
-    if CAUSAL:
-        first_k = k_start + pid_n * BLOCK_N
-        last_k = k_start + tl.minimum((pid_n + 1) * BLOCK_N, Sk) - 1
-        lo = tl.minimum(tl.maximum(first_k - q_start, 0), Sq)
-        lo = (lo // BLOCK_M) * BLOCK_M
-        full_lo = tl.minimum(tl.maximum(last_k - q_start, 0), Sq)
-        full_lo = tl.minimum(((full_lo + BLOCK_M - 1) // BLOCK_M) * BLOCK_M, Sq_full)
-    else:
-        lo = Sq * 0
-        full_lo = lo
+    lo, full_lo, Sq_full = query_range(pid_n, q_start, k_start, Sq, Sk, CAUSAL, BLOCK_M, BLOCK_N)
     lo64 = lo.to(tl.int64)
     full64 = full_lo.to(tl.int64)
     end64 = Sq_full.to(tl.int64)
@@ -173,20 +173,23 @@ def _dkdv_kernel(
             Q_tail, DO_tail = Q_ptrs + tail64 * stride_qs, DO_ptrs + tail64 * stride_dos
         # diagonal blocks (causal mask)
         dk, dv = _dkdv_q_range(
-            dk, dv, k, v, k_pos, kb, Q_lo, DO_lo, M_ptrs + lo64, L_ptrs + lo64, DELTA_ptrs + lo64, stride_qs,
+            dk, dv, k, v, k_pos, bias, Q_lo, DO_lo, M_ptrs + lo64, L_ptrs + lo64, DELTA_ptrs + lo64, stride_qs,
             stride_dos,
             offs_m, d_ok, lo, full_lo, q_start, Sq, qk_scale, Q, DO, b32, h32,
-            True, CAUSAL, PAD_D, BLOCK_M, BLOCK_D, HAS_BIAS, PRECISION, TMA, PRESCALE, QK_ORDER)
+            MASKED=True, CAUSAL=CAUSAL, PAD_D=PAD_D, BLOCK_M=BLOCK_M, BLOCK_D=BLOCK_D, HAS_BIAS=HAS_BIAS,
+            PRECISION=PRECISION, TMA=TMA, PRESCALE=PRESCALE, QK_ORDER=QK_ORDER)
         # fully visible blocks
         dk, dv = _dkdv_q_range(
-            dk, dv, k, v, k_pos, kb, Q_full, DO_full, M_ptrs + full64, L_ptrs + full64, DELTA_ptrs + full64, stride_qs,
-            stride_dos, offs_m, d_ok, full_lo, Sq_full, q_start, Sq, qk_scale, Q, DO, b32, h32,
-            False, CAUSAL, PAD_D, BLOCK_M, BLOCK_D, HAS_BIAS, PRECISION, TMA, PRESCALE, QK_ORDER)
+            dk, dv, k, v, k_pos, bias, Q_full, DO_full, M_ptrs + full64, L_ptrs + full64, DELTA_ptrs + full64,
+            stride_qs, stride_dos, offs_m, d_ok, full_lo, Sq_full, q_start, Sq, qk_scale, Q, DO, b32, h32,
+            MASKED=False, CAUSAL=CAUSAL, PAD_D=PAD_D, BLOCK_M=BLOCK_M, BLOCK_D=BLOCK_D, HAS_BIAS=HAS_BIAS,
+            PRECISION=PRECISION, TMA=TMA, PRESCALE=PRESCALE, QK_ORDER=QK_ORDER)
         # ragged tail of the query rows
         dk, dv = _dkdv_q_range(
-            dk, dv, k, v, k_pos, kb, Q_tail, DO_tail, M_ptrs + tail64, L_ptrs + tail64, DELTA_ptrs + tail64, stride_qs,
-            stride_dos, offs_m, d_ok, tail_lo, Sq, q_start, Sq, qk_scale, Q, DO, b32, h32,
-            True, CAUSAL, PAD_D, BLOCK_M, BLOCK_D, HAS_BIAS, PRECISION, TMA, PRESCALE, QK_ORDER)
+            dk, dv, k, v, k_pos, bias, Q_tail, DO_tail, M_ptrs + tail64, L_ptrs + tail64, DELTA_ptrs + tail64,
+            stride_qs, stride_dos, offs_m, d_ok, tail_lo, Sq, q_start, Sq, qk_scale, Q, DO, b32, h32,
+            MASKED=True, CAUSAL=CAUSAL, PAD_D=PAD_D, BLOCK_M=BLOCK_M, BLOCK_D=BLOCK_D, HAS_BIAS=HAS_BIAS,
+            PRECISION=PRECISION, TMA=TMA, PRESCALE=PRESCALE, QK_ORDER=QK_ORDER)
 
     _store_grad(DK + b * stride_dkb + hk * stride_dkh + cols64[:, None] * stride_dks + offs_d[None, :],
                 dk * sm_scale, tile_mask, ACCUMULATE)
@@ -196,20 +199,20 @@ def _dkdv_kernel(
 
 @triton.jit
 def _dq_k_range(
-    dq, q, do, m, inv_l, delta, q_pos, K_ptrs, V_ptrs, KB_ptrs, stride_ks, stride_vs, offs_n, d_ok,
+    dq, q, do, m, inv_l, delta, q_pos, K_ptrs, V_ptrs, BIAS_ptrs, stride_ks, stride_vs, offs_n, d_ok,
     lo, hi, k_start, Sk, qk_scale, K_desc, V_desc, b32, hk32,
     MASKED: tl.constexpr, CAUSAL: tl.constexpr, PAD_D: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr, TMA: tl.constexpr,
     PRESCALE: tl.constexpr,
 ):
-    # K_ptrs / V_ptrs (pointer path) / KB_ptrs point at key row `lo` on entry
+    # K_ptrs / V_ptrs (pointer path) / BIAS_ptrs point at key row `lo` on entry
     for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + offs_n
         k = load_tile(K_ptrs, K_desc, b32, start_n, hk32, cols, Sk, d_ok, MASKED, PAD_D, TMA, BLOCK_N, BLOCK_D)
         v = load_tile(V_ptrs, V_desc, b32, start_n, hk32, cols, Sk, d_ok, MASKED, PAD_D, TMA, BLOCK_N, BLOCK_D)
         s, scale = base2_scores(tl.dot(q, tl.trans(k), input_precision=PRECISION), qk_scale, PRESCALE)
         if HAS_BIAS:
-            s, KB_ptrs = add_key_bias(s, KB_ptrs, cols, Sk, MASKED, BLOCK_N)
+            s, BIAS_ptrs = add_key_bias(s, BIAS_ptrs, cols, Sk, MASKED, BLOCK_N)
         p = exp2_probs(s, scale, m, inv_l)
         if MASKED:
             p = tl.where(visible_keys(q_pos, cols, Sk, k_start, CAUSAL), p, 0.0)
@@ -224,13 +227,13 @@ def _dq_k_range(
 
 @triton.jit(do_not_specialize=["Sq", "Sk", "q_start", "k_start"])
 def _dq_kernel(
-    Q, K, V, DO, M, L, DELTA, DQ, KB,
+    Q, K, V, DO, M, L, DELTA, DQ, BIAS,
     stride_qb, stride_qs, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
     stride_dob, stride_dos, stride_doh,
     stride_dqb, stride_dqs, stride_dqh,
-    stride_lb, stride_lh, stride_kbb,
+    stride_lb, stride_lh, stride_bias_b,
     Hq, Sq, Sk, q_start, k_start, qk_scale, sm_scale,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -262,20 +265,22 @@ def _dq_kernel(
     hi, full_end = key_range(pid_m, q_start, k_start, Sq, Sk, CAUSAL, BLOCK_M, BLOCK_N)
 
     skip = full_end.to(tl.int64)
-    KB_ptrs = KB + b * stride_kbb + offs_n
+    BIAS_ptrs = BIAS + b * stride_bias_b + offs_n
     if TMA:  # rows come from the descriptors; the pointer arguments are unused
-        K_ptrs, V_ptrs, K_rest, V_rest = KB_ptrs, KB_ptrs, KB_ptrs, KB_ptrs
+        K_ptrs, V_ptrs, K_rest, V_rest = BIAS_ptrs, BIAS_ptrs, BIAS_ptrs, BIAS_ptrs
     else:
         K_ptrs = K + b * stride_kb + hk * stride_kh + offs_n[:, None] * stride_ks + offs_d[None, :]
         V_ptrs = V + b * stride_vb + hk * stride_vh + offs_n[:, None] * stride_vs + offs_d[None, :]
         K_rest, V_rest = K_ptrs + skip * stride_ks, V_ptrs + skip * stride_vs
     b32, hk32 = b.to(tl.int32), hk.to(tl.int32)
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    dq = _dq_k_range(dq, q, do, m, inv_l, delta, q_pos, K_ptrs, V_ptrs, KB_ptrs, stride_ks, stride_vs, offs_n,
+    dq = _dq_k_range(dq, q, do, m, inv_l, delta, q_pos, K_ptrs, V_ptrs, BIAS_ptrs, stride_ks, stride_vs, offs_n,
                      d_ok, 0, full_end, k_start, Sk, qk_scale, K, V, b32, hk32,
-                     False, CAUSAL, PAD_D, BLOCK_N, BLOCK_D, HAS_BIAS, PRECISION, TMA, PRESCALE)
-    dq = _dq_k_range(dq, q, do, m, inv_l, delta, q_pos, K_rest, V_rest, KB_ptrs + skip, stride_ks, stride_vs,
+                     MASKED=False, CAUSAL=CAUSAL, PAD_D=PAD_D, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, HAS_BIAS=HAS_BIAS,
+                     PRECISION=PRECISION, TMA=TMA, PRESCALE=PRESCALE)
+    dq = _dq_k_range(dq, q, do, m, inv_l, delta, q_pos, K_rest, V_rest, BIAS_ptrs + skip, stride_ks, stride_vs,
                      offs_n, d_ok, full_end, hi, k_start, Sk, qk_scale, K, V, b32, hk32,
-                     True, CAUSAL, PAD_D, BLOCK_N, BLOCK_D, HAS_BIAS, PRECISION, TMA, PRESCALE)
+                     MASKED=True, CAUSAL=CAUSAL, PAD_D=PAD_D, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, HAS_BIAS=HAS_BIAS,
+                     PRECISION=PRECISION, TMA=TMA, PRESCALE=PRESCALE)
     _store_grad(DQ + b * stride_dqb + h * stride_dqh + rows64[:, None] * stride_dqs + offs_d[None, :],
                 dq * sm_scale, tile_mask, ACCUMULATE)

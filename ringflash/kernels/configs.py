@@ -1,17 +1,18 @@
 """Block shapes for the Triton kernels, named in one place.
 
-On the GPU the values come from the sweep in benchmarks/bench_local.py --tune (see
-benchmarks/NOTES.md for the runs that chose them). Under the Triton interpreter (CPU tests)
-small blocks keep the tests quick while still giving several blocks per row, and
-BLOCK_M != BLOCK_N so tile-boundary logic is exercised.
+Which config a kernel launch uses, in order: one set by override() around the call (the tuning
+sweep and tests), the interpreter's small one when TRITON_INTERPRET=1, an entry of the file
+named by RINGFLASH_KERNEL_CONFIGS (read once, at import), the built-in table below.
 
 RINGFLASH_KERNEL_CONFIGS=path.json replaces entries for other GPUs, as written by
-`bench_local.py --tune --write-configs path.json`:
+`python -m benchmarks.bench_local --tune --write-configs path.json`:
 {"fwd": {"128": {"block_m": 128, "block_n": 128, "num_warps": 8, "num_stages": 3, "tma": true}}, ...}
 """
+
 from __future__ import annotations
 
-import functools
+import contextlib
+import contextvars
 import json
 import os
 from dataclasses import asdict, dataclass
@@ -31,8 +32,9 @@ class KernelConfig:
     qk_order: bool = False
 
 
-def interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+# Triton reads TRITON_INTERPRET once, when it is imported; so do we.
+INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") == "1"
+KINDS = ("fwd", "dkdv", "dq")
 
 
 # Interpreter: tl.dot runs in numpy; warps and stages are ignored. The three kernels use the same
@@ -43,11 +45,10 @@ _INTERP_FWD = KernelConfig(32, 16, 4, 1)
 _INTERP_DKDV = KernelConfig(32, 16, 4, 1, qk_order=True)
 _INTERP_DQ = KernelConfig(32, 16, 4, 1)
 
-# Hopper (H200), keyed by padded head dim. D=64 and D=128 entries: the sweep of 2026-11-29
-# (benchmarks/results/tune_h200_call1.json, B=1, H=32, S=16K, bf16); others are scaled guesses.
-# D=64 and D=128: the third sweep's choice, benchmarks/results/configs_h200.json (written by
-# `bench_local.py --tune --write-configs`; sweeps in benchmarks/results/tune_h200_call*.json).
-# D=32 and D=256 were checked for correctness on the H200, not tuned.
+# Hopper (H200), keyed by padded head dim. D=64 and D=128: the choice of the sweep
+# `bench_local --tune --write-configs` on one H200 (B=1, H=32, S=16K, bf16), committed as
+# benchmarks/results/configs_h200.json (a test keeps the two equal). D=32 and D=256: not tuned,
+# checked for correctness on an H200.
 _FWD = {
     32: KernelConfig(128, 64, 4, 4),
     64: KernelConfig(128, 64, 4, 4, tma=True),
@@ -67,15 +68,32 @@ _DQ = {
     256: KernelConfig(64, 32, 8, 2),
 }
 
-# Overrides for the tuning sweep: {"fwd": KernelConfig, ...}; empty in normal use.
-OVERRIDES: dict[str, KernelConfig] = {}
+_OVERRIDES: contextvars.ContextVar[dict | None] = contextvars.ContextVar("ringflash_kernel_configs", default=None)
 
 
-@functools.lru_cache(maxsize=4)
-def _file_configs(path: str) -> dict:
+@contextlib.contextmanager
+def override(**configs: KernelConfig):
+    """Inside the block, the given kernels (fwd=, dkdv=, dq=) use these configs for every head
+    dim, e.g. `with override(fwd=KernelConfig(128, 64, 8, 3)):` (the tuning sweep, tests)."""
+    unknown = set(configs) - set(KINDS)
+    if unknown:
+        raise ValueError(f"override: unknown kernel(s) {sorted(unknown)}; expected some of {KINDS}")
+    token = _OVERRIDES.set({**(_OVERRIDES.get() or {}), **configs})
+    try:
+        yield
+    finally:
+        _OVERRIDES.reset(token)
+
+
+def read_configs(path: str) -> dict:
+    """A RINGFLASH_KERNEL_CONFIGS file -> {kind: {block_d: KernelConfig}}."""
     with open(path) as f:
         raw = json.load(f)
     return {kind: {int(d): KernelConfig(**cfg) for d, cfg in by_d.items()} for kind, by_d in raw.items()}
+
+
+_FILE = os.environ.get("RINGFLASH_KERNEL_CONFIGS")
+_FILE_CONFIGS = read_configs(_FILE) if _FILE else {}
 
 
 def write_configs(path: str, chosen: dict) -> None:
@@ -84,26 +102,31 @@ def write_configs(path: str, chosen: dict) -> None:
         json.dump({kind: {str(d): asdict(c) for d, c in by_d.items()} for kind, by_d in chosen.items()}, f, indent=1)
 
 
-def _pick(kind: str, table: dict, interp: KernelConfig, block_d: int) -> KernelConfig:
-    if kind in OVERRIDES:
-        return OVERRIDES[kind]
-    if interpreting():
+_TABLES = {"fwd": (_FWD, _INTERP_FWD), "dkdv": (_DKDV, _INTERP_DKDV), "dq": (_DQ, _INTERP_DQ)}
+
+
+def pick(
+    kind: str, block_d: int, *, interpreting: bool = INTERPRETING, file_configs: dict = _FILE_CONFIGS
+) -> KernelConfig:
+    """The config kernel `kind` uses for padded head dim block_d (the order in the module
+    docstring); interpreting and file_configs default to what the environment said at import."""
+    chosen = (_OVERRIDES.get() or {}).get(kind)
+    if chosen is not None:
+        return chosen
+    table, interp = _TABLES[kind]
+    if interpreting:
         return interp
-    path = os.environ.get("RINGFLASH_KERNEL_CONFIGS")
-    if path:
-        chosen = _file_configs(path).get(kind, {}).get(block_d)
-        if chosen is not None:
-            return chosen
-    return table[max(block_d, 32)]
+    chosen = file_configs.get(kind, {}).get(block_d)
+    return chosen if chosen is not None else table[max(block_d, 32)]
 
 
 def forward_config(block_d: int) -> KernelConfig:
-    return _pick("fwd", _FWD, _INTERP_FWD, block_d)
+    return pick("fwd", block_d)
 
 
 def dkdv_config(block_d: int) -> KernelConfig:
-    return _pick("dkdv", _DKDV, _INTERP_DKDV, block_d)
+    return pick("dkdv", block_d)
 
 
 def dq_config(block_d: int) -> KernelConfig:
-    return _pick("dq", _DQ, _INTERP_DQ, block_d)
+    return pick("dq", block_d)

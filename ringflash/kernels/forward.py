@@ -15,23 +15,22 @@ import triton.language as tl
 from .tiles import add_key_bias, base2_scores, exp2_shifted, key_range, load_tile, query_program, visible_keys
 
 
-
 @triton.jit
 def _fwd_block_range(
-    acc, l_i, m_i, q, q_pos, K_ptrs, V_ptrs, KB_ptrs, stride_ks, stride_vs, offs_n, offs_d,
+    acc, l_i, m_i, q, q_pos, K_ptrs, V_ptrs, BIAS_ptrs, stride_ks, stride_vs, offs_n, offs_d,
     lo, hi, k_start, Sk, qk_scale, K_desc, V_desc, b32, hk32,
     MASKED: tl.constexpr, CAUSAL: tl.constexpr, PAD_D: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr,
     TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, PRESCALE: tl.constexpr,
 ):
-    # K_ptrs / V_ptrs / KB_ptrs point at key row `lo` on entry (pointer path)
+    # K_ptrs / V_ptrs / BIAS_ptrs point at key row `lo` on entry (pointer path)
     d_ok = offs_d[None, :] < HEAD_DIM
     for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
         cols = start_n + offs_n
         k = load_tile(K_ptrs, K_desc, b32, start_n, hk32, cols, Sk, d_ok, MASKED, PAD_D, TMA, BLOCK_N, BLOCK_D)
         s, scale = base2_scores(tl.dot(q, tl.trans(k), input_precision=PRECISION), qk_scale, PRESCALE)
         if HAS_BIAS:  # per-key additive bias (key padding), after scaling
-            s, KB_ptrs = add_key_bias(s, KB_ptrs, cols, Sk, MASKED, BLOCK_N)
+            s, BIAS_ptrs = add_key_bias(s, BIAS_ptrs, cols, Sk, MASKED, BLOCK_N)
         if MASKED:
             s = tl.where(visible_keys(q_pos, cols, Sk, k_start, CAUSAL), s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1) * scale)
@@ -54,12 +53,12 @@ def _fwd_block_range(
 # compile-time constants (and a new compile per value).
 @triton.jit(do_not_specialize=["Sq", "Sk", "q_start", "k_start"])
 def _fwd_kernel(
-    Q, K, V, O, M, L, KB,
+    Q, K, V, O, M, L, BIAS,
     stride_qb, stride_qs, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
     stride_ob, stride_os, stride_oh,
-    stride_mb, stride_mh, stride_kbb,
+    stride_mb, stride_mh, stride_bias_b,
     Hq, Sq, Sk, q_start, k_start, qk_scale,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -98,22 +97,26 @@ def _fwd_kernel(
     hi, full_end = key_range(pid_m, q_start, k_start, Sq, Sk, CAUSAL, BLOCK_M, BLOCK_N)
 
     skip = full_end.to(tl.int64)
-    KB_ptrs = KB + b * stride_kbb + offs_n
+    BIAS_ptrs = BIAS + b * stride_bias_b + offs_n
     if TMA:
-        K_ptrs, V_ptrs, K_rest, V_rest = KB_ptrs, KB_ptrs, KB_ptrs, KB_ptrs  # unused
+        K_ptrs, V_ptrs, K_rest, V_rest = BIAS_ptrs, BIAS_ptrs, BIAS_ptrs, BIAS_ptrs  # unused
     else:
         K_ptrs = K + b * stride_kb + hk * stride_kh + offs_n[:, None] * stride_ks + offs_d[None, :]
         V_ptrs = V + b * stride_vb + hk * stride_vh + offs_n[:, None] * stride_vs + offs_d[None, :]
         K_rest, V_rest = K_ptrs + skip * stride_ks, V_ptrs + skip * stride_vs
     b32, hk32 = b.to(tl.int32), hk.to(tl.int32)
+    # key blocks every row of the tile sees: no mask
     acc, l_i, m_i = _fwd_block_range(
-        acc, l_i, m_i, q, q_pos, K_ptrs, V_ptrs, KB_ptrs, stride_ks, stride_vs, offs_n, offs_d,
+        acc, l_i, m_i, q, q_pos, K_ptrs, V_ptrs, BIAS_ptrs, stride_ks, stride_vs, offs_n, offs_d,
         0, full_end, k_start, Sk, qk_scale, K, V, b32, hk32,
-        False, CAUSAL, PAD_D, HEAD_DIM, BLOCK_N, BLOCK_D, HAS_BIAS, PRECISION, TMA, WARP_SPECIALIZE, PRESCALE)
+        MASKED=False, WARP_SPECIALIZE=WARP_SPECIALIZE, CAUSAL=CAUSAL, PAD_D=PAD_D, HEAD_DIM=HEAD_DIM,
+        BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, HAS_BIAS=HAS_BIAS, PRECISION=PRECISION, TMA=TMA, PRESCALE=PRESCALE)
+    # the rest: the causal diagonal and the ragged end of the keys
     acc, l_i, m_i = _fwd_block_range(
-        acc, l_i, m_i, q, q_pos, K_rest, V_rest, KB_ptrs + skip,
+        acc, l_i, m_i, q, q_pos, K_rest, V_rest, BIAS_ptrs + skip,
         stride_ks, stride_vs, offs_n, offs_d, full_end, hi, k_start, Sk, qk_scale, K, V, b32, hk32,
-        True, CAUSAL, PAD_D, HEAD_DIM, BLOCK_N, BLOCK_D, HAS_BIAS, PRECISION, TMA, False, PRESCALE)
+        MASKED=True, WARP_SPECIALIZE=False, CAUSAL=CAUSAL, PAD_D=PAD_D, HEAD_DIM=HEAD_DIM,
+        BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, HAS_BIAS=HAS_BIAS, PRECISION=PRECISION, TMA=TMA, PRESCALE=PRESCALE)
 
     if NORMALIZE:
         acc = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]

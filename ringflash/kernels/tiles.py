@@ -86,6 +86,27 @@ def key_range(pid_m, q_start, k_start, Sq, Sk, CAUSAL: tl.constexpr, BLOCK_M: tl
 
 
 @triton.jit
+def query_range(pid_n, q_start, k_start, Sq, Sk, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr,
+                BLOCK_N: tl.constexpr):
+    """For key tile pid_n, the mirror of key_range: (lo, full_lo, Sq_full). Query rows [lo, Sq)
+    see some key of the tile (lo a multiple of BLOCK_M); whole BLOCK_M blocks in
+    [full_lo, Sq_full) see all of them (no mask); Sq_full ends the whole blocks, and
+    [lo, full_lo) and [Sq_full, Sq) need the causal and bounds mask."""
+    Sq_full = (Sq // BLOCK_M) * BLOCK_M
+    if CAUSAL:
+        first_k = k_start + pid_n * BLOCK_N
+        last_k = k_start + tl.minimum((pid_n + 1) * BLOCK_N, Sk) - 1
+        lo = tl.minimum(tl.maximum(first_k - q_start, 0), Sq)
+        lo = (lo // BLOCK_M) * BLOCK_M
+        full_lo = tl.minimum(tl.maximum(last_k - q_start, 0), Sq)
+        full_lo = tl.minimum(((full_lo + BLOCK_M - 1) // BLOCK_M) * BLOCK_M, Sq_full)
+    else:
+        lo = Sq * 0  # a runtime zero of Sq's type, like the causal branch's (Triton unifies the two)
+        full_lo = lo
+    return lo, full_lo, Sq_full
+
+
+@triton.jit
 def query_program(Hq, GROUP: tl.constexpr, CAUSAL: tl.constexpr):
     """(pid_m, b, h, hk) of a program over (query tiles, batch x q heads): its query tile, batch,
     q head and kv head (int64). Causal: later query tiles see more keys, so they start first
@@ -100,14 +121,14 @@ def query_program(Hq, GROUP: tl.constexpr, CAUSAL: tl.constexpr):
 
 
 @triton.jit
-def add_key_bias(s, KB_ptrs, cols, Sk, MASKED: tl.constexpr, BLOCK_N: tl.constexpr):
+def add_key_bias(s, BIAS_ptrs, cols, Sk, MASKED: tl.constexpr, BLOCK_N: tl.constexpr):
     """Scores s (rows, BLOCK_N) in base-2 units plus the per-key bias (natural-log units, -inf
-    for keys past Sk when MASKED) at KB_ptrs; returns (s, KB_ptrs moved to the next key tile)."""
+    for keys past Sk when MASKED) at BIAS_ptrs; returns (s, BIAS_ptrs moved to the next key tile)."""
     if MASKED:
-        kb = tl.load(KB_ptrs, mask=cols < Sk, other=float("-inf"))
+        bias = tl.load(BIAS_ptrs, mask=cols < Sk, other=float("-inf"))
     else:
-        kb = tl.load(KB_ptrs)
-    return s + kb[None, :] * LOG2E, KB_ptrs + BLOCK_N
+        bias = tl.load(BIAS_ptrs)
+    return s + bias[None, :] * LOG2E, BIAS_ptrs + BLOCK_N
 
 
 @triton.jit

@@ -1,0 +1,130 @@
+"""What the benchmarks share: timing on one device and across ranks, FLOP counts, the ring
+benchmarks' shape options, process-group start, inputs and result metadata."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from ringflash.dist_env import init_from_env
+
+
+def attention_flops(B, H, S, D, causal, mode, Sk=None):
+    """FLOPs of attention over S queries and Sk (default S) keys: forward 4*B*H*S*Sk*D, half for
+    causal; forward+backward 3.5x."""
+    f = 4 * B * H * S * (S if Sk is None else Sk) * D * (0.5 if causal else 1.0)
+    return f * (3.5 if mode == "fwd+bwd" else 1.0)
+
+
+def bench_ms(fn, device) -> float:
+    """Milliseconds of fn(): the median of triton.testing.do_bench on a GPU, the median of 3
+    runs after one warm-up on CPU."""
+    if torch.device(device).type == "cuda":
+        import triton
+
+        return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+    fn()
+    times = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return sorted(times)[1]
+
+
+def step_fn(call, inputs, do, mode):
+    """fn() running call() without gradients (mode "fwd") or forward + backward with dO = do."""
+
+    def fwd():
+        with torch.no_grad():
+            call()
+
+    def fwd_bwd():
+        for t in inputs:
+            t.grad = None
+        call().backward(do)
+
+    return fwd if mode == "fwd" else fwd_bwd
+
+
+def timed_on_ranks(fn, *, iters, warmup, device):
+    """Median milliseconds of fn() on this rank (CUDA events on GPUs), then the maximum over
+    the default group's ranks."""
+    for _ in range(warmup):
+        fn()
+    cuda = device.type == "cuda"
+    times = []
+    dist.barrier()
+    for _ in range(iters):
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    ms = torch.tensor([sorted(times)[len(times) // 2]], dtype=torch.float64, device=device)
+    dist.all_reduce(ms, op=dist.ReduceOp.MAX)
+    return ms.item()
+
+
+def add_shape_args(ap):
+    """The attention-shape options of the ring benchmarks."""
+    ap.add_argument("--heads", type=int, default=32)
+    ap.add_argument("--kv-heads", type=int, default=None, help="GQA: K/V heads (default: --heads)")
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--batch", type=int, default=1)
+
+
+def start_ring(args, script, *, timeout_s):
+    """Join torchrun's process group (2 or more ranks, else exit naming `script`); returns
+    (rank, world, device, dtype): bf16, or float32 for --smoke on CPU."""
+    rank, world, device = init_from_env(timeout_s=timeout_s)
+    if world < 2:
+        sys.exit(f"{script}: start it on 2 or more processes (ringflash-run -m benchmarks.{script})")
+    dtype = torch.float32 if args.smoke and device.type == "cpu" else torch.bfloat16
+    return rank, world, device, dtype
+
+
+def rank_inputs(args, S_local, rank, device, dtype):
+    """This rank's q, k, v (requiring grad) and dO, (B, S_local, heads, D) in dtype, seeded by rank."""
+    g = torch.Generator(device=device).manual_seed(rank)
+    mk = lambda H: torch.randn(args.batch, S_local, H, args.head_dim, device=device, dtype=dtype, generator=g)
+    q, k, v = (t.requires_grad_() for t in (mk(args.heads), mk(args.kv_heads), mk(args.kv_heads)))
+    return q, k, v, torch.randn_like(q)
+
+
+def device_name(device) -> str:
+    return torch.cuda.get_device_name() if torch.device(device).type == "cuda" else "cpu"
+
+
+def run_meta(args, world, device, dtype, **extra):
+    """What a ring benchmark's result file says about the run."""
+    return {
+        "world": world,
+        "device": device_name(device),
+        "torch": torch.__version__,
+        "dtype": str(dtype),
+        "batch": args.batch,
+        "heads": args.heads,
+        "kv_heads": args.kv_heads,
+        "head_dim": args.head_dim,
+        **extra,
+        "backend": dist.get_backend(),
+        "date": time.strftime("%Y-%m-%d"),
+    }
+
+
+def write_json(path: Path | None, data) -> None:
+    if path:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(data, indent=1))

@@ -1,0 +1,140 @@
+"""Two versions of ringflash's local attention in one run, beside SDPA's cuDNN backend.
+
+    git archive --prefix=ringflash_before/ OLD_COMMIT:ringflash | tar -x -C .baseline
+    python -m benchmarks.compare_versions --baseline .baseline --json before_after.json
+
+The baseline is a copy of an older ringflash package directory, imported under another name
+(`ringflash_before`; the package uses relative imports only). Each (D, S, causal, mode) row
+times the baseline, this checkout and SDPA cuDNN in turn, --repeats times in alternating order
+so that a drift of the GPU's clock falls on both; the table gives medians, the ratio of this
+checkout to the baseline and the spread of that ratio over the repeats. Extra variants of this
+checkout (--variants dkdv_qk_order: the dK/dV pass in the forward's operand order) are timed in
+the same rotation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+from benchmarks.common import attention_flops, bench_ms, device_name, step_fn, write_json
+
+
+def load_baseline(root: Path, name: str):
+    """The package directory `root/name` imported as module `name`."""
+    sys.path.insert(0, str(root))
+    return importlib.import_module(name)
+
+
+def sdpa(q, k, v, causal):
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+
+def variant_context(name, head_dim):
+    """A context manager that makes this checkout run variant `name` at head_dim."""
+    import contextlib
+
+    from ringflash.kernels import configs
+
+    if name == "dkdv_qk_order":
+        base = configs.dkdv_config(max(16, 1 << (head_dim - 1).bit_length()))
+        return configs.override(dkdv=configs.KernelConfig(**{**base.__dict__, "qk_order": True}))
+    return contextlib.nullcontext()
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--baseline", type=Path, required=True, help="folder holding the old package directory")
+    ap.add_argument("--baseline-name", default="ringflash_before")
+    ap.add_argument("--seqlens", type=int, nargs="+", default=[16384])
+    ap.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
+    ap.add_argument("--heads", type=int, default=32)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--variants", nargs="*", default=[])
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args()
+    import ringflash
+
+    before = load_baseline(args.baseline, args.baseline_name)
+    device = "cuda"
+    rows = []
+    for D in args.head_dims:
+        for S in args.seqlens:
+            g = torch.Generator(device=device).manual_seed(0)
+            qkv = [
+                torch.randn(1, S, args.heads, D, device=device, dtype=torch.bfloat16, generator=g).requires_grad_()
+                for _ in range(3)
+            ]
+            bhsd = [t.detach().transpose(1, 2).contiguous().requires_grad_() for t in qkv]
+            do = torch.randn_like(qkv[0])
+            do_bhsd = do.transpose(1, 2).contiguous()
+            for causal in (False, True):
+                for mode in ("fwd", "fwd+bwd"):
+                    impls = {
+                        "before": (lambda c=causal: before.flash_attn_func(*qkv, causal=c), qkv, do, None),
+                        "after": (lambda c=causal: ringflash.flash_attn_func(*qkv, causal=c), qkv, do, None),
+                        "cudnn": (lambda c=causal: sdpa(*bhsd, c), bhsd, do_bhsd, None),
+                    }
+                    for name in args.variants:
+                        impls[f"after:{name}"] = (
+                            lambda c=causal: ringflash.flash_attn_func(*qkv, causal=c),
+                            qkv,
+                            do,
+                            name,
+                        )
+                    times = {name: [] for name in impls}
+                    order = list(impls)
+                    for rep in range(args.repeats):
+                        for name in order if rep % 2 == 0 else order[::-1]:
+                            call, inputs, grad, variant = impls[name]
+                            with variant_context(variant, D):
+                                times[name].append(bench_ms(step_fn(call, inputs, grad, mode), device))
+                    flop = attention_flops(1, args.heads, S, D, causal, mode)
+                    row = {
+                        "D": D,
+                        "S": S,
+                        "causal": causal,
+                        "mode": mode,
+                        "ms": times,
+                        "tflops": {n: flop / statistics.median(t) / 1e9 for n, t in times.items()},
+                        "after_over_before": [b / a for a, b in zip(times["after"], times["before"])],
+                    }
+                    rows.append(row)
+                    print(row, flush=True)
+    write_json(
+        args.json,
+        {
+            "meta": {
+                "device": device_name(device),
+                "torch": torch.__version__,
+                "heads": args.heads,
+                "repeats": args.repeats,
+            },
+            "rows": rows,
+        },
+    )
+    extra = [f"after:{n}" for n in args.variants]
+    print(
+        f"\n{'D':>4} {'S':>6} {'causal':>6} {'mode':>8} | {'before':>7} {'after':>7} {'cudnn':>7} | "
+        f"{'after/before':>12} {'spread':>7} | " + " ".join(f"{n:>22}" for n in extra)
+    )
+    for r in rows:
+        t, ratio = r["tflops"], r["after_over_before"]
+        print(
+            f"{r['D']:>4} {r['S']:>6} {str(r['causal']):>6} {r['mode']:>8} | {t['before']:7.1f} {t['after']:7.1f} "
+            f"{t['cudnn']:7.1f} | {statistics.median(ratio):12.3f} {max(ratio) - min(ratio):7.3f} | "
+            + " ".join(f"{t[n]:10.1f} ({t[n] / t['after']:.3f}x)" for n in extra)
+        )
+
+
+if __name__ == "__main__":
+    main()

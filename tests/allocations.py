@@ -1,0 +1,50 @@
+"""Count the tensors the ring engine allocates itself (not its block operations' backends)."""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+
+import torch
+
+FACTORIES = ("empty", "empty_like", "zeros", "zeros_like", "full", "full_like")
+BACKENDS = ("ringflash.reference", "ringflash.kernels")
+
+
+def _made_by_the_engine(frame) -> bool:
+    """Whether the call stack from `frame` out runs through ringflash code but not through a
+    block operation's backend (whose temporaries scale with the blocks, by design)."""
+    in_ringflash = False
+    while frame is not None:
+        name = frame.f_globals.get("__name__", "")
+        if name.startswith(BACKENDS):
+            return False
+        in_ringflash = in_ringflash or name.startswith("ringflash.")
+        frame = frame.f_back
+    return in_ringflash
+
+
+@contextlib.contextmanager
+def ring_allocations():
+    """Record (factory, dtype, bytes) of every floating-point tensor (the memory that matters;
+    not the rank check's small integer rows) that ringflash code outside the block operations'
+    backends allocates with torch's factory functions inside the block."""
+    made = []
+    real = {name: getattr(torch, name) for name in FACTORIES}
+
+    def wrap(name):
+        def alloc(*a, **kw):
+            t = real[name](*a, **kw)
+            if t.is_floating_point() and _made_by_the_engine(sys._getframe(1)):
+                made.append((name, t.dtype, t.numel() * t.element_size()))
+            return t
+
+        return alloc
+
+    for name in real:
+        setattr(torch, name, wrap(name))
+    try:
+        yield made
+    finally:
+        for name, fn in real.items():
+            setattr(torch, name, fn)

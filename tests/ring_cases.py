@@ -1,0 +1,94 @@
+"""Shared by the ring tests: full inputs, one ring call's case, and the check of a ring call
+against the float64 oracle (run on every rank of a world)."""
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from ringflash import ring_flash_attn_func, shard, unshard
+
+from oracle import max_err, reference
+
+TORCH = {"RINGFLASH_BACKEND": "torch"}
+TRITON = {"RINGFLASH_BACKEND": "triton", "TRITON_INTERPRET": "1"}
+
+
+def full_inputs(B, S, Sk, Hq, Hkv, D, dtype, seed):
+    """q, k, v, do: the full (unsharded) tensors, the same on every rank."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, S, Hq, D, generator=g).to(dtype)
+    k = torch.randn(B, Sk, Hkv, D, generator=g).to(dtype)
+    v = torch.randn(B, Sk, Hkv, D, generator=g).to(dtype)
+    do = torch.randn(B, S, Hq, D, generator=g).to(dtype)
+    return q, k, v, do
+
+
+def padding_mask(kind, B, Sk, seed):
+    """A key padding mask: None, "bool" (30% padded) or "float" (an additive bias)."""
+    if kind is None:
+        return None
+    g = torch.Generator().manual_seed(seed + 1)
+    return torch.rand(B, Sk, generator=g) < 0.3 if kind == "bool" else torch.randn(B, Sk, generator=g)
+
+
+@dataclass(frozen=True)
+class Case:
+    """One ring call: full sequence length S = chunk * 2 * world (Sk likewise), tolerance tol
+    on out, lse and gradients against float64."""
+
+    layout: str
+    causal: bool
+    B: int
+    chunk: int
+    Hq: int
+    Hkv: int
+    D: int
+    dtype: torch.dtype
+    tol: float
+    seed: int
+    mask: str | None = None
+    kv_chunk: int | None = None  # cross-attention: keys of another length
+    grad_chunks: int | None = None
+
+    def __str__(self):
+        kv = f"-kv{self.kv_chunk}" if self.kv_chunk else ""
+        return (
+            f"{self.layout}-{'causal' if self.causal else 'full'}-{self.Hq}x{self.Hkv}-"
+            f"{str(self.dtype)[6:]}{kv}-{self.mask or 'nomask'}-s{self.seed}"
+        )
+
+
+def ring_vs_oracle(rank, world, case: Case, group=None):
+    """The ring's out, lse and gradients, on this rank's shard and reassembled, against float64."""
+    ring_world = dist.get_world_size(group)
+    S = 2 * ring_world * case.chunk
+    Sk = 2 * ring_world * (case.kv_chunk or case.chunk)
+    q, k, v, do = full_inputs(case.B, S, Sk, case.Hq, case.Hkv, case.D, case.dtype, case.seed)
+    mask = padding_mask(case.mask, case.B, Sk, case.seed)
+    ref, ref_lse, *ref_grads = reference(q, k, v, do, causal=case.causal, key_padding_mask=mask)
+
+    sh = lambda t: shard(t, group=group, layout=case.layout)
+    ql, kl, vl = (sh(t).clone().requires_grad_() for t in (q, k, v))
+    out, lse = ring_flash_attn_func(
+        ql,
+        kl,
+        vl,
+        causal=case.causal,
+        group=group,
+        layout=case.layout,
+        return_lse=True,
+        key_padding_mask=None if mask is None else sh(mask),
+        grad_chunks=case.grad_chunks,
+    )
+    assert out.dtype == case.dtype and out.shape == ql.shape
+    assert lse.dtype == (torch.float64 if case.dtype == torch.float64 else torch.float32)
+    grads = torch.autograd.grad(out, (ql, kl, vl), sh(do))
+    assert max_err(out, sh(ref)) < case.tol, ("out", max_err(out, sh(ref)))
+    assert max_err(lse, shard(ref_lse, group=group, layout=case.layout, dim=2)) < case.tol
+    for name, g, r in zip(("dq", "dk", "dv"), grads, ref_grads):
+        assert g.dtype == case.dtype
+        assert max_err(g, sh(r)) < case.tol, (name, max_err(g, sh(r)))
+    # reassembled on every rank
+    assert max_err(unshard(out, group=group, layout=case.layout), ref) < case.tol
+    assert max_err(unshard(grads[1], group=group, layout=case.layout), ref_grads[1]) < case.tol
