@@ -32,10 +32,11 @@ def load_baseline(root: Path, name: str):
 
 
 def sdpa(q, k, v, causal):
+    """SDPA with the cuDNN backend on GPUs (its math backend on CPU, for the smoke run)."""
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION if q.is_cuda else SDPBackend.MATH):
         return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
 
 
@@ -61,17 +62,21 @@ def main():
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--variants", nargs="*", default=[])
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--smoke", action="store_true", help="tiny sizes on the CPU (the tests keep it working)")
     args = ap.parse_args()
+    device = "cpu" if args.smoke else "cuda"
+    dtype = torch.float32 if args.smoke else torch.bfloat16
+    if args.smoke:
+        args.seqlens, args.head_dims, args.heads, args.repeats = [64], [32], 2, 2
     import ringflash
 
     before = load_baseline(args.baseline, args.baseline_name)
-    device = "cuda"
     rows = []
     for D in args.head_dims:
         for S in args.seqlens:
             g = torch.Generator(device=device).manual_seed(0)
             qkv = [
-                torch.randn(1, S, args.heads, D, device=device, dtype=torch.bfloat16, generator=g).requires_grad_()
+                torch.randn(1, S, args.heads, D, device=device, dtype=dtype, generator=g).requires_grad_()
                 for _ in range(3)
             ]
             bhsd = [t.detach().transpose(1, 2).contiguous().requires_grad_() for t in qkv]

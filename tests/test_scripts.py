@@ -137,3 +137,27 @@ def test_ringflash_run_builds_the_torchrun_command(tmp_path):
     assert "--nproc-per-node=3" in cmd and env["OMP_NUM_THREADS"] == "7"
     with pytest.raises(SystemExit):
         torchrun_command(["--log-dir", log, "--nproc", "3", "--backend", "nccl", "x.py"], {}, gpus=2, cores=8)
+
+
+def test_compare_versions_smoke(tmp_path):
+    """Two copies of the package side by side (here: this one twice) in one run."""
+    import shutil
+
+    shutil.copytree(ROOT / "ringflash", tmp_path / "base" / "ringflash_before")
+    run(
+        [
+            sys.executable,
+            "-m",
+            "benchmarks.compare_versions",
+            "--smoke",
+            "--baseline",
+            str(tmp_path / "base"),
+            "--variants",
+            "dkdv_qk_order",
+            "--json",
+            str(tmp_path / "c.json"),
+        ],
+        tmp_path,
+    )
+    rows = json.loads((tmp_path / "c.json").read_text())["rows"]
+    assert len(rows) == 4 and all(set(r["tflops"]) == {"before", "after", "cudnn", "after:dkdv_qk_order"} for r in rows)
