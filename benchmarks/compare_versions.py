@@ -8,8 +8,8 @@ The baseline is a copy of an older ringflash package directory, imported under a
 times the baseline, this checkout and SDPA cuDNN in turn, --repeats times in alternating order
 so that a drift of the GPU's clock falls on both; the table gives medians, the ratio of this
 checkout to the baseline and the spread of that ratio over the repeats. Extra variants of this
-checkout (--variants dkdv_qk_order: the dK/dV pass in the forward's operand order) are timed in
-the same rotation.
+checkout (--variants qk_order combined+32x128 ...: see variant_context) are timed in the same
+rotation.
 """
 
 from __future__ import annotations
@@ -41,15 +41,26 @@ def sdpa(q, k, v, causal):
 
 
 def variant_context(name, head_dim):
-    """A context manager that makes this checkout run variant `name` at head_dim."""
+    """A context manager that makes this checkout run variant `name` at head_dim: "+"-joined
+    changes of the dK/dV pass's config: qk_order (the forward's operand order), combined
+    (probabilities from m + log2 l), 32x128 (32 query rows per tile, 8 warps, 3 stages)."""
     import contextlib
 
     from ringflash.kernels import configs
 
-    if name == "dkdv_qk_order":
-        base = configs.dkdv_config(max(16, 1 << (head_dim - 1).bit_length()))
-        return configs.override(dkdv=configs.KernelConfig(**{**base.__dict__, "qk_order": True}))
-    return contextlib.nullcontext()
+    if not name:
+        return contextlib.nullcontext()
+    cfg = configs.dkdv_config(max(16, 1 << (head_dim - 1).bit_length())).__dict__.copy()
+    for part in name.split("+"):
+        if part == "qk_order":
+            cfg["qk_order"] = True
+        elif part == "combined":
+            cfg["combined_stats"] = True
+        elif part == "32x128":
+            cfg.update(block_m=32, block_n=128, num_warps=8, num_stages=3)
+        else:
+            raise ValueError(f"unknown variant part {part!r}")
+    return configs.override(dkdv=configs.KernelConfig(**cfg))
 
 
 def main():

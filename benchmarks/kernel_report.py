@@ -68,11 +68,11 @@ def compile_for_hopper(kind: str, D: int, causal: bool, cfg: configs.KernelConfi
         TMA=cfg.tma,
     )
     if kind == "fwd":
-        constants.update(HAS_STATE=False, NORMALIZE=True, WARP_SPECIALIZE=cfg.warp_specialize, POSITIVE_SCALE=True)
+        constants.update(HAS_STATE=False, NORMALIZE=True, WARP_SPECIALIZE=cfg.warp_specialize, SCALE_SIGN=1)
     else:
-        constants.update(ACCUMULATE=False, POSITIVE_SCALE=True)
+        constants.update(ACCUMULATE=False, SCALE_SIGN=1)
     if kind == "dkdv":
-        constants.update(QK_ORDER=cfg.qk_order)
+        constants.update(QK_ORDER=cfg.qk_order, COMBINED_STATS=cfg.combined_stats)
     signature.update({name: "constexpr" for name in constants})
     return triton.compile(
         ASTSource(fn, signature, constexprs=constants, attrs=attrs),

@@ -63,7 +63,11 @@ def backend_name(device: torch.device) -> str:
     return forced
 
 
-def _backend(device: torch.device):
+def backend_for(device: torch.device):
+    """The module (ringflash.kernels or ringflash.reference) whose block operations tensors on
+    `device` run on now. An autograd function resolves it once, in its forward, and keeps it
+    for its backward: a backward on the other backend would rebuild the probabilities with
+    other arithmetic than the forward's."""
     if backend_name(device) == "triton":
         from . import kernels  # imported lazily: the torch path needs no Triton
 
@@ -76,14 +80,17 @@ def _unit_stride(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-def block_forward(q, k, v, state, *, q_start, k_start, causal, scale, fold, normalize=False, key_bias=None):
+def block_forward(
+    q, k, v, state, *, q_start, k_start, causal, scale, fold, normalize=False, key_bias=None, backend=None
+):
     """Attention of q (B, Sq, Hq, D) over k, v (B, Sk, Hkv, D) at global positions
     q_start.. and k_start.. (causal: q_pos >= k_pos), into `state`, a SoftmaxState of the Sq
     rows (ringflash.merge). fold=True: state holds an incoming unnormalized state for the same
     rows and receives the merged one; otherwise it is overwritten. normalize=True: state.o
     receives the normalized output (in its own dtype) instead of the unnormalized sum.
     key_bias: optional (B, Sk) float32 added to the scores of each key (-inf: a padded key).
-    A block no query can see launches nothing. Returns whether anything was computed.
+    A block no query can see launches nothing. backend: backend_for's module (None: the one
+    for q's device now). Returns whether anything was computed.
     """
     vis = block_visibility(q_start, q.shape[1], k_start, k.shape[1], causal)
     if vis is Visibility.NONE:
@@ -92,7 +99,7 @@ def block_forward(q, k, v, state, *, q_start, k_start, causal, scale, fold, norm
             state.m.fill_(float("-inf"))
             state.l.zero_()
         return False
-    _backend(q.device).forward(
+    (backend or backend_for(q.device)).forward(
         _unit_stride(q),
         _unit_stride(k),
         _unit_stride(v),
@@ -108,12 +115,14 @@ def block_forward(q, k, v, state, *, q_start, k_start, causal, scale, fold, norm
     return True
 
 
-def attention_delta(o, do):
+def attention_delta(o, do, backend=None):
     """rowsum(dO * O) in float32 (float64 for float64): (B, S, H, D) -> (B, H, S)."""
-    return _backend(o.device).delta(_unit_stride(o), _unit_stride(do))
+    return (backend or backend_for(o.device)).delta(_unit_stride(o), _unit_stride(do))
 
 
-def block_backward(q, k, v, m, l, do, delta, dq, dk, dv, *, q_start, k_start, causal, scale, accumulate, key_bias=None):
+def block_backward(
+    q, k, v, m, l, do, delta, dq, dk, dv, *, q_start, k_start, causal, scale, accumulate, key_bias=None, backend=None
+):
     """Gradients of the block (q at q_start.., k/v at k_start..) given the final row
     statistics m, l (SoftmaxState.m / .l) and delta, (B, Hq, Sq) each, of the query rows:
     added into (accumulate=True) or written to dq (B, Sq, Hq, D), dk and dv (B, Sk, Hkv, D).
@@ -126,7 +135,7 @@ def block_backward(q, k, v, m, l, do, delta, dq, dk, dv, *, q_start, k_start, ca
                 if t is not None:
                     t.zero_()
         return False
-    _backend(q.device).backward(
+    (backend or backend_for(q.device)).backward(
         _unit_stride(q),
         _unit_stride(k),
         _unit_stride(v),
@@ -162,12 +171,12 @@ def without_autocast(method):
     return wrapper
 
 
-def backward_inputs(out, do, dlse):
+def backward_inputs(out, do, dlse, backend=None):
     """(dO, delta) for the backward of (out, lse): dO may be None (only lse was used);
     delta = rowsum(dO * out), minus dlse when lse was used (d lse_i / d s_ij = p_ij folds into
     ds = p * (dp - delta))."""
     do = torch.zeros_like(out) if do is None else do.contiguous()
-    delta = attention_delta(out, do)
+    delta = attention_delta(out, do, backend)
     if dlse is not None:
         delta = delta - dlse.to(delta.dtype)
     return do, delta
@@ -178,6 +187,7 @@ class _FlashAttn(torch.autograd.Function):
     @without_autocast
     def forward(ctx, q, k, v, key_bias, causal, scale):
         q_start, k_start = local_causal_offsets(q.shape[1], k.shape[1]) if causal else (0, 0)
+        backend = backend_for(q.device)
         state = SoftmaxState.empty(torch.empty_like(q, memory_format=torch.contiguous_format))
         block_forward(
             q,
@@ -191,9 +201,11 @@ class _FlashAttn(torch.autograd.Function):
             fold=False,
             normalize=True,
             key_bias=key_bias,
+            backend=backend,
         )
         ctx.save_for_backward(q, k, v, state.o, state.m, state.l, key_bias)
         ctx.offsets = (q_start, k_start, causal, scale)
+        ctx.backend = backend
         ctx.set_materialize_grads(False)
         return state.o, state.lse()
 
@@ -202,10 +214,8 @@ class _FlashAttn(torch.autograd.Function):
     def backward(ctx, do, dlse):
         q, k, v, out, m, l, key_bias = ctx.saved_tensors
         q_start, k_start, causal, scale = ctx.offsets
-        do, delta = backward_inputs(out, do, dlse)
-        dq = torch.empty_like(q, memory_format=torch.contiguous_format)
-        dk = torch.empty_like(k, memory_format=torch.contiguous_format)
-        dv = torch.empty_like(v, memory_format=torch.contiguous_format)
+        do, delta = backward_inputs(out, do, dlse, ctx.backend)
+        dq, dk, dv = (torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
         block_backward(
             q,
             k,
@@ -223,6 +233,7 @@ class _FlashAttn(torch.autograd.Function):
             scale=scale,
             accumulate=False,
             key_bias=key_bias,
+            backend=ctx.backend,
         )
         return dq, dk, dv, None, None, None
 

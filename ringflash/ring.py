@@ -16,7 +16,7 @@ import torch
 
 from ._checks import SUPPORTED_DTYPES, check_bool, check_qkv, key_bias_from_mask, resolve_grad_accum, resolve_scale
 from .comm import LocalComm, RingComm, check_backend_device, group_rank_world, validated_across_ranks
-from .local import backward_inputs, block_backward, block_forward, without_autocast
+from .local import backend_for, backward_inputs, block_backward, block_forward, without_autocast
 from .merge import SoftmaxState, state_dtype
 from .relay import GradRelay, default_grad_chunks
 from .schedule import LAYOUTS, check_layout, chunks_per_rank, step_tasks
@@ -72,6 +72,7 @@ class _RingAttn(torch.autograd.Function):
         in the state dtype. Returns (out, lse)."""
         k, v = k.contiguous(), v.contiguous()  # they travel whole
         acc = state_dtype(q.dtype)
+        backend = backend_for(q.device)  # kept for the backward: the same arithmetic in both
         state = SoftmaxState.zeros(q.shape, acc, q.device)
         for step, k_blk, v_blk, bias_blk in _ring_kv(comm, k, v, key_bias):
             for t in step_tasks(spec.layout, comm.rank, comm.world, step, q.shape[1], k.shape[1], spec.causal):
@@ -86,11 +87,12 @@ class _RingAttn(torch.autograd.Function):
                     scale=spec.scale,
                     fold=True,
                     key_bias=_rows(bias_blk, t.kv_rows),
+                    backend=backend,
                 )
         lse = state.lse()
         out = state.normalized(q.dtype)
         ctx.save_for_backward(q, k, v, out, state.m, state.l, key_bias)
-        ctx.spec, ctx.comm = spec, comm
+        ctx.spec, ctx.comm, ctx.backend = spec, comm, backend
         ctx.set_materialize_grads(False)
         return out, lse
 
@@ -98,10 +100,10 @@ class _RingAttn(torch.autograd.Function):
     @without_autocast
     def backward(ctx, do, dlse):
         q, k, v, out, m, l, key_bias = ctx.saved_tensors
-        spec, comm = ctx.spec, ctx.comm
+        spec, comm, backend = ctx.spec, ctx.comm, ctx.backend
         acc = spec.grad_accum or state_dtype(q.dtype)
         chunks = default_grad_chunks(k, acc) if spec.grad_chunks is None else spec.grad_chunks
-        do, delta = backward_inputs(out, do, dlse)
+        do, delta = backward_inputs(out, do, dlse, backend)
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
         relay = GradRelay(comm, k, acc, chunks)
         Sq, Sk, G = q.shape[1], k.shape[1], q.shape[2] // k.shape[2]
@@ -114,6 +116,7 @@ class _RingAttn(torch.autograd.Function):
                 scale=spec.scale,
                 accumulate=True,
                 key_bias=_rows(bias_blk, t.kv_rows),
+                backend=backend,
             )
             # dQ first: it does not need the incoming dK/dV accumulators, which arrive meanwhile
             for t in tasks:

@@ -1,58 +1,12 @@
-"""Test oracles: plain attention that materializes every score, in any dtype."""
+"""Test oracles (ringflash.testing) and the tolerance rule the tests share."""
 
 from __future__ import annotations
 
-import math
-
 import torch
 
+from ringflash.testing import flash_plain, max_err, naive_attention, plain_errors, reference, rel_rms
 
-def naive_attention(q, k, v, *, scale=None, causal=False, q_pos=None, k_pos=None, dtype=None, key_padding_mask=None):
-    """Attention computed the obvious way, in `dtype` (default float64), differentiable.
-
-    q (B, Sq, Hq, D), k/v (B, Sk, Hkv, D). Causal masks use global positions q_pos / k_pos
-    (default: bottom-right alignment). key_padding_mask (B, Sk): bool (True = ignored) or
-    float (added to the scores). Returns out (B, Sq, Hq, D) and lse (B, Hq, Sq); a row
-    with no visible key gives 0 and -inf.
-    """
-    dtype = dtype or torch.float64
-    q, k, v = (t.to(dtype) for t in (q, k, v))
-    B, Sq, Hq, D = q.shape
-    Sk, Hkv = k.shape[1], k.shape[2]
-    scale = scale if scale is not None else 1.0 / math.sqrt(D)
-    k = k.repeat_interleave(Hq // Hkv, dim=2)
-    v = v.repeat_interleave(Hq // Hkv, dim=2)
-    s = torch.einsum("bihd,bjhd->bhij", q, k) * scale
-    if key_padding_mask is not None:
-        m = key_padding_mask.to(s.device)
-        bias = (
-            torch.zeros(m.shape, dtype=dtype, device=s.device).masked_fill(m, float("-inf"))
-            if m.dtype == torch.bool
-            else m.to(dtype)
-        )
-        s = s + bias[:, None, None, :]
-    if causal:
-        if q_pos is None:
-            q_pos = torch.arange(Sq) + (Sk - Sq)
-            k_pos = torch.arange(Sk)
-        visible = q_pos.to(s.device)[:, None] >= k_pos.to(s.device)[None, :]
-        s = s.masked_fill(~visible, float("-inf"))
-    # rows that see no key: output 0, lse -inf, zero gradients (and no NaN from autograd)
-    empty = torch.isneginf(s).all(-1, keepdim=True)
-    s = s.masked_fill(empty, 0.0)
-    lse = torch.logsumexp(s.float() if dtype in (torch.float16, torch.bfloat16) else s, dim=-1).to(dtype)
-    # softmax subtracts the row max, so the dominant weight of a row is exact however large the
-    # scores; exp(s - lse) would carry lse's rounding (~1e-3 at |s| ~ 1e4) into every weight
-    p = torch.softmax(s, dim=-1).masked_fill(empty, 0.0)
-    lse = lse.masked_fill(empty.squeeze(-1), float("-inf"))
-    return torch.einsum("bhij,bjhd->bihd", p, v), lse
-
-
-def max_err(a, b) -> float:
-    """Max abs difference, treating equal infinities as equal."""
-    a, b = a.double(), b.double()
-    same_inf = torch.isinf(a) & torch.isinf(b) & (a == b)
-    return torch.where(same_inf, torch.zeros_like(a), (a - b).abs()).max().item()
+__all__ = ["assert_within", "flash_plain", "max_err", "naive_attention", "plain_errors", "reference", "rel_rms"]
 
 
 def assert_within(name, got, ref64, plain, factor=2.0, sum_len=None):
@@ -69,93 +23,3 @@ def assert_within(name, got, ref64, plain, factor=2.0, sum_len=None):
     sum_len = sum_len or (got.shape[-1] if got.dim() == 4 else 1)
     bound = factor * max(plain_err, 4 * eps * max(scale, 1.0) * sum_len**0.5)
     assert err <= bound, f"{name}: error {err:.3e} > bound {bound:.3e} (plain {plain_err:.3e})"
-
-
-def reference(q, k, v, do, **kw):
-    """(out, lse, dq, dk, dv) of naive_attention in float64 (kw: its options)."""
-    q, k, v = (t.detach().double().requires_grad_() for t in (q, k, v))
-    out, lse = naive_attention(q, k, v, **kw)
-    return (out.detach(), lse.detach(), *torch.autograd.grad(out, (q, k, v), do.double()))
-
-
-def plain_errors(q, k, v, do, ref, *, orders=1, seed=0, **kw):
-    """The error against `ref` (reference()'s tuple) of the same attention done plainly in q's
-    dtype: {"out", "lse", "dq", "dk", "dv"} -> max abs error. out, lse and dv: autograd through
-    a softmax; dq and dk: for float32 and float64, the flash algorithm written plainly
-    (flash_plain: its delta = rowsum(dO * out) cancels, which autograd's softmax backward does
-    not), for 16-bit dtypes autograd (a 16-bit flash_plain would round the scores to 16 bits).
-
-    orders > 1: the max over that many summation orders (the head dims of q/k and of v/dO
-    permuted at random, `seed`): each order is an equally plain computation, and at large
-    scores which one a kernel's rounding resembles is luck.
-    """
-    g = torch.Generator().manual_seed(seed)
-    D = q.shape[-1]
-    errs = dict.fromkeys(("out", "lse", "dq", "dk", "dv"), 0.0)
-    for i in range(orders):
-        pk, pv = (torch.arange(D), torch.arange(D)) if i == 0 else (torch.randperm(D, generator=g) for _ in range(2))
-        uk, uv = torch.argsort(pk), torch.argsort(pv)
-        qp, kp, vp = (
-            q.detach()[..., pk].requires_grad_(),
-            k.detach()[..., pk].requires_grad_(),
-            v.detach()[..., pv].requires_grad_(),
-        )
-        out, lse = naive_attention(qp, kp, vp, dtype=q.dtype, **kw)
-        dq, dk, dv = torch.autograd.grad(out, (qp, kp, vp), do[..., pv].to(q.dtype))
-        if q.dtype in (torch.float32, torch.float64):
-            _, _, dq, dk, _ = flash_plain(qp, kp, vp, do[..., pv], **kw)
-        got = (out[..., uv], lse, dq[..., uk], dk[..., uk], dv[..., uv])
-        for name, x, r in zip(errs, got, ref):
-            errs[name] = max(errs[name], max_err(x, r))
-    return errs
-
-
-def flash_plain(q, k, v, do, *, scale=None, causal=False, key_padding_mask=None, dtype=None):
-    """The flash algorithm written plainly, in `dtype` (default q's): the baseline a flash
-    kernel's error is measured against. Forward with the best state a flash kernel keeps (row
-    max m and normalizer l in base-2 units, out = exp2(s2 - m) v / l); backward with delta =
-    rowsum(dO * out) and dS = P (dP - delta), P rebuilt from (m, l). Unlike autograd through a
-    softmax (which cancels against sum(P dP) computed from the same P), dS then inherits the
-    rounding of out through delta: that part of dq and dk's error is the algorithm's own.
-
-    q (B, Sq, Hq, D), k/v (B, Sk, Hkv, D), do like q. Causal aligns bottom-right. Returns
-    out, lse, dq, dk, dv (lse natural log; rows that see no key: 0 and -inf).
-    """
-    dtype = dtype or q.dtype
-    q, k, v, do = (t.detach().to(dtype) for t in (q, k, v, do))
-    B, Sq, Hq, D = q.shape
-    Sk, Hkv = k.shape[1], k.shape[2]
-    G = Hq // Hkv
-    scale = scale if scale is not None else 1.0 / math.sqrt(D)
-    log2e = 1.4426950408889634
-    kr, vr = k.repeat_interleave(G, dim=2), v.repeat_interleave(G, dim=2)
-    s2 = torch.einsum("bihd,bjhd->bhij", q, kr) * (scale * log2e)
-    if key_padding_mask is not None:
-        m = key_padding_mask
-        bias = torch.zeros(m.shape, dtype=dtype).masked_fill(m, float("-inf")) if m.dtype == torch.bool else m.to(dtype)
-        s2 = s2 + (bias * log2e)[:, None, None, :]
-    if causal:
-        visible = (torch.arange(Sq) + (Sk - Sq))[:, None] >= torch.arange(Sk)[None, :]
-        s2 = s2.masked_fill(~visible, float("-inf"))
-    m = s2.amax(-1, keepdim=True)
-    seen = m > float("-inf")
-    m = torch.where(seen, m, torch.full_like(m, float("inf")))
-    e = torch.exp2(s2 - m)
-    l = e.sum(-1, keepdim=True)
-    inv_l = torch.where(seen, 1.0 / torch.where(seen, l, torch.ones_like(l)), torch.zeros_like(l))
-    p = e * inv_l
-    out = torch.einsum("bhij,bjhd->bihd", p, vr)
-    lse = torch.where(seen, (m + torch.log2(l)) / log2e, torch.full_like(m, float("-inf"))).squeeze(-1)
-    delta = (do * out).sum(-1).transpose(1, 2)[..., None]  # (B, Hq, Sq, 1)
-    dp = torch.einsum("bihd,bjhd->bhij", do, vr)
-    ds = p * (dp - delta)
-    dq = torch.einsum("bhij,bjhd->bihd", ds, kr) * scale
-    dk = torch.einsum("bhij,bihd->bjhd", ds, q).reshape(B, Sk, Hkv, G, D).sum(3) * scale
-    dv = torch.einsum("bhij,bihd->bjhd", p, do).reshape(B, Sk, Hkv, G, D).sum(3)
-    return out, lse, dq, dk, dv
-
-
-def rel_rms(got, want) -> float:
-    """Relative RMS error of got against want (both cast to float64)."""
-    got, want = got.double(), want.double()
-    return ((got - want).pow(2).mean().sqrt() / want.pow(2).mean().sqrt()).item()

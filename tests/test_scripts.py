@@ -153,11 +153,21 @@ def test_compare_versions_smoke(tmp_path):
             "--baseline",
             str(tmp_path / "base"),
             "--variants",
-            "dkdv_qk_order",
+            "qk_order",
+            "combined+32x128",
             "--json",
             str(tmp_path / "c.json"),
         ],
         tmp_path,
     )
     rows = json.loads((tmp_path / "c.json").read_text())["rows"]
-    assert len(rows) == 4 and all(set(r["tflops"]) == {"before", "after", "cudnn", "after:dkdv_qk_order"} for r in rows)
+    assert len(rows) == 4 and all(
+        set(r["tflops"]) == {"before", "after", "cudnn", "after:qk_order", "after:combined+32x128"} for r in rows
+    )
+
+
+def test_precision_large_scores_smoke(tmp_path):
+    out = run(
+        [sys.executable, "-m", "benchmarks.precision_large_scores", "--backends", "torch", "--seeds", "2"], tmp_path
+    )
+    assert "flash_plain" in out and "torch |" in out

@@ -67,6 +67,10 @@ def _stat_strides(*stats):
     return stats[0].stride(0), stats[0].stride(1)
 
 
+def _scale_sign(scale: float) -> int:
+    return (scale > 0) - (scale < 0)
+
+
 def forward(q, k, v, state, *, q_start, k_start, causal, scale, fold, normalize, key_bias=None):
     """See ringflash.reference.forward."""
     _check_dtype(q)
@@ -79,40 +83,13 @@ def forward(q, k, v, state, *, q_start, k_start, causal, scale, fold, normalize,
     use_tma, (k_arg, v_arg) = _maybe_descriptors(cfg, (k, v), cfg.block_n, block_d)
     with _on_device(q):
         _fwd_kernel[grid](
-            q,
-            k_arg,
-            v_arg,
-            state.o,
-            state.m,
-            state.l,
-            bias,
-            *_bsh(q),
-            *_bsh(k),
-            *_bsh(v),
-            *_bsh(state.o),
-            *_stat_strides(state.m, state.l),
-            stride_bias_b,
-            Hq,
-            Sq,
-            Sk,
-            q_start,
-            k_start,
-            scale * LOG2E,
-            GROUP=Hq // Hkv,
-            HEAD_DIM=D,
-            BLOCK_D=block_d,
-            BLOCK_M=cfg.block_m,
-            BLOCK_N=cfg.block_n,
-            CAUSAL=causal,
-            HAS_STATE=fold,
-            NORMALIZE=normalize,
-            HAS_BIAS=has_bias,
-            PRECISION=_precision(q.dtype),
-            TMA=use_tma,
-            WARP_SPECIALIZE=cfg.warp_specialize,
-            POSITIVE_SCALE=scale > 0,
-            num_warps=cfg.num_warps,
-            num_stages=cfg.num_stages,
+            q, k_arg, v_arg, state.o, state.m, state.l, bias,
+            *_bsh(q), *_bsh(k), *_bsh(v), *_bsh(state.o), *_stat_strides(state.m, state.l), stride_bias_b,
+            Hq, Sq, Sk, q_start, k_start, scale * LOG2E,
+            GROUP=Hq // Hkv, HEAD_DIM=D, BLOCK_D=block_d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+            CAUSAL=causal, HAS_STATE=fold, NORMALIZE=normalize, HAS_BIAS=has_bias, PRECISION=_precision(q.dtype),
+            TMA=use_tma, WARP_SPECIALIZE=cfg.warp_specialize, SCALE_SIGN=_scale_sign(scale),
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
 
 
@@ -123,20 +100,16 @@ def delta(o, do):
     block_m = 32 if configs.INTERPRETING else 128
     with _on_device(o):
         _delta_kernel[(triton.cdiv(S, block_m), B * H)](
-            o,
-            do,
-            out,
-            *_bsh(o),
-            *_bsh(do),
-            out.stride(0),
-            out.stride(1),
-            H,
-            S,
-            HEAD_DIM=D,
-            BLOCK_D=_block_d(D),
-            BLOCK_M=block_m,
+            o, do, out, *_bsh(o), *_bsh(do), out.stride(0), out.stride(1), H, S,
+            HEAD_DIM=D, BLOCK_D=_block_d(D), BLOCK_M=block_m,
         )
     return out
+
+
+def combined_stats(m, l):
+    """m + log2(l) per row, +inf for rows that saw no key: the dK/dV pass's one offset per row
+    for 16-bit inputs (configs.KernelConfig.combined_stats)."""
+    return torch.where(l > 0, m + torch.log2(l), torch.full_like(m, float("inf")))
 
 
 def backward(q, k, v, m, l, do, delta, dq, dk, dv, *, q_start, k_start, causal, scale, accumulate, key_bias=None):
@@ -146,77 +119,31 @@ def backward(q, k, v, m, l, do, delta, dq, dk, dv, *, q_start, k_start, causal, 
     Sk, Hkv = k.shape[1], k.shape[2]
     block_d = _block_d(D)
     bias, stride_bias_b, has_bias = _bias_args(key_bias, q)
-    common = dict(
-        GROUP=Hq // Hkv,
-        HEAD_DIM=D,
-        BLOCK_D=block_d,
-        CAUSAL=causal,
-        ACCUMULATE=accumulate,
-        HAS_BIAS=has_bias,
-        PRECISION=_precision(q.dtype),
-        POSITIVE_SCALE=scale > 0,
-    )
+    common = dict(GROUP=Hq // Hkv, HEAD_DIM=D, BLOCK_D=block_d, CAUSAL=causal, ACCUMULATE=accumulate,
+                  HAS_BIAS=has_bias, PRECISION=_precision(q.dtype), SCALE_SIGN=_scale_sign(scale))
     positions = (Sq, Sk, q_start, k_start, scale * LOG2E, scale)
     stat_strides = _stat_strides(m, l, delta)
     with _on_device(q):
         if dk is not None:
             cfg = configs.dkdv_config(block_d)
+            combined = cfg.combined_stats and q.dtype != torch.float32
+            m_arg, l_arg = (combined_stats(m, l),) * 2 if combined else (m, l)
+            assert _stat_strides(m_arg) == stat_strides
             tma, (q_arg, do_arg) = _maybe_descriptors(cfg, (q, do), cfg.block_m, block_d)
             _dkdv_kernel[(triton.cdiv(Sk, cfg.block_n), B * Hkv)](
-                q_arg,
-                k,
-                v,
-                do_arg,
-                m,
-                l,
-                delta,
-                dk,
-                dv,
-                bias,
-                *_bsh(q),
-                *_bsh(k),
-                *_bsh(v),
-                *_bsh(do),
-                *_bsh(dk),
-                *_bsh(dv),
-                *stat_strides,
-                stride_bias_b,
-                Hkv,
-                *positions,
-                BLOCK_M=cfg.block_m,
-                BLOCK_N=cfg.block_n,
-                TMA=tma,
-                QK_ORDER=cfg.qk_order,
-                num_warps=cfg.num_warps,
-                num_stages=cfg.num_stages,
-                **common,
+                q_arg, k, v, do_arg, m_arg, l_arg, delta, dk, dv, bias,
+                *_bsh(q), *_bsh(k), *_bsh(v), *_bsh(do), *_bsh(dk), *_bsh(dv),
+                *stat_strides, stride_bias_b, Hkv, *positions,
+                BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, TMA=tma, QK_ORDER=cfg.qk_order, COMBINED_STATS=combined,
+                num_warps=cfg.num_warps, num_stages=cfg.num_stages, **common,
             )
         if dq is not None:
             cfg = configs.dq_config(block_d)
             tma, (k_arg, v_arg) = _maybe_descriptors(cfg, (k, v), cfg.block_n, block_d)
             _dq_kernel[(triton.cdiv(Sq, cfg.block_m), B * Hq)](
-                q,
-                k_arg,
-                v_arg,
-                do,
-                m,
-                l,
-                delta,
-                dq,
-                bias,
-                *_bsh(q),
-                *_bsh(k),
-                *_bsh(v),
-                *_bsh(do),
-                *_bsh(dq),
-                *stat_strides,
-                stride_bias_b,
-                Hq,
-                *positions,
-                BLOCK_M=cfg.block_m,
-                BLOCK_N=cfg.block_n,
-                TMA=tma,
-                num_warps=cfg.num_warps,
-                num_stages=cfg.num_stages,
-                **common,
+                q, k_arg, v_arg, do, m, l, delta, dq, bias,
+                *_bsh(q), *_bsh(k), *_bsh(v), *_bsh(do), *_bsh(dq),
+                *stat_strides, stride_bias_b, Hq, *positions,
+                BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, TMA=tma,
+                num_warps=cfg.num_warps, num_stages=cfg.num_stages, **common,
             )

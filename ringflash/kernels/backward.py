@@ -10,10 +10,10 @@ import triton
 import triton.language as tl
 
 from .tiles import (
-    LOG2E,
-    add_key_bias,
     base2_scores,
     exp2_probs,
+    exp2_shifted,
+    key_bias2,
     key_range,
     load_tile,
     query_program,
@@ -56,18 +56,24 @@ def _store_grad(ptrs, grad, mask, ACCUMULATE: tl.constexpr):
 
 @triton.jit
 def _dkdv_q_range(
-    dk, dv, k, v, k_pos, bias, Q_ptrs, DO_ptrs, M_ptrs, L_ptrs, DELTA_ptrs, stride_qs, stride_dos,
+    dk, dv, k, v, k_pos, bias2, bias2_t, Q_ptrs, DO_ptrs, M_ptrs, L_ptrs, DELTA_ptrs, stride_qs, stride_dos,
     offs_m, d_ok, lo, hi, q_start, Sq, qk_scale, Q_desc, DO_desc, b32, h32,
     MASKED: tl.constexpr, CAUSAL: tl.constexpr, PAD_D: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_D: tl.constexpr, HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr, TMA: tl.constexpr,
-    PRESCALE: tl.constexpr, QK_ORDER: tl.constexpr,
+    PRESCALE: tl.constexpr, QK_ORDER: tl.constexpr, COMBINED_STATS: tl.constexpr,
 ):
     # Q_ptrs / DO_ptrs (pointer path) / M_ptrs / L_ptrs / DELTA_ptrs point at query row `lo` on entry
     for start_m in range(lo, hi, BLOCK_M):
         rows = start_m + offs_m
         q = load_tile(Q_ptrs, Q_desc, b32, start_m, h32, rows, Sq, d_ok, MASKED, PAD_D, TMA, BLOCK_M, BLOCK_D)
         do = load_tile(DO_ptrs, DO_desc, b32, start_m, h32, rows, Sq, d_ok, MASKED, PAD_D, TMA, BLOCK_M, BLOCK_D)
-        m, inv_l = row_stats(M_ptrs, L_ptrs, rows, Sq, MASKED)
+        if COMBINED_STATS:  # M holds m + log2(l) per row (+inf for a row that saw no key)
+            if MASKED:
+                m = tl.load(M_ptrs, mask=rows < Sq, other=float("inf"))
+            else:
+                m = tl.load(M_ptrs)
+        else:
+            m, inv_l = row_stats(M_ptrs, L_ptrs, rows, Sq, MASKED)
         if MASKED:
             delta = tl.load(DELTA_ptrs, mask=rows < Sq, other=0.0)
         else:
@@ -77,15 +83,18 @@ def _dkdv_q_range(
             # probabilities are the forward's to the last bit wherever the matmul is
             # deterministic for a tile shape (the CPU interpreter's BLAS is not symmetric in
             # its operands)
-            s, scale = base2_scores(tl.dot(q, tl.trans(k), input_precision=PRECISION), qk_scale, PRESCALE)
-            if HAS_BIAS:
-                s += bias[None, :]
-            p_t = tl.trans(exp2_probs(s, scale, m, inv_l))
+            s, scale = base2_scores(tl.dot(q, tl.trans(k), input_precision=PRECISION), qk_scale, bias2, PRESCALE)
+            if COMBINED_STATS:
+                p_t = tl.trans(exp2_shifted(s, scale, m))
+            else:
+                p_t = tl.trans(exp2_probs(s, scale, m, inv_l))
         else:
-            s_t, scale = base2_scores(tl.dot(k, tl.trans(q), input_precision=PRECISION), qk_scale, PRESCALE)
-            if HAS_BIAS:
-                s_t += bias[:, None]
-            p_t = tl.math.exp2(s_t * scale - m[None, :]) * inv_l[None, :]
+            s_t, scale = base2_scores(tl.dot(k, tl.trans(q), input_precision=PRECISION), qk_scale, bias2_t, PRESCALE)
+            e_t = tl.math.exp2(tl.fma(s_t, scale, -m[None, :]))
+            if COMBINED_STATS:
+                p_t = e_t
+            else:
+                p_t = e_t * inv_l[None, :]
         if MASKED:
             visible = rows[None, :] < Sq
             if CAUSAL:
@@ -99,7 +108,8 @@ def _dkdv_q_range(
             Q_ptrs += BLOCK_M * stride_qs
             DO_ptrs += BLOCK_M * stride_dos
         M_ptrs += BLOCK_M
-        L_ptrs += BLOCK_M
+        if not COMBINED_STATS:
+            L_ptrs += BLOCK_M
         DELTA_ptrs += BLOCK_M
     return dk, dv
 
@@ -118,12 +128,17 @@ def _dkdv_kernel(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, ACCUMULATE: tl.constexpr, HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr,
-    TMA: tl.constexpr = False, POSITIVE_SCALE: tl.constexpr = True, QK_ORDER: tl.constexpr = False,
+    TMA: tl.constexpr = False, SCALE_SIGN: tl.constexpr = 1, QK_ORDER: tl.constexpr = False,
+    COMBINED_STATS: tl.constexpr = False,
 ):
     """Q and DO are tensors, or (B, Sq, Hq, D) descriptors with blocks [1, BLOCK_M, 1, BLOCK_D]
     when TMA. M, L, DELTA: (B, Hq, Sq) float32 with equal strides. QK_ORDER: recompute the
-    scores as Q K^T (the forward's operand order) and transpose them, instead of K Q^T."""
-    PRESCALE: tl.constexpr = HAS_BIAS or not POSITIVE_SCALE
+    scores as Q K^T (the forward's operand order) and transpose them, instead of K Q^T.
+    COMBINED_STATS: M holds m + log2(l) per row (L unused) and the probabilities are
+    exp2(s2 - (m + log2 l)), one offset per row and no multiply by 1/l per score; the rounding of
+    m + log2 l (2^-24 |m| relative) then enters every probability: below a 16-bit rounding of
+    them unless |m| > 2^13. SCALE_SIGN: the sign of qk_scale (1, 0 or -1)."""
+    PRESCALE: tl.constexpr = HAS_BIAS or SCALE_SIGN == 0
     pid_n = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = (pid_bh // Hkv).to(tl.int64)
@@ -141,9 +156,13 @@ def _dkdv_kernel(
     v = tl.load(V + b * stride_vb + hk * stride_vh + cols64[:, None] * stride_vs + offs_d[None, :],
                 mask=tile_mask, other=0.0)
     k_pos = k_start + offs_n
-    bias = offs_n * 0.0  # zeros of the scores' type (unused without HAS_BIAS; Triton needs it defined)
-    if HAS_BIAS:  # per-key additive bias, in base-2 units like the scores
-        bias = tl.load(BIAS + b * stride_bias_b + offs_n, mask=offs_n < Sk, other=float("-inf")) * LOG2E
+    # the key tile's bias in base-2 units, as a row (Q K^T order) and as a column (K Q^T); 0.0
+    # without one
+    bias2 = key_bias2(BIAS + b * stride_bias_b + offs_n, offs_n, Sk, True, HAS_BIAS)
+    if HAS_BIAS:
+        bias2_t = tl.trans(bias2)
+    else:
+        bias2_t = 0.0
 
     # Query rows that see some key of this tile, and the subrange that sees all of them.
     lo, full_lo, Sq_full = query_range(pid_n, q_start, k_start, Sq, Sk, CAUSAL, BLOCK_M, BLOCK_N)
@@ -173,23 +192,26 @@ def _dkdv_kernel(
             Q_tail, DO_tail = Q_ptrs + tail64 * stride_qs, DO_ptrs + tail64 * stride_dos
         # diagonal blocks (causal mask)
         dk, dv = _dkdv_q_range(
-            dk, dv, k, v, k_pos, bias, Q_lo, DO_lo, M_ptrs + lo64, L_ptrs + lo64, DELTA_ptrs + lo64, stride_qs,
-            stride_dos,
+            dk, dv, k, v, k_pos, bias2, bias2_t, Q_lo, DO_lo, M_ptrs + lo64, L_ptrs + lo64, DELTA_ptrs + lo64,
+            stride_qs, stride_dos,
             offs_m, d_ok, lo, full_lo, q_start, Sq, qk_scale, Q, DO, b32, h32,
             MASKED=True, CAUSAL=CAUSAL, PAD_D=PAD_D, BLOCK_M=BLOCK_M, BLOCK_D=BLOCK_D, HAS_BIAS=HAS_BIAS,
-            PRECISION=PRECISION, TMA=TMA, PRESCALE=PRESCALE, QK_ORDER=QK_ORDER)
+            PRECISION=PRECISION, TMA=TMA, PRESCALE=PRESCALE, QK_ORDER=QK_ORDER,
+            COMBINED_STATS=COMBINED_STATS)
         # fully visible blocks
         dk, dv = _dkdv_q_range(
-            dk, dv, k, v, k_pos, bias, Q_full, DO_full, M_ptrs + full64, L_ptrs + full64, DELTA_ptrs + full64,
+            dk, dv, k, v, k_pos, bias2, bias2_t, Q_full, DO_full, M_ptrs + full64, L_ptrs + full64, DELTA_ptrs + full64,
             stride_qs, stride_dos, offs_m, d_ok, full_lo, Sq_full, q_start, Sq, qk_scale, Q, DO, b32, h32,
             MASKED=False, CAUSAL=CAUSAL, PAD_D=PAD_D, BLOCK_M=BLOCK_M, BLOCK_D=BLOCK_D, HAS_BIAS=HAS_BIAS,
-            PRECISION=PRECISION, TMA=TMA, PRESCALE=PRESCALE, QK_ORDER=QK_ORDER)
+            PRECISION=PRECISION, TMA=TMA, PRESCALE=PRESCALE, QK_ORDER=QK_ORDER,
+            COMBINED_STATS=COMBINED_STATS)
         # ragged tail of the query rows
         dk, dv = _dkdv_q_range(
-            dk, dv, k, v, k_pos, bias, Q_tail, DO_tail, M_ptrs + tail64, L_ptrs + tail64, DELTA_ptrs + tail64,
+            dk, dv, k, v, k_pos, bias2, bias2_t, Q_tail, DO_tail, M_ptrs + tail64, L_ptrs + tail64, DELTA_ptrs + tail64,
             stride_qs, stride_dos, offs_m, d_ok, tail_lo, Sq, q_start, Sq, qk_scale, Q, DO, b32, h32,
             MASKED=True, CAUSAL=CAUSAL, PAD_D=PAD_D, BLOCK_M=BLOCK_M, BLOCK_D=BLOCK_D, HAS_BIAS=HAS_BIAS,
-            PRECISION=PRECISION, TMA=TMA, PRESCALE=PRESCALE, QK_ORDER=QK_ORDER)
+            PRECISION=PRECISION, TMA=TMA, PRESCALE=PRESCALE, QK_ORDER=QK_ORDER,
+            COMBINED_STATS=COMBINED_STATS)
 
     _store_grad(DK + b * stride_dkb + hk * stride_dkh + cols64[:, None] * stride_dks + offs_d[None, :],
                 dk * sm_scale, tile_mask, ACCUMULATE)
@@ -199,7 +221,7 @@ def _dkdv_kernel(
 
 @triton.jit
 def _dq_k_range(
-    dq, q, do, m, inv_l, delta, q_pos, K_ptrs, V_ptrs, BIAS_ptrs, stride_ks, stride_vs, offs_n, d_ok,
+    dq, q, do, m, delta, q_pos, K_ptrs, V_ptrs, BIAS_ptrs, stride_ks, stride_vs, offs_n, d_ok,
     lo, hi, k_start, Sk, qk_scale, K_desc, V_desc, b32, hk32,
     MASKED: tl.constexpr, CAUSAL: tl.constexpr, PAD_D: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr, TMA: tl.constexpr,
@@ -210,10 +232,10 @@ def _dq_k_range(
         cols = start_n + offs_n
         k = load_tile(K_ptrs, K_desc, b32, start_n, hk32, cols, Sk, d_ok, MASKED, PAD_D, TMA, BLOCK_N, BLOCK_D)
         v = load_tile(V_ptrs, V_desc, b32, start_n, hk32, cols, Sk, d_ok, MASKED, PAD_D, TMA, BLOCK_N, BLOCK_D)
-        s, scale = base2_scores(tl.dot(q, tl.trans(k), input_precision=PRECISION), qk_scale, PRESCALE)
-        if HAS_BIAS:
-            s, BIAS_ptrs = add_key_bias(s, BIAS_ptrs, cols, Sk, MASKED, BLOCK_N)
-        p = exp2_probs(s, scale, m, inv_l)
+        bias2 = key_bias2(BIAS_ptrs, cols, Sk, MASKED, HAS_BIAS)
+        s, scale = base2_scores(tl.dot(q, tl.trans(k), input_precision=PRECISION), qk_scale, bias2, PRESCALE)
+        # exp2(s2 - m): the probabilities times l; dq's 1/l is applied once per row at the end
+        p = exp2_shifted(s, scale, m)
         if MASKED:
             p = tl.where(visible_keys(q_pos, cols, Sk, k_start, CAUSAL), p, 0.0)
         dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
@@ -222,6 +244,7 @@ def _dq_k_range(
         if not TMA:
             K_ptrs += BLOCK_N * stride_ks
             V_ptrs += BLOCK_N * stride_vs
+        BIAS_ptrs += BLOCK_N
     return dq
 
 
@@ -238,11 +261,12 @@ def _dq_kernel(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, ACCUMULATE: tl.constexpr, HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr,
-    TMA: tl.constexpr = False, POSITIVE_SCALE: tl.constexpr = True,
+    TMA: tl.constexpr = False, SCALE_SIGN: tl.constexpr = 1,
 ):
     """K and V are tensors, or (B, Sk, Hkv, D) descriptors with blocks [1, BLOCK_N, 1, BLOCK_D]
-    when TMA. M, L, DELTA: (B, Hq, Sq) float32 with equal strides."""
-    PRESCALE: tl.constexpr = HAS_BIAS or not POSITIVE_SCALE
+    when TMA. M, L, DELTA: (B, Hq, Sq) float32 with equal strides. SCALE_SIGN: the sign of
+    qk_scale (1, 0 or -1)."""
+    PRESCALE: tl.constexpr = HAS_BIAS or SCALE_SIGN == 0
     pid_m, b, h, hk = query_program(Hq, GROUP, CAUSAL)
     PAD_D: tl.constexpr = BLOCK_D != HEAD_DIM
 
@@ -274,13 +298,13 @@ def _dq_kernel(
         K_rest, V_rest = K_ptrs + skip * stride_ks, V_ptrs + skip * stride_vs
     b32, hk32 = b.to(tl.int32), hk.to(tl.int32)
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    dq = _dq_k_range(dq, q, do, m, inv_l, delta, q_pos, K_ptrs, V_ptrs, BIAS_ptrs, stride_ks, stride_vs, offs_n,
+    dq = _dq_k_range(dq, q, do, m, delta, q_pos, K_ptrs, V_ptrs, BIAS_ptrs, stride_ks, stride_vs, offs_n,
                      d_ok, 0, full_end, k_start, Sk, qk_scale, K, V, b32, hk32,
                      MASKED=False, CAUSAL=CAUSAL, PAD_D=PAD_D, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, HAS_BIAS=HAS_BIAS,
                      PRECISION=PRECISION, TMA=TMA, PRESCALE=PRESCALE)
-    dq = _dq_k_range(dq, q, do, m, inv_l, delta, q_pos, K_rest, V_rest, BIAS_ptrs + skip, stride_ks, stride_vs,
+    dq = _dq_k_range(dq, q, do, m, delta, q_pos, K_rest, V_rest, BIAS_ptrs + skip, stride_ks, stride_vs,
                      offs_n, d_ok, full_end, hi, k_start, Sk, qk_scale, K, V, b32, hk32,
                      MASKED=True, CAUSAL=CAUSAL, PAD_D=PAD_D, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, HAS_BIAS=HAS_BIAS,
                      PRECISION=PRECISION, TMA=TMA, PRESCALE=PRESCALE)
     _store_grad(DQ + b * stride_dqb + h * stride_dqh + rows64[:, None] * stride_dqs + offs_d[None, :],
-                dq * sm_scale, tile_mask, ACCUMULATE)
+                dq * (inv_l * sm_scale)[:, None], tile_mask, ACCUMULATE)

@@ -30,6 +30,9 @@ class KernelConfig:
     # them, so the rebuilt probabilities are bitwise the forward's where a matmul's rounding
     # depends on its operand order (numpy's BLAS under the interpreter)
     qk_order: bool = False
+    # dK/dV pass only, 16-bit inputs: rebuild the probabilities from m + log2(l), one offset per
+    # row, instead of exp2(s2 - m) / l (exact at any |scores|, one more multiply per score)
+    combined_stats: bool = False
 
 
 # Triton reads TRITON_INTERPRET once, when it is imported; so do we.
@@ -42,7 +45,7 @@ KINDS = ("fwd", "dkdv", "dq")
 # matmul rounds differently for other shapes or operand orders, and the backward must rebuild
 # the forward's probabilities exactly (at |scores| ~ 1e4 a rounding of s is 1e-3 of a weight).
 _INTERP_FWD = KernelConfig(32, 16, 4, 1)
-_INTERP_DKDV = KernelConfig(32, 16, 4, 1, qk_order=True)
+_INTERP_DKDV = KernelConfig(32, 16, 4, 1, qk_order=True, combined_stats=True)
 _INTERP_DQ = KernelConfig(32, 16, 4, 1)
 
 # Hopper (H200), keyed by padded head dim. D=64 and D=128: the choice of the sweep
@@ -56,10 +59,10 @@ _FWD = {
     256: KernelConfig(64, 64, 8, 2),
 }
 _DKDV = {
-    32: KernelConfig(32, 128, 4, 3),
-    64: KernelConfig(32, 128, 4, 3, tma=True),
-    128: KernelConfig(64, 128, 8, 3, tma=True),
-    256: KernelConfig(32, 64, 8, 2),
+    32: KernelConfig(32, 128, 4, 3, combined_stats=True),
+    64: KernelConfig(32, 128, 4, 3, tma=True, combined_stats=True),
+    128: KernelConfig(64, 128, 8, 3, tma=True, combined_stats=True),
+    256: KernelConfig(32, 64, 8, 2, combined_stats=True),
 }
 _DQ = {
     32: KernelConfig(128, 32, 4, 3),

@@ -12,7 +12,7 @@ log2(e) folded into the scale.
 import triton
 import triton.language as tl
 
-from .tiles import add_key_bias, base2_scores, exp2_shifted, key_range, load_tile, query_program, visible_keys
+from .tiles import base2_scores, exp2_shifted, key_bias2, key_range, load_tile, query_program, row_max, visible_keys
 
 
 @triton.jit
@@ -21,19 +21,22 @@ def _fwd_block_range(
     lo, hi, k_start, Sk, qk_scale, K_desc, V_desc, b32, hk32,
     MASKED: tl.constexpr, CAUSAL: tl.constexpr, PAD_D: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr,
-    TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, PRESCALE: tl.constexpr,
+    TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, PRESCALE: tl.constexpr, NEGATIVE: tl.constexpr,
 ):
     # K_ptrs / V_ptrs / BIAS_ptrs point at key row `lo` on entry (pointer path)
     d_ok = offs_d[None, :] < HEAD_DIM
     for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
         cols = start_n + offs_n
         k = load_tile(K_ptrs, K_desc, b32, start_n, hk32, cols, Sk, d_ok, MASKED, PAD_D, TMA, BLOCK_N, BLOCK_D)
-        s, scale = base2_scores(tl.dot(q, tl.trans(k), input_precision=PRECISION), qk_scale, PRESCALE)
-        if HAS_BIAS:  # per-key additive bias (key padding), after scaling
-            s, BIAS_ptrs = add_key_bias(s, BIAS_ptrs, cols, Sk, MASKED, BLOCK_N)
-        if MASKED:
-            s = tl.where(visible_keys(q_pos, cols, Sk, k_start, CAUSAL), s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1) * scale)
+        bias2 = key_bias2(BIAS_ptrs, cols, Sk, MASKED, HAS_BIAS)
+        s, scale = base2_scores(tl.dot(q, tl.trans(k), input_precision=PRECISION), qk_scale, bias2, PRESCALE)
+        if MASKED:  # invisible scores become what the row max ignores (+inf for min(s) * scale)
+            visible = visible_keys(q_pos, cols, Sk, k_start, CAUSAL)
+            if NEGATIVE:
+                s = tl.where(visible, s, float("inf"))
+            else:
+                s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, row_max(s, scale, NEGATIVE))
         # A row that has seen no key yet keeps m = -inf; pivot on 0 so exp2 gives 0, not NaN.
         m_pivot = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = exp2_shifted(s, scale, m_pivot)
@@ -46,6 +49,7 @@ def _fwd_block_range(
         if not TMA:
             K_ptrs += BLOCK_N * stride_ks
             V_ptrs += BLOCK_N * stride_vs
+        BIAS_ptrs += BLOCK_N
     return acc, l_i, m_i
 
 
@@ -64,12 +68,13 @@ def _fwd_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_STATE: tl.constexpr, NORMALIZE: tl.constexpr, HAS_BIAS: tl.constexpr,
     PRECISION: tl.constexpr,
-    TMA: tl.constexpr = False, WARP_SPECIALIZE: tl.constexpr = False, POSITIVE_SCALE: tl.constexpr = True,
+    TMA: tl.constexpr = False, WARP_SPECIALIZE: tl.constexpr = False, SCALE_SIGN: tl.constexpr = 1,
 ):
     """K and V are tensors, or (B, Sk, Hkv, D) tensor descriptors with blocks
     [1, BLOCK_N, 1, BLOCK_D] when TMA. M and L: (B, Hq, Sq) float32 with equal strides.
-    POSITIVE_SCALE: qk_scale > 0."""
-    PRESCALE: tl.constexpr = HAS_BIAS or not POSITIVE_SCALE
+    SCALE_SIGN: the sign of qk_scale (1, 0 or -1)."""
+    PRESCALE: tl.constexpr = HAS_BIAS or SCALE_SIGN == 0
+    NEGATIVE: tl.constexpr = SCALE_SIGN < 0 and not PRESCALE
     pid_m, b, h, hk = query_program(Hq, GROUP, CAUSAL)
     PAD_D: tl.constexpr = BLOCK_D != HEAD_DIM
 
@@ -110,13 +115,15 @@ def _fwd_kernel(
         acc, l_i, m_i, q, q_pos, K_ptrs, V_ptrs, BIAS_ptrs, stride_ks, stride_vs, offs_n, offs_d,
         0, full_end, k_start, Sk, qk_scale, K, V, b32, hk32,
         MASKED=False, WARP_SPECIALIZE=WARP_SPECIALIZE, CAUSAL=CAUSAL, PAD_D=PAD_D, HEAD_DIM=HEAD_DIM,
-        BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, HAS_BIAS=HAS_BIAS, PRECISION=PRECISION, TMA=TMA, PRESCALE=PRESCALE)
+        BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, HAS_BIAS=HAS_BIAS, PRECISION=PRECISION, TMA=TMA, PRESCALE=PRESCALE,
+        NEGATIVE=NEGATIVE)
     # the rest: the causal diagonal and the ragged end of the keys
     acc, l_i, m_i = _fwd_block_range(
         acc, l_i, m_i, q, q_pos, K_rest, V_rest, BIAS_ptrs + skip,
         stride_ks, stride_vs, offs_n, offs_d, full_end, hi, k_start, Sk, qk_scale, K, V, b32, hk32,
         MASKED=True, WARP_SPECIALIZE=False, CAUSAL=CAUSAL, PAD_D=PAD_D, HEAD_DIM=HEAD_DIM,
-        BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, HAS_BIAS=HAS_BIAS, PRECISION=PRECISION, TMA=TMA, PRESCALE=PRESCALE)
+        BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, HAS_BIAS=HAS_BIAS, PRECISION=PRECISION, TMA=TMA, PRESCALE=PRESCALE,
+        NEGATIVE=NEGATIVE)
 
     if NORMALIZE:
         acc = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]

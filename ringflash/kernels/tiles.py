@@ -9,20 +9,35 @@ LN2: tl.constexpr = tl.constexpr(0.6931471805599453)
 
 
 @triton.jit
-def base2_scores(s, qk_scale, PRESCALE: tl.constexpr):
-    """Raw scores q.k -> (s, scale) with s * scale the base-2 scores. Without PRESCALE the scale
-    is applied later inside exp2's argument (one FMA per score; the row max is max(s) * scale,
-    true for qk_scale > 0); with PRESCALE (a key bias follows, or scale <= 0) now."""
+def base2_scores(dot, qk_scale, bias2, PRESCALE: tl.constexpr):
+    """Raw scores q.k -> (s, scale) with fma(s, scale, -m) the base-2 scores minus a row offset
+    m (exp2_shifted). Without PRESCALE the scale enters inside exp2's argument, one FMA per
+    score, and the row max of the scaled scores is row_max(s, scale, NEGATIVE). With PRESCALE
+    (a key bias follows, or the scale is 0) the scores are fma(q.k, scale, bias2) now, bias2
+    the bias in base-2 units (0.0 without one). Every product of a scale here is an explicit
+    FMA, in the forward and in both backward passes alike: the compiler's own contraction of
+    a multiply and an add may differ between kernels, and the backward must rebuild the
+    forward's probabilities to the last bit."""
     if PRESCALE:
-        return s * qk_scale, 1.0
+        return tl.fma(dot, qk_scale, bias2), 1.0
     else:
-        return s, qk_scale
+        return dot, qk_scale
+
+
+@triton.jit
+def row_max(s, scale, NEGATIVE: tl.constexpr):
+    """The row max of the scaled scores s * scale: max(s) * scale, or min(s) * scale for a
+    negative scale (without PRESCALE)."""
+    if NEGATIVE:
+        return tl.min(s, 1) * scale
+    else:
+        return tl.max(s, 1) * scale
 
 
 @triton.jit
 def exp2_shifted(s, scale, m):
-    """exp2(s * scale - m) for scores s (rows, keys) and row offsets m (rows,)."""
-    return tl.math.exp2(s * scale - m[:, None])
+    """exp2(s * scale - m) for scores s (rows, keys) and row offsets m (rows,), one FMA each."""
+    return tl.math.exp2(tl.fma(s, scale, -m[:, None]))
 
 
 @triton.jit
@@ -121,14 +136,17 @@ def query_program(Hq, GROUP: tl.constexpr, CAUSAL: tl.constexpr):
 
 
 @triton.jit
-def add_key_bias(s, BIAS_ptrs, cols, Sk, MASKED: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Scores s (rows, BLOCK_N) in base-2 units plus the per-key bias (natural-log units, -inf
-    for keys past Sk when MASKED) at BIAS_ptrs; returns (s, BIAS_ptrs moved to the next key tile)."""
-    if MASKED:
-        bias = tl.load(BIAS_ptrs, mask=cols < Sk, other=float("-inf"))
+def key_bias2(BIAS_ptrs, cols, Sk, MASKED: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """The per-key bias of a key tile in base-2 units, (1, keys): natural-log units times
+    log2(e), -inf for keys past Sk when MASKED; 0.0 without HAS_BIAS."""
+    if HAS_BIAS:
+        if MASKED:
+            bias = tl.load(BIAS_ptrs, mask=cols < Sk, other=float("-inf"))
+        else:
+            bias = tl.load(BIAS_ptrs)
+        return bias[None, :] * LOG2E
     else:
-        bias = tl.load(BIAS_ptrs)
-    return s + bias[None, :] * LOG2E, BIAS_ptrs + BLOCK_N
+        return 0.0
 
 
 @triton.jit
