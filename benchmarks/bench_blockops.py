@@ -31,6 +31,7 @@ from benchmarks.common import bench_ms as bench
 from benchmarks.common import write_json
 from ringflash import flash_attn_func
 from ringflash.local import attention_delta, block_backward, block_forward
+from ringflash.masks import CAUSAL, FULL, BlockMask
 from ringflash.merge import SoftmaxState
 from ringflash.ring import RingSpec, _RingAttn
 from ringflash.testing import ReplayComm
@@ -46,12 +47,14 @@ def block_op_rows(S, H, D, dtype, device):
         plain_fwd = bench(lambda: flash_attn_func(q, k, v, causal=causal), device)
         block_fwd = bench(
             lambda: block_forward(
-                q, k, v, state, q_start=offset, k_start=offset, causal=causal, scale=scale, fold=True
+                q, k, v, state, BlockMask(offset, offset, CAUSAL if causal else FULL), scale=scale, fold=True
             ),
             device,
         )
         local = SoftmaxState.empty(torch.empty_like(q))
-        block_forward(q, k, v, local, q_start=0, k_start=0, causal=causal, scale=scale, fold=False, normalize=True)
+        block_forward(
+            q, k, v, local, BlockMask(0, 0, CAUSAL if causal else FULL), scale=scale, fold=False, normalize=True
+        )
         out = local.o
         grads16 = [torch.empty_like(t) for t in (q, k, v)]
         grads32 = [torch.zeros(t.shape, device=device) for t in (q, k, v)]
@@ -67,9 +70,7 @@ def block_op_rows(S, H, D, dtype, device):
                 do,
                 delta,
                 *bufs,
-                q_start=q_start,
-                k_start=q_start,
-                causal=causal,
+                BlockMask(q_start, q_start, CAUSAL if causal else FULL),
                 scale=scale,
                 accumulate=accumulate,
             )

@@ -46,9 +46,20 @@ def compile_for_hopper(kind: str, D: int, causal: bool, cfg: configs.KernelConfi
             signature[name] = f"tensordesc<bf16[1,{rows},1,{D}]>"
         elif name in ("M", "L", "DELTA"):
             signature[name] = "*fp32"
+        elif name in ("KLO", "KHI", "QLO", "QHI"):
+            signature[name] = "*i32"
         elif name.isupper():  # the other tensors
             signature[name] = "*bf16"
-        elif name.startswith("stride") or name in ("Hq", "Hkv", "Sq", "Sk", "q_start", "k_start"):
+        elif name.startswith("stride") or name in (
+            "Hq",
+            "Hkv",
+            "Sq",
+            "Sk",
+            "q_start",
+            "k_start",
+            "win_left",
+            "win_right",
+        ):
             signature[name] = "i32"
         elif name in ("qk_scale", "sm_scale"):
             signature[name] = "fp32"
@@ -62,7 +73,8 @@ def compile_for_hopper(kind: str, D: int, causal: bool, cfg: configs.KernelConfi
         BLOCK_D=D,
         BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n,
-        CAUSAL=causal,
+        MASK=1 if causal else 0,  # tiles.MASK_WINDOW (causal: left unbounded, right 0) or MASK_NONE
+        LEFT=False if kind != "dkdv" else causal,
         HAS_BIAS=False,
         PRECISION="tf32",
         TMA=cfg.tma,

@@ -2,9 +2,18 @@
 
 from . import nn
 from .layout import local_positions, shard, unshard
-from .local import flash_attn_func
+from .local import flash_attn_func, flash_attn_varlen_func
 from .merge import merge_attn_states
 from .ring import ring_flash_attn_func
 
-__all__ = ["flash_attn_func", "ring_flash_attn_func", "merge_attn_states", "shard", "unshard", "local_positions", "nn"]
+__all__ = [
+    "flash_attn_func",
+    "flash_attn_varlen_func",
+    "ring_flash_attn_func",
+    "merge_attn_states",
+    "shard",
+    "unshard",
+    "local_positions",
+    "nn",
+]
 __version__ = "0.1.0"

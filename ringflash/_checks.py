@@ -112,3 +112,44 @@ def key_bias_from_mask(mask, dims: AttnDims, device, api: str, dtype=torch.float
     if not mask.is_floating_point():
         raise TypeError(f"{api}: key_padding_mask must be bool or floating point, got {mask.dtype}")
     return mask.detach().to(dtype).contiguous()
+
+
+def check_cu_seqlens(cu_q, cu_k, total_q: int, total_k: int, device, api: str):
+    """Validate packed documents' boundaries: (cu_q, cu_k) int64 on `device`, each starting at
+    0, non-decreasing, ending at its total, with as many documents on both sides."""
+    out = []
+    for name, cu, total in (("cu_seqlens_q", cu_q, total_q), ("cu_seqlens_k", cu_k, total_k)):
+        check_tensor(name, cu, api)
+        if cu.dtype not in (torch.int32, torch.int64):
+            raise TypeError(f"{api}: {name} must be int32 or int64, got {cu.dtype}")
+        if cu.dim() != 1 or cu.numel() < 1:
+            raise ValueError(f"{api}: {name} must be 1-D (n_docs + 1,), got shape {_shape(cu)}")
+        if cu.device != device:
+            raise ValueError(f"{api}: {name} is on {cu.device}, q on {device}")
+        values = cu.tolist()
+        if values[0] != 0:
+            raise ValueError(f"{api}: {name} must start at 0, got {values[:4]}...")
+        steps = [b - a for a, b in zip(values, values[1:])]
+        if any(d < 0 for d in steps):
+            i = next(i for i, d in enumerate(steps) if d < 0)
+            raise ValueError(f"{api}: {name} must be non-decreasing, got {values[i]} then {values[i + 1]} at {i}")
+        if values[-1] != total:
+            raise ValueError(f"{api}: {name} must end at the total length {total}, got {values[-1]}")
+        out.append(cu.long())
+    if out[0].numel() != out[1].numel():
+        raise ValueError(
+            f"{api}: cu_seqlens_q and cu_seqlens_k must describe as many documents, got "
+            f"{out[0].numel() - 1} and {out[1].numel() - 1}"
+        )
+    return out[0], out[1]
+
+
+def check_max_seqlen(max_seqlen, cu, name: str, api: str) -> None:
+    """A max_seqlen hint must be an int at least the longest document (it is never trusted)."""
+    if max_seqlen is None:
+        return
+    if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, int):
+        raise TypeError(f"{api}: {name} must be an int or None, got {type(max_seqlen).__name__}")
+    longest = int((cu[1:] - cu[:-1]).max()) if cu.numel() > 1 else 0
+    if max_seqlen < longest:
+        raise ValueError(f"{api}: {name} = {max_seqlen} is smaller than the longest document ({longest})")

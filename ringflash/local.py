@@ -17,8 +17,16 @@ import os
 import torch
 
 from . import reference
-from ._checks import check_bool, check_qkv, key_bias_from_mask, resolve_scale
-from .masks import Visibility, block_visibility, local_causal_offsets
+from ._checks import (
+    check_bool,
+    check_cu_seqlens,
+    check_max_seqlen,
+    check_qkv,
+    check_tensor,
+    key_bias_from_mask,
+    resolve_scale,
+)
+from .masks import BlockMask, Visibility, document_bounds, local_offsets, window_from
 from .merge import SoftmaxState, state_dtype
 
 BACKENDS = ("triton", "torch")
@@ -80,38 +88,29 @@ def _unit_stride(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-def block_forward(
-    q, k, v, state, *, q_start, k_start, causal, scale, fold, normalize=False, key_bias=None, backend=None
-):
-    """Attention of q (B, Sq, Hq, D) over k, v (B, Sk, Hkv, D) at global positions
-    q_start.. and k_start.. (causal: q_pos >= k_pos), into `state`, a SoftmaxState of the Sq
-    rows (ringflash.merge). fold=True: state holds an incoming unnormalized state for the same
-    rows and receives the merged one; otherwise it is overwritten. normalize=True: state.o
-    receives the normalized output (in its own dtype) instead of the unnormalized sum.
-    key_bias: optional (B, Sk) float32 added to the scores of each key (-inf: a padded key).
-    A block no query can see launches nothing. backend: backend_for's module (None: the one
-    for q's device now). Returns whether anything was computed.
+def block_forward(q, k, v, state, mask: BlockMask, *, scale, fold, normalize=False, key_bias=None, backend=None):
+    """Attention of q (B, Sq, Hq, D) over k, v (B, Sk, Hkv, D), the pairs `mask` lets attend
+    (positions, window, document bounds: ringflash.masks.BlockMask), into `state`, a
+    SoftmaxState of the Sq rows (ringflash.merge). fold=True: state holds an incoming
+    unnormalized state for the same rows and receives the merged one; otherwise it is
+    overwritten. normalize=True: state.o receives the normalized output (in its own dtype)
+    instead of the unnormalized sum. key_bias: optional (B, Sk) float32 added to the scores of
+    each key (-inf: a padded key). A block no query can see launches nothing. backend:
+    backend_for's module (None: the one for q's device now). Returns whether anything was
+    computed.
     """
-    vis = block_visibility(q_start, q.shape[1], k_start, k.shape[1], causal)
+    vis = mask.visibility(q.shape[1], k.shape[1])
     if vis is Visibility.NONE:
         if not fold:
             state.o.zero_()
             state.m.fill_(float("-inf"))
             state.l.zero_()
         return False
+    window = None if vis is Visibility.FULL else mask.window
     (backend or backend_for(q.device)).forward(
-        _unit_stride(q),
-        _unit_stride(k),
-        _unit_stride(v),
-        state,
-        q_start=q_start,
-        k_start=k_start,
-        causal=vis is Visibility.PARTIAL,
-        scale=scale,
-        fold=fold,
-        normalize=normalize,
-        key_bias=key_bias,
-    )
+        _unit_stride(q), _unit_stride(k), _unit_stride(v), state, q_start=mask.q_start, k_start=mask.k_start,
+        window=window, bounds=mask.bounds, scale=scale, fold=fold, normalize=normalize, key_bias=key_bias,
+    )  # fmt: skip
     return True
 
 
@@ -121,38 +120,25 @@ def attention_delta(o, do, backend=None):
 
 
 def block_backward(
-    q, k, v, m, l, do, delta, dq, dk, dv, *, q_start, k_start, causal, scale, accumulate, key_bias=None, backend=None
+    q, k, v, m, l, do, delta, dq, dk, dv, mask: BlockMask, *, scale, accumulate, key_bias=None, backend=None
 ):
-    """Gradients of the block (q at q_start.., k/v at k_start..) given the final row
-    statistics m, l (SoftmaxState.m / .l) and delta, (B, Hq, Sq) each, of the query rows:
-    added into (accumulate=True) or written to dq (B, Sq, Hq, D), dk and dv (B, Sk, Hkv, D).
-    dq=None skips the dQ pass, dk=dv=None the dK/dV pass. Returns whether anything was
-    computed."""
-    vis = block_visibility(q_start, q.shape[1], k_start, k.shape[1], causal)
+    """Gradients of the block (`mask` as in block_forward) given the final row statistics m, l
+    (SoftmaxState.m / .l) and delta, (B, Hq, Sq) each, of the query rows: added into
+    (accumulate=True) or written to dq (B, Sq, Hq, D), dk and dv (B, Sk, Hkv, D). dq=None skips
+    the dQ pass, dk=dv=None the dK/dV pass. Returns whether anything was computed."""
+    vis = mask.visibility(q.shape[1], k.shape[1])
     if vis is Visibility.NONE:
         if not accumulate:
             for t in (dq, dk, dv):
                 if t is not None:
                     t.zero_()
         return False
+    window = None if vis is Visibility.FULL else mask.window
     (backend or backend_for(q.device)).backward(
-        _unit_stride(q),
-        _unit_stride(k),
-        _unit_stride(v),
-        m,
-        l,
-        _unit_stride(do),
-        delta,
-        dq,
-        dk,
-        dv,
-        q_start=q_start,
-        k_start=k_start,
-        causal=vis is Visibility.PARTIAL,
-        scale=scale,
-        accumulate=accumulate,
-        key_bias=key_bias,
-    )
+        _unit_stride(q), _unit_stride(k), _unit_stride(v), m, l, _unit_stride(do), delta, dq, dk, dv,
+        q_start=mask.q_start, k_start=mask.k_start, window=window, bounds=mask.bounds, scale=scale,
+        accumulate=accumulate, key_bias=key_bias,
+    )  # fmt: skip
     return True
 
 
@@ -185,27 +171,12 @@ def backward_inputs(out, do, dlse, backend=None):
 class _FlashAttn(torch.autograd.Function):
     @staticmethod
     @without_autocast
-    def forward(ctx, q, k, v, key_bias, causal, scale):
-        q_start, k_start = local_causal_offsets(q.shape[1], k.shape[1]) if causal else (0, 0)
+    def forward(ctx, q, k, v, key_bias, mask: BlockMask, scale):
         backend = backend_for(q.device)
         state = SoftmaxState.empty(torch.empty_like(q, memory_format=torch.contiguous_format))
-        block_forward(
-            q,
-            k,
-            v,
-            state,
-            q_start=q_start,
-            k_start=k_start,
-            causal=causal,
-            scale=scale,
-            fold=False,
-            normalize=True,
-            key_bias=key_bias,
-            backend=backend,
-        )
+        block_forward(q, k, v, state, mask, scale=scale, fold=False, normalize=True, key_bias=key_bias, backend=backend)
         ctx.save_for_backward(q, k, v, state.o, state.m, state.l, key_bias)
-        ctx.offsets = (q_start, k_start, causal, scale)
-        ctx.backend = backend
+        ctx.mask, ctx.scale, ctx.backend = mask, scale, backend
         ctx.set_materialize_grads(False)
         return state.o, state.lse()
 
@@ -213,49 +184,74 @@ class _FlashAttn(torch.autograd.Function):
     @without_autocast
     def backward(ctx, do, dlse):
         q, k, v, out, m, l, key_bias = ctx.saved_tensors
-        q_start, k_start, causal, scale = ctx.offsets
         do, delta = backward_inputs(out, do, dlse, ctx.backend)
         dq, dk, dv = (torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
-        block_backward(
-            q,
-            k,
-            v,
-            m,
-            l,
-            do,
-            delta,
-            dq,
-            dk,
-            dv,
-            q_start=q_start,
-            k_start=k_start,
-            causal=causal,
-            scale=scale,
-            accumulate=False,
-            key_bias=key_bias,
-            backend=ctx.backend,
-        )
+        block_backward(q, k, v, m, l, do, delta, dq, dk, dv, ctx.mask, scale=ctx.scale, accumulate=False,
+                       key_bias=key_bias, backend=ctx.backend)  # fmt: skip
         return dq, dk, dv, None, None, None
 
 
-def flash_attn_func(q, k, v, *, causal=False, softmax_scale=None, key_padding_mask=None, return_lse=False):
+def flash_attn_func(
+    q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), key_padding_mask=None, return_lse=False
+):
     """Exact attention on one device.
 
     q: (B, Sq, Hq, D); k, v: (B, Sk, Hkv, D) with Hq % Hkv == 0 (GQA / MQA without copies).
     dtype float16, bfloat16 or float32 (float64 on the torch backend); D a multiple of 8 from
-    16 to 256. causal aligns bottom-right when Sq != Sk: query i sees key j iff
-    j <= i + Sk - Sq; a query that sees no key gets output 0 and lse -inf.
-    key_padding_mask: optional (B, Sk), bool (True = padding: the key is ignored) or float
-    (added to every query's scores of that key; not differentiated).
+    16 to 256. Masks align bottom-right when Sq != Sk, as flash-attn's: query i sits at key
+    position i + Sk - Sq. causal: query i sees key j iff j <= i + Sk - Sq. window_size =
+    (left, right): query i sees key j iff i + Sk - Sq - left <= j <= i + Sk - Sq + right, -1
+    meaning unbounded on that side (causal means right = 0; another right with causal=True is
+    an error). A query that sees no key gets output 0 and lse -inf. key_padding_mask:
+    optional (B, Sk), bool (True = padding: the key is ignored) or float (added to every
+    query's scores of that key; not differentiated).
     Returns out (B, Sq, Hq, D) in q's dtype, and with return_lse=True also lse (B, Hq, Sq),
     float32 (float64 for float64 inputs), natural log. Differentiable in q, k, v (and
-    through lse).
+    through lse). Key blocks no query of a tile sees are skipped: a window costs in proportion
+    to S x window, not S^2.
     """
     api = "flash_attn_func"
     dims = check_qkv(q, k, v, api)
     check_bool("causal", causal, api)
     check_bool("return_lse", return_lse, api)
+    window = window_from(causal, window_size, api)
     scale = resolve_scale(softmax_scale, dims.head_dim, api)
     key_bias = key_bias_from_mask(key_padding_mask, dims, q.device, api, state_dtype(q.dtype))
-    out, lse = _FlashAttn.apply(q, k, v, key_bias, causal, scale)
+    mask = BlockMask(*local_offsets(dims.seqlen_q, dims.seqlen_k), window)
+    out, lse = _FlashAttn.apply(q, k, v, key_bias, mask, scale)
     return (out, lse) if return_lse else out
+
+
+def flash_attn_varlen_func(
+    q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_seqlen_k=None, *, causal=False, softmax_scale=None,
+    window_size=(-1, -1), return_lse=False,
+):  # fmt: skip
+    """Exact attention over packed documents (the THD layout), on one device.
+
+    q: (total_q, Hq, D); k, v: (total_k, Hkv, D), Hq % Hkv == 0; dtypes and head dims as
+    flash_attn_func. cu_seqlens_q, cu_seqlens_k: int32 or int64 (n_docs + 1,) on q's device,
+    starting at 0, non-decreasing, ending at total_q / total_k: document d is rows
+    cu[d]:cu[d+1] (empty documents allowed). Each query attends only to the keys of its own
+    document, with causal and window_size (as flash_attn_func's) applied per document, aligned
+    bottom-right within it. max_seqlen_q / max_seqlen_k: hints, checked when given (never
+    trusted: the kernels do not use them). Returns out (total_q, Hq, D) in q's dtype and, with
+    return_lse=True, lse (Hq, total_q), float32 (float64 for float64 inputs). Differentiable in
+    q, k, v. Cost follows the visible pairs (about the sum of squared document lengths / 2 for
+    causal documents), not total_q x total_k.
+    """
+    api = "flash_attn_varlen_func"
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        check_tensor(name, t, api)
+        if t.dim() != 3:
+            raise ValueError(f"{api}: {name} must be 3-D (total, heads, head_dim), got shape {tuple(t.shape)}")
+    dims = check_qkv(q[None], k[None], v[None], api)
+    check_bool("causal", causal, api)
+    check_bool("return_lse", return_lse, api)
+    window = window_from(causal, window_size, api)
+    scale = resolve_scale(softmax_scale, dims.head_dim, api)
+    cu_q, cu_k = check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], q.device, api)
+    check_max_seqlen(max_seqlen_q, cu_q, "max_seqlen_q", api)
+    check_max_seqlen(max_seqlen_k, cu_k, "max_seqlen_k", api)
+    mask = BlockMask(0, 0, window, document_bounds(cu_q, cu_k, window))
+    out, lse = _FlashAttn.apply(q[None], k[None], v[None], None, mask, scale)
+    return (out[0], lse[0]) if return_lse else out[0]

@@ -1,35 +1,160 @@
-"""The causal rule by global token positions: query at q_pos sees key at k_pos iff q_pos >= k_pos.
+"""Which keys a query sees: one description for causal attention, sliding windows and packed
+documents, used by the kernels, the torch backend and the ring's schedule alike.
 
-A block is query rows [q_start, q_start + n_q) against key rows [k_start, k_start + n_k).
-The same rule covers a local diagonal block, a fully visible block and every offset a ring
-step produces. Pure Python.
+A query at global position qp sees the key at position kp iff kp lies in the query's visible
+interval: qp - left <= kp <= qp + right (a Window; None = unbounded on that side; causal is
+right = 0), intersected, with packed documents, with the keys of the query's own document
+(RowBounds: one half-open interval [k_lo, k_hi) of key positions per query row, and its
+mirror, [q_lo, q_hi) of query positions per key row). A block of query rows against key rows
+is then NONE (no pair visible: nothing computed), FULL (every pair: no mask) or PARTIAL (the
+mask applies). Pure Python and torch; no kernels, no distributed code.
 """
 
 from __future__ import annotations
 
 import enum
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
 
 
 class Visibility(enum.Enum):
     NONE = 0  # no query sees any key: nothing to compute
     FULL = 1  # every query sees every key: no mask
-    PARTIAL = 2  # the causal mask applies
+    PARTIAL = 2  # the mask applies
 
 
-def block_visibility(q_start: int, n_q: int, k_start: int, n_k: int, causal: bool) -> Visibility:
+@dataclass(frozen=True)
+class Window:
+    """Query position qp sees key position kp iff qp - left <= kp <= qp + right; None is
+    unbounded on that side. Window() is full attention, Window(None, 0) causal."""
+
+    left: int | None = None
+    right: int | None = None
+
+    @property
+    def is_full(self) -> bool:
+        return self.left is None and self.right is None
+
+
+FULL = Window()
+CAUSAL = Window(None, 0)
+
+
+def window_from(causal: bool, window_size, api: str) -> Window:
+    """flash-attn's (causal, window_size=(left, right)) as a Window: -1 is unbounded; causal
+    means right = 0, so with causal=True right must be -1 or 0."""
+    if (
+        not isinstance(window_size, (tuple, list))
+        or len(window_size) != 2
+        or not all(isinstance(w, int) and not isinstance(w, bool) and w >= -1 for w in window_size)
+    ):
+        raise ValueError(f"{api}: window_size must be a pair of ints >= -1 (left, right), got {window_size!r}")
+    left, right = (None if w == -1 else w for w in window_size)
+    if causal:
+        if right not in (None, 0):
+            raise ValueError(
+                f"{api}: causal=True means window_size's right is 0; got window_size={tuple(window_size)} "
+                "(use causal=False for a window that reaches into the future)"
+            )
+        right = 0
+    return Window(left, right)
+
+
+def block_visibility(q_start: int, n_q: int, k_start: int, n_k: int, window: Window) -> Visibility:
+    """Query positions [q_start, q_start + n_q) against key positions [k_start, k_start + n_k)."""
     if n_q <= 0 or n_k <= 0:
         return Visibility.NONE
-    if not causal:
+    if window.is_full:
         return Visibility.FULL
     q_last, k_last = q_start + n_q - 1, k_start + n_k - 1
-    if q_last < k_start:
+    left = float("inf") if window.left is None else window.left
+    right = float("inf") if window.right is None else window.right
+    if k_start > q_last + right or k_last < q_start - left:
         return Visibility.NONE
-    if q_start >= k_last:
+    if k_last <= q_start + right and k_start >= q_last - left:
         return Visibility.FULL
     return Visibility.PARTIAL
 
 
-def local_causal_offsets(seqlen_q: int, seqlen_k: int) -> tuple[int, int]:
-    """(q_start, k_start) for one device's causal attention, aligned bottom-right as
-    flash-attn does: query i sees key j iff j <= i + seqlen_k - seqlen_q."""
+class RowBounds(NamedTuple):
+    """Per-row visible intervals, int32, in global positions of the other side, half-open:
+    query row i sees key positions [k_lo[i], k_hi[i]); key row j is seen by query positions
+    [q_lo[j], q_hi[j]). An empty row has lo == hi (at its document's start). The kernels
+    subtract a block's start position and clip to the block."""
+
+    k_lo: torch.Tensor
+    k_hi: torch.Tensor
+    q_lo: torch.Tensor
+    q_hi: torch.Tensor
+
+    def query_rows(self, rows: slice) -> RowBounds:
+        return RowBounds(self.k_lo[rows], self.k_hi[rows], self.q_lo, self.q_hi)
+
+    def key_rows(self, rows: slice) -> RowBounds:
+        return RowBounds(self.k_lo, self.k_hi, self.q_lo[rows], self.q_hi[rows])
+
+
+@dataclass(frozen=True)
+class BlockMask:
+    """Where a block of query rows and key rows sits and which of its pairs are visible:
+    q_start / k_start, the global positions of its first query and key rows; window; and for
+    packed documents `bounds` (RowBounds, its query rows' k_lo / k_hi and key rows' q_lo / q_hi
+    arrays, which then decide alone)."""
+
+    q_start: int = 0
+    k_start: int = 0
+    window: Window = FULL
+    bounds: RowBounds | None = None
+
+    def visibility(self, n_q: int, n_k: int) -> Visibility:
+        if n_q <= 0 or n_k <= 0:
+            return Visibility.NONE
+        if self.bounds is not None:
+            return Visibility.PARTIAL
+        return block_visibility(self.q_start, n_q, self.k_start, n_k, self.window)
+
+
+def local_offsets(seqlen_q: int, seqlen_k: int) -> tuple[int, int]:
+    """(q_start, k_start) for one device's attention, aligned bottom-right as flash-attn does:
+    query i sits at position i + seqlen_k - seqlen_q of the keys."""
     return seqlen_k - seqlen_q, 0
+
+
+def document_bounds(cu_q: torch.Tensor, cu_k: torch.Tensor, window: Window) -> RowBounds:
+    """The RowBounds of packed documents: document d holds query rows cu_q[d]:cu_q[d+1] and key
+    rows cu_k[d]:cu_k[d+1], each query sees only its document's keys, with the window aligned
+    bottom-right per document (query row i of document d sits at key position
+    i + cu_k[d+1] - cu_q[d+1]). cu_q, cu_k: int (n_docs + 1,) on the device of the result."""
+    cu_q, cu_k = cu_q.long(), cu_k.long()
+    total_q, total_k = int(cu_q[-1]), int(cu_k[-1])
+    q_rows = torch.arange(total_q, device=cu_q.device)
+    k_rows = torch.arange(total_k, device=cu_k.device)
+    # the document of each row (empty documents hold no row, so any tie-break is right)
+    doc_q = torch.searchsorted(cu_q, q_rows, right=True) - 1
+    doc_k = torch.searchsorted(cu_k, k_rows, right=True) - 1
+    offset = cu_k[1:] - cu_q[1:]  # key position of query row i = i + offset[doc]
+    q_pos = q_rows + offset[doc_q]
+    k_lo, k_hi = cu_k[doc_q], cu_k[doc_q + 1]
+    if window.left is not None:
+        k_lo = torch.maximum(k_lo, q_pos - window.left)
+    if window.right is not None:
+        k_hi = torch.minimum(k_hi, q_pos + window.right + 1)
+    k_lo = torch.minimum(k_lo, k_hi.clamp(min=cu_k[doc_q]))  # an empty row: lo == hi
+    k_hi = torch.maximum(k_hi, k_lo)
+    # mirror: key row j (document d) is seen by query rows i with i + offset - left <= j <= i + offset + right
+    q_lo, q_hi = cu_q[doc_k], cu_q[doc_k + 1]
+    if window.right is not None:
+        q_lo = torch.maximum(q_lo, k_rows - offset[doc_k] - window.right)
+    if window.left is not None:
+        q_hi = torch.minimum(q_hi, k_rows - offset[doc_k] + window.left + 1)
+    q_lo = torch.minimum(q_lo, q_hi.clamp(min=cu_q[doc_k]))
+    q_hi = torch.maximum(q_hi, q_lo)
+    return RowBounds(*(t.to(torch.int32) for t in (k_lo, k_hi, q_lo, q_hi)))
+
+
+def visible_pairs(cu_q, cu_k, window: Window) -> int:
+    """How many (query, key) pairs packed documents with `window` let attend (the FLOP count)."""
+    b = document_bounds(cu_q, cu_k, window)
+    return int((b.k_hi - b.k_lo).long().sum())

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from .masks import Visibility, block_visibility
+from .masks import FULL, Visibility, block_visibility
 from .merge import LOG2E, SoftmaxState, state_dtype
 from .merge import fold as fold_states
 
@@ -24,17 +24,43 @@ def _grouped(x: torch.Tensor, heads_kv: int, dtype) -> torch.Tensor:
     return x.to(dtype).reshape(B, S, heads_kv, H // heads_kv, D)
 
 
-def _scores2(qg, kj, qk_scale, q_pos0, k_pos0, vis, bias_j):
+def chunk_mask(q_pos0, n_q, k_pos0, n_k, window, bounds, i0, device):
+    """(Visibility, mask) of query positions [q_pos0, q_pos0 + n_q) against key positions
+    [k_pos0, k_pos0 + n_k): mask (n_q, n_k) bool, True where the query sees the key, for a
+    PARTIAL chunk (None otherwise). bounds (RowBounds) rows start at local query row i0."""
+    if bounds is None:
+        vis = block_visibility(q_pos0, n_q, k_pos0, n_k, window)
+        if vis is not Visibility.PARTIAL:
+            return vis, None
+        q_pos = torch.arange(q_pos0, q_pos0 + n_q, device=device)[:, None]
+        k_pos = torch.arange(k_pos0, k_pos0 + n_k, device=device)[None, :]
+        visible = torch.ones(n_q, n_k, dtype=torch.bool, device=device)
+        if window.left is not None:
+            visible &= k_pos >= q_pos - window.left
+        if window.right is not None:
+            visible &= k_pos <= q_pos + window.right
+        return vis, visible
+    lo = bounds.k_lo[i0 : i0 + n_q].to(device).long()[:, None]
+    hi = bounds.k_hi[i0 : i0 + n_q].to(device).long()[:, None]
+    k_pos = torch.arange(k_pos0, k_pos0 + n_k, device=device)[None, :]
+    visible = (k_pos >= lo) & (k_pos < hi)
+    if not bool(visible.any()):
+        return Visibility.NONE, None
+    if bool(visible.all()):
+        return Visibility.FULL, None
+    return Visibility.PARTIAL, visible
+
+
+def _scores2(qg, kj, qk_scale, mask, bias_j):
     """Scores in base-2 units (B, Hkv, G, n_q, n_k): q.k * scale * log2(e), plus the per-key
-    bias (B, n_k) times log2(e) if any, invisible entries at -inf. The forward and the
-    backward call this on the same chunks, so the backward's probabilities are the forward's."""
+    bias (B, n_k) times log2(e) if any, entries outside `mask` (n_q, n_k) at -inf. The forward
+    and the backward call this on the same chunks, so the backward's probabilities are the
+    forward's."""
     s = torch.einsum("bihgd,bjhd->bhgij", qg, kj) * qk_scale
     if bias_j is not None:
         s = s + (bias_j.to(s.dtype) * LOG2E)[:, None, None, None, :]
-    if vis is Visibility.PARTIAL:
-        q_pos = torch.arange(q_pos0, q_pos0 + s.shape[-2], device=s.device)
-        k_pos = torch.arange(k_pos0, k_pos0 + s.shape[-1], device=s.device)
-        s = s.masked_fill(q_pos[:, None] < k_pos[None, :], float("-inf"))
+    if mask is not None:
+        s = s.masked_fill(~mask, float("-inf"))
     return s
 
 
@@ -42,9 +68,11 @@ def _bias_slice(key_bias, j0, j1):
     return None if key_bias is None else key_bias[:, j0:j1]
 
 
-def forward(q, k, v, state, *, q_start, k_start, causal, scale, fold, normalize, key_bias=None):
-    """Attention of q (B, Sq, Hq, D) over k, v (B, Sk, Hkv, D) by global positions, into
-    `state` (a SoftmaxState for the Sq rows; see ringflash.merge).
+def forward(q, k, v, state, *, q_start, k_start, window, bounds, scale, fold, normalize, key_bias=None):
+    """Attention of q (B, Sq, Hq, D) over k, v (B, Sk, Hkv, D) at global positions q_start..,
+    k_start.., each query seeing the keys `window` (ringflash.masks.Window; None: every key)
+    or `bounds` (masks.RowBounds of the Sq query rows) lets it, into `state` (a SoftmaxState
+    for the Sq rows; see ringflash.merge).
 
     fold=True: state holds an incoming unnormalized state over other keys, and receives the
     merge of it with this block's. normalize=True: state.o receives o / l (in its dtype)
@@ -66,12 +94,10 @@ def forward(q, k, v, state, *, q_start, k_start, causal, scale, fold, normalize,
             o, m, l = SoftmaxState.zeros((B, n, Hq, D), acc, q.device)
         for j0 in range(0, Sk, K_CHUNK):
             j1 = min(j0 + K_CHUNK, Sk)
-            vis = block_visibility(q_start + i0, n, k_start + j0, j1 - j0, causal)
+            vis, mask = chunk_mask(q_start + i0, n, k_start + j0, j1 - j0, window or FULL, bounds, i0, q.device)
             if vis is Visibility.NONE:
                 continue
-            s = _scores2(
-                qg, k[:, j0:j1].to(acc), qk_scale, q_start + i0, k_start + j0, vis, _bias_slice(key_bias, j0, j1)
-            )
+            s = _scores2(qg, k[:, j0:j1].to(acc), qk_scale, mask, _bias_slice(key_bias, j0, j1))
             m_c = s.amax(dim=-1)
             pivot = torch.where(m_c == float("-inf"), torch.zeros_like(m_c), m_c)
             p = torch.exp2(s - pivot[..., None])
@@ -88,8 +114,11 @@ def delta(o, do):
     return (do.to(acc) * o.to(acc)).sum(-1).transpose(1, 2).contiguous()
 
 
-def backward(q, k, v, m, l, do, delta, dq, dk, dv, *, q_start, k_start, causal, scale, accumulate, key_bias=None):
-    """Gradients of one block given the final row statistics m, l and delta (B, Hq, Sq).
+def backward(
+    q, k, v, m, l, do, delta, dq, dk, dv, *, q_start, k_start, window, bounds, scale, accumulate, key_bias=None
+):
+    """Gradients of one block (positions, window and bounds as in forward) given the final row
+    statistics m, l and delta (B, Hq, Sq).
 
     dq (B, Sq, Hq, D), dk and dv (B, Sk, Hkv, D) are added to (accumulate=True) or overwritten;
     dq=None skips dQ, dk=dv=None skips dK/dV.
@@ -116,11 +145,11 @@ def backward(q, k, v, m, l, do, delta, dq, dk, dv, *, q_start, k_start, causal, 
         delta_i = delta[:, :, i0:i1].to(acc).reshape(B, Hkv, G, n)
         for j0 in range(0, Sk, K_CHUNK):
             j1 = min(j0 + K_CHUNK, Sk)
-            vis = block_visibility(q_start + i0, n, k_start + j0, j1 - j0, causal)
+            vis, mask = chunk_mask(q_start + i0, n, k_start + j0, j1 - j0, window or FULL, bounds, i0, q.device)
             if vis is Visibility.NONE:
                 continue
             kj, vj = k[:, j0:j1].to(acc), v[:, j0:j1].to(acc)
-            s = _scores2(qg, kj, qk_scale, q_start + i0, k_start + j0, vis, _bias_slice(key_bias, j0, j1))
+            s = _scores2(qg, kj, qk_scale, mask, _bias_slice(key_bias, j0, j1))
             p = torch.exp2(s - m_i[..., None]) * inv_l[..., None]
             dp = torch.einsum("bihgd,bjhd->bhgij", dog, vj)
             ds = p * (dp - delta_i[..., None])

@@ -17,6 +17,7 @@ import torch
 from ._checks import SUPPORTED_DTYPES, check_bool, check_qkv, key_bias_from_mask, resolve_grad_accum, resolve_scale
 from .comm import LocalComm, RingComm, check_backend_device, group_rank_world, validated_across_ranks
 from .local import backend_for, backward_inputs, block_backward, block_forward, without_autocast
+from .masks import CAUSAL, FULL, BlockMask, Window
 from .merge import SoftmaxState, state_dtype
 from .relay import GradRelay, default_grad_chunks
 from .schedule import LAYOUTS, check_layout, chunks_per_rank, step_tasks
@@ -26,13 +27,14 @@ from .schedule import LAYOUTS, check_layout, chunks_per_rank, step_tasks
 class RingSpec:
     """What a ring call computes, beside its tensors: the same on every rank.
 
-    causal: q_pos >= k_pos by global positions. scale: softmax scale. layout: how the sequence
-    is sharded (ringflash.schedule.LAYOUTS). grad_chunks: kv-head chunks the dK/dV
-    accumulators travel in (None: relay.default_grad_chunks). grad_accum: dtype of dQ and the
-    travelling dK/dV accumulators (None: the state dtype).
+    window: which keys a query sees, by global positions (masks.Window; causal is
+    Window(None, 0)). scale: softmax scale. layout: how the sequence is sharded
+    (ringflash.schedule.LAYOUTS). grad_chunks: kv-head chunks the dK/dV accumulators travel in
+    (None: relay.default_grad_chunks). grad_accum: dtype of dQ and the travelling dK/dV
+    accumulators (None: the state dtype).
     """
 
-    causal: bool
+    window: Window
     scale: float
     layout: str
     grad_chunks: int | None = None
@@ -64,6 +66,12 @@ def _rows(key_bias, rows):
     return None if key_bias is None else key_bias[:, rows]
 
 
+def _tasks(spec: RingSpec, comm, step, q_len, kv_len):
+    """This rank's block tasks at `step`, each with its BlockMask."""
+    for t in step_tasks(spec.layout, comm.rank, comm.world, step, q_len, kv_len, spec.window):
+        yield t, BlockMask(t.q_start, t.k_start, spec.window if t.masked else FULL)
+
+
 class _RingAttn(torch.autograd.Function):
     @staticmethod
     @without_autocast
@@ -71,19 +79,16 @@ class _RingAttn(torch.autograd.Function):
         """comm: RingComm, LocalComm or ringflash.testing.ReplayComm. key_bias: None or (B, Sk)
         in the state dtype. Returns (out, lse)."""
         k, v = k.contiguous(), v.contiguous()  # they travel whole
-        acc = state_dtype(q.dtype)
         backend = backend_for(q.device)  # kept for the backward: the same arithmetic in both
-        state = SoftmaxState.zeros(q.shape, acc, q.device)
+        state = SoftmaxState.zeros(q.shape, state_dtype(q.dtype), q.device)
         for step, k_blk, v_blk, bias_blk in _ring_kv(comm, k, v, key_bias):
-            for t in step_tasks(spec.layout, comm.rank, comm.world, step, q.shape[1], k.shape[1], spec.causal):
+            for t, mask in _tasks(spec, comm, step, q.shape[1], k.shape[1]):
                 block_forward(
                     q[:, t.q_rows],
                     k_blk[:, t.kv_rows],
                     v_blk[:, t.kv_rows],
                     state.rows(t.q_rows),
-                    q_start=t.q_start,
-                    k_start=t.k_start,
-                    causal=t.causal,
+                    mask,
                     scale=spec.scale,
                     fold=True,
                     key_bias=_rows(bias_blk, t.kv_rows),
@@ -106,49 +111,50 @@ class _RingAttn(torch.autograd.Function):
         do, delta = backward_inputs(out, do, dlse, backend)
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
         relay = GradRelay(comm, k, acc, chunks)
-        Sq, Sk, G = q.shape[1], k.shape[1], q.shape[2] // k.shape[2]
+        G = q.shape[2] // k.shape[2]
         for step, k_blk, v_blk, bias_blk in _ring_kv(comm, k, v, key_bias):
-            tasks = step_tasks(spec.layout, comm.rank, comm.world, step, Sq, Sk, spec.causal)
-            common = lambda t: dict(
-                q_start=t.q_start,
-                k_start=t.k_start,
-                causal=t.causal,
-                scale=spec.scale,
-                accumulate=True,
-                key_bias=_rows(bias_blk, t.kv_rows),
-                backend=backend,
-            )
+            tasks = list(_tasks(spec, comm, step, q.shape[1], k.shape[1]))
             # dQ first: it does not need the incoming dK/dV accumulators, which arrive meanwhile
-            for t in tasks:
+            for t, mask in tasks:
+                r = t.q_rows
                 block_backward(
-                    q[:, t.q_rows],
+                    q[:, r],
                     k_blk[:, t.kv_rows],
                     v_blk[:, t.kv_rows],
-                    m[:, :, t.q_rows],
-                    l[:, :, t.q_rows],
-                    do[:, t.q_rows],
-                    delta[:, :, t.q_rows],
-                    dq[:, t.q_rows],
+                    m[:, :, r],
+                    l[:, :, r],
+                    do[:, r],
+                    delta[:, :, r],
+                    dq[:, r],
                     None,
                     None,
-                    **common(t),
+                    mask,
+                    scale=spec.scale,
+                    accumulate=True,
+                    key_bias=_rows(bias_blk, t.kv_rows),
+                    backend=backend,
                 )
             # dK/dV per kv-head chunk h, with the q heads of its group, as the chunks arrive
             for h, dk, dv in relay.arriving(step):
                 qh = slice(h.start * G, h.stop * G)
-                for t in tasks:
+                for t, mask in tasks:
+                    r = t.q_rows
                     block_backward(
-                        q[:, t.q_rows, qh],
+                        q[:, r, qh],
                         k_blk[:, t.kv_rows, h],
                         v_blk[:, t.kv_rows, h],
-                        m[:, qh, t.q_rows],
-                        l[:, qh, t.q_rows],
-                        do[:, t.q_rows, qh],
-                        delta[:, qh, t.q_rows],
+                        m[:, qh, r],
+                        l[:, qh, r],
+                        do[:, r, qh],
+                        delta[:, qh, r],
                         None,
                         dk[:, t.kv_rows],
                         dv[:, t.kv_rows],
-                        **common(t),
+                        mask,
+                        scale=spec.scale,
+                        accumulate=True,
+                        key_bias=_rows(bias_blk, t.kv_rows),
+                        backend=backend,
                     )
             relay.send(step)
         k_blk = v_blk = bias_blk = None  # the K/V receive buffers go before the outputs are made
@@ -164,7 +170,8 @@ _FIELD_NAMES = (
     "k/v heads",
     "head_dim",
     "dtype",
-    "causal",
+    "window left",
+    "window right",
     "layout",
     "softmax_scale",
     "device type",
@@ -189,7 +196,8 @@ def _signature(q, k, spec: RingSpec, has_mask: bool) -> dict:
         k.shape[2],
         D,
         SUPPORTED_DTYPES.index(q.dtype),
-        int(spec.causal),
+        -1 if spec.window.left is None else spec.window.left,
+        -1 if spec.window.right is None else spec.window.right,
         LAYOUTS.index(spec.layout),
         _float_bits(spec.scale),
         int(q.is_cuda),
@@ -234,7 +242,7 @@ def ring_call_spec(q, k, v, causal, softmax_scale, layout, key_padding_mask, gra
             f"{api}: causal ring attention needs equal q and k/v local lengths, "
             f"got q {tuple(q.shape)} and k {tuple(k.shape)}"
         )
-    return dims, RingSpec(causal, scale, layout, grad_chunks, grad_accum), key_bias
+    return dims, RingSpec(CAUSAL if causal else FULL, scale, layout, grad_chunks, grad_accum), key_bias
 
 
 def ring_flash_attn_func(

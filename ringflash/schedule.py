@@ -2,7 +2,7 @@
 
 Layouts are described by segments: each rank's local sequence is a list of contiguous runs
 of global positions. At ring step s, rank r holds the keys of rank (r - s) mod P; the block
-tasks are every (query segment, key segment) pair some query can see (causal: q_pos >=
+tasks are every (query segment, key segment) pair some query can see (a Window of positions,
 k_pos), with fully visible neighbours coalesced into one kernel call. One ring loop serves
 every layout: layouts differ only in their segments.
 """
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .masks import Visibility, block_visibility
+from .masks import Visibility, Window, block_visibility
 
 LAYOUTS = ("contiguous", "zigzag")
 
@@ -27,7 +27,7 @@ class Segment:
 class BlockTask:
     """Query rows q_rows of the local shard against key rows kv_rows of the held K/V block.
 
-    causal=False: every query sees every key (no mask). causal=True: the mask q_pos >= k_pos
+    masked=False: every query sees every key (no mask). masked=True: the call's window
     applies with q_pos = q_start + i, k_pos = k_start + j.
     """
 
@@ -35,7 +35,7 @@ class BlockTask:
     kv_rows: slice
     q_start: int
     k_start: int
-    causal: bool
+    masked: bool
 
 
 def check_layout(layout: str, api: str) -> None:
@@ -79,7 +79,7 @@ def _coalesce(tasks: list[BlockTask]) -> list[BlockTask]:
         merged = False
         for i, a in enumerate(tasks):
             for j, b in enumerate(tasks):
-                if i == j or a.causal or b.causal:
+                if i == j or a.masked or b.masked:
                     continue
                 if a.q_rows == b.q_rows and a.kv_rows.stop == b.kv_rows.start:
                     new = BlockTask(a.q_rows, slice(a.kv_rows.start, b.kv_rows.stop), 0, 0, False)
@@ -95,14 +95,16 @@ def _coalesce(tasks: list[BlockTask]) -> list[BlockTask]:
     return sorted(tasks, key=lambda t: (t.q_rows.start, t.kv_rows.start))
 
 
-def step_tasks(layout: str, rank: int, world: int, step: int, q_len: int, kv_len: int, causal: bool) -> list[BlockTask]:
+def step_tasks(
+    layout: str, rank: int, world: int, step: int, q_len: int, kv_len: int, window: Window
+) -> list[BlockTask]:
     """Block tasks for `rank` at ring `step`, when it holds the keys of rank (rank - step) % world.
     q_len / kv_len: local lengths of the query and key shards."""
     src = (rank - step) % world
     tasks = []
     for qs in segments(layout, rank, world, q_len):
         for ks in segments(layout, src, world, kv_len):
-            vis = block_visibility(qs.global_start, qs.length, ks.global_start, ks.length, causal)
+            vis = block_visibility(qs.global_start, qs.length, ks.global_start, ks.length, window)
             if vis is Visibility.NONE:
                 continue
             tasks.append(

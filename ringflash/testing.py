@@ -113,13 +113,34 @@ def replay_ring(
 # ----------------------------------------------------------------------------- oracles
 
 
-def naive_attention(q, k, v, *, scale=None, causal=False, q_pos=None, k_pos=None, dtype=None, key_padding_mask=None):
+def _visible(Sq, Sk, causal, window_size, q_pos, k_pos, device):
+    """(Sq, Sk) bool: query i sees key j, flash-attn's rule at positions q_pos / k_pos
+    (default: bottom-right aligned), or None when every pair is visible."""
+    left, right = window_size
+    right = 0 if causal else right
+    if left == -1 and right == -1:
+        return None
+    if q_pos is None:
+        q_pos, k_pos = torch.arange(Sq) + (Sk - Sq), torch.arange(Sk)
+    q_pos, k_pos = q_pos.to(device)[:, None], k_pos.to(device)[None, :]
+    visible = torch.ones(Sq, Sk, dtype=torch.bool, device=device)
+    if left != -1:
+        visible &= k_pos >= q_pos - left
+    if right != -1:
+        visible &= k_pos <= q_pos + right
+    return visible
+
+
+def naive_attention(
+    q, k, v, *, scale=None, causal=False, window_size=(-1, -1), q_pos=None, k_pos=None, dtype=None,
+    key_padding_mask=None,
+):  # fmt: skip
     """Attention computed the obvious way, in `dtype` (default float64), differentiable.
 
-    q (B, Sq, Hq, D), k/v (B, Sk, Hkv, D). Causal masks use global positions q_pos / k_pos
-    (default: bottom-right alignment). key_padding_mask (B, Sk): bool (True = ignored) or
-    float (added to the scores). Returns out (B, Sq, Hq, D) and lse (B, Hq, Sq); a row
-    with no visible key gives 0 and -inf.
+    q (B, Sq, Hq, D), k/v (B, Sk, Hkv, D). causal and window_size as flash-attn's, by global
+    positions q_pos / k_pos (default: bottom-right alignment). key_padding_mask (B, Sk): bool
+    (True = ignored) or float (added to the scores). Returns out (B, Sq, Hq, D) and lse
+    (B, Hq, Sq); a row with no visible key gives 0 and -inf.
     """
     dtype = dtype or torch.float64
     q, k, v = (t.to(dtype) for t in (q, k, v))
@@ -137,11 +158,8 @@ def naive_attention(q, k, v, *, scale=None, causal=False, q_pos=None, k_pos=None
             else m.to(dtype)
         )
         s = s + bias[:, None, None, :]
-    if causal:
-        if q_pos is None:
-            q_pos = torch.arange(Sq) + (Sk - Sq)
-            k_pos = torch.arange(Sk)
-        visible = q_pos.to(s.device)[:, None] >= k_pos.to(s.device)[None, :]
+    visible = _visible(Sq, Sk, causal, window_size, q_pos, k_pos, s.device)
+    if visible is not None:
         s = s.masked_fill(~visible, float("-inf"))
     # rows that see no key: output 0, lse -inf, zero gradients (and no NaN from autograd)
     empty = torch.isneginf(s).all(-1, keepdim=True)
@@ -200,7 +218,7 @@ def plain_errors(q, k, v, do, ref, *, orders=1, seed=0, **kw):
     return errs
 
 
-def flash_plain(q, k, v, do, *, scale=None, causal=False, key_padding_mask=None, dtype=None):
+def flash_plain(q, k, v, do, *, scale=None, causal=False, window_size=(-1, -1), key_padding_mask=None, dtype=None):
     """The flash algorithm written plainly, in `dtype` (default q's): the baseline a flash
     kernel's error is measured against. Forward with the best state a flash kernel keeps (row
     max m and normalizer l in base-2 units, out = exp2(s2 - m) v / l); backward with delta =
@@ -208,8 +226,9 @@ def flash_plain(q, k, v, do, *, scale=None, causal=False, key_padding_mask=None,
     softmax (which cancels against sum(P dP) computed from the same P), dS then inherits the
     rounding of out through delta: that part of dq and dk's error is the algorithm's own.
 
-    q (B, Sq, Hq, D), k/v (B, Sk, Hkv, D), do like q. Causal aligns bottom-right. Returns
-    out, lse, dq, dk, dv (lse natural log; rows that see no key: 0 and -inf).
+    q (B, Sq, Hq, D), k/v (B, Sk, Hkv, D), do like q. causal and window_size as flash-attn's,
+    aligned bottom-right. Returns out, lse, dq, dk, dv (lse natural log; rows that see no key:
+    0 and -inf).
     """
     dtype = dtype or q.dtype
     q, k, v, do = (t.detach().to(dtype) for t in (q, k, v, do))
@@ -224,8 +243,8 @@ def flash_plain(q, k, v, do, *, scale=None, causal=False, key_padding_mask=None,
         m = key_padding_mask
         bias = torch.zeros(m.shape, dtype=dtype).masked_fill(m, float("-inf")) if m.dtype == torch.bool else m.to(dtype)
         s2 = s2 + (bias * log2e)[:, None, None, :]
-    if causal:
-        visible = (torch.arange(Sq) + (Sk - Sq))[:, None] >= torch.arange(Sk)[None, :]
+    visible = _visible(Sq, Sk, causal, window_size, None, None, s2.device)
+    if visible is not None:
         s2 = s2.masked_fill(~visible, float("-inf"))
     m = s2.amax(-1, keepdim=True)
     seen = m > float("-inf")
@@ -249,3 +268,44 @@ def rel_rms(got, want) -> float:
     """Relative RMS error of got against want (both cast to float64)."""
     got, want = got.double(), want.double()
     return ((got - want).pow(2).mean().sqrt() / want.pow(2).mean().sqrt()).item()
+
+
+def documents(cu_seqlens):
+    """[(start, stop)] of each document of cu_seqlens (int tensor or list)."""
+    cu = cu_seqlens.tolist() if isinstance(cu_seqlens, torch.Tensor) else list(cu_seqlens)
+    return list(zip(cu, cu[1:]))
+
+
+def varlen_reference(q, k, v, do, cu_q, cu_k, **kw):
+    """reference() of packed documents, one document at a time (an oracle that shares nothing
+    with the kernels' masks): q (total_q, Hq, D), k/v (total_k, Hkv, D), do like q. Returns
+    out (total_q, Hq, D), lse (Hq, total_q), dq, dk, dv, float64."""
+    parts = []
+    for (qa, qb), (ka, kb) in zip(documents(cu_q), documents(cu_k)):
+        if qb > qa and kb > ka:
+            r = reference(q[None, qa:qb], k[None, ka:kb], v[None, ka:kb], do[None, qa:qb], **kw)
+            parts.append(((qa, qb), (ka, kb), r))
+    out = torch.zeros(q.shape, dtype=torch.float64)
+    lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=torch.float64)
+    dq, dk, dv = (
+        torch.zeros(q.shape, dtype=torch.float64),
+        torch.zeros(k.shape, dtype=torch.float64),
+        torch.zeros(v.shape, dtype=torch.float64),
+    )
+    for (qa, qb), (ka, kb), (o, ls, gq, gk, gv) in parts:
+        out[qa:qb], lse[:, qa:qb], dq[qa:qb], dk[ka:kb], dv[ka:kb] = o[0], ls[0], gq[0], gk[0], gv[0]
+    return out, lse, dq, dk, dv
+
+
+def varlen_plain_errors(q, k, v, do, cu_q, cu_k, ref, **kw):
+    """plain_errors() of packed documents, one document at a time: the largest error of each
+    plain computation over the documents, against `ref` (varlen_reference's tuple)."""
+    out_ref, lse_ref, dq_ref, dk_ref, dv_ref = ref
+    errs = dict.fromkeys(("out", "lse", "dq", "dk", "dv"), 0.0)
+    for (qa, qb), (ka, kb) in zip(documents(cu_q), documents(cu_k)):
+        if qb > qa and kb > ka:
+            r = (out_ref[None, qa:qb], lse_ref[None, :, qa:qb], dq_ref[None, qa:qb], dk_ref[None, ka:kb],
+                 dv_ref[None, ka:kb])  # fmt: skip
+            e = plain_errors(q[None, qa:qb], k[None, ka:kb], v[None, ka:kb], do[None, qa:qb], r, **kw)
+            errs = {n: max(errs[n], e[n]) for n in errs}
+    return errs

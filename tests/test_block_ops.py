@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from ringflash.local import attention_delta, block_backward, block_forward
+from ringflash.masks import CAUSAL, FULL, BlockMask
 from ringflash.merge import SoftmaxState
 
 from oracle import max_err, naive_attention
@@ -35,9 +36,7 @@ def _fold(q, k, v, blocks, order, causal, q_start=0):
             k[:, a:b],
             v[:, a:b],
             state,
-            q_start=q_start,
-            k_start=a,
-            causal=causal,
+            BlockMask(q_start, a, CAUSAL if causal else FULL),
             scale=q.shape[-1] ** -0.5,
             fold=not first,
         )
@@ -83,16 +82,14 @@ def test_global_positions_and_invisible_blocks(backend):
     qs, ks = 1000, 1000  # any global offset
     state = SoftmaxState.empty(torch.full(q.shape, float("nan")))
     # keys entirely after every query: nothing launched, state stays empty
-    assert not block_forward(
-        q, k, v, state, q_start=qs, k_start=ks + 48, causal=True, scale=0.2, fold=False, normalize=True
-    )
+    assert not block_forward(q, k, v, state, BlockMask(qs, ks + 48, CAUSAL), scale=0.2, fold=False, normalize=True)
     assert torch.all(state.o == 0) and torch.all(state.lse() == float("-inf")) and torch.all(state.l == 0)
     # keys entirely before every query: no mask; equals non-causal attention
-    block_forward(q, k, v, state, q_start=qs + 48, k_start=ks, causal=True, scale=0.2, fold=False, normalize=True)
+    block_forward(q, k, v, state, BlockMask(qs + 48, ks, CAUSAL), scale=0.2, fold=False, normalize=True)
     ref, _ = naive_attention(q, k, v, scale=0.2)
     assert max_err(state.o, ref) < 2e-5
     # a diagonal block at an offset equals the local causal block
-    block_forward(q, k, v, state, q_start=qs + 5, k_start=ks, causal=True, scale=0.2, fold=False, normalize=True)
+    block_forward(q, k, v, state, BlockMask(qs + 5, ks, CAUSAL), scale=0.2, fold=False, normalize=True)
     ref, ref_lse = naive_attention(q, k, v, scale=0.2, causal=True, q_pos=torch.arange(48) + 5, k_pos=torch.arange(48))
     assert max_err(state.o, ref) < 2e-5 and max_err(state.lse(), ref_lse) < 2e-5
 
@@ -129,9 +126,7 @@ def test_block_backward_accumulates_to_full_gradient(backend, causal):
             dq[:, qa:qb],
             dk[:, ka:kb],
             dv[:, ka:kb],
-            q_start=qa,
-            k_start=ka,
-            causal=causal,
+            BlockMask(qa, ka, CAUSAL if causal else FULL),
             scale=scale,
             accumulate=True,
         )

@@ -21,17 +21,19 @@ def _inputs(B, Sq, Sk, Hq, Hkv, D, dtype, seed):
     return mk(Sq, Hq), mk(Sk, Hkv), mk(Sk, Hkv)
 
 
-def _check(q, k, v, causal, scale=None, check_grad=True, key_padding_mask=None, seed=0, orders=1):
+def _check(q, k, v, causal, scale=None, check_grad=True, key_padding_mask=None, seed=0, orders=1,
+           window_size=(-1, -1)):  # fmt: skip
     """flash_attn_func's out, lse (and gradients) within tolerance of float64; returns (out, lse).
     orders: summation orders of the plain baseline (oracle.plain_errors)."""
     out, lse = flash_attn_func(
-        q, k, v, causal=causal, softmax_scale=scale, return_lse=True, key_padding_mask=key_padding_mask
-    )
+        q, k, v, causal=causal, softmax_scale=scale, return_lse=True, key_padding_mask=key_padding_mask,
+        window_size=window_size,
+    )  # fmt: skip
     assert out.dtype == q.dtype and out.shape == q.shape
     assert lse.dtype == (torch.float64 if q.dtype == torch.float64 else torch.float32)
     assert lse.shape == (q.shape[0], q.shape[2], q.shape[1])
     do = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed + 1)).to(q.dtype)
-    kw = dict(scale=scale, causal=causal, key_padding_mask=key_padding_mask)
+    kw = dict(scale=scale, causal=causal, key_padding_mask=key_padding_mask, window_size=window_size)
     ref = reference(q, k, v, do, **kw)
     plain = plain_errors(q, k, v, do, ref, orders=orders, seed=seed, **kw)
     assert_within("out", out, ref[0], plain["out"])
@@ -328,3 +330,30 @@ def test_backward_runs_on_the_forwards_backend():
         outside = torch.autograd.grad(out, (q, k, v), do)
         for a, b in zip(inside, outside):
             assert torch.equal(a, b), fn.__name__
+
+
+@BOTH
+@pytest.mark.parametrize(
+    "Sq,Sk,causal,window_size",
+    [(70, 70, True, (5, 0)), (70, 70, False, (9, 4)), (70, 70, False, (0, 0)), (70, 70, True, (1, -1)),
+     (50, 90, True, (17, 0)), (90, 50, False, (3, 11)), (64, 64, False, (-1, 7)), (64, 64, False, (20, -1)),
+     (40, 40, True, (200, 0)), (33, 100, False, (2, 2))],
+)  # fmt: skip
+def test_sliding_windows(backend, Sq, Sk, causal, window_size):
+    """Windows of 0, 1, odd and larger than the sequence, one side open, Sq != Sk (bottom-right
+    aligned), causal and not, GQA; rows that see no key get 0 and -inf."""
+    for dtype in _dtypes(backend)[:2]:
+        q, k, v = _inputs(1, Sq, Sk, 4, 2, 32, dtype, seed=Sq + Sk + window_size[0])
+        out, lse = _check(q, k, v, causal, window_size=window_size)
+        ref, ref_lse = naive_attention(q, k, v, causal=causal, window_size=window_size)
+        empty = torch.isneginf(ref_lse)
+        assert torch.equal(torch.isneginf(lse), empty)
+        assert torch.all(out.transpose(1, 2)[empty] == 0)
+
+
+def test_window_size_errors():
+    q = torch.randn(1, 8, 2, 16)
+    with pytest.raises(ValueError, match="window_size must be a pair of ints >= -1"):
+        flash_attn_func(q, q, q, window_size=(-2, 3))
+    with pytest.raises(ValueError, match="causal=True means window_size's right is 0"):
+        flash_attn_func(q, q, q, causal=True, window_size=(3, 1))

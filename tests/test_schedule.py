@@ -6,6 +6,7 @@ import torch
 
 from ringflash import local_positions, shard
 from ringflash.layout import _place, _split
+from ringflash.masks import CAUSAL
 from ringflash.schedule import global_positions, segments, step_tasks
 
 
@@ -22,13 +23,13 @@ def test_zigzag_schedule_is_balanced_and_complete(world):
             q_glob = global_positions("zigzag", rank, world, L)
             k_glob = global_positions("zigzag", (rank - step) % world, world, L)
             w = 0
-            for t in step_tasks("zigzag", rank, world, step, L, L, True):
+            for t in step_tasks("zigzag", rank, world, step, L, L, CAUSAL):
                 for i in range(t.q_rows.start, t.q_rows.stop):
                     for j in range(t.kv_rows.start, t.kv_rows.stop):
                         qp, kp = q_glob[i], k_glob[j]
-                        if not t.causal:
+                        if not t.masked:
                             assert qp >= kp  # unmasked blocks must be fully visible
-                        if not t.causal or qp >= kp:
+                        if not t.masked or qp >= kp:
                             seen[qp, kp] += 1
                             w += 1
             work.append(w)
@@ -41,10 +42,10 @@ def test_contiguous_schedule_skips_invisible_steps():
     for rank in range(world):
         for step in range(world):
             src = (rank - step) % world
-            tasks = step_tasks("contiguous", rank, world, step, L, L, True)
+            tasks = step_tasks("contiguous", rank, world, step, L, L, CAUSAL)
             assert len(tasks) == (0 if src > rank else 1)
             if tasks:
-                assert tasks[0].causal == (src == rank)
+                assert tasks[0].masked == (src == rank)
 
 
 @pytest.mark.parametrize("layout", ["zigzag", "contiguous"])

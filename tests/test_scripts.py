@@ -40,6 +40,27 @@ def test_bench_blockops_smoke(tmp_path):
     assert len(data["block_ops"]) == 2 and data["replay"][0]["efficiency"] > 0
 
 
+def test_bench_packed_smoke(tmp_path):
+    out = run([sys.executable, "-m", "benchmarks.packed", "--smoke", "--json", str(tmp_path / "p.json")], tmp_path)
+    rows = json.loads((tmp_path / "p.json").read_text())["rows"]
+    assert [r["case"] for r in rows] == ["dense causal", "docs:longtail", "docs:short", "window:32"]
+    assert all(r["ms"] > 0 for r in rows) and "visible-pair TFLOP/s" in out
+
+
+def test_bench_packed_counts_visible_pairs():
+    import torch
+
+    from benchmarks.packed import causal_pairs, document_lengths, window_pairs
+
+    for mix in ("longtail", "short"):
+        lengths = document_lengths(mix, 5000, seed=3)
+        assert sum(lengths) == 5000 and min(lengths) > 0
+    i = torch.arange(300)
+    band = (i[:, None] >= i[None, :]) & (i[:, None] - i[None, :] < 17)
+    assert window_pairs(300, 17) == int(band.sum())
+    assert causal_pairs([3, 1]) == 6 + 1
+
+
 def test_gpu_ring_script_refuses_without_two_gpus(tmp_path):
     import pytest
     import torch

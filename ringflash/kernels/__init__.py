@@ -15,6 +15,7 @@ from ..merge import LOG2E
 from . import configs
 from .backward import _delta_kernel, _dkdv_kernel, _dq_kernel
 from .forward import _fwd_kernel
+from .tiles import MASK_NONE, MASK_ROWS, MASK_WINDOW, UNBOUNDED
 
 
 def _block_d(head_dim: int) -> int:
@@ -71,7 +72,22 @@ def _scale_sign(scale: float) -> int:
     return (scale > 0) - (scale < 0)
 
 
-def forward(q, k, v, state, *, q_start, k_start, causal, scale, fold, normalize, key_bias=None):
+def _mask_args(window, bounds, q):
+    """(MASK, win_left, win_right, LEFT for the key side, LEFT for the query side, (KLO, KHI),
+    (QLO, QHI)) for a block: per-row bounds (packed documents) when given, else a window (None:
+    every key); q stands in for unused pointers."""
+    unbounded = UNBOUNDED.value
+    if bounds is not None:
+        return (MASK_ROWS.value, unbounded, unbounded, True, True, (bounds.k_lo, bounds.k_hi),
+                (bounds.q_lo, bounds.q_hi))
+    if window is None or window.is_full:
+        return MASK_NONE.value, unbounded, unbounded, False, False, (q, q), (q, q)
+    left = unbounded if window.left is None else window.left
+    right = unbounded if window.right is None else window.right
+    return MASK_WINDOW.value, left, right, window.left is not None, window.right is not None, (q, q), (q, q)
+
+
+def forward(q, k, v, state, *, q_start, k_start, window, bounds, scale, fold, normalize, key_bias=None):
     """See ringflash.reference.forward."""
     _check_dtype(q)
     B, Sq, Hq, D = q.shape
@@ -80,16 +96,17 @@ def forward(q, k, v, state, *, q_start, k_start, causal, scale, fold, normalize,
     cfg = configs.forward_config(block_d)
     grid = (triton.cdiv(Sq, cfg.block_m), B * Hq)
     bias, stride_bias_b, has_bias = _bias_args(key_bias, q)
+    mask, left, right, left_k, _, (k_lo, k_hi), _ = _mask_args(window, bounds, q)
     use_tma, (k_arg, v_arg) = _maybe_descriptors(cfg, (k, v), cfg.block_n, block_d)
     with _on_device(q):
         _fwd_kernel[grid](
-            q, k_arg, v_arg, state.o, state.m, state.l, bias,
+            q, k_arg, v_arg, state.o, state.m, state.l, bias, k_lo, k_hi,
             *_bsh(q), *_bsh(k), *_bsh(v), *_bsh(state.o), *_stat_strides(state.m, state.l), stride_bias_b,
-            Hq, Sq, Sk, q_start, k_start, scale * LOG2E,
+            Hq, Sq, Sk, q_start, k_start, left, right, scale * LOG2E,
             GROUP=Hq // Hkv, HEAD_DIM=D, BLOCK_D=block_d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-            CAUSAL=causal, HAS_STATE=fold, NORMALIZE=normalize, HAS_BIAS=has_bias, PRECISION=_precision(q.dtype),
-            TMA=use_tma, WARP_SPECIALIZE=cfg.warp_specialize, SCALE_SIGN=_scale_sign(scale),
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            MASK=mask, LEFT=left_k, HAS_STATE=fold, NORMALIZE=normalize, HAS_BIAS=has_bias,
+            PRECISION=_precision(q.dtype), TMA=use_tma, WARP_SPECIALIZE=cfg.warp_specialize,
+            SCALE_SIGN=_scale_sign(scale), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
 
 
@@ -112,16 +129,18 @@ def combined_stats(m, l):
     return torch.where(l > 0, m + torch.log2(l), torch.full_like(m, float("inf")))
 
 
-def backward(q, k, v, m, l, do, delta, dq, dk, dv, *, q_start, k_start, causal, scale, accumulate, key_bias=None):
+def backward(q, k, v, m, l, do, delta, dq, dk, dv, *, q_start, k_start, window, bounds, scale, accumulate,
+             key_bias=None):
     """See ringflash.reference.backward. m, l and delta: (B, Hq, Sq) views with equal strides."""
     _check_dtype(q)
     B, Sq, Hq, D = q.shape
     Sk, Hkv = k.shape[1], k.shape[2]
     block_d = _block_d(D)
     bias, stride_bias_b, has_bias = _bias_args(key_bias, q)
-    common = dict(GROUP=Hq // Hkv, HEAD_DIM=D, BLOCK_D=block_d, CAUSAL=causal, ACCUMULATE=accumulate,
+    mask, left, right, left_k, left_q, (k_lo, k_hi), (q_lo, q_hi) = _mask_args(window, bounds, q)
+    common = dict(GROUP=Hq // Hkv, HEAD_DIM=D, BLOCK_D=block_d, MASK=mask, ACCUMULATE=accumulate,
                   HAS_BIAS=has_bias, PRECISION=_precision(q.dtype), SCALE_SIGN=_scale_sign(scale))
-    positions = (Sq, Sk, q_start, k_start, scale * LOG2E, scale)
+    positions = (Sq, Sk, q_start, k_start, left, right, scale * LOG2E, scale)
     stat_strides = _stat_strides(m, l, delta)
     with _on_device(q):
         if dk is not None:
@@ -131,19 +150,19 @@ def backward(q, k, v, m, l, do, delta, dq, dk, dv, *, q_start, k_start, causal, 
             assert _stat_strides(m_arg) == stat_strides
             tma, (q_arg, do_arg) = _maybe_descriptors(cfg, (q, do), cfg.block_m, block_d)
             _dkdv_kernel[(triton.cdiv(Sk, cfg.block_n), B * Hkv)](
-                q_arg, k, v, do_arg, m_arg, l_arg, delta, dk, dv, bias,
+                q_arg, k, v, do_arg, m_arg, l_arg, delta, dk, dv, bias, q_lo, q_hi,
                 *_bsh(q), *_bsh(k), *_bsh(v), *_bsh(do), *_bsh(dk), *_bsh(dv),
                 *stat_strides, stride_bias_b, Hkv, *positions,
-                BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, TMA=tma, QK_ORDER=cfg.qk_order, COMBINED_STATS=combined,
-                num_warps=cfg.num_warps, num_stages=cfg.num_stages, **common,
+                BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, LEFT=left_q, TMA=tma, QK_ORDER=cfg.qk_order,
+                COMBINED_STATS=combined, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **common,
             )
         if dq is not None:
             cfg = configs.dq_config(block_d)
             tma, (k_arg, v_arg) = _maybe_descriptors(cfg, (k, v), cfg.block_n, block_d)
             _dq_kernel[(triton.cdiv(Sq, cfg.block_m), B * Hq)](
-                q, k_arg, v_arg, do, m, l, delta, dq, bias,
+                q, k_arg, v_arg, do, m, l, delta, dq, bias, k_lo, k_hi,
                 *_bsh(q), *_bsh(k), *_bsh(v), *_bsh(do), *_bsh(dq),
                 *stat_strides, stride_bias_b, Hq, *positions,
-                BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, TMA=tma,
+                BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, LEFT=left_k, TMA=tma,
                 num_warps=cfg.num_warps, num_stages=cfg.num_stages, **common,
             )

@@ -2,24 +2,29 @@
 
 Every block uses the final row statistics (m, l) of its query rows, so a ring step's gradients
 need no re-merge, and rebuilds each probability as exp2(s2 - m) / l with the forward's own
-arithmetic (base2_scores, exp2_probs). dK/dV programs own a key tile and loop over the GQA group's query heads, dQ
-programs own a query tile: no atomics, so results are bitwise reproducible. With ACCUMULATE
+arithmetic (base2_scores, exp2_shifted). dK/dV programs own a key tile and loop over the
+query blocks that see it (tiles.key_query_bounds, the mirror of the forward's key ranges) for
+each q head of the GQA group; dQ programs own a query tile and loop over its visible key
+blocks as the forward does. No atomics, so results are bitwise reproducible. With ACCUMULATE
 the gradients are added to the caller's (float32) buffers, otherwise written.
 """
+
 import triton
 import triton.language as tl
 
 from .tiles import (
+    MASK_NONE,
     base2_scores,
+    block_ranges,
     exp2_probs,
     exp2_shifted,
+    in_bounds,
     key_bias2,
-    key_range,
+    key_query_bounds,
     load_tile,
     query_program,
-    query_range,
+    row_key_bounds,
     row_stats,
-    visible_keys,
 )
 
 
@@ -56,14 +61,17 @@ def _store_grad(ptrs, grad, mask, ACCUMULATE: tl.constexpr):
 
 @triton.jit
 def _dkdv_q_range(
-    dk, dv, k, v, k_pos, bias2, bias2_t, Q_ptrs, DO_ptrs, M_ptrs, L_ptrs, DELTA_ptrs, stride_qs, stride_dos,
-    offs_m, d_ok, lo, hi, q_start, Sq, qk_scale, Q_desc, DO_desc, b32, h32,
-    MASKED: tl.constexpr, CAUSAL: tl.constexpr, PAD_D: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_D: tl.constexpr, HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr, TMA: tl.constexpr,
-    PRESCALE: tl.constexpr, QK_ORDER: tl.constexpr, COMBINED_STATS: tl.constexpr,
+    dk, dv, k, v, q_lo, q_hi, bias2, bias2_t, Q_ptrs, DO_ptrs, M_ptrs, L_ptrs, DELTA_ptrs, stride_qs, stride_dos,
+    offs_m, d_ok, start, end, Sq, qk_scale, Q_desc, DO_desc, b32, h32,
+    MASKED: tl.constexpr, LEFT: tl.constexpr, PAD_D: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_D: tl.constexpr, PRECISION: tl.constexpr, TMA: tl.constexpr, PRESCALE: tl.constexpr,
+    QK_ORDER: tl.constexpr, COMBINED_STATS: tl.constexpr,
 ):
-    # Q_ptrs / DO_ptrs (pointer path) / M_ptrs / L_ptrs / DELTA_ptrs point at query row `lo` on entry
-    for start_m in range(lo, hi, BLOCK_M):
+    """Add the query blocks [start, end) to the key tile's dK, dV; MASKED: each key is seen only
+    by the query rows [q_lo, q_hi) (tiles.in_bounds; LEFT: some q_lo is above 0).
+    Q_ptrs / DO_ptrs (pointer path) and M_ptrs / L_ptrs / DELTA_ptrs point at query row `start`
+    on entry."""
+    for start_m in range(start, end, BLOCK_M):
         rows = start_m + offs_m
         q = load_tile(Q_ptrs, Q_desc, b32, start_m, h32, rows, Sq, d_ok, MASKED, PAD_D, TMA, BLOCK_M, BLOCK_D)
         do = load_tile(DO_ptrs, DO_desc, b32, start_m, h32, rows, Sq, d_ok, MASKED, PAD_D, TMA, BLOCK_M, BLOCK_D)
@@ -95,11 +103,8 @@ def _dkdv_q_range(
                 p_t = e_t
             else:
                 p_t = e_t * inv_l[None, :]
-        if MASKED:
-            visible = rows[None, :] < Sq
-            if CAUSAL:
-                visible = visible & ((q_start + rows)[None, :] >= k_pos[:, None])
-            p_t = tl.where(visible, p_t, 0.0)
+        if MASKED:  # the same pairs as the forward's row bounds, seen from the keys
+            p_t = tl.where(in_bounds(rows[None, :], q_lo[:, None], q_hi[:, None], LEFT), p_t, 0.0)
         dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=PRECISION)
         dp_t = tl.dot(v, tl.trans(do), input_precision=PRECISION)
         ds_t = p_t * (dp_t - delta[None, :])
@@ -114,9 +119,9 @@ def _dkdv_q_range(
     return dk, dv
 
 
-@triton.jit(do_not_specialize=["Sq", "Sk", "q_start", "k_start"])
+@triton.jit(do_not_specialize=["Sq", "Sk", "q_start", "k_start", "win_left", "win_right"])
 def _dkdv_kernel(
-    Q, K, V, DO, M, L, DELTA, DK, DV, BIAS,
+    Q, K, V, DO, M, L, DELTA, DK, DV, BIAS, QLO, QHI,
     stride_qb, stride_qs, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
@@ -124,20 +129,25 @@ def _dkdv_kernel(
     stride_dkb, stride_dks, stride_dkh,
     stride_dvb, stride_dvs, stride_dvh,
     stride_lb, stride_lh, stride_bias_b,
-    Hkv, Sq, Sk, q_start, k_start, qk_scale, sm_scale,
+    Hkv, Sq, Sk, q_start, k_start, win_left, win_right, qk_scale, sm_scale,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr, ACCUMULATE: tl.constexpr, HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr,
+    MASK: tl.constexpr, LEFT: tl.constexpr, ACCUMULATE: tl.constexpr, HAS_BIAS: tl.constexpr,
+    PRECISION: tl.constexpr,
     TMA: tl.constexpr = False, SCALE_SIGN: tl.constexpr = 1, QK_ORDER: tl.constexpr = False,
     COMBINED_STATS: tl.constexpr = False,
 ):
     """Q and DO are tensors, or (B, Sq, Hq, D) descriptors with blocks [1, BLOCK_M, 1, BLOCK_D]
-    when TMA. M, L, DELTA: (B, Hq, Sq) float32 with equal strides. QK_ORDER: recompute the
-    scores as Q K^T (the forward's operand order) and transpose them, instead of K Q^T.
-    COMBINED_STATS: M holds m + log2(l) per row (L unused) and the probabilities are
-    exp2(s2 - (m + log2 l)), one offset per row and no multiply by 1/l per score; the rounding of
-    m + log2 l (2^-24 |m| relative) then enters every probability: below a 16-bit rounding of
-    them unless |m| > 2^13. SCALE_SIGN: the sign of qk_scale (1, 0 or -1)."""
+    when TMA. M, L, DELTA: (B, Hq, Sq) float32 with equal strides. MASK, win_left, win_right: as
+    the forward's; QLO / QHI (Sk,) int32: the global query bounds [lo, hi) of each key for
+    MASK_ROWS. LEFT here: some key is seen only from a query row after 0
+    (causal, a window's right side, documents). QK_ORDER:
+    recompute the scores as Q K^T (the forward's operand order) and transpose them, instead of
+    K Q^T. COMBINED_STATS: M holds m + log2(l) per row
+    (L unused) and the probabilities are exp2(s2 - (m + log2 l)), one offset per row and no
+    multiply by 1/l per score; the rounding of m + log2 l (2^-24 |m| relative) then enters every
+    probability: below a 16-bit rounding of them unless |m| > 2^13. SCALE_SIGN: the sign of
+    qk_scale (1, 0 or -1)."""
     PRESCALE: tl.constexpr = HAS_BIAS or SCALE_SIGN == 0
     pid_n = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -149,13 +159,13 @@ def _dkdv_kernel(
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d[None, :] < HEAD_DIM
-    tile_mask = (offs_n[:, None] < Sk) & d_ok
+    col_ok = offs_n < Sk
+    tile_mask = col_ok[:, None] & d_ok
     cols64 = offs_n.to(tl.int64)
     k = tl.load(K + b * stride_kb + hk * stride_kh + cols64[:, None] * stride_ks + offs_d[None, :],
                 mask=tile_mask, other=0.0)
     v = tl.load(V + b * stride_vb + hk * stride_vh + cols64[:, None] * stride_vs + offs_d[None, :],
                 mask=tile_mask, other=0.0)
-    k_pos = k_start + offs_n
     # the key tile's bias in base-2 units, as a row (Q K^T order) and as a column (K Q^T); 0.0
     # without one
     bias2 = key_bias2(BIAS + b * stride_bias_b + offs_n, offs_n, Sk, True, HAS_BIAS)
@@ -164,16 +174,13 @@ def _dkdv_kernel(
     else:
         bias2_t = 0.0
 
-    # Query rows that see some key of this tile, and the subrange that sees all of them.
-    lo, full_lo, Sq_full = query_range(pid_n, q_start, k_start, Sq, Sk, CAUSAL, BLOCK_M, BLOCK_N)
-    lo64 = lo.to(tl.int64)
-    full64 = full_lo.to(tl.int64)
-    end64 = Sq_full.to(tl.int64)
-    tail_lo = tl.maximum(full_lo, Sq_full)
+    # the query rows that see each key, and the query blocks: masked [start, full_start),
+    # unmasked [full_start, full_end), masked [full_end, end)
+    q_lo, q_hi = key_query_bounds(offs_n, Sq, Sk, q_start, k_start, win_left, win_right, QLO, QHI, MASK)
+    start, full_start, full_end, end = block_ranges(q_lo, q_hi, col_ok, Sq, BLOCK_M, LEFT)
 
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
-    tail64 = tl.maximum(full64, end64)
     b32 = b.to(tl.int32)
     for g in range(GROUP):
         h = hk * GROUP + g
@@ -182,36 +189,31 @@ def _dkdv_kernel(
         M_ptrs, L_ptrs, DELTA_ptrs = M + stat_offs, L + stat_offs, DELTA + stat_offs
         if TMA:  # rows come from the descriptors; the pointer arguments are unused
             Q_ptrs, DO_ptrs = DELTA_ptrs, DELTA_ptrs
-            Q_lo, DO_lo, Q_full, DO_full, Q_tail, DO_tail = (DELTA_ptrs, DELTA_ptrs, DELTA_ptrs, DELTA_ptrs,
-                                                            DELTA_ptrs, DELTA_ptrs)
         else:
             Q_ptrs = Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qs + offs_d[None, :]
             DO_ptrs = DO + b * stride_dob + h * stride_doh + offs_m[:, None] * stride_dos + offs_d[None, :]
-            Q_lo, DO_lo = Q_ptrs + lo64 * stride_qs, DO_ptrs + lo64 * stride_dos
-            Q_full, DO_full = Q_ptrs + full64 * stride_qs, DO_ptrs + full64 * stride_dos
-            Q_tail, DO_tail = Q_ptrs + tail64 * stride_qs, DO_ptrs + tail64 * stride_dos
-        # diagonal blocks (causal mask)
+        if LEFT:  # masked: the diagonal of a causal block, a window's edge
+            at = start.to(tl.int64)
+            dk, dv = _dkdv_q_range(
+                dk, dv, k, v, q_lo, q_hi, bias2, bias2_t, Q_ptrs + at * stride_qs, DO_ptrs + at * stride_dos,
+                M_ptrs + at, L_ptrs + at, DELTA_ptrs + at, stride_qs, stride_dos,
+                offs_m, d_ok, start, full_start, Sq, qk_scale, Q, DO, b32, h32,
+                MASKED=True, LEFT=LEFT, PAD_D=PAD_D, BLOCK_M=BLOCK_M, BLOCK_D=BLOCK_D,
+                PRECISION=PRECISION, TMA=TMA, PRESCALE=PRESCALE, QK_ORDER=QK_ORDER, COMBINED_STATS=COMBINED_STATS)
+        at = full_start.to(tl.int64)  # query blocks that see every key of the tile: no mask
         dk, dv = _dkdv_q_range(
-            dk, dv, k, v, k_pos, bias2, bias2_t, Q_lo, DO_lo, M_ptrs + lo64, L_ptrs + lo64, DELTA_ptrs + lo64,
-            stride_qs, stride_dos,
-            offs_m, d_ok, lo, full_lo, q_start, Sq, qk_scale, Q, DO, b32, h32,
-            MASKED=True, CAUSAL=CAUSAL, PAD_D=PAD_D, BLOCK_M=BLOCK_M, BLOCK_D=BLOCK_D, HAS_BIAS=HAS_BIAS,
-            PRECISION=PRECISION, TMA=TMA, PRESCALE=PRESCALE, QK_ORDER=QK_ORDER,
-            COMBINED_STATS=COMBINED_STATS)
-        # fully visible blocks
+            dk, dv, k, v, q_lo, q_hi, bias2, bias2_t, Q_ptrs + at * stride_qs, DO_ptrs + at * stride_dos,
+            M_ptrs + at, L_ptrs + at, DELTA_ptrs + at, stride_qs, stride_dos,
+            offs_m, d_ok, full_start, full_end, Sq, qk_scale, Q, DO, b32, h32,
+            MASKED=False, LEFT=LEFT, PAD_D=PAD_D, BLOCK_M=BLOCK_M, BLOCK_D=BLOCK_D,
+            PRECISION=PRECISION, TMA=TMA, PRESCALE=PRESCALE, QK_ORDER=QK_ORDER, COMBINED_STATS=COMBINED_STATS)
+        at = full_end.to(tl.int64)  # masked: a window's other edge, the ragged end of the queries
         dk, dv = _dkdv_q_range(
-            dk, dv, k, v, k_pos, bias2, bias2_t, Q_full, DO_full, M_ptrs + full64, L_ptrs + full64, DELTA_ptrs + full64,
-            stride_qs, stride_dos, offs_m, d_ok, full_lo, Sq_full, q_start, Sq, qk_scale, Q, DO, b32, h32,
-            MASKED=False, CAUSAL=CAUSAL, PAD_D=PAD_D, BLOCK_M=BLOCK_M, BLOCK_D=BLOCK_D, HAS_BIAS=HAS_BIAS,
-            PRECISION=PRECISION, TMA=TMA, PRESCALE=PRESCALE, QK_ORDER=QK_ORDER,
-            COMBINED_STATS=COMBINED_STATS)
-        # ragged tail of the query rows
-        dk, dv = _dkdv_q_range(
-            dk, dv, k, v, k_pos, bias2, bias2_t, Q_tail, DO_tail, M_ptrs + tail64, L_ptrs + tail64, DELTA_ptrs + tail64,
-            stride_qs, stride_dos, offs_m, d_ok, tail_lo, Sq, q_start, Sq, qk_scale, Q, DO, b32, h32,
-            MASKED=True, CAUSAL=CAUSAL, PAD_D=PAD_D, BLOCK_M=BLOCK_M, BLOCK_D=BLOCK_D, HAS_BIAS=HAS_BIAS,
-            PRECISION=PRECISION, TMA=TMA, PRESCALE=PRESCALE, QK_ORDER=QK_ORDER,
-            COMBINED_STATS=COMBINED_STATS)
+            dk, dv, k, v, q_lo, q_hi, bias2, bias2_t, Q_ptrs + at * stride_qs, DO_ptrs + at * stride_dos,
+            M_ptrs + at, L_ptrs + at, DELTA_ptrs + at, stride_qs, stride_dos,
+            offs_m, d_ok, full_end, end, Sq, qk_scale, Q, DO, b32, h32,
+            MASKED=True, LEFT=LEFT, PAD_D=PAD_D, BLOCK_M=BLOCK_M, BLOCK_D=BLOCK_D,
+            PRECISION=PRECISION, TMA=TMA, PRESCALE=PRESCALE, QK_ORDER=QK_ORDER, COMBINED_STATS=COMBINED_STATS)
 
     _store_grad(DK + b * stride_dkb + hk * stride_dkh + cols64[:, None] * stride_dks + offs_d[None, :],
                 dk * sm_scale, tile_mask, ACCUMULATE)
@@ -221,14 +223,15 @@ def _dkdv_kernel(
 
 @triton.jit
 def _dq_k_range(
-    dq, q, do, m, delta, q_pos, K_ptrs, V_ptrs, BIAS_ptrs, stride_ks, stride_vs, offs_n, d_ok,
-    lo, hi, k_start, Sk, qk_scale, K_desc, V_desc, b32, hk32,
-    MASKED: tl.constexpr, CAUSAL: tl.constexpr, PAD_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr, HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr, TMA: tl.constexpr,
-    PRESCALE: tl.constexpr,
+    dq, q, do, m, delta, lo_i, hi_i, K_ptrs, V_ptrs, BIAS_ptrs, stride_ks, stride_vs, offs_n, d_ok,
+    start, end, Sk, qk_scale, K_desc, V_desc, b32, hk32,
+    MASKED: tl.constexpr, LEFT: tl.constexpr, PAD_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr, HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr, TMA: tl.constexpr, PRESCALE: tl.constexpr,
 ):
-    # K_ptrs / V_ptrs (pointer path) / BIAS_ptrs point at key row `lo` on entry
-    for start_n in range(lo, hi, BLOCK_N):
+    """Add the key blocks [start, end) to the query tile's dQ (times l: 1/l is applied at the
+    end); MASKED: each row sees only its keys [lo_i, hi_i) (tiles.in_bounds). K_ptrs / V_ptrs (pointer path) and
+    BIAS_ptrs point at key row `start` on entry."""
+    for start_n in range(start, end, BLOCK_N):
         cols = start_n + offs_n
         k = load_tile(K_ptrs, K_desc, b32, start_n, hk32, cols, Sk, d_ok, MASKED, PAD_D, TMA, BLOCK_N, BLOCK_D)
         v = load_tile(V_ptrs, V_desc, b32, start_n, hk32, cols, Sk, d_ok, MASKED, PAD_D, TMA, BLOCK_N, BLOCK_D)
@@ -237,7 +240,7 @@ def _dq_k_range(
         # exp2(s2 - m): the probabilities times l; dq's 1/l is applied once per row at the end
         p = exp2_shifted(s, scale, m)
         if MASKED:
-            p = tl.where(visible_keys(q_pos, cols, Sk, k_start, CAUSAL), p, 0.0)
+            p = tl.where(in_bounds(cols[None, :], lo_i[:, None], hi_i[:, None], LEFT), p, 0.0)
         dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
         ds = p * (dp - delta[:, None])
         dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=PRECISION)
@@ -248,26 +251,27 @@ def _dq_k_range(
     return dq
 
 
-@triton.jit(do_not_specialize=["Sq", "Sk", "q_start", "k_start"])
+@triton.jit(do_not_specialize=["Sq", "Sk", "q_start", "k_start", "win_left", "win_right"])
 def _dq_kernel(
-    Q, K, V, DO, M, L, DELTA, DQ, BIAS,
+    Q, K, V, DO, M, L, DELTA, DQ, BIAS, KLO, KHI,
     stride_qb, stride_qs, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
     stride_dob, stride_dos, stride_doh,
     stride_dqb, stride_dqs, stride_dqh,
     stride_lb, stride_lh, stride_bias_b,
-    Hq, Sq, Sk, q_start, k_start, qk_scale, sm_scale,
+    Hq, Sq, Sk, q_start, k_start, win_left, win_right, qk_scale, sm_scale,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr, ACCUMULATE: tl.constexpr, HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr,
+    MASK: tl.constexpr, LEFT: tl.constexpr, ACCUMULATE: tl.constexpr, HAS_BIAS: tl.constexpr,
+    PRECISION: tl.constexpr,
     TMA: tl.constexpr = False, SCALE_SIGN: tl.constexpr = 1,
 ):
     """K and V are tensors, or (B, Sk, Hkv, D) descriptors with blocks [1, BLOCK_N, 1, BLOCK_D]
-    when TMA. M, L, DELTA: (B, Hq, Sq) float32 with equal strides. SCALE_SIGN: the sign of
-    qk_scale (1, 0 or -1)."""
+    when TMA. M, L, DELTA: (B, Hq, Sq) float32 with equal strides. MASK, LEFT, win_left,
+    win_right, KLO, KHI: as the forward's. SCALE_SIGN: the sign of qk_scale (1, 0 or -1)."""
     PRESCALE: tl.constexpr = HAS_BIAS or SCALE_SIGN == 0
-    pid_m, b, h, hk = query_program(Hq, GROUP, CAUSAL)
+    pid_m, b, h, hk = query_program(Hq, GROUP, MASK != MASK_NONE)
     PAD_D: tl.constexpr = BLOCK_D != HEAD_DIM
 
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -284,27 +288,31 @@ def _dq_kernel(
     stat_offs = b * stride_lb + h * stride_lh + offs_m
     m, inv_l = row_stats(M + stat_offs, L + stat_offs, offs_m, Sq, True)
     delta = tl.load(DELTA + stat_offs, mask=row_ok, other=0.0)
-    q_pos = q_start + offs_m
 
-    hi, full_end = key_range(pid_m, q_start, k_start, Sq, Sk, CAUSAL, BLOCK_M, BLOCK_N)
+    lo_i, hi_i = row_key_bounds(offs_m, Sq, Sk, q_start, k_start, win_left, win_right, KLO, KHI, MASK)
+    start, full_start, full_end, end = block_ranges(lo_i, hi_i, row_ok, Sk, BLOCK_N, LEFT)
 
-    skip = full_end.to(tl.int64)
     BIAS_ptrs = BIAS + b * stride_bias_b + offs_n
     if TMA:  # rows come from the descriptors; the pointer arguments are unused
-        K_ptrs, V_ptrs, K_rest, V_rest = BIAS_ptrs, BIAS_ptrs, BIAS_ptrs, BIAS_ptrs
+        K_ptrs, V_ptrs = BIAS_ptrs, BIAS_ptrs
     else:
         K_ptrs = K + b * stride_kb + hk * stride_kh + offs_n[:, None] * stride_ks + offs_d[None, :]
         V_ptrs = V + b * stride_vb + hk * stride_vh + offs_n[:, None] * stride_vs + offs_d[None, :]
-        K_rest, V_rest = K_ptrs + skip * stride_ks, V_ptrs + skip * stride_vs
     b32, hk32 = b.to(tl.int32), hk.to(tl.int32)
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    dq = _dq_k_range(dq, q, do, m, delta, q_pos, K_ptrs, V_ptrs, BIAS_ptrs, stride_ks, stride_vs, offs_n,
-                     d_ok, 0, full_end, k_start, Sk, qk_scale, K, V, b32, hk32,
-                     MASKED=False, CAUSAL=CAUSAL, PAD_D=PAD_D, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, HAS_BIAS=HAS_BIAS,
-                     PRECISION=PRECISION, TMA=TMA, PRESCALE=PRESCALE)
-    dq = _dq_k_range(dq, q, do, m, delta, q_pos, K_rest, V_rest, BIAS_ptrs + skip, stride_ks, stride_vs,
-                     offs_n, d_ok, full_end, hi, k_start, Sk, qk_scale, K, V, b32, hk32,
-                     MASKED=True, CAUSAL=CAUSAL, PAD_D=PAD_D, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, HAS_BIAS=HAS_BIAS,
-                     PRECISION=PRECISION, TMA=TMA, PRESCALE=PRESCALE)
+    for part in tl.static_range(3):  # masked, unmasked, masked
+        if part == 0:
+            lo, hi = start, full_start
+        elif part == 1:
+            lo, hi = full_start, full_end
+        else:
+            lo, hi = full_end, end
+        if part != 0 or LEFT:
+            at = lo.to(tl.int64)
+            dq = _dq_k_range(
+                dq, q, do, m, delta, lo_i, hi_i, K_ptrs + at * stride_ks, V_ptrs + at * stride_vs, BIAS_ptrs + at,
+                stride_ks, stride_vs, offs_n, d_ok, lo, hi, Sk, qk_scale, K, V, b32, hk32,
+                MASKED=part != 1, LEFT=LEFT, PAD_D=PAD_D, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D,
+                HAS_BIAS=HAS_BIAS, PRECISION=PRECISION, TMA=TMA, PRESCALE=PRESCALE)
     _store_grad(DQ + b * stride_dqb + h * stride_dqh + rows64[:, None] * stride_dqs + offs_d[None, :],
                 dq * (inv_l * sm_scale)[:, None], tile_mask, ACCUMULATE)

@@ -1,9 +1,13 @@
-"""Triton forward kernel: one query tile against a key range, by global positions.
+"""Triton forward kernel: one query tile against the keys its rows see, by global positions.
 
-Causal masking is q_pos >= k_pos with q_pos = q_start + row and k_pos = k_start + col, so a
-local diagonal block, a fully visible ring block and a bottom-right aligned block are one
-kernel. The softmax state of a row is (acc, m, l) (ringflash.merge): m the row max of the
-base-2 scores, l the sum of exp2(s2 - m), acc the unnormalized weighted sum of values. With
+Each query row sees an interval of the block's keys (tiles.row_key_bounds: a window
+q_pos - left <= k_pos <= q_pos + right with q_pos = q_start + row, k_pos = k_start + col, causal
+being right = 0; or per-row intervals of packed documents), so a local diagonal block, a
+fully visible ring block, a sliding window and packed documents are one kernel: key blocks no
+row of the tile sees are skipped, those every row sees take the unmasked loop.
+
+The softmax state of a row is (acc, m, l) (ringflash.merge): m the row max of the base-2
+scores, l the sum of exp2(s2 - m), acc the unnormalized weighted sum of values. With
 HAS_STATE the tile starts from an incoming float32 state instead of empty, which folds a ring
 step into the running result without a merge pass; NORMALIZE writes acc / l in the output's
 dtype (local attention), otherwise acc itself (a ring step). Softmax runs in base 2 with
@@ -12,30 +16,43 @@ log2(e) folded into the scale.
 import triton
 import triton.language as tl
 
-from .tiles import base2_scores, exp2_shifted, key_bias2, key_range, load_tile, query_program, row_max, visible_keys
+from .tiles import (
+    MASK_NONE,
+    base2_scores,
+    block_ranges,
+    exp2_shifted,
+    in_bounds,
+    key_bias2,
+    load_tile,
+    query_program,
+    row_key_bounds,
+    row_max,
+)
 
 
 @triton.jit
 def _fwd_block_range(
-    acc, l_i, m_i, q, q_pos, K_ptrs, V_ptrs, BIAS_ptrs, stride_ks, stride_vs, offs_n, offs_d,
-    lo, hi, k_start, Sk, qk_scale, K_desc, V_desc, b32, hk32,
-    MASKED: tl.constexpr, CAUSAL: tl.constexpr, PAD_D: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr,
-    TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, PRESCALE: tl.constexpr, NEGATIVE: tl.constexpr,
+    acc, l_i, m_i, q, lo_i, hi_i, K_ptrs, V_ptrs, BIAS_ptrs, stride_ks, stride_vs, offs_n, offs_d,
+    start, end, Sk, qk_scale, K_desc, V_desc, b32, hk32,
+    MASKED: tl.constexpr, LEFT: tl.constexpr, PAD_D: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr, TMA: tl.constexpr,
+    WARP_SPECIALIZE: tl.constexpr, PRESCALE: tl.constexpr, NEGATIVE: tl.constexpr,
 ):
-    # K_ptrs / V_ptrs / BIAS_ptrs point at key row `lo` on entry (pointer path)
+    """Fold key blocks [start, end) into the tile's state (acc, l_i, m_i) of query rows offs_m;
+    MASKED: each row sees only its keys [lo_i, hi_i) (tiles.in_bounds; LEFT: some lo_i is above
+    0). K_ptrs / V_ptrs / BIAS_ptrs point at key row `start` on entry (pointer path)."""
     d_ok = offs_d[None, :] < HEAD_DIM
-    for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
+    for start_n in tl.range(start, end, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
         cols = start_n + offs_n
         k = load_tile(K_ptrs, K_desc, b32, start_n, hk32, cols, Sk, d_ok, MASKED, PAD_D, TMA, BLOCK_N, BLOCK_D)
         bias2 = key_bias2(BIAS_ptrs, cols, Sk, MASKED, HAS_BIAS)
         s, scale = base2_scores(tl.dot(q, tl.trans(k), input_precision=PRECISION), qk_scale, bias2, PRESCALE)
         if MASKED:  # invisible scores become what the row max ignores (+inf for min(s) * scale)
-            visible = visible_keys(q_pos, cols, Sk, k_start, CAUSAL)
+            seen = in_bounds(cols[None, :], lo_i[:, None], hi_i[:, None], LEFT)
             if NEGATIVE:
-                s = tl.where(visible, s, float("inf"))
+                s = tl.where(seen, s, float("inf"))
             else:
-                s = tl.where(visible, s, float("-inf"))
+                s = tl.where(seen, s, float("-inf"))
         m_new = tl.maximum(m_i, row_max(s, scale, NEGATIVE))
         # A row that has seen no key yet keeps m = -inf; pivot on 0 so exp2 gives 0, not NaN.
         m_pivot = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -55,27 +72,30 @@ def _fwd_block_range(
 
 # Sequence lengths and positions are never specialized: a length of 1 must not turn them into
 # compile-time constants (and a new compile per value).
-@triton.jit(do_not_specialize=["Sq", "Sk", "q_start", "k_start"])
+@triton.jit(do_not_specialize=["Sq", "Sk", "q_start", "k_start", "win_left", "win_right"])
 def _fwd_kernel(
-    Q, K, V, O, M, L, BIAS,
+    Q, K, V, O, M, L, BIAS, KLO, KHI,
     stride_qb, stride_qs, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
     stride_ob, stride_os, stride_oh,
     stride_mb, stride_mh, stride_bias_b,
-    Hq, Sq, Sk, q_start, k_start, qk_scale,
+    Hq, Sq, Sk, q_start, k_start, win_left, win_right, qk_scale,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr, HAS_STATE: tl.constexpr, NORMALIZE: tl.constexpr, HAS_BIAS: tl.constexpr,
-    PRECISION: tl.constexpr,
+    MASK: tl.constexpr, LEFT: tl.constexpr, HAS_STATE: tl.constexpr, NORMALIZE: tl.constexpr,
+    HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr,
     TMA: tl.constexpr = False, WARP_SPECIALIZE: tl.constexpr = False, SCALE_SIGN: tl.constexpr = 1,
 ):
     """K and V are tensors, or (B, Sk, Hkv, D) tensor descriptors with blocks
     [1, BLOCK_N, 1, BLOCK_D] when TMA. M and L: (B, Hq, Sq) float32 with equal strides.
-    SCALE_SIGN: the sign of qk_scale (1, 0 or -1)."""
+    MASK (tiles.MASK_*): which keys each query row sees; win_left / win_right for MASK_WINDOW
+    (tiles.UNBOUNDED for an open side), KLO / KHI (Sq,) int32 global key bounds for MASK_ROWS.
+    LEFT: some row's keys start after key 0 (a window's left side, documents), which adds a
+    masked range before the unmasked one. SCALE_SIGN: the sign of qk_scale (1, 0 or -1)."""
     PRESCALE: tl.constexpr = HAS_BIAS or SCALE_SIGN == 0
     NEGATIVE: tl.constexpr = SCALE_SIGN < 0 and not PRESCALE
-    pid_m, b, h, hk = query_program(Hq, GROUP, CAUSAL)
+    pid_m, b, h, hk = query_program(Hq, GROUP, MASK != MASK_NONE)
     PAD_D: tl.constexpr = BLOCK_D != HEAD_DIM
 
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -98,32 +118,42 @@ def _fwd_kernel(
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
-    q_pos = q_start + offs_m
-    hi, full_end = key_range(pid_m, q_start, k_start, Sq, Sk, CAUSAL, BLOCK_M, BLOCK_N)
+    # the keys each row sees, and the key blocks: masked [start, full_start), unmasked
+    # [full_start, full_end), masked [full_end, end)
+    lo_i, hi_i = row_key_bounds(offs_m, Sq, Sk, q_start, k_start, win_left, win_right, KLO, KHI, MASK)
+    start, full_start, full_end, end = block_ranges(lo_i, hi_i, row_ok, Sk, BLOCK_N, LEFT)
 
-    skip = full_end.to(tl.int64)
     BIAS_ptrs = BIAS + b * stride_bias_b + offs_n
-    if TMA:
-        K_ptrs, V_ptrs, K_rest, V_rest = BIAS_ptrs, BIAS_ptrs, BIAS_ptrs, BIAS_ptrs  # unused
+    if TMA:  # rows come from the descriptors; the pointer arguments are unused
+        K_ptrs, V_ptrs = BIAS_ptrs, BIAS_ptrs
     else:
         K_ptrs = K + b * stride_kb + hk * stride_kh + offs_n[:, None] * stride_ks + offs_d[None, :]
         V_ptrs = V + b * stride_vb + hk * stride_vh + offs_n[:, None] * stride_vs + offs_d[None, :]
-        K_rest, V_rest = K_ptrs + skip * stride_ks, V_ptrs + skip * stride_vs
     b32, hk32 = b.to(tl.int32), hk.to(tl.int32)
+    if LEFT:
+        at = start.to(tl.int64)
+        acc, l_i, m_i = _fwd_block_range(
+            acc, l_i, m_i, q, lo_i, hi_i, K_ptrs + at * stride_ks, V_ptrs + at * stride_vs, BIAS_ptrs + at,
+            stride_ks, stride_vs, offs_n, offs_d, start, full_start, Sk, qk_scale, K, V, b32, hk32,
+            MASKED=True, LEFT=LEFT, PAD_D=PAD_D, HEAD_DIM=HEAD_DIM, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D,
+            HAS_BIAS=HAS_BIAS, PRECISION=PRECISION, TMA=TMA, WARP_SPECIALIZE=False, PRESCALE=PRESCALE,
+            NEGATIVE=NEGATIVE)
     # key blocks every row of the tile sees: no mask
+    at = full_start.to(tl.int64)
     acc, l_i, m_i = _fwd_block_range(
-        acc, l_i, m_i, q, q_pos, K_ptrs, V_ptrs, BIAS_ptrs, stride_ks, stride_vs, offs_n, offs_d,
-        0, full_end, k_start, Sk, qk_scale, K, V, b32, hk32,
-        MASKED=False, WARP_SPECIALIZE=WARP_SPECIALIZE, CAUSAL=CAUSAL, PAD_D=PAD_D, HEAD_DIM=HEAD_DIM,
-        BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, HAS_BIAS=HAS_BIAS, PRECISION=PRECISION, TMA=TMA, PRESCALE=PRESCALE,
+        acc, l_i, m_i, q, lo_i, hi_i, K_ptrs + at * stride_ks, V_ptrs + at * stride_vs, BIAS_ptrs + at,
+        stride_ks, stride_vs, offs_n, offs_d, full_start, full_end, Sk, qk_scale, K, V, b32, hk32,
+        MASKED=False, LEFT=LEFT, PAD_D=PAD_D, HEAD_DIM=HEAD_DIM, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D,
+        HAS_BIAS=HAS_BIAS, PRECISION=PRECISION, TMA=TMA, WARP_SPECIALIZE=WARP_SPECIALIZE, PRESCALE=PRESCALE,
         NEGATIVE=NEGATIVE)
-    # the rest: the causal diagonal and the ragged end of the keys
+    # the rest: the causal diagonal, a window's leading edge, the ragged end of the keys
+    at = full_end.to(tl.int64)
     acc, l_i, m_i = _fwd_block_range(
-        acc, l_i, m_i, q, q_pos, K_rest, V_rest, BIAS_ptrs + skip,
-        stride_ks, stride_vs, offs_n, offs_d, full_end, hi, k_start, Sk, qk_scale, K, V, b32, hk32,
-        MASKED=True, WARP_SPECIALIZE=False, CAUSAL=CAUSAL, PAD_D=PAD_D, HEAD_DIM=HEAD_DIM,
-        BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, HAS_BIAS=HAS_BIAS, PRECISION=PRECISION, TMA=TMA, PRESCALE=PRESCALE,
-        NEGATIVE=NEGATIVE)
+        acc, l_i, m_i, q, lo_i, hi_i, K_ptrs + at * stride_ks, V_ptrs + at * stride_vs, BIAS_ptrs + at,
+        stride_ks, stride_vs, offs_n, offs_d, full_end, end, Sk, qk_scale, K, V, b32, hk32,
+        MASKED=True, LEFT=LEFT, PAD_D=PAD_D, HEAD_DIM=HEAD_DIM, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D,
+        HAS_BIAS=HAS_BIAS, PRECISION=PRECISION, TMA=TMA, WARP_SPECIALIZE=False, PRESCALE=PRESCALE,
+            NEGATIVE=NEGATIVE)
 
     if NORMALIZE:
         acc = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]

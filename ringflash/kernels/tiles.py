@@ -83,51 +83,91 @@ def load_tile(ptrs, desc, b, row, h, rows, n_rows, d_ok, MASKED: tl.constexpr, P
         return tl.load(ptrs)
 
 
+# How a block's visible pairs are described (the MASK constexpr of the kernels; ringflash.masks):
+MASK_NONE: tl.constexpr = tl.constexpr(0)  # every query sees every key of the block
+MASK_WINDOW: tl.constexpr = tl.constexpr(1)  # q_pos - left <= k_pos <= q_pos + right (causal: right = 0)
+MASK_ROWS: tl.constexpr = tl.constexpr(2)  # per-row intervals from arrays (packed documents)
+UNBOUNDED: tl.constexpr = tl.constexpr(1 << 30)  # a window side without a bound (positions stay < 2^30)
+
+
 @triton.jit
-def key_range(pid_m, q_start, k_start, Sq, Sk, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr,
-              BLOCK_N: tl.constexpr):
-    """For query tile pid_m: (hi, full_end). Keys [0, hi) are visible to some row of the tile;
-    [0, full_end) are whole BLOCK_N blocks visible to every row (no mask needed); the rest of
-    [full_end, hi) needs the causal and bounds mask."""
-    if CAUSAL:
-        first_q = q_start + pid_m * BLOCK_M
-        last_q = q_start + tl.minimum((pid_m + 1) * BLOCK_M, Sq) - 1
-        hi = tl.minimum(tl.maximum(last_q - k_start + 1, 0), Sk)
-        full_end = tl.minimum(tl.maximum(first_q - k_start + 1, 0), hi)
+def row_key_bounds(rows, Sq, Sk, q_start, k_start, win_left, win_right, KLO, KHI, MASK: tl.constexpr):
+    """(lo, hi): the local key indices [lo, hi) that query rows `rows` (local indices, a vector)
+    see, within [0, Sk); rows >= Sq see none (lo = hi = 0). MASK_WINDOW takes the query's
+    global position q_start + row; MASK_ROWS loads global bounds KLO/KHI[row]."""
+    valid = rows < Sq
+    if MASK == MASK_ROWS:
+        lo = tl.load(KLO + rows, mask=valid, other=0) - k_start
+        hi = tl.load(KHI + rows, mask=valid, other=0) - k_start
+    elif MASK == MASK_WINDOW:
+        q_pos = q_start + rows
+        lo = q_pos - win_left - k_start
+        hi = q_pos + win_right + 1 - k_start
     else:
-        hi = Sk
-        full_end = Sk
-    return hi, (full_end // BLOCK_N) * BLOCK_N
+        lo = rows * 0  # runtime zeros of the rows' type (the branches must agree in type)
+        hi = lo + Sk
+    lo = tl.minimum(tl.maximum(lo, 0), Sk)
+    hi = tl.maximum(tl.minimum(hi, Sk), lo)
+    return tl.where(valid, lo, 0), tl.where(valid, hi, 0)
 
 
 @triton.jit
-def query_range(pid_n, q_start, k_start, Sq, Sk, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr,
-                BLOCK_N: tl.constexpr):
-    """For key tile pid_n, the mirror of key_range: (lo, full_lo, Sq_full). Query rows [lo, Sq)
-    see some key of the tile (lo a multiple of BLOCK_M); whole BLOCK_M blocks in
-    [full_lo, Sq_full) see all of them (no mask); Sq_full ends the whole blocks, and
-    [lo, full_lo) and [Sq_full, Sq) need the causal and bounds mask."""
-    Sq_full = (Sq // BLOCK_M) * BLOCK_M
-    if CAUSAL:
-        first_k = k_start + pid_n * BLOCK_N
-        last_k = k_start + tl.minimum((pid_n + 1) * BLOCK_N, Sk) - 1
-        lo = tl.minimum(tl.maximum(first_k - q_start, 0), Sq)
-        lo = (lo // BLOCK_M) * BLOCK_M
-        full_lo = tl.minimum(tl.maximum(last_k - q_start, 0), Sq)
-        full_lo = tl.minimum(((full_lo + BLOCK_M - 1) // BLOCK_M) * BLOCK_M, Sq_full)
+def key_query_bounds(cols, Sq, Sk, q_start, k_start, win_left, win_right, QLO, QHI, MASK: tl.constexpr):
+    """The mirror of row_key_bounds for key rows `cols`: the local query indices [lo, hi) that
+    see each key, within [0, Sq); keys >= Sk are seen by none."""
+    valid = cols < Sk
+    if MASK == MASK_ROWS:
+        lo = tl.load(QLO + cols, mask=valid, other=0) - q_start
+        hi = tl.load(QHI + cols, mask=valid, other=0) - q_start
+    elif MASK == MASK_WINDOW:
+        k_pos = k_start + cols
+        lo = k_pos - win_right - q_start
+        hi = k_pos + win_left + 1 - q_start
     else:
-        lo = Sq * 0  # a runtime zero of Sq's type, like the causal branch's (Triton unifies the two)
-        full_lo = lo
-    return lo, full_lo, Sq_full
+        lo = cols * 0
+        hi = lo + Sq
+    lo = tl.minimum(tl.maximum(lo, 0), Sq)
+    hi = tl.maximum(tl.minimum(hi, Sq), lo)
+    return tl.where(valid, lo, 0), tl.where(valid, hi, 0)
 
 
 @triton.jit
-def query_program(Hq, GROUP: tl.constexpr, CAUSAL: tl.constexpr):
+def block_ranges(lo, hi, valid, n, BLOCK: tl.constexpr, LEFT: tl.constexpr):
+    """The loop over the other side's blocks of BLOCK rows for a tile whose rows see
+    [lo, hi) of them (vectors; `valid` rows only): (start, full_start, full_end, end). Blocks in
+    [full_start, full_end) are seen whole by every valid row (no mask); [start, full_start) and
+    [full_end, end) need the mask; nothing outside [start, end) is seen. Without LEFT (no row
+    has a lower bound above 0) start = full_start = 0 and the first masked range is empty."""
+    end = tl.max(tl.where(valid, hi, 0), 0)
+    full_lo = tl.max(tl.where(valid, lo, 0), 0)
+    full_hi = tl.min(tl.where(valid, hi, n), 0)
+    if LEFT:
+        start = (tl.min(tl.where(valid, lo, n), 0) // BLOCK) * BLOCK
+    else:
+        start = end * 0
+    full_start = tl.maximum((full_lo + BLOCK - 1) // BLOCK * BLOCK, start)
+    full_end = tl.maximum(full_hi // BLOCK * BLOCK, full_start)
+    return start, full_start, full_end, end
+
+
+@triton.jit
+def in_bounds(idx, lo, hi, LEFT: tl.constexpr):
+    """The mask of a masked block: which indices idx fall in their row's [lo, hi) (broadcastable
+    index tensors; the bounds of row_key_bounds / key_query_bounds, so indices past the other
+    side's length and rows past their own are never in). Without LEFT every lo is 0."""
+    if LEFT:
+        return (idx >= lo) & (idx < hi)
+    else:
+        return idx < hi
+
+
+@triton.jit
+def query_program(Hq, GROUP: tl.constexpr, REVERSE: tl.constexpr):
     """(pid_m, b, h, hk) of a program over (query tiles, batch x q heads): its query tile, batch,
-    q head and kv head (int64). Causal: later query tiles see more keys, so they start first
-    and the tail is short."""
+    q head and kv head (int64). REVERSE (causal and the like): later query tiles see more keys,
+    so they start first and the tail is short."""
     pid_m = tl.program_id(0)
-    if CAUSAL:
+    if REVERSE:
         pid_m = tl.num_programs(0) - 1 - pid_m
     pid_bh = tl.program_id(1)
     b = (pid_bh // Hq).to(tl.int64)
@@ -147,13 +187,3 @@ def key_bias2(BIAS_ptrs, cols, Sk, MASKED: tl.constexpr, HAS_BIAS: tl.constexpr)
         return bias[None, :] * LOG2E
     else:
         return 0.0
-
-
-@triton.jit
-def visible_keys(q_pos, cols, Sk, k_start, CAUSAL: tl.constexpr):
-    """(rows, keys) mask of a key tile at local columns `cols`: inside the keys and, when
-    CAUSAL, at or before each query's global position q_pos."""
-    visible = cols[None, :] < Sk
-    if CAUSAL:
-        visible = visible & (q_pos[:, None] >= (k_start + cols)[None, :])
-    return visible

@@ -1,0 +1,79 @@
+"""The one description of which keys a query sees (ringflash.masks), against brute force."""
+
+import random
+
+import pytest
+import torch
+
+from ringflash.masks import CAUSAL, FULL, Visibility, Window, block_visibility, document_bounds, window_from
+
+
+def _sees(window: Window, qp: int, kp: int) -> bool:
+    return (window.left is None or kp >= qp - window.left) and (window.right is None or kp <= qp + window.right)
+
+
+WINDOWS = [FULL, CAUSAL, Window(0, 0), Window(3, 0), Window(2, 5), Window(None, 4), Window(7, None), Window(0, 2)]
+
+
+@pytest.mark.parametrize("window", WINDOWS, ids=str)
+def test_block_visibility_is_exact(window):
+    rng = random.Random(str(window))
+    for _ in range(300):
+        qs, ks, nq, nk = rng.randint(-5, 30), rng.randint(-5, 30), rng.randint(0, 9), rng.randint(0, 9)
+        pairs = [_sees(window, qs + i, ks + j) for i in range(nq) for j in range(nk)]
+        want = Visibility.NONE if not any(pairs) else Visibility.FULL if all(pairs) else Visibility.PARTIAL
+        assert block_visibility(qs, nq, ks, nk, window) is want, (qs, nq, ks, nk)
+
+
+def _random_cu(rng, n_docs, longest):
+    lengths = [rng.choice([0, 1, rng.randint(0, longest)]) for _ in range(n_docs)]
+    cu = [0]
+    for n in lengths:
+        cu.append(cu[-1] + n)
+    return cu
+
+
+@pytest.mark.parametrize("window", WINDOWS, ids=str)
+def test_document_bounds_match_brute_force(window):
+    """Every query row's [k_lo, k_hi) is exactly the keys of its document it sees (bottom-right
+    aligned per document), every key row's [q_lo, q_hi) exactly the queries that see it."""
+    rng = random.Random(str(window) + "docs")
+    for _ in range(20):
+        n = rng.randint(1, 6)
+        cu_q = _random_cu(rng, n, 9)
+        cu_k = cu_q if rng.random() < 0.5 else _random_cu(rng, n, 9)
+        b = document_bounds(torch.tensor(cu_q), torch.tensor(cu_k), window)
+        sees = torch.zeros(cu_q[-1], cu_k[-1], dtype=torch.bool)
+        for d in range(n):
+            offset = cu_k[d + 1] - cu_q[d + 1]
+            for i in range(cu_q[d], cu_q[d + 1]):
+                for j in range(cu_k[d], cu_k[d + 1]):
+                    sees[i, j] = _sees(window, i + offset, j)
+        for i in range(cu_q[-1]):
+            row = sees[i].nonzero().flatten().tolist()
+            lo, hi = int(b.k_lo[i]), int(b.k_hi[i])
+            assert row == list(range(lo, hi)), (cu_q, cu_k, i, row, lo, hi)
+        for j in range(cu_k[-1]):
+            col = sees[:, j].nonzero().flatten().tolist()
+            assert col == list(range(int(b.q_lo[j]), int(b.q_hi[j]))), (cu_q, cu_k, j)
+        assert all(t.dtype == torch.int32 for t in b)
+
+
+@pytest.mark.parametrize(
+    "causal,window_size,want",
+    [(False, (-1, -1), FULL), (True, (-1, -1), CAUSAL), (True, (5, 0), Window(5, 0)), (True, (5, -1), Window(5, 0)),
+     (False, (0, 3), Window(0, 3)), (False, (-1, 2), Window(None, 2))],
+)  # fmt: skip
+def test_window_from_flash_attn_semantics(causal, window_size, want):
+    assert window_from(causal, window_size, "f") == want
+
+
+@pytest.mark.parametrize("bad", [(1,), (1, 2, 3), (-2, 0), (0.5, 1), "ab", (True, 1), None, 3])
+def test_window_size_must_be_a_pair_of_ints(bad):
+    with pytest.raises(ValueError, match="window_size must be a pair of ints >= -1"):
+        window_from(False, bad, "f")
+
+
+def test_causal_with_a_future_window_is_an_error():
+    with pytest.raises(ValueError, match="causal=True means window_size's right is 0"):
+        window_from(True, (4, 2), "f")
