@@ -101,7 +101,7 @@ def replay_rows(S, world, H, Hkv, D, dtype, device, grad_chunks, grad_accum):
     qf, kf, vf = mk(S, H), mk(S, Hkv), mk(S, Hkv)
     dof = torch.randn_like(qf)
     blocks = [(k.detach(), v.detach())] * world
-    spec = RingSpec(True, D**-0.5, "zigzag", grad_chunks, ACCUM[grad_accum](dtype))
+    spec = RingSpec(CAUSAL, D**-0.5, "zigzag", grad_chunks, ACCUM[grad_accum](dtype))
 
     def replay():
         comm = ReplayComm(0, world, blocks, record=False)
@@ -142,7 +142,7 @@ def memory_rows(S_local, world, H, Hkv, D, dtype, device, grad_chunks, grad_accu
         torch.cuda.synchronize()
         return torch.cuda.max_memory_allocated() - base
 
-    spec = RingSpec(True, D**-0.5, "zigzag", grad_chunks, ACCUM[grad_accum](dtype))
+    spec = RingSpec(CAUSAL, D**-0.5, "zigzag", grad_chunks, ACCUM[grad_accum](dtype))
 
     def ring():
         comm = ReplayComm(0, world, blocks, record=False)

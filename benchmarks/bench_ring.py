@@ -39,6 +39,7 @@ from benchmarks.common import (
 )
 from ringflash import ring_flash_attn_func
 from ringflash.dist_env import close
+from ringflash.masks import CAUSAL, FULL
 from ringflash.ring import RingSpec, _RingAttn
 from ringflash.testing import ReplayComm
 
@@ -76,7 +77,7 @@ def ring_cases(args, S, causal, mode, device, dtype, rank, world):
     out["ring"] = timed_on_ranks(
         step_fn(call, (q, k, v), do, mode), iters=args.iters, warmup=args.warmup, device=device
     )
-    spec = RingSpec(causal, args.head_dim**-0.5, args.layout)
+    spec = RingSpec(CAUSAL if causal else FULL, args.head_dim**-0.5, args.layout)
     blocks = [(k.detach(), v.detach())] * world  # contents do not change the work
 
     def replay():

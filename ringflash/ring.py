@@ -40,6 +40,10 @@ class RingSpec:
     grad_chunks: int | None = None
     grad_accum: torch.dtype | None = None
 
+    def __post_init__(self):
+        if not isinstance(self.window, Window):  # e.g. the causal flag where the window goes
+            raise TypeError(f"RingSpec.window must be a masks.Window, got {self.window!r}")
+
 
 def _ring_kv(comm, k, v, key_bias):
     """The one ring loop: yield (step, k, v, key_bias) blocks, this rank's own first, then each

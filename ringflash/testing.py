@@ -285,13 +285,10 @@ def varlen_reference(q, k, v, do, cu_q, cu_k, **kw):
         if qb > qa and kb > ka:
             r = reference(q[None, qa:qb], k[None, ka:kb], v[None, ka:kb], do[None, qa:qb], **kw)
             parts.append(((qa, qb), (ka, kb), r))
-    out = torch.zeros(q.shape, dtype=torch.float64)
-    lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=torch.float64)
-    dq, dk, dv = (
-        torch.zeros(q.shape, dtype=torch.float64),
-        torch.zeros(k.shape, dtype=torch.float64),
-        torch.zeros(v.shape, dtype=torch.float64),
-    )
+    f64 = dict(dtype=torch.float64, device=q.device)
+    out = torch.zeros(q.shape, **f64)
+    lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), **f64)
+    dq, dk, dv = torch.zeros(q.shape, **f64), torch.zeros(k.shape, **f64), torch.zeros(v.shape, **f64)
     for (qa, qb), (ka, kb), (o, ls, gq, gk, gv) in parts:
         out[qa:qb], lse[:, qa:qb], dq[qa:qb], dk[ka:kb], dv[ka:kb] = o[0], ls[0], gq[0], gk[0], gv[0]
     return out, lse, dq, dk, dv

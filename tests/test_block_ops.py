@@ -133,3 +133,27 @@ def test_block_backward_accumulates_to_full_gradient(backend, causal):
     assert max_err(dq, ref_dq) < 5e-5
     assert max_err(dk, ref_dk) < 5e-5
     assert max_err(dv, ref_dv) < 5e-5
+
+
+@pytest.mark.parametrize("backend", ["triton"], indirect=True)
+def test_block_backward_16bit_on_row_views(backend):
+    """A ring block's statistics are views of the rows of the whole local state; the 16-bit
+    dK/dV pass (one combined offset per row) must read them as it reads contiguous copies."""
+    S, D = 40, 32
+    q, k, v = _qkv(S, D=D, dtype=torch.float16, seed=11)
+    do = torch.randn(q.shape, generator=torch.Generator().manual_seed(12)).to(torch.float16)
+    o, _, state = _fold(q, k, v, [(0, S)], [0], True)
+    delta = attention_delta(o.to(torch.float16), do)
+    qa, qb = 13, 37
+    grads = []
+    for copy in (False, True):
+        stats = [state.m[:, :, qa:qb], state.l[:, :, qa:qb], delta[:, :, qa:qb]]
+        if copy:
+            stats = [t.contiguous() for t in stats]
+        dk, dv = torch.zeros(k.shape), torch.zeros(v.shape)
+        dq = torch.zeros(q[:, qa:qb].shape)
+        block_backward(q[:, qa:qb], k, v, stats[0], stats[1], do[:, qa:qb], stats[2], dq, dk, dv,
+                       BlockMask(qa, 0, CAUSAL), scale=D**-0.5, accumulate=True)  # fmt: skip
+        grads.append((dq, dk, dv))
+    for a, b in zip(*grads):
+        assert torch.isfinite(a).all() and torch.equal(a, b)

@@ -125,8 +125,10 @@ def delta(o, do):
 
 def combined_stats(m, l):
     """m + log2(l) per row, +inf for rows that saw no key: the dK/dV pass's one offset per row
-    for 16-bit inputs (configs.KernelConfig.combined_stats)."""
-    return torch.where(l > 0, m + torch.log2(l), torch.full_like(m, float("inf")))
+    for 16-bit inputs (configs.KernelConfig.combined_stats). Laid out with m's strides (m is
+    often a view of a ring block's rows), as the kernel reads M, L and DELTA at one offset."""
+    out = torch.empty_strided(m.shape, m.stride(), dtype=m.dtype, device=m.device)
+    return out.copy_(torch.where(l > 0, m + torch.log2(l), float("inf")))
 
 
 def backward(q, k, v, m, l, do, delta, dq, dk, dv, *, q_start, k_start, window, bounds, scale, accumulate,
