@@ -26,6 +26,7 @@ import torch.nn.functional as F
 
 import ringflash
 from benchmarks.common import bench_ms, device_name, write_json
+from ringflash.kernels import configs
 
 MIXES = {"longtail": (128, 32768), "short": (64, 2048)}
 
@@ -69,6 +70,19 @@ def step(call, inputs, do, mode):
         torch.autograd.backward(outs, dos)
 
     return run_bwd
+
+
+def parse_variant(text: str) -> dict:
+    """'fwd=128,64,8,3,tma;dq=...' -> {kind: KernelConfig} for configs.override: block_m,
+    block_n, num_warps, num_stages, then flags (tma, combined)."""
+    out = {}
+    for part in text.split(";"):
+        kind, spec = part.split("=")
+        fields = spec.split(",")
+        flags = set(fields[4:])
+        out[kind] = configs.KernelConfig(*map(int, fields[:4]), tma="tma" in flags,
+                                         combined_stats="combined" in flags)  # fmt: skip
+    return out
 
 
 def flex_fns(T, H, device, dtype):
@@ -136,8 +150,11 @@ def measure(args, device, dtype):
                 if flex:
                     mask = document_block_mask(flex[1], cu, total, device)
                     impls["flex"] = step(lambda m=mask: flex[0](*bhsd, block_mask=m), bhsd, do_bhsd, mode)
-                for impl, fn in impls.items():
-                    ms = bench_ms(fn, device)
+                timed = [(impl, fn, None) for impl, fn in impls.items()]
+                timed += [(f"rf[{v}]", impls["ringflash"], v) for v in args.variants]
+                for impl, fn, variant in timed:
+                    with configs.override(**(parse_variant(variant) if variant else {})):
+                        ms = bench_ms(fn, device)
                     rows.append(
                         dict(
                             case=name,
@@ -231,6 +248,13 @@ def main():
     ap.add_argument("--heads", type=int, default=32)
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--variants",
+        nargs="*",
+        default=[],
+        help="extra ringflash rows with other block shapes, e.g. "
+        "'fwd=128,64,8,3,tma;dq=128,64,8,3,tma;dkdv=64,128,8,3,tma,combined'",
+    )
     ap.add_argument("--json", type=Path)
     ap.add_argument("--smoke", action="store_true", help="tiny sizes on the CPU")
     args = ap.parse_args()

@@ -147,3 +147,32 @@ def test_large_scores_16bit(dtype, causal):
     plain = plain_errors(q, k, v, do, ref, causal=causal, scale=1.0)
     for name, x, r in zip(("out", "dq", "dk", "dv"), got, (ref[0], *ref[2:])):
         assert_within(name, x, r, plain[name])
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_gluon_forward_is_used_and_agrees(causal, monkeypatch):
+    """D=128 bf16 dense / causal blocks run on the Gluon forward (configs.GLUON_FWD): its
+    output and lse against float64 within the plain bound, and beside the Triton kernel's
+    (forced by a config override) within the same bound; windows and key padding take the
+    Triton kernel."""
+    from ringflash.kernels import configs, gluon_forward
+
+    calls = []
+    real = gluon_forward.forward
+    monkeypatch.setattr(gluon_forward, "forward", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    g = torch.Generator(device="cuda").manual_seed(21)
+    q, k, v = (torch.randn(2, 1031, H, 128, device="cuda", generator=g, dtype=torch.bfloat16) for H in (4, 2, 2))
+    out, lse = flash_attn_func(q, k, v, causal=causal, return_lse=True)
+    assert calls, "the Gluon forward was not used"
+    with configs.override(fwd=configs.forward_config(128)):
+        out_t, lse_t = flash_attn_func(q, k, v, causal=causal, return_lse=True)
+    ref, ref_lse = naive_attention(q, k, v, causal=causal)
+    plain, plain_lse = naive_attention(q, k, v, causal=causal, dtype=torch.bfloat16)
+    assert_within("out", out, ref, plain)
+    assert_within("out vs triton", out, out_t.double(), plain)
+    assert_within("lse", lse, ref_lse, plain_lse, sum_len=1)
+    assert_within("lse vs triton", lse, lse_t.double(), plain_lse, sum_len=1)
+    calls.clear()
+    flash_attn_func(q, k, v, causal=True, window_size=(100, 0))
+    flash_attn_func(q, k, v, key_padding_mask=torch.zeros(2, 1031, dtype=torch.bool, device="cuda"))
+    assert not calls

@@ -105,6 +105,23 @@ def test_plot_scaling_picks_weak_and_strong_rows(tmp_path):
     assert len(doc.getElementsByTagName("polyline")) == 4 * 3
 
 
+def test_gluon_forward_compiles_for_hopper(tmp_path):
+    """The Gluon forward variants the package uses (configs.GLUON_FWD) compile for sm_90a on
+    this CPU machine: local causal (bf16) and a ring step (fold, float32 state, fp16), within
+    the shared memory, no spills, a wgmma left in flight (wait_group 1)."""
+    from ringflash.kernels.configs import GLUON_FWD
+
+    cases = [f"{v}:{D}:1:bf16:1:0" for D, v in GLUON_FWD.items()] + [
+        f"{v}:{D}:0:fp16:0:1" for D, v in GLUON_FWD.items()
+    ]
+    run([sys.executable, "benchmarks/gluon_report.py", "--jobs", "2", "--json", str(tmp_path / "g.json")]
+        + [a for c in cases for a in ("--case", c)], tmp_path)  # fmt: skip
+    rows = json.loads((tmp_path / "g.json").read_text())
+    assert len(rows) == len(cases)
+    for r in rows:
+        assert not r["problems"] and r["spill_bytes"] == 0 and r["sass_waits"].get("1", 0) > 0, r
+
+
 def test_builtin_shapes_compile_for_hopper(tmp_path):
     """Every built-in kernel shape compiles for sm_90a (on this CPU machine, with the ptxas that
     ships with Triton) within the H200's shared memory and without ptxas serializing the

@@ -11,6 +11,7 @@ import contextlib
 import torch
 import triton
 
+from ..masks import CAUSAL
 from ..merge import LOG2E
 from . import configs
 from .backward import _delta_kernel, _dkdv_kernel, _dq_kernel
@@ -93,7 +94,10 @@ def forward(q, k, v, state, *, q_start, k_start, window, bounds, scale, fold, no
     B, Sq, Hq, D = q.shape
     Sk, Hkv = k.shape[1], k.shape[2]
     block_d = _block_d(D)
-    cfg = configs.forward_config(block_d)
+    if key_bias is None and bounds is None and _gluon_forward(q, k, v, state, q_start, k_start, window, scale, fold,
+                                                              normalize, block_d):
+        return
+    cfg = configs.forward_config(block_d, documents=bounds is not None)
     grid = (triton.cdiv(Sq, cfg.block_m), B * Hq)
     bias, stride_bias_b, has_bias = _bias_args(key_bias, q)
     mask, left, right, left_k, _, (k_lo, k_hi), _ = _mask_args(window, bounds, q)
@@ -108,6 +112,25 @@ def forward(q, k, v, state, *, q_start, k_start, window, bounds, scale, fold, no
             PRECISION=_precision(q.dtype), TMA=use_tma, WARP_SPECIALIZE=cfg.warp_specialize,
             SCALE_SIGN=_scale_sign(scale), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
+
+
+def _gluon_forward(q, k, v, state, q_start, k_start, window, scale, fold, normalize, block_d) -> bool:
+    """Run the block on the Gluon forward where it is faster and takes these inputs (Hopper,
+    16-bit, a dense or causal block: configs.GLUON_FWD); False: the caller runs the Triton one."""
+    variant = configs.gluon_forward_variant(block_d)
+    causal = window == CAUSAL
+    if variant is None or q.shape[-1] != block_d or not q.is_cuda or not (causal or window is None or window.is_full):
+        return False
+    from . import gluon_forward
+
+    try:
+        with _on_device(q):
+            gluon_forward.forward(q, k, v, q_start=q_start, k_start=k_start, causal=causal, scale=scale,
+                                  out_o=state.o, out_m=state.m, out_l=state.l, normalize=normalize, fold=fold,
+                                  config=variant)  # fmt: skip
+    except gluon_forward.Unsupported:  # raised before anything is written
+        return False
+    return True
 
 
 def delta(o, do):

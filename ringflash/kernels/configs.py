@@ -71,6 +71,18 @@ _DQ = {
     256: KernelConfig(64, 32, 8, 2),
 }
 
+# Packed documents (MASK_ROWS): most key tiles are a document's edge or diagonal, and smaller
+# query tiles waste fewer pairs there (one H200, bf16, H=32, D=128: forward 11-26% faster than
+# the 128x128 tiles on documents of 64-2K tokens, equal on long-tailed 128-32K at 64K tokens;
+# benchmarks/results/packed_variants_h200.json). Other head dims: the dense table.
+_FWD_DOCUMENTS = {128: KernelConfig(64, 64, 4, 3, tma=True)}
+
+# The Gluon (warp-specialized) forward's variant per padded head dim on Hopper, where it beats
+# the Triton kernel (ringflash.kernels.gluon_forward; D=128: 1.19x, measured on one H200 with
+# benchmarks/gluon_check.py). Used for dense and causal blocks without a key bias; any other
+# block, head dim or GPU takes the Triton kernel.
+GLUON_FWD = {128: "ws2_s3"}
+
 _OVERRIDES: contextvars.ContextVar[dict | None] = contextvars.ContextVar("ringflash_kernel_configs", default=None)
 
 
@@ -123,8 +135,19 @@ def pick(
     return chosen if chosen is not None else table[max(block_d, 32)]
 
 
-def forward_config(block_d: int) -> KernelConfig:
+def forward_config(block_d: int, documents: bool = False) -> KernelConfig:
+    """The forward's config; documents: a block masked by per-row intervals (packed documents)."""
+    if documents and not INTERPRETING and not _OVERRIDES.get() and block_d not in _FILE_CONFIGS.get("fwd", {}):
+        return _FWD_DOCUMENTS.get(block_d) or pick("fwd", block_d)
     return pick("fwd", block_d)
+
+
+def gluon_forward_variant(block_d: int) -> str | None:
+    """The Gluon forward variant for this head dim, or None: none is tuned for it, a config is
+    forced by override() or the RINGFLASH_KERNEL_CONFIGS file, or the kernels are interpreted."""
+    if INTERPRETING or _OVERRIDES.get() or block_d in _FILE_CONFIGS.get("fwd", {}):
+        return None
+    return GLUON_FWD.get(block_d)
 
 
 def dkdv_config(block_d: int) -> KernelConfig:

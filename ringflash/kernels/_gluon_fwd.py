@@ -1,0 +1,1213 @@
+"""Gluon forward kernels for Hopper (sm_90a): FlashAttention-3-style schedules.
+
+Imported only through ringflash.kernels.gluon_forward, which guards the import: this module
+needs `triton.experimental.gluon` (triton >= 3.6).
+
+Three schedules share the tile set-up, the key-range function, the online-softmax step and the
+epilogue:
+
+- `_fwd_straight`: one partition; QK^T, softmax, PV in order, each matmul waited at once.
+  K/V tiles arrive by TMA into a STAGES-deep ring, prefetched STAGES-1 blocks ahead.
+- `_fwd_overlap`: one partition; QK^T of block j is issued with PV of block j-1 still
+  in flight (warpgroup_mma_wait(1)); the accumulator is rescaled only after the PV wait.
+- `_fwd_ws`: warp-specialized; a one-warp TMA producer partition (few registers) feeds
+  STAGES-deep K and V rings through ready/empty mbarriers; the default partition (two
+  consumer warpgroups at num_warps=8) runs the overlapped schedule.
+
+Tensors: q (B, Sq, Hq, D), k and v (B, Sk, Hkv, D), bf16 or fp16, as 4-D TMA descriptors with
+blocks [1, BLOCK_M or BLOCK_N, 1, D] (rows past the end read as zeros, never the next batch).
+O (B, Sq, Hq, D) any dtype (float32 when HAS_STATE), M and L (B, Hq, Sq) float32, by pointers.
+
+State per query row, softmax in base 2 (qk_scale = scale * log2(e)):
+m = max_j s2_ij, l = sum_j exp2(s2_ij - m), acc = sum_j exp2(s2_ij - m) v_j; an empty row has
+m = -inf, l = 0, acc = 0. NORMALIZE writes O = acc / l (0 for empty rows), else acc.
+HAS_STATE folds this call's keys into the incoming state (acc, m, l) = (O, M, L).
+"""
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+# ----------------------------------------------------------------------------------------------
+# Which keys a query tile visits. The one place to change for other masks (sliding windows,
+# packed documents): everything else asks these two functions.
+
+
+@gluon.jit
+def key_blocks(q_first, q_last, k_start, Sk, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr):
+    """Key blocks visited by a query tile whose valid rows have global positions
+    q_first..q_last (inclusive).
+
+    Returns (lo, n, full_lo, full_hi) in local key indices: the tile visits the n blocks
+    [lo + i * BLOCK_N, lo + (i + 1) * BLOCK_N); a block needs no mask iff it lies inside
+    [full_lo, full_hi) (the keys every row of the tile sees, all < Sk). n == 0: the tile is
+    skipped. Visiting in increasing order; blocks outside [lo, lo + n * BLOCK_N) are never read.
+    """
+    if CAUSAL:
+        # row at position p sees local keys j with k_start + j <= p
+        hi = gl.minimum(gl.maximum(q_last - k_start + 1, 0), Sk)
+        full_hi = gl.minimum(gl.maximum(q_first - k_start + 1, 0), Sk)
+    else:
+        hi = Sk
+        full_hi = Sk
+    lo = 0
+    return lo, (hi - lo + BLOCK_N - 1) // BLOCK_N, lo, full_hi
+
+
+@gluon.jit
+def visible(q_pos, cols, k_start, Sk, CAUSAL: gl.constexpr):
+    """(rows, keys) mask: key at local index cols is inside the keys and, when CAUSAL, at or
+    before the query's global position q_pos."""
+    vis = cols[None, :] < Sk
+    if CAUSAL:
+        vis = vis & (q_pos[:, None] >= (cols + k_start)[None, :])
+    return vis
+
+
+# ----------------------------------------------------------------------------------------------
+# Shared pieces. Reductions and cdiv are written here rather than taken from gl.max / gl.sum /
+# gl.cdiv: those wrap triton.language.standard, whose helpers become interpreter objects when
+# TRITON_INTERPRET=1 is set (as the CPU test suite does), and then fail to compile.
+
+
+@gluon.jit
+def _max_combine(a, b):
+    return gl.maximum(a, b)
+
+
+@gluon.jit
+def _add_combine(a, b):
+    return a + b
+
+
+@gluon.jit
+def _row_max(x):
+    return gl.reduce(x, 1, _max_combine)
+
+
+@gluon.jit
+def _row_sum(x):
+    return gl.reduce(x, 1, _add_combine)
+
+
+@gluon.constexpr_function
+def _mma_layout(num_warps, n):
+    # 16 rows per warp; 8 warps split a 128-row tile into two warpgroups of 64 rows each
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, n, 16])
+
+
+@gluon.jit
+def _tile(Hq, group, Sq, q_start, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr):
+    """(b, h, hk, off_m, q_first, q_last) of this program: batch, q head, kv head, first row
+    of the query tile, global positions of its first and last valid rows. Causal: later query
+    tiles see more keys, so they are launched first."""
+    pid_m = gl.program_id(0)
+    if CAUSAL:
+        pid_m = gl.num_programs(0) - 1 - pid_m
+    pid_bh = gl.program_id(1)
+    b = pid_bh // Hq
+    h = pid_bh % Hq
+    off_m = pid_m * BLOCK_M
+    q_first = q_start + off_m
+    q_last = q_start + gl.minimum(off_m + BLOCK_M, Sq) - 1
+    return b, h, h // group, off_m, q_first, q_last
+
+
+@gluon.jit
+def _softmax_step(
+    s,
+    m_i,
+    l_i,
+    q_pos,
+    start_n,
+    full_lo,
+    full_hi,
+    k_start,
+    Sk,
+    qk_scale,
+    CAUSAL: gl.constexpr,
+    POSITIVE_SCALE: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+):
+    """One key block of the online softmax.
+
+    s: raw scores q.k (BLOCK_M, BLOCK_N) float32 in the wgmma accumulator layout; m_i, l_i,
+    q_pos: (BLOCK_M,) in its row slice. Returns (p, m_new, l_new, alpha) with p float32 and
+    alpha the factor the accumulator must be multiplied by before p @ v is added.
+    """
+    if not POSITIVE_SCALE:
+        # max(s) * scale is the scaled max only for scale > 0: scale first (and mask after)
+        s = s * qk_scale
+    if (start_n < full_lo) | (start_n + BLOCK_N > full_hi):
+        cols = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s.type.layout))
+        s = gl.where(visible(q_pos, cols, k_start, Sk, CAUSAL), s, float("-inf"))
+    if POSITIVE_SCALE:
+        m_new = gl.maximum(m_i, _row_max(s) * qk_scale)
+    else:
+        m_new = gl.maximum(m_i, _row_max(s))
+    # a row that has seen no key keeps m = -inf; pivot on 0 so exp2 gives 0, not NaN
+    m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+    if POSITIVE_SCALE:
+        # an explicit FMA, as the Triton kernels' (tiles.exp2_shifted): the backward rebuilds
+        # these probabilities with the same arithmetic, to the last bit
+        p = gl.exp2(gl.fma(s, qk_scale, -m_use[:, None]))
+    else:
+        p = gl.exp2(s - m_use[:, None])
+    alpha = gl.exp2(m_i - m_use)
+    l_new = l_i * alpha + _row_sum(p)
+    return p, m_new, l_new, alpha
+
+
+@gluon.jit
+def _rows(x, layout: gl.constexpr):
+    # row statistics move between the S and O accumulator layouts; both give a row to the
+    # same threads, so this is free
+    return gl.convert_layout(x, gl.SliceLayout(1, layout), assert_trivial=True)
+
+
+@gluon.jit
+def _empty_state(BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr):
+    """(acc, m_i, l_i) of rows that have seen no key."""
+    acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_layout)
+    m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
+    l_i = gl.zeros([BLOCK_M], gl.float32, gl.SliceLayout(1, s_layout))
+    return acc, m_i, l_i
+
+
+@gluon.jit
+def _write_out(
+    acc,
+    m_i,
+    l_i,
+    O,
+    M,
+    L,
+    b,
+    h,
+    off_m,
+    Sq,
+    stride_ob,
+    stride_os,
+    stride_oh,
+    stride_mb,
+    stride_mh,
+    stride_ms,
+    stride_lb,
+    stride_lh,
+    stride_ls,
+    NORMALIZE: gl.constexpr,
+    HAS_STATE: gl.constexpr,
+    BLOCK_M: gl.constexpr,
+    HEAD_DIM: gl.constexpr,
+    s_layout: gl.constexpr,
+    o_layout: gl.constexpr,
+):
+    """Store O (acc / l, or acc), M and L for the tile's valid rows.
+
+    HAS_STATE: (acc, m_i, l_i) covers this call's keys only; the incoming state in (O, M, L)
+    is merged in here, which is the online softmax continued from it (up to rounding).
+    Merging at the end rather than starting the loop from the state keeps nothing of it live
+    across the key loop, where the consumer warps have no registers to spare.
+    """
+    rows = off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
+    ok = rows < Sq
+    m_ptrs = M + b.to(gl.int64) * stride_mb + h * stride_mh + rows * stride_ms
+    l_ptrs = L + b.to(gl.int64) * stride_lb + h * stride_lh + rows * stride_ls
+    rows_o = off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, o_layout))
+    cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+    o_ptrs = (
+        O
+        + b.to(gl.int64) * stride_ob
+        + h.to(gl.int64) * stride_oh
+        + rows_o.to(gl.int64)[:, None] * stride_os
+        + cols[None, :]
+    )
+    o_mask = (rows_o < Sq)[:, None]
+    if HAS_STATE:
+        m_in = gl.load(m_ptrs, mask=ok, other=float("-inf"))
+        l_in = gl.load(l_ptrs, mask=ok, other=0.0)
+        m_new = gl.maximum(m_i, m_in)
+        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+        a_in = gl.exp2(m_in - m_use)  # 0 for a row empty on that side
+        a_new = gl.exp2(m_i - m_use)
+        l_i = l_in * a_in + l_i * a_new
+        m_i = m_new
+        b_in = _rows(a_in, o_layout)[:, None]
+        acc = acc * _rows(a_new, o_layout)[:, None]
+        # an empty incoming row adds nothing, whatever its O holds
+        acc = acc + gl.where(b_in == 0.0, 0.0, b_in * gl.load(o_ptrs, mask=o_mask, other=0.0))
+    if NORMALIZE:
+        l_o = _rows(l_i, o_layout)
+        acc = acc / gl.where(l_o == 0.0, 1.0, l_o)[:, None]  # empty rows: acc is 0
+    gl.store(o_ptrs, acc.to(O.dtype.element_ty), mask=o_mask)
+    gl.store(m_ptrs, m_i, mask=ok)
+    gl.store(l_ptrs, l_i, mask=ok)
+
+
+@gluon.jit
+def _load_q(q_desc, q_smem, bar, b, h, off_m):
+    mbarrier.expect(bar, q_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(q_desc, [b, off_m, h, 0], bar, q_smem)
+
+
+@gluon.jit
+def _load_kv(desc, bufs, bars, i, b, hk, lo, STAGES: gl.constexpr, BLOCK_N: gl.constexpr):
+    """TMA of key block i (rows lo + i * BLOCK_N ..) into stage i % STAGES of a ring."""
+    st = i % STAGES
+    bar = bars.index(st)
+    mbarrier.expect(bar, desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(desc, [b, lo + i * BLOCK_N, hk, 0], bar, bufs.index(st))
+
+
+@gluon.jit
+def _wait_stage(bars, i, STAGES: gl.constexpr):
+    # the i-th use of a ring: stage i % STAGES, parity of its (i // STAGES)-th completion
+    mbarrier.wait(bars.index(i % STAGES), (i // STAGES) & 1)
+
+
+@gluon.jit
+def _alloc_ring(desc, STAGES: gl.constexpr):
+    return gl.allocate_shared_memory(desc.dtype, [STAGES] + desc.block_type.shape, desc.layout)
+
+
+@gluon.jit
+def _alloc_bars(N: gl.constexpr, COUNT: gl.constexpr = 1):
+    # COUNT arrivals complete a phase (a TMA's expect counts as one)
+    bars = gl.allocate_shared_memory(gl.int64, [N, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(N):
+        mbarrier.init(bars.index(i), count=COUNT)
+    return bars
+
+
+@gluon.jit
+def _kv_tile(bufs, i, STAGES: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr):
+    # the 4-D TMA block [1, BLOCK_N, 1, D] of stage i % STAGES seen as the 2-D matrix wgmma reads
+    return bufs.index(i % STAGES).reshape([BLOCK_N, HEAD_DIM])
+
+
+@gluon.jit
+def _p_operand(p, dtype: gl.constexpr, o_layout: gl.constexpr):
+    # P stays in registers as wgmma's A operand (the accumulator's layout already matches)
+    return gl.convert_layout(p.to(dtype), gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2))
+
+
+# ----------------------------------------------------------------------------------------------
+# Straight: one partition, every matmul waited at once.
+
+
+@gluon.jit(do_not_specialize=["group", "Sq", "Sk", "q_start", "k_start"])
+def _fwd_straight(
+    q_desc,
+    k_desc,
+    v_desc,
+    O,
+    M,
+    L,
+    stride_ob,
+    stride_os,
+    stride_oh,
+    stride_mb,
+    stride_mh,
+    stride_ms,
+    stride_lb,
+    stride_lh,
+    stride_ls,
+    Hq,
+    group,
+    Sq,
+    Sk,
+    q_start,
+    k_start,
+    qk_scale,
+    HEAD_DIM: gl.constexpr,
+    BLOCK_M: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+    STAGES: gl.constexpr,
+    CAUSAL: gl.constexpr,
+    NORMALIZE: gl.constexpr,
+    HAS_STATE: gl.constexpr,
+    POSITIVE_SCALE: gl.constexpr,
+    num_warps: gl.constexpr,
+):
+    dtype: gl.constexpr = q_desc.dtype
+    s_layout: gl.constexpr = _mma_layout(num_warps, BLOCK_N)
+    o_layout: gl.constexpr = _mma_layout(num_warps, HEAD_DIM)
+
+    b, h, hk, off_m, q_first, q_last = _tile(Hq, group, Sq, q_start, CAUSAL, BLOCK_M)
+    lo, n, full_lo, full_hi = key_blocks(q_first, q_last, k_start, Sk, CAUSAL, BLOCK_N)
+
+    q_smem = gl.allocate_shared_memory(dtype, q_desc.block_type.shape, q_desc.layout)
+    k_bufs = _alloc_ring(k_desc, STAGES)
+    v_bufs = _alloc_ring(v_desc, STAGES)
+    q_bar = _alloc_bars(1)
+    k_ready = _alloc_bars(STAGES)
+    v_ready = _alloc_bars(STAGES)
+    fence_async_shared()
+
+    acc, m_i, l_i = _empty_state(BLOCK_M, HEAD_DIM, s_layout, o_layout)
+    if n > 0:
+        _load_q(q_desc, q_smem, q_bar.index(0), b, h, off_m)
+        for i in gl.static_range(STAGES - 1):
+            if i < n:
+                _load_kv(k_desc, k_bufs, k_ready, i, b, hk, lo, STAGES, BLOCK_N)
+                _load_kv(v_desc, v_bufs, v_ready, i, b, hk, lo, STAGES, BLOCK_N)
+        q_pos = q_start + off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
+        q2 = q_smem.reshape([BLOCK_M, HEAD_DIM])
+        s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
+        mbarrier.wait(q_bar.index(0), 0)
+        for j in range(n):
+            # every warp is done with block j-1 (its matmuls were waited), so its stage can be
+            # refilled with block j + STAGES - 1
+            gl.thread_barrier()
+            nxt = j + STAGES - 1
+            if nxt < n:
+                _load_kv(k_desc, k_bufs, k_ready, nxt, b, hk, lo, STAGES, BLOCK_N)
+                _load_kv(v_desc, v_bufs, v_ready, nxt, b, hk, lo, STAGES, BLOCK_N)
+            _wait_stage(k_ready, j, STAGES)
+            k_t = _kv_tile(k_bufs, j, STAGES, BLOCK_N, HEAD_DIM).permute((1, 0))
+            s = warpgroup_mma(q2, k_t, s_zero, use_acc=False)
+            p, m_i, l_i, alpha = _softmax_step(
+                s,
+                m_i,
+                l_i,
+                q_pos,
+                lo + j * BLOCK_N,
+                full_lo,
+                full_hi,
+                k_start,
+                Sk,
+                qk_scale,
+                CAUSAL,
+                POSITIVE_SCALE,
+                BLOCK_N,
+            )
+            acc = acc * _rows(alpha, o_layout)[:, None]
+            _wait_stage(v_ready, j, STAGES)
+            acc = warpgroup_mma(_p_operand(p, dtype, o_layout), _kv_tile(v_bufs, j, STAGES, BLOCK_N, HEAD_DIM), acc)
+    _write_out(
+        acc,
+        m_i,
+        l_i,
+        O,
+        M,
+        L,
+        b,
+        h,
+        off_m,
+        Sq,
+        stride_ob,
+        stride_os,
+        stride_oh,
+        stride_mb,
+        stride_mh,
+        stride_ms,
+        stride_lb,
+        stride_lh,
+        stride_ls,
+        NORMALIZE,
+        HAS_STATE,
+        BLOCK_M,
+        HEAD_DIM,
+        s_layout,
+        o_layout,
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# Overlapped: QK^T(j) and PV(j-1) in flight together.
+
+
+@gluon.jit
+def _overlap_loop(
+    q2,
+    k_bufs,
+    v_bufs,
+    k_ready,
+    v_ready,
+    k_empty,
+    v_empty,
+    k_desc,
+    v_desc,
+    acc,
+    m_i,
+    l_i,
+    q_pos,
+    b,
+    hk,
+    lo,
+    n,
+    full_lo,
+    full_hi,
+    k_start,
+    Sk,
+    qk_scale,
+    PRODUCER: gl.constexpr,
+    STAGES: gl.constexpr,
+    CAUSAL: gl.constexpr,
+    POSITIVE_SCALE: gl.constexpr,
+    BLOCK_M: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+    HEAD_DIM: gl.constexpr,
+    s_layout: gl.constexpr,
+    o_layout: gl.constexpr,
+):
+    """The overlapped key loop over n >= 1 blocks; returns (acc, m_i, l_i).
+
+    PRODUCER: a producer partition fills the rings; this loop releases stages through the
+    empty barriers. Otherwise the loop issues its own loads (the rings must have been filled
+    with blocks 0..STAGES-1) and guards stage reuse with a barrier of all its warps.
+    """
+    dtype: gl.constexpr = q2.dtype
+    s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
+
+    # block 0: scores only
+    _wait_stage(k_ready, 0, STAGES)
+    s_tok = warpgroup_mma(
+        q2, _kv_tile(k_bufs, 0, STAGES, BLOCK_N, HEAD_DIM).permute((1, 0)), s_zero, use_acc=False, is_async=True
+    )
+    s = warpgroup_mma_wait(0, deps=(s_tok,))
+    if PRODUCER:
+        mbarrier.arrive(k_empty.index(0))
+    p, m_i, l_i, alpha = _softmax_step(
+        s, m_i, l_i, q_pos, lo, full_lo, full_hi, k_start, Sk, qk_scale, CAUSAL, POSITIVE_SCALE, BLOCK_N
+    )
+    acc = acc * _rows(alpha, o_layout)[:, None]
+    for j in range(1, n):
+        if not PRODUCER:
+            # all warps are past QK^T(j-1) and PV(j-2): refill K stage (j-1) and V stage (j-2)
+            gl.thread_barrier()
+            if j - 1 + STAGES < n:
+                _load_kv(k_desc, k_bufs, k_ready, j - 1 + STAGES, b, hk, lo, STAGES, BLOCK_N)
+            if (j >= 2) & (j - 2 + STAGES < n):
+                _load_kv(v_desc, v_bufs, v_ready, j - 2 + STAGES, b, hk, lo, STAGES, BLOCK_N)
+        _wait_stage(k_ready, j, STAGES)
+        s_tok = warpgroup_mma(
+            q2, _kv_tile(k_bufs, j, STAGES, BLOCK_N, HEAD_DIM).permute((1, 0)), s_zero, use_acc=False, is_async=True
+        )
+        _wait_stage(v_ready, j - 1, STAGES)
+        p_op = _p_operand(p, dtype, o_layout)
+        acc_tok = warpgroup_mma(p_op, _kv_tile(v_bufs, j - 1, STAGES, BLOCK_N, HEAD_DIM), acc, is_async=True)
+        # groups complete in order: with one left in flight, QK^T(j) is done, PV(j-1) may not be
+        s = warpgroup_mma_wait(1, deps=(s_tok,))
+        if PRODUCER:
+            mbarrier.arrive(k_empty.index(j % STAGES))
+        p, m_i, l_i, alpha = _softmax_step(
+            s,
+            m_i,
+            l_i,
+            q_pos,
+            lo + j * BLOCK_N,
+            full_lo,
+            full_hi,
+            k_start,
+            Sk,
+            qk_scale,
+            CAUSAL,
+            POSITIVE_SCALE,
+            BLOCK_N,
+        )
+        acc, p_op = warpgroup_mma_wait(0, deps=(acc_tok, p_op))
+        if PRODUCER:
+            mbarrier.arrive(v_empty.index((j - 1) % STAGES))
+        # rescale only once PV(j-1) has landed in acc
+        acc = acc * _rows(alpha, o_layout)[:, None]
+    _wait_stage(v_ready, n - 1, STAGES)
+    acc = warpgroup_mma(_p_operand(p, dtype, o_layout), _kv_tile(v_bufs, n - 1, STAGES, BLOCK_N, HEAD_DIM), acc)
+    return acc, m_i, l_i
+
+
+@gluon.jit(do_not_specialize=["group", "Sq", "Sk", "q_start", "k_start"])
+def _fwd_overlap(
+    q_desc,
+    k_desc,
+    v_desc,
+    O,
+    M,
+    L,
+    stride_ob,
+    stride_os,
+    stride_oh,
+    stride_mb,
+    stride_mh,
+    stride_ms,
+    stride_lb,
+    stride_lh,
+    stride_ls,
+    Hq,
+    group,
+    Sq,
+    Sk,
+    q_start,
+    k_start,
+    qk_scale,
+    HEAD_DIM: gl.constexpr,
+    BLOCK_M: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+    STAGES: gl.constexpr,
+    CAUSAL: gl.constexpr,
+    NORMALIZE: gl.constexpr,
+    HAS_STATE: gl.constexpr,
+    POSITIVE_SCALE: gl.constexpr,
+    num_warps: gl.constexpr,
+):
+    dtype: gl.constexpr = q_desc.dtype
+    s_layout: gl.constexpr = _mma_layout(num_warps, BLOCK_N)
+    o_layout: gl.constexpr = _mma_layout(num_warps, HEAD_DIM)
+
+    b, h, hk, off_m, q_first, q_last = _tile(Hq, group, Sq, q_start, CAUSAL, BLOCK_M)
+    lo, n, full_lo, full_hi = key_blocks(q_first, q_last, k_start, Sk, CAUSAL, BLOCK_N)
+
+    q_smem = gl.allocate_shared_memory(dtype, q_desc.block_type.shape, q_desc.layout)
+    k_bufs = _alloc_ring(k_desc, STAGES)
+    v_bufs = _alloc_ring(v_desc, STAGES)
+    q_bar = _alloc_bars(1)
+    k_ready = _alloc_bars(STAGES)
+    v_ready = _alloc_bars(STAGES)
+    fence_async_shared()
+
+    acc, m_i, l_i = _empty_state(BLOCK_M, HEAD_DIM, s_layout, o_layout)
+    if n > 0:
+        _load_q(q_desc, q_smem, q_bar.index(0), b, h, off_m)
+        for i in gl.static_range(STAGES):
+            if i < n:
+                _load_kv(k_desc, k_bufs, k_ready, i, b, hk, lo, STAGES, BLOCK_N)
+                _load_kv(v_desc, v_bufs, v_ready, i, b, hk, lo, STAGES, BLOCK_N)
+        q_pos = q_start + off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
+        mbarrier.wait(q_bar.index(0), 0)
+        acc, m_i, l_i = _overlap_loop(
+            q_smem.reshape([BLOCK_M, HEAD_DIM]),
+            k_bufs,
+            v_bufs,
+            k_ready,
+            v_ready,
+            k_ready,
+            v_ready,
+            k_desc,
+            v_desc,
+            acc,
+            m_i,
+            l_i,
+            q_pos,
+            b,
+            hk,
+            lo,
+            n,
+            full_lo,
+            full_hi,
+            k_start,
+            Sk,
+            qk_scale,
+            False,
+            STAGES,
+            CAUSAL,
+            POSITIVE_SCALE,
+            BLOCK_M,
+            BLOCK_N,
+            HEAD_DIM,
+            s_layout,
+            o_layout,
+        )
+    _write_out(
+        acc,
+        m_i,
+        l_i,
+        O,
+        M,
+        L,
+        b,
+        h,
+        off_m,
+        Sq,
+        stride_ob,
+        stride_os,
+        stride_oh,
+        stride_mb,
+        stride_mh,
+        stride_ms,
+        stride_lb,
+        stride_lh,
+        stride_ls,
+        NORMALIZE,
+        HAS_STATE,
+        BLOCK_M,
+        HEAD_DIM,
+        s_layout,
+        o_layout,
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# Warp-specialized: a TMA producer warp and the consumer warpgroups.
+
+
+@gluon.jit
+def _ws_producer(
+    q_desc,
+    k_desc,
+    v_desc,
+    q_smem,
+    k_bufs,
+    v_bufs,
+    q_bar,
+    k_ready,
+    v_ready,
+    k_empty,
+    v_empty,
+    Hq,
+    group,
+    Sq,
+    Sk,
+    q_start,
+    k_start,
+    BLOCK_M: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+    STAGES: gl.constexpr,
+    CAUSAL: gl.constexpr,
+    Q_PARTS: gl.constexpr,
+):
+    b, h, hk, off_m, q_first, q_last = _tile(Hq, group, Sq, q_start, CAUSAL, BLOCK_M)
+    lo, n, full_lo, full_hi = key_blocks(q_first, q_last, k_start, Sk, CAUSAL, BLOCK_N)
+    if n > 0:
+        if Q_PARTS == 1:
+            _load_q(q_desc, q_smem, q_bar.index(0), b, h, off_m)
+        else:  # one Q buffer per consumer warpgroup, both on one barrier
+            q_rows: gl.constexpr = BLOCK_M // Q_PARTS
+            mbarrier.expect(q_bar.index(0), Q_PARTS * q_desc.block_type.nbytes)
+            for part in gl.static_range(Q_PARTS):
+                tma.async_copy_global_to_shared(
+                    q_desc, [b, off_m + part * q_rows, h, 0], q_bar.index(0), q_smem.index(part)
+                )
+    for i in range(n):
+        # a fresh barrier counts as having completed the phase before 0, so the first
+        # STAGES waits (parity 1) pass at once
+        mbarrier.wait(k_empty.index(i % STAGES), ((i // STAGES) & 1) ^ 1)
+        _load_kv(k_desc, k_bufs, k_ready, i, b, hk, lo, STAGES, BLOCK_N)
+        mbarrier.wait(v_empty.index(i % STAGES), ((i // STAGES) & 1) ^ 1)
+        _load_kv(v_desc, v_bufs, v_ready, i, b, hk, lo, STAGES, BLOCK_N)
+
+
+@gluon.jit
+def _ws_consumer(
+    q_smem,
+    k_bufs,
+    v_bufs,
+    q_bar,
+    k_ready,
+    v_ready,
+    k_empty,
+    v_empty,
+    k_desc,
+    v_desc,
+    O,
+    M,
+    L,
+    stride_ob,
+    stride_os,
+    stride_oh,
+    stride_mb,
+    stride_mh,
+    stride_ms,
+    stride_lb,
+    stride_lh,
+    stride_ls,
+    Hq,
+    group,
+    Sq,
+    Sk,
+    q_start,
+    k_start,
+    qk_scale,
+    HEAD_DIM: gl.constexpr,
+    BLOCK_M: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+    STAGES: gl.constexpr,
+    CAUSAL: gl.constexpr,
+    NORMALIZE: gl.constexpr,
+    HAS_STATE: gl.constexpr,
+    POSITIVE_SCALE: gl.constexpr,
+    num_warps: gl.constexpr,
+):
+    s_layout: gl.constexpr = _mma_layout(num_warps, BLOCK_N)
+    o_layout: gl.constexpr = _mma_layout(num_warps, HEAD_DIM)
+    b, h, hk, off_m, q_first, q_last = _tile(Hq, group, Sq, q_start, CAUSAL, BLOCK_M)
+    lo, n, full_lo, full_hi = key_blocks(q_first, q_last, k_start, Sk, CAUSAL, BLOCK_N)
+    acc, m_i, l_i = _empty_state(BLOCK_M, HEAD_DIM, s_layout, o_layout)
+    if n > 0:
+        q_pos = q_start + off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
+        mbarrier.wait(q_bar.index(0), 0)
+        acc, m_i, l_i = _overlap_loop(
+            q_smem.reshape([BLOCK_M, HEAD_DIM]),
+            k_bufs,
+            v_bufs,
+            k_ready,
+            v_ready,
+            k_empty,
+            v_empty,
+            k_desc,
+            v_desc,
+            acc,
+            m_i,
+            l_i,
+            q_pos,
+            b,
+            hk,
+            lo,
+            n,
+            full_lo,
+            full_hi,
+            k_start,
+            Sk,
+            qk_scale,
+            True,
+            STAGES,
+            CAUSAL,
+            POSITIVE_SCALE,
+            BLOCK_M,
+            BLOCK_N,
+            HEAD_DIM,
+            s_layout,
+            o_layout,
+        )
+    _write_out(
+        acc,
+        m_i,
+        l_i,
+        O,
+        M,
+        L,
+        b,
+        h,
+        off_m,
+        Sq,
+        stride_ob,
+        stride_os,
+        stride_oh,
+        stride_mb,
+        stride_mh,
+        stride_ms,
+        stride_lb,
+        stride_lh,
+        stride_ls,
+        NORMALIZE,
+        HAS_STATE,
+        BLOCK_M,
+        HEAD_DIM,
+        s_layout,
+        o_layout,
+    )
+
+
+@gluon.jit(do_not_specialize=["group", "Sq", "Sk", "q_start", "k_start"])
+def _fwd_ws(
+    q_desc,
+    k_desc,
+    v_desc,
+    O,
+    M,
+    L,
+    stride_ob,
+    stride_os,
+    stride_oh,
+    stride_mb,
+    stride_mh,
+    stride_ms,
+    stride_lb,
+    stride_lh,
+    stride_ls,
+    Hq,
+    group,
+    Sq,
+    Sk,
+    q_start,
+    k_start,
+    qk_scale,
+    HEAD_DIM: gl.constexpr,
+    BLOCK_M: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+    STAGES: gl.constexpr,
+    CAUSAL: gl.constexpr,
+    NORMALIZE: gl.constexpr,
+    HAS_STATE: gl.constexpr,
+    POSITIVE_SCALE: gl.constexpr,
+    PRODUCER_REGS: gl.constexpr,
+    num_warps: gl.constexpr,
+):
+    dtype: gl.constexpr = q_desc.dtype
+    q_smem = gl.allocate_shared_memory(dtype, q_desc.block_type.shape, q_desc.layout)
+    k_bufs = _alloc_ring(k_desc, STAGES)
+    v_bufs = _alloc_ring(v_desc, STAGES)
+    q_bar = _alloc_bars(1)
+    k_ready = _alloc_bars(STAGES)
+    v_ready = _alloc_bars(STAGES)
+    k_empty = _alloc_bars(STAGES)
+    v_empty = _alloc_bars(STAGES)
+    fence_async_shared()
+    gl.warp_specialize(
+        [
+            (
+                _ws_consumer,
+                (
+                    q_smem,
+                    k_bufs,
+                    v_bufs,
+                    q_bar,
+                    k_ready,
+                    v_ready,
+                    k_empty,
+                    v_empty,
+                    k_desc,
+                    v_desc,
+                    O,
+                    M,
+                    L,
+                    stride_ob,
+                    stride_os,
+                    stride_oh,
+                    stride_mb,
+                    stride_mh,
+                    stride_ms,
+                    stride_lb,
+                    stride_lh,
+                    stride_ls,
+                    Hq,
+                    group,
+                    Sq,
+                    Sk,
+                    q_start,
+                    k_start,
+                    qk_scale,
+                    HEAD_DIM,
+                    BLOCK_M,
+                    BLOCK_N,
+                    STAGES,
+                    CAUSAL,
+                    NORMALIZE,
+                    HAS_STATE,
+                    POSITIVE_SCALE,
+                    num_warps,
+                ),
+            ),
+            (
+                _ws_producer,
+                (
+                    q_desc,
+                    k_desc,
+                    v_desc,
+                    q_smem,
+                    k_bufs,
+                    v_bufs,
+                    q_bar,
+                    k_ready,
+                    v_ready,
+                    k_empty,
+                    v_empty,
+                    Hq,
+                    group,
+                    Sq,
+                    Sk,
+                    q_start,
+                    k_start,
+                    BLOCK_M,
+                    BLOCK_N,
+                    STAGES,
+                    CAUSAL,
+                    1,
+                ),
+            ),
+        ],
+        [1],
+        [PRODUCER_REGS],
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# Warp-specialized, FA3's layout: each of two consumer warpgroups is its own partition with its
+# own 64 query rows of the tile, so they are never held in lockstep by a barrier of all their
+# warps; they share the K/V stages (the empty barriers wait for both).
+
+
+@gluon.jit
+def _ws2_consumer(
+    WG: gl.constexpr,
+    q_bufs,
+    k_bufs,
+    v_bufs,
+    q_bar,
+    k_ready,
+    v_ready,
+    k_empty,
+    v_empty,
+    O,
+    M,
+    L,
+    stride_ob,
+    stride_os,
+    stride_oh,
+    stride_mb,
+    stride_mh,
+    stride_ms,
+    stride_lb,
+    stride_lh,
+    stride_ls,
+    Hq,
+    group,
+    Sq,
+    Sk,
+    q_start,
+    k_start,
+    qk_scale,
+    HEAD_DIM: gl.constexpr,
+    BLOCK_M: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+    STAGES: gl.constexpr,
+    CAUSAL: gl.constexpr,
+    NORMALIZE: gl.constexpr,
+    HAS_STATE: gl.constexpr,
+    POSITIVE_SCALE: gl.constexpr,
+):
+    ROWS: gl.constexpr = BLOCK_M // 2
+    s_layout: gl.constexpr = _mma_layout(4, BLOCK_N)
+    o_layout: gl.constexpr = _mma_layout(4, HEAD_DIM)
+    # the key range is the whole tile's, as the producer's: both warpgroups consume every block
+    b, h, hk, off_m, q_first, q_last = _tile(Hq, group, Sq, q_start, CAUSAL, BLOCK_M)
+    lo, n, full_lo, full_hi = key_blocks(q_first, q_last, k_start, Sk, CAUSAL, BLOCK_N)
+    my_m = off_m + WG * ROWS
+    acc, m_i, l_i = _empty_state(ROWS, HEAD_DIM, s_layout, o_layout)
+    if n > 0:
+        q_pos = q_start + my_m + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))
+        mbarrier.wait(q_bar.index(0), 0)
+        acc, m_i, l_i = _overlap_loop(
+            q_bufs.index(WG).reshape([ROWS, HEAD_DIM]),
+            k_bufs,
+            v_bufs,
+            k_ready,
+            v_ready,
+            k_empty,
+            v_empty,
+            k_bufs,
+            v_bufs,
+            acc,
+            m_i,
+            l_i,
+            q_pos,
+            b,
+            hk,
+            lo,
+            n,
+            full_lo,
+            full_hi,
+            k_start,
+            Sk,
+            qk_scale,
+            True,
+            STAGES,
+            CAUSAL,
+            POSITIVE_SCALE,
+            ROWS,
+            BLOCK_N,
+            HEAD_DIM,
+            s_layout,
+            o_layout,
+        )
+    _write_out(
+        acc,
+        m_i,
+        l_i,
+        O,
+        M,
+        L,
+        b,
+        h,
+        my_m,
+        Sq,
+        stride_ob,
+        stride_os,
+        stride_oh,
+        stride_mb,
+        stride_mh,
+        stride_ms,
+        stride_lb,
+        stride_lh,
+        stride_ls,
+        NORMALIZE,
+        HAS_STATE,
+        ROWS,
+        HEAD_DIM,
+        s_layout,
+        o_layout,
+    )
+
+
+@gluon.jit(do_not_specialize=["group", "Sq", "Sk", "q_start", "k_start"])
+def _fwd_ws2(
+    q_desc,
+    k_desc,
+    v_desc,
+    O,
+    M,
+    L,
+    stride_ob,
+    stride_os,
+    stride_oh,
+    stride_mb,
+    stride_mh,
+    stride_ms,
+    stride_lb,
+    stride_lh,
+    stride_ls,
+    Hq,
+    group,
+    Sq,
+    Sk,
+    q_start,
+    k_start,
+    qk_scale,
+    HEAD_DIM: gl.constexpr,
+    BLOCK_M: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+    STAGES: gl.constexpr,
+    CAUSAL: gl.constexpr,
+    NORMALIZE: gl.constexpr,
+    HAS_STATE: gl.constexpr,
+    POSITIVE_SCALE: gl.constexpr,
+    PRODUCER_REGS: gl.constexpr,
+    CONSUMER_REGS: gl.constexpr,
+    num_warps: gl.constexpr,
+):
+    """q_desc blocks are [1, BLOCK_M // 2, 1, D] (one per consumer warpgroup); num_warps = 4."""
+    gl.static_assert(num_warps == 4, "ws2: the default partition is one consumer warpgroup")
+    gl.static_assert(q_desc.block_type.shape[1] * 2 == BLOCK_M)
+    dtype: gl.constexpr = q_desc.dtype
+    q_bufs = gl.allocate_shared_memory(dtype, [2] + q_desc.block_type.shape, q_desc.layout)
+    k_bufs = _alloc_ring(k_desc, STAGES)
+    v_bufs = _alloc_ring(v_desc, STAGES)
+    q_bar = _alloc_bars(1)
+    k_ready = _alloc_bars(STAGES)
+    v_ready = _alloc_bars(STAGES)
+    k_empty = _alloc_bars(STAGES, 2)  # released when both consumer warpgroups are done
+    v_empty = _alloc_bars(STAGES, 2)
+    fence_async_shared()
+    gl.warp_specialize(
+        [
+            (
+                _ws2_consumer,
+                (
+                    0,
+                    q_bufs,
+                    k_bufs,
+                    v_bufs,
+                    q_bar,
+                    k_ready,
+                    v_ready,
+                    k_empty,
+                    v_empty,
+                    O,
+                    M,
+                    L,
+                    stride_ob,
+                    stride_os,
+                    stride_oh,
+                    stride_mb,
+                    stride_mh,
+                    stride_ms,
+                    stride_lb,
+                    stride_lh,
+                    stride_ls,
+                    Hq,
+                    group,
+                    Sq,
+                    Sk,
+                    q_start,
+                    k_start,
+                    qk_scale,
+                    HEAD_DIM,
+                    BLOCK_M,
+                    BLOCK_N,
+                    STAGES,
+                    CAUSAL,
+                    NORMALIZE,
+                    HAS_STATE,
+                    POSITIVE_SCALE,
+                ),
+            ),
+            (
+                _ws2_consumer,
+                (
+                    1,
+                    q_bufs,
+                    k_bufs,
+                    v_bufs,
+                    q_bar,
+                    k_ready,
+                    v_ready,
+                    k_empty,
+                    v_empty,
+                    O,
+                    M,
+                    L,
+                    stride_ob,
+                    stride_os,
+                    stride_oh,
+                    stride_mb,
+                    stride_mh,
+                    stride_ms,
+                    stride_lb,
+                    stride_lh,
+                    stride_ls,
+                    Hq,
+                    group,
+                    Sq,
+                    Sk,
+                    q_start,
+                    k_start,
+                    qk_scale,
+                    HEAD_DIM,
+                    BLOCK_M,
+                    BLOCK_N,
+                    STAGES,
+                    CAUSAL,
+                    NORMALIZE,
+                    HAS_STATE,
+                    POSITIVE_SCALE,
+                ),
+            ),
+            (
+                _ws_producer,
+                (
+                    q_desc,
+                    k_desc,
+                    v_desc,
+                    q_bufs,
+                    k_bufs,
+                    v_bufs,
+                    q_bar,
+                    k_ready,
+                    v_ready,
+                    k_empty,
+                    v_empty,
+                    Hq,
+                    group,
+                    Sq,
+                    Sk,
+                    q_start,
+                    k_start,
+                    BLOCK_M,
+                    BLOCK_N,
+                    STAGES,
+                    CAUSAL,
+                    2,
+                ),
+            ),
+        ],
+        [4, 1],
+        [CONSUMER_REGS, PRODUCER_REGS],
+    )
+
+
+KERNELS = {"straight": _fwd_straight, "overlap": _fwd_overlap, "ws": _fwd_ws, "ws2": _fwd_ws2}

@@ -1,0 +1,583 @@
+"""Gluon (warp-specialized, FlashAttention-3-style) forward for Hopper, its launcher, a float64
+reference of its semantics, and a compile report that needs no GPU.
+
+    from ringflash.kernels import gluon_forward as gf
+    gf.forward(q, k, v, q_start=0, k_start=0, causal=True, scale=D ** -0.5,
+               out_o=o, out_m=m, out_l=l, normalize=True, fold=False)
+
+Semantics (per query row, softmax in base 2, qk_scale = scale * log2(e)):
+  m = max_j s2_ij (float32, -inf for a row that sees no key), l = sum_j exp2(s2_ij - m),
+  acc = sum_j exp2(s2_ij - m) v_j, with s2 = (q . k) * qk_scale over the visible keys (causal:
+  q_start + i >= k_start + j; keys past Sk never). fold=True starts from (acc, m, l) =
+  (out_o, out_m, out_l) (out_o float32) instead of the empty state; normalize=True writes
+  out_o = acc / l (0 for empty rows) in out_o's dtype, else acc (out_o float32).
+
+The module imports on any machine; without Gluon (triton < 3.6) or without a Hopper GPU,
+`forward` raises `Unsupported` and the caller uses the Triton kernel instead.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import re
+import subprocess
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+try:  # Gluon exists from triton 3.6 on; the rest of the package must not depend on it
+    from triton.experimental.gluon import language as _gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as _TensorDescriptor
+
+    from . import _gluon_fwd as _k
+
+    GLUON_ERROR = None
+except Exception as e:  # ImportError, or an API change in another triton version
+    _k = _gl = _TensorDescriptor = None
+    GLUON_ERROR = f"{type(e).__name__}: {e}"
+
+HAS_GLUON = GLUON_ERROR is None
+LOG2E = 1.4426950408889634
+HOPPER_SHARED_BYTES = 232448  # per block on H100/H200 (227 KiB)
+
+
+class Unsupported(ValueError):
+    """The Gluon forward cannot run these inputs; use the Triton kernel."""
+
+
+# ----------------------------------------------------------------------------------------------
+# Configurations
+
+
+@dataclass(frozen=True)
+class GluonConfig:
+    schedule: str  # "straight" | "overlap" | "ws" | "ws2" (see _gluon_fwd)
+    block_m: int = 128  # query rows per program (64 per consumer warpgroup)
+    block_n: int = 128  # key rows per block
+    num_warps: int = 8  # warps of the default partition (ws2: one of its two consumer warpgroups)
+    stages: int = 2  # depth of the K and V rings
+    producer_regs: int = 24  # ws, ws2: registers of the producer warp (setmaxnreg)
+    maxnreg: int | None = None  # ws, ws2: register cap at entry; the default partition gets what is left
+
+    def __post_init__(self):
+        if self.schedule not in ("straight", "overlap", "ws", "ws2"):
+            raise ValueError(f"unknown schedule {self.schedule!r}")
+        if self.schedule == "ws2" and (self.num_warps != 4 or self.block_m != 128):
+            raise ValueError("ws2 runs two 4-warp consumer partitions of 64 rows each")
+
+    @property
+    def warp_specialized(self) -> bool:
+        return self.schedule in ("ws", "ws2")
+
+    @property
+    def q_rows(self) -> int:
+        """Rows of one Q TMA block (ws2: one per consumer warpgroup)."""
+        return self.block_m // 2 if self.schedule == "ws2" else self.block_m
+
+    @property
+    def consumer_regs(self) -> int | None:
+        """Registers per consumer thread after reallocation: the entry cap times all warps
+        (rounded up to warpgroups) less the producer's warpgroup, spread over the consumer
+        warps (ws: the 8-warp default partition; ws2: each 4-warp consumer partition)."""
+        if not self.warp_specialized or self.maxnreg is None:
+            return None
+        consumer_warps = 8 if self.schedule == "ws2" else self.num_warps
+        total = (consumer_warps // 4 + 1) * 4
+        return (self.maxnreg * total - self.producer_regs * 4) // consumer_warps
+
+
+def _ws(block_m=128, block_n=128, num_warps=8, stages=2):
+    # 12 warps at 168 registers = 8 consumer warps at 240 + a producer warpgroup at 24 (FA3's split);
+    # 8 warps at 128 = 4 consumers at 232 + producer at 24, and leaves room for 2 programs per SM
+    return GluonConfig("ws", block_m, block_n, num_warps, stages, 24, 168 if num_warps == 8 else 128)
+
+
+# Variants by name -> {head_dim: config}. "default" is what forward() uses without `config`.
+# D=256 takes 64-key blocks: Q 64 KiB + 2 stages x (K + V) 128 KiB = 192 KiB, O alone 128
+# registers a thread.
+VARIANTS: dict[str, dict[int, GluonConfig]] = {
+    "straight": {
+        64: GluonConfig("straight", 128, 128, 8, 2),
+        128: GluonConfig("straight", 128, 128, 8, 2),
+        256: GluonConfig("straight", 128, 64, 8, 2),
+    },
+    "overlap": {
+        64: GluonConfig("overlap", 128, 128, 8, 2),
+        128: GluonConfig("overlap", 128, 128, 8, 2),
+        256: GluonConfig("overlap", 128, 64, 8, 2),
+    },
+    "ws": {64: _ws(stages=3), 128: _ws(stages=2), 256: _ws(block_n=64, stages=2)},
+    "ws_s3": {64: _ws(stages=4), 128: _ws(stages=3)},
+    "ws_n64": {64: _ws(block_n=64, stages=4), 128: _ws(block_n=64, stages=3)},
+    "ws_m64": {64: _ws(64, 128, 4, 2), 128: _ws(64, 64, 4, 2)},
+    "ws2": {
+        64: GluonConfig("ws2", 128, 128, 4, 3, 24, 168),
+        128: GluonConfig("ws2", 128, 128, 4, 2, 24, 168),
+        256: GluonConfig("ws2", 128, 64, 4, 2, 24, 168),
+    },
+    "ws2_s3": {64: GluonConfig("ws2", 128, 128, 4, 4, 24, 168), 128: GluonConfig("ws2", 128, 128, 4, 3, 24, 168)},
+}
+DEFAULT_VARIANT = "ws"
+HEAD_DIMS = (64, 128, 256)
+
+
+def config_for(head_dim: int, variant: str | None = None) -> GluonConfig:
+    by_d = VARIANTS[variant or DEFAULT_VARIANT]
+    if head_dim not in by_d:
+        raise Unsupported(f"head_dim {head_dim} not supported by the Gluon forward (supported: {sorted(by_d)})")
+    return by_d[head_dim]
+
+
+def shared_bytes(cfg: GluonConfig, head_dim: int, elem: int = 2) -> int:
+    """Shared memory the tiles take (Q + STAGES x (K + V)), barriers excluded."""
+    return elem * head_dim * (cfg.block_m + 2 * cfg.stages * cfg.block_n)
+
+
+# ----------------------------------------------------------------------------------------------
+# Launcher
+
+_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+def _tma_ok(t: torch.Tensor) -> bool:
+    size = t.element_size()
+    return t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and all((s * size) % 16 == 0 for s in t.stride()[:-1])
+
+
+@functools.lru_cache(maxsize=64)
+def _smem_layout(rows: int, head_dim: int, bf16: bool):
+    # cached: building the layout is a good part of the launch's host time
+    return _gl.NVMMASharedLayout.get_default_for([1, rows, 1, head_dim], _gl.bfloat16 if bf16 else _gl.float16)
+
+
+def _descriptor(t: torch.Tensor, rows: int):
+    """4-D TMA descriptor over (B, S, H, D) with blocks of `rows` rows of one head."""
+    block = [1, rows, 1, t.shape[3]]
+    return _TensorDescriptor(
+        t, list(t.shape), list(t.stride()), block, _smem_layout(rows, t.shape[3], t.dtype == torch.bfloat16)
+    )
+
+
+def check_supported(q, k, v, out_o, out_m, out_l, *, normalize, fold, cfg=None) -> None:
+    """Raise Unsupported unless the Gluon forward can run these tensors here."""
+    if not HAS_GLUON:
+        raise Unsupported(f"Gluon is not available: {GLUON_ERROR}")
+    if not all(t.is_cuda and t.device == q.device for t in (k, v, out_o, out_m, out_l)) or not q.is_cuda:
+        raise Unsupported("the Gluon forward needs all tensors on one CUDA device")
+    cap = torch.cuda.get_device_capability(q.device)
+    if cap != (9, 0):
+        raise Unsupported(f"the Gluon forward is built for sm_90a (Hopper), this GPU is sm_{cap[0]}{cap[1]}")
+    check_shapes(q, k, v, out_o, out_m, out_l, normalize=normalize, fold=fold, cfg=cfg)
+
+
+def check_shapes(q, k, v, out_o, out_m, out_l, *, normalize, fold, cfg=None) -> None:
+    """The device-independent part of check_supported: dtypes, shapes, strides, alignment."""
+    if q.dtype not in _DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
+        raise Unsupported(f"q, k, v must all be bfloat16 or float16, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if q.dim() != 4 or k.dim() != 4 or k.shape != v.shape:
+        raise Unsupported(
+            "expected q (B, Sq, Hq, D) and k, v (B, Sk, Hkv, D), "
+            f"got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
+        )
+    B, Sq, Hq, D = q.shape
+    Bk, Sk, Hkv, Dk = k.shape
+    if Bk != B or Dk != D or Hq % Hkv:
+        raise Unsupported(f"shape mismatch: q {tuple(q.shape)}, k {tuple(k.shape)} (Hq % Hkv must be 0)")
+    if D not in HEAD_DIMS:
+        raise Unsupported(f"head_dim {D} not supported by the Gluon forward (supported: {HEAD_DIMS})")
+    if cfg is not None and shared_bytes(cfg, D) > HOPPER_SHARED_BYTES - 1024:
+        raise Unsupported(f"config {cfg} needs too much shared memory at D={D}")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not _tma_ok(t):
+            raise Unsupported(
+                f"{name} needs a unit head_dim stride, a 16-byte aligned base and 16-byte aligned strides"
+            )
+    if tuple(out_o.shape) != (B, Sq, Hq, D) or out_o.stride(-1) != 1:
+        raise Unsupported(f"out_o must be (B, Sq, Hq, D) = {(B, Sq, Hq, D)} with a unit last stride")
+    if (fold or not normalize) and out_o.dtype != torch.float32:
+        raise Unsupported("out_o holds the unnormalized float32 state when fold or not normalize")
+    if out_o.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise Unsupported(f"out_o dtype {out_o.dtype} not supported")
+    for name, t in (("out_m", out_m), ("out_l", out_l)):
+        if tuple(t.shape) != (B, Hq, Sq) or t.dtype != torch.float32:
+            raise Unsupported(f"{name} must be float32 (B, Hq, Sq) = {(B, Hq, Sq)}, got {t.dtype} {tuple(t.shape)}")
+    if max(Sq, Sk) >= 2**30 or max(out_m.stride(1) * Hq, out_l.stride(1) * Hq) >= 2**31:
+        raise Unsupported("sizes beyond 32-bit row indices")
+
+
+def forward(q, k, v, *, q_start, k_start, causal, scale, out_o, out_m, out_l, normalize, fold, config=None):
+    """Attention of q (B, Sq, Hq, D) over k, v (B, Sk, Hkv, D) by global positions; writes
+    out_o (B, Sq, Hq, D), out_m and out_l (B, Hq, Sq) float32 (semantics: module docstring).
+
+    config: a GluonConfig or a variant name (default: DEFAULT_VARIANT for this head dim).
+    Raises Unsupported for inputs the kernel does not take (nothing is written then).
+    """
+    cfg = _resolve(q.shape[-1], config)
+    check_supported(q, k, v, out_o, out_m, out_l, normalize=normalize, fold=fold, cfg=cfg)
+    if q.numel() == 0:
+        return
+    if k.shape[1] == 0:  # no keys (a TMA descriptor cannot be empty): the state is unchanged
+        if not fold:
+            out_o.zero_()
+            out_m.fill_(float("-inf"))
+            out_l.zero_()
+        elif normalize:
+            out_o.copy_(normalized(out_o, out_l))
+        return
+    kernel, grid, args, kwargs = launch_plan(
+        q,
+        k,
+        v,
+        q_start=q_start,
+        k_start=k_start,
+        causal=causal,
+        scale=scale,
+        out_o=out_o,
+        out_m=out_m,
+        out_l=out_l,
+        normalize=normalize,
+        fold=fold,
+        cfg=cfg,
+    )
+    with torch.cuda.device(q.device):
+        kernel[grid](*args, **kwargs)
+
+
+def _resolve(head_dim: int, config) -> GluonConfig:
+    return config_for(head_dim, config) if config is None or isinstance(config, str) else config
+
+
+def launch_plan(q, k, v, *, q_start, k_start, causal, scale, out_o, out_m, out_l, normalize, fold, cfg):
+    """(kernel, grid, args, kwargs) of one launch, for checked inputs (any device: the CPU
+    compile check binds CPU tensors through the same arguments)."""
+    B, Sq, Hq, D = q.shape
+    Sk, Hkv = k.shape[1], k.shape[2]
+    q_start, k_start = int(q_start), int(k_start)
+    if max(abs(q_start), abs(k_start)) + Sq + Sk >= 2**31 - 1:
+        raise Unsupported("positions beyond 32 bits")
+    kwargs = dict(
+        HEAD_DIM=D,
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        STAGES=cfg.stages,
+        CAUSAL=bool(causal),
+        NORMALIZE=bool(normalize),
+        HAS_STATE=bool(fold),
+        POSITIVE_SCALE=bool(scale > 0),
+        num_warps=cfg.num_warps,
+    )
+    if cfg.warp_specialized:
+        kwargs["PRODUCER_REGS"] = cfg.producer_regs
+    if cfg.schedule == "ws2":
+        kwargs["CONSUMER_REGS"] = cfg.consumer_regs
+    if cfg.maxnreg is not None:
+        kwargs["maxnreg"] = cfg.maxnreg
+    args = (
+        _descriptor(q, cfg.q_rows),
+        _descriptor(k, cfg.block_n),
+        _descriptor(v, cfg.block_n),
+        out_o,
+        out_m,
+        out_l,
+        out_o.stride(0),
+        out_o.stride(1),
+        out_o.stride(2),
+        out_m.stride(0),
+        out_m.stride(1),
+        out_m.stride(2),
+        out_l.stride(0),
+        out_l.stride(1),
+        out_l.stride(2),
+        Hq,
+        Hq // Hkv,
+        Sq,
+        Sk,
+        q_start,
+        k_start,
+        float(scale) * LOG2E,
+    )
+    grid = (triton_cdiv(Sq, cfg.block_m), B * Hq)
+    return _k.KERNELS[cfg.schedule], grid, args, kwargs
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+# ----------------------------------------------------------------------------------------------
+# float64 reference of exactly these semantics
+
+
+def reference(q, k, v, *, q_start, k_start, causal, scale, state=None, chunk=1024):
+    """(acc (B, Sq, Hq, D), m (B, Hq, Sq), l (B, Hq, Sq)) in float64, on q's device.
+
+    state: optional incoming (acc, m, l) to continue from (any float dtype). Work is chunked
+    over query rows so the score matrix of one chunk is all that is built.
+    """
+    B, Sq, Hq, D = q.shape
+    Sk, Hkv = k.shape[1], k.shape[2]
+    G = Hq // Hkv
+    f64 = torch.float64
+    kd = k.to(f64).repeat_interleave(G, dim=2)
+    vd = v.to(f64).repeat_interleave(G, dim=2)
+    qk_scale = scale * LOG2E
+    acc = torch.zeros(B, Sq, Hq, D, dtype=f64, device=q.device)
+    m = torch.full((B, Hq, Sq), float("-inf"), dtype=f64, device=q.device)
+    l = torch.zeros(B, Hq, Sq, dtype=f64, device=q.device)
+    k_pos = k_start + torch.arange(Sk, device=q.device)
+    for i0 in range(0, Sq, chunk):
+        i1 = min(i0 + chunk, Sq)
+        s2 = torch.einsum("bihd,bjhd->bhij", q[:, i0:i1].to(f64), kd) * qk_scale
+        if causal:
+            q_pos = q_start + torch.arange(i0, i1, device=q.device)
+            s2 = s2.masked_fill(q_pos[:, None] < k_pos[None, :], float("-inf"))
+        if state is not None:
+            a0 = state[0][:, i0:i1].to(f64)
+            m0 = state[1][:, :, i0:i1].to(f64)
+            l0 = state[2][:, :, i0:i1].to(f64)
+        else:
+            a0 = torch.zeros(B, i1 - i0, Hq, D, dtype=f64, device=q.device)
+            m0 = torch.full((B, Hq, i1 - i0), float("-inf"), dtype=f64, device=q.device)
+            l0 = torch.zeros(B, Hq, i1 - i0, dtype=f64, device=q.device)
+        mc = torch.maximum(m0, s2.amax(-1) if Sk else m0)
+        pivot = torch.where(torch.isneginf(mc), torch.zeros_like(mc), mc)
+        p = torch.exp2(s2 - pivot[..., None])
+        alpha = torch.exp2(m0 - pivot)
+        l[:, :, i0:i1] = l0 * alpha + p.sum(-1)
+        m[:, :, i0:i1] = mc
+        acc[:, i0:i1] = a0 * alpha.transpose(1, 2)[..., None] + torch.einsum("bhij,bjhd->bihd", p, vd)
+    return acc, m, l
+
+
+def normalized(acc, l):
+    """acc / l with 0 for empty rows; acc (B, S, H, D), l (B, H, S)."""
+    lt = l.transpose(1, 2)[..., None]
+    return torch.where(lt == 0, torch.zeros_like(acc), acc / torch.where(lt == 0, torch.ones_like(lt), lt))
+
+
+# ----------------------------------------------------------------------------------------------
+# Compile report (no GPU needed)
+
+
+def _bind_for_hopper(kernel, args, kwargs):
+    """(signature, constexprs, attrs, options) that triton's launcher binder derives from these
+    launch arguments, for sm_90a; no GPU needed."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler.compiler import make_backend
+    from triton.runtime.jit import create_function_from_signature
+
+    backend = make_backend(GPUTarget("cuda", 90, 32))
+    binder = create_function_from_signature(kernel.signature, kernel.params, backend)
+    bound, specialization, options = binder(*args, **kwargs)
+    options, signature, constexprs, attrs = kernel._pack_args(backend, kwargs, bound, specialization, options)
+    return signature, constexprs, attrs, options
+
+
+def compile_launch(
+    q, k, v, *, q_start, k_start, causal, scale, out_o, out_m, out_l, normalize, fold, config=None, key_only=False
+):
+    """Compile for sm_90a, on any machine, exactly what forward() with these arguments would
+    launch (tensors may be CPU tensors of the same shapes and strides: the specialization
+    depends only on dtypes, strides and 16-byte alignment). The result lands in triton's
+    cache, so a later GPU launch of the same kernel skips compiling. Returns triton's
+    CompiledKernel, or with key_only a string that is equal for launches sharing a kernel."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    if not HAS_GLUON:
+        raise Unsupported(f"Gluon is not available: {GLUON_ERROR}")
+    cfg = _resolve(q.shape[-1], config)
+    check_shapes(q, k, v, out_o, out_m, out_l, normalize=normalize, fold=fold, cfg=cfg)
+    kernel, _, args, kwargs = launch_plan(
+        q,
+        k,
+        v,
+        q_start=q_start,
+        k_start=k_start,
+        causal=causal,
+        scale=scale,
+        out_o=out_o,
+        out_m=out_m,
+        out_l=out_l,
+        normalize=normalize,
+        fold=fold,
+        cfg=cfg,
+    )
+    signature, constexprs, attrs, options = _bind_for_hopper(kernel, args, kwargs)
+    if key_only:
+        return repr(
+            (
+                kernel.fn.__name__,
+                sorted(signature.items()),
+                sorted(constexprs.items()),
+                sorted(attrs.items()),
+                sorted(options.__dict__.items()),
+            )
+        )
+    return triton.compile(
+        GluonASTSource(kernel, signature, constexprs, attrs), target=GPUTarget("cuda", 90, 32), options=options.__dict__
+    )
+
+
+def launch_spec(q, k, v, *, out_o, out_m, out_l, **kw) -> dict:
+    """A picklable description of a forward() call: tensor shapes, strides and dtypes, the
+    other arguments as given. compile_spec compiles what that call launches."""
+    meta = lambda t: (tuple(t.shape), tuple(t.stride()), str(t.dtype).replace("torch.", ""))
+    return {"tensors": [meta(t) for t in (q, k, v, out_o, out_m, out_l)], **kw}
+
+
+def compile_spec(spec: dict, key_only: bool = False):
+    """compile_launch for a launch_spec, on CPU tensors with its shapes and strides."""
+    ts = [torch.empty_strided(shape, stride, dtype=getattr(torch, dt)) for shape, stride, dt in spec["tensors"]]
+    kw = {k: v for k, v in spec.items() if k != "tensors"}
+    q, k, v, o, m, l = ts
+    return compile_launch(q, k, v, out_o=o, out_m=m, out_l=l, key_only=key_only, **kw)
+
+
+def try_compile_spec(spec: dict):
+    """(None or the error message, seconds) of compile_spec: for a process pool."""
+    import time
+
+    t = time.perf_counter()
+    try:
+        compile_spec(spec)
+        return None, time.perf_counter() - t
+    except Exception as e:
+        return f"{type(e).__name__}: {str(e)[-600:]}", time.perf_counter() - t
+
+
+def compile_for_hopper(
+    cfg: GluonConfig,
+    head_dim: int,
+    *,
+    causal: bool,
+    dtype: str = "bf16",
+    normalize: bool = True,
+    fold: bool = False,
+    scale: float = 0.125,
+    group: int = 1,
+    Sq: int = 1031,
+    Sk: int = 777,
+):
+    """compile_launch for contiguous CPU tensors of these sizes (2 kv heads)."""
+    tdt = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+    hkv = 2
+    q = torch.empty(1, Sq, hkv * group, head_dim, dtype=tdt)
+    k = torch.empty(1, Sk, hkv, head_dim, dtype=tdt)
+    o = torch.empty(q.shape, dtype=torch.float32 if (fold or not normalize) else tdt)
+    m = torch.empty(1, q.shape[2], Sq)
+    return compile_launch(
+        q,
+        k,
+        k,
+        q_start=Sk - Sq,
+        k_start=0,
+        causal=causal,
+        scale=scale,
+        out_o=o,
+        out_m=m,
+        out_l=torch.empty_like(m),
+        normalize=normalize,
+        fold=fold,
+        config=cfg,
+    )
+
+
+def _tool(name: str) -> str:
+    import triton
+
+    return str(Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / name)
+
+
+def hopper_report(
+    cfg: GluonConfig,
+    head_dim: int,
+    *,
+    causal: bool,
+    dtype: str = "bf16",
+    normalize: bool = True,
+    fold: bool = False,
+    dump: Path | None = None,
+) -> dict:
+    """What ptxas and the SASS say about one compiled variant:
+
+    regs: registers per thread at entry (ptxas; with warp specialization the entry cap),
+    setmaxnreg: the per-partition budgets the kernel switches to, sass_regs: registers the
+    SASS names (with warp specialization: what the busiest partition uses of its budget), spill_bytes (must be 0),
+    shared (bytes; must be <= 232448), ptx_waits / sass_waits: {N: count} of wgmma waits that
+    leave N groups in flight (N = 1: a matmul overlapping other work), hgmma: count of Hopper
+    tensor-core instructions, warnings: ptxas's C7xxx codes (C7510-C7515: wgmma serialized,
+    C7508: setmaxnreg ignored)."""
+    kern = compile_for_hopper(cfg, head_dim, causal=causal, dtype=dtype, normalize=normalize, fold=fold)
+    ptx = kern.asm["ptx"]
+    with tempfile.TemporaryDirectory() as tmp:
+        ptx_path = Path(tmp) / "k.ptx"
+        cubin = Path(tmp) / "k.cubin"
+        ptx_path.write_text(ptx)
+        res = subprocess.run(
+            [_tool("ptxas"), "-arch=sm_90a", "-v", str(ptx_path), "-o", str(cubin)],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        sass = subprocess.run(
+            [_tool("cuobjdump"), "-sass", str(cubin)], capture_output=True, text=True, check=True
+        ).stdout
+    log = res.stderr
+    count = lambda xs: dict(sorted(collections.Counter(int(x, 0) for x in xs).items()))
+    row = {
+        "variant": cfg.schedule,
+        "config": asdict(cfg),
+        "D": head_dim,
+        "causal": causal,
+        "dtype": dtype,
+        "normalize": normalize,
+        "fold": fold,
+        "regs": int(re.search(r"Used (\d+) registers", log).group(1)),
+        "setmaxnreg": sorted({int(x) for x in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", ptx)}),
+        "consumer_regs_expected": cfg.consumer_regs,
+        "spill_bytes": int(re.search(r"(\d+) bytes spill stores", log).group(1))
+        + int(re.search(r"(\d+) bytes spill loads", log).group(1)),
+        "stack_bytes": int(re.search(r"(\d+) bytes stack frame", log).group(1)),
+        "shared": kern.metadata.shared,
+        "ptx_waits": count(re.findall(r"wgmma\.wait_group\.sync\.aligned\s+(\d+)", ptx)),
+        "sass_waits": count(re.findall(r"WARPGROUP\.DEPBAR\.LE\s+gsb0,\s*(0x[0-9a-f]+)", sass)),
+        "hgmma": len(re.findall(r"\bHGMMA\.", sass)),
+        # highest register any instruction names + 1: with warp specialization, what the
+        # busiest partition really uses under its setmaxnreg budget
+        "sass_regs": 1 + max((int(x) for x in re.findall(r"\bR(\d+)\b", sass)), default=-1),
+        "warnings": sorted(set(re.findall(r"\((C7\d+)\)", log))),
+    }
+    row["fits"] = row["shared"] <= HOPPER_SHARED_BYTES
+    if dump:
+        dump.mkdir(parents=True, exist_ok=True)
+        stem = f"{cfg.schedule}_d{head_dim}_c{int(causal)}_{cfg.block_m}x{cfg.block_n}_w{cfg.num_warps}_s{cfg.stages}"
+        (dump / f"{stem}.ptx").write_text(ptx)
+        (dump / f"{stem}.ttgir").write_text(kern.asm["ttgir"])
+        (dump / f"{stem}.sass").write_text(sass)
+    return row
+
+
+def report_problems(row: dict) -> list[str]:
+    """Why a compile report is not acceptable (empty list: fine)."""
+    bad = []
+    if row["spill_bytes"] or row["stack_bytes"]:
+        bad.append(f"spills {row['spill_bytes']} bytes, stack {row['stack_bytes']}")
+    if not row["fits"]:
+        bad.append(f"shared memory {row['shared']} > {HOPPER_SHARED_BYTES}")
+    if row["hgmma"] == 0:
+        bad.append("no HGMMA in the SASS")
+    if row["warnings"]:
+        bad.append(f"ptxas warnings {row['warnings']}")
+    if row["variant"] in ("overlap", "ws", "ws2") and not row["sass_waits"].get(1):
+        bad.append("no wgmma wait of 1 (the overlap is gone)")
+    if row["variant"] in ("ws", "ws2"):
+        # ws2 also shows the budgets of the idle worker warps and of the region before the split
+        want = {row["config"]["producer_regs"], row["consumer_regs_expected"]}
+        if not want <= set(row["setmaxnreg"]) or (row["variant"] == "ws" and set(row["setmaxnreg"]) != want):
+            bad.append(f"setmaxnreg {row['setmaxnreg']} lacks {sorted(want)}")
+    return bad
