@@ -181,7 +181,10 @@ class LocalComm:
     """The ring of one rank: nothing is ever exchanged (the ring loop makes no exchange when
     world == 1), so the same engine serves a single device."""
 
-    rank, world = 0, 1
+    world = 1
+
+    def __init__(self, rank: int = 0):
+        self.rank = rank  # a rank whose blocks all stay home keeps its own place in the schedule
 
     def start(self, send, recv, kind: str, *, step: int, heads: slice | None = None):
         raise AssertionError("a one-rank ring exchanges nothing")

@@ -2,7 +2,10 @@
 
 contiguous: rank r holds the r-th of P equal slices. zigzag: the sequence is cut into 2P
 chunks and rank r holds chunks r and 2P-1-r, so causal work is equal on every rank at every
-ring step. shard(x) == x[:, local_positions(...)] in both.
+ring step. shard(x) == x[:, local_positions(...)] in both. A balance.BalancedLayout
+(ringflash.balanced_layout, packed documents) is accepted wherever a layout name is: it says
+itself which positions each rank holds (shard sizes may then differ between ranks), and shard
+and local_positions need no communication with it.
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ import torch.distributed as dist
 
 from ._checks import check_tensor
 from .comm import group_rank_world, resolve_group, validated_across_ranks
-from .schedule import LAYOUTS, check_divisible, check_layout, segments
+from .schedule import LAYOUTS, check_divisible, check_layout, is_balanced, segments
 
 
 def _norm_dim(x: torch.Tensor, dim: int, api: str) -> int:
@@ -24,16 +27,27 @@ def _norm_dim(x: torch.Tensor, dim: int, api: str) -> int:
 def shard(x, *, group=None, layout="zigzag", dim=1):
     """This rank's part of the full tensor x along `dim` (differentiable).
 
-    x: any shape with the sequence on `dim` (default 1, as in (B, S, H, D)); its length must
-    divide into world_size (contiguous) or 2 * world_size (zigzag) equal chunks.
+    x: any shape with the sequence on `dim` (default 1, as in (B, S, H, D); 0 for packed
+    (total, H, D) tensors); its length must divide into world_size (contiguous) or
+    2 * world_size (zigzag) equal chunks, or be a balanced layout's total.
     """
     api = "shard"
     check_tensor("x", x, api)
     check_layout(layout, api)
     dim = _norm_dim(x, dim, api)
     rank, world = group_rank_world(group)
+    if is_balanced(layout):
+        _check_balanced(layout, x.shape[dim], world, api)
+        return x.index_select(dim, layout.positions(rank, device=x.device))
     check_divisible(x.shape[dim], world, layout, api)
     return _shard_of(x, rank, world, layout, dim)
+
+
+def _check_balanced(layout, seq_len: int, world: int, api: str) -> None:
+    if layout.world != world:
+        raise ValueError(f"{api}: the layout was built for {layout.world} ranks, the group has {world}")
+    if seq_len != layout.total:
+        raise ValueError(f"{api}: the layout covers {layout.total} tokens, the tensor has {seq_len}")
 
 
 def _shard_of(x, rank, world, layout, dim=1):
@@ -65,9 +79,18 @@ def local_positions(seq_len, *, group=None, layout="zigzag", device=None):
         raise ValueError(f"{api}: seq_len must be a positive int, got {seq_len!r}")
     check_layout(layout, api)
     rank, world = group_rank_world(group)
+    if is_balanced(layout):
+        _check_balanced(layout, seq_len, world, api)
+        return layout.positions(rank, device=device)
     check_divisible(seq_len, world, layout, api)
     segs = segments(layout, rank, world, seq_len // world)
     return torch.cat([torch.arange(s.global_start, s.global_start + s.length, device=device) for s in segs])
+
+
+def _show_layout_field(name, value):
+    if name != "layout":
+        return str(value)
+    return LAYOUTS[value] if value < len(LAYOUTS) else f"a balanced layout (fingerprint {value - len(LAYOUTS)})"
 
 
 class _Unshard(torch.autograd.Function):
@@ -75,6 +98,16 @@ class _Unshard(torch.autograd.Function):
     def forward(ctx, x_local, group, layout, dim):
         rank, world = group_rank_world(group)
         ctx.args = (group, layout, dim)
+        if is_balanced(layout):  # shards of different lengths: gather them padded to the longest
+            pad = layout.max_local_len - x_local.shape[dim]
+            padded = torch.cat([x_local, x_local.new_zeros(*x_local.shape[:dim], pad, *x_local.shape[dim + 1 :])], dim)
+            pieces = [torch.empty_like(padded, memory_format=torch.contiguous_format) for _ in range(world)]
+            dist.all_gather(pieces, padded.contiguous(), group=resolve_group(group))
+            full = x_local.new_empty(*x_local.shape[:dim], layout.total, *x_local.shape[dim + 1 :])
+            for r, piece in enumerate(pieces):
+                positions = layout.positions(r, device=x_local.device)
+                full.index_copy_(dim, positions, piece.narrow(dim, 0, positions.numel()))
+            return full
         pieces = [torch.empty_like(x_local, memory_format=torch.contiguous_format) for _ in range(world)]
         dist.all_gather(pieces, x_local.contiguous(), group=resolve_group(group))
         return _place(pieces, layout, dim)
@@ -104,15 +137,24 @@ def unshard(x_local, *, group=None, layout="zigzag", dim=1):
         d = _norm_dim(x_local, dim, api)
         if world > 1 and layout == "zigzag" and x_local.shape[d] % 2:
             raise ValueError(f"{api}: local length {x_local.shape[d]} on dim {d} must be even for layout 'zigzag'")
-        return {"layout": LAYOUTS.index(layout), "dim": d, "ndim": x_local.dim()}, d
+        if is_balanced(layout):
+            _check_balanced(layout, layout.total, world, api)
+            if x_local.shape[d] != layout.local_len(rank):
+                raise ValueError(
+                    f"{api}: the layout gives rank {rank} {layout.local_len(rank)} tokens, x_local has "
+                    f"{x_local.shape[d]} on dim {d}"
+                )
+            code = len(LAYOUTS) + layout.fingerprint()
+        else:
+            code = LAYOUTS.index(layout)
+        return {"layout": code, "dim": d, "ndim": x_local.dim()}, d
 
     names = ("layout", "dim", "ndim")
-    dim = validated_across_ranks(
-        group, api, validate_rank, names, device=device, show=lambda name, v: LAYOUTS[v] if name == "layout" else str(v)
-    )
-    if world == 1:
+    dim = validated_across_ranks(group, api, validate_rank, names, device=device, show=_show_layout_field)
+    if world == 1:  # every layout of one rank is the identity
         return x_local
-    # all_gather needs equal shapes: agree on every size, now that the rank count is agreed
-    sizes = {f"size[{i}]": n for i, n in enumerate(x_local.shape)}
+    # all_gather needs equal shapes: agree on every size (but the balanced layout's own
+    # lengths), now that the rank count is agreed
+    sizes = {f"size[{i}]": n for i, n in enumerate(x_local.shape) if not (is_balanced(layout) and i == dim)}
     validated_across_ranks(group, api, lambda: (sizes, None), tuple(sizes), device=device)
     return _Unshard.apply(x_local, group, layout, dim)

@@ -17,10 +17,10 @@ import torch
 from ._checks import SUPPORTED_DTYPES, check_bool, check_qkv, key_bias_from_mask, resolve_grad_accum, resolve_scale
 from .comm import LocalComm, RingComm, check_backend_device, group_rank_world, validated_across_ranks
 from .local import backend_for, backward_inputs, block_backward, block_forward, without_autocast
-from .masks import CAUSAL, FULL, BlockMask, Window
+from .masks import CAUSAL, FULL, BlockMask, Window, window_from
 from .merge import SoftmaxState, state_dtype
 from .relay import GradRelay, default_grad_chunks
-from .schedule import LAYOUTS, check_layout, chunks_per_rank, step_tasks
+from .schedule import LAYOUTS, check_layout, chunks_per_rank, is_balanced, step_tasks
 
 
 @dataclass(frozen=True)
@@ -202,7 +202,7 @@ def _signature(q, k, spec: RingSpec, has_mask: bool) -> dict:
         SUPPORTED_DTYPES.index(q.dtype),
         -1 if spec.window.left is None else spec.window.left,
         -1 if spec.window.right is None else spec.window.right,
-        LAYOUTS.index(spec.layout),
+        len(LAYOUTS) + spec.layout.fingerprint() if is_balanced(spec.layout) else LAYOUTS.index(spec.layout),
         _float_bits(spec.scale),
         int(q.is_cuda),
         int(has_mask),
@@ -216,7 +216,7 @@ def _show_field(name, value):
     if name in ("dtype", "grad_accum_dtype"):
         return str(SUPPORTED_DTYPES[value])
     if name == "layout":
-        return LAYOUTS[value]
+        return LAYOUTS[value] if value < len(LAYOUTS) else f"a balanced layout (fingerprint {value - len(LAYOUTS)})"
     if name == "softmax_scale":
         return repr(struct.unpack("<d", struct.pack("<q", value))[0])
     if name == "grad_chunks" and value == -1:
@@ -293,6 +293,8 @@ def ring_flash_attn_func(
 
     def validate():
         check_bool("return_lse", return_lse, api)
+        if is_balanced(layout):
+            raise ValueError(f"{api}: a balanced layout (packed documents) goes with ring_flash_attn_varlen_func")
         dims, spec, key_bias = ring_call_spec(
             q, k, v, causal, softmax_scale, layout, key_padding_mask, grad_accum_dtype, grad_chunks, api
         )
@@ -315,3 +317,85 @@ def ring_flash_attn_func(
     comm = RingComm(group) if world > 1 else LocalComm()
     out, lse = _RingAttn.apply(q, k, v, key_bias, spec, comm)
     return (out, lse) if return_lse else out
+
+
+def hops_needed(layout, world: int) -> int:
+    """How many ring steps any rank has work in (1: no K/V ever travels), from the schedule."""
+    needed = 1
+    for step in range(1, world):
+        if any(step_tasks(layout, r, world, step, 0, 0, layout.window) for r in range(world)):
+            needed = step + 1
+    return needed
+
+
+def ring_flash_attn_varlen_func(
+    q,
+    k,
+    v,
+    cu_seqlens,
+    *,
+    layout,
+    causal=False,
+    softmax_scale=None,
+    window_size=(-1, -1),
+    group=None,
+    return_lse=False,
+    grad_accum_dtype=None,
+    grad_chunks=None,
+):
+    """Exact attention over packed documents sharded across the ranks of `group`.
+
+    q: (n_local, Hq, D), k, v: (n_local, Hkv, D): this rank's tokens of the packed row, in the
+    order of `layout` (a ringflash.balanced_layout(cu_seqlens, world, ...) built from the same
+    global cu_seqlens on every rank; shard(x, layout=layout, dim=0) makes them), Hq % Hkv == 0.
+    cu_seqlens: the global document boundaries (as balanced_layout's). Each query attends to
+    the keys of its own document only, with causal and window_size (flash-attn semantics)
+    applied within it: self-attention, the same documents for queries and keys. Returns this
+    rank's output (n_local, Hq, D) in q's dtype and, with return_lse, lse (Hq, n_local).
+    Differentiable in q, k, v. A document the layout keeps whole on one rank is computed
+    there; when no document spans two ranks no K/V travels at all. grad_accum_dtype,
+    grad_chunks: as ring_flash_attn_func's.
+    """
+    api = "ring_flash_attn_varlen_func"
+    rank, world = group_rank_world(group)
+
+    def validate():
+        check_bool("return_lse", return_lse, api)
+        if not is_balanced(layout):
+            raise ValueError(f"{api}: layout must be a ringflash.balanced_layout(...), got {layout!r}")
+        for name, t in (("q", q), ("k", k), ("v", v)):
+            if not isinstance(t, torch.Tensor) or t.dim() != 3:
+                raise ValueError(f"{api}: {name} must be a 3-D tensor (n_local, heads, head_dim), got "
+                                 f"{getattr(t, 'shape', type(t).__name__)}")  # fmt: skip
+        if layout.world != world:
+            raise ValueError(f"{api}: the layout was built for {layout.world} ranks, the group has {world}")
+        cu = cu_seqlens.tolist() if isinstance(cu_seqlens, torch.Tensor) else list(cu_seqlens)
+        if tuple(cu) != layout.cu_seqlens:
+            raise ValueError(f"{api}: cu_seqlens {cu[:6]}... is not the one the layout was built from")
+        n = layout.local_len(rank)
+        if q.shape[0] != n or k.shape[0] != n:
+            raise ValueError(f"{api}: the layout gives rank {rank} {n} tokens, got q {tuple(q.shape)} and "
+                             f"k {tuple(k.shape)}")  # fmt: skip
+        window = window_from(causal, window_size, api)
+        dims, spec, _ = ring_call_spec(
+            q[None], k[None], v[None], False, softmax_scale, "contiguous", None, grad_accum_dtype, grad_chunks, api
+        )
+        spec = dataclasses.replace(spec, window=window, layout=layout)
+        if world > 1:
+            check_backend_device(group, q.device, api)
+        pad = layout.max_local_len - n
+        shapes = (
+            q.new_empty(1, layout.max_local_len, *q.shape[1:]),
+            k.new_empty(1, layout.max_local_len, *k.shape[1:]),
+        )
+        return _signature(*shapes, spec, False), (spec, pad)
+
+    spec, pad = validated_across_ranks(
+        group, api, validate, _FIELD_NAMES, device=getattr(q, "device", None), show=_show_field
+    )
+    # K/V travel padded to the longest shard; the schedule never reads the padding rows
+    k_p, v_p = (torch.nn.functional.pad(t, (0, 0, 0, 0, 0, pad)) for t in (k, v))
+    hops = hops_needed(layout, world)
+    comm = RingComm(group) if world > 1 and hops > 1 else LocalComm(rank)
+    out, lse = _RingAttn.apply(q[None], k_p[None], v_p[None], None, spec, comm)
+    return (out[0], lse[0]) if return_lse else out[0]

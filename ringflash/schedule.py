@@ -21,6 +21,7 @@ class Segment:
     local_start: int  # first row in the rank's local tensor
     global_start: int  # its global token position
     length: int
+    doc: int = -1  # the packed document it belongs to (balance.BalancedLayout), -1: one sequence
 
 
 @dataclass(frozen=True)
@@ -38,12 +39,17 @@ class BlockTask:
     masked: bool
 
 
-def check_layout(layout: str, api: str) -> None:
-    if layout not in LAYOUTS:
-        raise ValueError(f"{api}: layout must be one of {LAYOUTS}, got {layout!r}")
+def is_balanced(layout) -> bool:
+    """A balance.BalancedLayout (packed documents), not a layout name."""
+    return hasattr(layout, "pieces")
 
 
-def chunks_per_rank(layout: str) -> int:
+def check_layout(layout, api: str) -> None:
+    if not is_balanced(layout) and layout not in LAYOUTS:
+        raise ValueError(f"{api}: layout must be one of {LAYOUTS} or a balanced_layout(), got {layout!r}")
+
+
+def chunks_per_rank(layout) -> int:
     return 2 if layout == "zigzag" else 1
 
 
@@ -58,8 +64,11 @@ def check_divisible(seq_len: int, world: int, layout: str, api: str, what: str =
         )
 
 
-def segments(layout: str, rank: int, world: int, local_len: int) -> list[Segment]:
-    """The runs of global positions held by `rank`, in local order."""
+def segments(layout, rank: int, world: int, local_len: int) -> list[Segment]:
+    """The runs of global positions held by `rank`, in local order (a balanced layout knows
+    its own; local_len is then unused)."""
+    if is_balanced(layout):
+        return layout.segments(rank)
     if layout == "contiguous":
         return [Segment(0, rank * local_len, local_len)]
     chunk = local_len // 2
@@ -100,10 +109,12 @@ def step_tasks(
 ) -> list[BlockTask]:
     """Block tasks for `rank` at ring `step`, when it holds the keys of rank (rank - step) % world.
     q_len / kv_len: local lengths of the query and key shards."""
-    src = (rank - step) % world
+    src = rank if step == 0 else (rank - step) % world
     tasks = []
     for qs in segments(layout, rank, world, q_len):
         for ks in segments(layout, src, world, kv_len):
+            if qs.doc != ks.doc:  # packed documents attend within themselves only
+                continue
             vis = block_visibility(qs.global_start, qs.length, ks.global_start, ks.length, window)
             if vis is Visibility.NONE:
                 continue

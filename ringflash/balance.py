@@ -1,0 +1,169 @@
+"""Balanced layouts of packed documents over the ranks of a ring (pure: no communication).
+
+A packing user has one long row of documents (cu_seqlens) to shard over P ranks. The layout is
+computed identically on every rank from the global cu_seqlens:
+
+- documents are dealt longest (most visible pairs) first, each to the rank with the least work
+  so far; one that fits there within BALANCE_SLACK of an equal share stays whole: its pairs
+  are all computed at ring step 0 and none of its keys ever needs to travel;
+- any other document is cut over all P ranks, so that every ring step carries an equal part of
+  it: causal without a window bound in 2P chunks, rank r holding chunks r and 2P-1-r (the
+  zigzag of one document); with a window or without causality in P contiguous pieces (each
+  query's keys are its neighbours, and those pieces' work is already equal).
+
+No length needs to divide by anything: chunk lengths differ by at most one token, shard sizes
+may differ between ranks. Each rank's local tensor holds its pieces in global order.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+import torch
+
+from .masks import Window, window_from
+from .schedule import Segment
+
+BALANCE_SLACK = 0.02  # how far above an equal share of the work a whole document may leave a rank
+
+
+def _document_work(n: int, window: Window) -> int:
+    """Visible (query, key) pairs of one self-attention document of n tokens."""
+    return _pairs(0, n, 0, n, window)
+
+
+@dataclass(frozen=True)
+class BalancedLayout:
+    """Which global token positions each rank of a `world`-rank ring holds, for documents
+    `cu_seqlens` (the global boundaries, a tuple). Made by balanced_layout(); accepted by
+    shard, unshard, local_positions and ring_flash_attn_varlen_func wherever "zigzag" is."""
+
+    cu_seqlens: tuple[int, ...]
+    world: int
+    window: Window
+    pieces: tuple[tuple[Segment, ...], ...]  # per rank, in local order; Segment.doc: the document
+
+    @property
+    def total(self) -> int:
+        return self.cu_seqlens[-1]
+
+    def segments(self, rank: int) -> list[Segment]:
+        return list(self.pieces[rank])
+
+    def local_len(self, rank: int) -> int:
+        return sum(s.length for s in self.pieces[rank])
+
+    @property
+    def max_local_len(self) -> int:
+        return max(self.local_len(r) for r in range(self.world))
+
+    def positions(self, rank: int, device=None) -> torch.Tensor:
+        """int64 (local_len(rank),): the global positions `rank` holds, in local order."""
+        if not 0 <= rank < self.world:
+            raise ValueError(f"BalancedLayout.positions: rank must be in [0, {self.world}), got {rank}")
+        segs = self.pieces[rank]
+        if not segs:
+            return torch.zeros(0, dtype=torch.long, device=device)
+        return torch.cat([torch.arange(s.global_start, s.global_start + s.length, device=device) for s in segs])
+
+    def fingerprint(self) -> int:
+        """A 62-bit digest of (cu_seqlens, world, pieces): ranks compare it to agree on the layout."""
+        text = repr((self.cu_seqlens, self.world, self.pieces)).encode()
+        return int.from_bytes(hashlib.sha256(text).digest()[:8], "little") >> 2
+
+    def work(self, rank: int, step: int) -> int:
+        """Visible pairs `rank` computes at ring step `step` (it then holds the keys of rank
+        (rank - step) mod world): the balance this layout is built for."""
+        src = self.pieces[(rank - step) % self.world]
+        pairs = 0
+        for qs in self.pieces[rank]:
+            for ks in src:
+                if ks.doc == qs.doc:
+                    pairs += _pairs(qs.global_start, qs.length, ks.global_start, ks.length, self.window)
+        return pairs
+
+    def __repr__(self) -> str:
+        lines = [f"BalancedLayout({len(self.cu_seqlens) - 1} documents, {self.total} tokens, {self.world} ranks)"]
+        for r, segs in enumerate(self.pieces):
+            runs = ", ".join(f"[{s.global_start}:{s.global_start + s.length}]" for s in segs[:6])
+            more = f", ... ({len(segs)} pieces)" if len(segs) > 6 else ""
+            lines.append(f"  rank {r}: {self.local_len(r)} tokens {runs}{more}")
+        return "\n".join(lines)
+
+
+def _pairs(q0: int, nq: int, k0: int, nk: int, window: Window) -> int:
+    """Visible pairs between query positions [q0, q0 + nq) and key positions [k0, k0 + nk)."""
+    if nq <= 0 or nk <= 0:
+        return 0
+    qp = torch.arange(q0, q0 + nq, dtype=torch.long)
+    lo = torch.full_like(qp, k0) if window.left is None else (qp - window.left).clamp(min=k0)
+    hi = torch.full_like(qp, k0 + nk) if window.right is None else (qp + window.right + 1).clamp(max=k0 + nk)
+    return int((hi - lo).clamp(min=0).sum())
+
+
+def _cuts(start: int, n: int, parts: int) -> list[tuple[int, int]]:
+    """n tokens from `start` in `parts` contiguous runs whose lengths differ by at most one."""
+    bounds = [start + (n * i) // parts for i in range(parts + 1)]
+    return list(zip(bounds, bounds[1:]))
+
+
+def balanced_layout(cu_seqlens, world: int, *, causal: bool = True, window_size=(-1, -1)) -> BalancedLayout:
+    """The balanced layout of packed documents over `world` ranks (module docstring).
+
+    cu_seqlens: the global document boundaries, a 1-D int tensor or a sequence of ints,
+    starting at 0, non-decreasing (empty documents allowed). causal / window_size: the masking
+    the attention will use (flash-attn semantics per document), which decides the balance.
+    Pure and deterministic: every rank computes the same layout from the same arguments.
+    """
+    api = "balanced_layout"
+    if isinstance(cu_seqlens, torch.Tensor):
+        if cu_seqlens.dtype not in (torch.int32, torch.int64) or cu_seqlens.dim() != 1:
+            raise TypeError(f"{api}: cu_seqlens must be a 1-D int32/int64 tensor, got {cu_seqlens.dtype} "
+                            f"of shape {tuple(cu_seqlens.shape)}")  # fmt: skip
+        cu = [int(x) for x in cu_seqlens.tolist()]
+    else:
+        cu = list(cu_seqlens)
+        if not all(isinstance(x, int) and not isinstance(x, bool) for x in cu):
+            raise TypeError(f"{api}: cu_seqlens must hold ints, got {cu_seqlens!r}")
+    if not cu or cu[0] != 0:
+        raise ValueError(f"{api}: cu_seqlens must start at 0, got {cu[:4]}")
+    if any(b < a for a, b in zip(cu, cu[1:])):
+        raise ValueError(f"{api}: cu_seqlens must be non-decreasing, got {cu[:8]}...")
+    if isinstance(world, bool) or not isinstance(world, int) or world < 1:
+        raise ValueError(f"{api}: world must be a positive int, got {world!r}")
+    window = window_from(causal, window_size, api)
+    docs = [(d, a, b - a) for d, (a, b) in enumerate(zip(cu, cu[1:])) if b > a]
+    work = {d: _document_work(n, window) for d, _, n in docs}
+    share = sum(work.values()) / world
+    per_rank: list[list[Segment]] = [[] for _ in range(world)]
+    load = [0] * world
+    tokens = [0] * world
+    # longest first; a document stays whole on the least loaded rank if it fits there within
+    # BALANCE_SLACK of an equal share, else it is cut over every rank
+    for d, start, n in sorted(docs, key=lambda t: (-work[t[0]], t[1])):
+        r = min(range(world), key=lambda i: (load[i], tokens[i], i))
+        if world == 1 or load[r] + work[d] <= share * (1 + BALANCE_SLACK):
+            per_rank[r].append(Segment(0, start, n, d))
+            load[r] += work[d]
+            tokens[r] += n
+            continue
+        if window.left is None and window.right == 0:  # causal, unbounded: zigzag of the document
+            chunks = _cuts(start, n, 2 * world)
+            owned = [(chunks[i], chunks[2 * world - 1 - i]) for i in range(world)]
+        else:
+            owned = [(c,) for c in _cuts(start, n, world)]
+        for i, runs in enumerate(owned):
+            for a, b in runs:
+                if b > a:
+                    per_rank[i].append(Segment(0, a, b - a, d))
+                    tokens[i] += b - a
+                    load[i] += _pairs(a, b - a, start, n, window)
+    pieces = []
+    for segs in per_rank:
+        local, placed = 0, []
+        for s in sorted(segs, key=lambda s: s.global_start):
+            placed.append(Segment(local, s.global_start, s.length, s.doc))
+            local += s.length
+        pieces.append(tuple(placed))
+    return BalancedLayout(tuple(cu), world, window, tuple(pieces))

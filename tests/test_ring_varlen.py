@@ -1,0 +1,135 @@
+"""Packed documents across the ring: balanced_layout (pure) and ring_flash_attn_varlen_func over
+gloo against a float64 oracle run one document at a time."""
+
+import random
+
+import pytest
+import torch
+
+from ringflash import balanced_layout, local_positions, ring_flash_attn_varlen_func, shard, unshard
+from ringflash.ring import hops_needed
+from ringflash.testing import varlen_plain_errors, varlen_reference
+
+from oracle import assert_within
+from ring_cases import TORCH, TRITON
+
+
+def _cu(lengths):
+    cu = [0]
+    for n in lengths:
+        cu.append(cu[-1] + n)
+    return cu
+
+
+def _long_tailed(n_docs, seed, lo=1, hi=400):
+    rng = random.Random(seed)
+    return [int(lo * (hi / lo) ** rng.random()) for _ in range(n_docs)]
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize("causal,window_size", [(True, (-1, -1)), (False, (-1, -1)), (True, (31, 0))])
+def test_layout_holds_every_token_once_and_balances_every_step(world, causal, window_size):
+    lengths = _long_tailed(40, world) + [0, 1, 2000]  # empty, one token, one longer than a share
+    L = balanced_layout(_cu(lengths), world, causal=causal, window_size=window_size)
+    held = torch.cat([L.positions(r) for r in range(world)])
+    assert torch.equal(held.sort().values, torch.arange(L.total))
+    assert sum(L.local_len(r) for r in range(world)) == L.total
+    for r in range(world):
+        for s in L.segments(r):  # each piece is inside one document
+            d = s.doc
+            assert L.cu_seqlens[d] <= s.global_start and s.global_start + s.length <= L.cu_seqlens[d + 1]
+    # a whole document may leave a rank 2% above an equal share (BALANCE_SLACK), a cut one
+    # differs between ranks by its one-token cut granularity: 3% in all
+    work = [[L.work(r, step) for r in range(world)] for step in range(world)]
+    if window_size == (-1, -1):  # every step balanced
+        for step, w in enumerate(work):
+            assert max(w) <= 1.03 * sum(w) / world + 1, (step, w)
+    else:  # a window: each rank's total balanced (the first piece of a cut has no left neighbour)
+        totals = [sum(work[s][r] for s in range(world)) for r in range(world)]
+        assert max(totals) <= 1.03 * sum(totals) / world + 1, totals
+    text = repr(L)
+    assert f"{world} ranks" in text and "rank 0:" in text
+
+
+def test_short_documents_stay_whole_and_need_no_hop():
+    lengths = [50, 60, 40, 70, 55, 45, 65, 35]
+    L = balanced_layout(_cu(lengths), 2)
+    for r in range(2):
+        docs = [s.doc for s in L.segments(r)]
+        assert len(docs) == len(set(docs))  # no document in two pieces on a rank
+    assert sorted(s.doc for r in range(2) for s in L.segments(r)) == list(range(8))  # nor on two ranks
+    assert hops_needed(L, 2) == 1
+    assert hops_needed(balanced_layout(_cu([10, 300, 10]), 2), 2) == 2  # the long one is cut over both
+
+
+def test_balanced_layout_rejects_bad_input():
+    with pytest.raises(ValueError, match="must start at 0"):
+        balanced_layout([1, 4], 2)
+    with pytest.raises(ValueError, match="non-decreasing"):
+        balanced_layout([0, 5, 3], 2)
+    with pytest.raises(TypeError, match="1-D int32/int64 tensor"):
+        balanced_layout(torch.tensor([0.0, 3.0]), 2)
+    with pytest.raises(ValueError, match="world must be a positive int"):
+        balanced_layout([0, 4], 0)
+    with pytest.raises(ValueError, match="window_size"):
+        balanced_layout([0, 4], 2, window_size=(1,))
+
+
+def _ring_varlen_vs_oracle(rank, world, lengths, causal, window_size, Hq, Hkv, dtype, seed):
+    cu = _cu(lengths)
+    L = balanced_layout(cu, world, causal=causal, window_size=window_size)
+    g = torch.Generator().manual_seed(seed)
+    T, D = cu[-1], 16
+    q = torch.randn(T, Hq, D, generator=g).to(dtype)
+    k, v = (torch.randn(T, Hkv, D, generator=g).to(dtype) for _ in range(2))
+    do = torch.randn(T, Hq, D, generator=g).to(dtype)
+    cu_t = torch.tensor(cu)
+    kw = dict(causal=causal, window_size=window_size)
+    ref = varlen_reference(q, k, v, do, cu_t, cu_t, **kw)
+    plain = varlen_plain_errors(q, k, v, do, cu_t, cu_t, ref, **kw)
+
+    sh = lambda t: shard(t, layout=L, dim=0)
+    assert torch.equal(local_positions(T, layout=L), L.positions(rank))
+    ql, kl, vl = (sh(t).clone().requires_grad_() for t in (q, k, v))
+    out, lse = ring_flash_attn_varlen_func(ql, kl, vl, cu_t, layout=L, return_lse=True, **kw)
+    assert out.shape == ql.shape and lse.shape == (Hq, ql.shape[0])
+    grads = torch.autograd.grad(out, (ql, kl, vl), sh(do))
+    full = [unshard(t, layout=L, dim=0) for t in (out, *grads)]
+    full_lse = unshard(lse, layout=L, dim=1)
+    for name, got, r in zip(("out", "dq", "dk", "dv"), full, (ref[0], *ref[2:])):
+        assert_within(name, got, r, plain[name])
+    assert_within("lse", full_lse, ref[1], plain["lse"], sum_len=1)
+    return hops_needed(L, world)
+
+
+MIXES = {
+    "long_and_short": [3, 0, 90, 1, 7, 20, 5],  # the 90-token one is cut over the ranks
+    "short": [5, 6, 5, 6, 5, 6, 5, 6, 5, 6, 5, 6],  # all whole on 2 or 3 ranks: no K/V travels
+}
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("mix", list(MIXES))
+@pytest.mark.parametrize("causal,window_size", [(True, (-1, -1)), (False, (-1, -1)), (True, (6, 0))])
+def test_ring_varlen_torch_backend(worlds, world, mix, causal, window_size):
+    hops = worlds(world, **TORCH).run(
+        _ring_varlen_vs_oracle, MIXES[mix], causal, window_size, 4, 2, torch.float64, world
+    )
+    if mix == "short":
+        assert hops == [1] * world
+
+
+@pytest.mark.parametrize("world", [2])
+def test_ring_varlen_triton_interpreter(worlds, world):
+    worlds(world, **TRITON).run(_ring_varlen_vs_oracle, MIXES["long_and_short"], True, (-1, -1), 2, 1, torch.float32, 5)
+
+
+def test_ring_varlen_checks_its_layout():
+    L = balanced_layout(_cu([5, 7]), 1)
+    q = torch.randn(12, 2, 16)
+    with pytest.raises(ValueError, match="layout must be a ringflash.balanced_layout"):
+        ring_flash_attn_varlen_func(q, q, q, torch.tensor(_cu([5, 7])), layout="zigzag")
+    with pytest.raises(ValueError, match="is not the one the layout was built from"):
+        ring_flash_attn_varlen_func(q, q, q, torch.tensor(_cu([6, 6])), layout=L)
+    with pytest.raises(ValueError, match="gives rank 0 12 tokens"):
+        ring_flash_attn_varlen_func(q[:10], q[:10], q[:10], torch.tensor(_cu([5, 7])), layout=L)
