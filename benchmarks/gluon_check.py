@@ -743,7 +743,7 @@ def main():
     ap.add_argument(
         "--full-correctness-for",
         nargs="*",
-        default=["straight", "overlap", "ws", "ws2"],
+        default=["ws2", "ws2_s3"],
         help="variants that get the full correctness set (others get the smaller one)",
     )
     ap.add_argument("--report", action="store_true", help="also print the compile report per variant (CPU side)")

@@ -54,7 +54,7 @@ class Unsupported(ValueError):
 
 @dataclass(frozen=True)
 class GluonConfig:
-    schedule: str  # "straight" | "overlap" | "ws" | "ws2" (see _gluon_fwd)
+    schedule: str  # "ws2", the one schedule of _gluon_fwd
     block_m: int = 128  # query rows per program (64 per consumer warpgroup)
     block_n: int = 128  # key rows per block
     num_warps: int = 8  # warps of the default partition (ws2: one of its two consumer warpgroups)
@@ -63,14 +63,14 @@ class GluonConfig:
     maxnreg: int | None = None  # ws, ws2: register cap at entry; the default partition gets what is left
 
     def __post_init__(self):
-        if self.schedule not in ("straight", "overlap", "ws", "ws2"):
+        if self.schedule != "ws2":
             raise ValueError(f"unknown schedule {self.schedule!r}")
         if self.schedule == "ws2" and (self.num_warps != 4 or self.block_m != 128):
             raise ValueError("ws2 runs two 4-warp consumer partitions of 64 rows each")
 
     @property
     def warp_specialized(self) -> bool:
-        return self.schedule in ("ws", "ws2")
+        return self.schedule == "ws2"
 
     @property
     def q_rows(self) -> int:
@@ -89,30 +89,10 @@ class GluonConfig:
         return (self.maxnreg * total - self.producer_regs * 4) // consumer_warps
 
 
-def _ws(block_m=128, block_n=128, num_warps=8, stages=2):
-    # 12 warps at 168 registers = 8 consumer warps at 240 + a producer warpgroup at 24 (FA3's split);
-    # 8 warps at 128 = 4 consumers at 232 + producer at 24, and leaves room for 2 programs per SM
-    return GluonConfig("ws", block_m, block_n, num_warps, stages, 24, 168 if num_warps == 8 else 128)
-
-
 # Variants by name -> {head_dim: config}. "default" is what forward() uses without `config`.
 # D=256 takes 64-key blocks: Q 64 KiB + 2 stages x (K + V) 128 KiB = 192 KiB, O alone 128
 # registers a thread.
 VARIANTS: dict[str, dict[int, GluonConfig]] = {
-    "straight": {
-        64: GluonConfig("straight", 128, 128, 8, 2),
-        128: GluonConfig("straight", 128, 128, 8, 2),
-        256: GluonConfig("straight", 128, 64, 8, 2),
-    },
-    "overlap": {
-        64: GluonConfig("overlap", 128, 128, 8, 2),
-        128: GluonConfig("overlap", 128, 128, 8, 2),
-        256: GluonConfig("overlap", 128, 64, 8, 2),
-    },
-    "ws": {64: _ws(stages=3), 128: _ws(stages=2), 256: _ws(block_n=64, stages=2)},
-    "ws_s3": {64: _ws(stages=4), 128: _ws(stages=3)},
-    "ws_n64": {64: _ws(block_n=64, stages=4), 128: _ws(block_n=64, stages=3)},
-    "ws_m64": {64: _ws(64, 128, 4, 2), 128: _ws(64, 64, 4, 2)},
     "ws2": {
         64: GluonConfig("ws2", 128, 128, 4, 3, 24, 168),
         128: GluonConfig("ws2", 128, 128, 4, 2, 24, 168),
@@ -120,7 +100,7 @@ VARIANTS: dict[str, dict[int, GluonConfig]] = {
     },
     "ws2_s3": {64: GluonConfig("ws2", 128, 128, 4, 4, 24, 168), 128: GluonConfig("ws2", 128, 128, 4, 3, 24, 168)},
 }
-DEFAULT_VARIANT = "ws"
+DEFAULT_VARIANT = "ws2_s3"
 HEAD_DIMS = (64, 128, 256)
 
 
@@ -573,11 +553,11 @@ def report_problems(row: dict) -> list[str]:
         bad.append("no HGMMA in the SASS")
     if row["warnings"]:
         bad.append(f"ptxas warnings {row['warnings']}")
-    if row["variant"] in ("overlap", "ws", "ws2") and not row["sass_waits"].get(1):
+    if not row["sass_waits"].get(1):
         bad.append("no wgmma wait of 1 (the overlap is gone)")
-    if row["variant"] in ("ws", "ws2"):
+    if row["config"]["schedule"] == "ws2":
         # ws2 also shows the budgets of the idle worker warps and of the region before the split
         want = {row["config"]["producer_regs"], row["consumer_regs_expected"]}
-        if not want <= set(row["setmaxnreg"]) or (row["variant"] == "ws" and set(row["setmaxnreg"]) != want):
+        if not want <= set(row["setmaxnreg"]):
             bad.append(f"setmaxnreg {row['setmaxnreg']} lacks {sorted(want)}")
     return bad
