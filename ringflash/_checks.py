@@ -12,7 +12,10 @@ from typing import NamedTuple
 import torch
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-MIN_HEAD_DIM, MAX_HEAD_DIM, HEAD_DIM_MULTIPLE = 16, 256, 8
+# Any head dim in this range: the Triton kernels pad it inside to a power of two of at least 16
+# (kernels._block_d: zero columns, masked loads and stores), which changes no score and no
+# output column; the softmax scale stays that of the true head dim (resolve_scale).
+MIN_HEAD_DIM, MAX_HEAD_DIM = 1, 256
 
 
 class AttnDims(NamedTuple):
@@ -22,6 +25,11 @@ class AttnDims(NamedTuple):
     heads_q: int
     heads_kv: int
     head_dim: int
+
+    @property
+    def empty(self) -> bool:
+        """No query row or no key: the result is known without a kernel (ringflash.empty)."""
+        return self.batch == 0 or self.seqlen_q == 0 or self.seqlen_k == 0 or self.heads_q == 0
 
 
 def _shape(t: torch.Tensor) -> str:
@@ -58,13 +66,8 @@ def check_qkv(q, k, v, api: str) -> AttnDims:
         raise ValueError(f"{api}: head_dim differs: q {_shape(q)} vs k {_shape(k)}")
     if Hkv == 0 or Hq % Hkv != 0:
         raise ValueError(f"{api}: q heads ({Hq}) must be a multiple of k/v heads ({Hkv}); q {_shape(q)}, k {_shape(k)}")
-    if not (MIN_HEAD_DIM <= D <= MAX_HEAD_DIM and D % HEAD_DIM_MULTIPLE == 0):
-        raise ValueError(
-            f"{api}: head_dim {D} unsupported (q {_shape(q)}); need a multiple of "
-            f"{HEAD_DIM_MULTIPLE} from {MIN_HEAD_DIM} to {MAX_HEAD_DIM}"
-        )
-    if B == 0 or Sq == 0 or Sk == 0 or Hq == 0:
-        raise ValueError(f"{api}: empty input: q {_shape(q)}, k {_shape(k)}")
+    if not MIN_HEAD_DIM <= D <= MAX_HEAD_DIM:
+        raise ValueError(f"{api}: head_dim {D} unsupported (q {_shape(q)}); need {MIN_HEAD_DIM} to {MAX_HEAD_DIM}")
     return AttnDims(B, Sq, Sk, Hq, Hkv, D)
 
 

@@ -26,6 +26,7 @@ from ._checks import (
     key_bias_from_mask,
     resolve_scale,
 )
+from .empty import empty_attention
 from .masks import BlockMask, Visibility, document_bounds, local_offsets, window_from
 from .merge import SoftmaxState, state_dtype
 
@@ -197,14 +198,15 @@ def flash_attn_func(
     """Exact attention on one device.
 
     q: (B, Sq, Hq, D); k, v: (B, Sk, Hkv, D) with Hq % Hkv == 0 (GQA / MQA without copies).
-    dtype float16, bfloat16 or float32 (float64 on the torch backend); D a multiple of 8 from
-    16 to 256. Masks align bottom-right when Sq != Sk, as flash-attn's: query i sits at key
-    position i + Sk - Sq. causal: query i sees key j iff j <= i + Sk - Sq. window_size =
-    (left, right): query i sees key j iff i + Sk - Sq - left <= j <= i + Sk - Sq + right, -1
-    meaning unbounded on that side (causal means right = 0; another right with causal=True is
-    an error). A query that sees no key gets output 0 and lse -inf. key_padding_mask:
-    optional (B, Sk), bool (True = padding: the key is ignored) or float (added to every
-    query's scores of that key; not differentiated).
+    dtype float16, bfloat16 or float32 (float64 on the torch backend); any D from 1 to 256
+    (padded inside; the default scale is 1/sqrt(D) of the true D). Empty inputs (B, Sq or Hq
+    0) give empty outputs; Sk = 0 gives out 0 and lse -inf. Masks align bottom-right when
+    Sq != Sk, as flash-attn's: query i sits at key position i + Sk - Sq. causal: query i
+    sees key j iff j <= i + Sk - Sq. window_size = (left, right): query i sees key j iff
+    i + Sk - Sq - left <= j <= i + Sk - Sq + right, -1 meaning unbounded on that side (causal
+    means right = 0; another right with causal=True is an error). A query that sees no key
+    gets output 0 and lse -inf. key_padding_mask: optional (B, Sk), bool (True = padding: the
+    key is ignored) or float (added to every query's scores of that key; not differentiated).
     Returns out (B, Sq, Hq, D) in q's dtype, and with return_lse=True also lse (B, Hq, Sq),
     float32 (float64 for float64 inputs), natural log. Differentiable in q, k, v (and
     through lse). Key blocks no query of a tile sees are skipped: a window costs in proportion
@@ -217,6 +219,9 @@ def flash_attn_func(
     window = window_from(causal, window_size, api)
     scale = resolve_scale(softmax_scale, dims.head_dim, api)
     key_bias = key_bias_from_mask(key_padding_mask, dims, q.device, api, state_dtype(q.dtype))
+    if dims.empty:
+        out, lse = empty_attention(q, k, v)
+        return (out, lse) if return_lse else out
     mask = BlockMask(*local_offsets(dims.seqlen_q, dims.seqlen_k), window)
     out, lse = _FlashAttn.apply(q, k, v, key_bias, mask, scale)
     return (out, lse) if return_lse else out
@@ -236,7 +241,8 @@ def flash_attn_varlen_func(
     bottom-right within it. max_seqlen_q / max_seqlen_k: hints, checked when given (never
     trusted: the kernels do not use them). Returns out (total_q, Hq, D) in q's dtype and, with
     return_lse=True, lse (Hq, total_q), float32 (float64 for float64 inputs). Differentiable in
-    q, k, v. Cost follows the visible pairs (about the sum of squared document lengths / 2 for
+    q, k, v. Any head dim from 1 to 256; no documents or no rows give empty (or zero) outputs.
+    Cost follows the visible pairs (about the sum of squared document lengths / 2 for
     causal documents), not total_q x total_k.
     """
     api = "flash_attn_varlen_func"
@@ -252,6 +258,9 @@ def flash_attn_varlen_func(
     cu_q, cu_k = check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], q.device, api)
     check_max_seqlen(max_seqlen_q, cu_q, "max_seqlen_q", api)
     check_max_seqlen(max_seqlen_k, cu_k, "max_seqlen_k", api)
-    mask = BlockMask(0, 0, window, document_bounds(cu_q, cu_k, window))
-    out, lse = _FlashAttn.apply(q[None], k[None], v[None], None, mask, scale)
+    if dims.empty:
+        out, lse = empty_attention(q[None], k[None], v[None])
+    else:
+        mask = BlockMask(0, 0, window, document_bounds(cu_q, cu_k, window))
+        out, lse = _FlashAttn.apply(q[None], k[None], v[None], None, mask, scale)
     return (out[0], lse[0]) if return_lse else out[0]

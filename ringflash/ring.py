@@ -16,6 +16,7 @@ import torch
 
 from ._checks import SUPPORTED_DTYPES, check_bool, check_qkv, key_bias_from_mask, resolve_grad_accum, resolve_scale
 from .comm import LocalComm, RingComm, check_backend_device, group_rank_world, validated_across_ranks
+from .empty import empty_attention
 from .local import backend_for, backward_inputs, block_backward, block_forward, without_autocast
 from .masks import CAUSAL, FULL, BlockMask, Window, window_from
 from .merge import SoftmaxState, state_dtype
@@ -267,8 +268,10 @@ def ring_flash_attn_func(
 
     q: (B, Sq_local, Hq, D), k, v: (B, Sk_local, Hkv, D): this rank's shards (see shard() and
     local_positions(), with the same layout), Hq % Hkv == 0; float16, bfloat16 or float32
-    (float64 on CPU). group: a process group (None: the default group). With world size 1, or
-    no process group initialized, this is local attention. layout: "zigzag" (balanced causal
+    (float64 on CPU); any head dim D from 1 to 256 (padded inside, not on the wire). An empty
+    shard (B, Sq_local or Hq 0, on every rank) gives an empty output, Sk_local = 0 out 0.
+    group: a process group (None: the default group). With world size 1, or no process group
+    initialized, this is local attention. layout: "zigzag" (balanced causal
     work) or "contiguous"; causal needs Sq_local == Sk_local (the same sequence).
     key_padding_mask: optional (B, Sk_local) for this rank's keys, bool (True = padding, the
     key is ignored) or float (added to the scores; not differentiated); it travels around the
@@ -314,6 +317,9 @@ def ring_flash_attn_func(
     spec, key_bias = validated_across_ranks(
         group, api, validate, _FIELD_NAMES, device=getattr(q, "device", None), show=_show_field
     )
+    if q.shape[0] == 0 or q.shape[1] == 0 or q.shape[2] == 0 or k.shape[1] == 0:  # agreed by every rank
+        out, lse = empty_attention(q, k, v)
+        return (out, lse) if return_lse else out
     comm = RingComm(group) if world > 1 else LocalComm()
     out, lse = _RingAttn.apply(q, k, v, key_bias, spec, comm)
     return (out, lse) if return_lse else out

@@ -33,10 +33,8 @@ def _t(*shape, dtype=torch.float32):
         ((_t(2, 8, 4, 32), _t(2, 8, 4, 64), _t(2, 8, 4, 64)), ValueError, r"head_dim differs"),
         ((_t(2, 8, 4, 32), _t(2, 8, 3, 32), _t(2, 8, 3, 32)), ValueError, r"multiple of k/v heads \(3\)"),
         ((_t(2, 8, 4, 32), _t(2, 8, 4, 32), _t(2, 9, 4, 32)), ValueError, r"k and v must have the same shape"),
-        ((_t(2, 8, 4, 12), _t(2, 8, 4, 12), _t(2, 8, 4, 12)), ValueError, r"head_dim 12 unsupported"),
+        ((_t(2, 8, 4, 0), _t(2, 8, 4, 0), _t(2, 8, 4, 0)), ValueError, r"head_dim 0 unsupported"),
         ((_t(2, 8, 4, 264), _t(2, 8, 4, 264), _t(2, 8, 4, 264)), ValueError, r"head_dim 264 unsupported"),
-        ((_t(2, 8, 4, 36), _t(2, 8, 4, 36), _t(2, 8, 4, 36)), ValueError, r"head_dim 36 unsupported"),
-        ((_t(2, 0, 4, 32), _t(2, 8, 4, 32), _t(2, 8, 4, 32)), ValueError, r"empty input"),
         ((_t(2, 8, 4, 32), _t(2, 8, 4, 32, dtype=torch.float16), _t(2, 8, 4, 32)), TypeError, r"share a dtype"),
         ((torch.ones(2, 8, 4, 32, dtype=torch.int32),) * 3, TypeError, r"q has dtype torch.int32"),
         (([1.0], _t(2, 8, 4, 32), _t(2, 8, 4, 32)), TypeError, r"q must be a torch.Tensor"),
@@ -141,9 +139,9 @@ def _mismatch(rank, world):
         with pytest.raises(ValueError, match="disagree"):
             ring_flash_attn_func(a, b, c, **kw)
     # one rank's own input is invalid: it raises its error, the other quotes it
-    pattern = "head_dim 12" if rank == 1 else r"rank\(s\) \[1\] .*rejected their inputs \(rank 1: .*head_dim 12"
+    pattern = "head_dim 264" if rank == 1 else r"rank\(s\) \[1\] .*rejected their inputs \(rank 1: .*head_dim 264"
     with pytest.raises(ValueError, match=pattern):
-        bad_q = torch.randn(1, 4, 2, 12 if rank == 1 else 16)
+        bad_q = torch.randn(1, 4, 2, 264 if rank == 1 else 16)
         ring_flash_attn_func(bad_q, bad_q[:, :, :1], bad_q[:, :, :1])
     # odd local length under zigzag on one rank only
     pattern = "multiple of 2" if rank == 0 else "rejected"

@@ -71,7 +71,7 @@ def test_deterministic_on_gpu():
         assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("D", [256, 32])
+@pytest.mark.parametrize("D", [256, 32, 1, 4, 12, 72, 200])  # below 16 or not a multiple of 8: padded inside
 @pytest.mark.parametrize("causal", [False, True])
 def test_other_head_dims(D, causal):
     test_forward_backward_vs_float64(torch.bfloat16, causal, (1, 2049, 2049, 4, 2, D))
