@@ -4,14 +4,14 @@ the ring. The module never calls torch.distributed itself; ring_flash_attn_func 
 
 from __future__ import annotations
 
-import warnings
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ._checks import MAX_HEAD_DIM, SUPPORTED_DTYPES, AttnDims, key_bias_from_mask, resolve_scale
 from .ring import ring_flash_attn_func
 from .schedule import check_layout
+from .weights import attention_weights
 
 
 class RingMultiheadAttention(nn.MultiheadAttention):
@@ -21,16 +21,29 @@ class RingMultiheadAttention(nn.MultiheadAttention):
     Inputs are this rank's shard of each sequence, in the module's layout: (B, L_local, E)
     with batch_first=True, else (L_local, B, E); unbatched (L_local, E) works too. Keys and
     values are sharded the same way as their own sequence (see ringflash.shard). The output
-    is this rank's shard, and attention weights are never materialized: the second return
-    value is always None. group, layout and grad_accum_dtype (keyword-only) are passed to
+    is this rank's shard. group, layout and grad_accum_dtype (keyword-only) are passed to
     ring_flash_attn_func.
+
+    need_weights=True (torch's default) also returns the attention weights of this rank's
+    queries over every key of the sequence, keys in global (unsharded) order: (B, L_local, S)
+    averaged over heads, or (B, num_heads, L_local, S) with average_attn_weights=False
+    ((L_local, S) / (num_heads, L_local, S) unbatched), in the inputs' dtype. They are
+    computed in a second pass from the attention's final lse and cost B x num_heads x
+    L_local x S memory (twice, in float32, while being made); on more than one rank every
+    rank gathers all keys, all ranks must pass the same need_weights, and the weights carry
+    no gradient (on one device they do). need_weights=False is the fast path: nothing of
+    that size is made. Any head dim embed_dim / num_heads from 1 to 256; empty inputs give
+    empty outputs; a bias of another dtype than its weight is promoted as torch's `+` does.
 
     Supported: self- and cross-attention, kdim/vdim, is_causal=True (attn_mask None or the
     causal mask as a hint, as torch documents; self-attention only), key_padding_mask of this
     rank's keys (bool: True = padding, or float: added to the scores), dropout in eval mode.
     A query whose keys are all padded gets output 0 (torch gives NaN).
     Not supported (NotImplementedError naming the argument): an arbitrary attn_mask,
-    add_bias_kv, add_zero_attn, dropout > 0 while training.
+    add_bias_kv, add_zero_attn, dropout > 0 while training, nested tensors; TorchScript
+    (torch.jit.script) neither. Arguments that can never work (embed_dim not divisible by
+    num_heads, more than 256 per head, a dropout outside [0, 1]) raise a ValueError when the
+    module is built.
     """
 
     def __init__(
@@ -51,6 +64,7 @@ class RingMultiheadAttention(nn.MultiheadAttention):
         layout="zigzag",
         grad_accum_dtype=None,
     ):
+        _check_construction(embed_dim, num_heads, dropout, kdim, vdim, grad_accum_dtype)
         if add_bias_kv:
             raise NotImplementedError("RingMultiheadAttention: add_bias_kv=True is not supported")
         if add_zero_attn:
@@ -70,7 +84,6 @@ class RingMultiheadAttention(nn.MultiheadAttention):
         self.group = group
         self.layout = layout
         self.grad_accum_dtype = grad_accum_dtype
-        self._warned_weights = False
         # torch's TransformerEncoderLayer has a fused inference fast path that reads these
         # weights and runs local attention itself, bypassing forward(); an attached hook is one
         # of the conditions that turns it off, on every torch version that has it.
@@ -124,28 +137,25 @@ class RingMultiheadAttention(nn.MultiheadAttention):
                     "sharded); use is_causal=True or key_padding_mask"
                 )
             _check_causal_hint(attn_mask, query.shape[1], api)
-        if need_weights and not self._warned_weights:
-            warnings.warn(
-                f"{api}: attention weights are never materialized; attn_weights is None. "
-                "Pass need_weights=False to silence this.",
-                stacklevel=2,
-            )
-            self._warned_weights = True
-        out = self._attention(query, key, value, key_padding_mask, is_causal)
+        out, weights = self._attention(query, key, value, key_padding_mask, is_causal, need_weights)
         if not self.batch_first or unbatched:
             out = out.transpose(0, 1)
+        if weights is not None and average_attn_weights:
+            weights = weights.mean(dim=1)
         if unbatched:
             out = out.squeeze(1)
-        return out, None
+            weights = None if weights is None else weights.squeeze(0)
+        return out, weights
 
-    def _attention(self, query, key, value, key_padding_mask, is_causal):
-        """(B, L, E) inputs -> (B, L, E) output."""
+    def _attention(self, query, key, value, key_padding_mask, is_causal, need_weights):
+        """(B, L, E) inputs -> (B, L, E) output, and with need_weights the weights
+        (B, H, L, S) of these queries over all S keys (ringflash.weights), else None."""
         B, L, E = query.shape
         H, hd = self.num_heads, self.head_dim
         (w_q, b_q), (w_k, b_k), (w_v, b_v) = self._projections()
-        q = F.linear(query, w_q, b_q).view(B, L, H, hd)
-        k = F.linear(key, w_k, b_k).view(B, key.shape[1], H, hd)
-        v = F.linear(value, w_v, b_v).view(B, value.shape[1], H, hd)
+        q = _linear(query, w_q, b_q).view(B, L, H, hd)
+        k = _linear(key, w_k, b_k).view(B, key.shape[1], H, hd)
+        v = _linear(value, w_v, b_v).view(B, value.shape[1], H, hd)
         o = ring_flash_attn_func(
             q,
             k,
@@ -155,8 +165,59 @@ class RingMultiheadAttention(nn.MultiheadAttention):
             layout=self.layout,
             key_padding_mask=key_padding_mask,
             grad_accum_dtype=self.grad_accum_dtype,
+            return_lse=need_weights,
         )
-        return self.out_proj(o.reshape(B, L, E))
+        weights = None
+        if need_weights:
+            o, lse = o
+            dims = AttnDims(B, L, k.shape[1], H, H, hd)
+            bias = key_bias_from_mask(key_padding_mask, dims, q.device, "RingMultiheadAttention", lse.dtype)
+            weights = attention_weights(
+                q,
+                k,
+                lse,
+                scale=resolve_scale(None, hd, "RingMultiheadAttention"),
+                causal=is_causal,
+                key_bias=bias,
+                group=self.group,
+                layout=self.layout,
+            )
+        return _linear(o.reshape(B, L, E), self.out_proj.weight, self.out_proj.bias), weights
+
+
+def _linear(x, w, b):
+    """F.linear, with a bias of another dtype promoted as torch's `+` does: some of F.linear's
+    paths refuse such a bias, and nn.MultiheadAttention (which reaches them only with some
+    layouts) returns the promoted result. A weight of another dtype than x fails as in torch."""
+    if b is None or b.dtype == x.dtype == w.dtype:
+        return F.linear(x, w, b)
+    return F.linear(x, w) + b
+
+
+def _positive_int(name, value, api):
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{api}: {name} must be a positive int, got {value!r}")
+
+
+def _check_construction(embed_dim, num_heads, dropout, kdim, vdim, grad_accum_dtype):
+    """What can never work, found when the module is built, in the module's own terms."""
+    api = "RingMultiheadAttention"
+    _positive_int("embed_dim", embed_dim, api)
+    _positive_int("num_heads", num_heads, api)
+    for name, dim in (("kdim", kdim), ("vdim", vdim)):
+        if dim is not None:
+            _positive_int(name, dim, api)
+    if embed_dim % num_heads:
+        raise ValueError(f"{api}: embed_dim {embed_dim} must be divisible by num_heads {num_heads}")
+    if embed_dim // num_heads > MAX_HEAD_DIM:
+        raise ValueError(
+            f"{api}: embed_dim / num_heads = {embed_dim} / {num_heads} = {embed_dim // num_heads} per head; "
+            f"at most {MAX_HEAD_DIM} is supported (use num_heads >= {-(-embed_dim // MAX_HEAD_DIM)})"
+        )
+    if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0.0 <= dropout <= 1.0:
+        raise ValueError(f"{api}: dropout must be a probability in [0, 1], got {dropout!r}")
+    if grad_accum_dtype is not None and grad_accum_dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"{api}: grad_accum_dtype must be None or a floating dtype, got {grad_accum_dtype!r}")
 
 
 def _no_fast_path(module, args):

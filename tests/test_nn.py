@@ -145,17 +145,118 @@ def test_kdim_vdim_cross_attention_and_unbatched():
     assert out.shape == ref.shape and (out - ref).abs().max() < 2e-5
 
 
-def test_need_weights_warns_once():
-    ring = RingMultiheadAttention(E, H, batch_first=True)
-    x = torch.randn(2, 5, E)
-    with pytest.warns(UserWarning, match="never materialized"):
-        _, w = ring(x, x, x)
-    assert w is None
-    import warnings
+def _weights_case(seed, kdim=None, vdim=None, E=6, H=3, B=2, L=8, S=8, dtype=torch.float64):
+    torch.manual_seed(seed)
+    mha = nn.MultiheadAttention(E, H, kdim=kdim, vdim=vdim, dtype=dtype)
+    ring = _ring_like(mha, dtype=dtype)
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(L, B, E, generator=g, dtype=dtype)
+    k = torch.randn(S, B, kdim or E, generator=g, dtype=dtype)
+    v = torch.randn(S, B, vdim or E, generator=g, dtype=dtype)
+    pad = torch.rand(B, S, generator=g) < 0.3
+    pad[:, 0] = False  # torch gives NaN for a query that sees no key, ringflash 0
+    return mha, ring, q, k, v, pad
 
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        ring(x, x, x)
+
+@pytest.mark.parametrize("average", [True, False], ids=["averaged", "per_head"])
+@pytest.mark.parametrize(
+    "cross,causal", [(False, False), (False, True), (True, False)], ids=["self", "causal", "cross"]
+)
+def test_need_weights_match_torch(average, causal, cross):
+    """need_weights=True (forward's default): the weights and their gradients are torch's, in
+    float64 (both sides are exact to a few ulps of float64)."""
+    mha, ring, q, k, v, pad = _weights_case(3, *((3, 5) if cross else (None, None)), S=11 if cross else 8)
+    q.requires_grad_()
+    mask = nn.Transformer.generate_square_subsequent_mask(8, dtype=torch.float64) if causal else None
+    results = []
+    for m in (mha, ring):
+        out, w = m(q, k, v, key_padding_mask=pad, attn_mask=mask, is_causal=causal, average_attn_weights=average)
+        (gq,) = torch.autograd.grad((w * torch.linspace(-1, 1, w.shape[-1], dtype=w.dtype)).square().sum(), q)
+        results.append((out, w, gq))
+    for name, a, b in zip(("out", "weights", "d weights / dq"), *results):
+        assert a.shape == b.shape and a.dtype == b.dtype, name
+        assert (a - b).abs().max() < 1e-12, (name, (a - b).abs().max())
+    _, w = ring(q[:, 0], k[:, 0], v[:, 0], key_padding_mask=pad[0], average_attn_weights=average)
+    _, w_ref = mha(q[:, 0], k[:, 0], v[:, 0], key_padding_mask=pad[0], average_attn_weights=average)
+    assert w.shape == w_ref.shape and (w - w_ref).abs().max() < 1e-12  # unbatched
+    assert ring(q, k, v, need_weights=False)[1] is None
+
+
+def _weights_world2(rank, world, layout, causal, average):
+    mha, ring, q, k, v, pad = _weights_case(5, L=4 * world, S=4 * world)
+    ring.layout = layout
+    mask = nn.Transformer.generate_square_subsequent_mask(4 * world, dtype=torch.float64) if causal else None
+    _, w_ref = mha(q, k, v, key_padding_mask=pad, attn_mask=mask, is_causal=causal, average_attn_weights=average)
+    sh = lambda t, d: shard(t, dim=d, layout=layout)
+    out, w = ring(sh(q, 0), sh(k, 0), sh(v, 0), key_padding_mask=sh(pad, 1), is_causal=causal,
+                  average_attn_weights=average)  # fmt: skip
+    q_dim = 1 if average else 2  # (B, L_local, S) or (B, H, L_local, S): local query rows, every key
+    assert w.shape == sh(w_ref, q_dim).shape
+    assert (w - sh(w_ref, q_dim)).abs().max() < 1e-12
+    assert (unshard(w.contiguous(), dim=q_dim, layout=layout) - w_ref).abs().max() < 1e-12
+
+
+@pytest.mark.parametrize("average", [True, False], ids=["averaged", "per_head"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
+def test_need_weights_world2_reassembled(worlds, layout, causal, average):
+    """On the ring: each rank's weights are its own query rows over all keys in global order;
+    reassembled along the query rows they are torch's."""
+    worlds(2, **TORCH).run(_weights_world2, layout, causal, average)
+
+
+def test_small_head_dims_in_torch_layers():
+    """torch's own layer tests use d_model 4 with 2 heads: head_dim 2 (padded inside)."""
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(4, 2, dim_feedforward=8, dropout=0.0)
+    swapped = _swap_attention(layer)
+    x = torch.randn(5, 3, 4)
+    outs = [m(x) for m in (layer, swapped)]
+    assert (outs[0] - outs[1]).abs().max() < 2e-6
+    grads = [torch.autograd.grad(o.square().sum(), list(m.parameters())) for o, m in zip(outs, (layer, swapped))]
+    for a, b in zip(*grads):
+        assert (a - b).abs().max() < 1e-5
+
+
+def test_bias_of_another_dtype_promotes():
+    """A float16 in_proj_bias on a float64 module: the result is promoted, as torch's."""
+    torch.manual_seed(0)
+    mha = nn.MultiheadAttention(4, 4, batch_first=True, dtype=torch.float64).eval()
+    ring = _ring_like(mha, dtype=torch.float64).eval()
+    for m in (mha, ring):
+        m.in_proj_bias = nn.Parameter(m.in_proj_bias.detach().to(torch.float16))
+    ring.in_proj_bias.data.copy_(mha.in_proj_bias)
+    x = torch.randn(4, 4, 4, dtype=torch.float64)
+    with torch.no_grad():
+        a, b = mha(x, x, x)[0], ring(x, x, x)[0]
+    assert a.dtype == b.dtype == torch.float64 and (a - b).abs().max() < 1e-12
+
+
+@pytest.mark.parametrize("shape", [(5, 0, E), (0, 3, E)], ids=["empty_batch", "no_queries"])
+def test_empty_inputs_give_empty_outputs(shape):
+    torch.manual_seed(0)
+    mha = nn.MultiheadAttention(E, H)
+    ring = _ring_like(mha)
+    x = torch.randn(shape, requires_grad=True)
+    for average in (True, False):
+        (a, wa), (b, wb) = (m(x, x, x, average_attn_weights=average) for m in (mha, ring))
+        assert a.shape == b.shape and wa.shape == wb.shape
+    b.sum().backward()
+    assert x.grad.shape == x.shape
+
+
+def test_misuse_found_at_construction():
+    for kw, pattern in (
+        (dict(embed_dim=10, num_heads=3), "embed_dim 10 must be divisible by num_heads 3"),
+        (dict(embed_dim=1024, num_heads=2), "512 per head; at most 256"),
+        (dict(embed_dim=0, num_heads=1), "embed_dim must be a positive int"),
+        (dict(embed_dim=8, num_heads=0), "num_heads must be a positive int"),
+        (dict(embed_dim=8, num_heads=2, dropout=1.5), "dropout must be a probability"),
+        (dict(embed_dim=8, num_heads=2, kdim=-1), "kdim must be a positive int"),
+        (dict(embed_dim=8, num_heads=2, grad_accum_dtype=torch.int8), "grad_accum_dtype"),
+    ):
+        with pytest.raises(ValueError, match=pattern):
+            RingMultiheadAttention(**kw)
 
 
 def test_unsupported_arguments_raise():
