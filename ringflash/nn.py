@@ -9,6 +9,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from ._checks import MAX_HEAD_DIM, SUPPORTED_DTYPES, AttnDims, key_bias_from_mask, resolve_scale
+from .comm import group_rank_world
+from .dense import dense_attention, gather_sequence, pair_bias
+from .merge import state_dtype
 from .ring import ring_flash_attn_func
 from .schedule import check_layout
 from .weights import attention_weights
@@ -30,16 +33,24 @@ class RingMultiheadAttention(nn.MultiheadAttention):
     ((L_local, S) / (num_heads, L_local, S) unbatched), in the inputs' dtype. They are
     computed in a second pass from the attention's final lse and cost B x num_heads x
     L_local x S memory (twice, in float32, while being made); on more than one rank every
-    rank gathers all keys, all ranks must pass the same need_weights, and the weights carry
-    no gradient (on one device they do). need_weights=False is the fast path: nothing of
+    rank gathers all keys (their gradients are summed back to the owners) and all ranks must
+    pass the same need_weights. need_weights=False is the fast path: nothing of
     that size is made. Any head dim embed_dim / num_heads from 1 to 256; empty inputs give
     empty outputs; a bias of another dtype than its weight is promoted as torch's `+` does.
 
     Supported: self- and cross-attention, kdim/vdim, is_causal=True (attn_mask None or the
-    causal mask as a hint, as torch documents; self-attention only), key_padding_mask of this
+    causal mask as a hint; self-attention only), key_padding_mask of this
     rank's keys (bool: True = padding, or float: added to the scores), dropout in eval mode.
     A query whose keys are all padded gets output 0 (torch gives NaN).
-    Not supported (NotImplementedError naming the argument): an arbitrary attn_mask,
+    attn_mask as torch documents it: bool (True: may not attend) or float (added to the
+    scores), (L, S) or (B * num_heads, L, S), added to key_padding_mask as torch does. Each
+    rank passes the rows of its own queries (L = L_local, in local order, as its query
+    shard) over all S keys of the sequence in global (unsharded) order: e.g.
+    shard(full_mask, dim=0) for a 2-D mask, dim=1 for a 3-D one; every rank must pass one or
+    none. This is the exact, slower path: it materializes the (B, num_heads, L_local, S)
+    scores and, on more than one rank, gathers all keys and values on every rank. With
+    is_causal=True an attn_mask is taken as the causal hint (checked) and the fast path runs.
+    Not supported (NotImplementedError naming the argument):
     add_bias_kv, add_zero_attn, dropout > 0 while training, nested tensors; TorchScript
     (torch.jit.script) neither. Arguments that can never work (embed_dim not divisible by
     num_heads, more than 256 per head, a dropout outside [0, 1]) raise a ValueError when the
@@ -130,14 +141,10 @@ class RingMultiheadAttention(nn.MultiheadAttention):
             )
         if not self.batch_first or unbatched:  # (L, B, E) -> (B, L, E)
             query, key, value = (t.transpose(0, 1) for t in (query, key, value))
-        if attn_mask is not None:
-            if not is_causal:
-                raise NotImplementedError(
-                    f"{api}: attn_mask is not supported (an arbitrary mask cannot be "
-                    "sharded); use is_causal=True or key_padding_mask"
-                )
+        if attn_mask is not None and is_causal:  # the causal mask as a hint: the fast path
             _check_causal_hint(attn_mask, query.shape[1], api)
-        out, weights = self._attention(query, key, value, key_padding_mask, is_causal, need_weights)
+            attn_mask = None
+        out, weights = self._attention(query, key, value, key_padding_mask, attn_mask, is_causal, need_weights)
         if not self.batch_first or unbatched:
             out = out.transpose(0, 1)
         if weights is not None and average_attn_weights:
@@ -147,15 +154,21 @@ class RingMultiheadAttention(nn.MultiheadAttention):
             weights = None if weights is None else weights.squeeze(0)
         return out, weights
 
-    def _attention(self, query, key, value, key_padding_mask, is_causal, need_weights):
+    def _attention(self, query, key, value, key_padding_mask, attn_mask, is_causal, need_weights):
         """(B, L, E) inputs -> (B, L, E) output, and with need_weights the weights
-        (B, H, L, S) of these queries over all S keys (ringflash.weights), else None."""
+        (B, H, L, S) of these queries over all S keys (ringflash.weights), else None. An
+        attn_mask takes the exact dense path (ringflash.dense)."""
         B, L, E = query.shape
         H, hd = self.num_heads, self.head_dim
         (w_q, b_q), (w_k, b_k), (w_v, b_v) = self._projections()
         q = _linear(query, w_q, b_q).view(B, L, H, hd)
         k = _linear(key, w_k, b_k).view(B, key.shape[1], H, hd)
         v = _linear(value, w_v, b_v).view(B, value.shape[1], H, hd)
+        if attn_mask is not None:
+            o, weights = self._masked_attention(q, k, v, key_padding_mask, attn_mask)
+            return _linear(o.reshape(B, L, E), self.out_proj.weight, self.out_proj.bias), (
+                weights if need_weights else None
+            )
         o = ring_flash_attn_func(
             q,
             k,
@@ -183,6 +196,23 @@ class RingMultiheadAttention(nn.MultiheadAttention):
                 layout=self.layout,
             )
         return _linear(o.reshape(B, L, E), self.out_proj.weight, self.out_proj.bias), weights
+
+    def _masked_attention(self, q, k, v, key_padding_mask, attn_mask):
+        """An arbitrary attn_mask: this rank's query rows over all keys in global order,
+        (L_local, S) or (B * H, L_local, S), combined with key_padding_mask by adding both as
+        biases, as torch does. Exact, and materializes the (B, H, L_local, S) scores."""
+        api = "RingMultiheadAttention"
+        B, L, H, hd = q.shape
+        _, world = group_rank_world(self.group)
+        acc = state_dtype(q.dtype)
+        S = k.shape[1] * world
+        bias = pair_bias(attn_mask, B, H, L, S, q.device, acc, api)
+        if key_padding_mask is not None:
+            dims = AttnDims(B, L, k.shape[1], H, H, hd)
+            key_bias = key_bias_from_mask(key_padding_mask, dims, q.device, api, acc)
+            bias = bias + gather_sequence(key_bias, group=self.group, layout=self.layout)[:, None, None, :]
+        scale = resolve_scale(None, hd, api)
+        return dense_attention(q, k, v, bias, scale=scale, group=self.group, layout=self.layout)
 
 
 def _linear(x, w, b):

@@ -9,7 +9,8 @@ from __future__ import annotations
 import torch
 
 from .comm import group_rank_world
-from .layout import local_positions, unshard
+from .dense import gather_sequence
+from .layout import local_positions
 from .masks import local_offsets
 from .merge import state_dtype
 
@@ -22,19 +23,19 @@ def attention_weights(q, k, lse, *, scale, causal=False, key_bias=None, group=No
 
     Returns (B, Hq, Sq, S) in q's dtype, S = Sk x world, the keys in global (unsharded)
     order; a query that sees no key has weights 0 (as its output is 0). One device: causal
-    aligns bottom-right as flash_attn_func; differentiable in q and k (and through lse).
-    World > 1: every rank gathers every rank's k (and key bias) with `layout`, collectives
-    every rank must call; causal by global positions; the result carries no gradient.
-    Memory: the (B, Hq, Sq, S) result plus one float32 copy of it and the gathered keys.
+    aligns bottom-right as flash_attn_func. World > 1: every rank gathers every rank's k (and
+    key bias) with `layout` (collectives every rank must call); causal by global positions.
+    Differentiable in q and k (and through lse); on the ring the gradients of the gathered
+    keys are summed back to their owners. Memory: the (B, Hq, Sq, S) result plus one float32
+    copy of it and the gathered keys.
     """
     _, world = group_rank_world(group)
     B, Sq, Hq, D = q.shape
     acc = state_dtype(q.dtype)
     if world > 1:
-        q, k, lse = q.detach(), k.detach(), lse.detach()
-        k = unshard(k, group=group, layout=layout)
+        k = gather_sequence(k, group=group, layout=layout)
         if key_bias is not None:
-            key_bias = unshard(key_bias, group=group, layout=layout)
+            key_bias = gather_sequence(key_bias, group=group, layout=layout)
         q_pos = local_positions(Sq * world, group=group, layout=layout, device=q.device)
     else:
         q_pos = torch.arange(Sq, device=q.device) + local_offsets(Sq, k.shape[1])[0]

@@ -270,8 +270,6 @@ def test_unsupported_arguments_raise():
         ring(x, x, x, need_weights=False)
     ring.eval()
     ring(x, x, x, need_weights=False)  # dropout is inactive in eval mode
-    with pytest.raises(NotImplementedError, match="attn_mask"):
-        ring(x, x, x, attn_mask=torch.zeros(6, 6, dtype=torch.bool), need_weights=False)
     with pytest.raises(ValueError, match="not the causal mask"):
         ring(x, x, x, attn_mask=torch.zeros(6, 6, dtype=torch.bool), is_causal=True, need_weights=False)
     with pytest.raises(ValueError, match="layout"):
