@@ -73,17 +73,21 @@ def pair_bias(attn_mask, batch: int, heads: int, q_len: int, k_len: int, device,
     return bias.view(1, 1, q_len, k_len) if attn_mask.dim() == 2 else bias.view(batch, heads, q_len, k_len)
 
 
-def dense_attention(q, k, v, bias, *, scale, group=None, layout="zigzag"):
+def dense_attention(q, k, v, bias, *, scale, group=None, layout="zigzag", extra_kv=None):
     """softmax(q k^T * scale + bias) v of this rank's queries over every key of the sequence.
 
     q (B, L, Hq, D); k, v (B, S_local, Hkv, D), this rank's shard (the whole sequence on one
     rank); bias broadcastable to (B, Hq, L, S), S = S_local x world, keys in global order, in
     the state dtype (-inf: the pair does not attend). Returns out (B, L, Hq, D) and the
     weights (B, Hq, L, S), both in q's dtype; a query that sees no key gets output 0 and
-    weights 0 (torch's gives NaN), with zero gradients.
+    weights 0 (torch's gives NaN), with zero gradients. extra_kv: optional (k, v)
+    (B, n, Hkv, D) held by every rank, appended after the gathered keys (bias then covers
+    S + n columns).
     """
     acc = state_dtype(q.dtype)
     k, v = gather_sequence(k, group=group, layout=layout), gather_sequence(v, group=group, layout=layout)
+    if extra_kv is not None:
+        k, v = torch.cat([k, extra_kv[0]], 1), torch.cat([v, extra_kv[1]], 1)
     B, L, Hq, D = q.shape
     S, Hkv = k.shape[1], k.shape[2]
     G = Hq // Hkv

@@ -11,7 +11,8 @@ from torch import nn
 from ._checks import MAX_HEAD_DIM, SUPPORTED_DTYPES, AttnDims, key_bias_from_mask, resolve_scale
 from .comm import group_rank_world
 from .dense import dense_attention, gather_sequence, pair_bias
-from .merge import state_dtype
+from .local import flash_attn_func
+from .merge import merge_attn_states, state_dtype
 from .ring import ring_flash_attn_func
 from .schedule import check_layout
 from .weights import attention_weights
@@ -50,8 +51,13 @@ class RingMultiheadAttention(nn.MultiheadAttention):
     none. This is the exact, slower path: it materializes the (B, num_heads, L_local, S)
     scores and, on more than one rank, gathers all keys and values on every rank. With
     is_causal=True an attn_mask is taken as the causal hint (checked) and the fast path runs.
-    Not supported (NotImplementedError naming the argument):
-    add_bias_kv, add_zero_attn, dropout > 0 while training, nested tensors; TorchScript
+    add_bias_kv / add_zero_attn: torch appends their keys at the end of the sequence, seen by
+    every query; here every rank holds them (parameters are replicated, the zero key is
+    zero) and folds them into its own queries' state with the lse merge after the ring, so
+    nothing more travels; their weight columns come last, as torch's. Their parameters'
+    gradients on a rank cover that rank's queries (summed over ranks as any parameter's).
+    Not supported (NotImplementedError naming the argument): dropout > 0 while training,
+    nested tensors; TorchScript
     (torch.jit.script) neither. Arguments that can never work (embed_dim not divisible by
     num_heads, more than 256 per head, a dropout outside [0, 1]) raise a ValueError when the
     module is built.
@@ -76,16 +82,14 @@ class RingMultiheadAttention(nn.MultiheadAttention):
         grad_accum_dtype=None,
     ):
         _check_construction(embed_dim, num_heads, dropout, kdim, vdim, grad_accum_dtype)
-        if add_bias_kv:
-            raise NotImplementedError("RingMultiheadAttention: add_bias_kv=True is not supported")
-        if add_zero_attn:
-            raise NotImplementedError("RingMultiheadAttention: add_zero_attn=True is not supported")
         check_layout(layout, "RingMultiheadAttention")
         super().__init__(
             embed_dim,
             num_heads,
             dropout=dropout,
             bias=bias,
+            add_bias_kv=add_bias_kv,
+            add_zero_attn=add_zero_attn,
             kdim=kdim,
             vdim=vdim,
             batch_first=batch_first,
@@ -158,18 +162,19 @@ class RingMultiheadAttention(nn.MultiheadAttention):
         """(B, L, E) inputs -> (B, L, E) output, and with need_weights the weights
         (B, H, L, S) of these queries over all S keys (ringflash.weights), else None. An
         attn_mask takes the exact dense path (ringflash.dense)."""
+        api = "RingMultiheadAttention"
         B, L, E = query.shape
         H, hd = self.num_heads, self.head_dim
         (w_q, b_q), (w_k, b_k), (w_v, b_v) = self._projections()
         q = _linear(query, w_q, b_q).view(B, L, H, hd)
         k = _linear(key, w_k, b_k).view(B, key.shape[1], H, hd)
         v = _linear(value, w_v, b_v).view(B, value.shape[1], H, hd)
+        scale = resolve_scale(None, hd, api)
+        extra = self._extra_kv(B, q.dtype)
         if attn_mask is not None:
-            o, weights = self._masked_attention(q, k, v, key_padding_mask, attn_mask)
-            return _linear(o.reshape(B, L, E), self.out_proj.weight, self.out_proj.bias), (
-                weights if need_weights else None
-            )
-        o = ring_flash_attn_func(
+            o, weights = self._masked_attention(q, k, v, key_padding_mask, attn_mask, extra, scale)
+            return self._out(o), (weights if need_weights else None)
+        o, lse = ring_flash_attn_func(
             q,
             k,
             v,
@@ -178,26 +183,43 @@ class RingMultiheadAttention(nn.MultiheadAttention):
             layout=self.layout,
             key_padding_mask=key_padding_mask,
             grad_accum_dtype=self.grad_accum_dtype,
-            return_lse=need_weights,
+            return_lse=True,
         )
+        if extra is not None:  # seen by every query: one more block, folded in with the lse merge
+            o_x, lse_x = flash_attn_func(q, *extra, softmax_scale=scale, return_lse=True)
+            o, lse = merge_attn_states(o, lse, o_x, lse_x)
+            o = o.to(q.dtype)
         weights = None
         if need_weights:
-            o, lse = o
             dims = AttnDims(B, L, k.shape[1], H, H, hd)
-            bias = key_bias_from_mask(key_padding_mask, dims, q.device, "RingMultiheadAttention", lse.dtype)
+            bias = key_bias_from_mask(key_padding_mask, dims, q.device, api, lse.dtype)
             weights = attention_weights(
-                q,
-                k,
-                lse,
-                scale=resolve_scale(None, hd, "RingMultiheadAttention"),
-                causal=is_causal,
-                key_bias=bias,
-                group=self.group,
-                layout=self.layout,
+                q, k, lse, scale=scale, causal=is_causal, key_bias=bias, group=self.group, layout=self.layout
             )
-        return _linear(o.reshape(B, L, E), self.out_proj.weight, self.out_proj.bias), weights
+            if extra is not None:  # their columns come last, as in torch
+                weights = torch.cat([weights, attention_weights(q, extra[0], lse, scale=scale, local=True)], -1)
+        return self._out(o), weights
 
-    def _masked_attention(self, q, k, v, key_padding_mask, attn_mask):
+    def _out(self, o):
+        B, L = o.shape[:2]
+        return _linear(o.reshape(B, L, self.embed_dim), self.out_proj.weight, self.out_proj.bias)
+
+    def _extra_kv(self, B, dtype):
+        """add_bias_kv's learned key/value and add_zero_attn's zero key/value, in torch's order,
+        as (k, v) (B, n, H, head_dim) of `dtype`, or None. torch appends them at the end of the
+        sequence; here every rank holds them (parameters are replicated) and every query sees
+        them, so they are one more block each rank folds into its own queries' state."""
+        H, hd = self.num_heads, self.head_dim
+        ks, vs = [], []
+        if self.bias_k is not None:
+            ks.append(self.bias_k.to(dtype).view(1, 1, H, hd).expand(B, 1, H, hd))
+            vs.append(self.bias_v.to(dtype).view(1, 1, H, hd).expand(B, 1, H, hd))
+        if self.add_zero_attn:
+            ks.append(torch.zeros(B, 1, H, hd, dtype=dtype, device=self.out_proj.weight.device))
+            vs.append(ks[-1])
+        return (torch.cat(ks, 1), torch.cat(vs, 1)) if ks else None
+
+    def _masked_attention(self, q, k, v, key_padding_mask, attn_mask, extra, scale):
         """An arbitrary attn_mask: this rank's query rows over all keys in global order,
         (L_local, S) or (B * H, L_local, S), combined with key_padding_mask by adding both as
         biases, as torch does. Exact, and materializes the (B, H, L_local, S) scores."""
@@ -211,8 +233,9 @@ class RingMultiheadAttention(nn.MultiheadAttention):
             dims = AttnDims(B, L, k.shape[1], H, H, hd)
             key_bias = key_bias_from_mask(key_padding_mask, dims, q.device, api, acc)
             bias = bias + gather_sequence(key_bias, group=self.group, layout=self.layout)[:, None, None, :]
-        scale = resolve_scale(None, hd, api)
-        return dense_attention(q, k, v, bias, scale=scale, group=self.group, layout=self.layout)
+        if extra is not None:  # visible to every query, as torch pads both masks for them
+            bias = torch.cat([bias.expand(-1, -1, L, S), bias.new_zeros(*bias.shape[:2], L, extra[0].shape[1])], -1)
+        return dense_attention(q, k, v, bias, scale=scale, group=self.group, layout=self.layout, extra_kv=extra)
 
 
 def _linear(x, w, b):

@@ -15,7 +15,7 @@ from .masks import local_offsets
 from .merge import state_dtype
 
 
-def attention_weights(q, k, lse, *, scale, causal=False, key_bias=None, group=None, layout="zigzag"):
+def attention_weights(q, k, lse, *, scale, causal=False, key_bias=None, group=None, layout="zigzag", local=False):
     """Weights of the queries q (B, Sq, Hq, D) over every key of the sequence whose shard on
     this rank is k (B, Sk, Hkv, D), given the attention's lse (B, Hq, Sq), natural log (from
     flash_attn_func / ring_flash_attn_func with return_lse=True and the same scale, causal
@@ -27,9 +27,10 @@ def attention_weights(q, k, lse, *, scale, causal=False, key_bias=None, group=No
     key bias) with `layout` (collectives every rank must call); causal by global positions.
     Differentiable in q and k (and through lse); on the ring the gradients of the gathered
     keys are summed back to their owners. Memory: the (B, Hq, Sq, S) result plus one float32
-    copy of it and the gathered keys.
+    copy of it and the gathered keys. local=True: k are keys every rank holds whole (no
+    gathering, whatever the world).
     """
-    _, world = group_rank_world(group)
+    _, world = (0, 1) if local else group_rank_world(group)
     B, Sq, Hq, D = q.shape
     acc = state_dtype(q.dtype)
     if world > 1:

@@ -260,10 +260,6 @@ def test_misuse_found_at_construction():
 
 
 def test_unsupported_arguments_raise():
-    with pytest.raises(NotImplementedError, match="add_bias_kv"):
-        RingMultiheadAttention(E, H, add_bias_kv=True)
-    with pytest.raises(NotImplementedError, match="add_zero_attn"):
-        RingMultiheadAttention(E, H, add_zero_attn=True)
     ring = RingMultiheadAttention(E, H, dropout=0.1, batch_first=True)
     x = torch.randn(2, 6, E)
     with pytest.raises(NotImplementedError, match="dropout"):

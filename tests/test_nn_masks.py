@@ -15,10 +15,10 @@ from ring_cases import TORCH
 E, H, B = 6, 3, 2
 
 
-def _modules(seed, kdim=None, vdim=None):
+def _modules(seed, kdim=None, vdim=None, **kw):
     torch.manual_seed(seed)
-    mha = nn.MultiheadAttention(E, H, kdim=kdim, vdim=vdim, dtype=torch.float64)
-    ring = RingMultiheadAttention(E, H, kdim=kdim, vdim=vdim, dtype=torch.float64)
+    mha = nn.MultiheadAttention(E, H, kdim=kdim, vdim=vdim, dtype=torch.float64, **kw)
+    ring = RingMultiheadAttention(E, H, kdim=kdim, vdim=vdim, dtype=torch.float64, **kw)
     ring.load_state_dict(mha.state_dict())
     return mha, ring
 
@@ -170,3 +170,71 @@ def test_weights_gradients_on_the_ring(worlds, layout, causal):
     """need_weights on the fast path (no attn_mask) is differentiable on the ring: gradients of
     a loss on each rank's weights, summed over the ranks, are torch's."""
     worlds(2, **TORCH).run(_weights_grad, layout, causal)
+
+
+EXTRAS = {"bias_kv": dict(add_bias_kv=True), "zero_attn": dict(add_zero_attn=True),
+          "both": dict(add_bias_kv=True, add_zero_attn=True)}  # fmt: skip
+
+
+def _extra_case(m, q, k, v, pad, mask, causal):
+    out, w = m(q, k, v, key_padding_mask=pad, attn_mask=mask, is_causal=causal, average_attn_weights=False)
+    return out, w
+
+
+@pytest.mark.parametrize("extra", list(EXTRAS))
+@pytest.mark.parametrize("mask_kind", [None, "causal", "bool2d", "float3d"])
+def test_extra_keys_match_torch(extra, mask_kind):
+    """add_bias_kv / add_zero_attn: the extra keys come after the sequence and every query sees
+    them (torch pads both masks for them); outputs, weights and every gradient are torch's."""
+    mha, ring = _modules(8, **EXTRAS[extra])
+    q, _, _, pad, mask = _inputs(7, 7, mask_kind or "bool2d", seed=9)
+    causal = mask_kind == "causal"
+    mask = nn.Transformer.generate_square_subsequent_mask(7, dtype=torch.float64) if causal else mask
+    mask = None if mask_kind is None else mask
+    results = []
+    for m in (mha, ring):
+        x = q.clone().requires_grad_()
+        out, w = _extra_case(m, x, x, x, pad, mask, causal)
+        loss = (out * torch.linspace(-1, 1, E, dtype=out.dtype)).sum() + w.square().sum()
+        results.append((out, w, *torch.autograd.grad(loss, [x, *m.parameters()])))
+    for a, b in zip(*results):
+        assert a.shape == b.shape and (a - b).abs().max() < 1e-12
+
+
+def _extra_world(rank, world, layout, extra, mask_kind):
+    mha, ring = _modules(10, **EXTRAS[extra])
+    ring.layout = layout
+    L = 4 * world
+    q, _, _, pad, mask = _inputs(L, L, mask_kind or "bool2d", seed=11)
+    causal = mask_kind == "causal"
+    mask = None if mask_kind in (None, "causal") else mask
+    sh = lambda t, d: shard(t, dim=d, layout=layout)
+    causal_mask = nn.Transformer.generate_square_subsequent_mask(L, dtype=torch.float64)
+    ref, w_ref = _extra_case(mha, q, q, q, pad, causal_mask if causal else mask, causal)
+    x = sh(q, 0)
+    m_local = None if mask is None else sh(mask, 0 if mask.dim() == 2 else 1)  # causal: is_causal alone
+    out, w = _extra_case(ring, x, x, x, sh(pad, 1), m_local, causal)
+    assert (out - sh(ref, 0)).abs().max() < 1e-12
+    assert (w - sh(w_ref, 2)).abs().max() < 1e-12  # (B, H, L_local, S + extra)
+    ref.square().sum().backward(retain_graph=True)
+    w_ref.square().sum().backward()
+    (out.square().sum() + w.square().sum()).backward()
+    for (name, p_ref), p in zip(mha.named_parameters(), ring.parameters()):
+        g = p.grad.clone()
+        dist.all_reduce(g)  # every rank holds the extra key; each one's gradient covers its queries
+        assert (g - p_ref.grad).abs().max() < 1e-11, name
+
+
+@pytest.mark.parametrize(
+    "world,layout,extra,mask_kind",
+    [
+        (2, "zigzag", "both", "causal"),
+        (2, "contiguous", "bias_kv", None),
+        (3, "zigzag", "zero_attn", "bool2d"),
+        (3, "contiguous", "both", "float3d"),
+    ],
+)
+def test_extra_keys_on_the_ring(worlds, world, layout, extra, mask_kind):
+    """On the ring every rank holds the extra keys (they are parameters, or zero) and folds them
+    into its own queries with the lse merge; nothing more travels."""
+    worlds(world, **TORCH).run(_extra_world, layout, extra, mask_kind)
