@@ -11,6 +11,8 @@ from torch import nn
 from ._checks import MAX_HEAD_DIM, SUPPORTED_DTYPES, AttnDims, key_bias_from_mask, resolve_scale
 from .comm import group_rank_world
 from .dense import dense_attention, gather_sequence, pair_bias
+from .dropout import agreed_seed
+from .layout import local_positions
 from .local import flash_attn_func
 from .merge import merge_attn_states, state_dtype
 from .ring import ring_flash_attn_func
@@ -41,7 +43,7 @@ class RingMultiheadAttention(nn.MultiheadAttention):
 
     Supported: self- and cross-attention, kdim/vdim, is_causal=True (attn_mask None or the
     causal mask as a hint; self-attention only), key_padding_mask of this
-    rank's keys (bool: True = padding, or float: added to the scores), dropout in eval mode.
+    rank's keys (bool: True = padding, or float: added to the scores).
     A query whose keys are all padded gets output 0 (torch gives NaN).
     attn_mask as torch documents it: bool (True: may not attend) or float (added to the
     scores), (L, S) or (B * num_heads, L, S), added to key_padding_mask as torch does. Each
@@ -56,8 +58,14 @@ class RingMultiheadAttention(nn.MultiheadAttention):
     zero) and folds them into its own queries' state with the lse merge after the ring, so
     nothing more travels; their weight columns come last, as torch's. Their parameters'
     gradients on a rank cover that rank's queries (summed over ranks as any parameter's).
-    Not supported (NotImplementedError naming the argument): dropout > 0 while training,
-    nested tensors; TorchScript
+    dropout > 0 in training mode: attention dropout whose keep mask is a pure function of
+    (seed, batch, head, global query index, global key index) (ringflash.dropout), so one
+    device and any number of ranks and layouts drop exactly the same pairs; the seed is
+    drawn from torch's default generator of the device per call (rank 0's is used by all),
+    so torch.manual_seed reproduces a run. It runs on the exact dense path (as an arbitrary
+    attn_mask: B x num_heads x L_local x S memory, all keys gathered); the weights returned
+    are the dropped ones, as torch's. Not supported (NotImplementedError naming the
+    argument): nested tensors; TorchScript
     (torch.jit.script) neither. Arguments that can never work (embed_dim not divisible by
     num_heads, more than 256 per head, a dropout outside [0, 1]) raise a ValueError when the
     module is built.
@@ -125,10 +133,6 @@ class RingMultiheadAttention(nn.MultiheadAttention):
         is_causal=False,
     ):
         api = "RingMultiheadAttention"
-        if self.dropout > 0.0 and self.training:
-            raise NotImplementedError(
-                f"{api}: dropout={self.dropout} in training mode is not supported (use dropout=0.0, or eval mode)"
-            )
         if any(getattr(t, "is_nested", False) for t in (query, key, value)):
             raise NotImplementedError(
                 f"{api}: nested tensors are not supported (nn.TransformerEncoder: pass enable_nested_tensor=False)"
@@ -171,8 +175,9 @@ class RingMultiheadAttention(nn.MultiheadAttention):
         v = _linear(value, w_v, b_v).view(B, value.shape[1], H, hd)
         scale = resolve_scale(None, hd, api)
         extra = self._extra_kv(B, q.dtype)
-        if attn_mask is not None:
-            o, weights = self._masked_attention(q, k, v, key_padding_mask, attn_mask, extra, scale)
+        dropping = self.dropout > 0.0 and self.training
+        if attn_mask is not None or dropping:
+            o, weights = self._masked_attention(q, k, v, key_padding_mask, attn_mask, is_causal, extra, scale)
             return self._out(o), (weights if need_weights else None)
         o, lse = ring_flash_attn_func(
             q,
@@ -219,23 +224,39 @@ class RingMultiheadAttention(nn.MultiheadAttention):
             vs.append(ks[-1])
         return (torch.cat(ks, 1), torch.cat(vs, 1)) if ks else None
 
-    def _masked_attention(self, q, k, v, key_padding_mask, attn_mask, extra, scale):
-        """An arbitrary attn_mask: this rank's query rows over all keys in global order,
-        (L_local, S) or (B * H, L_local, S), combined with key_padding_mask by adding both as
-        biases, as torch does. Exact, and materializes the (B, H, L_local, S) scores."""
+    def _masked_attention(self, q, k, v, key_padding_mask, attn_mask, is_causal, extra, scale):
+        """The dense path: an arbitrary attn_mask, this rank's query rows over all keys in
+        global order, (L_local, S) or (B * H, L_local, S), combined with key_padding_mask by
+        adding both as biases, as torch does; or attention dropout in training (a keep mask
+        of global query and key indices: ringflash.dropout). Exact, and materializes the
+        (B, H, L_local, S) scores."""
         api = "RingMultiheadAttention"
         B, L, H, hd = q.shape
         _, world = group_rank_world(self.group)
         acc = state_dtype(q.dtype)
         S = k.shape[1] * world
-        bias = pair_bias(attn_mask, B, H, L, S, q.device, acc, api)
+        q_idx = torch.arange(L) if world == 1 else local_positions(L * world, group=self.group, layout=self.layout)
+        if attn_mask is not None:
+            bias = pair_bias(attn_mask, B, H, L, S, q.device, acc, api)
+        elif is_causal:
+            if L * world != S:
+                raise ValueError(f"{api}: is_causal=True needs as many queries as keys, got {L * world} and {S}")
+            future = torch.arange(S, device=q.device)[None, :] > q_idx.to(q.device)[:, None]
+            bias = torch.zeros(1, 1, L, S, dtype=acc, device=q.device).masked_fill_(future, float("-inf"))
+        else:
+            bias = torch.zeros(1, 1, L, S, dtype=acc, device=q.device)
         if key_padding_mask is not None:
             dims = AttnDims(B, L, k.shape[1], H, H, hd)
             key_bias = key_bias_from_mask(key_padding_mask, dims, q.device, api, acc)
             bias = bias + gather_sequence(key_bias, group=self.group, layout=self.layout)[:, None, None, :]
         if extra is not None:  # visible to every query, as torch pads both masks for them
             bias = torch.cat([bias.expand(-1, -1, L, S), bias.new_zeros(*bias.shape[:2], L, extra[0].shape[1])], -1)
-        return dense_attention(q, k, v, bias, scale=scale, group=self.group, layout=self.layout, extra_kv=extra)
+        dropout = None
+        if self.dropout > 0.0 and self.training:
+            dropout = (agreed_seed(q.device, self.group), float(self.dropout), q_idx)
+        return dense_attention(
+            q, k, v, bias, scale=scale, group=self.group, layout=self.layout, extra_kv=extra, dropout=dropout
+        )
 
 
 def _linear(x, w, b):

@@ -260,12 +260,11 @@ def test_misuse_found_at_construction():
 
 
 def test_unsupported_arguments_raise():
-    ring = RingMultiheadAttention(E, H, dropout=0.1, batch_first=True)
+    ring = RingMultiheadAttention(E, H, dropout=0.1, batch_first=True).eval()
     x = torch.randn(2, 6, E)
-    with pytest.raises(NotImplementedError, match="dropout"):
-        ring(x, x, x, need_weights=False)
-    ring.eval()
-    ring(x, x, x, need_weights=False)  # dropout is inactive in eval mode
+    with pytest.raises(NotImplementedError, match="nested"):
+        nt = torch.nested.nested_tensor([torch.randn(3, E), torch.randn(5, E)], layout=torch.jagged)
+        ring(nt, nt, nt, need_weights=False)
     with pytest.raises(ValueError, match="not the causal mask"):
         ring(x, x, x, attn_mask=torch.zeros(6, 6, dtype=torch.bool), is_causal=True, need_weights=False)
     with pytest.raises(ValueError, match="layout"):
