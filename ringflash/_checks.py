@@ -117,18 +117,23 @@ def key_bias_from_mask(mask, dims: AttnDims, device, api: str, dtype=torch.float
     return mask.detach().to(dtype).contiguous()
 
 
+def check_cu_tensor(name: str, cu, device, api: str) -> None:
+    """What can be checked of a cu_seqlens tensor without reading its values."""
+    check_tensor(name, cu, api)
+    if cu.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"{api}: {name} must be int32 or int64, got {cu.dtype}")
+    if cu.dim() != 1 or cu.numel() < 1:
+        raise ValueError(f"{api}: {name} must be 1-D (n_docs + 1,), got shape {_shape(cu)}")
+    if cu.device != device:
+        raise ValueError(f"{api}: {name} is on {cu.device}, q on {device}")
+
+
 def check_cu_seqlens(cu_q, cu_k, total_q: int, total_k: int, device, api: str):
     """Validate packed documents' boundaries: (cu_q, cu_k) int64 on `device`, each starting at
     0, non-decreasing, ending at its total, with as many documents on both sides."""
     out = []
     for name, cu, total in (("cu_seqlens_q", cu_q, total_q), ("cu_seqlens_k", cu_k, total_k)):
-        check_tensor(name, cu, api)
-        if cu.dtype not in (torch.int32, torch.int64):
-            raise TypeError(f"{api}: {name} must be int32 or int64, got {cu.dtype}")
-        if cu.dim() != 1 or cu.numel() < 1:
-            raise ValueError(f"{api}: {name} must be 1-D (n_docs + 1,), got shape {_shape(cu)}")
-        if cu.device != device:
-            raise ValueError(f"{api}: {name} is on {cu.device}, q on {device}")
+        check_cu_tensor(name, cu, device, api)
         values = cu.tolist()
         if values[0] != 0:
             raise ValueError(f"{api}: {name} must start at 0, got {values[:4]}...")

@@ -20,6 +20,7 @@ from . import reference
 from ._checks import (
     check_bool,
     check_cu_seqlens,
+    check_cu_tensor,
     check_max_seqlen,
     check_qkv,
     check_tensor,
@@ -27,7 +28,7 @@ from ._checks import (
     resolve_scale,
 )
 from .empty import empty_attention
-from .masks import BlockMask, Visibility, document_bounds, local_offsets, window_from
+from .masks import BlockMask, Visibility, local_offsets, window_from
 from .merge import SoftmaxState, state_dtype
 
 BACKENDS = ("triton", "torch")
@@ -222,8 +223,10 @@ def flash_attn_func(
     if dims.empty:
         out, lse = empty_attention(q, k, v)
         return (out, lse) if return_lse else out
-    mask = BlockMask(*local_offsets(dims.seqlen_q, dims.seqlen_k), window)
-    out, lse = _FlashAttn.apply(q, k, v, key_bias, mask, scale)
+    q_start, k_start = local_offsets(dims.seqlen_q, dims.seqlen_k)
+    out, lse, _, _ = ops.flash_fwd(
+        q, k, v, key_bias, None, None, q_start, k_start, *ops.window_args(window), scale, _op_backend(q), -1, -1
+    )
     return (out, lse) if return_lse else out
 
 
@@ -255,12 +258,35 @@ def flash_attn_varlen_func(
     check_bool("return_lse", return_lse, api)
     window = window_from(causal, window_size, api)
     scale = resolve_scale(softmax_scale, dims.head_dim, api)
-    cu_q, cu_k = check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], q.device, api)
-    check_max_seqlen(max_seqlen_q, cu_q, "max_seqlen_q", api)
-    check_max_seqlen(max_seqlen_k, cu_k, "max_seqlen_k", api)
-    if dims.empty:
+    check_cu_tensor("cu_seqlens_q", cu_seqlens_q, q.device, api)
+    check_cu_tensor("cu_seqlens_k", cu_seqlens_k, q.device, api)
+    hints = []
+    for name, hint in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
+        if hint is not None and (isinstance(hint, bool) or not isinstance(hint, int)):
+            raise TypeError(f"{api}: {name} must be an int or None, got {type(hint).__name__}")
+        if hint is not None and hint < 0:
+            raise ValueError(f"{api}: {name} = {hint} is negative")
+        hints.append(-1 if hint is None else hint)
+    if dims.empty:  # no kernel runs: the values are checked here
+        cu_q, cu_k = check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], q.device, api)
+        check_max_seqlen(max_seqlen_q, cu_q, "max_seqlen_q", api)
+        check_max_seqlen(max_seqlen_k, cu_k, "max_seqlen_k", api)
         out, lse = empty_attention(q[None], k[None], v[None])
-    else:
-        mask = BlockMask(0, 0, window, document_bounds(cu_q, cu_k, window))
-        out, lse = _FlashAttn.apply(q[None], k[None], v[None], None, mask, scale)
+        return (out[0], lse[0]) if return_lse else out[0]
+    # cu_seqlens' values (and the hints against them) are checked inside the operator, where
+    # they are known under torch.compile too, before any kernel
+    out, lse, _, _ = ops.flash_fwd(
+        q[None], k[None], v[None], None, cu_seqlens_q, cu_seqlens_k, 0, 0, *ops.window_args(window), scale,
+        _op_backend(q), *hints,
+    )  # fmt: skip
     return (out[0], lse[0]) if return_lse else out[0]
+
+
+def _op_backend(q) -> str:
+    """The backend name for an operator call: resolved now in eager calls, so the backward runs
+    on the forward's backend; "" under torch.compile, which cannot read use_backend's context
+    (the operators then resolve it when they run)."""
+    return "" if torch.compiler.is_compiling() else backend_name(q.device)
+
+
+from . import ops  # noqa: E402  (ops runs this module's autograd Function: imported once it exists)

@@ -300,12 +300,15 @@ def _no_fast_path(module, args):
 
 def _check_causal_hint(mask, length, api):
     """Accept attn_mask with is_causal=True only if it looks like the causal mask of the
-    local length (shape, and a spot check of its first and last rows), as torch's hint."""
+    local length (shape, and a spot check of its first and last rows), as torch's hint.
+    Under torch.compile only the shape is checked: reading the values would end the graph."""
     if mask.shape[-2:] != (length, length):
         raise ValueError(
             f"{api}: is_causal=True with an attn_mask of shape {tuple(mask.shape)}; expected the "
             f"causal mask ({length}, {length}) or None"
         )
+    if torch.compiler.is_compiling():
+        return  # traced: the values are data, unknown until run; the shape above is checked
     m = mask.reshape(-1, length, length)[0]
     hidden = m if m.dtype == torch.bool else torch.isneginf(m)
     first_ok = not hidden[0, 0] and bool(hidden[0, 1:].all())

@@ -14,10 +14,11 @@ from dataclasses import dataclass
 
 import torch
 
+from . import ops
 from ._checks import SUPPORTED_DTYPES, check_bool, check_qkv, key_bias_from_mask, resolve_grad_accum, resolve_scale
-from .comm import LocalComm, RingComm, check_backend_device, group_rank_world, validated_across_ranks
+from .comm import LocalComm, RingComm, check_backend_device, group_rank_world, resolve_group, validated_across_ranks
 from .empty import empty_attention
-from .local import backend_for, backward_inputs, block_backward, block_forward, without_autocast
+from .local import backend_for, backend_name, backward_inputs, block_backward, block_forward, without_autocast
 from .masks import CAUSAL, FULL, BlockMask, Window, window_from
 from .merge import SoftmaxState, state_dtype
 from .relay import GradRelay, default_grad_chunks
@@ -313,15 +314,25 @@ def ring_flash_attn_func(
             spec = dataclasses.replace(spec, layout="contiguous")
         return _signature(q, k, spec, key_bias is not None), (spec, key_bias)
 
-    # every rank fails together, or all agree: never a hang, never a mixed-up ring
-    spec, key_bias = validated_across_ranks(
-        group, api, validate, _FIELD_NAMES, device=getattr(q, "device", None), show=_show_field
-    )
+    if torch.compiler.is_compiling():
+        # traced: this rank's checks run now; the agreement all_gather runs inside the ring
+        # operator when it executes (dynamo cannot trace a collective whose result decides)
+        fields, (spec, key_bias) = validate()
+        agree = list(fields.values()) if world > 1 else []
+    else:
+        # every rank fails together, or all agree: never a hang, never a mixed-up ring
+        spec, key_bias = validated_across_ranks(
+            group, api, validate, _FIELD_NAMES, device=getattr(q, "device", None), show=_show_field
+        )
+        agree = []
     if q.shape[0] == 0 or q.shape[1] == 0 or q.shape[2] == 0 or k.shape[1] == 0:  # agreed by every rank
         out, lse = empty_attention(q, k, v)
         return (out, lse) if return_lse else out
-    comm = RingComm(group) if world > 1 else LocalComm()
-    out, lse = _RingAttn.apply(q, k, v, key_bias, spec, comm)
+    out, lse, _, _ = ops.ring_fwd(
+        q, k, v, key_bias, resolve_group(group).group_name if world > 1 else "", *ops.window_args(spec.window),
+        spec.scale, spec.layout, -1 if spec.grad_chunks is None else spec.grad_chunks, spec.grad_accum,
+        "" if torch.compiler.is_compiling() else backend_name(q.device), agree,
+    )  # fmt: skip
     return (out, lse) if return_lse else out
 
 
@@ -334,6 +345,9 @@ def hops_needed(layout, world: int) -> int:
     return needed
 
 
+# not yet one operator under torch.compile (its layout is a Python object the schedule reads):
+# traced code calls it eagerly, a graph break (fullgraph=True reports it), never a crash
+@torch.compiler.disable
 def ring_flash_attn_varlen_func(
     q,
     k,

@@ -5,6 +5,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from commands import ROOT, TWO_RANKS, run
 
 
@@ -209,3 +211,10 @@ def test_precision_large_scores_smoke(tmp_path):
         [sys.executable, "-m", "benchmarks.precision_large_scores", "--backends", "torch", "--seeds", "2"], tmp_path
     )
     assert "flash_plain" in out and "torch |" in out
+
+
+def test_compile_train_smoke(tmp_path):
+    """benchmarks.compile_train --smoke: both models compiled (fullgraph) match eager on CPU."""
+    pytest.importorskip("transformers")
+    out = run([sys.executable, "-m", "benchmarks.compile_train", "--smoke"], tmp_path)
+    assert "graph breaks 0" in out and out.strip().splitlines()[-1].startswith("verdict: OK"), out

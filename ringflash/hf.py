@@ -1,0 +1,677 @@
+"""Hugging Face transformers integration: a causal LM's attention on the ring.
+
+    import ringflash.hf as rhf
+    rhf.apply(model, group=None, layout="zigzag")       # in place; rhf.unapply(model) undoes it
+    batch = rhf.shard_inputs(input_ids, labels=labels, attention_mask=attention_mask)
+    out = model(**batch)                                 # out.loss: this rank's part of the loss
+    out.loss.backward()
+    rhf.allreduce_grads(model)                           # SUM over the group: one device's gradients
+
+How it fits into transformers (5.x):
+- An attention function and its mask function are registered under ATTN_IMPLEMENTATION in
+  transformers' AttentionInterface / AttentionMaskInterface, and the model's config is
+  switched to it. The name has no "flash" in it: transformers treats such names as flash
+  kernels (hub loading, varlen handling). Without a registered mask function transformers
+  drops the 2D attention mask for a custom name (padding would be silently ignored), and its
+  flash mask function returns None for a shard without padding (ranks would disagree), so
+  ours always hands the 2D padding mask through.
+- A forward pre-hook on the base model decides, once per forward, whether this forward runs
+  on the ring (a process group of more than one rank, no KV cache passed in, not inside the
+  model's generate(), which apply() wraps) or locally (no group, a cache given, or
+  generate(): each rank then holds its whole input).
+  It passes that decision and the binding (group, layout) down to the attention function as
+  a keyword argument, so gradient checkpointing's recomputation sees the same decision. On the
+  ring it also fills in global position_ids when none are given (RoPE must see global
+  positions), turns off the useless KV cache of sharded keys, and rejects packed sequences.
+- shard_inputs shifts the labels on the whole sequence before sharding and passes them as
+  `shift_labels` (transformers' ForCausalLMLoss then does not shift again inside a shard),
+  with the global label-token count as `num_items_in_batch`, so the ranks' losses add up to
+  the one-device loss.
+
+Sliding-window layers (Mistral; Qwen2 with use_sliding_window) run through
+flash_attn_func(window_size=(W - 1, 0)) on one process; on the ring, a window shorter than the
+sequence raises NotImplementedError (_ring_attention is the one place the ring is called).
+
+Not supported yet (NotImplementedError naming it): sliding-window layers on the ring whose
+window is shorter than the sequence, packed sequences (position_ids that restart, cu_seq_lens), attention
+dropout in training, logit softcapping, attention sinks, position biases, 4D attention masks
+on the ring, bidirectional attention, output_attentions. Tested model families: MODEL_TYPES.
+
+Where the coming ring features plug in:
+- Sliding windows: _ring_attention is the one place that raises; once the ring takes
+  window_size=(left, right) it passes _window_size's (sliding_window - 1, 0) to
+  ring_flash_attn_func for that layer (transformers: query i sees key j iff i - W < j <= i).
+- Packed documents: shard_inputs sees the whole batch, so it is where cu_seqlens are derived
+  (from restarting position_ids without a mask, or given) and the documents' layout is planned;
+  the batch then carries them to the pre-hook, which puts them on the _Call instead of raising
+  in _check_not_packed, and the attention function calls ring_flash_attn_varlen_func.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import inspect
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+try:
+    import transformers
+    from transformers import AttentionInterface, AttentionMaskInterface, PreTrainedModel
+except ImportError as e:  # pragma: no cover - the extra is not installed
+    raise ImportError("ringflash.hf needs transformers: pip install 'ringflash[hf]'") from e
+
+from .comm import agree_across_ranks, group_rank_world, resolve_group
+from .layout import local_positions, shard
+from .local import flash_attn_func
+from .ring import ring_flash_attn_func
+from .schedule import check_divisible, check_layout, chunks_per_rank
+
+# The transformers versions this module is tested with (pyproject.toml's `hf` extra).
+TRANSFORMERS_MIN, TRANSFORMERS_BELOW = (5, 0), (6, 0)
+
+ATTN_IMPLEMENTATION = "rf_ring"  # no "flash" in it: see the module docstring
+MODEL_TYPES = ("llama", "mistral", "qwen2")  # config.model_type of the families tested
+IGNORE_INDEX = -100  # transformers' loss functions' default
+_CTX_KWARG = "ringflash_ctx"
+_STATE_ATTR = "_ringflash_hf"
+
+_PACKED = (
+    "packed sequences (position_ids that restart inside a row, as DataCollatorWithFlattening "
+    "makes, or cu_seq_lens / seq_idx) are not supported yet"
+)
+
+
+def _version_tuple(v: str) -> tuple[int, ...]:
+    out = []
+    for part in v.split(".")[:2]:
+        digits = "".join(ch for ch in part if ch.isdigit())
+        out.append(int(digits or 0))
+    return tuple(out)
+
+
+if _version_tuple(transformers.__version__) < TRANSFORMERS_MIN:  # pragma: no cover
+    raise ImportError(
+        f"ringflash.hf needs transformers >= {'.'.join(map(str, TRANSFORMERS_MIN))}, found {transformers.__version__}"
+    )
+
+
+@dataclass(frozen=True)
+class _Call:
+    """What the base model's pre-hook decided for one forward, handed to every attention call."""
+
+    group: object
+    layout: str
+    ring: bool  # True: the inputs are this rank's shards and attention runs on the ring
+    has_mask: bool  # a 2D attention mask was given to the forward
+    world: int
+
+
+@dataclass
+class _Applied:
+    """Per model, on the model and on its base model (a deepcopy of the model copies it along)."""
+
+    group: object
+    layout: str
+    original: str | None
+    base: torch.nn.Module
+    generating: int = 0  # > 0 while the model's generate() runs: every forward is local
+
+
+# ----------------------------------------------------------------------------- attention
+
+
+def _unsupported(what: str) -> NotImplementedError:
+    return NotImplementedError(f"ringflash.hf: {what}")
+
+
+def _check_kwargs(module, dropout, kwargs) -> None:
+    """Features the ring does not compute: raise, never give a different answer."""
+    if dropout:
+        raise _unsupported(
+            f"attention dropout {dropout} in training mode is not supported "
+            "(set config.attention_dropout = 0.0, or call model.eval())"
+        )
+    if kwargs.get("softcap") is not None:
+        raise _unsupported(f"attention logit softcapping (softcap={kwargs['softcap']}) is not supported")
+    if kwargs.get("s_aux") is not None:
+        raise _unsupported("attention sinks (s_aux) are not supported")
+    if kwargs.get("position_bias") is not None:
+        raise _unsupported("an additive position bias (position_bias) is not supported")
+    if kwargs.get("output_attentions"):
+        raise _unsupported("output_attentions=True is not supported: attention weights are never materialized")
+    for name in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx"):
+        if kwargs.get(name) is not None:
+            raise _unsupported(f"{_PACKED}; got {name}")
+
+
+def _window_size(sliding_window, total_len: int) -> tuple[int, int]:
+    """transformers' sliding window W lets query i see key j iff i - W < j <= i: ringflash's
+    window_size=(W - 1, 0) with causal=True. (-1, -1) when the layer has none or the whole
+    sequence (total_len tokens) fits in it, where it changes nothing."""
+    if sliding_window is None or sliding_window <= 0 or total_len <= sliding_window:
+        return (-1, -1)
+    return (sliding_window - 1, 0)
+
+
+def _ring_attention(q, k, v, *, scaling, call, padding, window_size):
+    """The one place the ring is called: q (B, S_local, Hq, D), k, v (B, S_local, Hkv, D), this
+    rank's shards; padding (B, S_local) bool, True = padded key, or None; window_size as
+    _window_size gives it. Sliding windows on the ring are not there yet: when the ring takes
+    window_size=, this passes it on instead of raising."""
+    if window_size != (-1, -1):
+        raise _unsupported(
+            f"sliding-window attention on the ring is not supported yet: this layer has "
+            f"sliding_window={window_size[0] + 1}, shorter than the sequence "
+            f"({k.shape[1] * call.world} tokens); it works on one process (no process group)"
+        )
+    return ring_flash_attn_func(
+        q, k, v, causal=True, softmax_scale=scaling, group=call.group, layout=call.layout, key_padding_mask=padding
+    )
+
+
+def ring_attention_forward(
+    module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs
+):
+    """transformers' attention-function interface (registered as ATTN_IMPLEMENTATION).
+
+    query (B, Hq, S, D), key / value (B, Hkv, Sk, D) as transformers passes them (they are
+    transposed views here, not copies); attention_mask: what the registered mask function
+    returned, a (B, Sk) bool tensor (True = attend) or None. Returns (out (B, S, Hq, D), None)
+    in the inputs' dtype (the autocast dtype under torch.autocast, as sdpa).
+    """
+    call = kwargs.pop(_CTX_KWARG, None)
+    if call is None:
+        _, world = group_rank_world(None)
+        if world > 1:
+            raise RuntimeError(
+                "ringflash.hf: the attention was called without the decision of the model's forward "
+                "pre-hook (attention layers called directly?); call the model prepared by apply()"
+            )
+        call = _Call(None, "zigzag", ring=False, has_mask=attention_mask is not None, world=1)
+    _check_kwargs(module, dropout, kwargs)
+    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    if not causal:
+        # the ring computes it, but transformers' masks for is_causal=False differ between 5.x versions
+        raise _unsupported("bidirectional attention (is_causal=False) is not supported: causal LMs only")
+
+    if attention_mask is not None and not (attention_mask.dim() == 2 and attention_mask.dtype == torch.bool):
+        if call.ring:
+            raise _unsupported(
+                f"a {attention_mask.dim()}-D attention mask of dtype {attention_mask.dtype} is not "
+                "supported on the ring: pass the 2D padding mask (batch, seq_len)"
+            )
+        # a prepared (4D) mask locally: generate() makes one for static caches; transformers' own sdpa is exact
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs
+        )
+    if call.has_mask and attention_mask is None:
+        raise RuntimeError(
+            "ringflash.hf: the forward was given an attention_mask but attention received none "
+            f"(is the mask function registered for {ATTN_IMPLEMENTATION!r}?); padding would be ignored"
+        )
+
+    q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)  # (B, S, H, D) views
+    device_type = q.device.type
+    if torch.is_autocast_enabled(device_type):
+        # as sdpa under autocast: attention in the autocast dtype (RoPE left q, k in float32)
+        dtype = torch.get_autocast_dtype(device_type)
+        q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+    padding = None if attention_mask is None else ~attention_mask  # ringflash: True = padded key
+
+    sliding_window = kwargs.get("sliding_window")
+    if call.ring:
+        window_size = _window_size(sliding_window, k.shape[1] * call.world)
+        out = _ring_attention(q, k, v, scaling=scaling, call=call, padding=padding, window_size=window_size)
+    else:
+        # local: the whole sequence (or, decoding, the cache's keys with the new queries last:
+        # flash_attn_func's causal mask and window align bottom-right, as transformers' with a
+        # DynamicCache)
+        out = flash_attn_func(
+            q,
+            k,
+            v,
+            causal=True,
+            softmax_scale=scaling,
+            key_padding_mask=padding,
+            window_size=_window_size(sliding_window, k.shape[1]),
+        )
+    return out, None
+
+
+def ring_attention_mask(
+    batch_size=None,
+    q_length=None,
+    kv_length=None,
+    q_offset=0,
+    kv_offset=0,
+    mask_function=None,
+    attention_mask=None,
+    **kwargs,
+):
+    """transformers' mask-function interface (registered as ATTN_IMPLEMENTATION; called with
+    keywords: q_length / q_offset, or cache_position in early 5.x).
+
+    attention_mask: the forward's 2D mask (B, L) as bool (True = real token), or None. Returns
+    it covering the keys kv_offset .. kv_offset + kv_length (padded with False past its end,
+    as transformers does for caches), or None when no mask was given. It never returns None
+    for a given mask, even without padding, so every rank passes a mask to the ring or none
+    does. The causal / window structure (mask_function) is not materialized: the attention
+    function applies causality by global position and checks the window itself.
+    """
+    if attention_mask is None:
+        return None
+    mask = attention_mask.to(torch.bool)
+    kv_length = mask.shape[-1] - kv_offset if kv_length is None else kv_length
+    if (missing := kv_offset + kv_length - mask.shape[-1]) > 0:
+        mask = F.pad(mask, (0, missing), value=False)
+    return mask[:, kv_offset : kv_offset + kv_length]
+
+
+def _register() -> None:
+    """Register (idempotently) the attention and mask functions in transformers' global interfaces."""
+    AttentionInterface.register(ATTN_IMPLEMENTATION, ring_attention_forward)
+    AttentionMaskInterface.register(ATTN_IMPLEMENTATION, ring_attention_mask)
+
+
+# ----------------------------------------------------------------------------- the model
+
+
+def _forward_params(base) -> list[str]:
+    return [
+        name
+        for name, p in inspect.signature(base.forward).parameters.items()
+        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+    ]
+
+
+def _check_not_packed(position_ids, group, layout, world, api) -> None:
+    """Without an attention mask transformers treats position_ids that do not step by 1 as
+    packed documents (a block-diagonal mask). On the ring, position_ids (b, S_local) are this
+    rank's part of each row: a row is one document iff position_ids - global index is one
+    constant over the whole row, on every rank (two tiny collectives)."""
+    S_local = position_ids.shape[-1]
+    agree_across_ranks(
+        group,
+        {"position_ids rows": position_ids.shape[0], "local length": S_local},
+        None,
+        api,
+        device=position_ids.device,
+    )
+    idx = local_positions(S_local * world, group=group, layout=layout, device=position_ids.device)
+    d = position_ids.to(torch.int64) - idx
+    stats = torch.stack([d.amax(-1), -d.amin(-1)], -1)  # per row: max and -min of the offset
+    dist.all_reduce(stats, op=dist.ReduceOp.MAX, group=resolve_group(group))
+    if bool((stats[..., 0] != -stats[..., 1]).any()):
+        raise _unsupported(_PACKED)
+
+
+def _pre_hook(module, args, kwargs):
+    """Base model forward pre-hook: decide ring or local for this forward (see module docstring)."""
+    state: _Applied = module._ringflash_hf_base
+    if _CTX_KWARG in kwargs:
+        return None
+    api = "ringflash.hf"
+    kwargs = dict(kwargs)
+    if args:  # positional -> keyword, so every input is seen by name
+        kwargs.update(zip(_forward_params(module), args))
+    _, world = group_rank_world(state.group)
+    cache = kwargs.get("cache", kwargs.get("past_key_values"))  # named past_key_values in early 5.x
+    # generate() is local on each rank's whole prompt, even when its first forward gets no cache
+    ring = world > 1 and cache is None and not state.generating
+    mask = kwargs.get("attention_mask")
+    if ring:
+        for name in ("cu_seq_lens_q", "cu_seq_lens_k", "seq_idx"):
+            if kwargs.get(name) is not None:
+                raise _unsupported(f"{_PACKED}; got {name}")
+        if mask is not None and not (isinstance(mask, torch.Tensor) and mask.dim() == 2):
+            raise _unsupported(
+                f"a {len(getattr(mask, 'shape', ()))}-D attention mask ({type(mask).__name__}) is not "
+                "supported on the ring: pass the 2D padding mask (batch, seq_len) of this rank's tokens"
+            )
+        ids = kwargs.get("input_ids")
+        ids = ids if ids is not None else kwargs.get("inputs_embeds")
+        if ids is not None:
+            S_local = ids.shape[1]
+            if kwargs.get("position_ids") is None:
+                # one device uses 0 .. S-1: the global positions of this rank's tokens
+                kwargs["position_ids"] = local_positions(
+                    S_local * world, group=state.group, layout=state.layout, device=ids.device
+                ).unsqueeze(0)
+            elif mask is None:
+                _check_not_packed(kwargs["position_ids"], state.group, state.layout, world, api)
+        # a cache of sharded keys serves no later call; sdpa-equivalence needs none
+        kwargs["use_cache"] = False
+    elif cache is None and mask is None and kwargs.get("position_ids") is not None:
+        # locally the row is whole: transformers would see packed documents where it steps by
+        # other than 1; checked in an operator, which torch.compile keeps in the graph
+        kwargs["position_ids"] = torch.ops.ringflash.hf_unpacked_positions(kwargs["position_ids"])
+    kwargs[_CTX_KWARG] = _Call(state.group, state.layout, ring=ring, has_mask=mask is not None, world=world)
+    return (), kwargs
+
+
+@torch.library.custom_op("ringflash::hf_unpacked_positions", mutates_args=())
+def _unpacked_positions(position_ids: torch.Tensor) -> torch.Tensor:
+    """position_ids (b, S) of whole rows, returned (a copy) if every row steps by 1; else the
+    packed-sequence NotImplementedError. An operator, so that reading the values does not end
+    a torch.compile graph (the check runs when the graph does)."""
+    if bool((position_ids.diff(dim=-1) != 1).any()):
+        raise _unsupported(_PACKED)
+    return position_ids.clone()
+
+
+@_unpacked_positions.register_fake
+def _(position_ids):
+    return torch.empty_like(position_ids)
+
+
+def _check_model(model, api, allow_untested) -> None:
+    if not isinstance(model, PreTrainedModel):
+        raise TypeError(
+            f"{api}: model must be a transformers PreTrainedModel (apply before wrapping it in DDP/FSDP), "
+            f"got {type(model).__name__}"
+        )
+    config = model.config
+    if getattr(config, "is_encoder_decoder", False):
+        raise _unsupported(f"encoder-decoder models are not supported (model_type {config.model_type!r})")
+    if config.model_type not in MODEL_TYPES and not allow_untested:
+        raise _unsupported(
+            f"model_type {config.model_type!r} is not among the tested families {MODEL_TYPES}; "
+            "pass allow_untested=True to try it (its attention must go through transformers' "
+            "AttentionInterface with a causal or padding mask, and RoPE from position_ids)"
+        )
+    params = inspect.signature(model.loss_function).parameters
+    if "shift_labels" not in params and not any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        name = getattr(model.loss_function, "__name__", repr(model.loss_function))
+        raise _unsupported(
+            f"the model's loss function {name} does not take shift_labels: "
+            "labels would be shifted again inside each shard"
+        )
+
+
+def apply(model, *, group=None, layout="zigzag", allow_untested=False):
+    """Run `model`'s attention on the ring of `group`, in place; returns the model.
+
+    model: a transformers PreTrainedModel of a tested family (MODEL_TYPES: Llama, Mistral,
+    Qwen2), e.g. from AutoModelForCausalLM.from_config / from_pretrained. group: the process
+    group of the sequence-parallel ranks (None: the default group). layout: "zigzag"
+    (balanced causal work) or "contiguous"; shard_inputs must use the same group and layout.
+    A forward runs on the ring when the group has more than one rank, no KV cache is passed
+    in and it is not inside model.generate(); otherwise (no process group, world 1, a cache,
+    generate()) attention is local and the input must be the whole sequence. Applying again
+    rebinds group and layout.
+    """
+    api = "ringflash.hf.apply"
+    check_layout(layout, api)
+    _check_model(model, api, allow_untested)
+    if getattr(model, _STATE_ATTR, None) is not None:
+        unapply(model)
+    _register()
+    original = model.config._attn_implementation
+    model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    if model.config._attn_implementation != ATTN_IMPLEMENTATION:
+        raise _unsupported(
+            f"{type(model).__name__} cannot switch its attention implementation "
+            f"(it stays {model.config._attn_implementation!r})"
+        )
+    base = model.base_model
+    state = _Applied(group, layout, original, base)
+    base._ringflash_hf_base = state
+    base.register_forward_pre_hook(_pre_hook, with_kwargs=True)
+    setattr(model, _STATE_ATTR, state)
+    if callable(getattr(model, "generate", None)):
+        model.generate = _LocalGenerate(model, model.__dict__.get("generate"))  # unapply restores it
+    return model
+
+
+class _LocalGenerate:
+    """model.generate while applied: every forward inside it is local (each rank generates from
+    its whole prompt), also the first one, which early 5.x and use_cache=False give no cache."""
+
+    def __init__(self, model, previous=None):
+        self.model, self.previous = model, previous
+
+    def __call__(self, *args, **kwargs):
+        model = self.model
+        generate = self.previous or functools.partial(type(model).generate, model)
+        state = getattr(model, _STATE_ATTR, None)
+        if state is None:
+            return generate(*args, **kwargs)
+        state.generating += 1
+        try:
+            return generate(*args, **kwargs)
+        finally:
+            state.generating -= 1
+
+    def __deepcopy__(self, memo):  # a copy of the model generates with the copy
+        return _LocalGenerate(memo.get(id(self.model), self.model), copy.deepcopy(self.previous, memo))
+
+
+def unapply(model):
+    """Undo apply(): the original attention implementation, no hook. Returns the model."""
+    state = getattr(model, _STATE_ATTR, None)
+    if state is None:
+        raise ValueError(f"ringflash.hf.unapply: this {type(model).__name__} was not prepared by ringflash.hf.apply")
+    base = state.base
+    # by identity, not by a handle: a deepcopy of the model has the hook but its handle would point to
+    # the original's hooks
+    for key in [k for k, fn in base._forward_pre_hooks.items() if fn is _pre_hook]:
+        del base._forward_pre_hooks[key]
+        base._forward_pre_hooks_with_kwargs.pop(key, None)
+    del base._ringflash_hf_base
+    setattr(model, _STATE_ATTR, None)
+    generate = model.__dict__.get("generate")
+    if isinstance(generate, _LocalGenerate):
+        if generate.previous is None:
+            del model.generate
+        else:
+            model.generate = generate.previous
+    model.set_attn_implementation(state.original)
+    return model
+
+
+# ----------------------------------------------------------------------------- inputs
+
+
+def _check_2d(name, t, shape, api, integer=True):
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{api}: {name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dim() != 2 or (shape is not None and tuple(t.shape) != tuple(shape)):
+        want = f"(batch, seq_len) = {tuple(shape)}" if shape is not None else "(batch, seq_len)"
+        raise ValueError(f"{api}: {name} must have shape {want}, got {tuple(t.shape)}")
+    if integer and (t.is_floating_point() or t.is_complex()):
+        raise TypeError(f"{api}: {name} must be an integer tensor, got {t.dtype}")
+
+
+def _pad_length(S, world, layout):
+    parts = world * chunks_per_rank(layout)
+    return -S % parts
+
+
+def shard_inputs(
+    input_ids,
+    *,
+    labels=None,
+    attention_mask=None,
+    position_ids=None,
+    group=None,
+    layout="zigzag",
+    num_items_in_batch=None,
+    pad=False,
+):
+    """This rank's model inputs for a full batch, for a model prepared by apply().
+
+    input_ids: (B, S) integer, the whole batch, the same on every rank of `group`.
+    labels: (B, S) integer, transformers' usual unshifted labels (-100 = not counted);
+      None: next-token labels from input_ids with padding positions ignored.
+    attention_mask: (B, S), 1 / True = real token, 0 = padding (left or right), or None.
+    position_ids: (B, S) or (1, S), or None: 0 .. S-1 on every row, as the model itself uses
+      when given none (transformers' forward does not derive them from the attention mask;
+      pass e.g. (attention_mask.cumsum(-1) - 1).clamp(min=0) for generate()'s convention).
+      Without an attention mask they must step by 1 along each row (no packed documents).
+    num_items_in_batch: the loss's denominator; None: the number of label tokens of this
+      batch. Pass the total over all micro-batches / data-parallel batches that one optimizer
+      step averages over (see README: data parallelism).
+    pad: right-pad S to the next length the layout divides (2 * world for zigzag, world for
+      contiguous) with attention_mask 0 and ignored labels, which changes no loss or gradient;
+      False: such an S raises ValueError.
+
+    Returns a dict of keyword arguments for model(**batch): input_ids, position_ids (global
+    positions of this rank's tokens, so RoPE is right), attention_mask (if given), labels and
+    shift_labels (both the labels shifted on the whole sequence, then sharded: transformers
+    computes the loss when labels is not None and uses shift_labels without shifting again),
+    num_items_in_batch (int64 0-dim tensor) and use_cache=False; each (B, S / P) tensor is
+    this rank's shard. The ranks' out.loss values add up to the one-device loss.
+    """
+    api = "ringflash.hf.shard_inputs"
+    check_layout(layout, api)
+    _check_2d("input_ids", input_ids, None, api)
+    B, S = input_ids.shape
+    device = input_ids.device
+    if attention_mask is not None:
+        _check_2d("attention_mask", attention_mask, (B, S), api, integer=False)
+        attention_mask = attention_mask.to(device)
+    if labels is not None:
+        _check_2d("labels", labels, (B, S), api)
+        labels = labels.to(device)
+    if position_ids is not None:
+        if (
+            not isinstance(position_ids, torch.Tensor)
+            or position_ids.dim() != 2
+            or position_ids.shape[1] != S
+            or position_ids.shape[0] not in (1, B)
+        ):
+            got = tuple(position_ids.shape) if isinstance(position_ids, torch.Tensor) else type(position_ids).__name__
+            raise ValueError(f"{api}: position_ids must have shape ({B}, {S}) or (1, {S}), got {got}")
+        position_ids = position_ids.to(device)
+        if attention_mask is None:
+            offset = position_ids - torch.arange(S, device=device)
+            if bool((offset != offset[:, :1]).any()):
+                raise _unsupported(_PACKED)
+    if labels is None:
+        labels = input_ids if attention_mask is None else input_ids.masked_fill(attention_mask == 0, IGNORE_INDEX)
+    # the whole sequence is shifted before sharding: token i predicts label i + 1, even across shards
+    shift_labels = F.pad(labels, (0, 1), value=IGNORE_INDEX)[:, 1:]
+    if num_items_in_batch is None:
+        num_items_in_batch = (shift_labels != IGNORE_INDEX).sum()
+    elif not isinstance(num_items_in_batch, torch.Tensor):
+        if isinstance(num_items_in_batch, bool) or not isinstance(num_items_in_batch, int) or num_items_in_batch < 1:
+            raise ValueError(
+                f"{api}: num_items_in_batch must be a positive int or a tensor, got {num_items_in_batch!r}"
+            )
+        num_items_in_batch = torch.tensor(num_items_in_batch, device=device)
+
+    _, world = group_rank_world(group)
+    extra = _pad_length(S, world, layout)
+    if extra and not pad:
+        check_divisible(S, world, layout, api)  # raises, naming the lengths that would do
+    if extra:
+        if attention_mask is None:
+            attention_mask = torch.ones(B, S, dtype=torch.int64, device=device)
+        input_ids = F.pad(input_ids, (0, extra), value=0)
+        attention_mask = F.pad(attention_mask, (0, extra), value=0)
+        shift_labels = F.pad(shift_labels, (0, extra), value=IGNORE_INDEX)
+        if position_ids is not None:
+            step = position_ids[:, -1:] + torch.arange(1, extra + 1, device=device)
+            position_ids = torch.cat([position_ids, step], dim=1)
+        S += extra
+
+    # contiguous: the loss views labels flat, and a contiguous layout's shard is a strided view
+    sh = lambda t: shard(t, group=group, layout=layout, dim=1).contiguous()
+    if position_ids is None:
+        local_pos = local_positions(S, group=group, layout=layout, device=device).unsqueeze(0)
+    else:
+        local_pos = sh(position_ids)
+    local_labels = sh(shift_labels)
+    batch = {
+        "input_ids": sh(input_ids),
+        "position_ids": local_pos,
+        "labels": local_labels,
+        "shift_labels": local_labels,
+        "num_items_in_batch": num_items_in_batch,
+        "use_cache": False,
+    }
+    if attention_mask is not None:
+        batch["attention_mask"] = sh(attention_mask)
+    return batch
+
+
+# ----------------------------------------------------------------------------- gradients
+
+
+def allreduce_grads(model, group=None, *, bucket_mb: float = 256.0) -> None:
+    """Sum every parameter's gradient over the ranks of `group` (None: the default group), in place.
+
+    Each rank's gradients are the gradients of its own part of the loss (the ring already
+    brought the attention's dK/dV home), so the SUM, not DDP's average, is the gradient one
+    device computes for the whole batch. A parameter whose gradient is None on some ranks
+    and not on others counts as zero where it is None; None on every rank stays None.
+    Gradients are reduced in flat buckets of about `bucket_mb` MiB per (device, dtype).
+    No-op without a process group or with one rank.
+
+    With data parallelism as well (a DP x SP mesh: apply / shard_inputs / allreduce_grads on the
+    SP group, a different batch per SP group), average over the DP group afterwards (or let DDP
+    on the DP group do it): the DP mean of one-device gradients. DDP or FSDP over ALL ranks
+    instead averages over SP ranks too: then skip this function and backpropagate
+    out.loss * sp_size. For a token-weighted mean over DP, pass shard_inputs the label count
+    summed over the DP group as num_items_in_batch and sum over DP instead of averaging.
+    """
+    api = "ringflash.hf.allreduce_grads"
+    _, world = group_rank_world(group)
+    if world == 1:
+        return
+    pg = resolve_group(group)
+    params = [p for p in model.parameters() if p.requires_grad]
+    if not params:
+        return
+    for p in params:
+        if p.grad is not None and (p.grad.is_sparse or p.grad.layout != torch.strided):
+            raise _unsupported(f"{api}: a sparse or non-strided gradient ({p.grad.layout}) is not supported")
+    # ranks agree on which gradients exist, so every rank reduces the same buckets
+    has = torch.tensor([p.grad is not None for p in params], dtype=torch.int32, device=params[0].device)
+    dist.all_reduce(has, op=dist.ReduceOp.MAX, group=pg)
+    present = []
+    for p, h in zip(params, has.tolist()):
+        if h:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            present.append(p.grad)
+    limit = max(1, int(bucket_mb * 2**20))
+    by_kind: dict = {}
+    for g in present:  # insertion order follows the parameters: the same on every rank
+        by_kind.setdefault((g.device, g.dtype), []).append(g)
+    for grads in by_kind.values():
+        bucket, size = [], 0
+        for g in grads:
+            nbytes = g.numel() * g.element_size()
+            if bucket and size + nbytes > limit:
+                _reduce_bucket(bucket, pg)
+                bucket, size = [], 0
+            bucket.append(g)
+            size += nbytes
+        if bucket:
+            _reduce_bucket(bucket, pg)
+
+
+def _reduce_bucket(grads, pg) -> None:
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, group=pg)
+    for g, reduced in zip(grads, flat.split([g.numel() for g in grads])):
+        g.copy_(reduced.view_as(g))
+
+
+__all__ = [
+    "apply",
+    "unapply",
+    "shard_inputs",
+    "allreduce_grads",
+    "ring_attention_forward",
+    "ring_attention_mask",
+    "ATTN_IMPLEMENTATION",
+    "MODEL_TYPES",
+]

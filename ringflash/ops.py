@@ -1,0 +1,284 @@
+"""The attention operations as torch.library custom operators, so torch.compile traces them.
+
+torch.compile (dynamo) cannot trace a Triton launch nor the ring's Python control flow
+(schedules, point-to-point exchanges, the rank-agreement collective), so each call of
+flash_attn_func / flash_attn_varlen_func / ring_flash_attn_func becomes one opaque operator
+for its forward and one for its backward, each with a fake (shape-only) implementation and
+the autograd formula registered:
+
+    ringflash::flash_fwd / ringflash::flash_bwd   one device (packed documents included)
+    ringflash::ring_fwd  / ringflash::ring_bwd    the ring, the process group named by its
+                                                  group_name, as torch's functional collectives
+                                                  name theirs
+
+Inside, the operators run the same engine as everywhere else: the autograd Functions'
+forward and backward (local._FlashAttn, ring._RingAttn), called as plain functions with a
+_Saved object in place of autograd's context, so there is one engine and no copy of it.
+
+Which backend runs (Triton or torch) is decided when the operator runs, by the device and
+use_backend / RINGFLASH_BACKEND, as in eager calls; the eager wrappers pass the name they
+resolved so a backward always runs on its forward's backend; under torch.compile (which cannot
+read use_backend's context variable) the forward and the backward operators each resolve it
+when they run.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+
+from . import local
+from ._checks import check_cu_seqlens, check_max_seqlen
+from .masks import BlockMask, Window, document_bounds
+from .merge import state_dtype
+
+
+class _Saved(SimpleNamespace):
+    """Stands in for autograd's ctx when an autograd Function's forward or backward is run as a
+    plain function inside an operator."""
+
+    saved_tensors = ()
+
+    def save_for_backward(self, *tensors):
+        self.saved_tensors = tensors
+
+    def set_materialize_grads(self, value):
+        pass
+
+
+def _window(left: int, right: int) -> Window:
+    return Window(None if left < 0 else left, None if right < 0 else right)
+
+
+def window_args(window: Window) -> tuple[int, int]:
+    """A Window as the operators' two ints (-1: unbounded)."""
+    return (-1 if window.left is None else window.left, -1 if window.right is None else window.right)
+
+
+def _backend(name: str, device) -> str:
+    return name or local.backend_name(device)
+
+
+def _mask(q_start, k_start, left, right, cu_q, cu_k) -> BlockMask:
+    window = _window(left, right)
+    bounds = None if cu_q is None else document_bounds(cu_q, cu_k, window)
+    return BlockMask(q_start, k_start, window, bounds)
+
+
+def _stats_like(q):
+    B, S, H, _ = q.shape
+    return q.new_empty((B, H, S), dtype=state_dtype(q.dtype))
+
+
+# ----------------------------------------------------------------------------- one device
+
+
+@torch.library.custom_op("ringflash::flash_fwd", mutates_args=())
+def flash_fwd(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    key_bias: torch.Tensor | None,
+    cu_q: torch.Tensor | None,
+    cu_k: torch.Tensor | None,
+    q_start: int,
+    k_start: int,
+    left: int,
+    right: int,
+    scale: float,
+    backend: str,
+    max_q: int,
+    max_k: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Attention of q (B, Sq, Hq, D) over k, v (B, Sk, Hkv, D), shapes already validated.
+    Packed documents: B = 1 and cu_q / cu_k give the documents; their values and the
+    max_q / max_k hints (-1: none) are checked here, where they are known even under
+    torch.compile. Returns out (B, Sq, Hq, D), lse, m, l (B, Hq, Sq) in the state dtype."""
+    if cu_q is not None:
+        api = "flash_attn_varlen_func"
+        cu_q, cu_k = check_cu_seqlens(cu_q, cu_k, q.shape[1], k.shape[1], q.device, api)
+        check_max_seqlen(None if max_q < 0 else max_q, cu_q, "max_seqlen_q", api)
+        check_max_seqlen(None if max_k < 0 else max_k, cu_k, "max_seqlen_k", api)
+    ctx, mask = _Saved(), _mask(q_start, k_start, left, right, cu_q, cu_k)
+    with local.use_backend(_backend(backend, q.device)):
+        out, lse = local._FlashAttn.forward(ctx, q, k, v, key_bias, mask, scale)
+    m, l = ctx.saved_tensors[4:6]
+    return out, lse, m.clone(), l  # m and l share one buffer: an operator's outputs may not alias
+
+
+@flash_fwd.register_fake
+def _(q, k, v, key_bias, cu_q, cu_k, q_start, k_start, left, right, scale, backend, max_q, max_k):
+    return torch.empty_like(q, memory_format=torch.contiguous_format), _stats_like(q), _stats_like(q), _stats_like(q)
+
+
+@torch.library.custom_op("ringflash::flash_bwd", mutates_args=())
+def flash_bwd(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    m: torch.Tensor,
+    l: torch.Tensor,
+    do: torch.Tensor,
+    dlse: torch.Tensor | None,
+    key_bias: torch.Tensor | None,
+    cu_q: torch.Tensor | None,
+    cu_k: torch.Tensor | None,
+    q_start: int,
+    k_start: int,
+    left: int,
+    right: int,
+    scale: float,
+    backend: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dq, dk, dv of flash_fwd, given its out, m, l and the gradients of out and lse."""
+    name = _backend(backend, q.device)
+    with local.use_backend(name):
+        ctx = _Saved(
+            saved_tensors=(q, k, v, out, m, l, key_bias),
+            mask=_mask(q_start, k_start, left, right, cu_q, cu_k),
+            scale=scale,
+            backend=local.backend_for(q.device),
+        )
+        dq, dk, dv = local._FlashAttn.backward(ctx, do, dlse)[:3]
+    return dq, dk, dv
+
+
+@flash_bwd.register_fake
+def _(q, k, v, out, m, l, do, dlse, key_bias, cu_q, cu_k, q_start, k_start, left, right, scale, backend):
+    return tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
+
+
+def _flash_setup(ctx, inputs, output):
+    q, k, v, key_bias, cu_q, cu_k, *args = inputs
+    ctx.args = args[:-2]  # the hints were checked by the forward
+    out, _, m, l = output
+    ctx.save_for_backward(q, k, v, out, m, l, key_bias, cu_q, cu_k)
+
+
+def _flash_backward(ctx, dout, dlse, dm, dl):
+    q, k, v, out, m, l, key_bias, cu_q, cu_k = ctx.saved_tensors
+    dq, dk, dv = flash_bwd(q, k, v, out, m, l, dout, dlse, key_bias, cu_q, cu_k, *ctx.args)
+    return (dq, dk, dv) + (None,) * 11
+
+
+flash_fwd.register_autograd(_flash_backward, setup_context=_flash_setup)
+
+
+# ----------------------------------------------------------------------------- the ring
+
+
+def _ring_run(group_name: str):
+    """(comm, group) for a ring operator: RingComm over the named group, or LocalComm ("")."""
+    from .comm import LocalComm, RingComm
+
+    if not group_name:
+        return LocalComm(), None
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    group = _resolve_process_group(group_name)
+    return RingComm(group), group
+
+
+def _ring_spec(left, right, scale, layout, grad_chunks, grad_accum):
+    from .ring import RingSpec
+
+    return RingSpec(_window(left, right), scale, layout, None if grad_chunks < 0 else grad_chunks, grad_accum)
+
+
+@torch.library.custom_op("ringflash::ring_fwd", mutates_args=())
+def ring_fwd(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    key_bias: torch.Tensor | None,
+    group_name: str,
+    left: int,
+    right: int,
+    scale: float,
+    layout: str,
+    grad_chunks: int,
+    grad_accum: torch.dtype | None,
+    backend: str,
+    agree: list[int],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The ring forward over the process group named `group_name` ("" : one rank), inputs
+    already validated on this rank. agree: empty, or this rank's call signature
+    (ring._signature's values), checked against every rank's with one all_gather before the
+    ring starts (the compiled path's rank-agreement check). Returns out, lse, m, l as flash_fwd."""
+    from . import ring
+
+    comm, group = _ring_run(group_name)
+    if agree:
+        from .comm import agree_across_ranks
+
+        fields = dict(zip(ring._FIELD_NAMES, agree))
+        agree_across_ranks(group, fields, None, "ring_flash_attn_func", device=q.device, show=ring._show_field)
+    ctx = _Saved()
+    spec = _ring_spec(left, right, scale, layout, grad_chunks, grad_accum)
+    with local.use_backend(_backend(backend, q.device)):
+        out, lse = ring._RingAttn.forward(ctx, q, k, v, key_bias, spec, comm)
+    m, l = ctx.saved_tensors[4:6]
+    return out, lse, m.clone(), l
+
+
+@ring_fwd.register_fake
+def _(q, k, v, key_bias, group_name, left, right, scale, layout, grad_chunks, grad_accum, backend, agree):
+    return torch.empty_like(q, memory_format=torch.contiguous_format), _stats_like(q), _stats_like(q), _stats_like(q)
+
+
+@torch.library.custom_op("ringflash::ring_bwd", mutates_args=())
+def ring_bwd(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    m: torch.Tensor,
+    l: torch.Tensor,
+    do: torch.Tensor,
+    dlse: torch.Tensor | None,
+    key_bias: torch.Tensor | None,
+    group_name: str,
+    left: int,
+    right: int,
+    scale: float,
+    layout: str,
+    grad_chunks: int,
+    grad_accum: torch.dtype | None,
+    backend: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dq, dk, dv of ring_fwd (this rank's shards), K/V rotating the ring again."""
+    from . import ring
+
+    comm, _ = _ring_run(group_name)
+    with local.use_backend(_backend(backend, q.device)):
+        ctx = _Saved(
+            saved_tensors=(q, k.contiguous(), v.contiguous(), out, m, l, key_bias),
+            spec=_ring_spec(left, right, scale, layout, grad_chunks, grad_accum),
+            comm=comm,
+            backend=local.backend_for(q.device),
+        )
+        dq, dk, dv = ring._RingAttn.backward(ctx, do, dlse)[:3]
+    return dq, dk, dv
+
+
+@ring_bwd.register_fake
+def _(q, k, v, out, m, l, do, dlse, key_bias, group_name, left, right, scale, layout, grad_chunks, grad_accum, backend):
+    return tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
+
+
+def _ring_setup(ctx, inputs, output):
+    q, k, v, key_bias, *args = inputs
+    ctx.args = args[:-1]  # the agreement signature is the forward's alone
+    out, _, m, l = output
+    ctx.save_for_backward(q, k, v, out, m, l, key_bias)
+
+
+def _ring_backward(ctx, dout, dlse, dm, dl):
+    q, k, v, out, m, l, key_bias = ctx.saved_tensors
+    dq, dk, dv = ring_bwd(q, k, v, out, m, l, dout, dlse, key_bias, *ctx.args)
+    return (dq, dk, dv) + (None,) * 10
+
+
+ring_fwd.register_autograd(_ring_backward, setup_context=_ring_setup)

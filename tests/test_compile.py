@@ -1,0 +1,189 @@
+"""torch.compile(fullgraph=True) of the attention functions and modules: no graph break, and
+the compiled forward and backward give exactly the eager results (the attention runs as one
+opaque operator either way, so the same arithmetic runs; aot_eager keeps the surrounding ops
+eager too). CPU: the torch backend and the Triton kernels under the interpreter; the ring over
+gloo with 2 processes."""
+
+import copy
+import shutil
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch._dynamo.utils import counters
+
+import ringflash
+from ringflash.nn import RingMultiheadAttention
+
+BACKENDS = pytest.mark.parametrize("backend", ["torch", "triton"], indirect=True)
+
+
+def _compile(fn, backend="aot_eager"):
+    torch._dynamo.reset()
+    counters.clear()
+    return torch.compile(fn, fullgraph=True, backend=backend)
+
+
+def _no_graph_break():
+    assert not counters["graph_break"], dict(counters["graph_break"])
+
+
+def _leaves(*shapes, seed=0, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(s, generator=g, dtype=dtype).requires_grad_() for s in shapes]
+
+
+def _run(fn, inputs, seed=1):
+    """fn(*inputs) -> tuple of tensors; returns the outputs and the gradients of the inputs for
+    random cotangents of every output (lse's gradient included)."""
+    outs = fn(*inputs)
+    g = torch.Generator().manual_seed(seed)
+    cot = [torch.randn(o.shape, generator=g, dtype=o.dtype) for o in outs]
+    grads = torch.autograd.grad(outs, inputs, cot)
+    return [o.detach() for o in outs], list(grads)
+
+
+def _assert_equal(got, want):
+    for a, b in zip(got, want, strict=True):
+        assert torch.equal(a, b), (a - b).abs().max()
+
+
+@BACKENDS
+def test_flash_attn_func_fullgraph(backend):
+    """Causal with a window, GQA, a padding mask, lse returned: compiled == eager, forward and
+    backward; a new sequence length recompiles (dynamic shapes) and is still exact."""
+    pad = torch.zeros(2, 20, dtype=torch.bool)
+    pad[1, 3:6] = True
+
+    def f(q, k, v, pad):
+        return ringflash.flash_attn_func(
+            q, k, v, causal=True, window_size=(5, -1), key_padding_mask=pad, return_lse=True
+        )
+
+    cf = _compile(f)
+    for S in (20, 28):
+        q, k, v = _leaves((2, S, 4, 16), (2, S, 2, 16), (2, S, 2, 16), seed=S)
+        mask = torch.nn.functional.pad(pad, (0, S - 20))
+        got_out, got_grads = _run(lambda *t: cf(*t, mask), (q, k, v))
+        want_out, want_grads = _run(lambda *t: f(*t, mask), (q, k, v))
+        _assert_equal(got_out + got_grads, want_out + want_grads)
+    _no_graph_break()
+    assert counters["stats"]["unique_graphs"] >= 1
+
+
+def test_flash_attn_func_inductor():
+    """The inductor backend (a C++ compiler on CPU): the attention operator is opaque, so its
+    outputs and gradients are exactly the eager ones."""
+    if shutil.which("g++") is None and shutil.which("c++") is None:
+        pytest.skip("inductor on CPU needs a C++ compiler")
+    f = lambda q, k, v: ringflash.flash_attn_func(q, k, v, causal=True, return_lse=True)
+    q, k, v = _leaves(*[(1, 24, 2, 16)] * 3)
+    got_out, got_grads = _run(_compile(f, "inductor"), (q, k, v))
+    want_out, want_grads = _run(f, (q, k, v))
+    _assert_equal(got_out + got_grads, want_out + want_grads)
+    _no_graph_break()
+
+
+@BACKENDS
+def test_flash_attn_varlen_func_fullgraph(backend):
+    """Packed documents: compiled == eager; cu_seqlens' values are checked when the compiled
+    graph runs (they are data), with the eager error."""
+    cu = torch.tensor([0, 7, 7, 19, 30], dtype=torch.int32)
+
+    def f(q, k, v, cu):
+        return ringflash.flash_attn_varlen_func(q, k, v, cu, cu, 12, causal=True, return_lse=True)
+
+    q, k, v = _leaves((30, 4, 16), (30, 2, 16), (30, 2, 16))
+    cf = _compile(f)
+    got_out, got_grads = _run(lambda *t: cf(*t, cu), (q, k, v))
+    want_out, want_grads = _run(lambda *t: f(*t, cu), (q, k, v))
+    _assert_equal(got_out + got_grads, want_out + want_grads)
+    _no_graph_break()
+    with pytest.raises(ValueError, match="cu_seqlens_q must end at the total length 30, got 31"):
+        cf(q, k, v, torch.tensor([0, 7, 31], dtype=torch.int32))
+    with pytest.raises(ValueError, match="max_seqlen_q = 12 is smaller than the longest document"):
+        cf(q, k, v, torch.tensor([0, 17, 30], dtype=torch.int32))
+
+
+def test_ring_without_group_fullgraph():
+    """ring_flash_attn_func with no process group (local attention through the ring engine)."""
+    f = lambda q, k, v: ringflash.ring_flash_attn_func(q, k, v, causal=True, return_lse=True)
+    q, k, v = _leaves((2, 16, 4, 16), (2, 16, 2, 16), (2, 16, 2, 16))
+    got_out, got_grads = _run(_compile(f), (q, k, v))
+    want_out, want_grads = _run(f, (q, k, v))
+    _assert_equal(got_out + got_grads, want_out + want_grads)
+    _no_graph_break()
+
+
+def _encoder(E=64, H=4, seed=0):
+    torch.manual_seed(seed)
+    layer = nn.TransformerEncoderLayer(E, H, dim_feedforward=64, dropout=0.0, batch_first=True)
+    ring = copy.deepcopy(layer)
+    attn = RingMultiheadAttention(E, H, batch_first=True)
+    attn.load_state_dict(layer.self_attn.state_dict())
+    ring.self_attn = attn
+    return ring
+
+
+def _layer_step(layer, x, mask):
+    layer.zero_grad(set_to_none=True)
+    y = layer(x, src_mask=mask, is_causal=True)
+    (y * torch.linspace(-1, 1, y.numel()).view_as(y)).sum().backward()
+    return [y.detach()] + [p.grad.clone() for p in layer.parameters()]
+
+
+def test_encoder_layer_fullgraph():
+    """RingMultiheadAttention inside a compiled nn.TransformerEncoderLayer (causal, training):
+    the output and every parameter gradient equal the eager layer's; eval mode too."""
+    layer = _encoder()
+    x = torch.randn(2, 24, 64, generator=torch.Generator().manual_seed(3))
+    mask = nn.Transformer.generate_square_subsequent_mask(24)
+    compiled = _compile(layer)
+    _assert_equal(_layer_step(compiled, x, mask), _layer_step(layer, x, mask))
+    layer.eval()
+    with torch.no_grad():
+        assert torch.equal(compiled(x, src_mask=mask, is_causal=True), layer(x, src_mask=mask, is_causal=True))
+    _no_graph_break()
+
+
+# ----------------------------------------------------------------------------- the ring, 2 ranks
+
+
+def _ring_compiled(rank, world):
+    torch.set_num_threads(1)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 32, h, 16, generator=g) for h in (4, 2, 2))
+    pad = torch.rand(2, 32, generator=g) < 0.2
+    pad[:, 0] = False
+    leaves = [ringflash.shard(t).requires_grad_() for t in (q, k, v)]
+    pad_l = ringflash.shard(pad)
+
+    def f(q, k, v):
+        return ringflash.ring_flash_attn_func(q, k, v, causal=True, key_padding_mask=pad_l, return_lse=True)
+
+    cf = _compile(f)
+    got_out, got_grads = _run(cf, leaves)
+    want_out, want_grads = _run(f, leaves)
+    _assert_equal(got_out + got_grads, want_out + want_grads)
+    _no_graph_break()
+    # the ranks disagree (rank 0 passes a shorter shard): every rank raises, compiled too
+    bad = [t[:, :8] if rank == 0 else t for t in leaves]
+    with pytest.raises(ValueError, match="ranks of the group disagree .*q local length: rank 0=8, rank 1=16"):
+        ringflash.ring_flash_attn_func(*bad, causal=True)  # eager, for the message
+    cf2 = _compile(lambda q, k, v: ringflash.ring_flash_attn_func(q, k, v, causal=True))
+    with pytest.raises(ValueError, match="ranks of the group disagree .*q local length: rank 0=8, rank 1=16"):
+        cf2(*bad)
+    # the module inside a compiled encoder layer, on its shard of the sequence
+    layer = _encoder()
+    x = ringflash.shard(torch.randn(2, 32, 64, generator=g))
+    mask = nn.Transformer.generate_square_subsequent_mask(16)
+    _assert_equal(_layer_step(_compile(layer), x, mask), _layer_step(layer, x, mask))
+    _no_graph_break()
+    dist.barrier()
+
+
+def test_ring_fullgraph_two_ranks(worlds):
+    """The ring compiled with fullgraph on 2 gloo ranks: compiled == eager (out, lse, dq, dk,
+    dv), no graph break, disagreeing ranks raise on every rank, the encoder layer on the ring."""
+    worlds(2).run(_ring_compiled)

@@ -1,0 +1,688 @@
+"""ringflash.hf: transformers causal LMs (Llama, Qwen2, Mistral) with attention on the ring, over gloo
+with 1, 2 and 4 processes, against one process running transformers' own sdpa attention.
+
+Tolerances are derived, not tuned: the ring in float32 is compared with a float64 one-process run,
+and its error may be at most 2x that of transformers' sdpa in float32 against the same float64 run,
+with a floor of 2 float32 ulps of the largest value (the float32 run can be exact by luck). The ring
+in float64 gets the same bound scaled by eps64 / eps32; under bfloat16 autocast the plain run is sdpa
+under the same autocast, the floor 2 bfloat16 ulps. Each spawned world runs many checks: the
+cost of this file is spawning processes and importing transformers.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import math
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+import torch.distributed as dist  # noqa: E402
+
+import ringflash.hf as rhf  # noqa: E402
+from ringflash.local import use_backend  # noqa: E402
+
+from dist_utils import run_world  # noqa: E402
+
+VOCAB, HIDDEN, S = 96, 64, 48
+EPS32, EPS64 = torch.finfo(torch.float32).eps, torch.finfo(torch.float64).eps
+ENV = {"RINGFLASH_BACKEND": "torch"}
+
+
+# ----------------------------------------------------------------------------- models and data
+
+
+def make_config(family, **over):
+    common = dict(
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=512,
+        pad_token_id=0,
+    )
+    if family == "llama":
+        cfg = transformers.LlamaConfig(**{**common, **over})
+    elif family == "qwen2":
+        cfg = transformers.Qwen2Config(**{**common, **over})
+    elif family == "mistral":
+        # Mistral's default sliding_window (4096) is longer than these sequences: it changes nothing
+        cfg = transformers.MistralConfig(**{**common, **over})
+    else:
+        raise ValueError(family)
+    return cfg
+
+
+def make_model(family, seed=0, dtype=torch.float32, attn="sdpa", **over):
+    """A random-weights causal LM, identical on every rank for the same seed."""
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(make_config(family, **over), attn_implementation=attn)
+    return model.to(dtype)
+
+
+def make_batch(seed, padding, B=2, length=S):
+    """input_ids (B, length), attention_mask or None, labels or None.
+    padding: "none"; "mixed": row 0 left-padded by 7, row 1 right-padded by 5 (on 2 ranks the zigzag
+    shards put all padding on rank 0, none on rank 1)."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, VOCAB, (B, length), generator=g)
+    if padding == "none":
+        return ids, None
+    mask = torch.ones(B, length, dtype=torch.int64)
+    mask[0, :7] = 0
+    mask[1, length - 5 :] = 0
+    return ids.masked_fill(mask == 0, 0), mask
+
+
+def causal_lm_loss64(
+    logits, labels, vocab_size, num_items_in_batch=None, ignore_index=-100, shift_labels=None, **kwargs
+):
+    """transformers' ForCausalLMLoss (same arguments and meaning) without its cast of the logits to
+    float32, so that a float64 model's loss is float64 too."""
+    if shift_labels is None:
+        shift_labels = torch.nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+    reduction = "sum" if num_items_in_batch is not None else "mean"
+    loss = torch.nn.functional.cross_entropy(
+        logits.reshape(-1, vocab_size), shift_labels.reshape(-1), ignore_index=ignore_index, reduction=reduction
+    )
+    return loss / num_items_in_batch if num_items_in_batch is not None else loss
+
+
+def to_dtype(model, dtype):
+    """A copy of model in dtype (float64: with a float64 loss)."""
+    m = copy.deepcopy(model).to(dtype)
+    if dtype == torch.float64:
+        m.loss_function = causal_lm_loss64
+    return m
+
+
+def reference(model, ids, mask, labels=None, position_ids=None, dtype=torch.float32, autocast=False, **kw):
+    """Loss and gradients of one process with the model's own (sdpa) attention, on the whole batch
+    (autocast: under CPU bfloat16 autocast, float32 weights)."""
+    m = to_dtype(model, dtype)
+    m.zero_grad(set_to_none=True)
+    if labels is None:
+        labels = ids if mask is None else ids.masked_fill(mask == 0, -100)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        out = m(input_ids=ids, attention_mask=mask, labels=labels, position_ids=position_ids, **kw)
+    out.loss.backward()
+    return out.loss.detach(), {n: p.grad.detach().clone() for n, p in m.named_parameters() if p.grad is not None}
+
+
+def ring_run(
+    model, ids, mask, labels=None, position_ids=None, group=None, layout="zigzag", drop=(), autocast=False, **kw
+):
+    """The sequence-parallel step: this rank's loss part, summed over the group; summed gradients."""
+    m = to_dtype(model, next(model.parameters()).dtype)
+    rhf.apply(m, group=group, layout=layout)
+    batch = rhf.shard_inputs(
+        ids, labels=labels, attention_mask=mask, position_ids=position_ids, group=group, layout=layout, **kw
+    )
+    for key in drop:
+        batch.pop(key)
+    m.zero_grad(set_to_none=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        out = m(**batch)
+    out.loss.backward()
+    rhf.allreduce_grads(m, group=group)
+    loss = out.loss.detach().clone()
+    if dist.is_initialized():
+        dist.all_reduce(loss, group=group)
+    return loss, {n: p.grad.detach().clone() for n, p in m.named_parameters() if p.grad is not None}, out
+
+
+def max_err(a, b):
+    return (a.double() - b.double()).abs().max().item()
+
+
+def check_close(name, got, ref64, plain32, dtype):
+    """got's error against the float64 reference at most 2x that of the plain run (float32, scaled by
+    eps64 / eps32 for a float64 `got`; for bfloat16 the plain run under the same autocast), with a floor
+    of 2 ulps of the largest value (2 eps * max |value|)."""
+    scale = ref64.abs().max().item()
+    eps = torch.finfo(dtype).eps
+    plain = max_err(plain32, ref64) * (EPS64 / EPS32 if dtype == torch.float64 else 1.0)
+    bound = 2 * max(plain, 2 * eps * scale)
+    err = max_err(got, ref64)
+    assert math.isfinite(err) and err <= bound, f"{name}: error {err:.3e} > bound {bound:.3e} (plain {plain:.3e})"
+    return err / max(plain, 2 * eps * scale)
+
+
+def compare(tag, got_loss, got_grads, ref64, ref32, dtype):
+    """check_close on the loss and on every parameter's gradient; returns the largest error / allowed-error
+    ratio's half (1.0 = at the bound)."""
+    loss64, grads64 = ref64
+    loss32, grads32 = ref32
+    r = [check_close(f"{tag} loss", got_loss, loss64, loss32, dtype)]
+    assert set(got_grads) == set(grads64), (tag, set(grads64) ^ set(got_grads))
+    for n in grads64:
+        r.append(check_close(f"{tag} grad {n}", got_grads[n], grads64[n], grads32[n], dtype))
+    return max(r) / 2
+
+
+# ----------------------------------------------------------------------------- the grid
+
+
+def _case(case, group=None):
+    """One equivalence check: loss and every gradient of the ring run against one process."""
+    family, padding = case["family"], case["padding"]
+    dtype = case.get("dtype", torch.float32)
+    seed = case.get("seed", 0)
+    model = make_model(family, seed=seed, **case.get("config", {}))
+    ids, mask = make_batch(seed + 1, padding)
+    labels = None
+    if case.get("labels") == "random_ignore":
+        g = torch.Generator().manual_seed(seed + 2)
+        labels = ids.masked_fill(torch.rand(ids.shape, generator=g) < 0.3, -100)
+    position_ids = None
+    if case.get("positions") == "from_mask":  # generate()'s convention: each row counts from its first token
+        position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
+    ref64 = reference(model, ids, mask, labels, position_ids, dtype=torch.float64)
+    autocast = dtype == torch.bfloat16  # float32 weights, bfloat16 autocast, for the ring and the plain run
+    ref32 = reference(model, ids, mask, labels, position_ids, dtype=torch.float32, autocast=autocast)
+    ring_model = to_dtype(model, torch.float32 if autocast else dtype)
+    if case.get("checkpointing"):
+        # activation_checkpointing_enable in later 5.x, gradient_checkpointing_enable before
+        (getattr(ring_model, "activation_checkpointing_enable", None) or ring_model.gradient_checkpointing_enable)()
+        ring_model.train()
+    loss, grads, _ = ring_run(
+        ring_model,
+        ids,
+        mask,
+        labels,
+        position_ids,
+        group=group,
+        layout=case.get("layout", "zigzag"),
+        drop=case.get("drop", ()),
+        autocast=autocast,
+    )
+    return compare(str(case), loss, grads, ref64, ref32, dtype)
+
+
+def _grid(rank, world, cases):
+    torch.set_num_threads(1)  # the ranks share the machine's cores
+    for case in cases:
+        _case(case)
+
+
+CASES_2 = [dict(family=f, padding=p) for f in ("llama", "qwen2", "mistral") for p in ("none", "mixed")] + [
+    dict(family="llama", padding="mixed", dtype=torch.float64),
+    dict(family="qwen2", padding="none", dtype=torch.float64, layout="contiguous"),
+    dict(family="mistral", padding="mixed", layout="contiguous", labels="random_ignore", seed=1),
+    dict(family="llama", padding="mixed", checkpointing=True, positions="from_mask"),
+    dict(family="qwen2", padding="mixed", checkpointing=True, dtype=torch.float64),
+    dict(family="llama", padding="mixed", dtype=torch.bfloat16),  # bfloat16 autocast, float32 weights
+]
+CASES_4 = [
+    dict(family="llama", padding="mixed"),
+    dict(family="qwen2", padding="mixed", dtype=torch.float64, checkpointing=True),
+    dict(family="mistral", padding="none", layout="contiguous", labels="random_ignore"),
+]
+
+
+# ----------------------------------------------------------------------------- traps, on 2 ranks
+
+
+def _raises(exc, match, fn):
+    with pytest.raises(exc, match=match):
+        fn()
+
+
+def _trap_hf_defaults(rank, world):
+    """A batch without use_cache=False (transformers' default use_cache=True) and without
+    position_ids still runs on the ring with global positions: the same loss and gradients."""
+    model = make_model("llama", num_hidden_layers=1)  # one layer: tracing is the cost
+    ids, mask = make_batch(3, "mixed")
+    ref64, ref32 = reference(model, ids, mask, dtype=torch.float64), reference(model, ids, mask)
+    assert model.config.use_cache
+    loss, grads, out = ring_run(model, ids, mask, drop=("use_cache", "position_ids"))
+    compare("hf defaults", loss, grads, ref64, ref32, torch.float32)
+    assert getattr(out, "cache", getattr(out, "past_key_values", None)) is None  # no cache of sharded keys
+    # a deepcopy of an applied model (an EMA or teacher copy) runs on the ring too
+    applied = rhf.apply(copy.deepcopy(model))
+    twin = copy.deepcopy(applied)
+    rhf.unapply(applied)  # leaves the copy as it is
+    got = twin(**rhf.shard_inputs(ids, attention_mask=mask)).loss.detach()
+    dist.all_reduce(got)
+    assert abs(got.item() - loss.item()) < 1e-6 * loss.item()
+
+
+def _trap_padding_on_one_rank(rank, world):
+    """On 2 ranks the mixed batch's padding is all on rank 0: transformers' flash mask function
+    returns None on rank 1 and a mask on rank 0 (the ring would refuse); ours returns the mask."""
+    from transformers.masking_utils import flash_attention_mask
+
+    ids, mask = make_batch(1, "mixed")
+    local = rhf.shard_inputs(ids, attention_mask=mask)["attention_mask"].bool()
+    assert bool(local.all()) == (rank == 1)
+    kw = dict(batch_size=2, kv_length=S // 2, attention_mask=local)
+    if "q_length" in inspect.signature(flash_attention_mask).parameters:
+        kw["q_length"] = S // 2
+    else:  # early 5.x
+        kw["cache_position"] = torch.arange(S // 2)
+    stock = flash_attention_mask(**kw)
+    assert (stock is None) == (rank == 1)
+    ours = rhf.ring_attention_mask(batch_size=2, q_length=S // 2, kv_length=S // 2, attention_mask=local)
+    assert ours is not None and torch.equal(ours, local)
+
+
+def _trap_rank_without_labels(rank, world):
+    """Rank 1 holds no label token: its loss is 0 (not NaN) and the sum is the one-device loss."""
+    model = make_model("qwen2")
+    ids, mask = make_batch(4, "none")
+    labels = torch.full_like(ids, -100)
+    labels[:, 1:11] = ids[:, 1:11]  # shifted: positions 0..9, all inside rank 0's first chunk
+    ref64, ref32 = reference(model, ids, mask, labels, dtype=torch.float64), reference(model, ids, mask, labels)
+    loss, grads, out = ring_run(model, ids, mask, labels)
+    local = out.loss.item()
+    assert math.isfinite(local) and (local == 0.0) == (rank == 1), local
+    compare("labels on one rank", loss, grads, ref64, ref32, torch.float32)
+    # the denominator is the caller's to choose (gradient accumulation, data parallelism)
+    m = rhf.apply(make_model("qwen2"))
+    half = m(**rhf.shard_inputs(ids, labels=labels, num_items_in_batch=40)).loss.detach()
+    dist.all_reduce(half)
+    assert abs(half.item() - ref32[0].item() / 2) < 1e-5
+
+
+def _trap_pad_to_divisible(rank, world):
+    """S = 45 does not divide into 4 chunks: pad=True right-pads, which changes no loss or gradient."""
+    model = make_model("mistral")
+    ids, mask = make_batch(5, "mixed", length=45)
+    ref64, ref32 = reference(model, ids, mask, dtype=torch.float64), reference(model, ids, mask)
+    _raises(ValueError, "sequence length 45", lambda: rhf.shard_inputs(ids, attention_mask=mask))
+    loss, grads, out = ring_run(model, ids, mask, pad=True)
+    assert out.logits.shape[1] == 24
+    compare("pad", loss, grads, ref64, ref32, torch.float32)
+    loss, grads, _ = ring_run(model, ids, None, pad=True)  # no mask given: one is made for the padding
+    compare(
+        "pad without mask",
+        loss,
+        grads,
+        reference(model, ids, None, dtype=torch.float64),
+        reference(model, ids, None),
+        torch.float32,
+    )
+
+
+def _trap_packed(rank, world):
+    """Restarting position_ids without an attention mask mean packed documents to transformers:
+    not supported yet, raised by shard_inputs and by the model (even when each rank's part looks
+    like one document: contiguous layout, documents cut exactly at the shard boundary)."""
+    model = rhf.apply(make_model("llama"), layout="contiguous")
+    ids, _ = make_batch(6, "none")
+    half = torch.arange(S // 2)
+    packed = torch.cat([half, half]).expand(2, S)
+    _raises(
+        NotImplementedError, "packed sequences", lambda: rhf.shard_inputs(ids, position_ids=packed, layout="contiguous")
+    )
+    local = dict(input_ids=rhf.shard_inputs(ids, layout="contiguous")["input_ids"], position_ids=half.expand(2, -1))
+    _raises(NotImplementedError, "packed sequences", lambda: model(**local))
+    # with an attention mask transformers does not look for documents either: plain causal + RoPE
+    batch = rhf.shard_inputs(ids, position_ids=packed, attention_mask=torch.ones_like(ids), layout="contiguous")
+    assert torch.isfinite(model(**batch).loss)
+    # flash-attention style boundaries
+    batch = rhf.shard_inputs(ids, layout="contiguous")
+    cu = torch.tensor([0, S // 2, S], dtype=torch.int32)
+    _raises(
+        NotImplementedError,
+        "cu_seq_lens_q",
+        lambda: model(**batch, cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=S // 2, max_length_k=S // 2),
+    )
+
+
+def _trap_unsupported(rank, world):
+    """Sliding windows shorter than the sequence, dropout in training, 4D masks, output_attentions."""
+    ids, mask = make_batch(7, "mixed")
+    batch = rhf.shard_inputs(ids, attention_mask=mask)
+    window = rhf.apply(make_model("mistral", sliding_window=16))
+    _raises(
+        NotImplementedError,
+        "sliding-window attention on the ring .* sliding_window=16, shorter than the sequence",
+        lambda: window(**batch),
+    )
+    wide = rhf.apply(make_model("mistral", sliding_window=S))  # a window as long as the sequence binds nothing
+    assert torch.isfinite(wide(**batch).loss)
+
+    dropout = make_model("llama", attention_dropout=0.1)
+    ring = rhf.apply(copy.deepcopy(dropout))
+    ring.train()
+    _raises(NotImplementedError, "attention dropout 0.1", lambda: ring(**batch))
+    ring.eval()  # no dropout in eval mode: exact
+    dropout.eval()
+    got = ring(**batch).loss.detach()
+    dist.all_reduce(got)
+    want = reference(dropout, ids, mask)[0]
+    assert abs(got.item() - want.item()) < 1e-5 * abs(want.item())
+
+    model = rhf.apply(make_model("llama"))
+    four_d = torch.zeros(2, 1, S // 2, S // 2)
+    _raises(NotImplementedError, "4-D attention mask", lambda: model(**{**batch, "attention_mask": four_d}))
+    _raises(NotImplementedError, "output_attentions", lambda: model(**batch, output_attentions=True))
+
+
+def _trap_mask_dropped(rank, world):
+    """Without a registered mask function transformers drops the 2D mask for a custom name (left
+    padding silently wrong): the attention notices that the forward had a mask and raises."""
+    from transformers.masking_utils import AttentionMaskInterface
+
+    model = rhf.apply(make_model("llama"))
+    ids, mask = make_batch(8, "mixed")
+    batch = rhf.shard_inputs(ids, attention_mask=mask)
+    saved = AttentionMaskInterface._global_mapping.pop(rhf.ATTN_IMPLEMENTATION)
+    try:
+        _raises(RuntimeError, "attention received none", lambda: model(**batch))
+    finally:
+        AttentionMaskInterface.register(rhf.ATTN_IMPLEMENTATION, saved)
+    assert torch.isfinite(model(**batch).loss)
+
+
+def _trap_generation(rank, world):
+    """With a KV cache (generate(), or a cache passed in) each rank computes locally on its whole
+    input: the same tokens and logits as transformers' sdpa."""
+    ref = make_model("llama", dtype=torch.float64)
+    model = rhf.apply(copy.deepcopy(ref))
+    ids, mask = make_batch(9, "none", length=12)
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0  # left padding, as for generation
+    ids = ids.masked_fill(mask == 0, 0)
+    kw = dict(attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=0)
+    assert torch.equal(model.generate(ids, **kw), ref.generate(ids, **kw))
+    assert torch.equal(copy.deepcopy(model).generate(ids, **kw), ref.generate(ids, **kw))  # the copy's own
+    # without a cache every step recomputes the whole prefix: still local inside generate()
+    assert torch.equal(model.generate(ids, use_cache=False, **kw), ref.generate(ids, **kw))
+    # prefill then two decoding steps, against sdpa with the same caches
+    caches = [transformers.DynamicCache(config=m.config) for m in (model, ref)]
+    name = "cache" if "cache" in inspect.signature(ref.forward).parameters else "past_key_values"  # renamed in 5.x
+    outs = [m(input_ids=ids, attention_mask=mask, **{name: c}, use_cache=True) for m, c in zip((model, ref), caches)]
+    for step in range(2):
+        assert max_err(outs[0].logits, outs[1].logits) < 1e-10, step
+        nxt = outs[1].logits[:, -1:].argmax(-1)
+        mask = torch.cat([mask, torch.ones_like(nxt)], 1)
+        outs = [
+            m(input_ids=nxt, attention_mask=mask, **{name: c}, use_cache=True) for m, c in zip((model, ref), caches)
+        ]
+    assert max_err(outs[0].logits, outs[1].logits) < 1e-10
+
+
+TRAPS_2 = [
+    _trap_hf_defaults,
+    _trap_padding_on_one_rank,
+    _trap_rank_without_labels,
+    _trap_pad_to_divisible,
+    _trap_packed,
+    _trap_unsupported,
+    _trap_mask_dropped,
+    _trap_generation,
+]
+
+
+def _world2(rank, world):
+    torch.set_num_threads(1)
+    for case in CASES_2:
+        _case(case)
+    for trap in TRAPS_2:
+        trap(rank, world)
+
+
+# A known miss of the bound, kept visible (strict: it fails the suite once it passes): on 2 ranks
+# the gradient of layers.1.mlp.down_proj.weight has error 1.54e-8 against float64, 2.5x that of
+# transformers' sdpa in float32 (6.1e-9; bound 2x). One process passes the same case at 1.9x.
+# sdpa is not the derived baseline for what flows through dQ / dK (README: those are as accurate
+# as the flash algorithm done plainly), so the baseline, not the bound, is what to revisit.
+KNOWN_MISS_2 = dict(family="mistral", padding="mixed", layout="contiguous", labels="random_ignore")
+
+
+def _known_miss(rank, world):
+    torch.set_num_threads(1)
+    _case(KNOWN_MISS_2)
+
+
+@pytest.mark.xfail(strict=True, reason="gradient error 2.5x sdpa's on 2 ranks (see KNOWN_MISS_2)")
+def test_two_ranks_known_miss():
+    run_world(_known_miss, 2, env=ENV)
+
+
+def test_two_ranks():
+    """Every family, padding left and right, float32 and float64, both layouts, gradient
+    checkpointing; then the traps (see each _trap_ docstring)."""
+    run_world(_world2, 2, env=ENV)
+
+
+# ----------------------------------------------------------------------------- 4 ranks, and DP x SP
+
+
+def _dp_sp(rank, world):
+    """A 2 x 2 mesh: sequence parallelism on ranks {0, 1} and {2, 3}, data parallelism across.
+    (a) allreduce_grads over the SP group, then the DP average: the mean of the two one-process
+    gradients. (b) DDP over all 4 ranks averages over SP too, so the loss is scaled by the SP size."""
+    sp_groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    dp_groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    sp, dp = sp_groups[rank // 2], dp_groups[rank % 2]
+    model = make_model("llama")
+    batches = [make_batch(20 + i, "mixed") for i in range(2)]  # one batch per SP group
+    refs = [reference(model, ids, mask) for ids, mask in batches]
+    want = {n: (refs[0][1][n] + refs[1][1][n]) / 2 for n in refs[0][1]}
+    ids, mask = batches[rank // 2]
+
+    loss, grads, _ = ring_run(model, ids, mask, group=sp)
+    assert abs(loss.item() - refs[rank // 2][0].item()) < 1e-5
+    for n, g in grads.items():
+        dist.all_reduce(g, group=dp)
+        assert max_err(g / 2, want[n]) < 1e-5 * (1 + want[n].abs().max().item()), n
+
+    ddp = torch.nn.parallel.DistributedDataParallel(rhf.apply(copy.deepcopy(model), group=sp))
+    out = ddp(**rhf.shard_inputs(ids, attention_mask=mask, group=sp))
+    (out.loss * dist.get_world_size(sp)).backward()
+    for n, p in ddp.module.named_parameters():
+        assert max_err(p.grad, want[n]) < 1e-5 * (1 + want[n].abs().max().item()), n
+
+
+def _world4(rank, world):
+    torch.set_num_threads(1)
+    for case in CASES_4:
+        _case(case)
+    _dp_sp(rank, world)
+
+
+def test_four_ranks():
+    """A subset of the grid on 4 ranks, and the data-parallel recipes of the README on a 2 x 2 mesh."""
+    run_world(_world4, 4, env=ENV)
+
+
+# ----------------------------------------------------------------------------- one process
+
+
+@pytest.fixture
+def torch_backend():
+    with use_backend("torch"):
+        yield
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        dict(family="llama", padding="mixed"),
+        dict(family="qwen2", padding="mixed", dtype=torch.float64),
+        dict(family="mistral", padding="none", checkpointing=True),
+        dict(family="mistral", padding="mixed", config=dict(sliding_window=16)),
+        dict(
+            family="qwen2",
+            padding="none",
+            dtype=torch.float64,
+            config=dict(use_sliding_window=True, sliding_window=12, max_window_layers=1),
+        ),
+    ],
+    ids=str,
+)
+def test_no_process_group_is_local(case, torch_backend):
+    """No process group: local attention, the same loss and gradients as transformers' sdpa."""
+    assert not dist.is_initialized()
+    _case(case)
+
+
+def test_names_and_registration(torch_backend):
+    """The implementation's name has no "flash" (transformers would treat it as a flash kernel),
+    and its mask function is registered (without one transformers drops the 2D mask)."""
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+    from transformers.utils.generic import is_flash_attention_requested
+
+    assert "flash" not in rhf.ATTN_IMPLEMENTATION
+    model = rhf.apply(make_model("llama"))
+    assert model.config._attn_implementation == rhf.ATTN_IMPLEMENTATION
+    assert not is_flash_attention_requested(model.config)
+    assert ALL_ATTENTION_FUNCTIONS[rhf.ATTN_IMPLEMENTATION] is rhf.ring_attention_forward
+    assert ALL_MASK_ATTENTION_FUNCTIONS[rhf.ATTN_IMPLEMENTATION] is rhf.ring_attention_mask
+    # a mask without padding is handed through, never None (ranks must agree on its presence)
+    ones = torch.ones(2, 8, dtype=torch.bool)
+    assert torch.equal(rhf.ring_attention_mask(2, 8, 8, attention_mask=ones), ones)
+    assert rhf.ring_attention_mask(2, 8, 8, attention_mask=None) is None
+    # a cache's offset and length: the keys kv_offset .. kv_offset + kv_length, False past the mask
+    got = rhf.ring_attention_mask(2, 1, 10, kv_offset=0, attention_mask=ones)
+    assert got.shape == (2, 10) and bool(got[:, :8].all()) and not bool(got[:, 8:].any())
+
+
+def test_unapply_restores(torch_backend):
+    model = make_model("qwen2")
+    ids, mask = make_batch(11, "mixed")
+    before = model(input_ids=ids, attention_mask=mask).logits
+    hooks = len(model.base_model._forward_pre_hooks)
+    rhf.apply(model, layout="contiguous")
+    rhf.apply(model)  # applying again rebinds, it does not stack hooks
+    assert len(model.base_model._forward_pre_hooks) == hooks + 1
+    assert "generate" in model.__dict__  # wrapped: every forward inside generate() is local
+    twin = copy.deepcopy(model)
+    rhf.unapply(twin)  # removes the copy's hook, not the original's
+    assert len(twin.base_model._forward_pre_hooks) == hooks and "generate" not in twin.__dict__
+    assert len(model.base_model._forward_pre_hooks) == hooks + 1
+    assert rhf.unapply(model) is model
+    assert model.config._attn_implementation == "sdpa" and "generate" not in model.__dict__
+    assert len(model.base_model._forward_pre_hooks) == hooks
+    assert torch.equal(model(input_ids=ids, attention_mask=mask).logits, before)
+    with pytest.raises(ValueError, match="not prepared"):
+        rhf.unapply(model)
+
+
+def test_packed_raises_locally(torch_backend):
+    """One process too: a DataCollatorWithFlattening batch (restarting position_ids, no mask) would
+    get a per-document mask from transformers, which the ring's attention does not compute yet."""
+    model = rhf.apply(make_model("llama"))
+    collate = transformers.DataCollatorWithFlattening()
+    batch = collate([{"input_ids": list(range(1, 9))}, {"input_ids": list(range(1, 7))}])
+    assert "attention_mask" not in batch and batch["position_ids"][0, 8] == 0
+    with pytest.raises(NotImplementedError, match="packed sequences"):
+        model(**batch)
+    with pytest.raises(NotImplementedError, match="packed sequences"):
+        rhf.shard_inputs(batch["input_ids"], position_ids=batch["position_ids"])
+    collate = transformers.DataCollatorWithFlattening(return_flash_attn_kwargs=True, return_position_ids=False)
+    batch = collate([{"input_ids": list(range(1, 9))}, {"input_ids": list(range(1, 7))}])
+    with pytest.raises(NotImplementedError, match="cu_seq_lens"):
+        model(**batch)
+
+
+def test_local_4d_mask_uses_sdpa(torch_backend):
+    """Locally (no ring) a prepared 4D mask, as generate() makes for static caches, goes to
+    transformers' own sdpa: its answer exactly."""
+    ref = make_model("llama")
+    model = rhf.apply(copy.deepcopy(ref))
+    ids, _ = make_batch(12, "none", length=10)
+    keep = torch.ones(10, 10).tril().bool()
+    keep[:, :2] = True  # a custom pattern: a prefix every query sees
+    four_d = torch.zeros(2, 1, 10, 10).masked_fill(~keep, torch.finfo(torch.float32).min)
+    assert torch.equal(
+        model(input_ids=ids, attention_mask=four_d).logits, ref(input_ids=ids, attention_mask=four_d).logits
+    )
+
+
+def test_unsupported_attention_arguments_raise(torch_backend):
+    model = rhf.apply(make_model("llama"))
+    attn = model.model.layers[0].self_attn
+    q = torch.randn(1, 4, 8, 16)
+    kv = torch.randn(1, 2, 8, 16)
+    for kw, what in (
+        (dict(softcap=30.0), "softcapping"),
+        (dict(s_aux=torch.zeros(4)), "sinks"),
+        (dict(position_bias=torch.zeros(1, 4, 8, 8)), "position bias"),
+        (dict(is_causal=False), "bidirectional"),
+    ):
+        with pytest.raises(NotImplementedError, match=what):
+            rhf.ring_attention_forward(attn, q, kv, kv, None, scaling=0.25, **kw)
+
+
+def test_argument_errors_name_the_argument(torch_backend):
+    ids, mask = make_batch(13, "mixed")
+    with pytest.raises(
+        ValueError,
+        match=r"attention_mask must have shape \(batch, seq_len\) = \(2, 48\), "
+        r"got \(2, 47\)",
+    ):
+        rhf.shard_inputs(ids, attention_mask=mask[:, 1:])
+    with pytest.raises(TypeError, match="labels must be an integer tensor, got torch.float32"):
+        rhf.shard_inputs(ids, labels=ids.float())
+    with pytest.raises(ValueError, match=r"position_ids must have shape \(2, 48\) or \(1, 48\), got \(48,\)"):
+        rhf.shard_inputs(ids, position_ids=torch.arange(48))
+    with pytest.raises(ValueError, match="num_items_in_batch must be a positive int"):
+        rhf.shard_inputs(ids, num_items_in_batch=0)
+    with pytest.raises(ValueError, match="layout must be one of"):
+        rhf.apply(make_model("llama"), layout="ring")
+    with pytest.raises(TypeError, match="PreTrainedModel"):
+        rhf.apply(torch.nn.Linear(2, 2))
+    gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=32))
+    with pytest.raises(NotImplementedError, match="model_type 'gpt2' is not among the tested families"):
+        rhf.apply(gpt2)
+
+
+def test_shard_inputs_one_rank(torch_backend):
+    """World 1: the labels are shifted once, on the whole sequence; the count is of label tokens."""
+    ids, mask = make_batch(14, "mixed")
+    batch = rhf.shard_inputs(ids, attention_mask=mask)
+    labels = ids.masked_fill(mask == 0, -100)
+    want = torch.cat([labels[:, 1:], torch.full((2, 1), -100)], 1)
+    assert torch.equal(batch["shift_labels"], want) and batch["labels"] is batch["shift_labels"]
+    assert batch["num_items_in_batch"].item() == int((want != -100).sum())
+    assert torch.equal(batch["position_ids"], torch.arange(S)[None]) and batch["use_cache"] is False
+    rhf.allreduce_grads(make_model("llama"))  # no process group: nothing to do
+
+
+# ----------------------------------------------------------------------------- the example
+
+
+def test_finetune_example_check(tmp_path):
+    """examples/finetune_hf.py on 2 ranks (torchrun, gloo): its --check against one process passes."""
+    from commands import TWO_RANKS, run
+
+    args = ["--check", "--steps", "3", "--seq-len", "128", "--family", "qwen2", "--padding", "left"]
+    out = run(TWO_RANKS + ["examples/finetune_hf.py", *args, "--log-every", "1"], tmp_path, timeout=300)
+    assert "world 2 (gloo, cpu), qwen2" in out and "tok/s" in out, out
+    assert out.count("gradients rel diff") == 3 and "check passed" in out, out
+    assert "verdict: OK: 3 steps on 2 rank(s)" in out.strip().splitlines()[-1], out
+
+
+def test_compiled_model_matches_eager(torch_backend):
+    """torch.compile(fullgraph=True) of an applied model on one process: no graph break, and its
+    loss and gradients as accurate as the eager model's (against float64)."""
+    from torch._dynamo.utils import counters
+
+    model = make_model("llama", num_hidden_layers=1)  # one layer: tracing is the cost
+    ids, mask = make_batch(3, "mixed")
+    ref64 = reference(model, ids, mask, dtype=torch.float64)
+    ref32 = reference(model, ids, mask, dtype=torch.float32)
+    eager = ring_run(model, ids, mask)
+    torch._dynamo.reset()
+    counters.clear()
+    m = rhf.apply(to_dtype(model, torch.float32))
+    compiled = torch.compile(m, fullgraph=True, backend="aot_eager")
+    batch = rhf.shard_inputs(ids, attention_mask=mask)
+    m.zero_grad(set_to_none=True)
+    out = compiled(**batch)
+    out.loss.backward()
+    grads = {n: p.grad.detach().clone() for n, p in m.named_parameters() if p.grad is not None}
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    compare("compiled", out.loss.detach(), grads, ref64, ref32, torch.float32)
+    compare("eager", eager[0], eager[1], ref64, ref32, torch.float32)
