@@ -22,8 +22,9 @@ class RingMultiheadAttention(nn.MultiheadAttention):
     with batch_first=True, else (L_local, B, E); unbatched (L_local, E) works too. Keys and
     values are sharded the same way as their own sequence (see ringflash.shard). The output
     is this rank's shard, and attention weights are never materialized: the second return
-    value is always None. group, layout and grad_accum_dtype (keyword-only) are passed to
-    ring_flash_attn_func.
+    value is always None. group, layout, grad_accum_dtype and head_group (keyword-only) are
+    passed to ring_flash_attn_func (with a head_group, inputs are sharded over R x U ranks as
+    ringflash.shard(..., head_group=) does, and num_heads must split over the head group).
 
     Supported: self- and cross-attention, kdim/vdim, is_causal=True (attn_mask None or the
     causal mask as a hint, as torch documents; self-attention only), key_padding_mask of this
@@ -50,6 +51,7 @@ class RingMultiheadAttention(nn.MultiheadAttention):
         group=None,
         layout="zigzag",
         grad_accum_dtype=None,
+        head_group=None,
     ):
         if add_bias_kv:
             raise NotImplementedError("RingMultiheadAttention: add_bias_kv=True is not supported")
@@ -68,6 +70,7 @@ class RingMultiheadAttention(nn.MultiheadAttention):
             dtype=dtype,
         )
         self.group = group
+        self.head_group = head_group
         self.layout = layout
         self.grad_accum_dtype = grad_accum_dtype
         self._warned_weights = False
@@ -155,6 +158,7 @@ class RingMultiheadAttention(nn.MultiheadAttention):
             layout=self.layout,
             key_padding_mask=key_padding_mask,
             grad_accum_dtype=self.grad_accum_dtype,
+            head_group=self.head_group,
         )
         return self.out_proj(o.reshape(B, L, E))
 
