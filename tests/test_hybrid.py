@@ -1,5 +1,6 @@
 """Hybrid sequence parallelism over gloo: R x U grids of processes (heads by all-to-all inside
-each head group of U ranks, the ring over R), against the float64 oracle."""
+each head group of U ranks, the ring over R), against the float64 oracle. The 8-process grids
+(2x4, 4x2) run in test_ring.py, beside its other 8-process tests (one set of processes)."""
 
 import pytest
 import torch
@@ -8,64 +9,8 @@ import torch.distributed as dist
 from ringflash import local_positions, ring_flash_attn_func, shard, unshard
 from ringflash.hybrid import head_plan
 
-from oracle import assert_within, plain_errors, reference
-from ring_cases import TORCH, full_inputs, padding_mask
-
-_GRIDS = {}  # per process: (R, U) -> (ring group, head group) of this rank; new_group is collective
-
-
-def grid(R, U):
-    """Ring groups {u, U + u, 2U + u, ...} and head groups of consecutive ranks {rU, ..., rU + U - 1}
-    (one node's GPUs under the usual placement); this rank's (group, head_group)."""
-    if (R, U) not in _GRIDS:
-        me = dist.get_rank()
-        rings = [dist.new_group([r * U + u for r in range(R)]) for u in range(U)]
-        heads = [dist.new_group([r * U + u for u in range(U)]) for r in range(R)]
-        _GRIDS[R, U] = (rings[me % U], heads[me // U])
-    return _GRIDS[R, U]
-
-
-def _hybrid_vs_oracle(rank, world, R, U, layout, causal, B, chunk, Hq, Hkv, mask, seed, return_lse=True):
-    group, head_group = grid(R, U)
-    S, D = 2 * R * U * chunk, 16
-    q, k, v, do = full_inputs(B, S, S, Hq, Hkv, D, torch.float32, seed)
-    kpm = padding_mask(mask, B, S, seed)
-    ref = reference(q, k, v, do, causal=causal, key_padding_mask=kpm)
-    plain = plain_errors(q, k, v, do, ref, causal=causal, key_padding_mask=kpm)
-    sh = lambda t, dim=1: shard(t, group=group, head_group=head_group, layout=layout, dim=dim)
-    pos = local_positions(S, group=group, head_group=head_group, layout=layout)
-    assert torch.equal(sh(q), q[:, pos]) and pos.numel() == S // (R * U)
-    ql, kl, vl = (sh(t).clone().requires_grad_() for t in (q, k, v))
-    res = ring_flash_attn_func(
-        ql,
-        kl,
-        vl,
-        causal=causal,
-        group=group,
-        head_group=head_group,
-        layout=layout,
-        key_padding_mask=None if kpm is None else sh(kpm),
-        return_lse=return_lse,
-    )
-    out, lse = res if return_lse else (res, None)
-    assert out.shape == ql.shape and out.dtype == q.dtype
-    grads = torch.autograd.grad(out, (ql, kl, vl), sh(do))
-    tag = f"R{R}xU{U} {layout} causal={causal} {Hq}/{Hkv} mask={mask}"
-    assert_within(f"out {tag}", out, sh(ref[0]), plain["out"])
-    if lse is not None:
-        assert lse.shape == (B, Hq, S // (R * U)) and lse.dtype == torch.float32
-        assert_within(f"lse {tag}", lse, sh(ref[1], dim=2), plain["lse"], sum_len=S)
-    for name, g, r in zip(("dq", "dk", "dv"), grads, ref[2:]):
-        assert g.shape == (ql if name == "dq" else kl).shape
-        assert_within(f"{name} {tag}", g, sh(r), plain[name])
-    # reassembled on every rank (unshard is differentiable: one loss, single-device gradients)
-    assert_within(
-        f"unshard(out) {tag}", unshard(out, group=group, head_group=head_group, layout=layout), ref[0], plain["out"]
-    )
-    assert_within(
-        f"unshard(dk) {tag}", unshard(grads[1], group=group, head_group=head_group, layout=layout), ref[3], plain["dk"]
-    )
-
+from hybrid_cases import grid, hybrid_vs_oracle
+from ring_cases import TORCH, full_inputs
 
 # (R, U) grids on 4 processes; heads chosen so both GQA cases occur: Hkv >= U (Hkv / U per
 # rank) and Hkv < U (the needed kv head replicated, gradients summed back)
@@ -85,23 +30,11 @@ CASES4 = [
     "case", CASES4, ids=lambda c: f"R{c[0]}xU{c[1]}-{c[2]}-{'causal' if c[3] else 'full'}-{c[6]}x{c[7]}-{c[8]}"
 )
 def test_hybrid_4_ranks(worlds, case):
-    worlds(4, **TORCH).run(_hybrid_vs_oracle, *case)
+    worlds(4, **TORCH).run(hybrid_vs_oracle, *case)
 
 
 def test_hybrid_without_lse(worlds):
-    worlds(4, **TORCH).run(_hybrid_vs_oracle, 2, 2, "zigzag", True, 1, 2, 4, 2, None, 9, False)
-
-
-# 8 processes on few cores are slow: one case per grid shape, tiny sizes
-CASES8 = [
-    (2, 4, "zigzag", True, 1, 1, 8, 2, None, 11),  # Hkv < U
-    (4, 2, "zigzag", True, 1, 1, 4, 4, "bool", 12),  # Hkv > U
-]
-
-
-@pytest.mark.parametrize("case", CASES8, ids=lambda c: f"R{c[0]}xU{c[1]}")
-def test_hybrid_8_ranks(worlds, case):
-    worlds(8, **TORCH).run(_hybrid_vs_oracle, *case)
+    worlds(4, **TORCH).run(hybrid_vs_oracle, 2, 2, "zigzag", True, 1, 2, 4, 2, None, 9, False)
 
 
 def _mesh(rank, world):
