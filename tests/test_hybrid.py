@@ -137,3 +137,29 @@ def _errors(rank, world):
 
 def test_errors_raise_on_every_rank(worlds):
     worlds(4, **TORCH).run(_errors)
+
+
+def _module(rank, world):
+    """RingMultiheadAttention with a head_group: the unsharded output is nn.MultiheadAttention's
+    on the whole sequence (float64, causal, padded keys)."""
+    from ringflash.nn import RingMultiheadAttention
+
+    group, head_group = grid(2, 2)
+    torch.manual_seed(0)
+    E, H, S = 64, 4, 16
+    ring = RingMultiheadAttention(E, H, batch_first=True, dtype=torch.float64, group=group, head_group=head_group)
+    ref = torch.nn.MultiheadAttention(E, H, batch_first=True, dtype=torch.float64)
+    ref.load_state_dict(ring.state_dict())
+    x = torch.randn(2, S, E, dtype=torch.float64)
+    pad = torch.zeros(2, S, dtype=torch.bool)
+    pad[1, 3] = pad[0, 9] = True
+    sh = lambda t: shard(t, group=group, head_group=head_group)
+    out, _ = ring(sh(x), sh(x), sh(x), key_padding_mask=sh(pad), is_causal=True, need_weights=False)
+    causal = torch.ones(S, S, dtype=torch.bool).triu(1)
+    want, _ = ref(x, x, x, key_padding_mask=pad, attn_mask=causal, need_weights=False)
+    got = unshard(out, group=group, head_group=head_group)
+    assert (got - want).abs().max().item() < 1e-12
+
+
+def test_module_with_head_group(worlds):
+    worlds(4, **TORCH).run(_module)
