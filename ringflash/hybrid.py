@@ -30,7 +30,7 @@ from .comm import (
     resolve_groups,
     validated_across_grid,
 )
-from .schedule import chunks_per_rank
+from .schedule import chunks_per_rank, is_balanced
 
 
 class HeadPlan(NamedTuple):
@@ -139,6 +139,8 @@ def hybrid_attn(
 
     def validate():
         check_bool("return_lse", return_lse, api)
+        if is_balanced(layout):
+            raise ValueError(f"{api}: a balanced layout (packed documents) with a head_group is not supported yet")
         dims, spec, _ = ring_call_spec(
             q, k, v, causal, softmax_scale, layout, key_padding_mask, grad_accum_dtype, grad_chunks, api
         )
