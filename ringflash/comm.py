@@ -192,3 +192,78 @@ class LocalComm:
     @staticmethod
     def wait(handles) -> None:
         pass
+
+
+def is_mesh(x) -> bool:
+    try:
+        from torch.distributed.device_mesh import DeviceMesh
+    except ImportError:  # pragma: no cover - torch without device meshes
+        return False
+    return isinstance(x, DeviceMesh)
+
+
+def resolve_groups(group, head_group, api: str):
+    """(ring group, head group or None) from what a call was given.
+
+    group may be a process group, None (the default group), or a DeviceMesh: a 1-D mesh is its
+    group; a 2-D mesh (with head_group None) is (ring dim 0, head dim 1), so the head groups
+    are the mesh's rows: consecutive ranks, one node's GPUs under the usual placement.
+    head_group may be a process group, a 1-D DeviceMesh, or None (the plain ring). A head
+    group without a ring group is a ValueError (the ring over the rest would be a guess)."""
+    if is_mesh(head_group):
+        if head_group.ndim != 1:
+            raise ValueError(f"{api}: head_group as a DeviceMesh must be 1-D, got {head_group.ndim}-D")
+        head_group = head_group.get_group()
+    if is_mesh(group):
+        if group.ndim == 2 and head_group is None:
+            return group.get_group(0), group.get_group(1)
+        if group.ndim != 1:
+            raise ValueError(
+                f"{api}: group as a DeviceMesh must be 1-D, or 2-D (ring dim, head dim) without head_group; "
+                f"got a {group.ndim}-D mesh" + (" and a head_group" if head_group is not None else "")
+            )
+        group = group.get_group()
+    if head_group is not None and group is None:
+        raise ValueError(
+            f"{api}: head_group given without group; pass the ring's process group too (group=, R ranks "
+            "whose head groups are disjoint), or a 2-D DeviceMesh as group"
+        )
+    return group, head_group
+
+
+def _agree_stage(group, fields: dict, error, api: str, device, show):
+    """One agreement over `group` that returns the error to raise later (or None)."""
+    if group_rank_world(group)[1] == 1:
+        return error
+    try:
+        agree_across_ranks(group, fields, error, api, device=device, show=show)
+    except (TypeError, ValueError) as e:
+        return e
+    return None
+
+
+def validated_across_grid(group, head_group, api: str, validate, field_names, *, device=None, show=None):
+    """validated_across_ranks for the ranks of a grid: `group` (the ring, R ranks) and
+    `head_group` (U ranks) through every rank, the ring groups meeting each head group once.
+
+    Three small all_gathers, so that a rank's error or a disagreement anywhere in the grid
+    raises on every rank of it, with no rank left waiting: over head_group (every field, plus
+    the rank in `group` that a head group shares), over group (every field, plus the rank in
+    head_group that a ring shares, and the first stage's outcome), then over head_group again
+    (the second stage's outcome). validate() -> (fields, result) as in validated_across_ranks.
+    Pairs of groups that do not form a grid (a head group whose ranks sit at different ring
+    positions, the same group passed twice) disagree on those ranks and raise."""
+    r, R = group_rank_world(group)
+    u, U = group_rank_world(head_group)
+    try:
+        fields, result = validate()
+        error = None
+    except (TypeError, ValueError) as e:
+        fields, result, error = dict.fromkeys(field_names, 0), None, e
+    sizes = {"ring size (group)": R, "head_group size": U}
+    error = _agree_stage(head_group, {**fields, **sizes, "rank in group": r}, error, api, device, show)
+    error = _agree_stage(group, {**fields, **sizes, "rank in head_group": u}, error, api, device, show)
+    error = _agree_stage(head_group, {}, error, api, device, show)
+    if error is not None:
+        raise error
+    return result

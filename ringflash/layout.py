@@ -6,6 +6,11 @@ ring step. shard(x) == x[:, local_positions(...)] in both. A balance.BalancedLay
 (ringflash.balanced_layout, packed documents) is accepted wherever a layout name is: it says
 itself which positions each rank holds (shard sizes may then differ between ranks), and shard
 and local_positions need no communication with it.
+
+
+With a head_group of U ranks (ringflash.hybrid), the layout places the sequence over the R
+ranks of `group` (the ring positions) as above, then each ring position's shard is cut
+contiguously into U equal pieces, held by the head group's ranks in their group-rank order.
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from ._checks import check_tensor
-from .comm import group_rank_world, resolve_group, validated_across_ranks
+from .comm import group_rank_world, resolve_group, resolve_groups, validated_across_ranks
 from .schedule import LAYOUTS, check_divisible, check_layout, is_balanced, segments
 
 
@@ -24,23 +29,36 @@ def _norm_dim(x: torch.Tensor, dim: int, api: str) -> int:
     return dim % x.dim()
 
 
-def shard(x, *, group=None, layout="zigzag", dim=1):
+def shard(x, *, group=None, layout="zigzag", dim=1, head_group=None):
     """This rank's part of the full tensor x along `dim` (differentiable).
 
     x: any shape with the sequence on `dim` (default 1, as in (B, S, H, D); 0 for packed
     (total, H, D) tensors); its length must divide into world_size (contiguous) or
-    2 * world_size (zigzag) equal chunks, or be a balanced layout's total.
+    2 * world_size (zigzag) equal chunks, world_size being R x U with a head_group (the
+    module docstring gives the token mapping), or be a balanced layout's total.
     """
     api = "shard"
     check_tensor("x", x, api)
     check_layout(layout, api)
     dim = _norm_dim(x, dim, api)
+    group, head_group = resolve_groups(group, head_group, api)
     rank, world = group_rank_world(group)
+    u, U = _head_rank(head_group, layout, api)
     if is_balanced(layout):
         _check_balanced(layout, x.shape[dim], world, api)
         return x.index_select(dim, layout.positions(rank, device=x.device))
-    check_divisible(x.shape[dim], world, layout, api)
-    return _shard_of(x, rank, world, layout, dim)
+    check_divisible(x.shape[dim], world * U, layout, api)
+    part = _shard_of(x, rank, world, layout, dim)
+    n = part.shape[dim] // U
+    return part if U == 1 else part.narrow(dim, u * n, n)
+
+
+def _head_rank(head_group, layout, api: str) -> tuple[int, int]:
+    if head_group is None:
+        return 0, 1
+    if is_balanced(layout):
+        raise ValueError(f"{api}: a balanced layout (packed documents) with a head_group is not supported yet")
+    return group_rank_world(head_group)
 
 
 def _check_balanced(layout, seq_len: int, world: int, api: str) -> None:
@@ -71,20 +89,24 @@ def _place(pieces, layout, dim=1):
     return torch.cat([p for _, p in sorted(placed, key=lambda t: t[0])], dim)
 
 
-def local_positions(seq_len, *, group=None, layout="zigzag", device=None):
-    """The global token indices this rank holds, in local order: int64 tensor (seq_len / P,).
-    Use it for RoPE and position embeddings of the local shard."""
+def local_positions(seq_len, *, group=None, layout="zigzag", device=None, head_group=None):
+    """The global token indices this rank holds, in local order: int64 tensor (seq_len / P,),
+    P = R x U with a head_group. Use it for RoPE and position embeddings of the local shard."""
     api = "local_positions"
     if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1:
         raise ValueError(f"{api}: seq_len must be a positive int, got {seq_len!r}")
     check_layout(layout, api)
+    group, head_group = resolve_groups(group, head_group, api)
     rank, world = group_rank_world(group)
+    u, U = _head_rank(head_group, layout, api)
     if is_balanced(layout):
         _check_balanced(layout, seq_len, world, api)
         return layout.positions(rank, device=device)
-    check_divisible(seq_len, world, layout, api)
+    check_divisible(seq_len, world * U, layout, api)
     segs = segments(layout, rank, world, seq_len // world)
-    return torch.cat([torch.arange(s.global_start, s.global_start + s.length, device=device) for s in segs])
+    pos = torch.cat([torch.arange(s.global_start, s.global_start + s.length, device=device) for s in segs])
+    n = pos.numel() // U
+    return pos[u * n : (u + 1) * n]
 
 
 def _show_layout_field(name, value):
@@ -118,16 +140,21 @@ class _Unshard(torch.autograd.Function):
         return shard(grad_full, group=group, layout=layout, dim=dim), None, None, None
 
 
-def unshard(x_local, *, group=None, layout="zigzag", dim=1):
+def unshard(x_local, *, group=None, layout="zigzag", dim=1, head_group=None):
     """Gather every rank's part and restore sequence order (the inverse of shard).
 
     Differentiable. The gathered tensor is treated as the same value on every rank: the
     gradient reaching x_local is this rank's part of this rank's gradient (so computing one
     loss from the unsharded tensor on every rank gives single-device gradients).
     All ranks must pass equal shapes and the same layout and dim (checked: a mismatch raises
-    on every rank); the local length must divide into the layout's chunks.
+    on every rank); the local length must divide into the layout's chunks. With a head_group,
+    the head group's pieces are gathered first (their ring position's shard), then the ring's.
     """
     api = "unshard"
+    group, head_group = resolve_groups(group, head_group, api)
+    if head_group is not None:
+        _head_rank(head_group, layout, api)
+        x_local = unshard(x_local, group=head_group, layout="contiguous", dim=dim)
     rank, world = group_rank_world(group)
     device = getattr(x_local, "device", None)
 

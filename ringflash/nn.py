@@ -27,8 +27,9 @@ class RingMultiheadAttention(nn.MultiheadAttention):
     Inputs are this rank's shard of each sequence, in the module's layout: (B, L_local, E)
     with batch_first=True, else (L_local, B, E); unbatched (L_local, E) works too. Keys and
     values are sharded the same way as their own sequence (see ringflash.shard). The output
-    is this rank's shard. group, layout and grad_accum_dtype (keyword-only) are passed to
-    ring_flash_attn_func.
+    is this rank's shard. group, layout, grad_accum_dtype and head_group (keyword-only) are
+    passed to ring_flash_attn_func (with a head_group, inputs are sharded over R x U ranks as
+    ringflash.shard(..., head_group=) does, and num_heads must split over the head group).
 
     need_weights=True (torch's default) also returns the attention weights of this rank's
     queries over every key of the sequence, keys in global (unsharded) order: (B, L_local, S)
@@ -88,6 +89,7 @@ class RingMultiheadAttention(nn.MultiheadAttention):
         group=None,
         layout="zigzag",
         grad_accum_dtype=None,
+        head_group=None,
     ):
         _check_construction(embed_dim, num_heads, dropout, kdim, vdim, grad_accum_dtype)
         check_layout(layout, "RingMultiheadAttention")
@@ -105,6 +107,7 @@ class RingMultiheadAttention(nn.MultiheadAttention):
             dtype=dtype,
         )
         self.group = group
+        self.head_group = head_group
         self.layout = layout
         self.grad_accum_dtype = grad_accum_dtype
         # torch's TransformerEncoderLayer has a fused inference fast path that reads these
@@ -176,6 +179,11 @@ class RingMultiheadAttention(nn.MultiheadAttention):
         scale = resolve_scale(None, hd, api)
         extra = self._extra_kv(B, q.dtype)
         dropping = self.dropout > 0.0 and self.training
+        if self.head_group is not None and (attn_mask is not None or dropping or need_weights or extra is not None):
+            raise NotImplementedError(
+                f"{api}: with a head_group, attn_mask, dropout in training, need_weights=True, add_bias_kv and "
+                "add_zero_attn are not supported yet (pass need_weights=False)"
+            )
         if attn_mask is not None or dropping:
             o, weights = self._masked_attention(q, k, v, key_padding_mask, attn_mask, is_causal, extra, scale)
             return self._out(o), (weights if need_weights else None)
@@ -189,6 +197,7 @@ class RingMultiheadAttention(nn.MultiheadAttention):
             key_padding_mask=key_padding_mask,
             grad_accum_dtype=self.grad_accum_dtype,
             return_lse=True,
+            head_group=self.head_group,
         )
         if extra is not None:  # seen by every query: one more block, folded in with the lse merge
             o_x, lse_x = flash_attn_func(q, *extra, softmax_scale=scale, return_lse=True)

@@ -16,7 +16,16 @@ import torch
 
 from . import ops
 from ._checks import SUPPORTED_DTYPES, check_bool, check_qkv, key_bias_from_mask, resolve_grad_accum, resolve_scale
-from .comm import LocalComm, RingComm, check_backend_device, group_rank_world, resolve_group, validated_across_ranks
+from .comm import (
+    LocalComm,
+    RingComm,
+    check_backend_device,
+    group_rank_world,
+    is_mesh,
+    resolve_group,
+    resolve_groups,
+    validated_across_ranks,
+)
 from .empty import empty_attention
 from .local import backend_for, backend_name, backward_inputs, block_backward, block_forward, without_autocast
 from .masks import CAUSAL, FULL, BlockMask, Window, window_from
@@ -264,6 +273,7 @@ def ring_flash_attn_func(
     return_lse=False,
     grad_accum_dtype=None,
     grad_chunks=None,
+    head_group=None,
 ):
     """Exact attention over a sequence sharded across the ranks of `group`.
 
@@ -291,8 +301,32 @@ def ring_flash_attn_func(
     Every call checks with one small all_gather that all ranks passed the same shapes, dtype,
     causal flag, layout, scale, mask presence, grad_accum_dtype and grad_chunks, and raises on
     every rank if not.
+    head_group: a process group of U ranks sharing this rank's ring position (or pass a 2-D
+    DeviceMesh as group: dim 0 the ring, dim 1 the heads): the sequence is then sharded over
+    R x U ranks (shard(..., head_group=)), heads travel by all-to-all inside the head group
+    and the ring runs over `group` on Hq / U heads (ringflash.hybrid; README: Hybrid). Shapes
+    in and out are as above, for this rank's S / (R U) tokens.
     """
     api = "ring_flash_attn_func"
+    if head_group is not None or is_mesh(group):
+        group, head_group = resolve_groups(group, head_group, api)
+        if head_group is not None:
+            from .hybrid import hybrid_attn
+
+            return hybrid_attn(
+                q,
+                k,
+                v,
+                causal=causal,
+                softmax_scale=softmax_scale,
+                group=group,
+                head_group=head_group,
+                layout=layout,
+                key_padding_mask=key_padding_mask,
+                return_lse=return_lse,
+                grad_accum_dtype=grad_accum_dtype,
+                grad_chunks=grad_chunks,
+            )
     rank, world = group_rank_world(group)
 
     def validate():

@@ -6,6 +6,7 @@ import torch.distributed as dist
 
 from ringflash import flash_attn_func, local_positions, ring_flash_attn_func, shard, unshard
 
+from hybrid_cases import hybrid_precision, hybrid_vs_oracle
 from oracle import assert_within, max_err, plain_errors, reference, rel_rms
 from ring_cases import TORCH, TRITON, Case, full_inputs, ring_vs_oracle
 
@@ -103,6 +104,25 @@ def _precision(rank, world, grad_accum):
 @pytest.mark.parametrize("world", [4, 8])
 def test_precision_does_not_fall_with_ranks(worlds, world):
     worlds(world, **TORCH).run(_precision, None)
+
+
+# hybrid grids of 8 ranks (ringflash.hybrid; tests/test_hybrid.py has the 4-rank ones) here,
+# on this module's 8 processes: starting 8 more on a small machine costs minutes
+HYBRID8 = [
+    (2, 4, "zigzag", True, 1, 1, 8, 2, None, 11),  # Hkv < U: kv heads replicated
+    (4, 2, "zigzag", True, 1, 1, 4, 4, "bool", 12),  # Hkv > U
+    (4, 2, "contiguous", False, 1, 1, 4, 2, None, 13),  # Hkv == U
+]
+
+
+@pytest.mark.parametrize("case", HYBRID8, ids=lambda c: f"R{c[0]}xU{c[1]}-{c[2]}-{c[6]}x{c[7]}")
+def test_hybrid_8_ranks(worlds, case):
+    worlds(8, **TORCH).run(hybrid_vs_oracle, *case)
+
+
+@pytest.mark.parametrize("grid", [(2, 4, 4, 4), (4, 2, 4, 2)], ids=lambda g: f"R{g[0]}xU{g[1]}-{g[2]}x{g[3]}")
+def test_hybrid_precision_at_8_ranks(worlds, grid):
+    worlds(8, **TORCH).run(hybrid_precision, *grid)
 
 
 @pytest.mark.parametrize("world", [2, 8])

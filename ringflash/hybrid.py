@@ -1,0 +1,200 @@
+"""Hybrid sequence parallelism: heads by all-to-all inside a head group, the ring across rings.
+
+The ranks form an R x U grid: `group` is this rank's ring (R ranks), `head_group` the U ranks
+that share its ring position (typically one node's GPUs). The sequence is laid out over the R
+ring positions by the layout, and each ring position's shard is cut contiguously into U equal
+pieces held by the head group's ranks in their group-rank order (ringflash.layout).
+
+A call: one all-to-all over head_group turns each rank's (S/(RU) tokens, all heads) into
+(S/R tokens = its ring position's whole shard, Hq/U query heads and the K/V heads those
+need); the one ring engine (ring._RingAttn) runs over `group` on those heads, its float32
+state across hops as always; one all-to-all brings out (and lse) back to (S/(RU) tokens, all
+heads). The all-to-all is its own adjoint, so the backward runs the same exchanges in reverse.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+
+from ._checks import check_bool
+from .comm import (
+    LocalComm,
+    RingComm,
+    check_backend_device,
+    group_rank_world,
+    resolve_group,
+    resolve_groups,
+    validated_across_grid,
+)
+from .schedule import chunks_per_rank, is_balanced
+
+
+class HeadPlan(NamedTuple):
+    """Which heads each head-group rank computes: q heads [u * q_per, (u + 1) * q_per) and the
+    kv heads kv_of(u); kv_per kv heads per rank (Hkv / U, or 1 replicated when Hkv < U)."""
+
+    q_per: int
+    kv_per: int
+    kv_ranks_per_head: int  # how many ranks share (replicate) one kv head: 1 when Hkv >= U
+
+    def q_of(self, u: int) -> slice:
+        return slice(u * self.q_per, (u + 1) * self.q_per)
+
+    def kv_of(self, u: int) -> slice:
+        h = u // self.kv_ranks_per_head * self.kv_per
+        return slice(h, h + self.kv_per)
+
+
+def _working_sizes(Hq: int, Hkv: int) -> list[int]:
+    return [n for n in range(1, Hq + 1) if Hq % n == 0 and (Hkv % n == 0 or n % Hkv == 0)]
+
+
+def head_plan(Hq: int, Hkv: int, U: int, api: str) -> HeadPlan:
+    """The heads split over a head group of U ranks (Hq % Hkv == 0 already checked).
+
+    Hkv >= U needs Hkv % U == 0: Hkv / U kv heads per rank. Hkv < U needs U % Hkv == 0: each
+    rank's Hq / U query heads fall in one kv group, whose kv head it receives (U / Hkv ranks
+    hold a copy; their gradients are summed back to the owner). Hq % U == 0 always."""
+    fits_kv = (Hkv >= U and Hkv % U == 0) or (Hkv < U and U % Hkv == 0)
+    if Hq % U or not fits_kv:
+        why = f"{Hq} q heads are not divisible by {U}" if Hq % U else f"{Hkv} k/v heads and {U} divide neither way"
+        raise ValueError(
+            f"{api}: a head_group of {U} ranks cannot split q heads {Hq} / k/v heads {Hkv} ({why}); "
+            f"head_group sizes that work: {_working_sizes(Hq, Hkv)}"
+        )
+    if Hkv >= U:
+        return HeadPlan(Hq // U, Hkv // U, 1)
+    return HeadPlan(Hq // U, 1, U // Hkv)
+
+
+def all_to_all(x: torch.Tensor, group) -> torch.Tensor:
+    """x (U, ...) contiguous: row j goes to rank j of `group`; returns (U, ...) whose row j came
+    from rank j (no autograd)."""
+    out = torch.empty_like(x)
+    try:
+        dist.all_to_all_single(out, x, group=resolve_group(group))
+    except RuntimeError as e:
+        raise RuntimeError(
+            f"ringflash: the head all-to-all of rank {dist.get_rank()} failed; a rank may have died or "
+            f"stopped calling, or the process group timed out: {e}"
+        ) from e
+    return out
+
+
+class _AllToAll(torch.autograd.Function):
+    """all_to_all on several tensors at once; the exchange is its own adjoint (row j of rank
+    i's output is row i of rank j's input), so the backward is the same exchange of the
+    gradients. One node for all of them: a rank whose loss uses only some outputs still takes
+    part in every exchange (missing gradients are zeros)."""
+
+    @staticmethod
+    def forward(ctx, group, *xs):
+        ctx.group = group
+        return tuple(all_to_all(x.contiguous(), group) for x in xs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        return (None, *(all_to_all(g.contiguous(), ctx.group) for g in grads))
+
+
+def _to_heads(x: torch.Tensor, of, U: int) -> torch.Tensor:
+    """(U, B, L, h, D) rows for rank u': this rank's tokens at heads of(u') (stacked: a head
+    sent to several ranks is copied, and autograd sums its gradients back)."""
+    return torch.stack([x[:, :, of(j)] for j in range(U)])
+
+
+def _ring_shard(x: torch.Tensor) -> torch.Tensor:
+    """(U, B, L, h, D) received rows, one per head-group rank in order -> (B, U * L, h, D)."""
+    U, B, L = x.shape[:3]
+    return x.transpose(0, 1).reshape(B, U * L, *x.shape[3:])
+
+
+def hybrid_attn(
+    q,
+    k,
+    v,
+    *,
+    causal,
+    softmax_scale,
+    group,
+    head_group,
+    layout,
+    key_padding_mask,
+    return_lse,
+    grad_accum_dtype,
+    grad_chunks,
+):
+    """ring_flash_attn_func with a head_group (see its docstring and README: Hybrid)."""
+    from .ring import _FIELD_NAMES, _RingAttn, _show_field, _signature, ring_call_spec
+
+    api = "ring_flash_attn_func"
+    group, head_group = resolve_groups(group, head_group, api)
+    _, R = group_rank_world(group)
+    _, U = group_rank_world(head_group)
+    device = getattr(q, "device", None)
+
+    def validate():
+        check_bool("return_lse", return_lse, api)
+        if is_balanced(layout):
+            raise ValueError(f"{api}: a balanced layout (packed documents) with a head_group is not supported yet")
+        dims, spec, _ = ring_call_spec(
+            q, k, v, causal, softmax_scale, layout, key_padding_mask, grad_accum_dtype, grad_chunks, api
+        )
+        plan = head_plan(dims.heads_q, dims.heads_kv, U, api)
+        for g, n in ((group, R), (head_group, U)):
+            if n > 1:
+                check_backend_device(g, q.device, api)
+        if R > 1:
+            parts = chunks_per_rank(layout)
+            for name, n in (("q", dims.seqlen_q), ("k/v", dims.seqlen_k)):
+                if n * U % parts:
+                    raise ValueError(
+                        f"{api}: {name} local length {n} x head_group size {U} must be a multiple of {parts} "
+                        f"for layout {layout!r}"
+                    )
+        if grad_chunks is not None and grad_chunks > plan.kv_per:
+            raise ValueError(
+                f"{api}: grad_chunks {grad_chunks} exceeds the {plan.kv_per} k/v head(s) each rank holds "
+                f"with a head_group of {U}"
+            )
+        fields = _signature(q, k, spec, key_padding_mask is not None)
+        return fields, (spec, plan)
+
+    spec, plan = validated_across_grid(group, head_group, api, validate, _FIELD_NAMES, device=device, show=_show_field)
+    if R == 1:  # one ring position: every layout is the identity
+        spec = dataclasses.replace(spec, layout="contiguous")
+
+    # the key padding mask of the ring position's whole shard (no gradient)
+    mask_r = None
+    if key_padding_mask is not None:
+        m = key_padding_mask.to(torch.uint8) if key_padding_mask.dtype == torch.bool else key_padding_mask
+        got = all_to_all(m.unsqueeze(0).expand(U, *m.shape).contiguous(), head_group)
+        mask_r = got.transpose(0, 1).reshape(m.shape[0], U * m.shape[1])
+        mask_r = mask_r.bool() if key_padding_mask.dtype == torch.bool else mask_r
+
+    qs, ks, vs = _AllToAll.apply(
+        head_group, _to_heads(q, plan.q_of, U), _to_heads(k, plan.kv_of, U), _to_heads(v, plan.kv_of, U)
+    )
+    q_r, k_r, v_r = _ring_shard(qs), _ring_shard(ks), _ring_shard(vs)
+    _, _, key_bias = ring_call_spec(
+        q_r, k_r, v_r, causal, softmax_scale, layout, mask_r, grad_accum_dtype, grad_chunks, api
+    )
+    comm = RingComm(group) if R > 1 else LocalComm()
+    out_r, lse_r = _RingAttn.apply(q_r, k_r, v_r, key_bias, spec, comm)
+
+    # back: (B, U * L, h, D) -> rows per head-group rank (its tokens) -> (B, L, Hq, D)
+    B, L = q.shape[:2]
+    h = plan.q_per
+    out_rows = out_r.view(B, U, L, h, -1).transpose(0, 1)
+    lse_rows = lse_r.view(B, h, U, L).permute(2, 0, 1, 3)
+    if return_lse:
+        out_got, lse_got = _AllToAll.apply(head_group, out_rows, lse_rows)
+        lse = lse_got.transpose(0, 1).reshape(B, U * h, L)
+    else:
+        (out_got,) = _AllToAll.apply(head_group, out_rows)
+    out = out_got.permute(1, 2, 0, 3, 4).reshape(B, L, U * h, -1)
+    return (out, lse) if return_lse else out

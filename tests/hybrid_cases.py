@@ -1,0 +1,87 @@
+"""Shared by the hybrid tests: the R x U grid of process groups, and one hybrid call checked
+against the float64 oracle (run on every rank of a world)."""
+
+import torch
+import torch.distributed as dist
+
+from ringflash import flash_attn_func, local_positions, ring_flash_attn_func, shard, unshard
+
+from oracle import assert_within, plain_errors, reference, rel_rms
+from ring_cases import full_inputs, padding_mask
+
+_GRIDS = {}  # per process: (R, U) -> (ring group, head group) of this rank; new_group is collective
+
+
+def grid(R, U):
+    """Ring groups {u, U + u, 2U + u, ...} and head groups of consecutive ranks {rU, ..., rU + U - 1}
+    (one node's GPUs under the usual placement); this rank's (group, head_group)."""
+    if (R, U) not in _GRIDS:
+        me = dist.get_rank()
+        rings = [dist.new_group([r * U + u for r in range(R)]) for u in range(U)]
+        heads = [dist.new_group([r * U + u for u in range(U)]) for r in range(R)]
+        _GRIDS[R, U] = (rings[me % U], heads[me // U])
+    return _GRIDS[R, U]
+
+
+def hybrid_vs_oracle(rank, world, R, U, layout, causal, B, chunk, Hq, Hkv, mask, seed, return_lse=True):
+    group, head_group = grid(R, U)
+    S, D = 2 * R * U * chunk, 16
+    q, k, v, do = full_inputs(B, S, S, Hq, Hkv, D, torch.float32, seed)
+    kpm = padding_mask(mask, B, S, seed)
+    ref = reference(q, k, v, do, causal=causal, key_padding_mask=kpm)
+    plain = plain_errors(q, k, v, do, ref, causal=causal, key_padding_mask=kpm)
+    sh = lambda t, dim=1: shard(t, group=group, head_group=head_group, layout=layout, dim=dim)
+    pos = local_positions(S, group=group, head_group=head_group, layout=layout)
+    assert torch.equal(sh(q), q[:, pos]) and pos.numel() == S // (R * U)
+    ql, kl, vl = (sh(t).clone().requires_grad_() for t in (q, k, v))
+    res = ring_flash_attn_func(
+        ql,
+        kl,
+        vl,
+        causal=causal,
+        group=group,
+        head_group=head_group,
+        layout=layout,
+        key_padding_mask=None if kpm is None else sh(kpm),
+        return_lse=return_lse,
+    )
+    out, lse = res if return_lse else (res, None)
+    assert out.shape == ql.shape and out.dtype == q.dtype
+    grads = torch.autograd.grad(out, (ql, kl, vl), sh(do))
+    tag = f"R{R}xU{U} {layout} causal={causal} {Hq}/{Hkv} mask={mask}"
+    assert_within(f"out {tag}", out, sh(ref[0]), plain["out"])
+    if lse is not None:
+        assert lse.shape == (B, Hq, S // (R * U)) and lse.dtype == torch.float32
+        assert_within(f"lse {tag}", lse, sh(ref[1], dim=2), plain["lse"], sum_len=S)
+    for name, g, r in zip(("dq", "dk", "dv"), grads, ref[2:]):
+        assert g.shape == (ql if name == "dq" else kl).shape
+        assert_within(f"{name} {tag}", g, sh(r), plain[name])
+    # reassembled on every rank (unshard is differentiable: one loss, single-device gradients)
+    assert_within(
+        f"unshard(out) {tag}", unshard(out, group=group, head_group=head_group, layout=layout), ref[0], plain["out"]
+    )
+    assert_within(
+        f"unshard(dk) {tag}", unshard(grads[1], group=group, head_group=head_group, layout=layout), ref[3], plain["dk"]
+    )
+
+
+def hybrid_precision(rank, world, R, U, Hq, Hkv):
+    """bf16 inputs, relative RMS error against float64: the hybrid call reassembled within
+    1.2x of one device's, the bound the plain ring meets at the same rank count
+    (test_ring.test_precision_does_not_fall_with_ranks). Hkv >= U only: with Hkv < U the
+    replicated heads' dK/dV are summed from U / Hkv partial gradients each already rounded to
+    the input dtype (README: Hybrid, limits)."""
+    group, head_group = grid(R, U)
+    q, k, v, do = full_inputs(1, 64 * world, 64 * world, Hq, Hkv, 32, torch.bfloat16, 11)
+    ref = reference(q, k, v, do, causal=True)
+    ref = [ref[0], *ref[2:]]
+    qs, ks, vs = (t.clone().requires_grad_() for t in (q, k, v))
+    out1 = flash_attn_func(qs, ks, vs, causal=True)
+    err1 = [rel_rms(x, r) for x, r in zip((out1, *torch.autograd.grad(out1, (qs, ks, vs), do)), ref)]
+    sh = lambda t: shard(t, group=group, head_group=head_group)
+    ql, kl, vl = (sh(t).clone().requires_grad_() for t in (q, k, v))
+    out = ring_flash_attn_func(ql, kl, vl, causal=True, group=group, head_group=head_group)
+    g = torch.autograd.grad(out, (ql, kl, vl), sh(do))
+    errw = [rel_rms(unshard(x, group=group, head_group=head_group), r) for x, r in zip((out, *g), ref)]
+    for name, e1, ew in zip(("out", "dq", "dk", "dv"), err1, errw):
+        assert ew <= 1.2 * e1, f"{name}: R{R} x U{U} error {ew:.3e} vs one device {e1:.3e}"

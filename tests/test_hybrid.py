@@ -1,0 +1,165 @@
+"""Hybrid sequence parallelism over gloo: R x U grids of processes (heads by all-to-all inside
+each head group of U ranks, the ring over R), against the float64 oracle. The 8-process grids
+(2x4, 4x2) run in test_ring.py, beside its other 8-process tests (one set of processes)."""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from ringflash import local_positions, ring_flash_attn_func, shard, unshard
+from ringflash.hybrid import head_plan
+
+from hybrid_cases import grid, hybrid_vs_oracle
+from ring_cases import TORCH, full_inputs
+
+# (R, U) grids on 4 processes; heads chosen so both GQA cases occur: Hkv >= U (Hkv / U per
+# rank) and Hkv < U (the needed kv head replicated, gradients summed back)
+CASES4 = [
+    (2, 2, "zigzag", True, 1, 3, 4, 2, None, 1),  # Hkv == U
+    (2, 2, "zigzag", False, 2, 2, 4, 1, None, 2),  # MQA: Hkv < U
+    (2, 2, "contiguous", True, 1, 3, 4, 4, "bool", 3),  # key padding travels with the keys
+    (2, 2, "zigzag", True, 1, 2, 8, 2, "float", 4),
+    (1, 4, "zigzag", True, 1, 2, 4, 2, None, 5),  # Hkv < U, no ring
+    (1, 4, "contiguous", False, 1, 2, 8, 4, "bool", 6),
+    (4, 1, "zigzag", True, 1, 2, 4, 2, None, 7),  # the plain ring through the hybrid path
+    (4, 1, "contiguous", False, 2, 2, 2, 1, "float", 8),
+]
+
+
+@pytest.mark.parametrize(
+    "case", CASES4, ids=lambda c: f"R{c[0]}xU{c[1]}-{c[2]}-{'causal' if c[3] else 'full'}-{c[6]}x{c[7]}-{c[8]}"
+)
+def test_hybrid_4_ranks(worlds, case):
+    worlds(4, **TORCH).run(hybrid_vs_oracle, *case)
+
+
+def test_hybrid_without_lse(worlds):
+    worlds(4, **TORCH).run(hybrid_vs_oracle, 2, 2, "zigzag", True, 1, 2, 4, 2, None, 9, False)
+
+
+def _mesh(rank, world):
+    """A 2-D DeviceMesh as group: dim 0 the ring, dim 1 the heads; the same numbers as groups."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("ring", "heads"))
+    group, head_group = grid(2, 2)
+    q, k, v, _ = full_inputs(1, 16, 16, 4, 2, 16, torch.float32, 3)
+    a = [shard(t, group=mesh) for t in (q, k, v)]
+    b = [shard(t, group=group, head_group=head_group) for t in (q, k, v)]
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+    assert torch.equal(
+        ring_flash_attn_func(*a, causal=True, group=mesh),
+        ring_flash_attn_func(*b, causal=True, group=group, head_group=head_group),
+    )
+    assert torch.equal(unshard(a[0], group=mesh), q)
+    assert torch.equal(local_positions(16, group=mesh), local_positions(16, group=group, head_group=head_group))
+
+
+def test_device_mesh(worlds):
+    worlds(4, **TORCH).run(_mesh)
+
+
+def test_token_mapping_documented():
+    """R = 2, U = 2, S = 16, zigzag: ring position r holds chunks r and 3 - r of 4; each head
+    group cuts that shard in two, in group-rank order (the README's example)."""
+    from ringflash.schedule import global_positions
+
+    ring = [global_positions("zigzag", r, 2, 8) for r in range(2)]
+    assert ring == [[0, 1, 2, 3, 12, 13, 14, 15], [4, 5, 6, 7, 8, 9, 10, 11]]
+    # (r, u) -> ring[r][u * 4:(u + 1) * 4], which shard/local_positions give (test_hybrid_4_ranks)
+
+
+def test_head_plan():
+    p = head_plan(8, 4, 2, "t")
+    assert [p.q_of(u) for u in range(2)] == [slice(0, 4), slice(4, 8)]
+    assert [p.kv_of(u) for u in range(2)] == [slice(0, 2), slice(2, 4)]
+    p = head_plan(8, 2, 4, "t")  # two ranks per kv head
+    assert [p.kv_of(u) for u in range(4)] == [slice(0, 1), slice(0, 1), slice(1, 2), slice(1, 2)]
+    for u in range(4):  # every rank's q heads are in its kv head's group
+        qh = p.q_of(u)
+        assert {h // 4 for h in range(qh.start, qh.stop)} == {p.kv_of(u).start}
+    with pytest.raises(ValueError, match=r"q heads 6 .* not divisible by 4.*sizes that work: \[1, 2, 3, 6\]"):
+        head_plan(6, 6, 4, "t")
+    with pytest.raises(ValueError, match=r"k/v heads 6.*divide neither way.*\[1, 2, 3, 6, 12\]"):
+        head_plan(12, 6, 4, "t")
+
+
+def test_head_group_without_group():
+    q = torch.randn(1, 8, 2, 16)
+    with pytest.raises(ValueError, match="head_group given without group"):
+        ring_flash_attn_func(q, q, q, head_group=object())
+    for fn in (shard, unshard):
+        with pytest.raises(ValueError, match="head_group given without group"):
+            fn(q, head_group=object())
+    with pytest.raises(ValueError, match="head_group given without group"):
+        local_positions(8, head_group=object())
+
+
+def _expect_raise(fn, pattern):
+    import re
+
+    try:
+        fn()
+    except ValueError as e:
+        assert re.search(pattern, str(e)), str(e)
+        return str(e)
+    raise AssertionError(f"no ValueError (wanted {pattern!r})")
+
+
+def _errors(rank, world):
+    """Bad input on one rank, or groups that do not form a grid: every rank raises (no hang)."""
+    group, head_group = grid(2, 2)
+    q = torch.randn(1, 4, 4, 16)
+    k = torch.randn(1, 4, 2, 16)
+    call = lambda q, k, **kw: lambda: ring_flash_attn_func(q, k, k, group=group, **{"head_group": head_group, **kw})
+    # Hkv = 3 fits no U = 2 split, on rank 3 only: its message reaches every rank of the grid
+    bad = rank == 3
+    qq, k3 = torch.randn(1, 4, 6, 16), torch.randn(1, 4, 3, 16)
+    _expect_raise(call(qq if bad else q, k3 if bad else k), r"head_group sizes that work: \[1, 3, 6\]")
+    # a local length that differs on one rank
+    q6, k6 = torch.randn(1, 6, 4, 16), torch.randn(1, 6, 2, 16)
+    _expect_raise(call(q6 if rank == 0 else q, k6 if rank == 0 else k), r"q local length: rank 0=6")
+    # the causal flag on one rank
+    _expect_raise(call(q, k, causal=rank == 2), r"window right: rank 0=0")
+    # the same group given as ring and heads: its ranks sit at different ring positions
+    _expect_raise(call(q, k, head_group=group), r"rank in group: rank 0=0, rank 1=1")
+    # U differing between ring positions: ranks 0, 1 in one head group, ranks 2, 3 alone
+    solo = [dist.new_group([i]) for i in range(world)][rank]
+    _expect_raise(call(q, k, head_group=head_group if rank < 2 else solo), r"head_group size: rank 0=2, rank 1=1")
+    # lengths that do not divide into 2RU chunks
+    _expect_raise(
+        lambda: shard(torch.randn(1, 12, 2, 16), group=group, head_group=head_group), r"multiple of 8 \(e.g. 8 or 16\)"
+    )
+    # still usable afterwards: the grid is in step
+    out = ring_flash_attn_func(q, k, k, group=group, head_group=head_group, causal=True)
+    assert out.shape == q.shape
+
+
+def test_errors_raise_on_every_rank(worlds):
+    worlds(4, **TORCH).run(_errors)
+
+
+def _module(rank, world):
+    """RingMultiheadAttention with a head_group: the unsharded output is nn.MultiheadAttention's
+    on the whole sequence (float64, causal, padded keys)."""
+    from ringflash.nn import RingMultiheadAttention
+
+    group, head_group = grid(2, 2)
+    torch.manual_seed(0)
+    E, H, S = 64, 4, 16
+    ring = RingMultiheadAttention(E, H, batch_first=True, dtype=torch.float64, group=group, head_group=head_group)
+    ref = torch.nn.MultiheadAttention(E, H, batch_first=True, dtype=torch.float64)
+    ref.load_state_dict(ring.state_dict())
+    x = torch.randn(2, S, E, dtype=torch.float64)
+    pad = torch.zeros(2, S, dtype=torch.bool)
+    pad[1, 3] = pad[0, 9] = True
+    sh = lambda t: shard(t, group=group, head_group=head_group)
+    out, _ = ring(sh(x), sh(x), sh(x), key_padding_mask=sh(pad), is_causal=True, need_weights=False)
+    causal = torch.ones(S, S, dtype=torch.bool).triu(1)
+    want, _ = ref(x, x, x, key_padding_mask=pad, attn_mask=causal, need_weights=False)
+    got = unshard(out, group=group, head_group=head_group)
+    assert (got - want).abs().max().item() < 1e-12
+
+
+def test_module_with_head_group(worlds):
+    worlds(4, **TORCH).run(_module)
