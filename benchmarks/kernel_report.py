@@ -35,21 +35,22 @@ KERNELS = {"fwd": (_fwd_kernel, configs._FWD), "dkdv": (_dkdv_kernel, configs._D
 HOPPER_SHARED_BYTES = 232448  # per block on H100/H200 (227 KiB)
 
 
-def compile_for_hopper(kind: str, D: int, causal: bool, cfg: configs.KernelConfig):
-    """The kernel `kind` for bf16 inputs of head dim D (a power of two), one kv head per q head."""
+def compile_for_hopper(kind: str, D: int, causal: bool, cfg: configs.KernelConfig, dtype: str = "bf16"):
+    """The kernel `kind` for `dtype` (bf16 or fp32) inputs of head dim D (a power of two), one
+    kv head per q head."""
     fn = KERNELS[kind][0]
     rows = cfg.block_m if kind == "dkdv" else cfg.block_n
     descriptors = ({"Q", "DO"} if kind == "dkdv" else {"K", "V"}) if cfg.tma else set()
     signature, attrs = {}, {}
     for i, name in enumerate(fn.arg_names):
         if name in descriptors:
-            signature[name] = f"tensordesc<bf16[1,{rows},1,{D}]>"
+            signature[name] = f"tensordesc<{dtype}[1,{rows},1,{D}]>"
         elif name in ("M", "L", "DELTA"):
             signature[name] = "*fp32"
         elif name in ("KLO", "KHI", "QLO", "QHI"):
             signature[name] = "*i32"
         elif name.isupper():  # the other tensors
-            signature[name] = "*bf16"
+            signature[name] = f"*{dtype}"
         elif name.startswith("stride") or name in (
             "Hq",
             "Hkv",
@@ -76,7 +77,7 @@ def compile_for_hopper(kind: str, D: int, causal: bool, cfg: configs.KernelConfi
         MASK=1 if causal else 0,  # tiles.MASK_WINDOW (causal: left unbounded, right 0) or MASK_NONE
         LEFT=False if kind != "dkdv" else causal,
         HAS_BIAS=False,
-        PRECISION="tf32",
+        PRECISION="tf32" if dtype == "bf16" else "ieee",
         TMA=cfg.tma,
     )
     if kind == "fwd":
@@ -109,8 +110,10 @@ def ptxas_report(ptx: str, workdir: Path) -> dict:
     }
 
 
-def report(kind: str, D: int, causal: bool, cfg: configs.KernelConfig, workdir: Path, dump: Path | None = None) -> dict:
-    kern = compile_for_hopper(kind, D, causal, cfg)
+def report(
+    kind: str, D: int, causal: bool, cfg: configs.KernelConfig, workdir: Path, dump: Path | None = None, dtype="bf16"
+) -> dict:
+    kern = compile_for_hopper(kind, D, causal, cfg, dtype)
     ptx = kern.asm["ptx"]
     row = {
         "kind": kind,

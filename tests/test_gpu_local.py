@@ -42,6 +42,14 @@ def test_forward_backward_vs_float64(dtype, causal, case, window_size=(-1, -1)):
     assert torch.equal(torch.isneginf(lse), torch.isneginf(ref_lse))  # rows that see no key
 
 
+@pytest.mark.parametrize("D", [64, 128, 256])
+@pytest.mark.parametrize("causal", [False, True])
+def test_float32_fits_and_is_exact(D, causal):
+    """float32 inputs (true float32 products) take the _FLOAT32 block shapes where the 16-bit
+    ones would not fit in shared memory."""
+    test_forward_backward_vs_float64(torch.float32, causal, (1, 1031, 1031, 4, 2, D))
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize(
     "causal,window_size,case",

@@ -97,7 +97,7 @@ def forward(q, k, v, state, *, q_start, k_start, window, bounds, scale, fold, no
     if key_bias is None and bounds is None and _gluon_forward(q, k, v, state, q_start, k_start, window, scale, fold,
                                                               normalize, block_d):
         return
-    cfg = configs.forward_config(block_d, documents=bounds is not None)
+    cfg = configs.forward_config(block_d, documents=bounds is not None, float32=q.dtype == torch.float32)
     grid = (triton.cdiv(Sq, cfg.block_m), B * Hq)
     bias, stride_bias_b, has_bias = _bias_args(key_bias, q)
     mask, left, right, left_k, _, (k_lo, k_hi), _ = _mask_args(window, bounds, q)
@@ -169,7 +169,7 @@ def backward(q, k, v, m, l, do, delta, dq, dk, dv, *, q_start, k_start, window, 
     stat_strides = _stat_strides(m, l, delta)
     with _on_device(q):
         if dk is not None:
-            cfg = configs.dkdv_config(block_d)
+            cfg = configs.dkdv_config(block_d, float32=q.dtype == torch.float32)
             combined = cfg.combined_stats and q.dtype != torch.float32
             m_arg, l_arg = (combined_stats(m, l),) * 2 if combined else (m, l)
             assert _stat_strides(m_arg) == stat_strides
@@ -182,7 +182,7 @@ def backward(q, k, v, m, l, do, delta, dq, dk, dv, *, q_start, k_start, window, 
                 COMBINED_STATS=combined, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **common,
             )
         if dq is not None:
-            cfg = configs.dq_config(block_d)
+            cfg = configs.dq_config(block_d, float32=q.dtype == torch.float32)
             tma, (k_arg, v_arg) = _maybe_descriptors(cfg, (k, v), cfg.block_n, block_d)
             _dq_kernel[(triton.cdiv(Sq, cfg.block_m), B * Hq)](
                 q, k_arg, v_arg, do, m, l, delta, dq, bias, k_lo, k_hi,

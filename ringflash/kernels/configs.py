@@ -83,6 +83,15 @@ _FWD_DOCUMENTS = {128: KernelConfig(64, 64, 4, 3, tma=True)}
 # block, head dim or GPU takes the Triton kernel.
 GLUON_FWD = {128: "ws2_s3"}
 
+# float32 inputs take twice the shared memory per tile: the 16-bit shapes above overflow an H200's
+# 227 KiB at head dim 128 and 256 (forward 448 KiB, dK/dV 353 KiB at D=128, compiled for sm_90a
+# by benchmarks.kernel_report --dtype fp32); these halve the tiles and stages. Not tuned.
+_FLOAT32 = {
+    "fwd": {128: KernelConfig(64, 64, 4, 2, tma=True), 256: KernelConfig(32, 32, 4, 2)},
+    "dkdv": {128: KernelConfig(32, 64, 4, 2, tma=True), 256: KernelConfig(32, 32, 4, 1)},
+    "dq": {128: KernelConfig(64, 32, 4, 2, tma=True), 256: KernelConfig(32, 32, 4, 1)},
+}
+
 _OVERRIDES: contextvars.ContextVar[dict | None] = contextvars.ContextVar("ringflash_kernel_configs", default=None)
 
 
@@ -121,10 +130,16 @@ _TABLES = {"fwd": (_FWD, _INTERP_FWD), "dkdv": (_DKDV, _INTERP_DKDV), "dq": (_DQ
 
 
 def pick(
-    kind: str, block_d: int, *, interpreting: bool = INTERPRETING, file_configs: dict = _FILE_CONFIGS
+    kind: str,
+    block_d: int,
+    *,
+    float32: bool = False,
+    interpreting: bool = INTERPRETING,
+    file_configs: dict = _FILE_CONFIGS,
 ) -> KernelConfig:
     """The config kernel `kind` uses for padded head dim block_d (the order in the module
-    docstring); interpreting and file_configs default to what the environment said at import."""
+    docstring; float32 inputs: the _FLOAT32 shapes where the 16-bit ones would not fit);
+    interpreting and file_configs default to what the environment said at import."""
     chosen = (_OVERRIDES.get() or {}).get(kind)
     if chosen is not None:
         return chosen
@@ -132,14 +147,24 @@ def pick(
     if interpreting:
         return interp
     chosen = file_configs.get(kind, {}).get(block_d)
-    return chosen if chosen is not None else table[max(block_d, 32)]
+    if chosen is not None:
+        return chosen
+    if float32 and block_d in _FLOAT32[kind]:
+        return _FLOAT32[kind][block_d]
+    return table[max(block_d, 32)]
 
 
-def forward_config(block_d: int, documents: bool = False) -> KernelConfig:
+def forward_config(block_d: int, documents: bool = False, float32: bool = False) -> KernelConfig:
     """The forward's config; documents: a block masked by per-row intervals (packed documents)."""
-    if documents and not INTERPRETING and not _OVERRIDES.get() and block_d not in _FILE_CONFIGS.get("fwd", {}):
+    if (
+        documents
+        and not float32
+        and not INTERPRETING
+        and not _OVERRIDES.get()
+        and block_d not in _FILE_CONFIGS.get("fwd", {})
+    ):
         return _FWD_DOCUMENTS.get(block_d) or pick("fwd", block_d)
-    return pick("fwd", block_d)
+    return pick("fwd", block_d, float32=float32)
 
 
 def gluon_forward_variant(block_d: int) -> str | None:
@@ -150,9 +175,9 @@ def gluon_forward_variant(block_d: int) -> str | None:
     return GLUON_FWD.get(block_d)
 
 
-def dkdv_config(block_d: int) -> KernelConfig:
-    return pick("dkdv", block_d)
+def dkdv_config(block_d: int, float32: bool = False) -> KernelConfig:
+    return pick("dkdv", block_d, float32=float32)
 
 
-def dq_config(block_d: int) -> KernelConfig:
-    return pick("dq", block_d)
+def dq_config(block_d: int, float32: bool = False) -> KernelConfig:
+    return pick("dq", block_d, float32=float32)
