@@ -67,6 +67,7 @@ except ImportError as e:  # pragma: no cover - the extra is not installed
 from .comm import agree_across_ranks, group_rank_world, resolve_group
 from .layout import local_positions, shard
 from .local import flash_attn_func
+from .ops import NAMESPACE
 from .ring import ring_flash_attn_func
 from .schedule import check_divisible, check_layout, chunks_per_rank
 
@@ -350,12 +351,12 @@ def _pre_hook(module, args, kwargs):
     elif cache is None and mask is None and kwargs.get("position_ids") is not None:
         # locally the row is whole: transformers would see packed documents where it steps by
         # other than 1; checked in an operator, which torch.compile keeps in the graph
-        kwargs["position_ids"] = torch.ops.ringflash.hf_unpacked_positions(kwargs["position_ids"])
+        kwargs["position_ids"] = _unpacked_positions(kwargs["position_ids"])
     kwargs[_CTX_KWARG] = _Call(state.group, state.layout, ring=ring, has_mask=mask is not None, world=world)
     return (), kwargs
 
 
-@torch.library.custom_op("ringflash::hf_unpacked_positions", mutates_args=())
+@torch.library.custom_op(f"{NAMESPACE}::hf_unpacked_positions", mutates_args=())
 def _unpacked_positions(position_ids: torch.Tensor) -> torch.Tensor:
     """position_ids (b, S) of whole rows, returned (a copy) if every row steps by 1; else the
     packed-sequence NotImplementedError. An operator, so that reading the values does not end

@@ -33,6 +33,11 @@ from ._checks import check_cu_seqlens, check_max_seqlen
 from .masks import BlockMask, Window, document_bounds
 from .merge import state_dtype
 
+# The operators' namespace is the package's import name: a copy of the package imported under
+# another name (a benchmark's baseline beside this checkout) registers operators of its own
+# instead of re-defining these, which leaves both copies' calls broken.
+NAMESPACE = __name__.split(".")[0]
+
 
 class _Saved(SimpleNamespace):
     """Stands in for autograd's ctx when an autograd Function's forward or backward is run as a
@@ -74,7 +79,7 @@ def _stats_like(q):
 # ----------------------------------------------------------------------------- one device
 
 
-@torch.library.custom_op("ringflash::flash_fwd", mutates_args=())
+@torch.library.custom_op(f"{NAMESPACE}::flash_fwd", mutates_args=())
 def flash_fwd(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -112,7 +117,7 @@ def _(q, k, v, key_bias, cu_q, cu_k, q_start, k_start, left, right, scale, backe
     return torch.empty_like(q, memory_format=torch.contiguous_format), _stats_like(q), _stats_like(q), _stats_like(q)
 
 
-@torch.library.custom_op("ringflash::flash_bwd", mutates_args=())
+@torch.library.custom_op(f"{NAMESPACE}::flash_bwd", mutates_args=())
 def flash_bwd(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -187,7 +192,7 @@ def _ring_spec(left, right, scale, layout, grad_chunks, grad_accum):
     return RingSpec(_window(left, right), scale, layout, None if grad_chunks < 0 else grad_chunks, grad_accum)
 
 
-@torch.library.custom_op("ringflash::ring_fwd", mutates_args=())
+@torch.library.custom_op(f"{NAMESPACE}::ring_fwd", mutates_args=())
 def ring_fwd(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -228,7 +233,7 @@ def _(q, k, v, key_bias, group_name, left, right, scale, layout, grad_chunks, gr
     return torch.empty_like(q, memory_format=torch.contiguous_format), _stats_like(q), _stats_like(q), _stats_like(q)
 
 
-@torch.library.custom_op("ringflash::ring_bwd", mutates_args=())
+@torch.library.custom_op(f"{NAMESPACE}::ring_bwd", mutates_args=())
 def ring_bwd(
     q: torch.Tensor,
     k: torch.Tensor,

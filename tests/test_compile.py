@@ -187,3 +187,30 @@ def test_ring_fullgraph_two_ranks(worlds):
     """The ring compiled with fullgraph on 2 gloo ranks: compiled == eager (out, lse, dq, dk,
     dv), no graph break, disagreeing ranks raise on every rank, the encoder layer on the ring."""
     worlds(2).run(_ring_compiled)
+
+
+def test_renamed_copy_registers_its_own_operators(tmp_path):
+    """A copy of the package imported under another name (a benchmark's baseline) beside this
+    one: each registers operators under its own name and both still run, in either order."""
+    import subprocess
+    import sys
+    import textwrap
+
+    from tests.commands import ROOT
+
+    shutil.copytree(ROOT / "ringflash", tmp_path / "ringflash_before")
+    script = textwrap.dedent(
+        f"""
+        import sys, torch
+        import ringflash
+        sys.path.insert(0, {str(tmp_path)!r})
+        import ringflash_before
+        q = torch.randn(1, 16, 2, 8)
+        for lib in (ringflash, ringflash_before, ringflash):
+            assert torch.equal(lib.flash_attn_func(q, q, q), ringflash.flash_attn_func(q, q, q))
+        assert torch.ops.ringflash_before.flash_fwd is not None
+        """
+    )
+    env = {"PYTHONPATH": str(ROOT), "RINGFLASH_BACKEND": "torch", "PATH": "/usr/bin:/bin"}
+    res = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
