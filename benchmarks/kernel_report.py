@@ -5,6 +5,7 @@ runs), and ptxas's performance warnings (C7514 / C7512: every wgmma of the kerne
 
     python -m benchmarks.kernel_report                       # built-in shapes, D=64 and 128
     python -m benchmarks.kernel_report --kind fwd --head-dims 128 --shape 128 64 8 4 --dump DIR
+    python -m benchmarks.kernel_report --head-dims 128 --dropout   # the attention-dropout variants
 
 Pointers and strides are compiled as 16-divisible, as the launcher's arguments are at these
 shapes, so the figures match a compile on the GPU machine (checked on an H200: forward 196
@@ -35,9 +36,11 @@ KERNELS = {"fwd": (_fwd_kernel, configs._FWD), "dkdv": (_dkdv_kernel, configs._D
 HOPPER_SHARED_BYTES = 232448  # per block on H100/H200 (227 KiB)
 
 
-def compile_for_hopper(kind: str, D: int, causal: bool, cfg: configs.KernelConfig, dtype: str = "bf16"):
+def compile_for_hopper(
+    kind: str, D: int, causal: bool, cfg: configs.KernelConfig, dtype: str = "bf16", dropout: bool = False
+):
     """The kernel `kind` for `dtype` (bf16 or fp32) inputs of head dim D (a power of two), one
-    kv head per q head."""
+    kv head per q head; dropout: with attention dropout (the DROPOUT variant)."""
     fn = KERNELS[kind][0]
     rows = cfg.block_m if kind == "dkdv" else cfg.block_n
     descriptors = ({"Q", "DO"} if kind == "dkdv" else {"K", "V"}) if cfg.tma else set()
@@ -51,18 +54,13 @@ def compile_for_hopper(kind: str, D: int, causal: bool, cfg: configs.KernelConfi
             signature[name] = "*i32"
         elif name.isupper():  # the other tensors
             signature[name] = f"*{dtype}"
-        elif name.startswith("stride") or name in (
-            "Hq",
-            "Hkv",
-            "Sq",
-            "Sk",
-            "q_start",
-            "k_start",
-            "win_left",
-            "win_right",
+        elif (
+            name.startswith("stride")
+            or name in ("Hq", "Hkv", "Sq", "Sk", "q_start", "k_start", "win_left", "win_right")
+            or (name.startswith("drop_") and name != "drop_scale")
         ):
             signature[name] = "i32"
-        elif name in ("qk_scale", "sm_scale"):
+        elif name in ("qk_scale", "sm_scale", "drop_scale"):
             signature[name] = "fp32"
         else:
             continue
@@ -79,6 +77,7 @@ def compile_for_hopper(kind: str, D: int, causal: bool, cfg: configs.KernelConfi
         HAS_BIAS=False,
         PRECISION="tf32" if dtype == "bf16" else "ieee",
         TMA=cfg.tma,
+        DROPOUT=dropout,
     )
     if kind == "fwd":
         constants.update(HAS_STATE=False, NORMALIZE=True, WARP_SPECIALIZE=cfg.warp_specialize, SCALE_SIGN=1)
@@ -111,14 +110,22 @@ def ptxas_report(ptx: str, workdir: Path) -> dict:
 
 
 def report(
-    kind: str, D: int, causal: bool, cfg: configs.KernelConfig, workdir: Path, dump: Path | None = None, dtype="bf16"
+    kind: str,
+    D: int,
+    causal: bool,
+    cfg: configs.KernelConfig,
+    workdir: Path,
+    dump: Path | None = None,
+    dtype="bf16",
+    dropout=False,
 ) -> dict:
-    kern = compile_for_hopper(kind, D, causal, cfg, dtype)
+    kern = compile_for_hopper(kind, D, causal, cfg, dtype, dropout)
     ptx = kern.asm["ptx"]
     row = {
         "kind": kind,
         "D": D,
         "causal": causal,
+        "dropout": dropout,
         "config": asdict(cfg),
         "shared": kern.metadata.shared,
         "fits": kern.metadata.shared <= HOPPER_SHARED_BYTES,
@@ -150,6 +157,7 @@ def main():
         metavar=("BLOCK_M", "BLOCK_N", "WARPS", "STAGES"),
         help="this block shape (with tensor descriptors) instead of the built-in one",
     )
+    ap.add_argument("--dropout", action="store_true", help="the kernels with attention dropout")
     ap.add_argument("--dump", type=Path, help="write each kernel's PTX and TTGIR here")
     ap.add_argument("--json", type=Path, help="write the rows here")
     args = ap.parse_args()
@@ -159,11 +167,12 @@ def main():
             for D in args.head_dims:
                 cfg = configs.KernelConfig(*args.shape, tma=True) if args.shape else KERNELS[kind][1][D]
                 for causal in (False, True):
-                    r = report(kind, D, causal, cfg, Path(tmp), args.dump)
+                    r = report(kind, D, causal, cfg, Path(tmp), args.dump, dropout=args.dropout)
                     rows.append(r)
                     fits = "" if r["fits"] else " (over the H200's shared memory)"
+                    drop = " dropout" if args.dropout else ""
                     print(
-                        f"{kind:4s} D={D:<3d} causal={causal!s:5s} {cfg.block_m}x{cfg.block_n} w{cfg.num_warps} "
+                        f"{kind:4s}{drop} D={D:<3d} causal={causal!s:5s} {cfg.block_m}x{cfg.block_n} w{cfg.num_warps} "
                         f"s{cfg.num_stages} tma={cfg.tma!s:5s} regs={r['regs']} spill_bytes={r['spill_bytes']} "
                         f"shared={r['shared']}{fits} waits={r['waits']} warnings={r['warnings'] or '-'}",
                         flush=True,

@@ -7,11 +7,17 @@ tl.randint, keyed by the 64-bit seed (low word k0, high word k1) with the counte
 (key index, query index, head, batch): the first output word r decides, keep iff
 r >= threshold(p) = round(p * 2^32), an integer comparison that a kernel can make bit for
 bit as this plain-torch version does (tests check the two against each other). A fresh seed
-is drawn from torch's generator of the device for every call (draw_seed), so torch.manual_seed
+is drawn from torch's default (CPU) generator for every call (seed_tensor), so torch.manual_seed
 reproduces a run, as with torch's own dropout.
+
+Inside a block operation (Dropout): the kept probabilities are scaled by 1 / (1 - p) before
+they weigh the values, while the normalizer l sums them all, so the softmax state (m, l, o) of
+a dropped block folds and merges as any other and the backward rebuilds the same mask.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -65,16 +71,76 @@ def keep_mask(seed: int, p: float, batch, heads, q_idx, k_idx) -> torch.Tensor:
     return r >= threshold(p)
 
 
-def draw_seed(device) -> int:
-    """A fresh 64-bit seed from torch's default generator of `device` (advancing it, as
-    torch's dropout advances it), so torch.manual_seed reproduces the masks."""
-    return int(torch.randint(0, 2**63 - 1, (), device=device, dtype=torch.int64))
+def _as_int32(word: int) -> int:
+    """A 32-bit word as the signed int32 with the same bits (a kernel argument that Triton
+    always types int32, whatever the value)."""
+    return word - (1 << 32) if word >= 1 << 31 else word
 
 
-def agreed_seed(device, group=None) -> int:
-    """draw_seed on every rank of `group`, then the first rank's for all: every rank advances
-    its own generator once and drops the same pairs (a collective every rank must call)."""
-    seed = draw_seed(device)
+@dataclass(frozen=True)
+class Dropout:
+    """Attention dropout of one block operation: the pair (query q0 + i, key k0 + j) of batch
+    b and query head h0 + h, i, j and h the block's own rows and heads, is dropped unless
+    keep_mask(seed, p, b, h0 + h, q0 + i, k0 + j) keeps it; kept probabilities are scaled by
+    1 / (1 - p). q0, k0: the indices, in the whole (unsharded) query and key sequences, of the
+    block's first rows; h0: the index of its first query head. 0 < p < 1 (p = 0 is no Dropout,
+    p = 1 drops everything: the callers' cases)."""
+
+    seed: int
+    p: float
+    q0: int = 0
+    k0: int = 0
+    h0: int = 0
+
+    def __post_init__(self):
+        if not 0.0 < self.p < 1.0:
+            raise ValueError(f"Dropout.p must be in (0, 1), got {self.p!r}")
+
+    def at(self, q0: int, k0: int) -> Dropout:
+        """The same draw for a block whose first rows are query q0 and key k0."""
+        return Dropout(self.seed, self.p, q0, k0, self.h0)
+
+    def heads_from(self, h0: int) -> Dropout:
+        """The same draw for the block's query heads from h0 on."""
+        return Dropout(self.seed, self.p, self.q0, self.k0, self.h0 + h0)
+
+    @property
+    def keep_scale(self) -> float:
+        return 1.0 / (1.0 - self.p)
+
+    def keep(self, batch: int, heads: int, q_rows: range, k_rows: range, device) -> torch.Tensor:
+        """bool (batch, heads, len(q_rows), len(k_rows)) of the block's local rows."""
+        idx = lambda n, start=0: torch.arange(start, start + n, device=device)  # noqa: E731
+        return keep_mask(
+            self.seed, self.p, idx(batch), idx(heads, self.h0), idx(len(q_rows), self.q0 + q_rows.start),
+            idx(len(k_rows), self.k0 + k_rows.start),
+        )  # fmt: skip
+
+    def kernel_args(self) -> tuple[int, int, int, int, int, int, float]:
+        """(seed low word, seed high word, threshold - 2^31, q0, k0, h0, keep_scale) for the kernels,
+        words as int32 (tiles.dropout_keep compares the random word, shifted the same way, as a
+        signed int32)."""
+        return (
+            _as_int32(self.seed & _M32), _as_int32((self.seed >> 32) & _M32), threshold(self.p) - (1 << 31),
+            self.q0, self.k0, self.h0, self.keep_scale,
+        )  # fmt: skip
+
+
+def seed_tensor() -> torch.Tensor:
+    """A fresh seed in [0, 2^63), an int64 scalar on the CPU, from torch's default CPU generator
+    (advancing it, as torch's dropout advances its generator), so torch.manual_seed reproduces
+    the masks. The CPU generator whatever the inputs' device: drawing needs no device sync."""
+    return torch.randint(0, 2**63 - 1, (), dtype=torch.int64)
+
+
+def draw_seed() -> int:
+    """seed_tensor() as an int."""
+    return int(seed_tensor())
+
+
+def first_ranks_seed(seed: int, device, group=None) -> int:
+    """The seed of the first rank of `group`, for every rank (a collective every rank must call):
+    ranks whose generators differ still drop the same pairs."""
     _, world = group_rank_world(group)
     if world == 1:
         return seed
@@ -83,3 +149,30 @@ def agreed_seed(device, group=None) -> int:
     every = [torch.zeros(1, dtype=torch.int64, device=dev) for _ in range(world)]
     dist.all_gather(every, torch.tensor([seed], dtype=torch.int64, device=dev), group=group)
     return int(every[0])
+
+
+def agreed_seed(device, group=None) -> int:
+    """draw_seed on every rank of `group`, then the first rank's for all: every rank advances
+    its own generator once and drops the same pairs (a collective every rank must call)."""
+    return first_ranks_seed(draw_seed(), device, group)
+
+
+def check_dropout_p(dropout_p, api: str) -> float:
+    """dropout_p as a float in [0, 1], or a ValueError naming it."""
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or not 0.0 <= dropout_p <= 1.0:
+        raise ValueError(f"{api}: dropout_p must be a probability in [0, 1], got {dropout_p!r}")
+    return float(dropout_p)
+
+
+def operator_dropout(dropout_p: float) -> tuple[float, torch.Tensor | None]:
+    """(dropout_p, seed) as the attention operators take them: a fresh seed_tensor() when some
+    pairs are dropped and some kept; (0.0, None) otherwise (p = 1 runs without dropout and
+    all_dropped zeroes the output)."""
+    if 0.0 < dropout_p < 1.0:
+        return dropout_p, seed_tensor()
+    return 0.0, None
+
+
+def all_dropped(out: torch.Tensor, dropout_p: float) -> torch.Tensor:
+    """dropout_p = 1 drops every weight: the output is 0 (its gradients too; lse stays)."""
+    return out * 0.0 if dropout_p == 1.0 else out

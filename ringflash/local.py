@@ -27,6 +27,7 @@ from ._checks import (
     key_bias_from_mask,
     resolve_scale,
 )
+from .dropout import all_dropped, check_dropout_p, operator_dropout
 from .empty import empty_attention
 from .masks import BlockMask, Visibility, local_offsets, window_from
 from .merge import SoftmaxState, state_dtype
@@ -90,7 +91,9 @@ def _unit_stride(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-def block_forward(q, k, v, state, mask: BlockMask, *, scale, fold, normalize=False, key_bias=None, backend=None):
+def block_forward(
+    q, k, v, state, mask: BlockMask, *, scale, fold, normalize=False, key_bias=None, backend=None, dropout=None
+):
     """Attention of q (B, Sq, Hq, D) over k, v (B, Sk, Hkv, D), the pairs `mask` lets attend
     (positions, window, document bounds: ringflash.masks.BlockMask), into `state`, a
     SoftmaxState of the Sq rows (ringflash.merge). fold=True: state holds an incoming
@@ -98,8 +101,9 @@ def block_forward(q, k, v, state, mask: BlockMask, *, scale, fold, normalize=Fal
     overwritten. normalize=True: state.o receives the normalized output (in its own dtype)
     instead of the unnormalized sum. key_bias: optional (B, Sk) float32 added to the scores of
     each key (-inf: a padded key). A block no query can see launches nothing. backend:
-    backend_for's module (None: the one for q's device now). Returns whether anything was
-    computed.
+    backend_for's module (None: the one for q's device now). dropout: optional
+    ringflash.dropout.Dropout of the block (its q0 / k0: the indices of q's and k's first rows).
+    Returns whether anything was computed.
     """
     vis = mask.visibility(q.shape[1], k.shape[1])
     if vis is Visibility.NONE:
@@ -112,6 +116,7 @@ def block_forward(q, k, v, state, mask: BlockMask, *, scale, fold, normalize=Fal
     (backend or backend_for(q.device)).forward(
         _unit_stride(q), _unit_stride(k), _unit_stride(v), state, q_start=mask.q_start, k_start=mask.k_start,
         window=window, bounds=mask.bounds, scale=scale, fold=fold, normalize=normalize, key_bias=key_bias,
+        dropout=dropout,
     )  # fmt: skip
     return True
 
@@ -122,9 +127,25 @@ def attention_delta(o, do, backend=None):
 
 
 def block_backward(
-    q, k, v, m, l, do, delta, dq, dk, dv, mask: BlockMask, *, scale, accumulate, key_bias=None, backend=None
+    q,
+    k,
+    v,
+    m,
+    l,
+    do,
+    delta,
+    dq,
+    dk,
+    dv,
+    mask: BlockMask,
+    *,
+    scale,
+    accumulate,
+    key_bias=None,
+    backend=None,
+    dropout=None,
 ):
-    """Gradients of the block (`mask` as in block_forward) given the final row statistics m, l
+    """Gradients of the block (`mask` and `dropout` as in block_forward) given the final row statistics m, l
     (SoftmaxState.m / .l) and delta, (B, Hq, Sq) each, of the query rows: added into
     (accumulate=True) or written to dq (B, Sq, Hq, D), dk and dv (B, Sk, Hkv, D). dq=None skips
     the dQ pass, dk=dv=None the dK/dV pass. Returns whether anything was computed."""
@@ -139,7 +160,7 @@ def block_backward(
     (backend or backend_for(q.device)).backward(
         _unit_stride(q), _unit_stride(k), _unit_stride(v), m, l, _unit_stride(do), delta, dq, dk, dv,
         q_start=mask.q_start, k_start=mask.k_start, window=window, bounds=mask.bounds, scale=scale,
-        accumulate=accumulate, key_bias=key_bias,
+        accumulate=accumulate, key_bias=key_bias, dropout=dropout,
     )  # fmt: skip
     return True
 
@@ -173,12 +194,13 @@ def backward_inputs(out, do, dlse, backend=None):
 class _FlashAttn(torch.autograd.Function):
     @staticmethod
     @without_autocast
-    def forward(ctx, q, k, v, key_bias, mask: BlockMask, scale):
+    def forward(ctx, q, k, v, key_bias, mask: BlockMask, scale, dropout=None):
         backend = backend_for(q.device)
         state = SoftmaxState.empty(torch.empty_like(q, memory_format=torch.contiguous_format))
-        block_forward(q, k, v, state, mask, scale=scale, fold=False, normalize=True, key_bias=key_bias, backend=backend)
+        block_forward(q, k, v, state, mask, scale=scale, fold=False, normalize=True, key_bias=key_bias,
+                      backend=backend, dropout=dropout)  # fmt: skip
         ctx.save_for_backward(q, k, v, state.o, state.m, state.l, key_bias)
-        ctx.mask, ctx.scale, ctx.backend = mask, scale, backend
+        ctx.mask, ctx.scale, ctx.backend, ctx.dropout = mask, scale, backend, dropout
         ctx.set_materialize_grads(False)
         return state.o, state.lse()
 
@@ -189,13 +211,14 @@ class _FlashAttn(torch.autograd.Function):
         do, delta = backward_inputs(out, do, dlse, ctx.backend)
         dq, dk, dv = (torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
         block_backward(q, k, v, m, l, do, delta, dq, dk, dv, ctx.mask, scale=ctx.scale, accumulate=False,
-                       key_bias=key_bias, backend=ctx.backend)  # fmt: skip
-        return dq, dk, dv, None, None, None
+                       key_bias=key_bias, backend=ctx.backend, dropout=ctx.dropout)  # fmt: skip
+        return dq, dk, dv, None, None, None, None
 
 
 def flash_attn_func(
-    q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), key_padding_mask=None, return_lse=False
-):
+    q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), key_padding_mask=None, return_lse=False,
+    dropout_p=0.0,
+):  # fmt: skip
     """Exact attention on one device.
 
     q: (B, Sq, Hq, D); k, v: (B, Sk, Hkv, D) with Hq % Hkv == 0 (GQA / MQA without copies).
@@ -211,12 +234,17 @@ def flash_attn_func(
     Returns out (B, Sq, Hq, D) in q's dtype, and with return_lse=True also lse (B, Hq, Sq),
     float32 (float64 for float64 inputs), natural log. Differentiable in q, k, v (and
     through lse). Key blocks no query of a tile sees are skipped: a window costs in proportion
-    to S x window, not S^2.
+    to S x window, not S^2. dropout_p: attention dropout (apply it in training only, as
+    flash-attn's): the pair (query i, key j) of batch b and query head h is dropped by a keep
+    mask that is a pure function of (a fresh seed from torch's CPU generator, b, h, i, j)
+    (ringflash.dropout), kept weights are scaled by 1 / (1 - p); the backward rebuilds the
+    mask. lse is that of the weights before dropout.
     """
     api = "flash_attn_func"
     dims = check_qkv(q, k, v, api)
     check_bool("causal", causal, api)
     check_bool("return_lse", return_lse, api)
+    dropout_p = check_dropout_p(dropout_p, api)
     window = window_from(causal, window_size, api)
     scale = resolve_scale(softmax_scale, dims.head_dim, api)
     key_bias = key_bias_from_mask(key_padding_mask, dims, q.device, api, state_dtype(q.dtype))
@@ -225,14 +253,16 @@ def flash_attn_func(
         return (out, lse) if return_lse else out
     q_start, k_start = local_offsets(dims.seqlen_q, dims.seqlen_k)
     out, lse, _, _ = ops.flash_fwd(
-        q, k, v, key_bias, None, None, q_start, k_start, *ops.window_args(window), scale, _op_backend(q), -1, -1
-    )
+        q, k, v, key_bias, None, None, q_start, k_start, *ops.window_args(window), scale, *operator_dropout(dropout_p),
+        _op_backend(q), -1, -1,
+    )  # fmt: skip
+    out = all_dropped(out, dropout_p)
     return (out, lse) if return_lse else out
 
 
 def flash_attn_varlen_func(
     q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_seqlen_k=None, *, causal=False, softmax_scale=None,
-    window_size=(-1, -1), return_lse=False,
+    window_size=(-1, -1), return_lse=False, dropout_p=0.0,
 ):  # fmt: skip
     """Exact attention over packed documents (the THD layout), on one device.
 
@@ -246,7 +276,8 @@ def flash_attn_varlen_func(
     return_lse=True, lse (Hq, total_q), float32 (float64 for float64 inputs). Differentiable in
     q, k, v. Any head dim from 1 to 256; no documents or no rows give empty (or zero) outputs.
     Cost follows the visible pairs (about the sum of squared document lengths / 2 for
-    causal documents), not total_q x total_k.
+    causal documents), not total_q x total_k. dropout_p: as flash_attn_func's, query and key
+    indices being rows of the packed q and k.
     """
     api = "flash_attn_varlen_func"
     for name, t in (("q", q), ("k", k), ("v", v)):
@@ -256,6 +287,7 @@ def flash_attn_varlen_func(
     dims = check_qkv(q[None], k[None], v[None], api)
     check_bool("causal", causal, api)
     check_bool("return_lse", return_lse, api)
+    dropout_p = check_dropout_p(dropout_p, api)
     window = window_from(causal, window_size, api)
     scale = resolve_scale(softmax_scale, dims.head_dim, api)
     check_cu_tensor("cu_seqlens_q", cu_seqlens_q, q.device, api)
@@ -277,8 +309,9 @@ def flash_attn_varlen_func(
     # they are known under torch.compile too, before any kernel
     out, lse, _, _ = ops.flash_fwd(
         q[None], k[None], v[None], None, cu_seqlens_q, cu_seqlens_k, 0, 0, *ops.window_args(window), scale,
-        _op_backend(q), *hints,
+        *operator_dropout(dropout_p), _op_backend(q), *hints,
     )  # fmt: skip
+    out = all_dropped(out, dropout_p)
     return (out[0], lse[0]) if return_lse else out[0]
 
 

@@ -68,7 +68,14 @@ def _bias_slice(key_bias, j0, j1):
     return None if key_bias is None else key_bias[:, j0:j1]
 
 
-def forward(q, k, v, state, *, q_start, k_start, window, bounds, scale, fold, normalize, key_bias=None):
+def _kept(dropout, B, Hkv, G, rows: range, cols: range, device):
+    """The keep mask (B, Hkv, G, n_q, n_k) of a chunk (query head h = hk * G + g), or None."""
+    if dropout is None:
+        return None
+    return dropout.keep(B, Hkv * G, rows, cols, device).reshape(B, Hkv, G, len(rows), len(cols))
+
+
+def forward(q, k, v, state, *, q_start, k_start, window, bounds, scale, fold, normalize, key_bias=None, dropout=None):
     """Attention of q (B, Sq, Hq, D) over k, v (B, Sk, Hkv, D) at global positions q_start..,
     k_start.., each query seeing the keys `window` (ringflash.masks.Window; None: every key)
     or `bounds` (masks.RowBounds of the Sq query rows) lets it, into `state` (a SoftmaxState
@@ -77,7 +84,9 @@ def forward(q, k, v, state, *, q_start, k_start, window, bounds, scale, fold, no
     fold=True: state holds an incoming unnormalized state over other keys, and receives the
     merge of it with this block's. normalize=True: state.o receives o / l (in its dtype)
     instead of the unnormalized o. key_bias: optional (B, Sk) float, added to every query's
-    scores of that key (-inf drops the key: key padding).
+    scores of that key (-inf drops the key: key padding). dropout: optional
+    ringflash.dropout.Dropout of the block: l sums every probability, the values are weighed by
+    the kept ones times 1 / (1 - p).
     """
     B, Sq, Hq, D = q.shape
     Sk, Hkv = k.shape[1], k.shape[2]
@@ -101,7 +110,9 @@ def forward(q, k, v, state, *, q_start, k_start, window, bounds, scale, fold, no
             m_c = s.amax(dim=-1)
             pivot = torch.where(m_c == float("-inf"), torch.zeros_like(m_c), m_c)
             p = torch.exp2(s - pivot[..., None])
-            o_c = torch.einsum("bhgij,bjhd->bihgd", p, v[:, j0:j1].to(acc)).reshape(B, n, Hq, D)
+            keep = _kept(dropout, B, Hkv, Hq // Hkv, range(i0, i1), range(j0, j1), q.device)
+            p_v = p if keep is None else torch.where(keep, p * dropout.keep_scale, 0.0)
+            o_c = torch.einsum("bhgij,bjhd->bihgd", p_v, v[:, j0:j1].to(acc)).reshape(B, n, Hq, D)
             o, m, l = fold_states(o, m, l, o_c, m_c.reshape(B, Hq, n), p.sum(-1).reshape(B, Hq, n))
         state.m[:, :, i0:i1] = m
         state.l[:, :, i0:i1] = l
@@ -115,10 +126,28 @@ def delta(o, do):
 
 
 def backward(
-    q, k, v, m, l, do, delta, dq, dk, dv, *, q_start, k_start, window, bounds, scale, accumulate, key_bias=None
+    q,
+    k,
+    v,
+    m,
+    l,
+    do,
+    delta,
+    dq,
+    dk,
+    dv,
+    *,
+    q_start,
+    k_start,
+    window,
+    bounds,
+    scale,
+    accumulate,
+    key_bias=None,
+    dropout=None,
 ):
-    """Gradients of one block (positions, window and bounds as in forward) given the final row
-    statistics m, l and delta (B, Hq, Sq).
+    """Gradients of one block (positions, window, bounds and dropout as in forward) given the
+    final row statistics m, l and delta (B, Hq, Sq).
 
     dq (B, Sq, Hq, D), dk and dv (B, Sk, Hkv, D) are added to (accumulate=True) or overwritten;
     dq=None skips dQ, dk=dv=None skips dK/dV.
@@ -152,12 +181,17 @@ def backward(
             s = _scores2(qg, kj, qk_scale, mask, _bias_slice(key_bias, j0, j1))
             p = torch.exp2(s - m_i[..., None]) * inv_l[..., None]
             dp = torch.einsum("bihgd,bjhd->bhgij", dog, vj)
+            keep = _kept(dropout, B, Hkv, G, range(i0, i1), range(j0, j1), q.device)
+            p_v = p
+            if keep is not None:  # the forward's mask: dV takes the kept p, dS the kept dP, scaled
+                p_v = torch.where(keep, p * dropout.keep_scale, 0.0)
+                dp = torch.where(keep, dp * dropout.keep_scale, 0.0)
             ds = p * (dp - delta_i[..., None])
             if dq is not None:
                 dq_acc[:, i0:i1] += torch.einsum("bhgij,bjhd->bihgd", ds, kj) * scale
             if dk is not None:
                 dk_acc[:, j0:j1] += torch.einsum("bhgij,bihgd->bjhd", ds, qg) * scale
-                dv_acc[:, j0:j1] += torch.einsum("bhgij,bihgd->bjhd", p, dog)
+                dv_acc[:, j0:j1] += torch.einsum("bhgij,bihgd->bjhd", p_v, dog)
     for buf, grad in ((dq, dq_acc), (dk, dk_acc), (dv, dv_acc)):
         if buf is None:
             continue

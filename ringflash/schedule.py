@@ -105,10 +105,11 @@ def _coalesce(tasks: list[BlockTask]) -> list[BlockTask]:
 
 
 def step_tasks(
-    layout: str, rank: int, world: int, step: int, q_len: int, kv_len: int, window: Window
+    layout: str, rank: int, world: int, step: int, q_len: int, kv_len: int, window: Window, coalesce: bool = True
 ) -> list[BlockTask]:
     """Block tasks for `rank` at ring `step`, when it holds the keys of rank (rank - step) % world.
-    q_len / kv_len: local lengths of the query and key shards."""
+    q_len / kv_len: local lengths of the query and key shards. coalesce=False keeps one task
+    per (query segment, key segment), each with its true start positions (dropout needs them)."""
     src = rank if step == 0 else (rank - step) % world
     tasks = []
     for qs in segments(layout, rank, world, q_len):
@@ -127,4 +128,4 @@ def step_tasks(
                     vis is Visibility.PARTIAL,
                 )
             )
-    return _coalesce(tasks)
+    return _coalesce(tasks) if coalesce else tasks

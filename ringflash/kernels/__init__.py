@@ -88,14 +88,24 @@ def _mask_args(window, bounds, q):
     return MASK_WINDOW.value, left, right, window.left is not None, window.right is not None, (q, q), (q, q)
 
 
-def forward(q, k, v, state, *, q_start, k_start, window, bounds, scale, fold, normalize, key_bias=None):
+_NO_DROPOUT = (0, 0, 0, 0, 0, 0, 1.0)
+
+
+def _dropout_args(dropout):
+    """(the kernels' drop_* arguments, DROPOUT) for a ringflash.dropout.Dropout or None."""
+    return (_NO_DROPOUT, False) if dropout is None else (dropout.kernel_args(), True)
+
+
+def forward(q, k, v, state, *, q_start, k_start, window, bounds, scale, fold, normalize, key_bias=None,
+            dropout=None):
     """See ringflash.reference.forward."""
     _check_dtype(q)
     B, Sq, Hq, D = q.shape
     Sk, Hkv = k.shape[1], k.shape[2]
     block_d = _block_d(D)
-    if key_bias is None and bounds is None and _gluon_forward(q, k, v, state, q_start, k_start, window, scale, fold,
-                                                              normalize, block_d):
+    drop_args, has_dropout = _dropout_args(dropout)
+    gluon_ok = key_bias is None and bounds is None and not has_dropout
+    if gluon_ok and _gluon_forward(q, k, v, state, q_start, k_start, window, scale, fold, normalize, block_d):
         return
     cfg = configs.forward_config(block_d, documents=bounds is not None, float32=q.dtype == torch.float32)
     grid = (triton.cdiv(Sq, cfg.block_m), B * Hq)
@@ -106,11 +116,12 @@ def forward(q, k, v, state, *, q_start, k_start, window, bounds, scale, fold, no
         _fwd_kernel[grid](
             q, k_arg, v_arg, state.o, state.m, state.l, bias, k_lo, k_hi,
             *_bsh(q), *_bsh(k), *_bsh(v), *_bsh(state.o), *_stat_strides(state.m, state.l), stride_bias_b,
-            Hq, Sq, Sk, q_start, k_start, left, right, scale * LOG2E,
+            Hq, Sq, Sk, q_start, k_start, left, right, scale * LOG2E, *drop_args,
             GROUP=Hq // Hkv, HEAD_DIM=D, BLOCK_D=block_d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
             MASK=mask, LEFT=left_k, HAS_STATE=fold, NORMALIZE=normalize, HAS_BIAS=has_bias,
             PRECISION=_precision(q.dtype), TMA=use_tma, WARP_SPECIALIZE=cfg.warp_specialize,
-            SCALE_SIGN=_scale_sign(scale), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            SCALE_SIGN=_scale_sign(scale), DROPOUT=has_dropout, num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages,
         )
 
 
@@ -155,7 +166,7 @@ def combined_stats(m, l):
 
 
 def backward(q, k, v, m, l, do, delta, dq, dk, dv, *, q_start, k_start, window, bounds, scale, accumulate,
-             key_bias=None):
+             key_bias=None, dropout=None):
     """See ringflash.reference.backward. m, l and delta: (B, Hq, Sq) views with equal strides."""
     _check_dtype(q)
     B, Sq, Hq, D = q.shape
@@ -163,9 +174,11 @@ def backward(q, k, v, m, l, do, delta, dq, dk, dv, *, q_start, k_start, window, 
     block_d = _block_d(D)
     bias, stride_bias_b, has_bias = _bias_args(key_bias, q)
     mask, left, right, left_k, left_q, (k_lo, k_hi), (q_lo, q_hi) = _mask_args(window, bounds, q)
+    drop_args, has_dropout = _dropout_args(dropout)
     common = dict(GROUP=Hq // Hkv, HEAD_DIM=D, BLOCK_D=block_d, MASK=mask, ACCUMULATE=accumulate,
-                  HAS_BIAS=has_bias, PRECISION=_precision(q.dtype), SCALE_SIGN=_scale_sign(scale))
-    positions = (Sq, Sk, q_start, k_start, left, right, scale * LOG2E, scale)
+                  HAS_BIAS=has_bias, PRECISION=_precision(q.dtype), SCALE_SIGN=_scale_sign(scale),
+                  DROPOUT=has_dropout)
+    positions = (Sq, Sk, q_start, k_start, left, right, scale * LOG2E, scale, *drop_args)
     stat_strides = _stat_strides(m, l, delta)
     with _on_device(q):
         if dk is not None:

@@ -16,6 +16,7 @@ from .tiles import (
     MASK_NONE,
     base2_scores,
     block_ranges,
+    dropout_keep,
     exp2_probs,
     exp2_shifted,
     in_bounds,
@@ -62,15 +63,17 @@ def _store_grad(ptrs, grad, mask, ACCUMULATE: tl.constexpr):
 @triton.jit
 def _dkdv_q_range(
     dk, dv, k, v, q_lo, q_hi, bias2, bias2_t, Q_ptrs, DO_ptrs, M_ptrs, L_ptrs, DELTA_ptrs, stride_qs, stride_dos,
-    offs_m, d_ok, start, end, Sq, qk_scale, Q_desc, DO_desc, b32, h32,
+    offs_m, d_ok, start, end, Sq, qk_scale, Q_desc, DO_desc, b32, h32, drop,
     MASKED: tl.constexpr, LEFT: tl.constexpr, PAD_D: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_D: tl.constexpr, PRECISION: tl.constexpr, TMA: tl.constexpr, PRESCALE: tl.constexpr,
-    QK_ORDER: tl.constexpr, COMBINED_STATS: tl.constexpr,
+    QK_ORDER: tl.constexpr, COMBINED_STATS: tl.constexpr, DROPOUT: tl.constexpr,
 ):
     """Add the query blocks [start, end) to the key tile's dK, dV; MASKED: each key is seen only
     by the query rows [q_lo, q_hi) (tiles.in_bounds; LEFT: some q_lo is above 0).
     Q_ptrs / DO_ptrs (pointer path) and M_ptrs / L_ptrs / DELTA_ptrs point at query row `start`
-    on entry."""
+    on entry. DROPOUT: drop = (seed low, seed high, threshold, the query index of query row 0,
+    the tile's key indices, the head offset, 1 / (1 - p)): dV takes the kept probabilities scaled, dS the kept
+    dP scaled (the forward's mask, rebuilt)."""
     for start_m in range(start, end, BLOCK_M):
         rows = start_m + offs_m
         q = load_tile(Q_ptrs, Q_desc, b32, start_m, h32, rows, Sq, d_ok, MASKED, PAD_D, TMA, BLOCK_M, BLOCK_D)
@@ -105,8 +108,15 @@ def _dkdv_q_range(
                 p_t = e_t * inv_l[None, :]
         if MASKED:  # the same pairs as the forward's row bounds, seen from the keys
             p_t = tl.where(in_bounds(rows[None, :], q_lo[:, None], q_hi[:, None], LEFT), p_t, 0.0)
-        dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=PRECISION)
+        if DROPOUT:
+            seed_lo, seed_hi, thr, q0, k_idx, h0, keep_scale = drop
+            keep_t = dropout_keep(seed_lo, seed_hi, thr, b32, h32 + h0, (q0 + rows)[None, :], k_idx[:, None])
+            dv = tl.dot(tl.where(keep_t, p_t * keep_scale, 0.0).to(do.dtype), do, dv, input_precision=PRECISION)
+        else:
+            dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=PRECISION)
         dp_t = tl.dot(v, tl.trans(do), input_precision=PRECISION)
+        if DROPOUT:
+            dp_t = tl.where(keep_t, dp_t * keep_scale, 0.0)
         ds_t = p_t * (dp_t - delta[None, :])
         dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=PRECISION)
         if not TMA:
@@ -119,7 +129,11 @@ def _dkdv_q_range(
     return dk, dv
 
 
-@triton.jit(do_not_specialize=["Sq", "Sk", "q_start", "k_start", "win_left", "win_right"])
+_NOT_SPECIALIZED = ["Sq", "Sk", "q_start", "k_start", "win_left", "win_right", "drop_seed_lo", "drop_seed_hi",
+                    "drop_thr", "drop_q0", "drop_k0", "drop_h0"]
+
+
+@triton.jit(do_not_specialize=_NOT_SPECIALIZED)
 def _dkdv_kernel(
     Q, K, V, DO, M, L, DELTA, DK, DV, BIAS, QLO, QHI,
     stride_qb, stride_qs, stride_qh,
@@ -130,12 +144,13 @@ def _dkdv_kernel(
     stride_dvb, stride_dvs, stride_dvh,
     stride_lb, stride_lh, stride_bias_b,
     Hkv, Sq, Sk, q_start, k_start, win_left, win_right, qk_scale, sm_scale,
+    drop_seed_lo, drop_seed_hi, drop_thr, drop_q0, drop_k0, drop_h0, drop_scale,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     MASK: tl.constexpr, LEFT: tl.constexpr, ACCUMULATE: tl.constexpr, HAS_BIAS: tl.constexpr,
     PRECISION: tl.constexpr,
     TMA: tl.constexpr = False, SCALE_SIGN: tl.constexpr = 1, QK_ORDER: tl.constexpr = False,
-    COMBINED_STATS: tl.constexpr = False,
+    COMBINED_STATS: tl.constexpr = False, DROPOUT: tl.constexpr = False,
 ):
     """Q and DO are tensors, or (B, Sq, Hq, D) descriptors with blocks [1, BLOCK_M, 1, BLOCK_D]
     when TMA. M, L, DELTA: (B, Hq, Sq) float32 with equal strides. MASK, win_left, win_right: as
@@ -147,7 +162,7 @@ def _dkdv_kernel(
     (L unused) and the probabilities are exp2(s2 - (m + log2 l)), one offset per row and no
     multiply by 1/l per score; the rounding of m + log2 l (2^-24 |m| relative) then enters every
     probability: below a 16-bit rounding of them unless |m| > 2^13. SCALE_SIGN: the sign of
-    qk_scale (1, 0 or -1)."""
+    qk_scale (1, 0 or -1). DROPOUT, drop_*: as the forward's."""
     PRESCALE: tl.constexpr = HAS_BIAS or SCALE_SIGN == 0
     pid_n = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -182,6 +197,7 @@ def _dkdv_kernel(
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     b32 = b.to(tl.int32)
+    drop = (drop_seed_lo, drop_seed_hi, drop_thr, drop_q0, drop_k0 + offs_n, drop_h0, drop_scale)
     for g in range(GROUP):
         h = hk * GROUP + g
         h32 = h.to(tl.int32)
@@ -197,23 +213,26 @@ def _dkdv_kernel(
             dk, dv = _dkdv_q_range(
                 dk, dv, k, v, q_lo, q_hi, bias2, bias2_t, Q_ptrs + at * stride_qs, DO_ptrs + at * stride_dos,
                 M_ptrs + at, L_ptrs + at, DELTA_ptrs + at, stride_qs, stride_dos,
-                offs_m, d_ok, start, full_start, Sq, qk_scale, Q, DO, b32, h32,
+                offs_m, d_ok, start, full_start, Sq, qk_scale, Q, DO, b32, h32, drop,
                 MASKED=True, LEFT=LEFT, PAD_D=PAD_D, BLOCK_M=BLOCK_M, BLOCK_D=BLOCK_D,
-                PRECISION=PRECISION, TMA=TMA, PRESCALE=PRESCALE, QK_ORDER=QK_ORDER, COMBINED_STATS=COMBINED_STATS)
+                PRECISION=PRECISION, TMA=TMA, PRESCALE=PRESCALE, QK_ORDER=QK_ORDER, COMBINED_STATS=COMBINED_STATS,
+                DROPOUT=DROPOUT)
         at = full_start.to(tl.int64)  # query blocks that see every key of the tile: no mask
         dk, dv = _dkdv_q_range(
             dk, dv, k, v, q_lo, q_hi, bias2, bias2_t, Q_ptrs + at * stride_qs, DO_ptrs + at * stride_dos,
             M_ptrs + at, L_ptrs + at, DELTA_ptrs + at, stride_qs, stride_dos,
-            offs_m, d_ok, full_start, full_end, Sq, qk_scale, Q, DO, b32, h32,
+            offs_m, d_ok, full_start, full_end, Sq, qk_scale, Q, DO, b32, h32, drop,
             MASKED=False, LEFT=LEFT, PAD_D=PAD_D, BLOCK_M=BLOCK_M, BLOCK_D=BLOCK_D,
-            PRECISION=PRECISION, TMA=TMA, PRESCALE=PRESCALE, QK_ORDER=QK_ORDER, COMBINED_STATS=COMBINED_STATS)
+            PRECISION=PRECISION, TMA=TMA, PRESCALE=PRESCALE, QK_ORDER=QK_ORDER, COMBINED_STATS=COMBINED_STATS,
+                DROPOUT=DROPOUT)
         at = full_end.to(tl.int64)  # masked: a window's other edge, the ragged end of the queries
         dk, dv = _dkdv_q_range(
             dk, dv, k, v, q_lo, q_hi, bias2, bias2_t, Q_ptrs + at * stride_qs, DO_ptrs + at * stride_dos,
             M_ptrs + at, L_ptrs + at, DELTA_ptrs + at, stride_qs, stride_dos,
-            offs_m, d_ok, full_end, end, Sq, qk_scale, Q, DO, b32, h32,
+            offs_m, d_ok, full_end, end, Sq, qk_scale, Q, DO, b32, h32, drop,
             MASKED=True, LEFT=LEFT, PAD_D=PAD_D, BLOCK_M=BLOCK_M, BLOCK_D=BLOCK_D,
-            PRECISION=PRECISION, TMA=TMA, PRESCALE=PRESCALE, QK_ORDER=QK_ORDER, COMBINED_STATS=COMBINED_STATS)
+            PRECISION=PRECISION, TMA=TMA, PRESCALE=PRESCALE, QK_ORDER=QK_ORDER, COMBINED_STATS=COMBINED_STATS,
+                DROPOUT=DROPOUT)
 
     _store_grad(DK + b * stride_dkb + hk * stride_dkh + cols64[:, None] * stride_dks + offs_d[None, :],
                 dk * sm_scale, tile_mask, ACCUMULATE)
@@ -224,13 +243,15 @@ def _dkdv_kernel(
 @triton.jit
 def _dq_k_range(
     dq, q, do, m, delta, lo_i, hi_i, K_ptrs, V_ptrs, BIAS_ptrs, stride_ks, stride_vs, offs_n, d_ok,
-    start, end, Sk, qk_scale, K_desc, V_desc, b32, hk32,
+    start, end, Sk, qk_scale, K_desc, V_desc, b32, hk32, h32, drop,
     MASKED: tl.constexpr, LEFT: tl.constexpr, PAD_D: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr, TMA: tl.constexpr, PRESCALE: tl.constexpr,
+    DROPOUT: tl.constexpr,
 ):
     """Add the key blocks [start, end) to the query tile's dQ (times l: 1/l is applied at the
     end); MASKED: each row sees only its keys [lo_i, hi_i) (tiles.in_bounds). K_ptrs / V_ptrs (pointer path) and
-    BIAS_ptrs point at key row `start` on entry."""
+    BIAS_ptrs point at key row `start` on entry. DROPOUT: drop as the forward's (dS takes the
+    kept dP scaled)."""
     for start_n in range(start, end, BLOCK_N):
         cols = start_n + offs_n
         k = load_tile(K_ptrs, K_desc, b32, start_n, hk32, cols, Sk, d_ok, MASKED, PAD_D, TMA, BLOCK_N, BLOCK_D)
@@ -242,6 +263,10 @@ def _dq_k_range(
         if MASKED:
             p = tl.where(in_bounds(cols[None, :], lo_i[:, None], hi_i[:, None], LEFT), p, 0.0)
         dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
+        if DROPOUT:
+            seed_lo, seed_hi, thr, q_idx, k0, keep_scale = drop
+            keep = dropout_keep(seed_lo, seed_hi, thr, b32, h32, q_idx[:, None], (k0 + cols)[None, :])
+            dp = tl.where(keep, dp * keep_scale, 0.0)
         ds = p * (dp - delta[:, None])
         dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=PRECISION)
         if not TMA:
@@ -251,7 +276,7 @@ def _dq_k_range(
     return dq
 
 
-@triton.jit(do_not_specialize=["Sq", "Sk", "q_start", "k_start", "win_left", "win_right"])
+@triton.jit(do_not_specialize=_NOT_SPECIALIZED)
 def _dq_kernel(
     Q, K, V, DO, M, L, DELTA, DQ, BIAS, KLO, KHI,
     stride_qb, stride_qs, stride_qh,
@@ -261,15 +286,17 @@ def _dq_kernel(
     stride_dqb, stride_dqs, stride_dqh,
     stride_lb, stride_lh, stride_bias_b,
     Hq, Sq, Sk, q_start, k_start, win_left, win_right, qk_scale, sm_scale,
+    drop_seed_lo, drop_seed_hi, drop_thr, drop_q0, drop_k0, drop_h0, drop_scale,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     MASK: tl.constexpr, LEFT: tl.constexpr, ACCUMULATE: tl.constexpr, HAS_BIAS: tl.constexpr,
     PRECISION: tl.constexpr,
-    TMA: tl.constexpr = False, SCALE_SIGN: tl.constexpr = 1,
+    TMA: tl.constexpr = False, SCALE_SIGN: tl.constexpr = 1, DROPOUT: tl.constexpr = False,
 ):
     """K and V are tensors, or (B, Sk, Hkv, D) descriptors with blocks [1, BLOCK_N, 1, BLOCK_D]
     when TMA. M, L, DELTA: (B, Hq, Sq) float32 with equal strides. MASK, LEFT, win_left,
-    win_right, KLO, KHI: as the forward's. SCALE_SIGN: the sign of qk_scale (1, 0 or -1)."""
+    win_right, KLO, KHI: as the forward's. SCALE_SIGN: the sign of qk_scale (1, 0 or -1).
+    DROPOUT, drop_*: as the forward's."""
     PRESCALE: tl.constexpr = HAS_BIAS or SCALE_SIGN == 0
     pid_m, b, h, hk = query_program(Hq, GROUP, MASK != MASK_NONE)
     PAD_D: tl.constexpr = BLOCK_D != HEAD_DIM
@@ -298,7 +325,8 @@ def _dq_kernel(
     else:
         K_ptrs = K + b * stride_kb + hk * stride_kh + offs_n[:, None] * stride_ks + offs_d[None, :]
         V_ptrs = V + b * stride_vb + hk * stride_vh + offs_n[:, None] * stride_vs + offs_d[None, :]
-    b32, hk32 = b.to(tl.int32), hk.to(tl.int32)
+    b32, hk32, h32 = b.to(tl.int32), hk.to(tl.int32), h.to(tl.int32) + drop_h0  # h32: dropout's head
+    drop = (drop_seed_lo, drop_seed_hi, drop_thr, drop_q0 + offs_m, drop_k0, drop_scale)
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     for part in tl.static_range(3):  # masked, unmasked, masked
         if part == 0:
@@ -311,8 +339,8 @@ def _dq_kernel(
             at = lo.to(tl.int64)
             dq = _dq_k_range(
                 dq, q, do, m, delta, lo_i, hi_i, K_ptrs + at * stride_ks, V_ptrs + at * stride_vs, BIAS_ptrs + at,
-                stride_ks, stride_vs, offs_n, d_ok, lo, hi, Sk, qk_scale, K, V, b32, hk32,
+                stride_ks, stride_vs, offs_n, d_ok, lo, hi, Sk, qk_scale, K, V, b32, hk32, h32, drop,
                 MASKED=part != 1, LEFT=LEFT, PAD_D=PAD_D, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D,
-                HAS_BIAS=HAS_BIAS, PRECISION=PRECISION, TMA=TMA, PRESCALE=PRESCALE)
+                HAS_BIAS=HAS_BIAS, PRECISION=PRECISION, TMA=TMA, PRESCALE=PRESCALE, DROPOUT=DROPOUT)
     _store_grad(DQ + b * stride_dqb + h * stride_dqh + rows64[:, None] * stride_dqs + offs_d[None, :],
                 dq * (inv_l * sm_scale)[:, None], tile_mask, ACCUMULATE)

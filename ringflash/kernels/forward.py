@@ -20,6 +20,7 @@ from .tiles import (
     MASK_NONE,
     base2_scores,
     block_ranges,
+    dropout_keep,
     exp2_shifted,
     in_bounds,
     key_bias2,
@@ -33,14 +34,17 @@ from .tiles import (
 @triton.jit
 def _fwd_block_range(
     acc, l_i, m_i, q, lo_i, hi_i, K_ptrs, V_ptrs, BIAS_ptrs, stride_ks, stride_vs, offs_n, offs_d,
-    start, end, Sk, qk_scale, K_desc, V_desc, b32, hk32,
+    start, end, Sk, qk_scale, K_desc, V_desc, b32, hk32, h32, drop,
     MASKED: tl.constexpr, LEFT: tl.constexpr, PAD_D: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr, TMA: tl.constexpr,
-    WARP_SPECIALIZE: tl.constexpr, PRESCALE: tl.constexpr, NEGATIVE: tl.constexpr,
+    WARP_SPECIALIZE: tl.constexpr, PRESCALE: tl.constexpr, NEGATIVE: tl.constexpr, DROPOUT: tl.constexpr,
 ):
     """Fold key blocks [start, end) into the tile's state (acc, l_i, m_i) of query rows offs_m;
     MASKED: each row sees only its keys [lo_i, hi_i) (tiles.in_bounds; LEFT: some lo_i is above
-    0). K_ptrs / V_ptrs / BIAS_ptrs point at key row `start` on entry (pointer path)."""
+    0). K_ptrs / V_ptrs / BIAS_ptrs point at key row `start` on entry (pointer path).
+    DROPOUT: drop = (seed low, seed high, threshold, the rows' query indices, the key index of
+    key row 0, 1 / (1 - p)) (tiles.dropout_keep) and h32 the query head's dropout index; l
+    sums every probability, the values are weighed by the kept ones scaled."""
     d_ok = offs_d[None, :] < HEAD_DIM
     for start_n in tl.range(start, end, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
         cols = start_n + offs_n
@@ -61,6 +65,10 @@ def _fwd_block_range(
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
         v = load_tile(V_ptrs, V_desc, b32, start_n, hk32, cols, Sk, d_ok, MASKED, PAD_D, TMA, BLOCK_N, BLOCK_D)
+        if DROPOUT:
+            seed_lo, seed_hi, thr, q_idx, k0, keep_scale = drop
+            keep = dropout_keep(seed_lo, seed_hi, thr, b32, h32, q_idx[:, None], (k0 + cols)[None, :])
+            p = tl.where(keep, p * keep_scale, 0.0)
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision=PRECISION)
         m_i = m_new
         if not TMA:
@@ -72,7 +80,8 @@ def _fwd_block_range(
 
 # Sequence lengths and positions are never specialized: a length of 1 must not turn them into
 # compile-time constants (and a new compile per value).
-@triton.jit(do_not_specialize=["Sq", "Sk", "q_start", "k_start", "win_left", "win_right"])
+@triton.jit(do_not_specialize=["Sq", "Sk", "q_start", "k_start", "win_left", "win_right", "drop_seed_lo",
+                               "drop_seed_hi", "drop_thr", "drop_q0", "drop_k0", "drop_h0"])
 def _fwd_kernel(
     Q, K, V, O, M, L, BIAS, KLO, KHI,
     stride_qb, stride_qs, stride_qh,
@@ -81,18 +90,21 @@ def _fwd_kernel(
     stride_ob, stride_os, stride_oh,
     stride_mb, stride_mh, stride_bias_b,
     Hq, Sq, Sk, q_start, k_start, win_left, win_right, qk_scale,
+    drop_seed_lo, drop_seed_hi, drop_thr, drop_q0, drop_k0, drop_h0, drop_scale,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     MASK: tl.constexpr, LEFT: tl.constexpr, HAS_STATE: tl.constexpr, NORMALIZE: tl.constexpr,
     HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr,
     TMA: tl.constexpr = False, WARP_SPECIALIZE: tl.constexpr = False, SCALE_SIGN: tl.constexpr = 1,
+    DROPOUT: tl.constexpr = False,
 ):
     """K and V are tensors, or (B, Sk, Hkv, D) tensor descriptors with blocks
     [1, BLOCK_N, 1, BLOCK_D] when TMA. M and L: (B, Hq, Sq) float32 with equal strides.
     MASK (tiles.MASK_*): which keys each query row sees; win_left / win_right for MASK_WINDOW
     (tiles.UNBOUNDED for an open side), KLO / KHI (Sq,) int32 global key bounds for MASK_ROWS.
     LEFT: some row's keys start after key 0 (a window's left side, documents), which adds a
-    masked range before the unmasked one. SCALE_SIGN: the sign of qk_scale (1, 0 or -1)."""
+    masked range before the unmasked one. SCALE_SIGN: the sign of qk_scale (1, 0 or -1).
+    DROPOUT: attention dropout, drop_*: ringflash.dropout.Dropout.kernel_args()."""
     PRESCALE: tl.constexpr = HAS_BIAS or SCALE_SIGN == 0
     NEGATIVE: tl.constexpr = SCALE_SIGN < 0 and not PRESCALE
     pid_m, b, h, hk = query_program(Hq, GROUP, MASK != MASK_NONE)
@@ -129,31 +141,32 @@ def _fwd_kernel(
     else:
         K_ptrs = K + b * stride_kb + hk * stride_kh + offs_n[:, None] * stride_ks + offs_d[None, :]
         V_ptrs = V + b * stride_vb + hk * stride_vh + offs_n[:, None] * stride_vs + offs_d[None, :]
-    b32, hk32 = b.to(tl.int32), hk.to(tl.int32)
+    b32, hk32, h32 = b.to(tl.int32), hk.to(tl.int32), h.to(tl.int32) + drop_h0
+    drop = (drop_seed_lo, drop_seed_hi, drop_thr, drop_q0 + offs_m, drop_k0, drop_scale)
     if LEFT:
         at = start.to(tl.int64)
         acc, l_i, m_i = _fwd_block_range(
             acc, l_i, m_i, q, lo_i, hi_i, K_ptrs + at * stride_ks, V_ptrs + at * stride_vs, BIAS_ptrs + at,
-            stride_ks, stride_vs, offs_n, offs_d, start, full_start, Sk, qk_scale, K, V, b32, hk32,
+            stride_ks, stride_vs, offs_n, offs_d, start, full_start, Sk, qk_scale, K, V, b32, hk32, h32, drop,
             MASKED=True, LEFT=LEFT, PAD_D=PAD_D, HEAD_DIM=HEAD_DIM, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D,
             HAS_BIAS=HAS_BIAS, PRECISION=PRECISION, TMA=TMA, WARP_SPECIALIZE=False, PRESCALE=PRESCALE,
-            NEGATIVE=NEGATIVE)
+            NEGATIVE=NEGATIVE, DROPOUT=DROPOUT)
     # key blocks every row of the tile sees: no mask
     at = full_start.to(tl.int64)
     acc, l_i, m_i = _fwd_block_range(
         acc, l_i, m_i, q, lo_i, hi_i, K_ptrs + at * stride_ks, V_ptrs + at * stride_vs, BIAS_ptrs + at,
-        stride_ks, stride_vs, offs_n, offs_d, full_start, full_end, Sk, qk_scale, K, V, b32, hk32,
+        stride_ks, stride_vs, offs_n, offs_d, full_start, full_end, Sk, qk_scale, K, V, b32, hk32, h32, drop,
         MASKED=False, LEFT=LEFT, PAD_D=PAD_D, HEAD_DIM=HEAD_DIM, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D,
         HAS_BIAS=HAS_BIAS, PRECISION=PRECISION, TMA=TMA, WARP_SPECIALIZE=WARP_SPECIALIZE, PRESCALE=PRESCALE,
-        NEGATIVE=NEGATIVE)
+        NEGATIVE=NEGATIVE, DROPOUT=DROPOUT)
     # the rest: the causal diagonal, a window's leading edge, the ragged end of the keys
     at = full_end.to(tl.int64)
     acc, l_i, m_i = _fwd_block_range(
         acc, l_i, m_i, q, lo_i, hi_i, K_ptrs + at * stride_ks, V_ptrs + at * stride_vs, BIAS_ptrs + at,
-        stride_ks, stride_vs, offs_n, offs_d, full_end, end, Sk, qk_scale, K, V, b32, hk32,
+        stride_ks, stride_vs, offs_n, offs_d, full_end, end, Sk, qk_scale, K, V, b32, hk32, h32, drop,
         MASKED=True, LEFT=LEFT, PAD_D=PAD_D, HEAD_DIM=HEAD_DIM, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D,
         HAS_BIAS=HAS_BIAS, PRECISION=PRECISION, TMA=TMA, WARP_SPECIALIZE=False, PRESCALE=PRESCALE,
-            NEGATIVE=NEGATIVE)
+        NEGATIVE=NEGATIVE, DROPOUT=DROPOUT)
 
     if NORMALIZE:
         acc = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]

@@ -3,6 +3,7 @@ visibility, the key range of a query tile, and the softmax arithmetic the backwa
 exactly as the forward did it."""
 import triton
 import triton.language as tl
+from triton.language.random import philox_impl
 
 LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)  # log2(e): natural-log units -> base 2
 LN2: tl.constexpr = tl.constexpr(0.6931471805599453)
@@ -187,3 +188,19 @@ def key_bias2(BIAS_ptrs, cols, Sk, MASKED: tl.constexpr, HAS_BIAS: tl.constexpr)
         return bias[None, :] * LOG2E
     else:
         return 0.0
+
+
+@triton.jit
+def dropout_keep(seed_lo, seed_hi, thr, b, h, q_idx, k_idx):
+    """Which pairs attention dropout keeps (ringflash.dropout.keep_mask, bit for bit): q_idx and
+    k_idx broadcastable int32 tensors of whole-sequence query and key indices, b and h the
+    batch and query head. The first word r of Philox-4x32-10 of the counter (key, query, head,
+    batch) under the key (seed_lo, seed_hi) (int32 bit patterns) keeps the pair iff r >= the
+    threshold; both sides are shifted by 2^31 (thr arrives shifted) and compared as int32."""
+    z = (q_idx + k_idx) * 0
+    r, _, _, _ = philox_impl(
+        (k_idx + z).to(tl.uint32, bitcast=True), (q_idx + z).to(tl.uint32, bitcast=True),
+        (z + h.to(tl.int32)).to(tl.uint32, bitcast=True), (z + b.to(tl.int32)).to(tl.uint32, bitcast=True),
+        seed_lo.to(tl.uint32, bitcast=True), seed_hi.to(tl.uint32, bitcast=True),
+    )
+    return (r ^ 0x80000000).to(tl.int32, bitcast=True) >= thr
