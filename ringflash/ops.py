@@ -30,6 +30,7 @@ import torch
 
 from . import local
 from ._checks import check_cu_seqlens, check_max_seqlen
+from .dropout import Dropout, first_ranks_seed
 from .masks import BlockMask, Window, document_bounds
 from .merge import state_dtype
 
@@ -71,9 +72,20 @@ def _mask(q_start, k_start, left, right, cu_q, cu_k) -> BlockMask:
     return BlockMask(q_start, k_start, window, bounds)
 
 
-def _stats_like(q):
+def _dropout(dropout_p: float, seed) -> Dropout | None:
+    """The operators' (dropout_p, seed tensor or None) as a Dropout from index 0, or None."""
+    return None if seed is None or dropout_p == 0.0 else Dropout(int(seed), dropout_p)
+
+
+def _forward_like(q):
+    """What a forward operator returns, as fakes: out like q, lse, m, l (B, Hq, Sq)."""
     B, S, H, _ = q.shape
-    return q.new_empty((B, H, S), dtype=state_dtype(q.dtype))
+    stats = [q.new_empty((B, H, S), dtype=state_dtype(q.dtype)) for _ in range(3)]
+    return (torch.empty_like(q, memory_format=torch.contiguous_format), *stats)
+
+
+def _grads_like(q, k, v):
+    return tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
 
 
 # ----------------------------------------------------------------------------- one device
@@ -92,6 +104,8 @@ def flash_fwd(
     left: int,
     right: int,
     scale: float,
+    dropout_p: float,
+    seed: torch.Tensor | None,
     backend: str,
     max_q: int,
     max_k: int,
@@ -99,7 +113,9 @@ def flash_fwd(
     """Attention of q (B, Sq, Hq, D) over k, v (B, Sk, Hkv, D), shapes already validated.
     Packed documents: B = 1 and cu_q / cu_k give the documents; their values and the
     max_q / max_k hints (-1: none) are checked here, where they are known even under
-    torch.compile. Returns out (B, Sq, Hq, D), lse, m, l (B, Hq, Sq) in the state dtype."""
+    torch.compile. dropout_p, seed (an int64 scalar tensor, or None: no dropout): attention
+    dropout (ringflash.dropout). Returns out (B, Sq, Hq, D), lse, m, l (B, Hq, Sq) in the state
+    dtype."""
     if cu_q is not None:
         api = "flash_attn_varlen_func"
         cu_q, cu_k = check_cu_seqlens(cu_q, cu_k, q.shape[1], k.shape[1], q.device, api)
@@ -107,14 +123,14 @@ def flash_fwd(
         check_max_seqlen(None if max_k < 0 else max_k, cu_k, "max_seqlen_k", api)
     ctx, mask = _Saved(), _mask(q_start, k_start, left, right, cu_q, cu_k)
     with local.use_backend(_backend(backend, q.device)):
-        out, lse = local._FlashAttn.forward(ctx, q, k, v, key_bias, mask, scale)
+        out, lse = local._FlashAttn.forward(ctx, q, k, v, key_bias, mask, scale, _dropout(dropout_p, seed))
     m, l = ctx.saved_tensors[4:6]
     return out, lse, m.clone(), l  # m and l share one buffer: an operator's outputs may not alias
 
 
 @flash_fwd.register_fake
-def _(q, k, v, key_bias, cu_q, cu_k, q_start, k_start, left, right, scale, backend, max_q, max_k):
-    return torch.empty_like(q, memory_format=torch.contiguous_format), _stats_like(q), _stats_like(q), _stats_like(q)
+def _(q, k, v, *args):
+    return _forward_like(q)
 
 
 @torch.library.custom_op(f"{NAMESPACE}::flash_bwd", mutates_args=())
@@ -135,6 +151,8 @@ def flash_bwd(
     left: int,
     right: int,
     scale: float,
+    dropout_p: float,
+    seed: torch.Tensor | None,
     backend: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dq, dk, dv of flash_fwd, given its out, m, l and the gradients of out and lse."""
@@ -145,27 +163,29 @@ def flash_bwd(
             mask=_mask(q_start, k_start, left, right, cu_q, cu_k),
             scale=scale,
             backend=local.backend_for(q.device),
+            dropout=_dropout(dropout_p, seed),
         )
         dq, dk, dv = local._FlashAttn.backward(ctx, do, dlse)[:3]
     return dq, dk, dv
 
 
 @flash_bwd.register_fake
-def _(q, k, v, out, m, l, do, dlse, key_bias, cu_q, cu_k, q_start, k_start, left, right, scale, backend):
-    return tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
+def _(q, k, v, *args):
+    return _grads_like(q, k, v)
 
 
 def _flash_setup(ctx, inputs, output):
-    q, k, v, key_bias, cu_q, cu_k, *args = inputs
-    ctx.args = args[:-2]  # the hints were checked by the forward
+    q, k, v, key_bias, cu_q, cu_k, q_start, k_start, left, right, scale, dropout_p, seed, backend, _, _ = inputs
+    ctx.args = (q_start, k_start, left, right, scale, dropout_p)  # the hints were checked by the forward
+    ctx.backend = backend
     out, _, m, l = output
-    ctx.save_for_backward(q, k, v, out, m, l, key_bias, cu_q, cu_k)
+    ctx.save_for_backward(q, k, v, out, m, l, key_bias, cu_q, cu_k, seed)
 
 
 def _flash_backward(ctx, dout, dlse, dm, dl):
-    q, k, v, out, m, l, key_bias, cu_q, cu_k = ctx.saved_tensors
-    dq, dk, dv = flash_bwd(q, k, v, out, m, l, dout, dlse, key_bias, cu_q, cu_k, *ctx.args)
-    return (dq, dk, dv) + (None,) * 11
+    q, k, v, out, m, l, key_bias, cu_q, cu_k, seed = ctx.saved_tensors
+    dq, dk, dv = flash_bwd(q, k, v, out, m, l, dout, dlse, key_bias, cu_q, cu_k, *ctx.args, seed, ctx.backend)
+    return (dq, dk, dv) + (None,) * 13
 
 
 flash_fwd.register_autograd(_flash_backward, setup_context=_flash_setup)
@@ -186,10 +206,10 @@ def _ring_run(group_name: str):
     return RingComm(group), group
 
 
-def _ring_spec(left, right, scale, layout, grad_chunks, grad_accum):
+def _ring_spec(left, right, scale, dropout, layout, grad_chunks, grad_accum):
     from .ring import RingSpec
 
-    return RingSpec(_window(left, right), scale, layout, None if grad_chunks < 0 else grad_chunks, grad_accum)
+    return RingSpec(_window(left, right), scale, layout, None if grad_chunks < 0 else grad_chunks, grad_accum, dropout)
 
 
 @torch.library.custom_op(f"{NAMESPACE}::ring_fwd", mutates_args=())
@@ -202,16 +222,20 @@ def ring_fwd(
     left: int,
     right: int,
     scale: float,
+    dropout_p: float,
+    seed: torch.Tensor | None,
     layout: str,
     grad_chunks: int,
     grad_accum: torch.dtype | None,
     backend: str,
     agree: list[int],
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The ring forward over the process group named `group_name` ("" : one rank), inputs
     already validated on this rank. agree: empty, or this rank's call signature
     (ring._signature's values), checked against every rank's with one all_gather before the
-    ring starts (the compiled path's rank-agreement check). Returns out, lse, m, l as flash_fwd."""
+    ring starts (the compiled path's rank-agreement check). dropout_p, seed: as flash_fwd's;
+    every rank uses the first rank's seed. Returns out, lse, m, l as flash_fwd, and the seed
+    used (an int64 scalar on the CPU, 0 without dropout) for the backward."""
     from . import ring
 
     comm, group = _ring_run(group_name)
@@ -220,17 +244,19 @@ def ring_fwd(
 
         fields = dict(zip(ring._FIELD_NAMES, agree))
         agree_across_ranks(group, fields, None, "ring_flash_attn_func", device=q.device, show=ring._show_field)
+    if seed is not None and group_name:
+        seed = torch.tensor(first_ranks_seed(int(seed), q.device, group), dtype=torch.int64)
     ctx = _Saved()
-    spec = _ring_spec(left, right, scale, layout, grad_chunks, grad_accum)
+    spec = _ring_spec(left, right, scale, _dropout(dropout_p, seed), layout, grad_chunks, grad_accum)
     with local.use_backend(_backend(backend, q.device)):
         out, lse = ring._RingAttn.forward(ctx, q, k, v, key_bias, spec, comm)
     m, l = ctx.saved_tensors[4:6]
-    return out, lse, m.clone(), l
+    return out, lse, m.clone(), l, torch.zeros((), dtype=torch.int64) if seed is None else seed.clone()
 
 
 @ring_fwd.register_fake
-def _(q, k, v, key_bias, group_name, left, right, scale, layout, grad_chunks, grad_accum, backend, agree):
-    return torch.empty_like(q, memory_format=torch.contiguous_format), _stats_like(q), _stats_like(q), _stats_like(q)
+def _(q, k, v, *args):
+    return (*_forward_like(q), torch.empty((), dtype=torch.int64))
 
 
 @torch.library.custom_op(f"{NAMESPACE}::ring_bwd", mutates_args=())
@@ -248,19 +274,22 @@ def ring_bwd(
     left: int,
     right: int,
     scale: float,
+    dropout_p: float,
+    seed: torch.Tensor,
     layout: str,
     grad_chunks: int,
     grad_accum: torch.dtype | None,
     backend: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """dq, dk, dv of ring_fwd (this rank's shards), K/V rotating the ring again."""
+    """dq, dk, dv of ring_fwd (this rank's shards), K/V rotating the ring again; seed: the one
+    ring_fwd used."""
     from . import ring
 
     comm, _ = _ring_run(group_name)
     with local.use_backend(_backend(backend, q.device)):
         ctx = _Saved(
             saved_tensors=(q, k.contiguous(), v.contiguous(), out, m, l, key_bias),
-            spec=_ring_spec(left, right, scale, layout, grad_chunks, grad_accum),
+            spec=_ring_spec(left, right, scale, _dropout(dropout_p, seed), layout, grad_chunks, grad_accum),
             comm=comm,
             backend=local.backend_for(q.device),
         )
@@ -269,21 +298,22 @@ def ring_bwd(
 
 
 @ring_bwd.register_fake
-def _(q, k, v, out, m, l, do, dlse, key_bias, group_name, left, right, scale, layout, grad_chunks, grad_accum, backend):
-    return tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
+def _(q, k, v, *args):
+    return _grads_like(q, k, v)
 
 
 def _ring_setup(ctx, inputs, output):
-    q, k, v, key_bias, *args = inputs
-    ctx.args = args[:-1]  # the agreement signature is the forward's alone
-    out, _, m, l = output
-    ctx.save_for_backward(q, k, v, out, m, l, key_bias)
+    q, k, v, key_bias, group_name, left, right, scale, dropout_p, _, *rest = inputs
+    ctx.args = (group_name, left, right, scale, dropout_p)
+    ctx.rest = rest[:-1]  # the agreement signature is the forward's alone
+    out, _, m, l, seed = output
+    ctx.save_for_backward(q, k, v, out, m, l, key_bias, seed)
 
 
-def _ring_backward(ctx, dout, dlse, dm, dl):
-    q, k, v, out, m, l, key_bias = ctx.saved_tensors
-    dq, dk, dv = ring_bwd(q, k, v, out, m, l, dout, dlse, key_bias, *ctx.args)
-    return (dq, dk, dv) + (None,) * 10
+def _ring_backward(ctx, dout, dlse, dm, dl, dseed):
+    q, k, v, out, m, l, key_bias, seed = ctx.saved_tensors
+    dq, dk, dv = ring_bwd(q, k, v, out, m, l, dout, dlse, key_bias, *ctx.args, seed, *ctx.rest)
+    return (dq, dk, dv) + (None,) * 12
 
 
 ring_fwd.register_autograd(_ring_backward, setup_context=_ring_setup)

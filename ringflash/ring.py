@@ -26,6 +26,7 @@ from .comm import (
     resolve_groups,
     validated_across_ranks,
 )
+from .dropout import Dropout, all_dropped, check_dropout_p, draw_seed, first_ranks_seed, operator_dropout
 from .empty import empty_attention
 from .local import backend_for, backend_name, backward_inputs, block_backward, block_forward, without_autocast
 from .masks import CAUSAL, FULL, BlockMask, Window, window_from
@@ -42,7 +43,8 @@ class RingSpec:
     Window(None, 0)). scale: softmax scale. layout: how the sequence is sharded
     (ringflash.schedule.LAYOUTS). grad_chunks: kv-head chunks the dK/dV accumulators travel in
     (None: relay.default_grad_chunks). grad_accum: dtype of dQ and the travelling dK/dV
-    accumulators (None: the state dtype).
+    accumulators (None: the state dtype). dropout: None, or the call's attention dropout
+    (ringflash.dropout.Dropout from index 0; each block task takes it at its global positions).
     """
 
     window: Window
@@ -50,6 +52,7 @@ class RingSpec:
     layout: str
     grad_chunks: int | None = None
     grad_accum: torch.dtype | None = None
+    dropout: Dropout | None = None
 
     def __post_init__(self):
         if not isinstance(self.window, Window):  # e.g. the causal flag where the window goes
@@ -82,9 +85,12 @@ def _rows(key_bias, rows):
 
 
 def _tasks(spec: RingSpec, comm, step, q_len, kv_len):
-    """This rank's block tasks at `step`, each with its BlockMask."""
-    for t in step_tasks(spec.layout, comm.rank, comm.world, step, q_len, kv_len, spec.window):
-        yield t, BlockMask(t.q_start, t.k_start, spec.window if t.masked else FULL)
+    """This rank's block tasks at `step`, each with its BlockMask and its Dropout (or None):
+    with dropout every task keeps its global start positions (no coalescing)."""
+    drop = spec.dropout
+    for t in step_tasks(spec.layout, comm.rank, comm.world, step, q_len, kv_len, spec.window, drop is None):
+        mask = BlockMask(t.q_start, t.k_start, spec.window if t.masked else FULL)
+        yield t, mask, drop and drop.at(t.q_start, t.k_start)
 
 
 class _RingAttn(torch.autograd.Function):
@@ -97,7 +103,7 @@ class _RingAttn(torch.autograd.Function):
         backend = backend_for(q.device)  # kept for the backward: the same arithmetic in both
         state = SoftmaxState.zeros(q.shape, state_dtype(q.dtype), q.device)
         for step, k_blk, v_blk, bias_blk in _ring_kv(comm, k, v, key_bias):
-            for t, mask in _tasks(spec, comm, step, q.shape[1], k.shape[1]):
+            for t, mask, drop in _tasks(spec, comm, step, q.shape[1], k.shape[1]):
                 block_forward(
                     q[:, t.q_rows],
                     k_blk[:, t.kv_rows],
@@ -108,6 +114,7 @@ class _RingAttn(torch.autograd.Function):
                     fold=True,
                     key_bias=_rows(bias_blk, t.kv_rows),
                     backend=backend,
+                    dropout=drop,
                 )
         lse = state.lse()
         out = state.normalized(q.dtype)
@@ -130,7 +137,7 @@ class _RingAttn(torch.autograd.Function):
         for step, k_blk, v_blk, bias_blk in _ring_kv(comm, k, v, key_bias):
             tasks = list(_tasks(spec, comm, step, q.shape[1], k.shape[1]))
             # dQ first: it does not need the incoming dK/dV accumulators, which arrive meanwhile
-            for t, mask in tasks:
+            for t, mask, drop in tasks:
                 r = t.q_rows
                 block_backward(
                     q[:, r],
@@ -148,11 +155,12 @@ class _RingAttn(torch.autograd.Function):
                     accumulate=True,
                     key_bias=_rows(bias_blk, t.kv_rows),
                     backend=backend,
+                    dropout=drop,
                 )
             # dK/dV per kv-head chunk h, with the q heads of its group, as the chunks arrive
             for h, dk, dv in relay.arriving(step):
                 qh = slice(h.start * G, h.stop * G)
-                for t, mask in tasks:
+                for t, mask, drop in tasks:
                     r = t.q_rows
                     block_backward(
                         q[:, r, qh],
@@ -170,6 +178,7 @@ class _RingAttn(torch.autograd.Function):
                         accumulate=True,
                         key_bias=_rows(bias_blk, t.kv_rows),
                         backend=backend,
+                        dropout=drop and drop.heads_from(qh.start),
                     )
             relay.send(step)
         k_blk = v_blk = bias_blk = None  # the K/V receive buffers go before the outputs are made
@@ -193,6 +202,7 @@ _FIELD_NAMES = (
     "key_padding_mask given",
     "grad_accum_dtype",
     "grad_chunks",
+    "dropout_p",
 )
 
 
@@ -200,7 +210,7 @@ def _float_bits(x: float) -> int:
     return struct.unpack("<q", struct.pack("<d", x))[0]
 
 
-def _signature(q, k, spec: RingSpec, has_mask: bool) -> dict:
+def _signature(q, k, spec: RingSpec, has_mask: bool, dropout_p: float = 0.0) -> dict:
     """What every rank of a ring must agree on, as integers."""
     B, Sq, Hq, D = q.shape
     values = (
@@ -219,6 +229,7 @@ def _signature(q, k, spec: RingSpec, has_mask: bool) -> dict:
         int(has_mask),
         SUPPORTED_DTYPES.index(spec.grad_accum),
         -1 if spec.grad_chunks is None else spec.grad_chunks,
+        _float_bits(dropout_p),
     )
     return dict(zip(_FIELD_NAMES, values))
 
@@ -228,7 +239,7 @@ def _show_field(name, value):
         return str(SUPPORTED_DTYPES[value])
     if name == "layout":
         return LAYOUTS[value] if value < len(LAYOUTS) else f"a balanced layout (fingerprint {value - len(LAYOUTS)})"
-    if name == "softmax_scale":
+    if name in ("softmax_scale", "dropout_p"):
         return repr(struct.unpack("<d", struct.pack("<q", value))[0])
     if name == "grad_chunks" and value == -1:
         return "None"
@@ -274,6 +285,7 @@ def ring_flash_attn_func(
     grad_accum_dtype=None,
     grad_chunks=None,
     head_group=None,
+    dropout_p=0.0,
 ):
     """Exact attention over a sequence sharded across the ranks of `group`.
 
@@ -306,11 +318,16 @@ def ring_flash_attn_func(
     R x U ranks (shard(..., head_group=)), heads travel by all-to-all inside the head group
     and the ring runs over `group` on Hq / U heads (ringflash.hybrid; README: Hybrid). Shapes
     in and out are as above, for this rank's S / (R U) tokens.
+    dropout_p: attention dropout (apply it in training only), with flash_attn_func's keep mask
+    of global query and key indices: the same seed drops the same pairs at any world size and
+    layout; every rank uses the first rank's seed (one more small all_gather per call).
     """
     api = "ring_flash_attn_func"
     if head_group is not None or is_mesh(group):
         group, head_group = resolve_groups(group, head_group, api)
         if head_group is not None:
+            if dropout_p:
+                raise NotImplementedError(f"{api}: dropout_p with a head_group is not supported yet")
             from .hybrid import hybrid_attn
 
             return hybrid_attn(
@@ -331,6 +348,7 @@ def ring_flash_attn_func(
 
     def validate():
         check_bool("return_lse", return_lse, api)
+        p = check_dropout_p(dropout_p, api)
         if is_balanced(layout):
             raise ValueError(f"{api}: a balanced layout (packed documents) goes with ring_flash_attn_varlen_func")
         dims, spec, key_bias = ring_call_spec(
@@ -346,27 +364,29 @@ def ring_flash_attn_func(
                     )
         else:  # one rank: every layout is the identity
             spec = dataclasses.replace(spec, layout="contiguous")
-        return _signature(q, k, spec, key_bias is not None), (spec, key_bias)
+        return _signature(q, k, spec, key_bias is not None, p), (spec, key_bias, p)
 
     if torch.compiler.is_compiling():
         # traced: this rank's checks run now; the agreement all_gather runs inside the ring
         # operator when it executes (dynamo cannot trace a collective whose result decides)
-        fields, (spec, key_bias) = validate()
+        fields, (spec, key_bias, p) = validate()
         agree = list(fields.values()) if world > 1 else []
     else:
         # every rank fails together, or all agree: never a hang, never a mixed-up ring
-        spec, key_bias = validated_across_ranks(
+        spec, key_bias, p = validated_across_ranks(
             group, api, validate, _FIELD_NAMES, device=getattr(q, "device", None), show=_show_field
         )
         agree = []
     if q.shape[0] == 0 or q.shape[1] == 0 or q.shape[2] == 0 or k.shape[1] == 0:  # agreed by every rank
         out, lse = empty_attention(q, k, v)
         return (out, lse) if return_lse else out
-    out, lse, _, _ = ops.ring_fwd(
+    out, lse, _, _, _ = ops.ring_fwd(
         q, k, v, key_bias, resolve_group(group).group_name if world > 1 else "", *ops.window_args(spec.window),
-        spec.scale, spec.layout, -1 if spec.grad_chunks is None else spec.grad_chunks, spec.grad_accum,
+        spec.scale, *operator_dropout(p), spec.layout,
+        -1 if spec.grad_chunks is None else spec.grad_chunks, spec.grad_accum,
         "" if torch.compiler.is_compiling() else backend_name(q.device), agree,
     )  # fmt: skip
+    out = all_dropped(out, p)
     return (out, lse) if return_lse else out
 
 
@@ -396,6 +416,7 @@ def ring_flash_attn_varlen_func(
     return_lse=False,
     grad_accum_dtype=None,
     grad_chunks=None,
+    dropout_p=0.0,
 ):
     """Exact attention over packed documents sharded across the ranks of `group`.
 
@@ -408,13 +429,15 @@ def ring_flash_attn_varlen_func(
     rank's output (n_local, Hq, D) in q's dtype and, with return_lse, lse (Hq, n_local).
     Differentiable in q, k, v. A document the layout keeps whole on one rank is computed
     there; when no document spans two ranks no K/V travels at all. grad_accum_dtype,
-    grad_chunks: as ring_flash_attn_func's.
+    grad_chunks: as ring_flash_attn_func's. dropout_p: as flash_attn_varlen_func's (query and
+    key indices: positions in the packed row), the same pairs at any world size.
     """
     api = "ring_flash_attn_varlen_func"
     rank, world = group_rank_world(group)
 
     def validate():
         check_bool("return_lse", return_lse, api)
+        p = check_dropout_p(dropout_p, api)
         if not is_balanced(layout):
             raise ValueError(f"{api}: layout must be a ringflash.balanced_layout(...), got {layout!r}")
         for name, t in (("q", q), ("k", k), ("v", v)):
@@ -442,14 +465,17 @@ def ring_flash_attn_varlen_func(
             q.new_empty(1, layout.max_local_len, *q.shape[1:]),
             k.new_empty(1, layout.max_local_len, *k.shape[1:]),
         )
-        return _signature(*shapes, spec, False), (spec, pad)
+        return _signature(*shapes, spec, False, p), (spec, pad, p)
 
-    spec, pad = validated_across_ranks(
+    spec, pad, p = validated_across_ranks(
         group, api, validate, _FIELD_NAMES, device=getattr(q, "device", None), show=_show_field
     )
     # K/V travel padded to the longest shard; the schedule never reads the padding rows
     k_p, v_p = (torch.nn.functional.pad(t, (0, 0, 0, 0, 0, pad)) for t in (k, v))
     hops = hops_needed(layout, world)
     comm = RingComm(group) if world > 1 and hops > 1 else LocalComm(rank)
+    if 0.0 < p < 1.0:  # every rank drops with the first rank's seed
+        spec = dataclasses.replace(spec, dropout=Dropout(first_ranks_seed(draw_seed(), q.device, group), p))
     out, lse = _RingAttn.apply(q[None], k_p[None], v_p[None], None, spec, comm)
+    out = all_dropped(out, p)
     return (out[0], lse[0]) if return_lse else out[0]

@@ -133,14 +133,15 @@ def _visible(Sq, Sk, causal, window_size, q_pos, k_pos, device):
 
 def naive_attention(
     q, k, v, *, scale=None, causal=False, window_size=(-1, -1), q_pos=None, k_pos=None, dtype=None,
-    key_padding_mask=None,
+    key_padding_mask=None, drop=None,
 ):  # fmt: skip
     """Attention computed the obvious way, in `dtype` (default float64), differentiable.
 
     q (B, Sq, Hq, D), k/v (B, Sk, Hkv, D). causal and window_size as flash-attn's, by global
     positions q_pos / k_pos (default: bottom-right alignment). key_padding_mask (B, Sk): bool
-    (True = ignored) or float (added to the scores). Returns out (B, Sq, Hq, D) and lse
-    (B, Hq, Sq); a row with no visible key gives 0 and -inf.
+    (True = ignored) or float (added to the scores). drop: optional (B, Hq, Sq, Sk) factors of
+    the weights (dropout: keep / (1 - p)); lse is that of the weights before them. Returns out
+    (B, Sq, Hq, D) and lse (B, Hq, Sq); a row with no visible key gives 0 and -inf.
     """
     dtype = dtype or torch.float64
     q, k, v = (t.to(dtype) for t in (q, k, v))
@@ -169,6 +170,8 @@ def naive_attention(
     # scores; exp(s - lse) would carry lse's rounding (~1e-3 at |s| ~ 1e4) into every weight
     p = torch.softmax(s, dim=-1).masked_fill(empty, 0.0)
     lse = lse.masked_fill(empty.squeeze(-1), float("-inf"))
+    if drop is not None:
+        p = p * drop.to(device=p.device, dtype=dtype)
     return torch.einsum("bhij,bjhd->bihd", p, v), lse
 
 
@@ -218,7 +221,9 @@ def plain_errors(q, k, v, do, ref, *, orders=1, seed=0, **kw):
     return errs
 
 
-def flash_plain(q, k, v, do, *, scale=None, causal=False, window_size=(-1, -1), key_padding_mask=None, dtype=None):
+def flash_plain(
+    q, k, v, do, *, scale=None, causal=False, window_size=(-1, -1), key_padding_mask=None, dtype=None, drop=None
+):
     """The flash algorithm written plainly, in `dtype` (default q's): the baseline a flash
     kernel's error is measured against. Forward with the best state a flash kernel keeps (row
     max m and normalizer l in base-2 units, out = exp2(s2 - m) v / l); backward with delta =
@@ -227,8 +232,9 @@ def flash_plain(q, k, v, do, *, scale=None, causal=False, window_size=(-1, -1), 
     rounding of out through delta: that part of dq and dk's error is the algorithm's own.
 
     q (B, Sq, Hq, D), k/v (B, Sk, Hkv, D), do like q. causal and window_size as flash-attn's,
-    aligned bottom-right. Returns out, lse, dq, dk, dv (lse natural log; rows that see no key:
-    0 and -inf).
+    aligned bottom-right; drop as naive_attention's (dropout: the values are weighed by P drop,
+    dS = P (dP drop - delta)). Returns out, lse, dq, dk, dv (lse natural log; rows that see no
+    key: 0 and -inf).
     """
     dtype = dtype or q.dtype
     q, k, v, do = (t.detach().to(dtype) for t in (q, k, v, do))
@@ -253,14 +259,18 @@ def flash_plain(q, k, v, do, *, scale=None, causal=False, window_size=(-1, -1), 
     l = e.sum(-1, keepdim=True)
     inv_l = torch.where(seen, 1.0 / torch.where(seen, l, torch.ones_like(l)), torch.zeros_like(l))
     p = e * inv_l
-    out = torch.einsum("bhij,bjhd->bihd", p, vr)
+    drop = None if drop is None else drop.to(device=p.device, dtype=dtype)
+    p_v = p if drop is None else p * drop
+    out = torch.einsum("bhij,bjhd->bihd", p_v, vr)
     lse = torch.where(seen, (m + torch.log2(l)) / log2e, torch.full_like(m, float("-inf"))).squeeze(-1)
     delta = (do * out).sum(-1).transpose(1, 2)[..., None]  # (B, Hq, Sq, 1)
     dp = torch.einsum("bihd,bjhd->bhij", do, vr)
+    if drop is not None:
+        dp = dp * drop
     ds = p * (dp - delta)
     dq = torch.einsum("bhij,bjhd->bihd", ds, kr) * scale
     dk = torch.einsum("bhij,bihd->bjhd", ds, q).reshape(B, Sk, Hkv, G, D).sum(3) * scale
-    dv = torch.einsum("bhij,bihd->bjhd", p, do).reshape(B, Sk, Hkv, G, D).sum(3)
+    dv = torch.einsum("bhij,bihd->bjhd", p_v, do).reshape(B, Sk, Hkv, G, D).sum(3)
     return out, lse, dq, dk, dv
 
 

@@ -1,7 +1,8 @@
 """Attention dropout: the keep mask is a pure function of (seed, batch, head, global query index,
-global key index) (ringflash.dropout), bit for bit Triton's Philox; RingMultiheadAttention in
-training drops the same pairs on one device and on 2 or 3 ranks in both layouts, and its
-gradients use the forward's mask."""
+global key index) (ringflash.dropout), bit for bit Triton's Philox; the kernels (and the torch
+backend) drop exactly the reference's pairs and their backward uses the forward's mask;
+flash_attn_func, flash_attn_varlen_func, the ring functions and RingMultiheadAttention in
+training drop the same pairs on one device and on 2 or 3 ranks in both layouts."""
 
 import math
 
@@ -10,10 +11,12 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+import ringflash
 from ringflash import shard, unshard
 from ringflash.dropout import draw_seed, keep_mask, philox4x32, threshold
 from ringflash.nn import RingMultiheadAttention
 
+from oracle import assert_within, max_err, plain_errors, reference
 from ring_cases import TORCH
 
 E, H, B = 8, 2, 2
@@ -87,7 +90,7 @@ def test_module_dropout_matches_reference_with_the_same_mask(causal):
     ring = _module(p)
     x = torch.randn(B, 12, E, dtype=torch.float64, generator=torch.Generator().manual_seed(1), requires_grad=True)
     torch.manual_seed(42)
-    seed = draw_seed("cpu")
+    seed = draw_seed()
     torch.manual_seed(42)
     out, w = ring(x, x, x, is_causal=causal, average_attn_weights=False)
     ref, w_ref = _reference(ring, x, seed, p, causal=causal)
@@ -101,6 +104,15 @@ def test_module_dropout_matches_reference_with_the_same_mask(causal):
     torch.manual_seed(42)
     assert torch.equal(ring(x, x, x, is_causal=causal)[0], out)
     assert not torch.equal(ring(x, x, x, is_causal=causal)[0], out)
+    # need_weights=False: dropout in the kernels, the same pairs as the dense path's
+    torch.manual_seed(42)
+    fast, none = ring(x, x, x, is_causal=causal, need_weights=False)
+    ref, _ = _reference(ring, x, seed, p, causal=causal)
+    assert none is None and (fast - ref).abs().max() < 1e-12
+    fast_grads = torch.autograd.grad(fast.square().sum(), params)
+    ref_grads = torch.autograd.grad(ref.square().sum(), params)
+    for a, b in zip(fast_grads, ref_grads):
+        assert (a - b).abs().max() < 1e-11
     ring.eval()
     full, w_eval = ring(x, x, x, is_causal=causal, average_attn_weights=False)
     assert bool((w_eval > 0).any()) and (w_eval.sum(-1) - 1).abs().max() < 1e-12
@@ -114,7 +126,7 @@ def _world(rank, world, layout, causal):
     g = torch.Generator().manual_seed(3)
     x, w_out = (torch.randn(B, L, E, dtype=torch.float64, generator=g) for _ in range(2))
     torch.manual_seed(11)  # the same on every rank; rank 0's draw is used by all
-    seed = draw_seed("cpu")
+    seed = draw_seed()
     xr = x.clone().requires_grad_()
     ref, w_ref = _reference(ref_module, xr, seed, p, causal=causal)
     torch.manual_seed(11)
@@ -124,6 +136,9 @@ def _world(rank, world, layout, causal):
     assert torch.equal(w != 0, sh(w_ref, 2) != 0)  # the kept set is identical
     assert (out - sh(ref)).abs().max() < 1e-12 and (w - sh(w_ref, 2)).abs().max() < 1e-12
     assert (unshard(out, layout=layout) - ref).abs().max() < 1e-12
+    torch.manual_seed(11)  # need_weights=False: the kernels drop the same pairs
+    fast = ring(xl, xl, xl, is_causal=causal, need_weights=False)[0]
+    assert (fast - sh(ref)).abs().max() < 1e-12
     ((ref * w_out).sum() + w_ref.square().sum()).backward()
     ((out * sh(w_out)).sum() + w.square().sum()).backward()  # each rank: the loss of its rows
     assert (xl.grad - sh(xr.grad)).abs().max() < 1e-11
@@ -141,3 +156,148 @@ def test_dropout_same_at_any_world_and_layout(worlds, world, layout, causal):
     """The same seed drops the same pairs at world 2 and 3, zigzag or contiguous, as the
     one-device reference: outputs, weights and gradients agree to float64 rounding."""
     worlds(world, **TORCH).run(_world, layout, causal)
+
+
+# ----------------------------------------------------------------------------- in the kernels
+
+
+def _drop(seed, p, B, Hq, Sq, Sk):
+    """The weights' factors keep / (1 - p), float64 (B, Hq, Sq, Sk), of whole-sequence indices."""
+    idx = torch.arange
+    return keep_mask(seed, p, idx(B), idx(Hq), idx(Sq), idx(Sk)).double() / (1 - p)
+
+
+def _inputs(shapes, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(s, generator=g).to(dtype) for s in shapes]
+
+
+def _drawn_next(seed):
+    """The seed the next call draws after torch.manual_seed(seed)."""
+    torch.manual_seed(seed)
+    drawn = draw_seed()
+    torch.manual_seed(seed)
+    return drawn
+
+
+def _check_against_reference(got, q, k, v, do, **kw):
+    """got = (out, dq, dk, dv) within 2x the plain same-dtype error of the float64 reference."""
+    ref = reference(q, k, v, do, **kw)
+    plain = plain_errors(q, k, v, do, ref, **kw)
+    for name, x, r in zip(("out", "dq", "dk", "dv"), got, ref[:1] + ref[2:]):
+        assert_within(name, x, r, plain[name])
+
+
+CASES = [  # (causal, window_size, dtype); no bfloat16: Triton's interpreter gets its tl.dot wrong
+    (False, (-1, -1), torch.float32),
+    (True, (-1, -1), torch.float32),
+    (False, (9, 4), torch.float16),
+]
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"], indirect=True)
+@pytest.mark.parametrize("causal,window,dtype", CASES, ids=["full-f32", "causal-f32", "window-f16"])
+def test_flash_attn_dropout_matches_reference_with_the_same_mask(backend, causal, window, dtype):
+    """flash_attn_func(dropout_p=) in the kernels: output and gradients are those of the
+    float64 reference with the keep mask of (seed, batch, head, query row, key column),
+    the seed being the next draw of torch's CPU generator (Sq != Sk: indices, not aligned
+    positions; GQA; a head dim that is padded inside)."""
+    B, Sq, Sk, Hq, Hkv, D, p = 2, 24, 40, 4, 2, 24, 0.3
+    q, k, v, do = _inputs([(B, Sq, Hq, D), (B, Sk, Hkv, D), (B, Sk, Hkv, D), (B, Sq, Hq, D)], dtype)
+    seed = _drawn_next(5)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out, lse = ringflash.flash_attn_func(*leaves, causal=causal, window_size=window, dropout_p=p, return_lse=True)
+    grads = torch.autograd.grad(out, leaves, do)
+    drop = _drop(seed, p, B, Hq, Sq, Sk)
+    _check_against_reference((out, *grads), q, k, v, do, causal=causal, window_size=window, drop=drop)
+    # lse is that of the undropped weights; the same generator state drops the same pairs (the
+    # seeds are drawn outside the kernels: once is enough)
+    assert torch.equal(lse, ringflash.flash_attn_func(q, k, v, causal=causal, window_size=window, return_lse=True)[1])
+    if backend == "torch":
+        torch.manual_seed(5)
+        again = ringflash.flash_attn_func(q, k, v, causal=causal, window_size=window, dropout_p=p)
+        assert torch.equal(again, out)
+        assert not torch.equal(ringflash.flash_attn_func(q, k, v, causal=causal, window_size=window, dropout_p=p), out)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"], indirect=True)
+def test_varlen_dropout_indices_are_packed_rows(backend):
+    """flash_attn_varlen_func(dropout_p=): the mask of (seed, 0, head, packed query row, packed
+    key row), documents of several lengths, each against its float64 reference."""
+    cu, Hq, Hkv, D, p = [0, 7, 30, 31, 50], 2, 1, 16, 0.25
+    total = cu[-1]
+    q, k, v, do = _inputs([(total, Hq, D), (total, Hkv, D), (total, Hkv, D), (total, Hq, D)], torch.float32, 3)
+    cu_t = torch.tensor(cu, dtype=torch.int32)
+    seed = _drawn_next(9)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = ringflash.flash_attn_varlen_func(*leaves, cu_t, cu_t, causal=True, dropout_p=p)
+    grads = torch.autograd.grad(out, leaves, do)
+    drop = _drop(seed, p, 1, Hq, total, total)
+    for a, b in zip(cu, cu[1:]):
+        got = (out[None, a:b], grads[0][None, a:b], grads[1][None, a:b], grads[2][None, a:b])
+        docs = [t[None, a:b] for t in (q, k, v, do)]
+        _check_against_reference(got, *docs, causal=True, drop=drop[:, :, a:b, a:b])
+
+
+def test_dropout_p_errors_and_extremes():
+    q = torch.randn(1, 8, 2, 16, requires_grad=True)
+    for bad in (-0.1, 1.5, "0.1", True, float("nan")):
+        with pytest.raises(ValueError, match="dropout_p"):
+            ringflash.flash_attn_func(q, q, q, dropout_p=bad)
+    # p = 0 is no dropout; p = 1 drops every weight (output and its gradients 0, lse kept)
+    assert torch.equal(ringflash.flash_attn_func(q, q, q, dropout_p=0.0), ringflash.flash_attn_func(q, q, q))
+    out, lse = ringflash.flash_attn_func(q, q, q, dropout_p=1.0, return_lse=True)
+    assert not out.any() and torch.equal(lse, ringflash.flash_attn_func(q, q, q, return_lse=True)[1])
+    out.sum().backward()
+    assert not q.grad.any()
+
+
+def _ring_world(rank, world, layout, causal, grad_chunks):
+    """ring_flash_attn_func(dropout_p=) on this world drops exactly the pairs one device drops
+    (every rank takes the first rank's seed: the others' generators differ here)."""
+    B, S, Hq, Hkv, D, p = 1, 12 * world, 4, 2, 8, 0.4
+    q, k, v, do = _inputs([(B, S, Hq, D), (B, S, Hkv, D), (B, S, Hkv, D), (B, S, Hq, D)], torch.float64, 1)
+    seed = _drawn_next(21)
+    torch.manual_seed(21 + rank)  # only the first rank's draw counts
+    sh = lambda t: shard(t, dim=1, layout=layout)  # noqa: E731
+    leaves = [sh(t).clone().requires_grad_() for t in (q, k, v)]
+    out = ringflash.ring_flash_attn_func(*leaves, causal=causal, layout=layout, dropout_p=p, grad_chunks=grad_chunks)
+    grads = torch.autograd.grad(out, leaves, sh(do))
+    ref = reference(q, k, v, do, causal=causal, drop=_drop(seed, p, B, Hq, S, S))
+    assert max_err(out, sh(ref[0])) < 1e-12
+    full = [unshard(g, dim=1, layout=layout) for g in grads]
+    for name, g, r in zip(("dq", "dk", "dv"), full, ref[2:]):
+        assert max_err(g, r) < 1e-12, name
+
+
+@pytest.mark.parametrize(
+    "world,layout,causal,grad_chunks", [(2, "zigzag", True, 2), (3, "contiguous", False, None)]
+)
+def test_ring_dropout_same_pairs_at_any_world(worlds, world, layout, causal, grad_chunks):
+    """The ring functions' dropout: outputs and gradients equal the one-device float64
+    reference with the same keep mask, at world 2 and 3, either layout, dK/dV in head chunks."""
+    worlds(world, **TORCH).run(_ring_world, layout, causal, grad_chunks)
+
+
+def _ring_varlen_world(rank, world):
+    cu, Hq, D, p = [0, 5, 29, 40, 52], 2, 8, 0.3
+    total = cu[-1]
+    q, k, v, do = _inputs([(total, Hq, D)] * 4, torch.float64, 2)
+    seed = _drawn_next(33)
+    layout = ringflash.balanced_layout(cu, world, causal=True)
+    sh = lambda t: shard(t, dim=0, layout=layout)  # noqa: E731
+    leaves = [sh(t).clone().requires_grad_() for t in (q, k, v)]
+    out = ringflash.ring_flash_attn_varlen_func(*leaves, cu, layout=layout, causal=True, dropout_p=p)
+    grads = torch.autograd.grad(out, leaves, sh(do))
+    drop = _drop(seed, p, 1, Hq, total, total)
+    full = [unshard(t, dim=0, layout=layout) for t in (out, *grads)]
+    for a, b in zip(cu, cu[1:]):
+        ref = reference(*(t[None, a:b] for t in (q, k, v, do)), causal=True, drop=drop[:, :, a:b, a:b])
+        for name, g, r in zip(("out", "dq", "dk", "dv"), full, ref[:1] + ref[2:]):
+            assert max_err(g[None, a:b], r) < 1e-12, name
+
+
+def test_ring_varlen_dropout_same_pairs_as_one_device(worlds):
+    """ring_flash_attn_varlen_func(dropout_p=) on 2 ranks of a balanced layout: the pairs of
+    packed rows one device drops, against the float64 reference document by document."""
+    worlds(2, **TORCH).run(_ring_varlen_world)
