@@ -33,9 +33,11 @@ flash_attn_func(window_size=(W - 1, 0)) on one process; on the ring, a window sh
 sequence raises NotImplementedError (_ring_attention is the one place the ring is called).
 
 Not supported yet (NotImplementedError naming it): sliding-window layers on the ring whose
-window is shorter than the sequence, packed sequences (position_ids that restart, cu_seq_lens), attention
-dropout in training, logit softcapping, attention sinks, position biases, 4D attention masks
-on the ring, bidirectional attention, output_attentions. Tested model families: MODEL_TYPES.
+window is shorter than the sequence, packed sequences (position_ids that restart, cu_seq_lens),
+logit softcapping, attention sinks, position biases, 4D attention masks on the ring,
+bidirectional attention, output_attentions. Attention dropout in training runs in the kernels
+(ringflash.dropout: the ring drops the pairs one process drops). Tested model families:
+MODEL_TYPES.
 
 Where the coming ring features plug in:
 - Sliding windows: _ring_attention is the one place that raises; once the ring takes
@@ -129,13 +131,8 @@ def _unsupported(what: str) -> NotImplementedError:
     return NotImplementedError(f"ringflash.hf: {what}")
 
 
-def _check_kwargs(module, dropout, kwargs) -> None:
+def _check_kwargs(module, kwargs) -> None:
     """Features the ring does not compute: raise, never give a different answer."""
-    if dropout:
-        raise _unsupported(
-            f"attention dropout {dropout} in training mode is not supported "
-            "(set config.attention_dropout = 0.0, or call model.eval())"
-        )
     if kwargs.get("softcap") is not None:
         raise _unsupported(f"attention logit softcapping (softcap={kwargs['softcap']}) is not supported")
     if kwargs.get("s_aux") is not None:
@@ -158,7 +155,7 @@ def _window_size(sliding_window, total_len: int) -> tuple[int, int]:
     return (sliding_window - 1, 0)
 
 
-def _ring_attention(q, k, v, *, scaling, call, padding, window_size):
+def _ring_attention(q, k, v, *, scaling, call, padding, window_size, dropout_p):
     """The one place the ring is called: q (B, S_local, Hq, D), k, v (B, S_local, Hkv, D), this
     rank's shards; padding (B, S_local) bool, True = padded key, or None; window_size as
     _window_size gives it. Sliding windows on the ring are not there yet: when the ring takes
@@ -170,8 +167,9 @@ def _ring_attention(q, k, v, *, scaling, call, padding, window_size):
             f"({k.shape[1] * call.world} tokens); it works on one process (no process group)"
         )
     return ring_flash_attn_func(
-        q, k, v, causal=True, softmax_scale=scaling, group=call.group, layout=call.layout, key_padding_mask=padding
-    )
+        q, k, v, causal=True, softmax_scale=scaling, group=call.group, layout=call.layout, key_padding_mask=padding,
+        dropout_p=dropout_p,
+    )  # fmt: skip
 
 
 def ring_attention_forward(
@@ -193,7 +191,7 @@ def ring_attention_forward(
                 "pre-hook (attention layers called directly?); call the model prepared by apply()"
             )
         call = _Call(None, "zigzag", ring=False, has_mask=attention_mask is not None, world=1)
-    _check_kwargs(module, dropout, kwargs)
+    _check_kwargs(module, kwargs)
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     if not causal:
         # the ring computes it, but transformers' masks for is_causal=False differ between 5.x versions
@@ -228,7 +226,9 @@ def ring_attention_forward(
     sliding_window = kwargs.get("sliding_window")
     if call.ring:
         window_size = _window_size(sliding_window, k.shape[1] * call.world)
-        out = _ring_attention(q, k, v, scaling=scaling, call=call, padding=padding, window_size=window_size)
+        out = _ring_attention(
+            q, k, v, scaling=scaling, call=call, padding=padding, window_size=window_size, dropout_p=dropout
+        )
     else:
         # local: the whole sequence (or, decoding, the cache's keys with the new queries last:
         # flash_attn_func's causal mask and window align bottom-right, as transformers' with a
@@ -241,6 +241,7 @@ def ring_attention_forward(
             softmax_scale=scaling,
             key_padding_mask=padding,
             window_size=_window_size(sliding_window, k.shape[1]),
+            dropout_p=dropout,
         )
     return out, None
 

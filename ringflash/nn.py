@@ -184,7 +184,9 @@ class RingMultiheadAttention(nn.MultiheadAttention):
                 f"{api}: with a head_group, attn_mask, dropout in training, need_weights=True, add_bias_kv and "
                 "add_zero_attn are not supported yet (pass need_weights=False)"
             )
-        if attn_mask is not None or dropping:
+        # dropout runs in the kernels; the weights it drops (need_weights) and the extra keys'
+        # dropped columns come from the dense path, which draws the same keep mask
+        if attn_mask is not None or (dropping and (need_weights or extra is not None)):
             o, weights = self._masked_attention(q, k, v, key_padding_mask, attn_mask, is_causal, extra, scale)
             return self._out(o), (weights if need_weights else None)
         o, lse = ring_flash_attn_func(
@@ -198,6 +200,7 @@ class RingMultiheadAttention(nn.MultiheadAttention):
             grad_accum_dtype=self.grad_accum_dtype,
             return_lse=True,
             head_group=self.head_group,
+            dropout_p=float(self.dropout) if dropping else 0.0,
         )
         if extra is not None:  # seen by every query: one more block, folded in with the lse merge
             o_x, lse_x = flash_attn_func(q, *extra, softmax_scale=scale, return_lse=True)
