@@ -96,10 +96,22 @@ def _pairs(q0: int, nq: int, k0: int, nk: int, window: Window) -> int:
     """Visible pairs between query positions [q0, q0 + nq) and key positions [k0, k0 + nk)."""
     if nq <= 0 or nk <= 0:
         return 0
-    qp = torch.arange(q0, q0 + nq, dtype=torch.long)
-    lo = torch.full_like(qp, k0) if window.left is None else (qp - window.left).clamp(min=k0)
-    hi = torch.full_like(qp, k0 + nk) if window.right is None else (qp + window.right + 1).clamp(max=k0 + nk)
-    return int((hi - lo).clamp(min=0).sum())
+    # (q, k) is visible iff -right <= q - k <= left: the pairs with q - k <= left less those with
+    # q - k < -right (an unbounded side: every pair, no pair); 0 for a window with no offset in it
+    within_left = nq * nk if window.left is None else _pairs_below(q0, nq, k0, nk, window.left)
+    past_right = 0 if window.right is None else _pairs_below(q0, nq, k0, nk, -window.right - 1)
+    return max(0, within_left - past_right)
+
+
+def _pairs_below(q0: int, nq: int, k0: int, nk: int, t: int) -> int:
+    """Pairs (q, k) in [q0, q0 + nq) x [k0, k0 + nk) with q - k <= t, in closed form: query q
+    counts clamp(k0 + nk + t - q, 0, nk) keys, a difference of two runs of positive parts."""
+
+    def tri(x: int) -> int:  # sum of max(0, x - j) over j >= 0
+        return x * (x + 1) // 2 if x > 0 else 0
+
+    k1, q1 = k0 + nk, q0 + nq
+    return tri(k1 + t - q0) - tri(k1 + t - q1) - tri(k0 + t - q0) + tri(k0 + t - q1)
 
 
 def _cuts(start: int, n: int, parts: int) -> list[tuple[int, int]]:

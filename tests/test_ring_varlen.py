@@ -1,12 +1,15 @@
 """Packed documents across the ring: balanced_layout (pure) and ring_flash_attn_varlen_func over
 gloo against a float64 oracle run one document at a time."""
 
+import itertools
 import random
 
 import pytest
 import torch
 
 from ringflash import balanced_layout, local_positions, ring_flash_attn_varlen_func, shard, unshard
+from ringflash.balance import _pairs
+from ringflash.masks import Window
 from ringflash.ring import hops_needed
 from ringflash.testing import varlen_plain_errors, varlen_reference
 
@@ -49,6 +52,19 @@ def test_layout_holds_every_token_once_and_balances_every_step(world, causal, wi
         assert max(totals) <= 1.03 * sum(totals) / world + 1, totals
     text = repr(L)
     assert f"{world} ranks" in text and "rank 0:" in text
+
+
+def test_pair_count_is_the_count_of_visible_pairs():
+    # the planner's closed-form count against counting pair by pair, windows bounded and not,
+    # ranges overlapping, disjoint, empty, before and after each other
+    windows = [Window(), Window(None, 0), Window(3, 0), Window(0, 0), Window(None, 2), Window(5, None), Window(2, 7)]
+    for w, q0, nq, k0, nk in itertools.product(windows, range(0, 9, 2), range(7), range(0, 9, 3), range(7)):
+        want = sum(
+            (w.left is None or k >= q - w.left) and (w.right is None or k <= q + w.right)
+            for q in range(q0, q0 + nq)
+            for k in range(k0, k0 + nk)
+        )
+        assert _pairs(q0, nq, k0, nk, w) == want, (w, q0, nq, k0, nk)
 
 
 def test_short_documents_stay_whole_and_need_no_hop():
