@@ -17,13 +17,14 @@ may differ between ranks. Each rank's local tensor holds its pieces in global or
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from dataclasses import dataclass
 
 import torch
 
 from .masks import Window, window_from
-from .schedule import Segment
+from .schedule import Segment, step_tasks
 
 BALANCE_SLACK = 0.02  # how far above an equal share of the work a whole document may leave a rank
 
@@ -82,6 +83,16 @@ class BalancedLayout:
                 if ks.doc == qs.doc:
                     pairs += _pairs(qs.global_start, qs.length, ks.global_start, ks.length, self.window)
         return pairs
+
+    @functools.cached_property
+    def hops(self) -> int:
+        """How many ring steps any rank has work in (1: no K/V ever travels), from the schedule;
+        computed once per layout (the layout is frozen)."""
+        needed = 1
+        for step in range(1, self.world):
+            if any(step_tasks(self, r, self.world, step, 0, 0, self.window) for r in range(self.world)):
+                needed = step + 1
+        return needed
 
     def __repr__(self) -> str:
         lines = [f"BalancedLayout({len(self.cu_seqlens) - 1} documents, {self.total} tokens, {self.world} ranks)"]

@@ -449,7 +449,7 @@ def ring_flash_attn_varlen_func(
     )
     # K/V travel padded to the longest shard; the schedule never reads the padding rows
     k_p, v_p = (torch.nn.functional.pad(t, (0, 0, 0, 0, 0, pad)) for t in (k, v))
-    hops = hops_needed(layout, world)
+    hops = layout.hops
     comm = RingComm(group) if world > 1 and hops > 1 else LocalComm(rank)
     out, lse = _RingAttn.apply(q[None], k_p[None], v_p[None], None, spec, comm)
     return (out[0], lse[0]) if return_lse else out[0]

@@ -10,7 +10,6 @@ import torch
 from ringflash import balanced_layout, local_positions, ring_flash_attn_varlen_func, shard, unshard
 from ringflash.balance import _pairs
 from ringflash.masks import Window
-from ringflash.ring import hops_needed
 from ringflash.testing import varlen_plain_errors, varlen_reference
 
 from oracle import assert_within
@@ -74,8 +73,8 @@ def test_short_documents_stay_whole_and_need_no_hop():
         docs = [s.doc for s in L.segments(r)]
         assert len(docs) == len(set(docs))  # no document in two pieces on a rank
     assert sorted(s.doc for r in range(2) for s in L.segments(r)) == list(range(8))  # nor on two ranks
-    assert hops_needed(L, 2) == 1
-    assert hops_needed(balanced_layout(_cu([10, 300, 10]), 2), 2) == 2  # the long one is cut over both
+    assert L.hops == 1
+    assert balanced_layout(_cu([10, 300, 10]), 2).hops == 2  # the long one is cut over both
 
 
 def test_balanced_layout_rejects_bad_input():
@@ -115,7 +114,7 @@ def _ring_varlen_vs_oracle(rank, world, lengths, causal, window_size, Hq, Hkv, d
     for name, got, r in zip(("out", "dq", "dk", "dv"), full, (ref[0], *ref[2:])):
         assert_within(name, got, r, plain[name])
     assert_within("lse", full_lse, ref[1], plain["lse"], sum_len=1)
-    return hops_needed(L, world)
+    return L.hops
 
 
 MIXES = {
