@@ -370,15 +370,6 @@ def ring_flash_attn_func(
     return (out, lse) if return_lse else out
 
 
-def hops_needed(layout, world: int) -> int:
-    """How many ring steps any rank has work in (1: no K/V ever travels), from the schedule."""
-    needed = 1
-    for step in range(1, world):
-        if any(step_tasks(layout, r, world, step, 0, 0, layout.window) for r in range(world)):
-            needed = step + 1
-    return needed
-
-
 # not yet one operator under torch.compile (its layout is a Python object the schedule reads):
 # traced code calls it eagerly, a graph break (fullgraph=True reports it), never a crash
 @torch.compiler.disable
