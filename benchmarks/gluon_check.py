@@ -92,75 +92,30 @@ def correctness_cases(variant: str, lite: bool, head_dims) -> list[dict]:
                     q_start=Sk - Sq if causal else 0,
                     k_start=0,
                 )
+    # per head dim, one case per property: (B, Sq, Sk, Hq, Hkv, D, causal, dtype, q_start, k_start), extras
+    cols = ("B", "Sq", "Sk", "Hq", "Hkv", "D", "causal", "dtype", "q_start", "k_start")
+    far = 10**6
     for D in (64, 128, 256):
-        # positions far from 0 (bottom-right alignment shifted by 10^6)
-        add(
-            B=1, Sq=777, Sk=2048, Hq=4, Hkv=2, D=D, causal=True, dtype="bf16", q_start=10**6 + 2048 - 777, k_start=10**6
-        )
-        # rows 0..299 see no key; the first query tiles are skipped entirely
-        add(B=1, Sq=1031, Sk=777, Hq=4, Hkv=1, D=D, causal=True, dtype="bf16", q_start=0, k_start=300)
-        # ring-step fold: two key blocks (ragged cut), and the later block first (incoming empty rows)
-        add(
-            B=2,
-            Sq=1031,
-            Sk=1031,
-            Hq=4,
-            Hkv=2,
-            D=D,
-            causal=True,
-            dtype="bf16",
-            q_start=0,
-            k_start=0,
-            mode="fold2",
-            cut=517,
-        )
-        add(
-            B=2,
-            Sq=1031,
-            Sk=1031,
-            Hq=4,
-            Hkv=2,
-            D=D,
-            causal=True,
-            dtype="bf16",
-            q_start=0,
-            k_start=0,
-            mode="fold2_reversed",
-            cut=517,
-        )
-        # three blocks, the last call folds and normalizes; non-causal
-        add(
-            B=1,
-            Sq=777,
-            Sk=2048,
-            Hq=8,
-            Hkv=2,
-            D=D,
-            causal=False,
-            dtype="bf16",
-            q_start=0,
-            k_start=0,
-            mode="fold3",
-            cut=600,
-            cut2=1300,
-        )
+        table = [
+            # positions far from 0 (bottom-right alignment shifted by 10^6)
+            ((1, 777, 2048, 4, 2, D, True, "bf16", far + 2048 - 777, far), {}),
+            # rows 0..299 see no key; the first query tiles are skipped entirely
+            ((1, 1031, 777, 4, 1, D, True, "bf16", 0, 300), {}),
+            # ring-step fold: two key blocks (ragged cut), and the later block first (incoming empty rows)
+            ((2, 1031, 1031, 4, 2, D, True, "bf16", 0, 0), dict(mode="fold2", cut=517)),
+            ((2, 1031, 1031, 4, 2, D, True, "bf16", 0, 0), dict(mode="fold2_reversed", cut=517)),
+            # three blocks, the last call folds and normalizes; non-causal
+            ((1, 777, 2048, 8, 2, D, False, "bf16", 0, 0), dict(mode="fold3", cut=600, cut2=1300)),
+        ]
         if not lite:
-            # q, k, v as (B, H, S, D)-contiguous tensors seen as (B, S, H, D); M, L transposed views
-            add(B=2, Sq=1031, Sk=1031, Hq=4, Hkv=2, D=D, causal=True, dtype="fp16", q_start=0, k_start=0, layout="bhsd")
-            # a non-positive scale takes the pre-scaled path
-            add(
-                B=1,
-                Sq=777,
-                Sk=1031,
-                Hq=2,
-                Hkv=1,
-                D=D,
-                causal=False,
-                dtype="bf16",
-                q_start=0,
-                k_start=0,
-                scale=-(D**-0.5),
-            )
+            table += [
+                # q, k, v as (B, H, S, D)-contiguous tensors seen as (B, S, H, D); M, L transposed views
+                ((2, 1031, 1031, 4, 2, D, True, "fp16", 0, 0), dict(layout="bhsd")),
+                # a non-positive scale takes the pre-scaled path
+                ((1, 777, 1031, 2, 1, D, False, "bf16", 0, 0), dict(scale=-(D**-0.5))),
+            ]
+        for row, extras in table:
+            add(**dict(zip(cols, row)), **extras)
     return cases
 
 

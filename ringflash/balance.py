@@ -17,13 +17,14 @@ may differ between ranks. Each rank's local tensor holds its pieces in global or
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from dataclasses import dataclass
 
 import torch
 
 from .masks import Window, window_from
-from .schedule import Segment
+from .schedule import Segment, step_tasks
 
 BALANCE_SLACK = 0.02  # how far above an equal share of the work a whole document may leave a rank
 
@@ -83,6 +84,16 @@ class BalancedLayout:
                     pairs += _pairs(qs.global_start, qs.length, ks.global_start, ks.length, self.window)
         return pairs
 
+    @functools.cached_property
+    def hops(self) -> int:
+        """How many ring steps any rank has work in (1: no K/V ever travels), from the schedule;
+        computed once per layout (the layout is frozen)."""
+        needed = 1
+        for step in range(1, self.world):
+            if any(step_tasks(self, r, self.world, step, 0, 0, self.window) for r in range(self.world)):
+                needed = step + 1
+        return needed
+
     def __repr__(self) -> str:
         lines = [f"BalancedLayout({len(self.cu_seqlens) - 1} documents, {self.total} tokens, {self.world} ranks)"]
         for r, segs in enumerate(self.pieces):
@@ -96,10 +107,22 @@ def _pairs(q0: int, nq: int, k0: int, nk: int, window: Window) -> int:
     """Visible pairs between query positions [q0, q0 + nq) and key positions [k0, k0 + nk)."""
     if nq <= 0 or nk <= 0:
         return 0
-    qp = torch.arange(q0, q0 + nq, dtype=torch.long)
-    lo = torch.full_like(qp, k0) if window.left is None else (qp - window.left).clamp(min=k0)
-    hi = torch.full_like(qp, k0 + nk) if window.right is None else (qp + window.right + 1).clamp(max=k0 + nk)
-    return int((hi - lo).clamp(min=0).sum())
+    # (q, k) is visible iff -right <= q - k <= left: the pairs with q - k <= left less those with
+    # q - k < -right (an unbounded side: every pair, no pair); 0 for a window with no offset in it
+    within_left = nq * nk if window.left is None else _pairs_below(q0, nq, k0, nk, window.left)
+    past_right = 0 if window.right is None else _pairs_below(q0, nq, k0, nk, -window.right - 1)
+    return max(0, within_left - past_right)
+
+
+def _pairs_below(q0: int, nq: int, k0: int, nk: int, t: int) -> int:
+    """Pairs (q, k) in [q0, q0 + nq) x [k0, k0 + nk) with q - k <= t, in closed form: query q
+    counts clamp(k0 + nk + t - q, 0, nk) keys, a difference of two runs of positive parts."""
+
+    def tri(x: int) -> int:  # sum of max(0, x - j) over j >= 0
+        return x * (x + 1) // 2 if x > 0 else 0
+
+    k1, q1 = k0 + nk, q0 + nq
+    return tri(k1 + t - q0) - tri(k1 + t - q1) - tri(k0 + t - q0) + tri(k0 + t - q1)
 
 
 def _cuts(start: int, n: int, parts: int) -> list[tuple[int, int]]:

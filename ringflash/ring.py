@@ -390,15 +390,6 @@ def ring_flash_attn_func(
     return (out, lse) if return_lse else out
 
 
-def hops_needed(layout, world: int) -> int:
-    """How many ring steps any rank has work in (1: no K/V ever travels), from the schedule."""
-    needed = 1
-    for step in range(1, world):
-        if any(step_tasks(layout, r, world, step, 0, 0, layout.window) for r in range(world)):
-            needed = step + 1
-    return needed
-
-
 # not yet one operator under torch.compile (its layout is a Python object the schedule reads):
 # traced code calls it eagerly, a graph break (fullgraph=True reports it), never a crash
 @torch.compiler.disable
@@ -472,7 +463,7 @@ def ring_flash_attn_varlen_func(
     )
     # K/V travel padded to the longest shard; the schedule never reads the padding rows
     k_p, v_p = (torch.nn.functional.pad(t, (0, 0, 0, 0, 0, pad)) for t in (k, v))
-    hops = hops_needed(layout, world)
+    hops = layout.hops
     comm = RingComm(group) if world > 1 and hops > 1 else LocalComm(rank)
     if 0.0 < p < 1.0:  # every rank drops with the first rank's seed
         spec = dataclasses.replace(spec, dropout=Dropout(first_ranks_seed(draw_seed(), q.device, group), p))

@@ -1,13 +1,15 @@
 """Packed documents across the ring: balanced_layout (pure) and ring_flash_attn_varlen_func over
 gloo against a float64 oracle run one document at a time."""
 
+import itertools
 import random
 
 import pytest
 import torch
 
 from ringflash import balanced_layout, local_positions, ring_flash_attn_varlen_func, shard, unshard
-from ringflash.ring import hops_needed
+from ringflash.balance import _pairs
+from ringflash.masks import Window
 from ringflash.testing import varlen_plain_errors, varlen_reference
 
 from oracle import assert_within
@@ -51,6 +53,19 @@ def test_layout_holds_every_token_once_and_balances_every_step(world, causal, wi
     assert f"{world} ranks" in text and "rank 0:" in text
 
 
+def test_pair_count_is_the_count_of_visible_pairs():
+    # the planner's closed-form count against counting pair by pair, windows bounded and not,
+    # ranges overlapping, disjoint, empty, before and after each other
+    windows = [Window(), Window(None, 0), Window(3, 0), Window(0, 0), Window(None, 2), Window(5, None), Window(2, 7)]
+    for w, q0, nq, k0, nk in itertools.product(windows, range(0, 9, 2), range(7), range(0, 9, 3), range(7)):
+        want = sum(
+            (w.left is None or k >= q - w.left) and (w.right is None or k <= q + w.right)
+            for q in range(q0, q0 + nq)
+            for k in range(k0, k0 + nk)
+        )
+        assert _pairs(q0, nq, k0, nk, w) == want, (w, q0, nq, k0, nk)
+
+
 def test_short_documents_stay_whole_and_need_no_hop():
     lengths = [50, 60, 40, 70, 55, 45, 65, 35]
     L = balanced_layout(_cu(lengths), 2)
@@ -58,8 +73,8 @@ def test_short_documents_stay_whole_and_need_no_hop():
         docs = [s.doc for s in L.segments(r)]
         assert len(docs) == len(set(docs))  # no document in two pieces on a rank
     assert sorted(s.doc for r in range(2) for s in L.segments(r)) == list(range(8))  # nor on two ranks
-    assert hops_needed(L, 2) == 1
-    assert hops_needed(balanced_layout(_cu([10, 300, 10]), 2), 2) == 2  # the long one is cut over both
+    assert L.hops == 1
+    assert balanced_layout(_cu([10, 300, 10]), 2).hops == 2  # the long one is cut over both
 
 
 def test_balanced_layout_rejects_bad_input():
@@ -99,7 +114,7 @@ def _ring_varlen_vs_oracle(rank, world, lengths, causal, window_size, Hq, Hkv, d
     for name, got, r in zip(("out", "dq", "dk", "dv"), full, (ref[0], *ref[2:])):
         assert_within(name, got, r, plain[name])
     assert_within("lse", full_lse, ref[1], plain["lse"], sum_len=1)
-    return hops_needed(L, world)
+    return L.hops
 
 
 MIXES = {
