@@ -13,7 +13,7 @@ from .comm import group_rank_world
 from .dense import dense_attention, gather_sequence, pair_bias
 from .dropout import agreed_seed
 from .layout import local_positions
-from .local import flash_attn_func
+from .local import flash_attn_func, flash_attn_varlen_func
 from .merge import merge_attn_states, state_dtype
 from .ring import ring_flash_attn_func
 from .schedule import check_layout
@@ -65,8 +65,9 @@ class RingMultiheadAttention(nn.MultiheadAttention):
     drawn from torch's default generator of the device per call (rank 0's is used by all),
     so torch.manual_seed reproduces a run. It runs on the exact dense path (as an arbitrary
     attn_mask: B x num_heads x L_local x S memory, all keys gathered); the weights returned
-    are the dropped ones, as torch's. Not supported (NotImplementedError naming the
-    argument): nested tensors; TorchScript
+    are the dropped ones, as torch's. Jagged nested tensors (batch_first, one rank, no masks):
+    the sequences run as packed documents (flash_attn_varlen_func); weights are not returned.
+    Not supported (NotImplementedError naming the argument): nested tensors on the ring; TorchScript
     (torch.jit.script) neither. Arguments that can never work (embed_dim not divisible by
     num_heads, more than 256 per head, a dropout outside [0, 1]) raise a ValueError when the
     module is built.
@@ -137,19 +138,12 @@ class RingMultiheadAttention(nn.MultiheadAttention):
     ):
         api = "RingMultiheadAttention"
         if any(getattr(t, "is_nested", False) for t in (query, key, value)):
-            raise NotImplementedError(
-                f"{api}: nested tensors are not supported (nn.TransformerEncoder: pass enable_nested_tensor=False)"
-            )
-        unbatched = query.dim() == 2
+            return self._nested(query, key, value, key_padding_mask, attn_mask, is_causal, api)
+        unbatched = not _batched(query, key, value, key_padding_mask, attn_mask, self.num_heads, api)
         if unbatched:
             query, key, value = (t.unsqueeze(1) for t in (query, key, value))  # (L, 1, E)
             if key_padding_mask is not None:
                 key_padding_mask = key_padding_mask.unsqueeze(0)
-        if query.dim() != 3 or key.dim() != 3 or value.dim() != 3:
-            raise ValueError(
-                f"{api}: query, key, value must be 2-D or 3-D, got {tuple(query.shape)}, "
-                f"{tuple(key.shape)}, {tuple(value.shape)}"
-            )
         if not self.batch_first or unbatched:  # (L, B, E) -> (B, L, E)
             query, key, value = (t.transpose(0, 1) for t in (query, key, value))
         if attn_mask is not None and is_causal:  # the causal mask as a hint: the fast path
@@ -217,6 +211,47 @@ class RingMultiheadAttention(nn.MultiheadAttention):
                 weights = torch.cat([weights, attention_weights(q, extra[0], lse, scale=scale, local=True)], -1)
         return self._out(o), weights
 
+    def _nested(self, query, key, value, key_padding_mask, attn_mask, is_causal, api):
+        """Jagged nested tensors (B, j, E), batch_first, one rank: the sequences packed as
+        documents (flash_attn_varlen_func), every query seeing its own sequence's keys. Returns
+        (a nested output like query, None): no weights, as torch's nested fast path."""
+        if not all(getattr(t, "is_nested", False) and t.layout == torch.jagged for t in (query, key, value)):
+            raise NotImplementedError(
+                f"{api}: nested tensors must be all of query, key, value, with layout=torch.jagged"
+            )
+        if not self.batch_first:
+            raise ValueError(f"{api}: nested tensors need batch_first=True, as torch's")
+        if key_padding_mask is not None or attn_mask is not None:
+            raise ValueError(f"{api}: nested tensors take no key_padding_mask or attn_mask (their lengths mask)")
+        if group_rank_world(self.group)[1] > 1 or self.head_group is not None:
+            raise NotImplementedError(
+                f"{api}: nested tensors on the ring are not supported: pass the packed documents to "
+                "ringflash.ring_flash_attn_varlen_func"
+            )
+        cu_q, cu_k = query.offsets(), key.offsets()
+        if not torch.equal(cu_k, value.offsets()):
+            raise ValueError(f"{api}: key and value must hold sequences of the same lengths")
+        if cu_q.numel() != cu_k.numel():
+            raise ValueError(f"{api}: query holds {cu_q.numel() - 1} sequences, key {cu_k.numel() - 1}")
+        H, hd = self.num_heads, self.head_dim
+        (w_q, b_q), (w_k, b_k), (w_v, b_v) = self._projections()
+        q = _linear(query.values(), w_q, b_q).view(-1, H, hd)
+        k = _linear(key.values(), w_k, b_k).view(-1, H, hd)
+        v = _linear(value.values(), w_v, b_v).view(-1, H, hd)
+        dropping = self.dropout > 0.0 and self.training
+        extra = self._extra_kv(1, q.dtype)
+        if dropping and extra is not None:
+            raise NotImplementedError(f"{api}: nested tensors with dropout and add_bias_kv / add_zero_attn")
+        o, lse = flash_attn_varlen_func(
+            q, k, v, cu_q, cu_k, causal=is_causal, return_lse=True, dropout_p=float(self.dropout) if dropping else 0.0
+        )
+        if extra is not None:  # seen by every query, folded in with the lse merge (see _extra_kv)
+            o_x, lse_x = flash_attn_func(q[None], *extra, softmax_scale=resolve_scale(None, hd, api), return_lse=True)
+            o, lse = merge_attn_states(o[None], lse[None], o_x, lse_x)
+            o = o[0].to(q.dtype)
+        out = _linear(o.reshape(-1, self.embed_dim), self.out_proj.weight, self.out_proj.bias)
+        return torch.nested.nested_tensor_from_jagged(out, offsets=cu_q), None
+
     def _out(self, o):
         B, L = o.shape[:2]
         return _linear(o.reshape(B, L, self.embed_dim), self.out_proj.weight, self.out_proj.bias)
@@ -269,6 +304,39 @@ class RingMultiheadAttention(nn.MultiheadAttention):
         return dense_attention(
             q, k, v, bias, scale=scale, group=self.group, layout=self.layout, extra_kv=extra, dropout=dropout
         )
+
+
+class InputError(ValueError, AssertionError):
+    """Inputs of the wrong rank or shape: a ValueError, and an AssertionError with
+    nn.MultiheadAttention's own wording, as torch raises for the same inputs (code written
+    against torch's class catches it the same way)."""
+
+
+def _batched(query, key, value, key_padding_mask, attn_mask, num_heads, api) -> bool:
+    """Whether the inputs are batched (3-D query) or not (2-D), with torch's checks of the
+    ranks and of an unbatched 3-D attn_mask's shape, in torch's words (InputError)."""
+
+    def fail(message):
+        raise InputError(f"{api}: {message}")
+
+    dims = lambda t: None if t is None else t.dim()  # noqa: E731
+    if query.dim() not in (2, 3):
+        fail(f"query should be unbatched 2D or batched 3D tensor but received {query.dim()}-D query tensor")
+    batched = query.dim() == 3
+    kind = "For batched (3-D) `query`" if batched else "For unbatched (2-D) `query`"
+    if key.dim() != query.dim() or value.dim() != query.dim():
+        fail(f"{kind}, expected `key` and `value` to be {query.dim()}-D but found {key.dim()}-D and "
+             f"{value.dim()}-D tensors respectively")  # fmt: skip
+    if dims(key_padding_mask) not in (None, query.dim() - 1):
+        fail(f"{kind}, expected `key_padding_mask` to be `None` or {query.dim() - 1}-D but found "
+             f"{key_padding_mask.dim()}-D tensor instead")  # fmt: skip
+    if dims(attn_mask) not in (None, 2, 3):
+        fail(f"{kind}, expected `attn_mask` to be `None`, 2-D or 3-D but found {attn_mask.dim()}-D tensor instead")
+    if not batched and dims(attn_mask) == 3:
+        expected = (num_heads, query.shape[0], key.shape[0])
+        if attn_mask.shape != expected:
+            fail(f"Expected `attn_mask` shape to be {expected} but got {attn_mask.shape}")
+    return batched
 
 
 def _linear(x, w, b):

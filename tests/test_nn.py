@@ -262,9 +262,13 @@ def test_misuse_found_at_construction():
 def test_unsupported_arguments_raise():
     ring = RingMultiheadAttention(E, H, dropout=0.1, batch_first=True).eval()
     x = torch.randn(2, 6, E)
-    with pytest.raises(NotImplementedError, match="nested"):
-        nt = torch.nested.nested_tensor([torch.randn(3, E), torch.randn(5, E)], layout=torch.jagged)
-        ring(nt, nt, nt, need_weights=False)
+    nt = torch.nested.nested_tensor([torch.randn(3, E), torch.randn(5, E)], layout=torch.jagged)
+    with pytest.raises(ValueError, match="nested tensors take no key_padding_mask"):
+        ring(nt, nt, nt, key_padding_mask=torch.zeros(2, 5, dtype=torch.bool))
+    with pytest.raises(ValueError, match="batch_first=True"):
+        RingMultiheadAttention(E, H)(nt, nt, nt)
+    with pytest.raises(NotImplementedError, match="layout=torch.jagged"):
+        ring(nt, x, x)
     with pytest.raises(ValueError, match="not the causal mask"):
         ring(x, x, x, attn_mask=torch.zeros(6, 6, dtype=torch.bool), is_causal=True, need_weights=False)
     with pytest.raises(ValueError, match="layout"):
@@ -290,3 +294,57 @@ def test_grad_accum_dtype_reaches_the_ring():
         m(x, x, x, need_weights=False, is_causal=True, attn_mask=None)[0].float().square().sum().backward()
     for a, b in zip(exact.parameters(), low.parameters()):
         assert torch.allclose(a.grad.float(), b.grad.float(), rtol=0.05, atol=0.05 * a.grad.float().abs().max().item())
+
+
+def test_bad_ranks_raise_as_torch_does():
+    """Inputs of the wrong rank (and an unbatched 3-D attn_mask of the wrong shape) raise a
+    ValueError that is also torch's AssertionError, with torch's own message for each."""
+    torch.manual_seed(0)
+    mha = nn.MultiheadAttention(4, 4)
+    ring = RingMultiheadAttention(4, 4)
+    b, u = torch.randn(4, 4, 4), torch.randn(4, 4)
+    mask1 = torch.tensor([False, False, True, True])
+    cases = [
+        ((b, u, b), {}),
+        ((b, b, u), {}),
+        ((b, b, b), dict(key_padding_mask=mask1)),
+        ((b, b, b), dict(attn_mask=mask1)),
+        ((u, b, u), {}),
+        ((u, u, b), {}),
+        ((u, u, u), dict(key_padding_mask=torch.zeros(1, 8, dtype=torch.bool))),
+        ((u, u, u), dict(attn_mask=mask1)),
+        ((u, u, u), dict(attn_mask=torch.zeros(5, 4, 4, dtype=torch.bool))),
+        ((torch.randn(4), torch.randn(4), torch.randn(4)), {}),
+    ]
+    for args, kw in cases:
+        with pytest.raises(AssertionError) as theirs:
+            mha(*args, **kw)
+        with pytest.raises(ValueError) as ours:
+            ring(*args, **kw)
+        assert isinstance(ours.value, AssertionError)
+        assert str(theirs.value) in str(ours.value), (str(theirs.value), str(ours.value))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_nested_tensors_run_as_packed_documents(causal):
+    """Jagged nested inputs: each sequence's output and the parameters' gradients are those of
+    torch's module run on each sequence alone (float64), with add_bias_kv / add_zero_attn."""
+    torch.manual_seed(0)
+    kw = dict(batch_first=True, dtype=torch.float64, add_bias_kv=True, add_zero_attn=True)
+    mha, ring = nn.MultiheadAttention(10, 5, **kw), RingMultiheadAttention(10, 5, **kw)
+    ring.load_state_dict(mha.state_dict())
+    seqs = [torch.randn(n, 10, dtype=torch.float64) for n in (4, 1, 6)]
+    nt = torch.nested.nested_tensor(seqs, layout=torch.jagged)
+    out, weights = ring(nt, nt, nt, is_causal=causal)
+    assert weights is None and out.is_nested
+    w_out = [torch.randn(s.shape, dtype=torch.float64) for s in seqs]
+    loss = 0.0
+    for i, x in enumerate(seqs):
+        mask = nn.Transformer.generate_square_subsequent_mask(len(x), dtype=torch.float64) if causal else None
+        ref = mha(x[None], x[None], x[None], attn_mask=mask, is_causal=causal)[0][0]
+        assert (out[i] - ref).abs().max() < 1e-12
+        loss = loss + (ref * w_out[i]).sum()
+    loss.backward()
+    (out.values() * torch.cat(w_out)).sum().backward()
+    for (name, a), b in zip(ring.named_parameters(), mha.parameters()):
+        assert (a.grad - b.grad).abs().max() < 1e-12, name
