@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from .masks import Window, window_from
-from .schedule import Segment, step_tasks
+from .schedule import Segment, steps_needed
 
 BALANCE_SLACK = 0.02  # how far above an equal share of the work a whole document may leave a rank
 
@@ -88,11 +88,7 @@ class BalancedLayout:
     def hops(self) -> int:
         """How many ring steps any rank has work in (1: no K/V ever travels), from the schedule;
         computed once per layout (the layout is frozen)."""
-        needed = 1
-        for step in range(1, self.world):
-            if any(step_tasks(self, r, self.world, step, 0, 0, self.window) for r in range(self.world)):
-                needed = step + 1
-        return needed
+        return steps_needed(self, self.world, 0, 0, self.window)
 
     def __repr__(self) -> str:
         lines = [f"BalancedLayout({len(self.cu_seqlens) - 1} documents, {self.total} tokens, {self.world} ranks)"]

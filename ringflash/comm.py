@@ -146,17 +146,29 @@ class RingComm:
         self.prev = dist.get_global_rank(self.group, (self.rank - 1) % self.world)
 
     def start(
-        self, send: list[torch.Tensor], recv: list[torch.Tensor], kind: str, *, step: int, heads: slice | None = None
+        self,
+        send: list[torch.Tensor],
+        recv: list[torch.Tensor],
+        kind: str,
+        *,
+        step: int,
+        heads: slice | None = None,
+        hop: int = 1,
     ):
-        """Send `send` to the next rank and receive `recv` from the previous one, asynchronously.
-        kind: "kv" (key/value blocks) or "grad" (dK/dV accumulators); the two may be in flight
-        at once and are kept apart by tag; messages of one kind match in the order they are
-        started. step (the ring step) and heads (the kv heads a "grad" exchange carries) are
-        what ringflash.testing.ReplayComm needs to play one; the ring passes them to either.
-        Returns handles for wait()."""
+        """Send `send` to the next rank and receive `recv` from the previous one, asynchronously
+        (hop > 1: to the rank hop places on, from the one hop places back: the dK/dV
+        accumulators' way home when the ring stops early). kind: "kv" (key/value blocks) or
+        "grad" (dK/dV accumulators); the two may be in flight at once and are kept apart by
+        tag; messages of one kind match in the order they are started. step (the ring step)
+        and heads (the kv heads a "grad" exchange carries) are what ringflash.testing.ReplayComm
+        needs to play one; the ring passes them to either. Returns handles for wait()."""
         tag = _TAGS[kind]
-        ops = [dist.P2POp(dist.isend, t, self.next, self.group, tag) for t in send]
-        ops += [dist.P2POp(dist.irecv, t, self.prev, self.group, tag) for t in recv]
+        to, frm = self.next, self.prev
+        if hop != 1:
+            to = dist.get_global_rank(self.group, (self.rank + hop) % self.world)
+            frm = dist.get_global_rank(self.group, (self.rank - hop) % self.world)
+        ops = [dist.P2POp(dist.isend, t, to, self.group, tag) for t in send]
+        ops += [dist.P2POp(dist.irecv, t, frm, self.group, tag) for t in recv]
         try:
             return dist.batch_isend_irecv(ops)
         except RuntimeError as e:
@@ -186,7 +198,7 @@ class LocalComm:
     def __init__(self, rank: int = 0):
         self.rank = rank  # a rank whose blocks all stay home keeps its own place in the schedule
 
-    def start(self, send, recv, kind: str, *, step: int, heads: slice | None = None):
+    def start(self, send, recv, kind: str, *, step: int, heads: slice | None = None, hop: int = 1):
         raise AssertionError("a one-rank ring exchanges nothing")
 
     @staticmethod

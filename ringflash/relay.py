@@ -76,12 +76,15 @@ class GradRelay:
     Per ring step: `for heads, dk, dv in relay.arriving(step)` gives each chunk's kv heads and
     its (B, Sk, heads, D) dK, dV views, in arrival order, to add the step's contributions into;
     then relay.send(step). After the last step, relay.finish(dtype) returns this rank's dK, dV.
+    steps: how many ring steps run (None: comm.world). A ring that stops early sends the last
+    step's accumulators straight home, world - steps + 1 places on; one step sends nothing.
     """
 
-    def __init__(self, comm, k, acc: torch.dtype, chunks: int):
+    def __init__(self, comm, k, acc: torch.dtype, chunks: int, steps: int | None = None):
         B, S, H, D = k.shape
         self.comm = comm
-        self.exchanges = comm.world > 1  # one rank keeps its own accumulators
+        self.steps = comm.world if steps is None else steps
+        self.exchanges = comm.world > 1 and self.steps > 1  # else every block's accumulators stay home
         self.heads = head_chunks(H, chunks if self.exchanges else 1)
         self.shapes = [(B, S, h.stop - h.start, D) for h in self.heads]
         numel = [math.prod(shape) for shape in self.shapes]
@@ -92,6 +95,7 @@ class GradRelay:
         self.chain = []  # chunks still to exchange in the current chain, in order
         self.in_flight = None  # (chunk, handles) of the running exchange
         self.chain_step = None
+        self.chain_hop = 1
 
     def _views(self, slot, c):
         shape = self.shapes[c]
@@ -114,6 +118,7 @@ class GradRelay:
                 "grad",
                 step=self.chain_step,
                 heads=self.heads[c],
+                hop=self.chain_hop,
             )
         self.in_flight = (c, handles)
 
@@ -151,6 +156,8 @@ class GradRelay:
         if self.side is not None:
             self.side.wait_stream(torch.cuda.current_stream(self.side.device))
         self.chain, self.chain_step = self._chain_order(step), step
+        # the next rank, or from the last step straight to the owner, rank - step
+        self.chain_hop = 1 if step + 1 < self.steps else (self.comm.world - step) % self.comm.world
         self._start_next()
 
     def finish(self, dtype):

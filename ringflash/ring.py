@@ -32,7 +32,7 @@ from .local import backend_for, backend_name, backward_inputs, block_backward, b
 from .masks import CAUSAL, FULL, BlockMask, Window, window_from
 from .merge import SoftmaxState, state_dtype
 from .relay import GradRelay, default_grad_chunks
-from .schedule import LAYOUTS, check_layout, chunks_per_rank, is_balanced, step_tasks
+from .schedule import LAYOUTS, check_layout, chunks_per_rank, is_balanced, step_tasks, steps_needed
 
 
 @dataclass(frozen=True)
@@ -59,16 +59,17 @@ class RingSpec:
             raise TypeError(f"RingSpec.window must be a masks.Window, got {self.window!r}")
 
 
-def _ring_kv(comm, k, v, key_bias):
-    """The one ring loop: yield (step, k, v, key_bias) blocks, this rank's own first, then each
-    previous rank's (key_bias travels with its keys, or stays None); the next blocks are
-    already in flight while the caller computes on the current. Two sets of receive buffers,
-    allocated once, reused."""
+def _ring_kv(comm, k, v, key_bias, steps):
+    """The one ring loop: yield (step, k, v, key_bias) blocks for `steps` steps (at most
+    comm.world; schedule.steps_needed: later blocks no query sees are never sent), this rank's
+    own first, then each previous rank's (key_bias travels with its keys, or stays None); the
+    next blocks are already in flight while the caller computes on the current. Two sets of
+    receive buffers, allocated once, reused."""
     blocks = (k, v) if key_bias is None else (k, v, key_bias)
     bufs = [None, None]
     cur = blocks
-    for step in range(comm.world):
-        last = step + 1 == comm.world
+    for step in range(steps):
+        last = step + 1 == steps
         if not last:
             slot = step % 2
             if bufs[slot] is None:
@@ -102,7 +103,8 @@ class _RingAttn(torch.autograd.Function):
         k, v = k.contiguous(), v.contiguous()  # they travel whole
         backend = backend_for(q.device)  # kept for the backward: the same arithmetic in both
         state = SoftmaxState.zeros(q.shape, state_dtype(q.dtype), q.device)
-        for step, k_blk, v_blk, bias_blk in _ring_kv(comm, k, v, key_bias):
+        steps = steps_needed(spec.layout, comm.world, q.shape[1], k.shape[1], spec.window)
+        for step, k_blk, v_blk, bias_blk in _ring_kv(comm, k, v, key_bias, steps):
             for t, mask, drop in _tasks(spec, comm, step, q.shape[1], k.shape[1]):
                 block_forward(
                     q[:, t.q_rows],
@@ -132,9 +134,10 @@ class _RingAttn(torch.autograd.Function):
         chunks = default_grad_chunks(k, acc) if spec.grad_chunks is None else spec.grad_chunks
         do, delta = backward_inputs(out, do, dlse, backend)
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
-        relay = GradRelay(comm, k, acc, chunks)
+        steps = steps_needed(spec.layout, comm.world, q.shape[1], k.shape[1], spec.window)
+        relay = GradRelay(comm, k, acc, chunks, steps)
         G = q.shape[2] // k.shape[2]
-        for step, k_blk, v_blk, bias_blk in _ring_kv(comm, k, v, key_bias):
+        for step, k_blk, v_blk, bias_blk in _ring_kv(comm, k, v, key_bias, steps):
             tasks = list(_tasks(spec, comm, step, q.shape[1], k.shape[1]))
             # dQ first: it does not need the incoming dK/dV accumulators, which arrive meanwhile
             for t, mask, drop in tasks:

@@ -9,6 +9,7 @@ every layout: layouts differ only in their segments.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from .masks import Visibility, Window, block_visibility
@@ -129,3 +130,16 @@ def step_tasks(
                 )
             )
     return _coalesce(tasks) if coalesce else tasks
+
+
+@functools.lru_cache(maxsize=256)
+def steps_needed(layout, world: int, q_len: int, kv_len: int, window: Window) -> int:
+    """How many ring steps any rank has a block task in, 1 to world: the ring stops after
+    them, since no later K/V block is seen by any query (e.g. a sliding window narrower than a
+    contiguous shard needs one neighbour's keys: 2 steps). Pure and the same on every rank;
+    cached (layouts, windows and lengths are hashable)."""
+    needed = 1
+    for step in range(1, world):
+        if any(step_tasks(layout, r, world, step, q_len, kv_len, window) for r in range(world)):
+            needed = step + 1
+    return needed

@@ -41,8 +41,10 @@ class ReplayComm:
         self.blocks = blocks
         self.record = record
         self.sent_grads = []
+        self.exchanges = {"kv": 0, "grad": 0}  # started exchanges of each kind
 
-    def start(self, send, recv, kind: str, *, step: int, heads: slice | None = None):
+    def start(self, send, recv, kind: str, *, step: int, heads: slice | None = None, hop: int = 1):
+        self.exchanges[kind] += 1
         if kind == "kv":
             for buf, t in zip(recv, self.blocks[(self.rank - step - 1) % self.world], strict=True):
                 buf.copy_(t)
@@ -99,7 +101,9 @@ def replay_ring(
         out, _ = _RingAttn.apply(ql, kl, vl, bias_shards[rank], spec, comm)
         dq, dk, dv = torch.autograd.grad(out, (ql, kl, vl), do_shards[rank])
         outs[rank], dqs[rank] = out.detach(), dq
-        for owner, heads, (dk_part, dv_part) in comm.sent_grads if world > 1 else [(rank, slice(None), (dk, dv))]:
+        # a ring that needs one step keeps each rank's accumulators home: nothing recorded
+        kept_home = world == 1 or not comm.exchanges["grad"]
+        for owner, heads, (dk_part, dv_part) in [(rank, slice(None), (dk, dv))] if kept_home else comm.sent_grads:
             dks[owner][:, :, heads] += dk_part
             dvs[owner][:, :, heads] += dv_part
     return (

@@ -3,12 +3,14 @@ gloo against a float64 oracle run one document at a time."""
 
 import itertools
 import random
+from unittest import mock
 
 import pytest
 import torch
 
 from ringflash import balanced_layout, local_positions, ring_flash_attn_varlen_func, shard, unshard
 from ringflash.balance import _pairs
+from ringflash.comm import RingComm
 from ringflash.masks import Window
 from ringflash.testing import varlen_plain_errors, varlen_reference
 
@@ -106,9 +108,20 @@ def _ring_varlen_vs_oracle(rank, world, lengths, causal, window_size, Hq, Hkv, d
     sh = lambda t: shard(t, layout=L, dim=0)
     assert torch.equal(local_positions(T, layout=L), L.positions(rank))
     ql, kl, vl = (sh(t).clone().requires_grad_() for t in (q, k, v))
-    out, lse = ring_flash_attn_varlen_func(ql, kl, vl, cu_t, layout=L, return_lse=True, **kw)
-    assert out.shape == ql.shape and lse.shape == (Hq, ql.shape[0])
-    grads = torch.autograd.grad(out, (ql, kl, vl), sh(do))
+    kinds = []  # the exchanges this rank starts: the ring stops after L.hops steps
+    start = RingComm.start
+
+    def counted(self, send, recv, kind, **kw):
+        kinds.append(kind)
+        return start(self, send, recv, kind, **kw)
+
+    with mock.patch.object(RingComm, "start", counted):
+        out, lse = ring_flash_attn_varlen_func(ql, kl, vl, cu_t, layout=L, return_lse=True, **kw)
+        assert out.shape == ql.shape and lse.shape == (Hq, ql.shape[0])
+        grads = torch.autograd.grad(out, (ql, kl, vl), sh(do))
+    # K/V: hops - 1 exchanges in the forward and again in the backward; dK/dV: one chain per step
+    assert kinds.count("kv") == 2 * (L.hops - 1)
+    assert kinds.count("grad") == (0 if L.hops == 1 else L.hops)
     full = [unshard(t, layout=L, dim=0) for t in (out, *grads)]
     full_lse = unshard(lse, layout=L, dim=1)
     for name, got, r in zip(("out", "dq", "dk", "dv"), full, (ref[0], *ref[2:])):
@@ -132,6 +145,8 @@ def test_ring_varlen_torch_backend(worlds, world, mix, causal, window_size):
     )
     if mix == "short":
         assert hops == [1] * world
+    if mix == "long_and_short" and window_size == (6, 0) and world == 3:
+        assert hops == [2] * world  # each piece of the cut document needs its left neighbour only
 
 
 @pytest.mark.parametrize("world", [2])
