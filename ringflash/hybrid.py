@@ -20,7 +20,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from ._checks import check_bool
+from ._checks import AttnDims, check_bool, key_bias_from_mask
 from .comm import (
     LocalComm,
     RingComm,
@@ -30,6 +30,8 @@ from .comm import (
     resolve_groups,
     validated_across_grid,
 )
+from .merge import state_dtype
+from .ops import _Saved
 from .schedule import chunks_per_rank, is_balanced
 
 
@@ -99,6 +101,40 @@ class _AllToAll(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         return (None, *(all_to_all(g.contiguous(), ctx.group) for g in grads))
+
+
+class _KVToRing(torch.autograd.Function):
+    """The K/V all-to-all and the ring as one node, for kv heads replicated over several ranks
+    in a 16-bit dtype: k_rows / v_rows (U, B, L, h, D) arrive in float32, travel in `dtype`,
+    and the gradients come back unrounded (the ring's float32 accumulators, exchanged in
+    float32), so that the copies' gradients are summed before the one rounding to `dtype`
+    (autograd between the ring and the exchange would round each copy's first)."""
+
+    @staticmethod
+    def forward(ctx, head_group, dtype, q_r, k_rows, v_rows, key_bias, spec, comm):
+        from .ring import _RingAttn
+
+        k_r, v_r = (_ring_shard(all_to_all(t.to(dtype).contiguous(), head_group)) for t in (k_rows, v_rows))
+        ring_ctx = _Saved()  # _RingAttn's forward and backward run as plain functions, as in ops
+        out, lse = _RingAttn.forward(ring_ctx, q_r, k_r, v_r, key_bias, spec, comm)
+        ring_ctx.kv_grad_dtype = torch.float32
+        ctx.ring_ctx, ctx.head_group, ctx.U = ring_ctx, head_group, k_rows.shape[0]
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        from .ring import _RingAttn
+
+        dq, dk_r, dv_r = _RingAttn.backward(ctx.ring_ctx, dout, dlse)[:3]
+        ctx.ring_ctx = None
+        dk, dv = (all_to_all(_from_ring_shard(g, ctx.U), ctx.head_group) for g in (dk_r, dv_r))
+        return None, None, dq, dk, dv, None, None, None
+
+
+def _from_ring_shard(x: torch.Tensor, U: int) -> torch.Tensor:
+    """The inverse of _ring_shard: (B, U * L, h, D) -> (U, B, L, h, D) contiguous."""
+    B, UL = x.shape[:2]
+    return x.reshape(B, U, UL // U, *x.shape[2:]).transpose(0, 1).contiguous()
 
 
 def _to_heads(x: torch.Tensor, of, U: int) -> torch.Tensor:
@@ -176,18 +212,22 @@ def hybrid_attn(
         mask_r = got.transpose(0, 1).reshape(m.shape[0], U * m.shape[1])
         mask_r = mask_r.bool() if key_padding_mask.dtype == torch.bool else mask_r
 
-    qs, ks, vs = _AllToAll.apply(
-        head_group, _to_heads(q, plan.q_of, U), _to_heads(k, plan.kv_of, U), _to_heads(v, plan.kv_of, U)
-    )
-    q_r, k_r, v_r = _ring_shard(qs), _ring_shard(ks), _ring_shard(vs)
-    _, _, key_bias = ring_call_spec(
-        q_r, k_r, v_r, causal, softmax_scale, layout, mask_r, grad_accum_dtype, grad_chunks, api
-    )
+    B, L = q.shape[:2]
     comm = RingComm(group) if R > 1 else LocalComm()
-    out_r, lse_r = _RingAttn.apply(q_r, k_r, v_r, key_bias, spec, comm)
+    dims = AttnDims(B, U * L, U * k.shape[1], plan.q_per, plan.kv_per, q.shape[-1])
+    key_bias = key_bias_from_mask(mask_r, dims, q.device, api, state_dtype(q.dtype))
+    if plan.kv_ranks_per_head > 1 and k.dtype in (torch.float16, torch.bfloat16):
+        # replicated kv heads: their copies' gradients are summed in float32, rounded once
+        (qs,) = _AllToAll.apply(head_group, _to_heads(q, plan.q_of, U))
+        k_rows, v_rows = (_to_heads(t.float(), plan.kv_of, U) for t in (k, v))
+        out_r, lse_r = _KVToRing.apply(head_group, k.dtype, _ring_shard(qs), k_rows, v_rows, key_bias, spec, comm)
+    else:
+        qs, ks, vs = _AllToAll.apply(
+            head_group, _to_heads(q, plan.q_of, U), _to_heads(k, plan.kv_of, U), _to_heads(v, plan.kv_of, U)
+        )
+        out_r, lse_r = _RingAttn.apply(_ring_shard(qs), _ring_shard(ks), _ring_shard(vs), key_bias, spec, comm)
 
     # back: (B, U * L, h, D) -> rows per head-group rank (its tokens) -> (B, L, Hq, D)
-    B, L = q.shape[:2]
     h = plan.q_per
     out_rows = out_r.view(B, U, L, h, -1).transpose(0, 1)
     lse_rows = lse_r.view(B, h, U, L).permute(2, 0, 1, 3)

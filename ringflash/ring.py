@@ -185,7 +185,9 @@ class _RingAttn(torch.autograd.Function):
                     )
             relay.send(step)
         k_blk = v_blk = bias_blk = None  # the K/V receive buffers go before the outputs are made
-        dk, dv = relay.finish(k.dtype)
+        # kv_grad_dtype: a caller that sums dK/dV further (hybrid's replicated heads) takes them
+        # unrounded, in the accumulator dtype
+        dk, dv = relay.finish(getattr(ctx, "kv_grad_dtype", None) or k.dtype)
         return dq.to(q.dtype), dk, dv, None, None, None
 
 

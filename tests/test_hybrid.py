@@ -9,7 +9,7 @@ import torch.distributed as dist
 from ringflash import local_positions, ring_flash_attn_func, shard, unshard
 from ringflash.hybrid import head_plan
 
-from hybrid_cases import grid, hybrid_vs_oracle
+from hybrid_cases import grid, hybrid_precision, hybrid_vs_oracle
 from ring_cases import TORCH, full_inputs
 
 # (R, U) grids on 4 processes; heads chosen so both GQA cases occur: Hkv >= U (Hkv / U per
@@ -31,6 +31,12 @@ CASES4 = [
 )
 def test_hybrid_4_ranks(worlds, case):
     worlds(4, **TORCH).run(hybrid_vs_oracle, *case)
+
+
+@pytest.mark.parametrize("grid", [(2, 2, 4, 1), (1, 4, 4, 2)], ids=lambda g: f"R{g[0]}xU{g[1]}-{g[2]}x{g[3]}")
+def test_hybrid_precision_with_replicated_kv_heads(worlds, grid):
+    """bfloat16, Hkv < U: the replicated kv heads' gradients as accurate as one device's."""
+    worlds(4, **TORCH).run(hybrid_precision, *grid)
 
 
 def test_hybrid_without_lse(worlds):
