@@ -184,3 +184,32 @@ def test_gluon_forward_is_used_and_agrees(causal, monkeypatch):
     flash_attn_func(q, k, v, causal=True, window_size=(100, 0))
     flash_attn_func(q, k, v, key_padding_mask=torch.zeros(2, 1031, dtype=torch.bool, device="cuda"))
     assert not calls
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("causal", [False, True])
+def test_dropout_vs_float64_with_the_same_mask(dtype, causal):
+    """dropout_p in the kernels on the GPU: output and gradients against float64 with the keep
+    mask of ringflash.dropout (the CPU oracle of the pairs), D = 128 and a padded D = 96."""
+    from ringflash.dropout import draw_seed, keep_mask
+
+    for B, S, Hq, Hkv, D in ((1, 1031, 4, 2, 128), (2, 515, 2, 1, 96)):
+        g = torch.Generator(device="cuda").manual_seed(S + D)
+        mk = lambda H: torch.randn(B, S, H, D, device="cuda", generator=g, dtype=dtype).requires_grad_()  # noqa: E731
+        q, k, v = mk(Hq), mk(Hkv), mk(Hkv)
+        p = 0.15
+        torch.manual_seed(7)
+        seed = draw_seed()
+        torch.manual_seed(7)
+        out = flash_attn_func(q, k, v, causal=causal, dropout_p=p)
+        do = torch.randn_like(out)
+        grads = torch.autograd.grad(out, (q, k, v), do)
+        idx = lambda n: torch.arange(n, device="cuda")  # noqa: E731
+        drop = keep_mask(seed, p, idx(B), idx(Hq), idx(S), idx(S)).double() / (1 - p)
+        ref = naive_attention(q, k, v, causal=causal, drop=drop)[0]
+        ref_grads = torch.autograd.grad(ref, (q, k, v), do.double())
+        plain = naive_attention(q, k, v, causal=causal, drop=drop, dtype=dtype)[0]
+        plain_grads = torch.autograd.grad(plain, (q, k, v), do)
+        assert_within("out", out, ref, plain)
+        for name, got, r, pl in zip(("dq", "dk", "dv"), grads, ref_grads, plain_grads):
+            assert_within(name, got, r, pl)

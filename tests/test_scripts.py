@@ -49,6 +49,12 @@ def test_bench_packed_smoke(tmp_path):
     assert all(r["ms"] > 0 for r in rows) and "visible-pair TFLOP/s" in out
 
 
+def test_bench_dropout_smoke(tmp_path):
+    run([sys.executable, "-m", "benchmarks.dropout", "--smoke", "--json", str(tmp_path / "d.json")], tmp_path)
+    rows = json.loads((tmp_path / "d.json").read_text())["rows"]
+    assert len(rows) == 4 and all(min(r["ms"].values()) > 0 for r in rows)
+
+
 def test_bench_packed_counts_visible_pairs():
     import torch
 
