@@ -215,6 +215,10 @@ class RingMultiheadAttention(nn.MultiheadAttention):
         """Jagged nested tensors (B, j, E), batch_first, one rank: the sequences packed as
         documents (flash_attn_varlen_func), every query seeing its own sequence's keys. Returns
         (a nested output like query, None): no weights, as torch's nested fast path."""
+        if query.dim() != 3:  # an empty nested tensor is 1-D: torch's words
+            raise InputError(
+                f"{api}: query should be unbatched 2D or batched 3D tensor but received {query.dim()}-D query tensor"
+            )
         if not all(getattr(t, "is_nested", False) and t.layout == torch.jagged for t in (query, key, value)):
             raise NotImplementedError(
                 f"{api}: nested tensors must be all of query, key, value, with layout=torch.jagged"

@@ -269,6 +269,9 @@ def test_unsupported_arguments_raise():
         RingMultiheadAttention(E, H)(nt, nt, nt)
     with pytest.raises(NotImplementedError, match="layout=torch.jagged"):
         ring(nt, x, x)
+    with pytest.raises(AssertionError, match="received 1-D query tensor"):
+        empty = torch.nested.nested_tensor([])
+        ring(empty, empty, empty)
     with pytest.raises(ValueError, match="not the causal mask"):
         ring(x, x, x, attn_mask=torch.zeros(6, 6, dtype=torch.bool), is_causal=True, need_weights=False)
     with pytest.raises(ValueError, match="layout"):
