@@ -332,8 +332,8 @@ def ring_flash_attn_func(
     grad_chunks: the number of kv-head chunks the dK/dV accumulators travel in (at most Hkv;
     None: 4, fewer for accumulators under 4 x 64 MiB); receiving costs one chunk of memory.
     Every call checks with one small all_gather that all ranks passed the same shapes, dtype,
-    causal flag and window, layout, scale, mask presence, grad_accum_dtype and grad_chunks, and raises on
-    every rank if not.
+    causal flag and window, layout, scale, mask presence, grad_accum_dtype and grad_chunks,
+    and raises on every rank if not.
     head_group: a process group of U ranks sharing this rank's ring position (or pass a 2-D
     DeviceMesh as group: dim 0 the ring, dim 1 the heads): the sequence is then sharded over
     R x U ranks (shard(..., head_group=)), heads travel by all-to-all inside the head group

@@ -82,8 +82,8 @@ def replay_ring(
 
     q, k, v, do: full (B, S, H, D) tensors. Returns out, dq, dk, dv as full tensors
     (positions of ranks not replayed are zero; dk/dv then hold only the replayed ranks'
-    contributions). window_size, grad_accum_dtype, grad_chunks: as in ring_flash_attn_func (the summing of
-    dK/dV over the replayed ranks is float32).
+    contributions). window_size, grad_accum_dtype, grad_chunks: as in ring_flash_attn_func
+    (the summing of dK/dV over the replayed ranks is float32).
     """
     _, spec, key_bias = ring_call_spec(
         q, k, v, causal, softmax_scale, layout, key_padding_mask, grad_accum_dtype, grad_chunks, "replay_ring",
