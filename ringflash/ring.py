@@ -315,8 +315,8 @@ def ring_flash_attn_func(
     positions: the query at position i sees the key at j iff i - left <= j <= i + right (-1:
     unbounded on that side), as flash_attn_func(window_size=) on the unsharded tensors; with
     causal=True right must be -1 or 0. A window needs Sq_local == Sk_local, as causal does.
-    Blocks no query sees are skipped (a rank computes about Sq_local x window), but K/V still
-    travel every ring step.
+    Blocks no query sees are skipped (a rank computes about Sq_local x window), and the ring
+    stops after the last step any rank has work in (schedule.steps_needed).
     key_padding_mask: optional (B, Sk_local) for this rank's keys, bool (True = padding, the
     key is ignored) or float (added to the scores; not differentiated); it travels around the
     ring with its keys.

@@ -1,10 +1,15 @@
 """Ring attention over gloo with several processes against a single-process float64 oracle."""
 
+from unittest import mock
+
 import pytest
 import torch
 import torch.distributed as dist
 
 from ringflash import flash_attn_func, local_positions, ring_flash_attn_func, shard, unshard
+from ringflash.comm import RingComm
+from ringflash.masks import window_from
+from ringflash.schedule import step_tasks, steps_needed
 
 from hybrid_cases import hybrid_precision, hybrid_vs_oracle
 from oracle import assert_within, max_err, plain_errors, reference, rel_rms
@@ -60,8 +65,18 @@ def _windowed(rank, world, layout, causal, window_size, chunk, seed):
     plain = plain_errors(q, k, v, do, ref, **kw)
     sh = lambda t, dim=1: shard(t, layout=layout, dim=dim)
     ql, kl, vl = (sh(t).clone().requires_grad_() for t in (q, k, v))
-    out, lse = ring_flash_attn_func(ql, kl, vl, layout=layout, return_lse=True, **kw)
-    grads = torch.autograd.grad(out, (ql, kl, vl), sh(do))
+    kinds = []  # the exchanges this rank starts: the ring stops after the steps the window needs
+    start = RingComm.start
+
+    def counted(self, send, recv, kind, **kw):
+        kinds.append(kind)
+        return start(self, send, recv, kind, **kw)
+
+    with mock.patch.object(RingComm, "start", counted):
+        out, lse = ring_flash_attn_func(ql, kl, vl, layout=layout, return_lse=True, **kw)
+        grads = torch.autograd.grad(out, (ql, kl, vl), sh(do))
+    steps = steps_needed(layout, world, 2 * chunk, 2 * chunk, window_from(causal, window_size, "t"))
+    assert kinds.count("kv") == 2 * (steps - 1), (kinds, steps)  # forward and backward
     tag = f"{layout} causal={causal} window_size={window_size} world {world}"
     assert_within(f"out {tag}", out, sh(ref[0]), plain["out"])
     assert_within(f"lse {tag}", lse, sh(ref[1], dim=2), plain["lse"], sum_len=1)
@@ -105,8 +120,6 @@ def test_ring_window_triton_interpreter(worlds, case):
 def test_narrow_windows_leave_ring_steps_without_work():
     """What the cases above exercise in the schedule: ranks (or all ranks) that hold K/V no
     query of theirs sees at a step compute nothing there."""
-    from ringflash.masks import window_from
-    from ringflash.schedule import step_tasks
 
     def work(layout, world, causal, window_size):
         """[step][rank]: has block tasks."""
@@ -115,6 +128,7 @@ def test_narrow_windows_leave_ring_steps_without_work():
         return [[bool(step_tasks(layout, r, world, s, local, local, w)) for r in range(world)] for s in range(world)]
 
     assert work("contiguous", 3, True, (3, 0))[2] == [False] * 3
+    assert steps_needed("contiguous", 3, 12, 12, window_from(True, (3, 0), "t")) == 2  # one hop: K/V stop there
     assert work("zigzag", 4, True, (3, 0))[2] == [False] * 4
     assert not work("zigzag", 3, True, (3, 0))[1][0]
     for layout in ("contiguous", "zigzag"):
