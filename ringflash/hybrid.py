@@ -156,6 +156,7 @@ def hybrid_attn(
     *,
     causal,
     softmax_scale,
+    window_size=(-1, -1),
     group,
     head_group,
     layout,
@@ -178,7 +179,7 @@ def hybrid_attn(
         if is_balanced(layout):
             raise ValueError(f"{api}: a balanced layout (packed documents) with a head_group is not supported yet")
         dims, spec, _ = ring_call_spec(
-            q, k, v, causal, softmax_scale, layout, key_padding_mask, grad_accum_dtype, grad_chunks, api
+            q, k, v, causal, softmax_scale, layout, key_padding_mask, grad_accum_dtype, grad_chunks, api, window_size
         )
         plan = head_plan(dims.heads_q, dims.heads_kv, U, api)
         for g, n in ((group, R), (head_group, U)):

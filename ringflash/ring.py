@@ -29,7 +29,7 @@ from .comm import (
 from .dropout import Dropout, all_dropped, check_dropout_p, draw_seed, first_ranks_seed, operator_dropout
 from .empty import empty_attention
 from .local import backend_for, backend_name, backward_inputs, block_backward, block_forward, without_autocast
-from .masks import CAUSAL, FULL, BlockMask, Window, window_from
+from .masks import FULL, BlockMask, Window, window_from
 from .merge import SoftmaxState, state_dtype
 from .relay import GradRelay, default_grad_chunks
 from .schedule import LAYOUTS, check_layout, chunks_per_rank, is_balanced, step_tasks, steps_needed
@@ -258,22 +258,31 @@ def check_grad_chunks(grad_chunks, api: str):
         raise ValueError(f"{api}: grad_chunks must be None or a positive int, got {grad_chunks!r}")
 
 
-def ring_call_spec(q, k, v, causal, softmax_scale, layout, key_padding_mask, grad_accum_dtype, grad_chunks, api):
+def ring_call_spec(
+    q, k, v, causal, softmax_scale, layout, key_padding_mask, grad_accum_dtype, grad_chunks, api, window_size=(-1, -1)
+):
     """Validate a ring call's own arguments (not against other ranks); returns the dims, its
-    RingSpec and the key bias (B, Sk_local) in the state dtype, or None."""
+    RingSpec and the key bias (B, Sk_local) in the state dtype, or None. causal and
+    window_size (flash-attn's) become the RingSpec's Window, by global positions."""
     dims = check_qkv(q, k, v, api)
     check_bool("causal", causal, api)
+    window = window_from(causal, window_size, api)
     check_layout(layout, api)
     check_grad_chunks(grad_chunks, api)
     scale = resolve_scale(softmax_scale, dims.head_dim, api)
     key_bias = key_bias_from_mask(key_padding_mask, dims, q.device, api, state_dtype(q.dtype))
     grad_accum = resolve_grad_accum(grad_accum_dtype, q.dtype, state_dtype(q.dtype), api)
-    if causal and dims.seqlen_q != dims.seqlen_k:
+    if not window.is_full and dims.seqlen_q != dims.seqlen_k:
+        # both masks compare global positions of one sequence: self-attention only
+        windowed = tuple(window_size) != (-1, -1)
+        what = " ".join(
+            (["causal"] if causal else []) + ([f"windowed (window_size={tuple(window_size)})"] if windowed else [])
+        )
         raise ValueError(
-            f"{api}: causal ring attention needs equal q and k/v local lengths, "
+            f"{api}: {what} ring attention needs equal q and k/v local lengths (self-attention), "
             f"got q {tuple(q.shape)} and k {tuple(k.shape)}"
         )
-    return dims, RingSpec(CAUSAL if causal else FULL, scale, layout, grad_chunks, grad_accum), key_bias
+    return dims, RingSpec(window, scale, layout, grad_chunks, grad_accum), key_bias
 
 
 def ring_flash_attn_func(
@@ -283,6 +292,7 @@ def ring_flash_attn_func(
     *,
     causal=False,
     softmax_scale=None,
+    window_size=(-1, -1),
     group=None,
     layout="zigzag",
     key_padding_mask=None,
@@ -301,6 +311,12 @@ def ring_flash_attn_func(
     group: a process group (None: the default group). With world size 1, or no process group
     initialized, this is local attention. layout: "zigzag" (balanced causal
     work) or "contiguous"; causal needs Sq_local == Sk_local (the same sequence).
+    window_size=(left, right): flash-attn's sliding window over the whole sequence, by global
+    positions: the query at position i sees the key at j iff i - left <= j <= i + right (-1:
+    unbounded on that side), as flash_attn_func(window_size=) on the unsharded tensors; with
+    causal=True right must be -1 or 0. A window needs Sq_local == Sk_local, as causal does.
+    Blocks no query sees are skipped (a rank computes about Sq_local x window), and the ring
+    stops after the last step any rank has work in (schedule.steps_needed).
     key_padding_mask: optional (B, Sk_local) for this rank's keys, bool (True = padding, the
     key is ignored) or float (added to the scores; not differentiated); it travels around the
     ring with its keys.
@@ -316,8 +332,8 @@ def ring_flash_attn_func(
     grad_chunks: the number of kv-head chunks the dK/dV accumulators travel in (at most Hkv;
     None: 4, fewer for accumulators under 4 x 64 MiB); receiving costs one chunk of memory.
     Every call checks with one small all_gather that all ranks passed the same shapes, dtype,
-    causal flag, layout, scale, mask presence, grad_accum_dtype and grad_chunks, and raises on
-    every rank if not.
+    causal flag and window, layout, scale, mask presence, grad_accum_dtype and grad_chunks,
+    and raises on every rank if not.
     head_group: a process group of U ranks sharing this rank's ring position (or pass a 2-D
     DeviceMesh as group: dim 0 the ring, dim 1 the heads): the sequence is then sharded over
     R x U ranks (shard(..., head_group=)), heads travel by all-to-all inside the head group
@@ -341,6 +357,7 @@ def ring_flash_attn_func(
                 v,
                 causal=causal,
                 softmax_scale=softmax_scale,
+                window_size=window_size,
                 group=group,
                 head_group=head_group,
                 layout=layout,
@@ -357,7 +374,7 @@ def ring_flash_attn_func(
         if is_balanced(layout):
             raise ValueError(f"{api}: a balanced layout (packed documents) goes with ring_flash_attn_varlen_func")
         dims, spec, key_bias = ring_call_spec(
-            q, k, v, causal, softmax_scale, layout, key_padding_mask, grad_accum_dtype, grad_chunks, api
+            q, k, v, causal, softmax_scale, layout, key_padding_mask, grad_accum_dtype, grad_chunks, api, window_size
         )
         if world > 1:
             check_backend_device(group, q.device, api)
@@ -449,11 +466,11 @@ def ring_flash_attn_varlen_func(
         if q.shape[0] != n or k.shape[0] != n:
             raise ValueError(f"{api}: the layout gives rank {rank} {n} tokens, got q {tuple(q.shape)} and "
                              f"k {tuple(k.shape)}")  # fmt: skip
-        window = window_from(causal, window_size, api)
         dims, spec, _ = ring_call_spec(
-            q[None], k[None], v[None], False, softmax_scale, "contiguous", None, grad_accum_dtype, grad_chunks, api
-        )
-        spec = dataclasses.replace(spec, window=window, layout=layout)
+            q[None], k[None], v[None], causal, softmax_scale, "contiguous", None, grad_accum_dtype, grad_chunks, api,
+            window_size,
+        )  # fmt: skip
+        spec = dataclasses.replace(spec, layout=layout)
         if world > 1:
             check_backend_device(group, q.device, api)
         pad = layout.max_local_len - n

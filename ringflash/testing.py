@@ -70,6 +70,7 @@ def replay_ring(
     world,
     causal=False,
     softmax_scale=None,
+    window_size=(-1, -1),
     layout="zigzag",
     key_padding_mask=None,
     ranks=None,
@@ -81,12 +82,13 @@ def replay_ring(
 
     q, k, v, do: full (B, S, H, D) tensors. Returns out, dq, dk, dv as full tensors
     (positions of ranks not replayed are zero; dk/dv then hold only the replayed ranks'
-    contributions). grad_accum_dtype, grad_chunks: as in ring_flash_attn_func (the summing of
-    dK/dV over the replayed ranks is float32).
+    contributions). window_size, grad_accum_dtype, grad_chunks: as in ring_flash_attn_func
+    (the summing of dK/dV over the replayed ranks is float32).
     """
     _, spec, key_bias = ring_call_spec(
-        q, k, v, causal, softmax_scale, layout, key_padding_mask, grad_accum_dtype, grad_chunks, "replay_ring"
-    )
+        q, k, v, causal, softmax_scale, layout, key_padding_mask, grad_accum_dtype, grad_chunks, "replay_ring",
+        window_size,
+    )  # fmt: skip
     k_shards, v_shards = _split(k, world, layout), _split(v, world, layout)
     bias_shards = [None] * world if key_bias is None else _split(key_bias, world, layout)
     blocks = [(ks, vs) if bs is None else (ks, vs, bs) for ks, vs, bs in zip(k_shards, v_shards, bias_shards)]

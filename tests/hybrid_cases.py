@@ -23,13 +23,15 @@ def grid(R, U):
     return _GRIDS[R, U]
 
 
-def hybrid_vs_oracle(rank, world, R, U, layout, causal, B, chunk, Hq, Hkv, mask, seed, return_lse=True):
+def hybrid_vs_oracle(
+    rank, world, R, U, layout, causal, B, chunk, Hq, Hkv, mask, seed, return_lse=True, window_size=(-1, -1)
+):
     group, head_group = grid(R, U)
     S, D = 2 * R * U * chunk, 16
     q, k, v, do = full_inputs(B, S, S, Hq, Hkv, D, torch.float32, seed)
     kpm = padding_mask(mask, B, S, seed)
-    ref = reference(q, k, v, do, causal=causal, key_padding_mask=kpm)
-    plain = plain_errors(q, k, v, do, ref, causal=causal, key_padding_mask=kpm)
+    ref = reference(q, k, v, do, causal=causal, window_size=window_size, key_padding_mask=kpm)
+    plain = plain_errors(q, k, v, do, ref, causal=causal, window_size=window_size, key_padding_mask=kpm)
     sh = lambda t, dim=1: shard(t, group=group, head_group=head_group, layout=layout, dim=dim)
     pos = local_positions(S, group=group, head_group=head_group, layout=layout)
     assert torch.equal(sh(q), q[:, pos]) and pos.numel() == S // (R * U)
@@ -39,6 +41,7 @@ def hybrid_vs_oracle(rank, world, R, U, layout, causal, B, chunk, Hq, Hkv, mask,
         kl,
         vl,
         causal=causal,
+        window_size=window_size,
         group=group,
         head_group=head_group,
         layout=layout,
@@ -48,7 +51,7 @@ def hybrid_vs_oracle(rank, world, R, U, layout, causal, B, chunk, Hq, Hkv, mask,
     out, lse = res if return_lse else (res, None)
     assert out.shape == ql.shape and out.dtype == q.dtype
     grads = torch.autograd.grad(out, (ql, kl, vl), sh(do))
-    tag = f"R{R}xU{U} {layout} causal={causal} {Hq}/{Hkv} mask={mask}"
+    tag = f"R{R}xU{U} {layout} causal={causal} window_size={window_size} {Hq}/{Hkv} mask={mask}"
     assert_within(f"out {tag}", out, sh(ref[0]), plain["out"])
     if lse is not None:
         assert lse.shape == (B, Hq, S // (R * U)) and lse.dtype == torch.float32

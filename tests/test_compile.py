@@ -184,6 +184,12 @@ def _ring_compiled(rank, world):
     want_out, want_grads = _run(f, leaves)
     _assert_equal(got_out + got_grads, want_out + want_grads)
     _no_graph_break()
+    # a sliding window: its bounds are operator arguments, in the compiled graph as constants
+    fw = lambda q, k, v: ringflash.ring_flash_attn_func(q, k, v, window_size=(5, 3), return_lse=True)
+    got_out, got_grads = _run(_compile(fw), leaves)
+    want_out, want_grads = _run(fw, leaves)
+    _assert_equal(got_out + got_grads, want_out + want_grads)
+    _no_graph_break()
     # the ranks disagree (rank 0 passes a shorter shard): every rank raises, compiled too
     bad = [t[:, :8] if rank == 0 else t for t in leaves]
     with pytest.raises(ValueError, match="ranks of the group disagree .*q local length: rank 0=8, rank 1=16"):
@@ -202,7 +208,8 @@ def _ring_compiled(rank, world):
 
 def test_ring_fullgraph_two_ranks(worlds):
     """The ring compiled with fullgraph on 2 gloo ranks: compiled == eager (out, lse, dq, dk,
-    dv), no graph break, disagreeing ranks raise on every rank, the encoder layer on the ring."""
+    dv; causal with padding, and a sliding window), no graph break, disagreeing ranks raise on
+    every rank, the encoder layer on the ring."""
     worlds(2).run(_ring_compiled)
 
 

@@ -113,6 +113,24 @@ def test_bad_grad_chunks():
             ring_flash_attn_func(q, q, q, grad_chunks=bad)
 
 
+def test_bad_window_size():
+    """ring_flash_attn_func's window_size: flash-attn's pair, right -1 or 0 with causal, and
+    self-attention only (equal local lengths, as causal); named before anything runs."""
+    q, kv = _t(1, 4, 2, 16), _t(1, 6, 2, 16)
+    for bad in ((3,), (1, 2, 3), "(1, 1)", (-2, 0), (1.0, 0), (True, 0), None):
+        with pytest.raises(ValueError, match=r"window_size must be a pair of ints >= -1 \(left, right\), got"):
+            ring_flash_attn_func(q, q, q, window_size=bad)
+    with pytest.raises(ValueError, match=r"causal=True means window_size's right is 0; got window_size=\(4, 2\)"):
+        ring_flash_attn_func(q, q, q, causal=True, window_size=(4, 2))
+    with pytest.raises(
+        ValueError, match=r"windowed \(window_size=\(2, 2\)\) ring attention needs equal q and k/v local lengths"
+    ):
+        ring_flash_attn_func(q, kv, kv, window_size=(2, 2))
+    with pytest.raises(ValueError, match=r"causal windowed \(window_size=\(3, -1\)\) ring attention needs equal"):
+        ring_flash_attn_func(q, kv, kv, causal=True, window_size=(3, -1))
+    assert ring_flash_attn_func(q, kv, kv, window_size=(-1, -1)).shape == q.shape  # no window: cross-attention
+
+
 def _mismatch(rank, world):
     q, k, v, _ = full_inputs(1, 8, 8, 2, 1, 16, torch.float32, 0)
     bad = dict(
@@ -134,6 +152,7 @@ def _mismatch(rank, world):
             {"grad_accum_dtype": torch.bfloat16 if rank else None},
         ),
         grad_chunks=(q[:, :4], k[:, :4], v[:, :4], {"grad_chunks": 1 + rank}),
+        window=(q[:, :4], k[:, :4], v[:, :4], {"window_size": (2, 1 + rank)}),
     )
     for a, b, c, kw in bad.values():
         with pytest.raises(ValueError, match="disagree"):

@@ -43,6 +43,15 @@ def test_hybrid_without_lse(worlds):
     worlds(4, **TORCH).run(hybrid_vs_oracle, 2, 2, "zigzag", True, 1, 2, 4, 2, None, 9, False)
 
 
+@pytest.mark.parametrize(
+    "layout,causal,window_size", [("zigzag", True, (2, 0)), ("contiguous", False, (3, 5))], ids=["zigzag", "contiguous"]
+)
+def test_hybrid_window(worlds, layout, causal, window_size):
+    """A sliding window with a head_group: the ring over the ring positions' whole shards
+    (chunk 3 x U 2 = 6 rows per ring position and chunk), windows narrower than that."""
+    worlds(4, **TORCH).run(hybrid_vs_oracle, 2, 2, layout, causal, 1, 3, 4, 2, "bool", 10, True, window_size)
+
+
 def _mesh(rank, world):
     """A 2-D DeviceMesh as group: dim 0 the ring, dim 1 the heads; the same numbers as groups."""
     from torch.distributed.device_mesh import init_device_mesh

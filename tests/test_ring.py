@@ -1,10 +1,15 @@
 """Ring attention over gloo with several processes against a single-process float64 oracle."""
 
+from unittest import mock
+
 import pytest
 import torch
 import torch.distributed as dist
 
 from ringflash import flash_attn_func, local_positions, ring_flash_attn_func, shard, unshard
+from ringflash.comm import RingComm
+from ringflash.masks import window_from
+from ringflash.schedule import step_tasks, steps_needed
 
 from hybrid_cases import hybrid_precision, hybrid_vs_oracle
 from oracle import assert_within, max_err, plain_errors, reference, rel_rms
@@ -49,6 +54,88 @@ def test_ring_triton_interpreter(worlds, world, case):
     worlds(world, **TRITON).run(ring_vs_oracle, case)
 
 
+def _windowed(rank, world, layout, causal, window_size, chunk, seed):
+    """A sliding window on the dense ring: this rank's out, lse and gradients, and the
+    reassembled out and dK, against one device's float64 attention with the same window over
+    the whole sequence; bounds from the plain float32 computation (GQA 4/2, float32)."""
+    S = 2 * world * chunk
+    q, k, v, do = full_inputs(1, S, S, 4, 2, 16, torch.float32, seed)
+    kw = dict(causal=causal, window_size=window_size)
+    ref = reference(q, k, v, do, **kw)
+    plain = plain_errors(q, k, v, do, ref, **kw)
+    sh = lambda t, dim=1: shard(t, layout=layout, dim=dim)
+    ql, kl, vl = (sh(t).clone().requires_grad_() for t in (q, k, v))
+    kinds = []  # the exchanges this rank starts: the ring stops after the steps the window needs
+    start = RingComm.start
+
+    def counted(self, send, recv, kind, **kw):
+        kinds.append(kind)
+        return start(self, send, recv, kind, **kw)
+
+    with mock.patch.object(RingComm, "start", counted):
+        out, lse = ring_flash_attn_func(ql, kl, vl, layout=layout, return_lse=True, **kw)
+        grads = torch.autograd.grad(out, (ql, kl, vl), sh(do))
+    steps = steps_needed(layout, world, 2 * chunk, 2 * chunk, window_from(causal, window_size, "t"))
+    assert kinds.count("kv") == 2 * (steps - 1), (kinds, steps)  # forward and backward
+    tag = f"{layout} causal={causal} window_size={window_size} world {world}"
+    assert_within(f"out {tag}", out, sh(ref[0]), plain["out"])
+    assert_within(f"lse {tag}", lse, sh(ref[1], dim=2), plain["lse"], sum_len=1)
+    for name, g, r in zip(("dq", "dk", "dv"), grads, ref[2:]):
+        assert_within(f"{name} {tag}", g, sh(r), plain[name])
+    assert_within(f"unshard(out) {tag}", unshard(out, layout=layout), ref[0], plain["out"])
+    assert_within(f"unshard(dk) {tag}", unshard(grads[1], layout=layout), ref[3], plain["dk"])
+
+
+# (layout, causal, window_size) with chunk 6 (S = 12 world): (3, 0) and (2, 4) are narrower than
+# a chunk, so at world 3 ring step 2 has no work on any rank (contiguous, causal) or single
+# ranks have none at a step (two-sided, and zigzag); zigzag empties a whole step from world 4
+# (test_narrow_windows_leave_ring_steps_without_work)
+WINDOWS = [
+    ("zigzag", True, (3, 0)),
+    ("contiguous", True, (3, 0)),
+    ("zigzag", False, (2, 4)),
+    ("contiguous", False, (2, 4)),
+    ("zigzag", True, (10, -1)),  # causal with right -1: right 0, a window wider than a chunk
+    ("contiguous", False, (-1, 7)),  # unbounded on the left, into the future on the right
+]
+WINDOW_CASES = [(w, c) for w in (2, 3) for c in WINDOWS] + [(4, ("zigzag", True, (3, 0)))]
+
+
+@pytest.mark.parametrize(
+    "world,case",
+    WINDOW_CASES,
+    ids=lambda x: f"{x[0]}-{'causal' if x[1] else 'full'}-{x[2][0]}_{x[2][1]}" if isinstance(x, tuple) else f"w{x}",
+)
+def test_ring_window_torch_backend(worlds, world, case):
+    worlds(world, **TORCH).run(_windowed, *case, 6, 20 + world)
+
+
+@pytest.mark.parametrize(
+    "case", [("zigzag", True, (3, 0)), ("contiguous", False, (2, 4))], ids=["zigzag-causal", "contiguous-full"]
+)
+def test_ring_window_triton_interpreter(worlds, case):
+    worlds(2, **TRITON).run(_windowed, *case, 6, 30)
+
+
+def test_narrow_windows_leave_ring_steps_without_work():
+    """What the cases above exercise in the schedule: ranks (or all ranks) that hold K/V no
+    query of theirs sees at a step compute nothing there."""
+
+    def work(layout, world, causal, window_size):
+        """[step][rank]: has block tasks."""
+        w = window_from(causal, window_size, "t")
+        local = 12  # chunk 6: 12 rows per rank in either layout
+        return [[bool(step_tasks(layout, r, world, s, local, local, w)) for r in range(world)] for s in range(world)]
+
+    assert work("contiguous", 3, True, (3, 0))[2] == [False] * 3
+    assert steps_needed("contiguous", 3, 12, 12, window_from(True, (3, 0), "t")) == 2  # one hop: K/V stop there
+    assert work("zigzag", 4, True, (3, 0))[2] == [False] * 4
+    assert not work("zigzag", 3, True, (3, 0))[1][0]
+    for layout in ("contiguous", "zigzag"):
+        assert not all(all(step) for step in work(layout, 3, False, (2, 4)))
+        assert all(all(step) for step in work(layout, 3, False, (-1, -1)))  # no window: every rank works every step
+
+
 def test_no_process_group_is_local_attention():
     q, k, v, _ = full_inputs(2, 24, 24, 4, 2, 16, torch.float32, 0)
     assert not dist.is_initialized()
@@ -56,6 +143,10 @@ def test_no_process_group_is_local_attention():
         a = ring_flash_attn_func(q, k, v, causal=causal)
         b = flash_attn_func(q, k, v, causal=causal)
         assert max_err(a, b) < 1e-6
+    for causal, window_size in ((True, (5, 0)), (False, (3, 6))):
+        a = ring_flash_attn_func(q, k, v, causal=causal, window_size=window_size)
+        assert max_err(a, flash_attn_func(q, k, v, causal=causal, window_size=window_size)) < 1e-6
+        assert max_err(a, flash_attn_func(q, k, v, causal=causal)) > 1e-2  # the window changed the result
     assert torch.equal(shard(q), q) and torch.equal(unshard(q), q)
     assert torch.equal(local_positions(24), torch.arange(24))
 
