@@ -270,9 +270,7 @@ def _ring_world(rank, world, layout, causal, grad_chunks):
         assert max_err(g, r) < 1e-12, name
 
 
-@pytest.mark.parametrize(
-    "world,layout,causal,grad_chunks", [(2, "zigzag", True, 2), (3, "contiguous", False, None)]
-)
+@pytest.mark.parametrize("world,layout,causal,grad_chunks", [(2, "zigzag", True, 2), (3, "contiguous", False, None)])
 def test_ring_dropout_same_pairs_at_any_world(worlds, world, layout, causal, grad_chunks):
     """The ring functions' dropout: outputs and gradients equal the one-device float64
     reference with the same keep mask, at world 2 and 3, either layout, dK/dV in head chunks."""
