@@ -29,20 +29,17 @@ How it fits into transformers (5.x):
   the one-device loss.
 
 Sliding-window layers (Mistral; Qwen2 with use_sliding_window) run through
-flash_attn_func(window_size=(W - 1, 0)) on one process; on the ring, a window shorter than the
-sequence raises NotImplementedError (_ring_attention is the one place the ring is called).
+flash_attn_func(window_size=(W - 1, 0)) on one process and ring_flash_attn_func(window_size=)
+on the ring (transformers: query i sees key j iff i - W < j <= i); with the contiguous layout
+a window shorter than a shard needs one neighbour's K/V only (the ring stops early). Attention
+dropout in training runs in the kernels (ringflash.dropout: the ring drops the pairs one
+process drops).
 
-Not supported yet (NotImplementedError naming it): sliding-window layers on the ring whose
-window is shorter than the sequence, packed sequences (position_ids that restart, cu_seq_lens),
-logit softcapping, attention sinks, position biases, 4D attention masks on the ring,
-bidirectional attention, output_attentions. Attention dropout in training runs in the kernels
-(ringflash.dropout: the ring drops the pairs one process drops). Tested model families:
-MODEL_TYPES.
+Not supported yet (NotImplementedError naming it): packed sequences (position_ids that
+restart, cu_seq_lens), logit softcapping, attention sinks, position biases, 4D attention masks
+on the ring, bidirectional attention, output_attentions. Tested model families: MODEL_TYPES.
 
 Where the coming ring features plug in:
-- Sliding windows: _ring_attention is the one place that raises; once the ring takes
-  window_size=(left, right) it passes _window_size's (sliding_window - 1, 0) to
-  ring_flash_attn_func for that layer (transformers: query i sees key j iff i - W < j <= i).
 - Packed documents: shard_inputs sees the whole batch, so it is where cu_seqlens are derived
   (from restarting position_ids without a mask, or given) and the documents' layout is planned;
   the batch then carries them to the pre-hook, which puts them on the _Call instead of raising
@@ -158,17 +155,10 @@ def _window_size(sliding_window, total_len: int) -> tuple[int, int]:
 def _ring_attention(q, k, v, *, scaling, call, padding, window_size, dropout_p):
     """The one place the ring is called: q (B, S_local, Hq, D), k, v (B, S_local, Hkv, D), this
     rank's shards; padding (B, S_local) bool, True = padded key, or None; window_size as
-    _window_size gives it. Sliding windows on the ring are not there yet: when the ring takes
-    window_size=, this passes it on instead of raising."""
-    if window_size != (-1, -1):
-        raise _unsupported(
-            f"sliding-window attention on the ring is not supported yet: this layer has "
-            f"sliding_window={window_size[0] + 1}, shorter than the sequence "
-            f"({k.shape[1] * call.world} tokens); it works on one process (no process group)"
-        )
+    _window_size gives it (a sliding-window layer: by global positions on the ring)."""
     return ring_flash_attn_func(
         q, k, v, causal=True, softmax_scale=scaling, group=call.group, layout=call.layout, key_padding_mask=padding,
-        dropout_p=dropout_p,
+        window_size=window_size, dropout_p=dropout_p,
     )  # fmt: skip
 
 
