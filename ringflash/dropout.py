@@ -126,16 +126,17 @@ class Dropout:
         )  # fmt: skip
 
 
-def seed_tensor() -> torch.Tensor:
-    """A fresh seed in [0, 2^63), an int64 scalar on the CPU, from torch's default CPU generator
-    (advancing it, as torch's dropout advances its generator), so torch.manual_seed reproduces
-    the masks. The CPU generator whatever the inputs' device: drawing needs no device sync."""
-    return torch.randint(0, 2**63 - 1, (), dtype=torch.int64)
+def seed_tensor(generator: torch.Generator | None = None) -> torch.Tensor:
+    """A fresh seed in [0, 2^63), an int64 scalar on the CPU, from `generator` (a CPU
+    torch.Generator; None: torch's default CPU generator), advancing it as torch's dropout
+    advances its generator, so torch.manual_seed (or generator.manual_seed) reproduces the
+    masks. A CPU generator whatever the inputs' device: drawing needs no device sync."""
+    return torch.randint(0, 2**63 - 1, (), dtype=torch.int64, generator=generator)
 
 
-def draw_seed() -> int:
-    """seed_tensor() as an int."""
-    return int(seed_tensor())
+def draw_seed(generator: torch.Generator | None = None) -> int:
+    """seed_tensor(generator) as an int."""
+    return int(seed_tensor(generator))
 
 
 def first_ranks_seed(seed: int, device, group=None) -> int:
@@ -157,6 +158,14 @@ def agreed_seed(device, group=None) -> int:
     return first_ranks_seed(draw_seed(), device, group)
 
 
+def check_generator(generator, api: str) -> None:
+    """generator: None or a torch.Generator on the CPU (the seeds are drawn there), else a
+    ValueError naming it."""
+    if generator is not None and (not isinstance(generator, torch.Generator) or generator.device.type != "cpu"):
+        got = getattr(generator, "device", type(generator).__name__)
+        raise ValueError(f"{api}: generator must be None or a CPU torch.Generator (seeds are drawn there), got {got}")
+
+
 def check_dropout_p(dropout_p, api: str) -> float:
     """dropout_p as a float in [0, 1], or a ValueError naming it."""
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or not 0.0 <= dropout_p <= 1.0:
@@ -164,12 +173,12 @@ def check_dropout_p(dropout_p, api: str) -> float:
     return float(dropout_p)
 
 
-def operator_dropout(dropout_p: float) -> tuple[float, torch.Tensor | None]:
-    """(dropout_p, seed) as the attention operators take them: a fresh seed_tensor() when some
-    pairs are dropped and some kept; (0.0, None) otherwise (p = 1 runs without dropout and
-    all_dropped zeroes the output)."""
+def operator_dropout(dropout_p: float, generator=None) -> tuple[float, torch.Tensor | None]:
+    """(dropout_p, seed) as the attention operators take them: a fresh seed_tensor(generator)
+    when some pairs are dropped and some kept; (0.0, None) otherwise (p = 1 runs without
+    dropout and all_dropped zeroes the output)."""
     if 0.0 < dropout_p < 1.0:
-        return dropout_p, seed_tensor()
+        return dropout_p, seed_tensor(generator)
     return 0.0, None
 
 

@@ -30,6 +30,7 @@ from .comm import (
     resolve_groups,
     validated_across_grid,
 )
+from .dropout import Dropout, all_dropped, check_dropout_p, check_generator, draw_seed, first_ranks_seed
 from .merge import state_dtype
 from .ops import _Saved
 from .schedule import chunks_per_rank, is_balanced
@@ -164,8 +165,12 @@ def hybrid_attn(
     return_lse,
     grad_accum_dtype,
     grad_chunks,
+    dropout_p=0.0,
+    generator=None,
 ):
-    """ring_flash_attn_func with a head_group (see its docstring and README: Hybrid)."""
+    """ring_flash_attn_func with a head_group (see its docstring and README: Hybrid). Dropout:
+    the keep mask of the global query heads (this rank's start at u * Hq / U), one seed for the
+    whole grid (its first rank's)."""
     from .ring import _FIELD_NAMES, _RingAttn, _show_field, _signature, ring_call_spec
 
     api = "ring_flash_attn_func"
@@ -176,6 +181,8 @@ def hybrid_attn(
 
     def validate():
         check_bool("return_lse", return_lse, api)
+        p = check_dropout_p(dropout_p, api)
+        check_generator(generator, api)
         if is_balanced(layout):
             raise ValueError(f"{api}: a balanced layout (packed documents) with a head_group is not supported yet")
         dims, spec, _ = ring_call_spec(
@@ -198,12 +205,18 @@ def hybrid_attn(
                 f"{api}: grad_chunks {grad_chunks} exceeds the {plan.kv_per} k/v head(s) each rank holds "
                 f"with a head_group of {U}"
             )
-        fields = _signature(q, k, spec, key_padding_mask is not None)
-        return fields, (spec, plan)
+        fields = _signature(q, k, spec, key_padding_mask is not None, p)
+        return fields, (spec, plan, p)
 
-    spec, plan = validated_across_grid(group, head_group, api, validate, _FIELD_NAMES, device=device, show=_show_field)
+    spec, plan, p = validated_across_grid(
+        group, head_group, api, validate, _FIELD_NAMES, device=device, show=_show_field
+    )
     if R == 1:  # one ring position: every layout is the identity
         spec = dataclasses.replace(spec, layout="contiguous")
+    if 0.0 < p < 1.0:  # the grid's first rank's seed: over the ring, then over the head group
+        seed = first_ranks_seed(first_ranks_seed(draw_seed(generator), device, group), device, head_group)
+        u, _ = group_rank_world(head_group)
+        spec = dataclasses.replace(spec, dropout=Dropout(seed, p, h0=u * plan.q_per))
 
     # the key padding mask of the ring position's whole shard (no gradient)
     mask_r = None
@@ -238,4 +251,5 @@ def hybrid_attn(
     else:
         (out_got,) = _AllToAll.apply(head_group, out_rows)
     out = out_got.permute(1, 2, 0, 3, 4).reshape(B, L, U * h, -1)
+    out = all_dropped(out, p)
     return (out, lse) if return_lse else out

@@ -27,7 +27,7 @@ from ._checks import (
     key_bias_from_mask,
     resolve_scale,
 )
-from .dropout import all_dropped, check_dropout_p, operator_dropout
+from .dropout import all_dropped, check_dropout_p, check_generator, operator_dropout
 from .empty import empty_attention
 from .masks import BlockMask, Visibility, local_offsets, window_from
 from .merge import SoftmaxState, state_dtype
@@ -217,7 +217,7 @@ class _FlashAttn(torch.autograd.Function):
 
 def flash_attn_func(
     q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), key_padding_mask=None, return_lse=False,
-    dropout_p=0.0,
+    dropout_p=0.0, generator=None,
 ):  # fmt: skip
     """Exact attention on one device.
 
@@ -238,13 +238,15 @@ def flash_attn_func(
     flash-attn's): the pair (query i, key j) of batch b and query head h is dropped by a keep
     mask that is a pure function of (a fresh seed from torch's CPU generator, b, h, i, j)
     (ringflash.dropout), kept weights are scaled by 1 / (1 - p); the backward rebuilds the
-    mask. lse is that of the weights before dropout.
+    mask. lse is that of the weights before dropout. generator: a CPU torch.Generator to draw
+    the seed from instead.
     """
     api = "flash_attn_func"
     dims = check_qkv(q, k, v, api)
     check_bool("causal", causal, api)
     check_bool("return_lse", return_lse, api)
     dropout_p = check_dropout_p(dropout_p, api)
+    check_generator(generator, api)
     window = window_from(causal, window_size, api)
     scale = resolve_scale(softmax_scale, dims.head_dim, api)
     key_bias = key_bias_from_mask(key_padding_mask, dims, q.device, api, state_dtype(q.dtype))
@@ -253,8 +255,8 @@ def flash_attn_func(
         return (out, lse) if return_lse else out
     q_start, k_start = local_offsets(dims.seqlen_q, dims.seqlen_k)
     out, lse, _, _ = ops.flash_fwd(
-        q, k, v, key_bias, None, None, q_start, k_start, *ops.window_args(window), scale, *operator_dropout(dropout_p),
-        _op_backend(q), -1, -1,
+        q, k, v, key_bias, None, None, q_start, k_start, *ops.window_args(window), scale,
+        *operator_dropout(dropout_p, generator), _op_backend(q), -1, -1,
     )  # fmt: skip
     out = all_dropped(out, dropout_p)
     return (out, lse) if return_lse else out
@@ -262,7 +264,7 @@ def flash_attn_func(
 
 def flash_attn_varlen_func(
     q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_seqlen_k=None, *, causal=False, softmax_scale=None,
-    window_size=(-1, -1), return_lse=False, dropout_p=0.0,
+    window_size=(-1, -1), return_lse=False, dropout_p=0.0, generator=None,
 ):  # fmt: skip
     """Exact attention over packed documents (the THD layout), on one device.
 
@@ -276,8 +278,8 @@ def flash_attn_varlen_func(
     return_lse=True, lse (Hq, total_q), float32 (float64 for float64 inputs). Differentiable in
     q, k, v. Any head dim from 1 to 256; no documents or no rows give empty (or zero) outputs.
     Cost follows the visible pairs (about the sum of squared document lengths / 2 for
-    causal documents), not total_q x total_k. dropout_p: as flash_attn_func's, query and key
-    indices being rows of the packed q and k.
+    causal documents), not total_q x total_k. dropout_p, generator: as flash_attn_func's, query
+    and key indices being rows of the packed q and k.
     """
     api = "flash_attn_varlen_func"
     for name, t in (("q", q), ("k", k), ("v", v)):
@@ -288,6 +290,7 @@ def flash_attn_varlen_func(
     check_bool("causal", causal, api)
     check_bool("return_lse", return_lse, api)
     dropout_p = check_dropout_p(dropout_p, api)
+    check_generator(generator, api)
     window = window_from(causal, window_size, api)
     scale = resolve_scale(softmax_scale, dims.head_dim, api)
     check_cu_tensor("cu_seqlens_q", cu_seqlens_q, q.device, api)
@@ -309,7 +312,7 @@ def flash_attn_varlen_func(
     # they are known under torch.compile too, before any kernel
     out, lse, _, _ = ops.flash_fwd(
         q[None], k[None], v[None], None, cu_seqlens_q, cu_seqlens_k, 0, 0, *ops.window_args(window), scale,
-        *operator_dropout(dropout_p), _op_backend(q), *hints,
+        *operator_dropout(dropout_p, generator), _op_backend(q), *hints,
     )  # fmt: skip
     out = all_dropped(out, dropout_p)
     return (out[0], lse[0]) if return_lse else out[0]

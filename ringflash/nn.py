@@ -65,8 +65,9 @@ class RingMultiheadAttention(nn.MultiheadAttention):
     drawn from torch's default generator of the device per call (rank 0's is used by all),
     so torch.manual_seed reproduces a run. It runs on the exact dense path (as an arbitrary
     attn_mask: B x num_heads x L_local x S memory, all keys gathered); the weights returned
-    are the dropped ones, as torch's. Jagged nested tensors (batch_first, one rank, no masks):
-    the sequences run as packed documents (flash_attn_varlen_func); weights are not returned.
+    are the dropped ones, as torch's. Nested tensors, jagged or strided (batch_first, one rank,
+    no masks): the sequences run as packed documents (flash_attn_varlen_func); weights are not
+    returned.
     Not supported (NotImplementedError naming the argument): nested tensors on the ring; TorchScript
     (torch.jit.script) neither. Arguments that can never work (embed_dim not divisible by
     num_heads, more than 256 per head, a dropout outside [0, 1]) raise a ValueError when the
@@ -173,10 +174,10 @@ class RingMultiheadAttention(nn.MultiheadAttention):
         scale = resolve_scale(None, hd, api)
         extra = self._extra_kv(B, q.dtype)
         dropping = self.dropout > 0.0 and self.training
-        if self.head_group is not None and (attn_mask is not None or dropping or need_weights or extra is not None):
+        if self.head_group is not None and (attn_mask is not None or need_weights or extra is not None):
             raise NotImplementedError(
-                f"{api}: with a head_group, attn_mask, dropout in training, need_weights=True, add_bias_kv and "
-                "add_zero_attn are not supported yet (pass need_weights=False)"
+                f"{api}: with a head_group, attn_mask, need_weights=True, add_bias_kv and add_zero_attn are not "
+                "supported yet (pass need_weights=False)"
             )
         # dropout runs in the kernels; the weights it drops (need_weights) and the extra keys'
         # dropped columns come from the dense path, which draws the same keep mask
@@ -212,17 +213,16 @@ class RingMultiheadAttention(nn.MultiheadAttention):
         return self._out(o), weights
 
     def _nested(self, query, key, value, key_padding_mask, attn_mask, is_causal, api):
-        """Jagged nested tensors (B, j, E), batch_first, one rank: the sequences packed as
-        documents (flash_attn_varlen_func), every query seeing its own sequence's keys. Returns
-        (a nested output like query, None): no weights, as torch's nested fast path."""
+        """Nested tensors (B, j, E), jagged or strided (nn.TransformerEncoder makes strided ones
+        from a padding mask), batch_first, one rank: the sequences packed as documents
+        (flash_attn_varlen_func), every query seeing its own sequence's keys. Returns (a nested
+        output of query's layout, None): no weights, as torch's nested fast path."""
         if query.dim() != 3:  # an empty nested tensor is 1-D: torch's words
             raise InputError(
                 f"{api}: query should be unbatched 2D or batched 3D tensor but received {query.dim()}-D query tensor"
             )
-        if not all(getattr(t, "is_nested", False) and t.layout == torch.jagged for t in (query, key, value)):
-            raise NotImplementedError(
-                f"{api}: nested tensors must be all of query, key, value, with layout=torch.jagged"
-            )
+        if not all(getattr(t, "is_nested", False) for t in (query, key, value)):
+            raise NotImplementedError(f"{api}: nested tensors must be all of query, key and value")
         if not self.batch_first:
             raise ValueError(f"{api}: nested tensors need batch_first=True, as torch's")
         if key_padding_mask is not None or attn_mask is not None:
@@ -232,16 +232,16 @@ class RingMultiheadAttention(nn.MultiheadAttention):
                 f"{api}: nested tensors on the ring are not supported: pass the packed documents to "
                 "ringflash.ring_flash_attn_varlen_func"
             )
-        cu_q, cu_k = query.offsets(), key.offsets()
-        if not torch.equal(cu_k, value.offsets()):
+        (q_rows, cu_q), (k_rows, cu_k), (v_rows, cu_v) = (_packed(t) for t in (query, key, value))
+        if not torch.equal(cu_k, cu_v):
             raise ValueError(f"{api}: key and value must hold sequences of the same lengths")
         if cu_q.numel() != cu_k.numel():
             raise ValueError(f"{api}: query holds {cu_q.numel() - 1} sequences, key {cu_k.numel() - 1}")
         H, hd = self.num_heads, self.head_dim
         (w_q, b_q), (w_k, b_k), (w_v, b_v) = self._projections()
-        q = _linear(query.values(), w_q, b_q).view(-1, H, hd)
-        k = _linear(key.values(), w_k, b_k).view(-1, H, hd)
-        v = _linear(value.values(), w_v, b_v).view(-1, H, hd)
+        q = _linear(q_rows, w_q, b_q).view(-1, H, hd)
+        k = _linear(k_rows, w_k, b_k).view(-1, H, hd)
+        v = _linear(v_rows, w_v, b_v).view(-1, H, hd)
         dropping = self.dropout > 0.0 and self.training
         extra = self._extra_kv(1, q.dtype)
         if dropping and extra is not None:
@@ -254,7 +254,15 @@ class RingMultiheadAttention(nn.MultiheadAttention):
             o, lse = merge_attn_states(o[None], lse[None], o_x, lse_x)
             o = o[0].to(q.dtype)
         out = _linear(o.reshape(-1, self.embed_dim), self.out_proj.weight, self.out_proj.bias)
-        return torch.nested.nested_tensor_from_jagged(out, offsets=cu_q), None
+        if query.layout == torch.jagged:
+            return torch.nested.nested_tensor_from_jagged(out, offsets=cu_q), None
+        return torch.nested.as_nested_tensor(list(out.split(cu_q.diff().tolist()))), None
+
+    def __prepare_scriptable__(self):
+        # torch.jit.script calls this on every module it scripts: a clear error, not TorchScript's
+        raise NotImplementedError(
+            "RingMultiheadAttention: TorchScript (torch.jit.script) is not supported; torch.compile is"
+        )
 
     def _out(self, o):
         B, L = o.shape[:2]
@@ -308,6 +316,16 @@ class RingMultiheadAttention(nn.MultiheadAttention):
         return dense_attention(
             q, k, v, bias, scale=scale, group=self.group, layout=self.layout, extra_kv=extra, dropout=dropout
         )
+
+
+def _packed(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A nested tensor (B, j, E), jagged or strided, as its rows packed (total, E) and the
+    int64 offsets (B + 1,) of its sequences."""
+    if t.layout == torch.jagged:
+        return t.values(), t.offsets()
+    parts = t.unbind()
+    lengths = torch.tensor([0] + [p.shape[0] for p in parts], device=t.device)
+    return torch.cat(parts), lengths.cumsum(0)
 
 
 class InputError(ValueError, AssertionError):

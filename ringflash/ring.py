@@ -26,7 +26,15 @@ from .comm import (
     resolve_groups,
     validated_across_ranks,
 )
-from .dropout import Dropout, all_dropped, check_dropout_p, draw_seed, first_ranks_seed, operator_dropout
+from .dropout import (
+    Dropout,
+    all_dropped,
+    check_dropout_p,
+    check_generator,
+    draw_seed,
+    first_ranks_seed,
+    operator_dropout,
+)
 from .empty import empty_attention
 from .local import backend_for, backend_name, backward_inputs, block_backward, block_forward, without_autocast
 from .masks import FULL, BlockMask, Window, window_from
@@ -301,6 +309,7 @@ def ring_flash_attn_func(
     grad_chunks=None,
     head_group=None,
     dropout_p=0.0,
+    generator=None,
 ):
     """Exact attention over a sequence sharded across the ranks of `group`.
 
@@ -342,13 +351,12 @@ def ring_flash_attn_func(
     dropout_p: attention dropout (apply it in training only), with flash_attn_func's keep mask
     of global query and key indices: the same seed drops the same pairs at any world size and
     layout; every rank uses the first rank's seed (one more small all_gather per call).
+    generator: a CPU torch.Generator to draw the seed from (default: torch's CPU generator).
     """
     api = "ring_flash_attn_func"
     if head_group is not None or is_mesh(group):
         group, head_group = resolve_groups(group, head_group, api)
         if head_group is not None:
-            if dropout_p:
-                raise NotImplementedError(f"{api}: dropout_p with a head_group is not supported yet")
             from .hybrid import hybrid_attn
 
             return hybrid_attn(
@@ -365,12 +373,15 @@ def ring_flash_attn_func(
                 return_lse=return_lse,
                 grad_accum_dtype=grad_accum_dtype,
                 grad_chunks=grad_chunks,
+                dropout_p=dropout_p,
+                generator=generator,
             )
     rank, world = group_rank_world(group)
 
     def validate():
         check_bool("return_lse", return_lse, api)
         p = check_dropout_p(dropout_p, api)
+        check_generator(generator, api)
         if is_balanced(layout):
             raise ValueError(f"{api}: a balanced layout (packed documents) goes with ring_flash_attn_varlen_func")
         dims, spec, key_bias = ring_call_spec(
@@ -404,7 +415,7 @@ def ring_flash_attn_func(
         return (out, lse) if return_lse else out
     out, lse, _, _, _ = ops.ring_fwd(
         q, k, v, key_bias, resolve_group(group).group_name if world > 1 else "", *ops.window_args(spec.window),
-        spec.scale, *operator_dropout(p), spec.layout,
+        spec.scale, *operator_dropout(p, generator), spec.layout,
         -1 if spec.grad_chunks is None else spec.grad_chunks, spec.grad_accum,
         "" if torch.compiler.is_compiling() else backend_name(q.device), agree,
     )  # fmt: skip
@@ -430,6 +441,7 @@ def ring_flash_attn_varlen_func(
     grad_accum_dtype=None,
     grad_chunks=None,
     dropout_p=0.0,
+    generator=None,
 ):
     """Exact attention over packed documents sharded across the ranks of `group`.
 
@@ -442,8 +454,8 @@ def ring_flash_attn_varlen_func(
     rank's output (n_local, Hq, D) in q's dtype and, with return_lse, lse (Hq, n_local).
     Differentiable in q, k, v. A document the layout keeps whole on one rank is computed
     there; when no document spans two ranks no K/V travels at all. grad_accum_dtype,
-    grad_chunks: as ring_flash_attn_func's. dropout_p: as flash_attn_varlen_func's (query and
-    key indices: positions in the packed row), the same pairs at any world size.
+    grad_chunks: as ring_flash_attn_func's. dropout_p, generator: as flash_attn_varlen_func's
+    (query and key indices: positions in the packed row), the same pairs at any world size.
     """
     api = "ring_flash_attn_varlen_func"
     rank, world = group_rank_world(group)
@@ -451,6 +463,7 @@ def ring_flash_attn_varlen_func(
     def validate():
         check_bool("return_lse", return_lse, api)
         p = check_dropout_p(dropout_p, api)
+        check_generator(generator, api)
         if not is_balanced(layout):
             raise ValueError(f"{api}: layout must be a ringflash.balanced_layout(...), got {layout!r}")
         for name, t in (("q", q), ("k", k), ("v", v)):
@@ -488,7 +501,7 @@ def ring_flash_attn_varlen_func(
     hops = layout.hops
     comm = RingComm(group) if world > 1 and hops > 1 else LocalComm(rank)
     if 0.0 < p < 1.0:  # every rank drops with the first rank's seed
-        spec = dataclasses.replace(spec, dropout=Dropout(first_ranks_seed(draw_seed(), q.device, group), p))
+        spec = dataclasses.replace(spec, dropout=Dropout(first_ranks_seed(draw_seed(generator), q.device, group), p))
     out, lse = _RingAttn.apply(q[None], k_p[None], v_p[None], None, spec, comm)
     out = all_dropped(out, p)
     return (out[0], lse[0]) if return_lse else out[0]

@@ -58,7 +58,7 @@ def _tree_fold(q, k, v, blocks, causal):
 @BOTH
 @pytest.mark.parametrize("causal", [False, True])
 def test_any_fold_order_equals_one_pass(backend, causal):
-    S = 70
+    S = 50
     q, k, v = _qkv(S, seed=1)
     ref, ref_lse = naive_attention(q, k, v, causal=causal)
     blocks = _split(S, 5, seed=2)

@@ -250,6 +250,14 @@ def test_dropout_p_errors_and_extremes():
     assert not out.any() and torch.equal(lse, ringflash.flash_attn_func(q, q, q, return_lse=True)[1])
     out.sum().backward()
     assert not q.grad.any()
+    # a CPU generator of the caller's: its state alone decides the pairs
+    g = torch.Generator().manual_seed(4)
+    first = ringflash.flash_attn_func(q, q, q, dropout_p=0.5, generator=g)
+    torch.manual_seed(123)  # the default generator plays no part
+    assert torch.equal(ringflash.flash_attn_func(q, q, q, dropout_p=0.5, generator=g.manual_seed(4)), first)
+    for bad in ("seed", 4):
+        with pytest.raises(ValueError, match="generator must be None or a CPU torch.Generator"):
+            ringflash.flash_attn_func(q, q, q, dropout_p=0.5, generator=bad)
 
 
 def _ring_world(rank, world, layout, causal, grad_chunks):
@@ -257,11 +265,13 @@ def _ring_world(rank, world, layout, causal, grad_chunks):
     (every rank takes the first rank's seed: the others' generators differ here)."""
     B, S, Hq, Hkv, D, p = 1, 12 * world, 4, 2, 8, 0.4
     q, k, v, do = _inputs([(B, S, Hq, D), (B, S, Hkv, D), (B, S, Hkv, D), (B, S, Hq, D)], torch.float64, 1)
-    seed = _drawn_next(21)
-    torch.manual_seed(21 + rank)  # only the first rank's draw counts
+    seed = draw_seed(torch.Generator().manual_seed(21))
+    mine = torch.Generator().manual_seed(21 + rank)  # only the first rank's draw counts
     sh = lambda t: shard(t, dim=1, layout=layout)  # noqa: E731
     leaves = [sh(t).clone().requires_grad_() for t in (q, k, v)]
-    out = ringflash.ring_flash_attn_func(*leaves, causal=causal, layout=layout, dropout_p=p, grad_chunks=grad_chunks)
+    out = ringflash.ring_flash_attn_func(
+        *leaves, causal=causal, layout=layout, dropout_p=p, grad_chunks=grad_chunks, generator=mine
+    )
     grads = torch.autograd.grad(out, leaves, sh(do))
     ref = reference(q, k, v, do, causal=causal, drop=_drop(seed, p, B, Hq, S, S))
     assert max_err(out, sh(ref[0])) < 1e-12

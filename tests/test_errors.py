@@ -4,6 +4,7 @@ every rank raises (never a hang, never a mixed-up ring)."""
 import os
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -97,13 +98,21 @@ def test_use_backend_rejects_unknown_names():
 def test_several_ranks_without_a_process_group_raise():
     """Under torchrun (WORLD_SIZE=2) but without init_process_group, the ring functions and
     shard would silently treat each process as the whole ring: they raise instead."""
-    for call in ("ringflash.shard(q)", "ringflash.ring_flash_attn_func(q, q, q)", "ringflash.local_positions(4)"):
-        res = _python(f"import torch, ringflash; q = torch.randn(1, 4, 2, 16); {call}", WORLD_SIZE="2")
-        assert res.returncode != 0 and "WORLD_SIZE=2 but no torch.distributed process group" in res.stderr, (
-            call,
-            res.stderr[-2000:],
-        )
-    assert _python(ATTEND, WORLD_SIZE="2").returncode == 0  # one-device attention needs no group
+    # one interpreter: one-device attention needs no group; each ring call must raise
+    script = ATTEND + textwrap.dedent(
+        """
+        for call in ("ringflash.shard(q)", "ringflash.ring_flash_attn_func(q, q, q)", "ringflash.local_positions(4)"):
+            try:
+                eval(call)
+            except RuntimeError as e:
+                assert "WORLD_SIZE=2 but no torch.distributed process group" in str(e), (call, str(e))
+            else:
+                raise AssertionError(call + " did not raise")
+        print("all raised")
+        """
+    )
+    res = _python(script, WORLD_SIZE="2")
+    assert res.returncode == 0 and "all raised" in res.stdout, res.stderr[-2000:]
 
 
 def test_bad_grad_chunks():

@@ -10,6 +10,7 @@ from ringflash import local_positions, ring_flash_attn_func, shard, unshard
 from ringflash.hybrid import head_plan
 
 from hybrid_cases import grid, hybrid_precision, hybrid_vs_oracle
+from oracle import reference
 from ring_cases import TORCH, full_inputs
 
 # (R, U) grids on 4 processes; heads chosen so both GQA cases occur: Hkv >= U (Hkv / U per
@@ -178,3 +179,31 @@ def _module(rank, world):
 
 def test_module_with_head_group(worlds):
     worlds(4, **TORCH).run(_module)
+
+
+def _hybrid_dropout(rank, world, R, U, layout):
+    """Dropout with a head_group: the pairs one device drops (global query heads), every rank of
+    the grid on the first rank's seed although their generators differ."""
+    from ringflash.dropout import draw_seed, keep_mask
+
+    group, head_group = grid(R, U)
+    B, S, Hq, Hkv, D, p = 1, 8 * world, 4, 2, 8, 0.3
+    q, k, v, do = full_inputs(B, S, S, Hq, Hkv, D, torch.float64, 5)
+    seed = draw_seed(torch.Generator().manual_seed(50))
+    mine = torch.Generator().manual_seed(50 + rank)
+    sh = lambda t: shard(t, group=group, head_group=head_group, layout=layout)  # noqa: E731
+    leaves = [sh(t).clone().requires_grad_() for t in (q, k, v)]
+    out = ring_flash_attn_func(
+        *leaves, causal=True, group=group, head_group=head_group, layout=layout, dropout_p=p, generator=mine
+    )
+    grads = torch.autograd.grad(out, leaves, sh(do))
+    idx = torch.arange
+    drop = keep_mask(seed, p, idx(B), idx(Hq), idx(S), idx(S)).double() / (1 - p)
+    ref = reference(q, k, v, do, causal=True, drop=drop)
+    for name, got, r in zip(("out", "dq", "dk", "dv"), (out, *grads), (ref[0], *ref[2:])):
+        assert (got - sh(r)).abs().max() < 1e-12, name
+
+
+@pytest.mark.parametrize("R,U,layout", [(2, 2, "zigzag"), (1, 4, "contiguous")])
+def test_hybrid_dropout_same_pairs_as_one_device(worlds, R, U, layout):
+    worlds(4, **TORCH).run(_hybrid_dropout, R, U, layout)

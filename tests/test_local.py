@@ -57,8 +57,10 @@ def _check(q, k, v, causal, scale=None, check_grad=True, key_padding_mask=None, 
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("Sq,Sk", [(1, 1), (17, 17), (129, 129), (33, 100), (100, 33), (1, 57), (64, 1)])
 def test_shapes(backend, causal, Sq, Sk):
+    # the interpreter's larger blocks run one batch entry (batches are covered below)
+    B = 1 if backend == "triton" and Sq * Sk > 2000 else 2
     for dtype in _dtypes(backend):
-        _check(*_inputs(2, Sq, Sk, 4, 2, 32, dtype, seed=Sq * 1000 + Sk), causal)
+        _check(*_inputs(B, Sq, Sk, 4, 2, 32, dtype, seed=Sq * 1000 + Sk), causal)
 
 
 @BOTH
@@ -151,7 +153,7 @@ def test_lse_is_differentiable(backend):
 
 @pytest.mark.parametrize("backend", ["torch"], indirect=True)
 def test_gradcheck_float64(backend):
-    q, k, v = _inputs(1, 9, 7, 2, 1, 16, torch.float64, seed=1)
+    q, k, v = _inputs(1, 7, 6, 2, 1, 8, torch.float64, seed=1)
     for causal in (False, True):
         assert torch.autograd.gradcheck(lambda a, b, c: flash_attn_func(a, b, c, causal=causal), (q, k, v))
 
@@ -218,7 +220,7 @@ def test_forward_kernel_variants(backend, tma):
     with configs.override(fwd=configs.KernelConfig(32, 16, 4, 1, tma=tma)):
         for causal in (False, True):
             for Sq, Sk, D in ((37, 45, 24), (1, 70, 16), (64, 64, 32), (20, 100, 16), (5, 50, 16)):
-                q, k, v = _inputs(2, Sq, Sk, 4, 2, D, torch.float16, seed=Sq + D)
+                q, k, v = _inputs(1, Sq, Sk, 4, 2, D, torch.float16, seed=Sq + D)
                 _check(q, k, v, causal, check_grad=False)
                 _check(q, k, v, causal, scale=-0.3, check_grad=False)  # scores scaled before the max
             q, k, v = _inputs(2, 33, 70, 4, 2, 32, torch.float32, seed=21)

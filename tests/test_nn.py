@@ -267,8 +267,10 @@ def test_unsupported_arguments_raise():
         ring(nt, nt, nt, key_padding_mask=torch.zeros(2, 5, dtype=torch.bool))
     with pytest.raises(ValueError, match="batch_first=True"):
         RingMultiheadAttention(E, H)(nt, nt, nt)
-    with pytest.raises(NotImplementedError, match="layout=torch.jagged"):
+    with pytest.raises(NotImplementedError, match="must be all of query, key and value"):
         ring(nt, x, x)
+    with pytest.raises(NotImplementedError, match=r"TorchScript \(torch.jit.script\) is not supported; torch.compile"):
+        torch.jit.script(nn.TransformerEncoder(_swapped_layer(E, H), 1))
     with pytest.raises(AssertionError, match="received 1-D query tensor"):
         empty = torch.nested.nested_tensor([])
         ring(empty, empty, empty)
@@ -351,3 +353,24 @@ def test_nested_tensors_run_as_packed_documents(causal):
     (out.values() * torch.cat(w_out)).sum().backward()
     for (name, a), b in zip(ring.named_parameters(), mha.parameters()):
         assert (a.grad - b.grad).abs().max() < 1e-12, name
+
+
+def _swapped_layer(E, H, dtype=torch.float32):
+    layer = nn.TransformerEncoderLayer(E, H, dim_feedforward=2 * E, batch_first=True, dtype=dtype)
+    layer.self_attn = RingMultiheadAttention(E, H, batch_first=True, dtype=dtype)
+    return layer
+
+
+def test_encoder_nested_fast_path_input():
+    """nn.TransformerEncoder in inference with a padding mask hands its layers strided nested
+    tensors (enable_nested_tensor, the default): they run as packed documents, as torch's."""
+    torch.manual_seed(0)
+    ref = nn.TransformerEncoder(nn.TransformerEncoderLayer(16, 4, 32, batch_first=True, dtype=torch.float64), 2)
+    ring = nn.TransformerEncoder(_swapped_layer(16, 4, torch.float64), 2)
+    ring.load_state_dict(ref.state_dict())
+    ref.eval(), ring.eval()
+    x = torch.randn(3, 7, 16, dtype=torch.float64)
+    pad = torch.zeros(3, 7, dtype=torch.bool)
+    pad[0, 5:], pad[2, 3:] = True, True
+    with torch.no_grad():
+        assert (ring(x, src_key_padding_mask=pad) - ref(x, src_key_padding_mask=pad)).abs().max() < 1e-12

@@ -92,7 +92,7 @@ def test_attn_mask_bad_shapes():
     for mask, pattern in (
         (torch.zeros(5, 4, dtype=torch.bool), r"attn_mask must have shape \(L, S\) = \(5, 5\)"),
         (torch.zeros(B, 5, 5, dtype=torch.bool), r"\(batch \* num_heads, L, S\) = \(6, 5, 5\)"),
-        (torch.zeros(5, dtype=torch.bool), "attn_mask must be 2-D or 3-D"),
+        (torch.zeros(5, dtype=torch.bool), "expected `attn_mask` to be `None`, 2-D or 3-D"),  # torch's words
         (torch.zeros(5, 5, dtype=torch.int64), "attn_mask must be bool or floating point"),
     ):
         with pytest.raises((ValueError, TypeError), match=pattern):
