@@ -152,24 +152,25 @@ def first_ranks_seed(seed: int, device, group=None) -> int:
     return int(every[0])
 
 
-def agreed_seed(device, group=None) -> int:
-    """draw_seed on every rank of `group`, then the first rank's for all: every rank advances
-    its own generator once and drops the same pairs (a collective every rank must call)."""
-    return first_ranks_seed(draw_seed(), device, group)
+def agreed_seed(device, *groups, generator: torch.Generator | None = None) -> int:
+    """draw_seed(generator) on every rank, then the first rank's of each group in turn (a ring
+    and its head group: the grid's first rank's) for all: every rank advances its own generator
+    once and drops the same pairs (a collective every rank of the groups must call; no group:
+    the default one)."""
+    seed = draw_seed(generator)
+    for group in groups or (None,):
+        seed = first_ranks_seed(seed, device, group)
+    return seed
 
 
-def check_generator(generator, api: str) -> None:
-    """generator: None or a torch.Generator on the CPU (the seeds are drawn there), else a
-    ValueError naming it."""
+def check_dropout(dropout_p, generator, api: str) -> float:
+    """dropout_p as a float in [0, 1], and generator None or a CPU torch.Generator (the seeds
+    are drawn there), or a ValueError naming the argument."""
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or not 0.0 <= dropout_p <= 1.0:
+        raise ValueError(f"{api}: dropout_p must be a probability in [0, 1], got {dropout_p!r}")
     if generator is not None and (not isinstance(generator, torch.Generator) or generator.device.type != "cpu"):
         got = getattr(generator, "device", type(generator).__name__)
         raise ValueError(f"{api}: generator must be None or a CPU torch.Generator (seeds are drawn there), got {got}")
-
-
-def check_dropout_p(dropout_p, api: str) -> float:
-    """dropout_p as a float in [0, 1], or a ValueError naming it."""
-    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or not 0.0 <= dropout_p <= 1.0:
-        raise ValueError(f"{api}: dropout_p must be a probability in [0, 1], got {dropout_p!r}")
     return float(dropout_p)
 
 

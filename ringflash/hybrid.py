@@ -30,7 +30,7 @@ from .comm import (
     resolve_groups,
     validated_across_grid,
 )
-from .dropout import Dropout, all_dropped, check_dropout_p, check_generator, draw_seed, first_ranks_seed
+from .dropout import Dropout, agreed_seed, all_dropped, check_dropout
 from .merge import state_dtype
 from .ops import _Saved
 from .schedule import chunks_per_rank, is_balanced
@@ -181,8 +181,7 @@ def hybrid_attn(
 
     def validate():
         check_bool("return_lse", return_lse, api)
-        p = check_dropout_p(dropout_p, api)
-        check_generator(generator, api)
+        p = check_dropout(dropout_p, generator, api)
         if is_balanced(layout):
             raise ValueError(f"{api}: a balanced layout (packed documents) with a head_group is not supported yet")
         dims, spec, _ = ring_call_spec(
@@ -214,7 +213,7 @@ def hybrid_attn(
     if R == 1:  # one ring position: every layout is the identity
         spec = dataclasses.replace(spec, layout="contiguous")
     if 0.0 < p < 1.0:  # the grid's first rank's seed: over the ring, then over the head group
-        seed = first_ranks_seed(first_ranks_seed(draw_seed(generator), device, group), device, head_group)
+        seed = agreed_seed(device, group, head_group, generator=generator)
         u, _ = group_rank_world(head_group)
         spec = dataclasses.replace(spec, dropout=Dropout(seed, p, h0=u * plan.q_per))
 

@@ -27,7 +27,7 @@ from ._checks import (
     key_bias_from_mask,
     resolve_scale,
 )
-from .dropout import all_dropped, check_dropout_p, check_generator, operator_dropout
+from .dropout import all_dropped, check_dropout, operator_dropout
 from .empty import empty_attention
 from .masks import BlockMask, Visibility, local_offsets, window_from
 from .merge import SoftmaxState, state_dtype
@@ -245,8 +245,7 @@ def flash_attn_func(
     dims = check_qkv(q, k, v, api)
     check_bool("causal", causal, api)
     check_bool("return_lse", return_lse, api)
-    dropout_p = check_dropout_p(dropout_p, api)
-    check_generator(generator, api)
+    dropout_p = check_dropout(dropout_p, generator, api)
     window = window_from(causal, window_size, api)
     scale = resolve_scale(softmax_scale, dims.head_dim, api)
     key_bias = key_bias_from_mask(key_padding_mask, dims, q.device, api, state_dtype(q.dtype))
@@ -289,8 +288,7 @@ def flash_attn_varlen_func(
     dims = check_qkv(q[None], k[None], v[None], api)
     check_bool("causal", causal, api)
     check_bool("return_lse", return_lse, api)
-    dropout_p = check_dropout_p(dropout_p, api)
-    check_generator(generator, api)
+    dropout_p = check_dropout(dropout_p, generator, api)
     window = window_from(causal, window_size, api)
     scale = resolve_scale(softmax_scale, dims.head_dim, api)
     check_cu_tensor("cu_seqlens_q", cu_seqlens_q, q.device, api)

@@ -26,15 +26,7 @@ from .comm import (
     resolve_groups,
     validated_across_ranks,
 )
-from .dropout import (
-    Dropout,
-    all_dropped,
-    check_dropout_p,
-    check_generator,
-    draw_seed,
-    first_ranks_seed,
-    operator_dropout,
-)
+from .dropout import Dropout, agreed_seed, all_dropped, check_dropout, operator_dropout
 from .empty import empty_attention
 from .local import backend_for, backend_name, backward_inputs, block_backward, block_forward, without_autocast
 from .masks import FULL, BlockMask, Window, window_from
@@ -380,8 +372,7 @@ def ring_flash_attn_func(
 
     def validate():
         check_bool("return_lse", return_lse, api)
-        p = check_dropout_p(dropout_p, api)
-        check_generator(generator, api)
+        p = check_dropout(dropout_p, generator, api)
         if is_balanced(layout):
             raise ValueError(f"{api}: a balanced layout (packed documents) goes with ring_flash_attn_varlen_func")
         dims, spec, key_bias = ring_call_spec(
@@ -462,8 +453,7 @@ def ring_flash_attn_varlen_func(
 
     def validate():
         check_bool("return_lse", return_lse, api)
-        p = check_dropout_p(dropout_p, api)
-        check_generator(generator, api)
+        p = check_dropout(dropout_p, generator, api)
         if not is_balanced(layout):
             raise ValueError(f"{api}: layout must be a ringflash.balanced_layout(...), got {layout!r}")
         for name, t in (("q", q), ("k", k), ("v", v)):
@@ -498,10 +488,11 @@ def ring_flash_attn_varlen_func(
     )
     # K/V travel padded to the longest shard; the schedule never reads the padding rows
     k_p, v_p = (torch.nn.functional.pad(t, (0, 0, 0, 0, 0, pad)) for t in (k, v))
-    hops = layout.hops
-    comm = RingComm(group) if world > 1 and hops > 1 else LocalComm(rank)
+    # the ring runs layout.hops steps (schedule.steps_needed): with every document whole, one,
+    # and nothing is exchanged
+    comm = RingComm(group) if world > 1 else LocalComm(rank)
     if 0.0 < p < 1.0:  # every rank drops with the first rank's seed
-        spec = dataclasses.replace(spec, dropout=Dropout(first_ranks_seed(draw_seed(generator), q.device, group), p))
+        spec = dataclasses.replace(spec, dropout=Dropout(agreed_seed(q.device, group, generator=generator), p))
     out, lse = _RingAttn.apply(q[None], k_p[None], v_p[None], None, spec, comm)
     out = all_dropped(out, p)
     return (out[0], lse[0]) if return_lse else out[0]
