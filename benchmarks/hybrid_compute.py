@@ -15,11 +15,11 @@ the model's own prediction of the compute term at its default rate.
 from __future__ import annotations
 
 import argparse
-import json
+from pathlib import Path
 
 import torch
 
-from benchmarks.common import attention_flops, bench_ms
+from benchmarks.common import attention_flops, bench_ms, write_json
 from ringflash.cost import hybrid_step_time, kv_heads_per_rank
 from ringflash.testing import replay_ring
 
@@ -70,9 +70,7 @@ def main(argv=None):
                 f"{r['S']:>8} {R:>3} {U:>2} {r['q_heads']:>3} {r['kv_heads']:>3} {r['ms']:>9.2f} "
                 f"{r['tflops']:>8.2f} {r['model_ms']:>9.2f}"
             )
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "device": device, "rows": rows}, f, indent=1)
+    write_json(Path(args.json) if args.json else None, {"args": vars(args), "device": device, "rows": rows})
     return rows
 
 

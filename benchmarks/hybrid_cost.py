@@ -22,9 +22,10 @@ docstring lists the terms.
 from __future__ import annotations
 
 import argparse
-import json
 from dataclasses import asdict
+from pathlib import Path
 
+from benchmarks.common import write_json
 from ringflash.cost import Links, recommend_head_group
 
 NODES = (1, 2, 4, 8, 16, 32, 64)
@@ -82,9 +83,7 @@ def main(argv=None):
             f"{r['ring_exposed'] * 1e3:>8.2f} {r['total'] * 1e3:>9.2f} {r['efficiency']:>5.2f}"
             + ("  <- recommended" if r["best"] else "")
         )
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "model_only": True, "rows": rows}, f, indent=1)
+    write_json(Path(args.json) if args.json else None, {"args": vars(args), "model_only": True, "rows": rows})
     return rows
 
 
