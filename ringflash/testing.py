@@ -8,7 +8,8 @@ training: the replay computes each rank's part sequentially.
 The oracles: naive_attention (every score materialized, any dtype, float64 by default),
 reference (its output and gradients in float64), flash_plain (the flash algorithm written
 plainly, the baseline of a flash kernel's error), plain_errors (the error of the plain
-computations against a reference, over several summation orders), max_err, rel_rms.
+computations against a reference, over several summation orders), max_err, rel_rms;
+dropout_factors (naive_attention's weights under dropout).
 """
 
 from __future__ import annotations
@@ -179,6 +180,15 @@ def naive_attention(
     if drop is not None:
         p = p * drop.to(device=p.device, dtype=dtype)
     return torch.einsum("bhij,bjhd->bihd", p, v), lse
+
+
+def dropout_factors(seed: int, p: float, B: int, Hq: int, Sq: int, Sk: int, device="cpu") -> torch.Tensor:
+    """naive_attention's `drop` for attention dropout: keep / (1 - p), float64 (B, Hq, Sq, Sk),
+    the keep mask of ringflash.dropout over whole-sequence indices."""
+    from .dropout import keep_mask
+
+    idx = lambda n: torch.arange(n, device=device)  # noqa: E731
+    return keep_mask(seed, p, idx(B), idx(Hq), idx(Sq), idx(Sk)).double() / (1 - p)
 
 
 def max_err(a, b) -> float:

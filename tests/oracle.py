@@ -4,9 +4,18 @@ from __future__ import annotations
 
 import torch
 
-from ringflash.testing import flash_plain, max_err, naive_attention, plain_errors, reference, rel_rms
+from ringflash.testing import dropout_factors, flash_plain, max_err, naive_attention, plain_errors, reference, rel_rms
 
-__all__ = ["assert_within", "flash_plain", "max_err", "naive_attention", "plain_errors", "reference", "rel_rms"]
+__all__ = [
+    "assert_within",
+    "dropout_factors",
+    "flash_plain",
+    "max_err",
+    "naive_attention",
+    "plain_errors",
+    "reference",
+    "rel_rms",
+]
 
 
 def assert_within(name, got, ref64, plain, factor=2.0, sum_len=None):

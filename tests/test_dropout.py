@@ -16,7 +16,7 @@ from ringflash import shard, unshard
 from ringflash.dropout import draw_seed, keep_mask, philox4x32, threshold
 from ringflash.nn import RingMultiheadAttention
 
-from oracle import assert_within, max_err, plain_errors, reference
+from oracle import assert_within, dropout_factors, max_err, plain_errors, reference
 from ring_cases import TORCH
 
 E, H, B = 8, 2, 2
@@ -161,12 +161,6 @@ def test_dropout_same_at_any_world_and_layout(worlds, world, layout, causal):
 # ----------------------------------------------------------------------------- in the kernels
 
 
-def _drop(seed, p, B, Hq, Sq, Sk):
-    """The weights' factors keep / (1 - p), float64 (B, Hq, Sq, Sk), of whole-sequence indices."""
-    idx = torch.arange
-    return keep_mask(seed, p, idx(B), idx(Hq), idx(Sq), idx(Sk)).double() / (1 - p)
-
-
 def _inputs(shapes, dtype, seed=0):
     g = torch.Generator().manual_seed(seed)
     return [torch.randn(s, generator=g).to(dtype) for s in shapes]
@@ -208,7 +202,7 @@ def test_flash_attn_dropout_matches_reference_with_the_same_mask(backend, causal
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     out, lse = ringflash.flash_attn_func(*leaves, causal=causal, window_size=window, dropout_p=p, return_lse=True)
     grads = torch.autograd.grad(out, leaves, do)
-    drop = _drop(seed, p, B, Hq, Sq, Sk)
+    drop = dropout_factors(seed, p, B, Hq, Sq, Sk)
     _check_against_reference((out, *grads), q, k, v, do, causal=causal, window_size=window, drop=drop)
     # lse is that of the undropped weights; the same generator state drops the same pairs (the
     # seeds are drawn outside the kernels: once is enough)
@@ -232,7 +226,7 @@ def test_varlen_dropout_indices_are_packed_rows(backend):
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     out = ringflash.flash_attn_varlen_func(*leaves, cu_t, cu_t, causal=True, dropout_p=p)
     grads = torch.autograd.grad(out, leaves, do)
-    drop = _drop(seed, p, 1, Hq, total, total)
+    drop = dropout_factors(seed, p, 1, Hq, total, total)
     for a, b in zip(cu, cu[1:]):
         got = (out[None, a:b], grads[0][None, a:b], grads[1][None, a:b], grads[2][None, a:b])
         docs = [t[None, a:b] for t in (q, k, v, do)]
@@ -273,7 +267,7 @@ def _ring_world(rank, world, layout, causal, grad_chunks):
         *leaves, causal=causal, layout=layout, dropout_p=p, grad_chunks=grad_chunks, generator=mine
     )
     grads = torch.autograd.grad(out, leaves, sh(do))
-    ref = reference(q, k, v, do, causal=causal, drop=_drop(seed, p, B, Hq, S, S))
+    ref = reference(q, k, v, do, causal=causal, drop=dropout_factors(seed, p, B, Hq, S, S))
     assert max_err(out, sh(ref[0])) < 1e-12
     full = [unshard(g, dim=1, layout=layout) for g in grads]
     for name, g, r in zip(("dq", "dk", "dv"), full, ref[2:]):
@@ -297,7 +291,7 @@ def _ring_varlen_world(rank, world):
     leaves = [sh(t).clone().requires_grad_() for t in (q, k, v)]
     out = ringflash.ring_flash_attn_varlen_func(*leaves, cu, layout=layout, causal=True, dropout_p=p)
     grads = torch.autograd.grad(out, leaves, sh(do))
-    drop = _drop(seed, p, 1, Hq, total, total)
+    drop = dropout_factors(seed, p, 1, Hq, total, total)
     full = [unshard(t, dim=0, layout=layout) for t in (out, *grads)]
     for a, b in zip(cu, cu[1:]):
         ref = reference(*(t[None, a:b] for t in (q, k, v, do)), causal=True, drop=drop[:, :, a:b, a:b])

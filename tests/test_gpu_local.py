@@ -8,7 +8,7 @@ import torch
 
 from ringflash import flash_attn_func
 
-from oracle import assert_within, naive_attention, plain_errors, reference
+from oracle import assert_within, dropout_factors, naive_attention, plain_errors, reference
 
 pytestmark = pytest.mark.gpu
 
@@ -191,7 +191,7 @@ def test_gluon_forward_is_used_and_agrees(causal, monkeypatch):
 def test_dropout_vs_float64_with_the_same_mask(dtype, causal):
     """dropout_p in the kernels on the GPU: output and gradients against float64 with the keep
     mask of ringflash.dropout (the CPU oracle of the pairs), D = 128 and a padded D = 96."""
-    from ringflash.dropout import draw_seed, keep_mask
+    from ringflash.dropout import draw_seed
 
     for B, S, Hq, Hkv, D in ((1, 1031, 4, 2, 128), (2, 515, 2, 1, 96)):
         g = torch.Generator(device="cuda").manual_seed(S + D)
@@ -204,8 +204,7 @@ def test_dropout_vs_float64_with_the_same_mask(dtype, causal):
         out = flash_attn_func(q, k, v, causal=causal, dropout_p=p)
         do = torch.randn_like(out)
         grads = torch.autograd.grad(out, (q, k, v), do)
-        idx = lambda n: torch.arange(n, device="cuda")  # noqa: E731
-        drop = keep_mask(seed, p, idx(B), idx(Hq), idx(S), idx(S)).double() / (1 - p)
+        drop = dropout_factors(seed, p, B, Hq, S, S, device="cuda")
         ref = naive_attention(q, k, v, causal=causal, drop=drop)[0]
         ref_grads = torch.autograd.grad(ref, (q, k, v), do.double())
         plain = naive_attention(q, k, v, causal=causal, drop=drop, dtype=dtype)[0]

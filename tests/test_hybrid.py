@@ -10,7 +10,7 @@ from ringflash import local_positions, ring_flash_attn_func, shard, unshard
 from ringflash.hybrid import head_plan
 
 from hybrid_cases import grid, hybrid_precision, hybrid_vs_oracle
-from oracle import reference
+from oracle import dropout_factors, reference
 from ring_cases import TORCH, full_inputs
 
 # (R, U) grids on 4 processes; heads chosen so both GQA cases occur: Hkv >= U (Hkv / U per
@@ -184,7 +184,7 @@ def test_module_with_head_group(worlds):
 def _hybrid_dropout(rank, world, R, U, layout):
     """Dropout with a head_group: the pairs one device drops (global query heads), every rank of
     the grid on the first rank's seed although their generators differ."""
-    from ringflash.dropout import draw_seed, keep_mask
+    from ringflash.dropout import draw_seed
 
     group, head_group = grid(R, U)
     B, S, Hq, Hkv, D, p = 1, 8 * world, 4, 2, 8, 0.3
@@ -197,9 +197,7 @@ def _hybrid_dropout(rank, world, R, U, layout):
         *leaves, causal=True, group=group, head_group=head_group, layout=layout, dropout_p=p, generator=mine
     )
     grads = torch.autograd.grad(out, leaves, sh(do))
-    idx = torch.arange
-    drop = keep_mask(seed, p, idx(B), idx(Hq), idx(S), idx(S)).double() / (1 - p)
-    ref = reference(q, k, v, do, causal=True, drop=drop)
+    ref = reference(q, k, v, do, causal=True, drop=dropout_factors(seed, p, B, Hq, S, S))
     for name, got, r in zip(("out", "dq", "dk", "dv"), (out, *grads), (ref[0], *ref[2:])):
         assert (got - sh(r)).abs().max() < 1e-12, name
 
