@@ -126,6 +126,11 @@ class RingMultiheadAttention(nn.MultiheadAttention):
         b = (None, None, None) if self.in_proj_bias is None else self.in_proj_bias.split(E)
         return (w_q, b[0]), (w_k, b[1]), (w_v, b[2])
 
+    def _heads(self, query, key, value):
+        """The projected q, k, v of (..., E*) inputs, as (..., num_heads, head_dim)."""
+        heads = (self.num_heads, self.head_dim)
+        return [_linear(x, w, b).unflatten(-1, heads) for x, (w, b) in zip((query, key, value), self._projections())]
+
     def forward(
         self,
         query,
@@ -167,10 +172,7 @@ class RingMultiheadAttention(nn.MultiheadAttention):
         api = "RingMultiheadAttention"
         B, L, E = query.shape
         H, hd = self.num_heads, self.head_dim
-        (w_q, b_q), (w_k, b_k), (w_v, b_v) = self._projections()
-        q = _linear(query, w_q, b_q).view(B, L, H, hd)
-        k = _linear(key, w_k, b_k).view(B, key.shape[1], H, hd)
-        v = _linear(value, w_v, b_v).view(B, value.shape[1], H, hd)
+        q, k, v = self._heads(query, key, value)
         scale = resolve_scale(None, hd, api)
         extra = self._extra_kv(B, q.dtype)
         dropping = self.dropout > 0.0 and self.training
@@ -237,11 +239,8 @@ class RingMultiheadAttention(nn.MultiheadAttention):
             raise ValueError(f"{api}: key and value must hold sequences of the same lengths")
         if cu_q.numel() != cu_k.numel():
             raise ValueError(f"{api}: query holds {cu_q.numel() - 1} sequences, key {cu_k.numel() - 1}")
-        H, hd = self.num_heads, self.head_dim
-        (w_q, b_q), (w_k, b_k), (w_v, b_v) = self._projections()
-        q = _linear(q_rows, w_q, b_q).view(-1, H, hd)
-        k = _linear(k_rows, w_k, b_k).view(-1, H, hd)
-        v = _linear(v_rows, w_v, b_v).view(-1, H, hd)
+        hd = self.head_dim
+        q, k, v = self._heads(q_rows, k_rows, v_rows)
         dropping = self.dropout > 0.0 and self.training
         extra = self._extra_kv(1, q.dtype)
         if dropping and extra is not None:
