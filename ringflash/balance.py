@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import functools
 import hashlib
-from dataclasses import dataclass
+import json
+from dataclasses import dataclass, field
 
 import torch
 
@@ -27,6 +28,7 @@ from .masks import Window, window_from
 from .schedule import Segment, steps_needed
 
 BALANCE_SLACK = 0.02  # how far above an equal share of the work a whole document may leave a rank
+CODE_PREFIX = "balanced:"  # BalancedLayout.code: the layout as the ring operators' layout string
 
 
 def _document_work(n: int, window: Window) -> int:
@@ -44,6 +46,17 @@ class BalancedLayout:
     world: int
     window: Window
     pieces: tuple[tuple[Segment, ...], ...]  # per rank, in local order; Segment.doc: the document
+    # made once by __post_init__, so that code traced by torch.compile reads them as constants
+    code: str = field(init=False, repr=False, compare=False)
+    _digest: int = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self):
+        window = [-1 if w is None else w for w in (self.window.left, self.window.right)]
+        runs = [[[s.global_start, s.length, s.doc] for s in segs] for segs in self.pieces]
+        code = CODE_PREFIX + json.dumps([list(self.cu_seqlens), self.world, window, runs], separators=(",", ":"))
+        object.__setattr__(self, "code", code)
+        text = repr((self.cu_seqlens, self.world, self.pieces)).encode()
+        object.__setattr__(self, "_digest", int.from_bytes(hashlib.sha256(text).digest()[:8], "little") >> 2)
 
     @property
     def total(self) -> int:
@@ -70,8 +83,7 @@ class BalancedLayout:
 
     def fingerprint(self) -> int:
         """A 62-bit digest of (cu_seqlens, world, pieces): ranks compare it to agree on the layout."""
-        text = repr((self.cu_seqlens, self.world, self.pieces)).encode()
-        return int.from_bytes(hashlib.sha256(text).digest()[:8], "little") >> 2
+        return self._digest
 
     def work(self, rank: int, step: int) -> int:
         """Visible pairs `rank` computes at ring step `step` (it then holds the keys of rank
@@ -83,6 +95,12 @@ class BalancedLayout:
                 if ks.doc == qs.doc:
                     pairs += _pairs(qs.global_start, qs.length, ks.global_start, ks.length, self.window)
         return pairs
+
+    def head_pieces(self, rank: int, U: int) -> BalancedLayout:
+        """With a head group of U ranks (hybrid parallelism): how rank `rank`'s shard (its
+        local_len(rank) rows, as one document) is cut over the head group, as a layout of U
+        ranks: U contiguous pieces in head-group rank order, lengths differing by at most one."""
+        return _head_pieces(self.local_len(rank), U)
 
     @functools.cached_property
     def hops(self) -> int:
@@ -97,6 +115,28 @@ class BalancedLayout:
             more = f", ... ({len(segs)} pieces)" if len(segs) > 6 else ""
             lines.append(f"  rank {r}: {self.local_len(r)} tokens {runs}{more}")
         return "\n".join(lines)
+
+
+@functools.lru_cache(maxsize=64)
+def _head_pieces(n: int, U: int) -> BalancedLayout:
+    pieces = tuple((Segment(0, a, b - a, 0),) if b > a else () for a, b in _cuts(0, n, U))
+    return BalancedLayout((0, n), U, Window(), pieces)
+
+
+@functools.lru_cache(maxsize=16)
+def layout_from_code(code: str) -> BalancedLayout:
+    """The BalancedLayout whose .code is `code` (the ring operators carry a layout as this
+    string: a torch.library operator takes no Python objects)."""
+    cu, world, (left, right), runs = json.loads(code[len(CODE_PREFIX) :])
+    pieces = []
+    for rank_runs in runs:
+        local, segs = 0, []
+        for start, n, doc in rank_runs:
+            segs.append(Segment(local, start, n, doc))
+            local += n
+        pieces.append(tuple(segs))
+    window = Window(None if left < 0 else left, None if right < 0 else right)
+    return BalancedLayout(tuple(cu), world, window, tuple(pieces))
 
 
 def _pairs(q0: int, nq: int, k0: int, nk: int, window: Window) -> int:

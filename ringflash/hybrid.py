@@ -106,20 +106,25 @@ class _AllToAll(torch.autograd.Function):
 
 class _KVToRing(torch.autograd.Function):
     """The K/V all-to-all and the ring as one node, for kv heads replicated over several ranks
-    in a 16-bit dtype: k_rows / v_rows (U, B, L, h, D) arrive in float32, travel in `dtype`,
+    in a 16-bit dtype: k_rows / v_rows (U, B, Lmax, h, D) arrive in float32, travel in `dtype`,
     and the gradients come back unrounded (the ring's float32 accumulators, exchanged in
     float32), so that the copies' gradients are summed before the one rounding to `dtype`
-    (autograd between the ring and the exchange would round each copy's first)."""
+    (autograd between the ring and the exchange would round each copy's first). lens: the head
+    group's piece lengths; ring_len: the length K/V travel the ring at (packed documents: the
+    longest ring shard)."""
 
     @staticmethod
-    def forward(ctx, head_group, dtype, q_r, k_rows, v_rows, key_bias, spec, comm):
+    def forward(ctx, head_group, dtype, lens, ring_len, q_r, k_rows, v_rows, key_bias, spec, comm):
         from .ring import _RingAttn
 
-        k_r, v_r = (_ring_shard(all_to_all(t.to(dtype).contiguous(), head_group)) for t in (k_rows, v_rows))
+        k_r, v_r = (
+            _pad_rows(_ring_shard(all_to_all(t.to(dtype).contiguous(), head_group), lens), ring_len)
+            for t in (k_rows, v_rows)
+        )
         ring_ctx = _Saved()  # _RingAttn's forward and backward run as plain functions, as in ops
         out, lse = _RingAttn.forward(ring_ctx, q_r, k_r, v_r, key_bias, spec, comm)
         ring_ctx.kv_grad_dtype = torch.float32
-        ctx.ring_ctx, ctx.head_group, ctx.U = ring_ctx, head_group, k_rows.shape[0]
+        ctx.ring_ctx, ctx.head_group, ctx.lens = ring_ctx, head_group, lens
         return out, lse
 
     @staticmethod
@@ -128,26 +133,75 @@ class _KVToRing(torch.autograd.Function):
 
         dq, dk_r, dv_r = _RingAttn.backward(ctx.ring_ctx, dout, dlse)[:3]
         ctx.ring_ctx = None
-        dk, dv = (all_to_all(_from_ring_shard(g, ctx.U), ctx.head_group) for g in (dk_r, dv_r))
-        return None, None, dq, dk, dv, None, None, None
+        n = sum(ctx.lens)
+        dk, dv = (all_to_all(_from_ring_shard(g[:, :n], ctx.lens), ctx.head_group) for g in (dk_r, dv_r))
+        return None, None, None, None, dq, dk, dv, None, None, None
 
 
-def _from_ring_shard(x: torch.Tensor, U: int) -> torch.Tensor:
-    """The inverse of _ring_shard: (B, U * L, h, D) -> (U, B, L, h, D) contiguous."""
-    B, UL = x.shape[:2]
-    return x.reshape(B, U, UL // U, *x.shape[2:]).transpose(0, 1).contiguous()
+def _pad_rows(x: torch.Tensor, n: int) -> torch.Tensor:
+    """x (B, L, ...) with zero rows appended on dim 1 up to n (x itself when L = n)."""
+    extra = n - x.shape[1]
+    return x if extra == 0 else torch.cat([x, x.new_zeros(x.shape[0], extra, *x.shape[2:])], 1)
 
 
-def _to_heads(x: torch.Tensor, of, U: int) -> torch.Tensor:
-    """(U, B, L, h, D) rows for rank u': this rank's tokens at heads of(u') (stacked: a head
-    sent to several ranks is copied, and autograd sums its gradients back)."""
+def _from_ring_shard(x: torch.Tensor, lens) -> torch.Tensor:
+    """The inverse of _ring_shard: (B, sum(lens), ...) -> (U, B, max(lens), ...) contiguous, row
+    j the j-th piece (lens[j] rows) padded with zeros."""
+    B, n, U = x.shape[0], x.shape[1], len(lens)
+    if len(set(lens)) == 1:  # equal pieces: one reshape
+        return x.reshape(B, U, n // U, *x.shape[2:]).transpose(0, 1).contiguous()
+    return torch.stack([_pad_rows(p, max(lens)) for p in x.split(list(lens), 1)])
+
+
+def _to_heads(x: torch.Tensor, of, U: int, rows: int) -> torch.Tensor:
+    """(U, B, rows, h, D) rows for rank u': this rank's tokens (padded to `rows`) at heads
+    of(u') (stacked: a head sent to several ranks is copied, and autograd sums its gradients
+    back)."""
+    x = _pad_rows(x, rows)
     return torch.stack([x[:, :, of(j)] for j in range(U)])
 
 
-def _ring_shard(x: torch.Tensor) -> torch.Tensor:
-    """(U, B, L, h, D) received rows, one per head-group rank in order -> (B, U * L, h, D)."""
+def _ring_shard(x: torch.Tensor, lens) -> torch.Tensor:
+    """(U, B, max(lens), ...) received rows, one per head-group rank in order, lens[j] of them
+    real -> (B, sum(lens), ...): the ring position's shard."""
     U, B, L = x.shape[:3]
-    return x.transpose(0, 1).reshape(B, U * L, *x.shape[3:])
+    if all(n == L for n in lens):
+        return x.transpose(0, 1).reshape(B, U * L, *x.shape[3:])
+    return torch.cat([x[j, :, :n] for j, n in enumerate(lens)], 1)
+
+
+def _exchange_and_ring(q, k, v, key_bias, spec, comm, plan, head_group, lens_q, lens_k, ring_len, return_lse):
+    """The hybrid call once validated: q (B, lens_q[u], Hq, D), k, v (B, lens_k[u], Hkv, D) this
+    rank's tokens; the head all-to-all, the ring over the ring position's shard at this rank's
+    heads (K/V padded to ring_len rows), the all-to-all back. Returns out (B, lens_q[u], Hq, D)
+    and lse (B, Hq, lens_q[u]) or None."""
+    from .ring import _RingAttn
+
+    U, Lq, Lk = len(lens_q), max(lens_q), max(lens_k)
+    B, L = q.shape[:2]
+    if plan.kv_ranks_per_head > 1 and k.dtype in (torch.float16, torch.bfloat16):
+        # replicated kv heads: their copies' gradients are summed in float32, rounded once
+        (qs,) = _AllToAll.apply(head_group, _to_heads(q, plan.q_of, U, Lq))
+        k_rows, v_rows = (_to_heads(t.float(), plan.kv_of, U, Lk) for t in (k, v))
+        q_r = _ring_shard(qs, lens_q)
+        out_r, lse_r = _KVToRing.apply(head_group, k.dtype, lens_k, ring_len, q_r, k_rows, v_rows, key_bias, spec, comm)
+    else:
+        qs, ks, vs = _AllToAll.apply(
+            head_group, _to_heads(q, plan.q_of, U, Lq), _to_heads(k, plan.kv_of, U, Lk), _to_heads(v, plan.kv_of, U, Lk)
+        )
+        k_r, v_r = (_pad_rows(_ring_shard(t, lens_k), ring_len) for t in (ks, vs))
+        out_r, lse_r = _RingAttn.apply(_ring_shard(qs, lens_q), k_r, v_r, key_bias, spec, comm)
+
+    # back: (B, sum(lens_q), h, D) -> rows per head-group rank (its tokens) -> (B, L, Hq, D)
+    h = plan.q_per
+    if return_lse:
+        rows = (_from_ring_shard(out_r, lens_q), _from_ring_shard(lse_r.transpose(1, 2), lens_q))
+        out_got, lse_got = _AllToAll.apply(head_group, *rows)
+        lse = lse_got[:, :, :L].permute(1, 0, 3, 2).reshape(B, U * h, L)
+    else:
+        (out_got,) = _AllToAll.apply(head_group, _from_ring_shard(out_r, lens_q))
+        lse = None
+    return out_got[:, :, :L].permute(1, 2, 0, 3, 4).reshape(B, L, U * h, -1), lse
 
 
 def hybrid_attn(
@@ -171,7 +225,7 @@ def hybrid_attn(
     """ring_flash_attn_func with a head_group (see its docstring and README: Hybrid). Dropout:
     the keep mask of the global query heads (this rank's start at u * Hq / U), one seed for the
     whole grid (its first rank's)."""
-    from .ring import _FIELD_NAMES, _RingAttn, _show_field, _signature, ring_call_spec
+    from .ring import _FIELD_NAMES, _show_field, _signature, ring_call_spec
 
     api = "ring_flash_attn_func"
     group, head_group = resolve_groups(group, head_group, api)
@@ -183,7 +237,7 @@ def hybrid_attn(
         check_bool("return_lse", return_lse, api)
         p = check_dropout(dropout_p, generator, api)
         if is_balanced(layout):
-            raise ValueError(f"{api}: a balanced layout (packed documents) with a head_group is not supported yet")
+            raise ValueError(f"{api}: a balanced layout (packed documents) goes with ring_flash_attn_varlen_func")
         dims, spec, _ = ring_call_spec(
             q, k, v, causal, softmax_scale, layout, key_padding_mask, grad_accum_dtype, grad_chunks, api, window_size
         )
@@ -225,30 +279,63 @@ def hybrid_attn(
         mask_r = got.transpose(0, 1).reshape(m.shape[0], U * m.shape[1])
         mask_r = mask_r.bool() if key_padding_mask.dtype == torch.bool else mask_r
 
-    B, L = q.shape[:2]
+    B, L, Lk = q.shape[0], q.shape[1], k.shape[1]
     comm = RingComm(group) if R > 1 else LocalComm()
-    dims = AttnDims(B, U * L, U * k.shape[1], plan.q_per, plan.kv_per, q.shape[-1])
+    dims = AttnDims(B, U * L, U * Lk, plan.q_per, plan.kv_per, q.shape[-1])
     key_bias = key_bias_from_mask(mask_r, dims, q.device, api, state_dtype(q.dtype))
-    if plan.kv_ranks_per_head > 1 and k.dtype in (torch.float16, torch.bfloat16):
-        # replicated kv heads: their copies' gradients are summed in float32, rounded once
-        (qs,) = _AllToAll.apply(head_group, _to_heads(q, plan.q_of, U))
-        k_rows, v_rows = (_to_heads(t.float(), plan.kv_of, U) for t in (k, v))
-        out_r, lse_r = _KVToRing.apply(head_group, k.dtype, _ring_shard(qs), k_rows, v_rows, key_bias, spec, comm)
-    else:
-        qs, ks, vs = _AllToAll.apply(
-            head_group, _to_heads(q, plan.q_of, U), _to_heads(k, plan.kv_of, U), _to_heads(v, plan.kv_of, U)
-        )
-        out_r, lse_r = _RingAttn.apply(_ring_shard(qs), _ring_shard(ks), _ring_shard(vs), key_bias, spec, comm)
-
-    # back: (B, U * L, h, D) -> rows per head-group rank (its tokens) -> (B, L, Hq, D)
-    h = plan.q_per
-    out_rows = out_r.view(B, U, L, h, -1).transpose(0, 1)
-    lse_rows = lse_r.view(B, h, U, L).permute(2, 0, 1, 3)
-    if return_lse:
-        out_got, lse_got = _AllToAll.apply(head_group, out_rows, lse_rows)
-        lse = lse_got.transpose(0, 1).reshape(B, U * h, L)
-    else:
-        (out_got,) = _AllToAll.apply(head_group, out_rows)
-    out = out_got.permute(1, 2, 0, 3, 4).reshape(B, L, U * h, -1)
+    out, lse = _exchange_and_ring(
+        q, k, v, key_bias, spec, comm, plan, head_group, (L,) * U, (Lk,) * U, U * Lk, return_lse
+    )
     out = all_dropped(out, p)
     return (out, lse) if return_lse else out
+
+
+def hybrid_varlen_attn(
+    q, k, v, cu_seqlens, *, layout, causal, softmax_scale, window_size, group, head_group, return_lse,
+    grad_accum_dtype, grad_chunks, dropout_p, generator,
+):  # fmt: skip
+    """ring_flash_attn_varlen_func with a head_group: q (n, Hq, D), k, v (n, Hkv, D) this rank's
+    piece of its ring position's shard of a balanced layout over the R ring positions
+    (shard(..., layout=layout, head_group=head_group, dim=0)); the ring runs the packed
+    documents over the ring positions' whole shards at Hq / U heads."""
+    from .ring import _FIELD_NAMES, _show_field, _signature, check_packed_call
+
+    api = "ring_flash_attn_varlen_func"
+    group, head_group = resolve_groups(group, head_group, api)
+    r, R = group_rank_world(group)
+    u, U = group_rank_world(head_group)
+    device = getattr(q, "device", None)
+
+    def validate():
+        p, spec = check_packed_call(
+            q, k, v, cu_seqlens, layout, causal, softmax_scale, window_size, return_lse, grad_accum_dtype,
+            grad_chunks, dropout_p, generator, api, R, r, head_pieces=(u, U),
+        )  # fmt: skip
+        plan = head_plan(q.shape[1], k.shape[1], U, api)
+        for g, n in ((group, R), (head_group, U)):
+            if n > 1:
+                check_backend_device(g, q.device, api)
+        if grad_chunks is not None and grad_chunks > plan.kv_per:
+            raise ValueError(
+                f"{api}: grad_chunks {grad_chunks} exceeds the {plan.kv_per} k/v head(s) each rank holds "
+                f"with a head_group of {U}"
+            )
+        shapes = (
+            q.new_empty(1, layout.max_local_len, *q.shape[1:]),
+            k.new_empty(1, layout.max_local_len, *k.shape[1:]),
+        )
+        return _signature(*shapes, spec, False, p), (spec, plan, p)
+
+    spec, plan, p = validated_across_grid(
+        group, head_group, api, validate, _FIELD_NAMES, device=device, show=_show_field
+    )
+    if 0.0 < p < 1.0:
+        seed = agreed_seed(device, group, head_group, generator=generator)
+        spec = dataclasses.replace(spec, dropout=Dropout(seed, p, h0=u * plan.q_per))
+    lens = tuple(piece.local_len(j) for piece in (layout.head_pieces(r, U),) for j in range(U))
+    comm = RingComm(group) if R > 1 else LocalComm()
+    out, lse = _exchange_and_ring(
+        q[None], k[None], v[None], None, spec, comm, plan, head_group, lens, lens, layout.max_local_len, return_lse
+    )
+    out = all_dropped(out, p)
+    return (out[0], lse[0]) if return_lse else out[0]

@@ -10,7 +10,9 @@ and local_positions need no communication with it.
 
 With a head_group of U ranks (ringflash.hybrid), the layout places the sequence over the R
 ranks of `group` (the ring positions) as above, then each ring position's shard is cut
-contiguously into U equal pieces, held by the head group's ranks in their group-rank order.
+contiguously into U equal pieces, held by the head group's ranks in their group-rank order
+(with a balanced layout, whose shards need not divide by U: U contiguous pieces whose lengths
+differ by at most one, BalancedLayout.head_pieces).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import torch.distributed as dist
 
 from ._checks import check_tensor
 from .comm import group_rank_world, resolve_group, resolve_groups, validated_across_ranks
-from .schedule import LAYOUTS, check_divisible, check_layout, is_balanced, segments
+from .schedule import check_divisible, check_layout, is_balanced, layout_code, segments, show_layout_code
 
 
 def _norm_dim(x: torch.Tensor, dim: int, api: str) -> int:
@@ -46,7 +48,7 @@ def shard(x, *, group=None, layout="zigzag", dim=1, head_group=None):
     u, U = _head_rank(head_group, layout, api)
     if is_balanced(layout):
         _check_balanced(layout, x.shape[dim], world, api)
-        return x.index_select(dim, layout.positions(rank, device=x.device))
+        return x.index_select(dim, _balanced_positions(layout, rank, u, U, x.device))
     check_divisible(x.shape[dim], world * U, layout, api)
     part = _shard_of(x, rank, world, layout, dim)
     n = part.shape[dim] // U
@@ -54,11 +56,17 @@ def shard(x, *, group=None, layout="zigzag", dim=1, head_group=None):
 
 
 def _head_rank(head_group, layout, api: str) -> tuple[int, int]:
-    if head_group is None:
-        return 0, 1
-    if is_balanced(layout):
-        raise ValueError(f"{api}: a balanced layout (packed documents) with a head_group is not supported yet")
-    return group_rank_world(head_group)
+    return (0, 1) if head_group is None else group_rank_world(head_group)
+
+
+def _balanced_positions(layout, rank: int, u: int, U: int, device) -> torch.Tensor:
+    """The global positions held by head-group rank u of ring position `rank`: its piece of
+    the ring position's positions (BalancedLayout.head_pieces; all of them when U = 1)."""
+    pos = layout.positions(rank, device=device)
+    if U == 1:
+        return pos
+    (piece,) = layout.head_pieces(rank, U).pieces[u] or (None,)
+    return pos[:0] if piece is None else pos[piece.global_start : piece.global_start + piece.length]
 
 
 def _check_balanced(layout, seq_len: int, world: int, api: str) -> None:
@@ -101,7 +109,7 @@ def local_positions(seq_len, *, group=None, layout="zigzag", device=None, head_g
     u, U = _head_rank(head_group, layout, api)
     if is_balanced(layout):
         _check_balanced(layout, seq_len, world, api)
-        return layout.positions(rank, device=device)
+        return _balanced_positions(layout, rank, u, U, device)
     check_divisible(seq_len, world * U, layout, api)
     segs = segments(layout, rank, world, seq_len // world)
     pos = torch.cat([torch.arange(s.global_start, s.global_start + s.length, device=device) for s in segs])
@@ -112,7 +120,7 @@ def local_positions(seq_len, *, group=None, layout="zigzag", device=None, head_g
 def _show_layout_field(name, value):
     if name != "layout":
         return str(value)
-    return LAYOUTS[value] if value < len(LAYOUTS) else f"a balanced layout (fingerprint {value - len(LAYOUTS)})"
+    return show_layout_code(value)
 
 
 class _Unshard(torch.autograd.Function):
@@ -152,9 +160,12 @@ def unshard(x_local, *, group=None, layout="zigzag", dim=1, head_group=None):
     """
     api = "unshard"
     group, head_group = resolve_groups(group, head_group, api)
-    if head_group is not None:
-        _head_rank(head_group, layout, api)
-        x_local = unshard(x_local, group=head_group, layout="contiguous", dim=dim)
+    if head_group is not None:  # the ring position's shard first, gathered over the head group
+        check_layout(layout, api)
+        pieces = "contiguous"
+        if is_balanced(layout):  # pieces of unequal lengths: gathered as a layout of U ranks
+            pieces = layout.head_pieces(group_rank_world(group)[0], group_rank_world(head_group)[1])
+        x_local = unshard(x_local, group=head_group, layout=pieces, dim=dim)
     rank, world = group_rank_world(group)
     device = getattr(x_local, "device", None)
 
@@ -171,10 +182,7 @@ def unshard(x_local, *, group=None, layout="zigzag", dim=1, head_group=None):
                     f"{api}: the layout gives rank {rank} {layout.local_len(rank)} tokens, x_local has "
                     f"{x_local.shape[d]} on dim {d}"
                 )
-            code = len(LAYOUTS) + layout.fingerprint()
-        else:
-            code = LAYOUTS.index(layout)
-        return {"layout": code, "dim": d, "ndim": x_local.dim()}, d
+        return {"layout": layout_code(layout), "dim": d, "ndim": x_local.dim()}, d
 
     names = ("layout", "dim", "ndim")
     dim = validated_across_ranks(group, api, validate_rank, names, device=device, show=_show_layout_field)

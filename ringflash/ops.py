@@ -30,6 +30,7 @@ import torch
 
 from . import local
 from ._checks import check_cu_seqlens, check_max_seqlen
+from .balance import CODE_PREFIX, layout_from_code
 from .dropout import Dropout, first_ranks_seed
 from .masks import BlockMask, Window, document_bounds
 from .merge import state_dtype
@@ -206,10 +207,28 @@ def _ring_run(group_name: str):
     return RingComm(group), group
 
 
+def _layout(layout: str):
+    """The operators' layout string: a layout name, or a balanced layout's .code."""
+    return layout_from_code(layout) if layout.startswith(CODE_PREFIX) else layout
+
+
 def _ring_spec(left, right, scale, dropout, layout, grad_chunks, grad_accum):
     from .ring import RingSpec
 
-    return RingSpec(_window(left, right), scale, layout, None if grad_chunks < 0 else grad_chunks, grad_accum, dropout)
+    grad_chunks = None if grad_chunks < 0 else grad_chunks
+    return RingSpec(_window(left, right), scale, _layout(layout), grad_chunks, grad_accum, dropout)
+
+
+def _cu_seqlens_error(cu_seqlens, layout: str, api: str):
+    """The ValueError for packed documents whose cu_seqlens are not the ones the balanced layout
+    was built from (checked here, where a tensor's values are known even under torch.compile),
+    or None."""
+    if cu_seqlens is None:
+        return None
+    cu = tuple(cu_seqlens.tolist())
+    if cu == _layout(layout).cu_seqlens:
+        return None
+    return ValueError(f"{api}: cu_seqlens {list(cu[:6])}... is not the one the layout was built from")
 
 
 @torch.library.custom_op(f"{NAMESPACE}::ring_fwd", mutates_args=())
@@ -218,6 +237,7 @@ def ring_fwd(
     k: torch.Tensor,
     v: torch.Tensor,
     key_bias: torch.Tensor | None,
+    cu_seqlens: torch.Tensor | None,
     group_name: str,
     left: int,
     right: int,
@@ -231,19 +251,25 @@ def ring_fwd(
     agree: list[int],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The ring forward over the process group named `group_name` ("" : one rank), inputs
-    already validated on this rank. agree: empty, or this rank's call signature
-    (ring._signature's values), checked against every rank's with one all_gather before the
-    ring starts (the compiled path's rank-agreement check). dropout_p, seed: as flash_fwd's;
-    every rank uses the first rank's seed. Returns out, lse, m, l as flash_fwd, and the seed
-    used (an int64 scalar on the CPU, 0 without dropout) for the backward."""
+    already validated on this rank. layout: a layout name, or a balanced layout's .code
+    (packed documents: B = 1; cu_seqlens, when given, are checked against the layout's).
+    agree: empty, or this rank's call signature (ring._signature's values), checked against
+    every rank's with one all_gather before the ring starts (the compiled path's rank-agreement
+    check; a rank whose cu_seqlens check failed makes every rank raise). dropout_p, seed: as
+    flash_fwd's; every rank uses the first rank's seed. Returns out, lse, m, l as flash_fwd, and
+    the seed used (an int64 scalar on the CPU, 0 without dropout) for the backward."""
     from . import ring
 
     comm, group = _ring_run(group_name)
+    api = "ring_flash_attn_varlen_func" if layout.startswith(CODE_PREFIX) else "ring_flash_attn_func"
+    error = _cu_seqlens_error(cu_seqlens, layout, api)
     if agree:
         from .comm import agree_across_ranks
 
         fields = dict(zip(ring._FIELD_NAMES, agree))
-        agree_across_ranks(group, fields, None, "ring_flash_attn_func", device=q.device, show=ring._show_field)
+        agree_across_ranks(group, fields, error, api, device=q.device, show=ring._show_field)
+    elif error is not None:
+        raise error
     if seed is not None and group_name:
         seed = torch.tensor(first_ranks_seed(int(seed), q.device, group), dtype=torch.int64)
     ctx = _Saved()
@@ -303,7 +329,7 @@ def _(q, k, v, *args):
 
 
 def _ring_setup(ctx, inputs, output):
-    q, k, v, key_bias, group_name, left, right, scale, dropout_p, _, *rest = inputs
+    q, k, v, key_bias, _, group_name, left, right, scale, dropout_p, _, *rest = inputs
     ctx.args = (group_name, left, right, scale, dropout_p)
     ctx.rest = rest[:-1]  # the agreement signature is the forward's alone
     out, _, m, l, seed = output
@@ -313,7 +339,7 @@ def _ring_setup(ctx, inputs, output):
 def _ring_backward(ctx, dout, dlse, dm, dl, dseed):
     q, k, v, out, m, l, key_bias, seed = ctx.saved_tensors
     dq, dk, dv = ring_bwd(q, k, v, out, m, l, dout, dlse, key_bias, *ctx.args, seed, *ctx.rest)
-    return (dq, dk, dv) + (None,) * 12
+    return (dq, dk, dv) + (None,) * 13
 
 
 ring_fwd.register_autograd(_ring_backward, setup_context=_ring_setup)

@@ -16,23 +16,22 @@ import torch
 
 from . import ops
 from ._checks import SUPPORTED_DTYPES, check_bool, check_qkv, key_bias_from_mask, resolve_grad_accum, resolve_scale
-from .comm import (
-    LocalComm,
-    RingComm,
-    check_backend_device,
-    group_rank_world,
-    is_mesh,
-    resolve_group,
-    resolve_groups,
-    validated_across_ranks,
-)
-from .dropout import Dropout, agreed_seed, all_dropped, check_dropout, operator_dropout
+from .comm import check_backend_device, group_rank_world, is_mesh, resolve_group, resolve_groups, validated_across_ranks
+from .dropout import Dropout, all_dropped, check_dropout, operator_dropout
 from .empty import empty_attention
 from .local import backend_for, backend_name, backward_inputs, block_backward, block_forward, without_autocast
 from .masks import FULL, BlockMask, Window, window_from
 from .merge import SoftmaxState, state_dtype
 from .relay import GradRelay, default_grad_chunks
-from .schedule import LAYOUTS, check_layout, chunks_per_rank, is_balanced, step_tasks, steps_needed
+from .schedule import (
+    check_layout,
+    chunks_per_rank,
+    is_balanced,
+    layout_code,
+    show_layout_code,
+    step_tasks,
+    steps_needed,
+)
 
 
 @dataclass(frozen=True)
@@ -228,7 +227,7 @@ def _signature(q, k, spec: RingSpec, has_mask: bool, dropout_p: float = 0.0) -> 
         SUPPORTED_DTYPES.index(q.dtype),
         -1 if spec.window.left is None else spec.window.left,
         -1 if spec.window.right is None else spec.window.right,
-        len(LAYOUTS) + spec.layout.fingerprint() if is_balanced(spec.layout) else LAYOUTS.index(spec.layout),
+        layout_code(spec.layout),
         _float_bits(spec.scale),
         int(q.is_cuda),
         int(has_mask),
@@ -243,7 +242,7 @@ def _show_field(name, value):
     if name in ("dtype", "grad_accum_dtype"):
         return str(SUPPORTED_DTYPES[value])
     if name == "layout":
-        return LAYOUTS[value] if value < len(LAYOUTS) else f"a balanced layout (fingerprint {value - len(LAYOUTS)})"
+        return show_layout_code(value)
     if name in ("softmax_scale", "dropout_p"):
         return repr(struct.unpack("<d", struct.pack("<q", value))[0])
     if name == "grad_chunks" and value == -1:
@@ -405,7 +404,7 @@ def ring_flash_attn_func(
         out, lse = empty_attention(q, k, v)
         return (out, lse) if return_lse else out
     out, lse, _, _, _ = ops.ring_fwd(
-        q, k, v, key_bias, resolve_group(group).group_name if world > 1 else "", *ops.window_args(spec.window),
+        q, k, v, key_bias, None, resolve_group(group).group_name if world > 1 else "", *ops.window_args(spec.window),
         spec.scale, *operator_dropout(p, generator), spec.layout,
         -1 if spec.grad_chunks is None else spec.grad_chunks, spec.grad_accum,
         "" if torch.compiler.is_compiling() else backend_name(q.device), agree,
@@ -414,9 +413,41 @@ def ring_flash_attn_func(
     return (out, lse) if return_lse else out
 
 
-# not yet one operator under torch.compile (its layout is a Python object the schedule reads):
-# traced code calls it eagerly, a graph break (fullgraph=True reports it), never a crash
-@torch.compiler.disable
+def check_packed_call(
+    q, k, v, cu_seqlens, layout, causal, softmax_scale, window_size, return_lse, grad_accum_dtype, grad_chunks,
+    dropout_p, generator, api, world, rank, head_pieces=(0, 1),
+):  # fmt: skip
+    """Validate a packed-document ring call on this rank (not against other ranks): returns
+    (dropout_p as a float, its RingSpec over the balanced layout). world, rank: the ring's;
+    head_pieces (u, U): this rank's place in a head group, whose piece of the ring position's
+    shard it holds (BalancedLayout.head_pieces). Under torch.compile a cu_seqlens tensor's
+    values are checked by the ring operator when it runs."""
+    check_bool("return_lse", return_lse, api)
+    p = check_dropout(dropout_p, generator, api)
+    if not is_balanced(layout):
+        raise ValueError(f"{api}: layout must be a ringflash.balanced_layout(...), got {layout!r}")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 3:
+            raise ValueError(f"{api}: {name} must be a 3-D tensor (n_local, heads, head_dim), got "
+                             f"{getattr(t, 'shape', type(t).__name__)}")  # fmt: skip
+    if layout.world != world:
+        raise ValueError(f"{api}: the layout was built for {layout.world} ranks, the group has {world}")
+    if not (torch.compiler.is_compiling() and isinstance(cu_seqlens, torch.Tensor)):
+        cu = cu_seqlens.tolist() if isinstance(cu_seqlens, torch.Tensor) else list(cu_seqlens)
+        if tuple(cu) != layout.cu_seqlens:
+            raise ValueError(f"{api}: cu_seqlens {cu[:6]}... is not the one the layout was built from")
+    u, U = head_pieces
+    n = layout.local_len(rank) if U == 1 else layout.head_pieces(rank, U).local_len(u)
+    if q.shape[0] != n or k.shape[0] != n:
+        where = f"rank {rank}" if U == 1 else f"ring position {rank}, head-group rank {u}"
+        raise ValueError(f"{api}: the layout gives {where} {n} tokens, got q {tuple(q.shape)} and k {tuple(k.shape)}")
+    _, spec, _ = ring_call_spec(
+        q[None], k[None], v[None], causal, softmax_scale, "contiguous", None, grad_accum_dtype, grad_chunks, api,
+        window_size,
+    )  # fmt: skip
+    return p, dataclasses.replace(spec, layout=layout)
+
+
 def ring_flash_attn_varlen_func(
     q,
     k,
@@ -433,6 +464,7 @@ def ring_flash_attn_varlen_func(
     grad_chunks=None,
     dropout_p=0.0,
     generator=None,
+    head_group=None,
 ):
     """Exact attention over packed documents sharded across the ranks of `group`.
 
@@ -447,52 +479,58 @@ def ring_flash_attn_varlen_func(
     there; when no document spans two ranks no K/V travels at all. grad_accum_dtype,
     grad_chunks: as ring_flash_attn_func's. dropout_p, generator: as flash_attn_varlen_func's
     (query and key indices: positions in the packed row), the same pairs at any world size.
+    head_group: as ring_flash_attn_func's (or a 2-D DeviceMesh as group), with the layout built
+    for the R ranks of the ring: each ring position's shard is cut into U contiguous pieces
+    (lengths differing by at most one; shard(..., layout=layout, head_group=head_group, dim=0)),
+    heads travel by all-to-all inside the head group and the ring runs the documents over the
+    ring positions' whole shards at Hq / U heads.
     """
     api = "ring_flash_attn_varlen_func"
+    if head_group is not None or is_mesh(group):
+        group, head_group = resolve_groups(group, head_group, api)
+        if head_group is not None:
+            from .hybrid import hybrid_varlen_attn
+
+            return hybrid_varlen_attn(
+                q, k, v, cu_seqlens, layout=layout, causal=causal, softmax_scale=softmax_scale,
+                window_size=window_size, group=group, head_group=head_group, return_lse=return_lse,
+                grad_accum_dtype=grad_accum_dtype, grad_chunks=grad_chunks, dropout_p=dropout_p, generator=generator,
+            )  # fmt: skip
     rank, world = group_rank_world(group)
+    compiling = torch.compiler.is_compiling()
 
     def validate():
-        check_bool("return_lse", return_lse, api)
-        p = check_dropout(dropout_p, generator, api)
-        if not is_balanced(layout):
-            raise ValueError(f"{api}: layout must be a ringflash.balanced_layout(...), got {layout!r}")
-        for name, t in (("q", q), ("k", k), ("v", v)):
-            if not isinstance(t, torch.Tensor) or t.dim() != 3:
-                raise ValueError(f"{api}: {name} must be a 3-D tensor (n_local, heads, head_dim), got "
-                                 f"{getattr(t, 'shape', type(t).__name__)}")  # fmt: skip
-        if layout.world != world:
-            raise ValueError(f"{api}: the layout was built for {layout.world} ranks, the group has {world}")
-        cu = cu_seqlens.tolist() if isinstance(cu_seqlens, torch.Tensor) else list(cu_seqlens)
-        if tuple(cu) != layout.cu_seqlens:
-            raise ValueError(f"{api}: cu_seqlens {cu[:6]}... is not the one the layout was built from")
-        n = layout.local_len(rank)
-        if q.shape[0] != n or k.shape[0] != n:
-            raise ValueError(f"{api}: the layout gives rank {rank} {n} tokens, got q {tuple(q.shape)} and "
-                             f"k {tuple(k.shape)}")  # fmt: skip
-        dims, spec, _ = ring_call_spec(
-            q[None], k[None], v[None], causal, softmax_scale, "contiguous", None, grad_accum_dtype, grad_chunks, api,
-            window_size,
+        p, spec = check_packed_call(
+            q, k, v, cu_seqlens, layout, causal, softmax_scale, window_size, return_lse, grad_accum_dtype,
+            grad_chunks, dropout_p, generator, api, world, rank,
         )  # fmt: skip
-        spec = dataclasses.replace(spec, layout=layout)
         if world > 1:
             check_backend_device(group, q.device, api)
-        pad = layout.max_local_len - n
         shapes = (
             q.new_empty(1, layout.max_local_len, *q.shape[1:]),
             k.new_empty(1, layout.max_local_len, *k.shape[1:]),
         )
-        return _signature(*shapes, spec, False, p), (spec, pad, p)
+        return _signature(*shapes, spec, False, p), (spec, p)
 
-    spec, pad, p = validated_across_ranks(
-        group, api, validate, _FIELD_NAMES, device=getattr(q, "device", None), show=_show_field
-    )
-    # K/V travel padded to the longest shard; the schedule never reads the padding rows
+    if compiling:  # as ring_flash_attn_func: the agreement runs inside the ring operator
+        fields, (spec, p) = validate()
+        agree = list(fields.values()) if world > 1 else []
+        cu_check = cu_seqlens if isinstance(cu_seqlens, torch.Tensor) else None
+    else:
+        spec, p = validated_across_ranks(
+            group, api, validate, _FIELD_NAMES, device=getattr(q, "device", None), show=_show_field
+        )
+        agree, cu_check = [], None
+    # K/V travel padded to the longest shard; the schedule never reads the padding rows. The
+    # ring runs layout.hops steps (schedule.steps_needed): with every document whole, one, and
+    # nothing is exchanged
+    pad = layout.max_local_len - q.shape[0]
     k_p, v_p = (torch.nn.functional.pad(t, (0, 0, 0, 0, 0, pad)) for t in (k, v))
-    # the ring runs layout.hops steps (schedule.steps_needed): with every document whole, one,
-    # and nothing is exchanged
-    comm = RingComm(group) if world > 1 else LocalComm(rank)
-    if 0.0 < p < 1.0:  # every rank drops with the first rank's seed
-        spec = dataclasses.replace(spec, dropout=Dropout(agreed_seed(q.device, group, generator=generator), p))
-    out, lse = _RingAttn.apply(q[None], k_p[None], v_p[None], None, spec, comm)
+    out, lse, _, _, _ = ops.ring_fwd(
+        q[None], k_p[None], v_p[None], None, cu_check, resolve_group(group).group_name if world > 1 else "",
+        *ops.window_args(spec.window), spec.scale, *operator_dropout(p, generator), layout.code,
+        -1 if spec.grad_chunks is None else spec.grad_chunks, spec.grad_accum,
+        "" if compiling else backend_name(q.device), agree,
+    )  # fmt: skip
     out = all_dropped(out, p)
     return (out[0], lse[0]) if return_lse else out[0]

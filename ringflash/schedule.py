@@ -45,6 +45,17 @@ def is_balanced(layout) -> bool:
     return hasattr(layout, "pieces")
 
 
+def layout_code(layout) -> int:
+    """A layout as one int ranks compare to agree on it: a name's index, or past the names a
+    balanced layout's fingerprint."""
+    return len(LAYOUTS) + layout.fingerprint() if is_balanced(layout) else LAYOUTS.index(layout)
+
+
+def show_layout_code(code: int) -> str:
+    """layout_code's int, readable (in the message of ranks that disagree)."""
+    return LAYOUTS[code] if code < len(LAYOUTS) else f"a balanced layout (fingerprint {code - len(LAYOUTS)})"
+
+
 def check_layout(layout, api: str) -> None:
     if not is_balanced(layout) and layout not in LAYOUTS:
         raise ValueError(f"{api}: layout must be one of {LAYOUTS} or a balanced_layout(), got {layout!r}")

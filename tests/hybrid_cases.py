@@ -4,7 +4,16 @@ against the float64 oracle (run on every rank of a world)."""
 import torch
 import torch.distributed as dist
 
-from ringflash import flash_attn_func, local_positions, ring_flash_attn_func, shard, unshard
+from ringflash import (
+    balanced_layout,
+    flash_attn_func,
+    local_positions,
+    ring_flash_attn_func,
+    ring_flash_attn_varlen_func,
+    shard,
+    unshard,
+)
+from ringflash.testing import varlen_plain_errors, varlen_reference
 
 from oracle import assert_within, plain_errors, reference, rel_rms
 from ring_cases import full_inputs, padding_mask
@@ -88,3 +97,39 @@ def hybrid_precision(rank, world, R, U, Hq, Hkv):
     errw = [rel_rms(unshard(x, group=group, head_group=head_group), r) for x, r in zip((out, *g), ref)]
     for name, e1, ew in zip(("out", "dq", "dk", "dv"), err1, errw):
         assert ew <= 1.2 * e1, f"{name}: R{R} x U{U} error {ew:.3e} vs one device {e1:.3e}"
+
+
+def hybrid_varlen_vs_oracle(rank, world, R, U, lengths, causal, window_size, Hq, Hkv, dtype, seed):
+    """Packed documents with a head_group: a balanced layout over the R ring positions, each
+    position's shard cut into U pieces (unequal when it does not divide); out, lse, dq, dk, dv
+    reassembled against the float64 oracle run one document at a time. Returns this rank's
+    piece length and whether its head group's pieces differ in length."""
+    group, head_group = grid(R, U)
+    cu = [0]
+    for n in lengths:
+        cu.append(cu[-1] + n)
+    L = balanced_layout(cu, R, causal=causal, window_size=window_size)
+    g = torch.Generator().manual_seed(seed)
+    T, D = cu[-1], 16
+    q = torch.randn(T, Hq, D, generator=g).to(dtype)
+    k, v = (torch.randn(T, Hkv, D, generator=g).to(dtype) for _ in range(2))
+    do = torch.randn(T, Hq, D, generator=g).to(dtype)
+    cu_t = torch.tensor(cu)
+    kw = dict(causal=causal, window_size=window_size)
+    ref = varlen_reference(q, k, v, do, cu_t, cu_t, **kw)
+    plain = varlen_plain_errors(q, k, v, do, cu_t, cu_t, ref, **kw)
+    grid_kw = dict(group=group, head_group=head_group, layout=L)
+    sh = lambda t, dim=0: shard(t, dim=dim, **grid_kw)
+    pos = local_positions(T, **grid_kw)
+    assert torch.equal(sh(q), q[pos])
+    ql, kl, vl = (sh(t).clone().requires_grad_() for t in (q, k, v))
+    out, lse = ring_flash_attn_varlen_func(ql, kl, vl, cu_t, return_lse=True, **grid_kw, **kw)
+    assert out.shape == ql.shape and out.dtype == dtype and lse.shape == (Hq, ql.shape[0])
+    grads = torch.autograd.grad(out, (ql, kl, vl), sh(do))
+    tag = f"R{R}xU{U} causal={causal} window_size={window_size} {Hq}/{Hkv} {dtype}"
+    for name, got, r in zip(("out", "dq", "dk", "dv"), (out, *grads), (ref[0], *ref[2:])):
+        assert_within(f"{name} {tag}", unshard(got, dim=0, **grid_kw), r, plain[name])
+        assert_within(f"{name} (shard) {tag}", got, sh(r), plain[name])
+    assert_within(f"lse {tag}", unshard(lse, dim=1, **grid_kw), ref[1], plain["lse"], sum_len=1)
+    pieces = L.head_pieces(dist.get_rank(group) if R > 1 else 0, U)
+    return ql.shape[0], len({pieces.local_len(u) for u in range(U)}) > 1

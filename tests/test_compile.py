@@ -197,6 +197,26 @@ def _ring_compiled(rank, world):
     cf2 = _compile(lambda q, k, v: ringflash.ring_flash_attn_func(q, k, v, causal=True))
     with pytest.raises(ValueError, match="ranks of the group disagree .*q local length: rank 0=8, rank 1=16"):
         cf2(*bad)
+    # packed documents on a balanced layout, cu_seqlens a tensor (its values are checked inside
+    # the operator) and a list
+    cu = torch.tensor([0, 5, 6, 26, 26, 32], dtype=torch.int32)
+    layout = ringflash.balanced_layout(cu, world, causal=True)
+    packed = [ringflash.shard(t, layout=layout, dim=0).requires_grad_() for t in (q[0], k[0], v[0])]
+    for cu_arg in (cu, cu.tolist()):
+        fv = lambda q, k, v: ringflash.ring_flash_attn_varlen_func(
+            q, k, v, cu_arg, layout=layout, causal=True, window_size=(7, 0), return_lse=True
+        )
+        got_out, got_grads = _run(_compile(fv), packed)
+        want_out, want_grads = _run(fv, packed)
+        _assert_equal(got_out + got_grads, want_out + want_grads)
+        _no_graph_break()
+    # one rank's cu_seqlens differ from the layout's: every rank raises, compiled too
+    wrong = cu.clone()
+    wrong[1] += rank == 1
+    fw = _compile(lambda q, k, v: ringflash.ring_flash_attn_varlen_func(q, k, v, wrong, layout=layout, causal=True))
+    quoted = r"rank\(s\) \[1\] .*" if rank == 0 else ""  # rank 1 raises its own error, rank 0 quotes it
+    with pytest.raises(ValueError, match=quoted + "is not the one the layout was built from"):
+        fw(*packed)
     # the module inside a compiled encoder layer, on its shard of the sequence
     layer = _encoder()
     x = ringflash.shard(torch.randn(2, 32, 64, generator=g))
@@ -208,8 +228,9 @@ def _ring_compiled(rank, world):
 
 def test_ring_fullgraph_two_ranks(worlds):
     """The ring compiled with fullgraph on 2 gloo ranks: compiled == eager (out, lse, dq, dk,
-    dv; causal with padding, and a sliding window), no graph break, disagreeing ranks raise on
-    every rank, the encoder layer on the ring."""
+    dv; causal with padding, and a sliding window; packed documents with cu_seqlens as a tensor
+    and as a list), no graph break, disagreeing ranks raise on every rank (a cu_seqlens that is
+    not the layout's on one rank too), the encoder layer on the ring."""
     worlds(2).run(_ring_compiled)
 
 

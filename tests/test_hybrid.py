@@ -9,7 +9,7 @@ import torch.distributed as dist
 from ringflash import local_positions, ring_flash_attn_func, shard, unshard
 from ringflash.hybrid import head_plan
 
-from hybrid_cases import grid, hybrid_precision, hybrid_vs_oracle
+from hybrid_cases import grid, hybrid_precision, hybrid_varlen_vs_oracle, hybrid_vs_oracle
 from oracle import dropout_factors, reference
 from ring_cases import TORCH, full_inputs
 
@@ -205,3 +205,22 @@ def _hybrid_dropout(rank, world, R, U, layout):
 @pytest.mark.parametrize("R,U,layout", [(2, 2, "zigzag"), (1, 4, "contiguous")])
 def test_hybrid_dropout_same_pairs_as_one_device(worlds, R, U, layout):
     worlds(4, **TORCH).run(_hybrid_dropout, R, U, layout)
+
+
+@pytest.mark.parametrize(
+    "R,U,causal,window_size,Hq,Hkv,dtype",
+    [
+        (2, 2, True, (-1, -1), 4, 2, torch.float64),  # kv heads split over the head group
+        (2, 2, True, (6, 0), 4, 1, torch.float64),  # a window; the kv head replicated
+        (1, 4, False, (-1, -1), 4, 2, torch.float16),  # replicated kv heads in 16-bit (one rounding)
+        (4, 1, True, (-1, -1), 2, 1, torch.float64),  # the plain varlen ring through the hybrid path
+    ],
+)
+def test_hybrid_packed_documents(worlds, R, U, causal, window_size, Hq, Hkv, dtype):
+    """ring_flash_attn_varlen_func with a head_group equals one device's packed attention
+    (float64 oracle, 2x the plain same-dtype error); ring shards that do not divide by U are cut
+    into pieces one token apart."""
+    lengths = [3, 0, 90, 1, 7, 20, 6]  # 127 tokens: the 90-token document crosses ring positions
+    got = worlds(4, **TORCH).run(hybrid_varlen_vs_oracle, R, U, lengths, causal, window_size, Hq, Hkv, dtype, 3)
+    assert sum(n for n, _ in got) == sum(lengths)
+    assert any(unequal for _, unequal in got) == (U > 1)  # the unequal-pieces path is exercised
