@@ -8,7 +8,8 @@
     rhf.allreduce_grads(model)                           # SUM over the group: one device's gradients
 
 Hybrid sequence parallelism (README: Hybrid): pass the same group and head_group (or one 2-D
-DeviceMesh as group) to apply and shard_inputs; the sequence is then sharded over the R x U grid.
+DeviceMesh as group) to apply, shard_inputs and allreduce_grads; the sequence is then sharded
+over the R x U grid and the gradients are summed over all R x U ranks.
 
 How it fits into transformers (5.x):
 - An attention function and its mask function are registered under ATTN_IMPLEMENTATION in
@@ -643,39 +644,63 @@ def shard_inputs(
 # ----------------------------------------------------------------------------- gradients
 
 
-def allreduce_grads(model, group=None, *, bucket_mb: float = 256.0) -> None:
-    """Sum every parameter's gradient over the ranks of `group` (None: the default group), in place.
+def allreduce_grads(model, group=None, *, head_group=None, bucket_mb: float = 256.0) -> None:
+    """Sum every parameter's gradient over the ranks of `group` (None: the default group) and,
+    with a head_group, over those of `head_group` as well, in place. Pass what apply() was given.
 
     Each rank's gradients are the gradients of its own part of the loss (the ring already
     brought the attention's dK/dV home), so the SUM, not DDP's average, is the gradient one
-    device computes for the whole batch. A parameter whose gradient is None on some ranks
-    and not on others counts as zero where it is None; None on every rank stays None.
-    Gradients are reduced in flat buckets of about `bucket_mb` MiB per (device, dtype).
-    No-op without a process group or with one rank.
+    device computes for the whole batch. With a head_group (hybrid: group the ring of R ranks,
+    head_group the U ranks at its ring position, or a 2-D DeviceMesh as group) every rank of
+    the R x U grid holds different tokens: the sum runs over the ring, then over the head
+    group, i.e. over all R x U ranks. A model applied by apply() checks that the ranks summed
+    over include its own ring and head group (group alone, without the head_group its model
+    was applied with, would leave each rank part of the gradient): otherwise a ValueError, on
+    every rank that takes part, before any gradient is changed.
+    A parameter whose gradient is None on some ranks and not on others counts as zero where it
+    is None; None on every rank stays None. Gradients are reduced in flat buckets of about
+    `bucket_mb` MiB per (device, dtype). No-op without a process group or with one rank.
 
     With data parallelism as well (a DP x SP mesh: apply / shard_inputs / allreduce_grads on the
-    SP group, a different batch per SP group), average over the DP group afterwards (or let DDP
-    on the DP group do it): the DP mean of one-device gradients. DDP or FSDP over ALL ranks
-    instead averages over SP ranks too: then skip this function and backpropagate
-    out.loss * sp_size. For a token-weighted mean over DP, pass shard_inputs the label count
-    summed over the DP group as num_items_in_batch and sum over DP instead of averaging.
+    SP group, or SP grid with its head_group, a different batch per SP group), average over the
+    DP group afterwards (or let DDP on the DP group do it): the DP mean of one-device gradients.
+    DDP or FSDP over ALL ranks instead averages over SP ranks too: then skip this function and
+    backpropagate out.loss * sp_size (R x U with a head_group). For a token-weighted mean over
+    DP, pass shard_inputs the label count summed over the DP group as num_items_in_batch and
+    sum over DP instead of averaging.
     """
     api = "ringflash.hf.allreduce_grads"
-    _, world = group_rank_world(group)
-    if world == 1:
+    group, head_group = resolve_groups(group, head_group, api)
+    error = _check_reduction_covers(model, group, head_group, api)
+    if _sharded_world(group, head_group) == 1:
+        if error is not None:
+            raise error
         return
-    pg = resolve_group(group)
+    pgs = [resolve_group(g) for g in ((group,) if head_group is None else (group, head_group))]
     params = [p for p in model.parameters() if p.requires_grad]
     if not params:
+        if error is not None:
+            raise error
         return
     for p in params:
         if p.grad is not None and (p.grad.is_sparse or p.grad.layout != torch.strided):
             raise _unsupported(f"{api}: a sparse or non-strided gradient ({p.grad.layout}) is not supported")
-    # ranks agree on which gradients exist, so every rank reduces the same buckets
-    has = torch.tensor([p.grad is not None for p in params], dtype=torch.int32, device=params[0].device)
-    dist.all_reduce(has, op=dist.ReduceOp.MAX, group=pg)
+    # ranks agree on which gradients exist, so every rank reduces the same buckets; the last
+    # entry: whether some rank's check failed, so that all of them raise
+    flags = [p.grad is not None for p in params] + [error is not None]
+    has = torch.tensor(flags, dtype=torch.int32, device=params[0].device)
+    for pg in pgs:
+        dist.all_reduce(has, op=dist.ReduceOp.MAX, group=pg)
+    has = has.tolist()
+    if error is not None:
+        raise error
+    if has[-1]:
+        raise ValueError(
+            f"{api}: on another rank the ranks summed over leave out some of its model's ring or head group "
+            "(see that rank's error); pass allreduce_grads the group and head_group given to apply()"
+        )
     present = []
-    for p, h in zip(params, has.tolist()):
+    for p, h in zip(params, has):
         if h:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
@@ -689,17 +714,42 @@ def allreduce_grads(model, group=None, *, bucket_mb: float = 256.0) -> None:
         for g in grads:
             nbytes = g.numel() * g.element_size()
             if bucket and size + nbytes > limit:
-                _reduce_bucket(bucket, pg)
+                _reduce_bucket(bucket, pgs)
                 bucket, size = [], 0
             bucket.append(g)
             size += nbytes
         if bucket:
-            _reduce_bucket(bucket, pg)
+            _reduce_bucket(bucket, pgs)
 
 
-def _reduce_bucket(grads, pg) -> None:
+def _group_ranks(group) -> set[int]:
+    return set(dist.get_process_group_ranks(resolve_group(group)))
+
+
+def _check_reduction_covers(model, group, head_group, api):
+    """The ValueError to raise (or None) when a model prepared by apply() would have its
+    gradients summed over ranks that leave out some of those it was applied with: each of
+    them holds other tokens, whose part of the gradient would be missing."""
+    state = getattr(model, _STATE_ATTR, None)
+    if state is None or not (dist.is_available() and dist.is_initialized()):
+        return None
+    need = _group_ranks(state.group) | (set() if state.head_group is None else _group_ranks(state.head_group))
+    have = _group_ranks(group) | (set() if head_group is None else _group_ranks(head_group))
+    if not (missing := sorted(need - have)):
+        return None
+    applied = "group" + (" and head_group" if state.head_group is not None else "")
+    given = "group" + (" and head_group" if head_group is not None else "")
+    return ValueError(
+        f"{api}: the model was applied with a {applied} of global ranks {sorted(need)}, but the {given} given "
+        f"leave out rank(s) {missing}, whose tokens' part of the gradient would be missing; pass the group "
+        "and head_group given to apply()"
+    )
+
+
+def _reduce_bucket(grads, pgs) -> None:
     flat = torch.cat([g.reshape(-1) for g in grads])
-    dist.all_reduce(flat, group=pg)
+    for pg in pgs:  # the ring's sum, then the head group's: the sum over the grid
+        dist.all_reduce(flat, group=pg)
     for g, reduced in zip(grads, flat.split([g.numel() for g in grads])):
         g.copy_(reduced.view_as(g))
 
