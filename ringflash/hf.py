@@ -437,9 +437,10 @@ def apply(model, *, group=None, layout="zigzag", head_group=None, allow_untested
     group, head_group = resolve_groups(group, head_group, api)
     _check_model(model, api, allow_untested)
     if head_group is not None:
-        config = model.config
-        Hq = config.num_attention_heads
-        Hkv = getattr(config, "num_key_value_heads", None) or Hq
+        Hq = getattr(model.config, "num_attention_heads", None)
+        if not isinstance(Hq, int):
+            raise _unsupported(f"{api}: a head_group needs the model's config.num_attention_heads, got {Hq!r}")
+        Hkv = getattr(model.config, "num_key_value_heads", None) or Hq
         head_plan(Hq, Hkv, group_rank_world(head_group)[1], api)  # raises, naming the sizes that work
     if getattr(model, _STATE_ATTR, None) is not None:
         unapply(model)
