@@ -514,7 +514,7 @@ def _dp_sp(rank, world):
 
 # hybrid: a 2 x 2 grid (ring of 2, head group of 2), 4 q / 2 kv heads: one kv head per rank
 CASES_HYBRID = [
-    dict(family="llama", padding="mixed"),  # row 0 left-padded: all of rank (0, 0)'s row-0 tokens are padding
+    dict(family="llama", padding="mixed"),  # row 0 left-padded (7 tokens), row 1 right-padded (5)
     dict(family="qwen2", padding="mixed", dtype=torch.float64, layout="contiguous", positions="from_mask"),
     dict(family="llama", padding="mixed", checkpointing=True, labels="random_ignore", seed=2),
     # bfloat16 autocast, MQA: the one kv head goes to both ranks of a head group (gradients summed back)
@@ -523,17 +523,17 @@ CASES_HYBRID = [
 
 
 def _hybrid(rank, world):
-    """apply / shard_inputs / allreduce_grads with a head_group on a 2 x 2 grid: rings {0, 2} and
-    {1, 3}, head groups {0, 1} and {2, 3} (tests/hybrid_cases.grid's). The loss summed over the 4
-    ranks and every gradient summed over the grid against one process (CASES_HYBRID); a sliding
-    window and dropout flow through to the ring; what does not fit the grid raises."""
+    """apply / shard_inputs / allreduce_grads with a head_group on a 2 x 2 grid (hybrid_cases.grid:
+    rings {0, 2} and {1, 3}, head groups {0, 1} and {2, 3}). The loss summed over the 4 ranks and
+    every gradient summed over the grid against one process (CASES_HYBRID); a sliding window and
+    dropout flow through to the ring; what does not fit the grid raises."""
     from torch.distributed.device_mesh import init_device_mesh
 
     from ringflash import local_positions
 
-    rings = [dist.new_group([u, 2 + u]) for u in range(2)]
-    heads = [dist.new_group([2 * r, 2 * r + 1]) for r in range(2)]
-    group, head_group = rings[rank % 2], heads[rank // 2]
+    from hybrid_cases import grid
+
+    group, head_group = grid(2, 2)
     for case in CASES_HYBRID:
         _case(case, group=group, head_group=head_group)
 
