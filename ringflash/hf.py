@@ -7,6 +7,10 @@
     out.loss.backward()
     rhf.allreduce_grads(model)                           # SUM over the group: one device's gradients
 
+Hybrid sequence parallelism (README: Hybrid): pass the same group and head_group (or one 2-D
+DeviceMesh as group) to apply, shard_inputs and allreduce_grads; the sequence is then sharded
+over the R x U grid and the gradients are summed over all R x U ranks.
+
 How it fits into transformers (5.x):
 - An attention function and its mask function are registered under ATTN_IMPLEMENTATION in
   transformers' AttentionInterface / AttentionMaskInterface, and the model's config is
@@ -19,10 +23,11 @@ How it fits into transformers (5.x):
   on the ring (a process group of more than one rank, no KV cache passed in, not inside the
   model's generate(), which apply() wraps) or locally (no group, a cache given, or
   generate(): each rank then holds its whole input).
-  It passes that decision and the binding (group, layout) down to the attention function as
-  a keyword argument, so gradient checkpointing's recomputation sees the same decision. On the
-  ring it also fills in global position_ids when none are given (RoPE must see global
-  positions), turns off the useless KV cache of sharded keys, and rejects packed sequences.
+  It passes that decision and the binding (group, layout, head_group) down to the attention
+  function as a keyword argument, so gradient checkpointing's recomputation sees the same
+  decision. On the ring it also fills in global position_ids when none are given (RoPE must
+  see global positions), turns off the useless KV cache of sharded keys, and rejects packed
+  sequences.
 - shard_inputs shifts the labels on the whole sequence before sharding and passes them as
   `shift_labels` (transformers' ForCausalLMLoss then does not shift again inside a shard),
   with the global label-token count as `num_items_in_batch`, so the ranks' losses add up to
@@ -33,11 +38,12 @@ flash_attn_func(window_size=(W - 1, 0)) on one process and ring_flash_attn_func(
 on the ring (transformers: query i sees key j iff i - W < j <= i); with the contiguous layout
 a window shorter than a shard needs one neighbour's K/V only (the ring stops early). Attention
 dropout in training runs in the kernels (ringflash.dropout: the ring drops the pairs one
-process drops).
+process drops). Both, and padding, work with a head_group as without.
 
 Not supported yet (NotImplementedError naming it): packed sequences (position_ids that
 restart, cu_seq_lens), logit softcapping, attention sinks, position biases, 4D attention masks
-on the ring, bidirectional attention, output_attentions. Tested model families: MODEL_TYPES.
+on the ring, bidirectional attention, output_attentions, a balanced layout (packed documents, with
+or without a head_group). Tested model families: MODEL_TYPES.
 
 Where the coming ring features plug in:
 - Packed documents: shard_inputs sees the whole batch, so it is where cu_seqlens are derived
@@ -63,12 +69,13 @@ try:
 except ImportError as e:  # pragma: no cover - the extra is not installed
     raise ImportError("ringflash.hf needs transformers: pip install 'ringflash[hf]'") from e
 
-from .comm import agree_across_ranks, group_rank_world, resolve_group
+from .comm import agree_across_ranks, group_rank_world, resolve_group, resolve_groups, validated_across_grid
+from .hybrid import head_plan
 from .layout import local_positions, shard
 from .local import flash_attn_func
 from .ops import NAMESPACE
 from .ring import ring_flash_attn_func
-from .schedule import check_divisible, check_layout, chunks_per_rank
+from .schedule import check_divisible, check_layout, chunks_per_rank, is_balanced
 
 # The transformers versions this module is tested with (pyproject.toml's `hf` extra).
 TRANSFORMERS_MIN, TRANSFORMERS_BELOW = (5, 0), (6, 0)
@@ -107,7 +114,8 @@ class _Call:
     layout: str
     ring: bool  # True: the inputs are this rank's shards and attention runs on the ring
     has_mask: bool  # a 2D attention mask was given to the forward
-    world: int
+    world: int  # the ranks the sequence is sharded over: R x U with a head_group
+    head_group: object = None
 
 
 @dataclass
@@ -118,6 +126,7 @@ class _Applied:
     layout: str
     original: str | None
     base: torch.nn.Module
+    head_group: object = None
     generating: int = 0  # > 0 while the model's generate() runs: every forward is local
 
 
@@ -158,7 +167,7 @@ def _ring_attention(q, k, v, *, scaling, call, padding, window_size, dropout_p):
     _window_size gives it (a sliding-window layer: by global positions on the ring)."""
     return ring_flash_attn_func(
         q, k, v, causal=True, softmax_scale=scaling, group=call.group, layout=call.layout, key_padding_mask=padding,
-        window_size=window_size, dropout_p=dropout_p,
+        window_size=window_size, dropout_p=dropout_p, head_group=call.head_group,
     )  # fmt: skip
 
 
@@ -282,23 +291,29 @@ def _forward_params(base) -> list[str]:
     ]
 
 
-def _check_not_packed(position_ids, group, layout, world, api) -> None:
+def _sharded_world(group, head_group) -> int:
+    """The number of ranks the sequence is sharded over: the group's, times the head group's."""
+    return group_rank_world(group)[1] * (1 if head_group is None else group_rank_world(head_group)[1])
+
+
+def _check_not_packed(position_ids, group, head_group, layout, world, api) -> None:
     """Without an attention mask transformers treats position_ids that do not step by 1 as
     packed documents (a block-diagonal mask). On the ring, position_ids (b, S_local) are this
     rank's part of each row: a row is one document iff position_ids - global index is one
-    constant over the whole row, on every rank (two tiny collectives)."""
+    constant over the whole row, on every rank of the ring (and of the head groups): one tiny
+    agreement and one tiny all_reduce per group."""
     S_local = position_ids.shape[-1]
-    agree_across_ranks(
-        group,
-        {"position_ids rows": position_ids.shape[0], "local length": S_local},
-        None,
-        api,
-        device=position_ids.device,
-    )
-    idx = local_positions(S_local * world, group=group, layout=layout, device=position_ids.device)
+    fields = {"position_ids rows": position_ids.shape[0], "local length": S_local}
+    device = position_ids.device
+    if head_group is None:
+        agree_across_ranks(group, fields, None, api, device=device)
+    else:
+        validated_across_grid(group, head_group, api, lambda: (fields, None), tuple(fields), device=device)
+    idx = local_positions(S_local * world, group=group, head_group=head_group, layout=layout, device=device)
     d = position_ids.to(torch.int64) - idx
     stats = torch.stack([d.amax(-1), -d.amin(-1)], -1)  # per row: max and -min of the offset
-    dist.all_reduce(stats, op=dist.ReduceOp.MAX, group=resolve_group(group))
+    for g in (group, head_group) if head_group is not None else (group,):  # a max over the ring, then the heads
+        dist.all_reduce(stats, op=dist.ReduceOp.MAX, group=resolve_group(g))
     if bool((stats[..., 0] != -stats[..., 1]).any()):
         raise _unsupported(_PACKED)
 
@@ -312,7 +327,7 @@ def _pre_hook(module, args, kwargs):
     kwargs = dict(kwargs)
     if args:  # positional -> keyword, so every input is seen by name
         kwargs.update(zip(_forward_params(module), args))
-    _, world = group_rank_world(state.group)
+    world = _sharded_world(state.group, state.head_group)
     cache = kwargs.get("cache", kwargs.get("past_key_values"))  # named past_key_values in early 5.x
     # generate() is local on each rank's whole prompt, even when its first forward gets no cache
     ring = world > 1 and cache is None and not state.generating
@@ -333,17 +348,20 @@ def _pre_hook(module, args, kwargs):
             if kwargs.get("position_ids") is None:
                 # one device uses 0 .. S-1: the global positions of this rank's tokens
                 kwargs["position_ids"] = local_positions(
-                    S_local * world, group=state.group, layout=state.layout, device=ids.device
-                ).unsqueeze(0)
+                    S_local * world, group=state.group, head_group=state.head_group, layout=state.layout,
+                    device=ids.device,
+                ).unsqueeze(0)  # fmt: skip
             elif mask is None:
-                _check_not_packed(kwargs["position_ids"], state.group, state.layout, world, api)
+                _check_not_packed(kwargs["position_ids"], state.group, state.head_group, state.layout, world, api)
         # a cache of sharded keys serves no later call; sdpa-equivalence needs none
         kwargs["use_cache"] = False
     elif cache is None and mask is None and kwargs.get("position_ids") is not None:
         # locally the row is whole: transformers would see packed documents where it steps by
         # other than 1; checked in an operator, which torch.compile keeps in the graph
         kwargs["position_ids"] = _unpacked_positions(kwargs["position_ids"])
-    kwargs[_CTX_KWARG] = _Call(state.group, state.layout, ring=ring, has_mask=mask is not None, world=world)
+    kwargs[_CTX_KWARG] = _Call(
+        state.group, state.layout, ring=ring, has_mask=mask is not None, world=world, head_group=state.head_group
+    )
     return (), kwargs
 
 
@@ -360,6 +378,15 @@ def _unpacked_positions(position_ids: torch.Tensor) -> torch.Tensor:
 @_unpacked_positions.register_fake
 def _(position_ids):
     return torch.empty_like(position_ids)
+
+
+def _check_named_layout(layout, api) -> None:
+    check_layout(layout, api)
+    if is_balanced(layout):
+        raise _unsupported(
+            f"a balanced layout (packed documents) as {api}'s layout is not supported yet; "
+            "pass layout 'zigzag' or 'contiguous'"
+        )
 
 
 def _check_model(model, api, allow_untested) -> None:
@@ -386,21 +413,35 @@ def _check_model(model, api, allow_untested) -> None:
         )
 
 
-def apply(model, *, group=None, layout="zigzag", allow_untested=False):
+def apply(model, *, group=None, layout="zigzag", head_group=None, allow_untested=False):
     """Run `model`'s attention on the ring of `group`, in place; returns the model.
 
     model: a transformers PreTrainedModel of a tested family (MODEL_TYPES: Llama, Mistral,
     Qwen2), e.g. from AutoModelForCausalLM.from_config / from_pretrained. group: the process
-    group of the sequence-parallel ranks (None: the default group). layout: "zigzag"
-    (balanced causal work) or "contiguous"; shard_inputs must use the same group and layout.
-    A forward runs on the ring when the group has more than one rank, no KV cache is passed
-    in and it is not inside model.generate(); otherwise (no process group, world 1, a cache,
-    generate()) attention is local and the input must be the whole sequence. Applying again
-    rebinds group and layout.
+    group of the sequence-parallel ranks (None: the default group), or a DeviceMesh as
+    ring_flash_attn_func takes it (2-D: dim 0 the ring, dim 1 the head group). layout:
+    "zigzag" (balanced causal work) or "contiguous"; shard_inputs and allreduce_grads must use
+    the same group (and head_group) and shard_inputs the same layout.
+    head_group: hybrid sequence parallelism (README: Hybrid): the U ranks sharing this rank's
+    ring position; the sequence is sharded over the R x U grid and each attention call moves
+    heads by all-to-all inside the head group (ring_flash_attn_func(head_group=)). The model's
+    num_attention_heads and num_key_value_heads must split over U (ringflash.hybrid.head_plan):
+    otherwise a ValueError here, listing the head_group sizes that work.
+    A forward runs on the ring when the group (R x U ranks with a head_group) has more than one
+    rank, no KV cache is passed in and it is not inside model.generate(); otherwise (no process
+    group, world 1, a cache, generate()) attention is local and the input must be the whole
+    sequence. Applying again rebinds group, layout and head_group.
     """
     api = "ringflash.hf.apply"
-    check_layout(layout, api)
+    _check_named_layout(layout, api)
+    group, head_group = resolve_groups(group, head_group, api)
     _check_model(model, api, allow_untested)
+    if head_group is not None:
+        Hq = getattr(model.config, "num_attention_heads", None)
+        if not isinstance(Hq, int):
+            raise _unsupported(f"{api}: a head_group needs the model's config.num_attention_heads, got {Hq!r}")
+        Hkv = getattr(model.config, "num_key_value_heads", None) or Hq
+        head_plan(Hq, Hkv, group_rank_world(head_group)[1], api)  # raises, naming the sizes that work
     if getattr(model, _STATE_ATTR, None) is not None:
         unapply(model)
     _register()
@@ -412,7 +453,7 @@ def apply(model, *, group=None, layout="zigzag", allow_untested=False):
             f"(it stays {model.config._attn_implementation!r})"
         )
     base = model.base_model
-    state = _Applied(group, layout, original, base)
+    state = _Applied(group, layout, original, base, head_group)
     base._ringflash_hf_base = state
     base.register_forward_pre_hook(_pre_hook, with_kwargs=True)
     setattr(model, _STATE_ATTR, state)
@@ -480,7 +521,8 @@ def _check_2d(name, t, shape, api, integer=True):
         raise TypeError(f"{api}: {name} must be an integer tensor, got {t.dtype}")
 
 
-def _pad_length(S, world, layout):
+def _pad_length(S: int, world: int, layout: str) -> int:
+    """How many tokens right-padding makes S divide into the layout's pieces over `world` ranks."""
     parts = world * chunks_per_rank(layout)
     return -S % parts
 
@@ -495,6 +537,7 @@ def shard_inputs(
     layout="zigzag",
     num_items_in_batch=None,
     pad=False,
+    head_group=None,
 ):
     """This rank's model inputs for a full batch, for a model prepared by apply().
 
@@ -510,18 +553,24 @@ def shard_inputs(
       batch. Pass the total over all micro-batches / data-parallel batches that one optimizer
       step averages over (see README: data parallelism).
     pad: right-pad S to the next length the layout divides (2 * world for zigzag, world for
-      contiguous) with attention_mask 0 and ignored labels, which changes no loss or gradient;
-      False: such an S raises ValueError.
+      contiguous; world = R x U with a head_group) with attention_mask 0 and ignored labels,
+      which changes no loss or gradient; False: such an S raises ValueError naming the lengths
+      that work.
+    group, layout, head_group: as given to apply() (a 2-D DeviceMesh as group too); with a
+      head_group the tokens are sharded over the R x U grid exactly as ringflash.shard(...,
+      head_group=) and local_positions(..., head_group=) do.
 
     Returns a dict of keyword arguments for model(**batch): input_ids, position_ids (global
     positions of this rank's tokens, so RoPE is right), attention_mask (if given), labels and
     shift_labels (both the labels shifted on the whole sequence, then sharded: transformers
     computes the loss when labels is not None and uses shift_labels without shifting again),
     num_items_in_batch (int64 0-dim tensor) and use_cache=False; each (B, S / P) tensor is
-    this rank's shard. The ranks' out.loss values add up to the one-device loss.
+    this rank's shard (P = R x U with a head_group). The out.loss values of all P ranks add up
+    to the one-device loss.
     """
     api = "ringflash.hf.shard_inputs"
-    check_layout(layout, api)
+    _check_named_layout(layout, api)
+    group, head_group = resolve_groups(group, head_group, api)
     _check_2d("input_ids", input_ids, None, api)
     B, S = input_ids.shape
     device = input_ids.device
@@ -558,7 +607,7 @@ def shard_inputs(
             )
         num_items_in_batch = torch.tensor(num_items_in_batch, device=device)
 
-    _, world = group_rank_world(group)
+    world = _sharded_world(group, head_group)
     extra = _pad_length(S, world, layout)
     if extra and not pad:
         check_divisible(S, world, layout, api)  # raises, naming the lengths that would do
@@ -574,9 +623,9 @@ def shard_inputs(
         S += extra
 
     # contiguous: the loss views labels flat, and a contiguous layout's shard is a strided view
-    sh = lambda t: shard(t, group=group, layout=layout, dim=1).contiguous()
+    sh = lambda t: shard(t, group=group, head_group=head_group, layout=layout, dim=1).contiguous()
     if position_ids is None:
-        local_pos = local_positions(S, group=group, layout=layout, device=device).unsqueeze(0)
+        local_pos = local_positions(S, group=group, head_group=head_group, layout=layout, device=device).unsqueeze(0)
     else:
         local_pos = sh(position_ids)
     local_labels = sh(shift_labels)
@@ -596,39 +645,63 @@ def shard_inputs(
 # ----------------------------------------------------------------------------- gradients
 
 
-def allreduce_grads(model, group=None, *, bucket_mb: float = 256.0) -> None:
-    """Sum every parameter's gradient over the ranks of `group` (None: the default group), in place.
+def allreduce_grads(model, group=None, *, head_group=None, bucket_mb: float = 256.0) -> None:
+    """Sum every parameter's gradient over the ranks of `group` (None: the default group) and,
+    with a head_group, over those of `head_group` as well, in place. Pass what apply() was given.
 
     Each rank's gradients are the gradients of its own part of the loss (the ring already
     brought the attention's dK/dV home), so the SUM, not DDP's average, is the gradient one
-    device computes for the whole batch. A parameter whose gradient is None on some ranks
-    and not on others counts as zero where it is None; None on every rank stays None.
-    Gradients are reduced in flat buckets of about `bucket_mb` MiB per (device, dtype).
-    No-op without a process group or with one rank.
+    device computes for the whole batch. With a head_group (hybrid: group the ring of R ranks,
+    head_group the U ranks at its ring position, or a 2-D DeviceMesh as group) every rank of
+    the R x U grid holds different tokens: the sum runs over the ring, then over the head
+    group, i.e. over all R x U ranks. A model applied by apply() checks that the ranks summed
+    over include its own ring and head group (group alone, without the head_group its model
+    was applied with, would leave each rank part of the gradient): otherwise a ValueError, on
+    every rank that takes part, before any gradient is changed.
+    A parameter whose gradient is None on some ranks and not on others counts as zero where it
+    is None; None on every rank stays None. Gradients are reduced in flat buckets of about
+    `bucket_mb` MiB per (device, dtype). No-op without a process group or with one rank.
 
     With data parallelism as well (a DP x SP mesh: apply / shard_inputs / allreduce_grads on the
-    SP group, a different batch per SP group), average over the DP group afterwards (or let DDP
-    on the DP group do it): the DP mean of one-device gradients. DDP or FSDP over ALL ranks
-    instead averages over SP ranks too: then skip this function and backpropagate
-    out.loss * sp_size. For a token-weighted mean over DP, pass shard_inputs the label count
-    summed over the DP group as num_items_in_batch and sum over DP instead of averaging.
+    SP group, or SP grid with its head_group, a different batch per SP group), average over the
+    DP group afterwards (or let DDP on the DP group do it): the DP mean of one-device gradients.
+    DDP or FSDP over ALL ranks instead averages over SP ranks too: then skip this function and
+    backpropagate out.loss * sp_size (R x U with a head_group). For a token-weighted mean over
+    DP, pass shard_inputs the label count summed over the DP group as num_items_in_batch and
+    sum over DP instead of averaging.
     """
     api = "ringflash.hf.allreduce_grads"
-    _, world = group_rank_world(group)
-    if world == 1:
+    group, head_group = resolve_groups(group, head_group, api)
+    error = _check_reduction_covers(model, group, head_group, api)
+    if _sharded_world(group, head_group) == 1:
+        if error is not None:
+            raise error
         return
-    pg = resolve_group(group)
+    pgs = [resolve_group(g) for g in ((group,) if head_group is None else (group, head_group))]
     params = [p for p in model.parameters() if p.requires_grad]
     if not params:
+        if error is not None:
+            raise error
         return
     for p in params:
         if p.grad is not None and (p.grad.is_sparse or p.grad.layout != torch.strided):
             raise _unsupported(f"{api}: a sparse or non-strided gradient ({p.grad.layout}) is not supported")
-    # ranks agree on which gradients exist, so every rank reduces the same buckets
-    has = torch.tensor([p.grad is not None for p in params], dtype=torch.int32, device=params[0].device)
-    dist.all_reduce(has, op=dist.ReduceOp.MAX, group=pg)
+    # ranks agree on which gradients exist, so every rank reduces the same buckets; the last
+    # entry: whether some rank's check failed, so that all of them raise
+    flags = [p.grad is not None for p in params] + [error is not None]
+    has = torch.tensor(flags, dtype=torch.int32, device=params[0].device)
+    for pg in pgs:
+        dist.all_reduce(has, op=dist.ReduceOp.MAX, group=pg)
+    has = has.tolist()
+    if error is not None:
+        raise error
+    if has[-1]:
+        raise ValueError(
+            f"{api}: on another rank the ranks summed over leave out some of its model's ring or head group "
+            "(see that rank's error); pass allreduce_grads the group and head_group given to apply()"
+        )
     present = []
-    for p, h in zip(params, has.tolist()):
+    for p, h in zip(params, has):
         if h:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
@@ -642,17 +715,42 @@ def allreduce_grads(model, group=None, *, bucket_mb: float = 256.0) -> None:
         for g in grads:
             nbytes = g.numel() * g.element_size()
             if bucket and size + nbytes > limit:
-                _reduce_bucket(bucket, pg)
+                _reduce_bucket(bucket, pgs)
                 bucket, size = [], 0
             bucket.append(g)
             size += nbytes
         if bucket:
-            _reduce_bucket(bucket, pg)
+            _reduce_bucket(bucket, pgs)
 
 
-def _reduce_bucket(grads, pg) -> None:
+def _group_ranks(group) -> set[int]:
+    return set(dist.get_process_group_ranks(resolve_group(group)))
+
+
+def _check_reduction_covers(model, group, head_group, api):
+    """The ValueError to raise (or None) when a model prepared by apply() would have its
+    gradients summed over ranks that leave out some of those it was applied with: each of
+    them holds other tokens, whose part of the gradient would be missing."""
+    state = getattr(model, _STATE_ATTR, None)
+    if state is None or not (dist.is_available() and dist.is_initialized()):
+        return None
+    need = _group_ranks(state.group) | (set() if state.head_group is None else _group_ranks(state.head_group))
+    have = _group_ranks(group) | (set() if head_group is None else _group_ranks(head_group))
+    if not (missing := sorted(need - have)):
+        return None
+    applied = "group" + (" and head_group" if state.head_group is not None else "")
+    given = "group" + (" and head_group" if head_group is not None else "")
+    return ValueError(
+        f"{api}: the model was applied with a {applied} of global ranks {sorted(need)}, but the {given} given "
+        f"leave out rank(s) {missing}, whose tokens' part of the gradient would be missing; pass the group "
+        "and head_group given to apply()"
+    )
+
+
+def _reduce_bucket(grads, pgs) -> None:
     flat = torch.cat([g.reshape(-1) for g in grads])
-    dist.all_reduce(flat, group=pg)
+    for pg in pgs:  # the ring's sum, then the head group's: the sum over the grid
+        dist.all_reduce(flat, group=pg)
     for g, reduced in zip(grads, flat.split([g.numel() for g in grads])):
         g.copy_(reduced.view_as(g))
 

@@ -116,13 +116,31 @@ def reference(model, ids, mask, labels=None, position_ids=None, dtype=torch.floa
 
 
 def ring_run(
-    model, ids, mask, labels=None, position_ids=None, group=None, layout="zigzag", drop=(), autocast=False, **kw
+    model,
+    ids,
+    mask,
+    labels=None,
+    position_ids=None,
+    group=None,
+    layout="zigzag",
+    drop=(),
+    autocast=False,
+    head_group=None,
+    **kw,
 ):
-    """The sequence-parallel step: this rank's loss part, summed over the group; summed gradients."""
+    """The sequence-parallel step: this rank's loss part, summed over the group (and the head
+    group: over the R x U grid); summed gradients."""
     m = to_dtype(model, next(model.parameters()).dtype)
-    rhf.apply(m, group=group, layout=layout)
+    rhf.apply(m, group=group, layout=layout, head_group=head_group)
     batch = rhf.shard_inputs(
-        ids, labels=labels, attention_mask=mask, position_ids=position_ids, group=group, layout=layout, **kw
+        ids,
+        labels=labels,
+        attention_mask=mask,
+        position_ids=position_ids,
+        group=group,
+        layout=layout,
+        head_group=head_group,
+        **kw,
     )
     for key in drop:
         batch.pop(key)
@@ -130,10 +148,12 @@ def ring_run(
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
         out = m(**batch)
     out.loss.backward()
-    rhf.allreduce_grads(m, group=group)
+    rhf.allreduce_grads(m, group=group, head_group=head_group)
     loss = out.loss.detach().clone()
     if dist.is_initialized():
         dist.all_reduce(loss, group=group)
+        if head_group is not None:
+            dist.all_reduce(loss, group=head_group)
     return loss, {n: p.grad.detach().clone() for n, p in m.named_parameters() if p.grad is not None}, out
 
 
@@ -169,7 +189,7 @@ def compare(tag, got_loss, got_grads, ref64, ref32, dtype):
 # ----------------------------------------------------------------------------- the grid
 
 
-def _case(case, group=None):
+def _case(case, group=None, head_group=None):
     """One equivalence check: loss and every gradient of the ring run against one process."""
     family, padding = case["family"], case["padding"]
     dtype = case.get("dtype", torch.float32)
@@ -198,6 +218,7 @@ def _case(case, group=None):
         labels,
         position_ids,
         group=group,
+        head_group=head_group,
         layout=case.get("layout", "zigzag"),
         drop=case.get("drop", ()),
         autocast=autocast,
@@ -491,15 +512,112 @@ def _dp_sp(rank, world):
         assert max_err(p.grad, want[n]) < 1e-5 * (1 + want[n].abs().max().item()), n
 
 
+# hybrid: a 2 x 2 grid (ring of 2, head group of 2), 4 q / 2 kv heads: one kv head per rank
+CASES_HYBRID = [
+    dict(family="llama", padding="mixed"),  # row 0 left-padded (7 tokens), row 1 right-padded (5)
+    dict(family="qwen2", padding="mixed", dtype=torch.float64, layout="contiguous", positions="from_mask"),
+    dict(family="llama", padding="mixed", checkpointing=True, labels="random_ignore", seed=2),
+    # bfloat16 autocast, MQA: the one kv head goes to both ranks of a head group (gradients summed back)
+    dict(family="llama", padding="mixed", dtype=torch.bfloat16, config=dict(num_key_value_heads=1)),
+]
+
+
+def _hybrid(rank, world):
+    """apply / shard_inputs / allreduce_grads with a head_group on a 2 x 2 grid (hybrid_cases.grid:
+    rings {0, 2} and {1, 3}, head groups {0, 1} and {2, 3}). The loss summed over the 4 ranks and
+    every gradient summed over the grid against one process (CASES_HYBRID); a sliding window and
+    dropout flow through to the ring; what does not fit the grid raises."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from ringflash import local_positions
+
+    from hybrid_cases import grid
+
+    group, head_group = grid(2, 2)
+    for case in CASES_HYBRID:
+        _case(case, group=group, head_group=head_group)
+
+    # the pieces of the R x U grid, as ringflash.shard / local_positions place them; a 2-D mesh is the same grid
+    ids, mask = make_batch(30, "mixed")
+    batch = rhf.shard_inputs(ids, attention_mask=mask, group=group, head_group=head_group)
+    pos = local_positions(S, group=group, head_group=head_group)
+    assert pos.numel() == S // 4 and torch.equal(batch["position_ids"][0], pos)
+    assert torch.equal(batch["input_ids"], ids[:, pos]) and torch.equal(batch["attention_mask"], mask[:, pos])
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("ring", "heads"))
+    by_mesh = rhf.shard_inputs(ids, attention_mask=mask, group=mesh)
+    assert all(torch.equal(by_mesh[k], batch[k]) for k in ("input_ids", "attention_mask", "position_ids", "labels"))
+    # lengths: S must divide into 2 R U = 8 pieces (zigzag), R U = 4 (contiguous); pad=True pads to that
+    short, short_mask = ids[:, :42], mask[:, :42]
+    _raises(
+        ValueError,
+        r"sequence length 42 does not divide into 8 .* \(e\.g\. 40 or 48\)",
+        lambda: rhf.shard_inputs(short, attention_mask=short_mask, group=group, head_group=head_group),
+    )
+    padded = rhf.shard_inputs(short, attention_mask=short_mask, group=group, head_group=head_group, pad=True)
+    assert padded["input_ids"].shape == (2, 12)  # 48 tokens
+    contiguous = dict(group=group, head_group=head_group, layout="contiguous", pad=True)
+    assert rhf.shard_inputs(short, **contiguous)["input_ids"].shape == (2, 11)  # 44 tokens
+
+    # heads that do not split over the head group: apply() raises, naming the counts and the sizes that work
+    for over, counts, works in (
+        (dict(num_attention_heads=3, num_key_value_heads=1), "q heads 3 / k/v heads 1", "[1, 3]"),
+        (dict(num_attention_heads=6, num_key_value_heads=3), "q heads 6 / k/v heads 3", "[1, 3, 6]"),
+    ):
+        odd = make_model("llama", num_hidden_layers=1, hidden_size=48, **over)  # 48: a multiple of 3 and 6
+        for kw in (dict(group=group, head_group=head_group), dict(group=mesh)):
+            _raises(
+                ValueError,
+                rf"head_group of 2 ranks .*{counts}.* sizes that work: \{works}",
+                lambda: rhf.apply(odd, **kw),
+            )
+        assert odd.config._attn_implementation == "sdpa"  # left as it was
+
+    # a sliding window shorter than the sequence and attention dropout (float64: the grid and one
+    # process agree far below either's effect, checked below)
+    model = make_model("mistral", dtype=torch.float64, sliding_window=16, attention_dropout=0.1)
+    model.loss_function = causal_lm_loss64
+    model.train()
+    alone = [dist.new_group([r]) for r in range(world)][rank]
+    losses = {}
+    for name, kw in (("grid", dict(group=group, head_group=head_group)), ("one", dict(group=alone))):
+        torch.manual_seed(5)
+        losses[name] = ring_run(model, ids, mask, drop=("position_ids",), **kw)[0].item()
+    assert abs(losses["grid"] - losses["one"]) < 1e-12 * losses["one"], losses
+    no_dropout = ring_run(model.eval(), ids, mask, group=alone)[0].item()
+    unbounded = make_model("mistral", dtype=torch.float64, sliding_window=None)
+    unbounded.loss_function = causal_lm_loss64
+    no_window = ring_run(unbounded, ids, mask, group=alone)[0].item()
+    # both bind: dropout changes the loss, and without dropout so does the window
+    for what, a, b in (("dropout", no_dropout, losses["one"]), ("window", no_window, no_dropout)):
+        assert abs(a - b) > 1e-6 * b, (what, a, b)
+
+    # gradients summed over the ring only would miss the head group's part: refused on every rank
+    m = rhf.apply(make_model("llama", num_hidden_layers=1), group=group, head_group=head_group)
+    m(**batch).loss.backward()
+    _raises(ValueError, r"leave out rank\(s\) \[" + str(rank ^ 1) + r"\]", lambda: rhf.allreduce_grads(m, group=group))
+    rhf.allreduce_grads(m, group=mesh)  # the 2-D mesh: the same grid
+    # packed documents (restarting position_ids without a mask) raise on the grid too, on every rank
+    packed = torch.cat([torch.arange(S // 2)] * 2).expand(2, S)
+    _raises(
+        NotImplementedError,
+        "packed sequences",
+        lambda: rhf.shard_inputs(ids, position_ids=packed, group=group, head_group=head_group),
+    )
+    local = dict(input_ids=batch["input_ids"], position_ids=packed[:, pos])
+    _raises(NotImplementedError, "packed sequences", lambda: m(**local))
+
+
 def _world4(rank, world):
     torch.set_num_threads(1)
     for case in CASES_4:
         _case(case)
     _dp_sp(rank, world)
+    _hybrid(rank, world)
 
 
 def test_four_ranks():
-    """A subset of the grid on 4 ranks, and the data-parallel recipes of the README on a 2 x 2 mesh."""
+    """A subset of the grid on 4 ranks, the data-parallel recipes of the README on a 2 x 2 mesh,
+    and hybrid sequence parallelism (a head_group) on a 2 x 2 grid (see _hybrid)."""
     run_world(_world4, 4, env=ENV)
 
 
@@ -641,6 +759,15 @@ def test_argument_errors_name_the_argument(torch_backend):
         rhf.apply(make_model("llama"), layout="ring")
     with pytest.raises(TypeError, match="PreTrainedModel"):
         rhf.apply(torch.nn.Linear(2, 2))
+    from ringflash import balanced_layout
+
+    packed = balanced_layout([0, 20, 48], 1)  # packed documents: not yet, with or without a head_group
+    with pytest.raises(NotImplementedError, match="a balanced layout .* is not supported yet"):
+        rhf.apply(make_model("llama"), layout=packed)
+    with pytest.raises(NotImplementedError, match="a balanced layout .* is not supported yet"):
+        rhf.shard_inputs(ids, layout=packed)
+    with pytest.raises(ValueError, match="head_group given without group"):
+        rhf.shard_inputs(ids, head_group=object())
     gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=32))
     with pytest.raises(NotImplementedError, match="model_type 'gpt2' is not among the tested families"):
         rhf.apply(gpt2)
