@@ -40,16 +40,16 @@ a window shorter than a shard needs one neighbour's K/V only (the ring stops ear
 dropout in training runs in the kernels (ringflash.dropout: the ring drops the pairs one
 process drops). Both, and padding, work with a head_group as without.
 
-Not supported yet (NotImplementedError naming it): packed sequences (position_ids that
-restart, cu_seq_lens), logit softcapping, attention sinks, position biases, 4D attention masks
-on the ring, bidirectional attention, output_attentions, a balanced layout (packed documents, with
-or without a head_group). Tested model families: MODEL_TYPES.
+Packed documents (one row): shard_inputs sees the whole row, so it is where the documents are
+found (cu_seqlens, or restarting position_ids read as transformers reads them) and laid out
+(balanced_layout over the ring's R ranks); the batch carries them (a _Packed under
+_PACKED_KWARG) to the pre-hook, which puts them on the _Call, and the attention function runs
+ring_flash_attn_varlen_func (one process: flash_attn_varlen_func) instead of the dense call.
 
-Where the coming ring features plug in:
-- Packed documents: shard_inputs sees the whole batch, so it is where cu_seqlens are derived
-  (from restarting position_ids without a mask, or given) and the documents' layout is planned;
-  the batch then carries them to the pre-hook, which puts them on the _Call instead of raising
-  in _check_not_packed, and the attention function calls ring_flash_attn_varlen_func.
+Not supported (NotImplementedError naming it): packed sequences given to the model without
+shard_inputs (position_ids that restart, cu_seq_lens), logit softcapping, attention sinks,
+position biases, 4D attention masks on the ring, bidirectional attention, output_attentions, a
+balanced layout as apply's or shard_inputs' layout. Tested model families: MODEL_TYPES.
 """
 
 from __future__ import annotations
@@ -69,12 +69,13 @@ try:
 except ImportError as e:  # pragma: no cover - the extra is not installed
     raise ImportError("ringflash.hf needs transformers: pip install 'ringflash[hf]'") from e
 
+from .balance import balanced_layout
 from .comm import agree_across_ranks, group_rank_world, resolve_group, resolve_groups, validated_across_grid
 from .hybrid import head_plan
 from .layout import local_positions, shard
-from .local import flash_attn_func
+from .local import flash_attn_func, flash_attn_varlen_func
 from .ops import NAMESPACE
-from .ring import ring_flash_attn_func
+from .ring import ring_flash_attn_func, ring_flash_attn_varlen_func
 from .schedule import check_divisible, check_layout, chunks_per_rank, is_balanced
 
 # The transformers versions this module is tested with (pyproject.toml's `hf` extra).
@@ -88,8 +89,23 @@ _STATE_ATTR = "_ringflash_hf"
 
 _PACKED = (
     "packed sequences (position_ids that restart inside a row, as DataCollatorWithFlattening "
-    "makes, or cu_seq_lens / seq_idx) are not supported yet"
+    "makes, or cu_seq_lens / seq_idx) given to the model directly are not supported: pass the "
+    "whole row to ringflash.hf.shard_inputs(input_ids, position_ids=... or cu_seqlens=...), which "
+    "plans the documents' layout over the ring"
 )
+_PACKED_KWARG = "ringflash_packed"  # shard_inputs' batch -> the pre-hook: the documents and their layout
+
+
+@dataclass(frozen=True)
+class _Packed:
+    """Packed documents of a one-row batch: the global boundaries and the balanced layout of
+    the ring (R ranks) that shard_inputs sharded them with."""
+
+    cu_seqlens: tuple
+    layout: object
+
+    def __repr__(self) -> str:  # in a batch printed for debugging: short
+        return f"_Packed({len(self.cu_seqlens) - 1} documents, {self.cu_seqlens[-1]} tokens)"
 
 
 def _version_tuple(v: str) -> tuple[int, ...]:
@@ -116,6 +132,7 @@ class _Call:
     has_mask: bool  # a 2D attention mask was given to the forward
     world: int  # the ranks the sequence is sharded over: R x U with a head_group
     head_group: object = None
+    packed: _Packed | None = None  # packed documents (one row): attention within each document
 
 
 @dataclass
@@ -164,7 +181,14 @@ def _window_size(sliding_window, total_len: int) -> tuple[int, int]:
 def _ring_attention(q, k, v, *, scaling, call, padding, window_size, dropout_p):
     """The one place the ring is called: q (B, S_local, Hq, D), k, v (B, S_local, Hkv, D), this
     rank's shards; padding (B, S_local) bool, True = padded key, or None; window_size as
-    _window_size gives it (a sliding-window layer: by global positions on the ring)."""
+    _window_size gives it (a sliding-window layer: by global positions on the ring; packed
+    documents, B = 1: within each document)."""
+    if call.packed is not None:
+        out = ring_flash_attn_varlen_func(
+            q[0], k[0], v[0], call.packed.cu_seqlens, layout=call.packed.layout, causal=True, softmax_scale=scaling,
+            window_size=window_size, group=call.group, head_group=call.head_group, dropout_p=dropout_p,
+        )  # fmt: skip
+        return out[None]
     return ring_flash_attn_func(
         q, k, v, causal=True, softmax_scale=scaling, group=call.group, layout=call.layout, key_padding_mask=padding,
         window_size=window_size, dropout_p=dropout_p, head_group=call.head_group,
@@ -223,11 +247,18 @@ def ring_attention_forward(
     padding = None if attention_mask is None else ~attention_mask  # ringflash: True = padded key
 
     sliding_window = kwargs.get("sliding_window")
+    total = call.packed.cu_seqlens[-1] if call.packed is not None else k.shape[1] * call.world
     if call.ring:
-        window_size = _window_size(sliding_window, k.shape[1] * call.world)
+        window_size = _window_size(sliding_window, total)
         out = _ring_attention(
             q, k, v, scaling=scaling, call=call, padding=padding, window_size=window_size, dropout_p=dropout
         )
+    elif call.packed is not None:  # one process, the whole row: its documents
+        cu = torch.tensor(call.packed.cu_seqlens, dtype=torch.int32, device=q.device)
+        window_size = _window_size(sliding_window, total)
+        out = flash_attn_varlen_func(
+            q[0], k[0], v[0], cu, cu, causal=True, softmax_scale=scaling, window_size=window_size, dropout_p=dropout
+        )[None]
     else:
         # local: the whole sequence (or, decoding, the cache's keys with the new queries last:
         # flash_attn_func's causal mask and window align bottom-right, as transformers' with a
@@ -332,6 +363,19 @@ def _pre_hook(module, args, kwargs):
     # generate() is local on each rank's whole prompt, even when its first forward gets no cache
     ring = world > 1 and cache is None and not state.generating
     mask = kwargs.get("attention_mask")
+    packed = kwargs.pop(_PACKED_KWARG, None)
+    if packed is not None:  # shard_inputs' packed documents: their positions restart by design
+        if not isinstance(packed, _Packed):
+            raise TypeError(f"{api}: {_PACKED_KWARG} must come from ringflash.hf.shard_inputs, got {type(packed)}")
+        if mask is not None:
+            raise _unsupported("an attention_mask together with packed documents is not supported")
+        if cache is not None or state.generating:
+            raise _unsupported("packed documents with a KV cache (generation) are not supported")
+        if packed.layout.world != group_rank_world(state.group)[1]:
+            raise ValueError(
+                f"{api}: the packed batch was sharded for a ring of {packed.layout.world} ranks, the model "
+                f"runs on {group_rank_world(state.group)[1]}: shard_inputs and apply must get the same group"
+            )
     if ring:
         for name in ("cu_seq_lens_q", "cu_seq_lens_k", "seq_idx"):
             if kwargs.get(name) is not None:
@@ -351,17 +395,18 @@ def _pre_hook(module, args, kwargs):
                     S_local * world, group=state.group, head_group=state.head_group, layout=state.layout,
                     device=ids.device,
                 ).unsqueeze(0)  # fmt: skip
-            elif mask is None:
+            elif mask is None and packed is None:
                 _check_not_packed(kwargs["position_ids"], state.group, state.head_group, state.layout, world, api)
         # a cache of sharded keys serves no later call; sdpa-equivalence needs none
         kwargs["use_cache"] = False
-    elif cache is None and mask is None and kwargs.get("position_ids") is not None:
+    elif cache is None and mask is None and packed is None and kwargs.get("position_ids") is not None:
         # locally the row is whole: transformers would see packed documents where it steps by
         # other than 1; checked in an operator, which torch.compile keeps in the graph
         kwargs["position_ids"] = _unpacked_positions(kwargs["position_ids"])
     kwargs[_CTX_KWARG] = _Call(
-        state.group, state.layout, ring=ring, has_mask=mask is not None, world=world, head_group=state.head_group
-    )
+        state.group, state.layout, ring=ring, has_mask=mask is not None, world=world, head_group=state.head_group,
+        packed=packed,
+    )  # fmt: skip
     return (), kwargs
 
 
@@ -384,8 +429,8 @@ def _check_named_layout(layout, api) -> None:
     check_layout(layout, api)
     if is_balanced(layout):
         raise _unsupported(
-            f"a balanced layout (packed documents) as {api}'s layout is not supported yet; "
-            "pass layout 'zigzag' or 'contiguous'"
+            f"a balanced layout as {api}'s layout is not supported: pass layout 'zigzag' or 'contiguous' "
+            "(packed documents go to shard_inputs as position_ids or cu_seqlens; it lays them out itself)"
         )
 
 
@@ -538,6 +583,7 @@ def shard_inputs(
     num_items_in_batch=None,
     pad=False,
     head_group=None,
+    cu_seqlens=None,
 ):
     """This rank's model inputs for a full batch, for a model prepared by apply().
 
@@ -548,7 +594,17 @@ def shard_inputs(
     position_ids: (B, S) or (1, S), or None: 0 .. S-1 on every row, as the model itself uses
       when given none (transformers' forward does not derive them from the attention mask;
       pass e.g. (attention_mask.cumsum(-1) - 1).clamp(min=0) for generate()'s convention).
-      Without an attention mask they must step by 1 along each row (no packed documents).
+      Without an attention mask, positions that restart inside the row (as
+      DataCollatorWithFlattening makes: a new document wherever they do not step by 1, as
+      transformers reads them) mean packed documents; see cu_seqlens.
+    cu_seqlens: packed documents in a batch of one row (B = 1, no attention_mask): the
+      document boundaries, a sequence of ints or an int tensor starting at 0 and ending at S
+      (None: from restarting position_ids, if any). Each token attends only within its
+      document (ring_flash_attn_varlen_func), the documents laid out over the ring by
+      balanced_layout(cu_seqlens, R) (layout= and pad= then play no part); position_ids
+      default to each token's position within its document; labels=None gives next-token
+      labels that never cross a document boundary (each document's first token is not
+      predicted, as DataCollatorWithFlattening's labels).
     num_items_in_batch: the loss's denominator; None: the number of label tokens of this
       batch. Pass the total over all micro-batches / data-parallel batches that one optimizer
       step averages over (see README: data parallelism).
@@ -566,7 +622,9 @@ def shard_inputs(
     computes the loss when labels is not None and uses shift_labels without shifting again),
     num_items_in_batch (int64 0-dim tensor) and use_cache=False; each (B, S / P) tensor is
     this rank's shard (P = R x U with a head_group). The out.loss values of all P ranks add up
-    to the one-device loss.
+    to the one-device loss. Packed documents: the shards are the balanced layout's (their
+    lengths may differ between ranks), and the batch also holds "ringflash_packed" (the
+    documents and their layout, read by the model's pre-hook; no attention_mask).
     """
     api = "ringflash.hf.shard_inputs"
     _check_named_layout(layout, api)
@@ -590,12 +648,14 @@ def shard_inputs(
             got = tuple(position_ids.shape) if isinstance(position_ids, torch.Tensor) else type(position_ids).__name__
             raise ValueError(f"{api}: position_ids must have shape ({B}, {S}) or (1, {S}), got {got}")
         position_ids = position_ids.to(device)
-        if attention_mask is None:
-            offset = position_ids - torch.arange(S, device=device)
-            if bool((offset != offset[:, :1]).any()):
-                raise _unsupported(_PACKED)
+    packed = None
+    if cu_seqlens is not None or (attention_mask is None and position_ids is not None and _restarts(position_ids)):
+        packed, position_ids = _packed_documents(cu_seqlens, position_ids, attention_mask, B, S, group, api, device)
     if labels is None:
         labels = input_ids if attention_mask is None else input_ids.masked_fill(attention_mask == 0, IGNORE_INDEX)
+        if packed is not None:  # no prediction across a document boundary
+            starts = torch.tensor(packed.cu_seqlens[1:-1], dtype=torch.long, device=device)
+            labels = labels.index_fill(1, starts[starts < S], IGNORE_INDEX)
     # the whole sequence is shifted before sharding: token i predicts label i + 1, even across shards
     shift_labels = F.pad(labels, (0, 1), value=IGNORE_INDEX)[:, 1:]
     if num_items_in_batch is None:
@@ -607,6 +667,18 @@ def shard_inputs(
             )
         num_items_in_batch = torch.tensor(num_items_in_batch, device=device)
 
+    if packed is not None:
+        sh = lambda t: shard(t, group=group, head_group=head_group, layout=packed.layout, dim=1).contiguous()
+        local_labels = sh(shift_labels)
+        return {
+            "input_ids": sh(input_ids),
+            "position_ids": sh(position_ids),
+            "labels": local_labels,
+            "shift_labels": local_labels,
+            "num_items_in_batch": num_items_in_batch,
+            "use_cache": False,
+            _PACKED_KWARG: packed,
+        }
     world = _sharded_world(group, head_group)
     extra = _pad_length(S, world, layout)
     if extra and not pad:
@@ -640,6 +712,48 @@ def shard_inputs(
     if attention_mask is not None:
         batch["attention_mask"] = sh(attention_mask)
     return batch
+
+
+def _restarts(position_ids: torch.Tensor) -> bool:
+    """Some row's positions do not step by 1 (transformers reads packed documents there)."""
+    return bool((position_ids.diff(dim=-1) != 1).any())
+
+
+def _packed_documents(cu_seqlens, position_ids, attention_mask, B, S, group, api, device):
+    """shard_inputs' packed documents: (_Packed, position_ids (1, S)) from cu_seqlens or from
+    restarting position_ids (a new document wherever they do not step by 1, as transformers'
+    find_packed_sequence_indices reads them), checked against each other when both are given."""
+    if B != 1:
+        raise _unsupported(f"packed documents in a batch of {B} rows are not supported: pack them into one row")
+    if attention_mask is not None:
+        raise _unsupported("an attention_mask together with packed documents is not supported")
+    from_positions = None
+    if position_ids is not None:
+        steps = position_ids[0].diff() != 1
+        from_positions = [0] + (torch.nonzero(steps).flatten() + 1).tolist() + [S]
+    if cu_seqlens is None:
+        cu = from_positions
+    else:
+        if isinstance(cu_seqlens, torch.Tensor):
+            if cu_seqlens.dim() != 1 or cu_seqlens.is_floating_point() or cu_seqlens.is_complex():
+                raise TypeError(f"{api}: cu_seqlens must be a 1-D int tensor, got {cu_seqlens.dtype} "
+                                f"{tuple(cu_seqlens.shape)}")  # fmt: skip
+            cu_seqlens = cu_seqlens.tolist()
+        cu = list(cu_seqlens)
+        if not cu or cu[-1] != S:
+            raise ValueError(f"{api}: cu_seqlens must end at the sequence length {S}, got {cu[-4:]}")
+        nonempty = sorted(set(cu))
+        if from_positions is not None and from_positions != nonempty:
+            raise ValueError(
+                f"{api}: position_ids restart at {from_positions[1:-1][:8]} but cu_seqlens has documents "
+                f"starting at {nonempty[1:-1][:8]}: one process would see other documents"
+            )
+    layout = balanced_layout(cu, group_rank_world(group)[1], causal=True)  # checks cu_seqlens
+    if position_ids is None:  # each token's position in its document
+        starts = torch.tensor(cu[:-1], device=device)
+        doc = torch.bucketize(torch.arange(S, device=device), starts, right=True) - 1
+        position_ids = (torch.arange(S, device=device) - starts[doc])[None]
+    return _Packed(tuple(cu), layout), position_ids
 
 
 # ----------------------------------------------------------------------------- gradients

@@ -331,23 +331,68 @@ def _trap_pad_to_divisible(rank, world):
     )
 
 
+def packed_batch(seed, lengths):
+    """One row of packed documents: input_ids (1, T), position_ids restarting at each document
+    (DataCollatorWithFlattening's), labels with each document's first token ignored (its
+    labels), and cu_seqlens."""
+    g = torch.Generator().manual_seed(seed)
+    cu = [0]
+    for n in lengths:
+        cu.append(cu[-1] + n)
+    ids = torch.randint(1, VOCAB, (1, cu[-1]), generator=g)
+    pos = torch.cat([torch.arange(n) for n in lengths])[None]
+    labels = ids.clone()
+    labels[0, cu[:-1]] = -100
+    return ids, pos, labels, cu
+
+
+def check_packed(model, lengths, seed, group=None, head_group=None, dtype=torch.float32):
+    """Packed documents on the ring against one process's sdpa with the same restarting
+    position_ids (use_cache=False: with a cache transformers does not look for documents), by
+    position_ids and by cu_seqlens; the documents matter (an unpacked run differs)."""
+    ids, pos, labels, cu = packed_batch(seed, lengths)
+    ref64 = reference(model, ids, None, labels, pos, dtype=torch.float64, use_cache=False)
+    ref32 = reference(model, ids, None, labels, pos, use_cache=False)
+    grid = dict(group=group, head_group=head_group)
+    loss, grads, _ = ring_run(to_dtype(model, dtype), ids, None, labels, pos, **grid)
+    compare(f"packed {lengths} by position_ids", loss, grads, ref64, ref32, dtype)
+    # the same documents by cu_seqlens (an empty one in front): positions and labels derived
+    batch = rhf.shard_inputs(ids, cu_seqlens=torch.tensor([0] + cu), **grid)
+    assert torch.equal(batch["position_ids"], rhf.shard_inputs(ids, position_ids=pos, **grid)["position_ids"])
+    loss, grads, _ = ring_run(to_dtype(model, dtype), ids, None, None, None, cu_seqlens=[0] + cu, **grid)
+    compare(f"packed {lengths} by cu_seqlens", loss, grads, ref64, ref32, dtype)
+    unpacked = reference(model, ids, None, labels, None, use_cache=False)[0]
+    assert abs(unpacked.item() - ref32[0].item()) > 1e-6 * abs(ref32[0].item())  # far above the bounds
+
+
 def _trap_packed(rank, world):
-    """Restarting position_ids without an attention mask mean packed documents to transformers:
-    not supported yet, raised by shard_inputs and by the model (even when each rank's part looks
-    like one document: contiguous layout, documents cut exactly at the shard boundary)."""
+    """Packed documents (check_packed), a sliding window inside them; what is not supported
+    raises: a batch of several packed rows, a mask with documents, cu_seqlens that disagree with
+    the positions, restarting position_ids or cu_seq_lens given to the model directly."""
+    check_packed(make_model("llama"), [5, 1, 20, 9, 13], seed=6)  # the 20-token one crosses the ranks
+    check_packed(make_model("mistral", sliding_window=6), [30, 2, 16], seed=7, dtype=torch.float64)
+    ids, pos, labels, cu = packed_batch(8, [10, 14, 24])
+    two = (ids.expand(2, -1), pos.expand(2, -1))
+    _raises(NotImplementedError, "batch of 2 rows", lambda: rhf.shard_inputs(two[0], position_ids=two[1]))
+    _raises(
+        NotImplementedError,
+        "attention_mask together with packed",
+        lambda: rhf.shard_inputs(ids, cu_seqlens=cu, attention_mask=torch.ones_like(ids)),
+    )
+    _raises(ValueError, "position_ids restart at", lambda: rhf.shard_inputs(ids, position_ids=pos, cu_seqlens=[0, 48]))
+    _raises(ValueError, "must end at the sequence length 48", lambda: rhf.shard_inputs(ids, cu_seqlens=[0, 40]))
     model = rhf.apply(make_model("llama"), layout="contiguous")
+    # position_ids that restart, given to the model without shard_inputs (each rank's part looks
+    # like one document: contiguous layout, documents cut exactly at the shard boundary)
     ids, _ = make_batch(6, "none")
     half = torch.arange(S // 2)
-    packed = torch.cat([half, half]).expand(2, S)
-    _raises(
-        NotImplementedError, "packed sequences", lambda: rhf.shard_inputs(ids, position_ids=packed, layout="contiguous")
-    )
     local = dict(input_ids=rhf.shard_inputs(ids, layout="contiguous")["input_ids"], position_ids=half.expand(2, -1))
     _raises(NotImplementedError, "packed sequences", lambda: model(**local))
     # with an attention mask transformers does not look for documents either: plain causal + RoPE
+    packed = torch.cat([half, half]).expand(2, S)
     batch = rhf.shard_inputs(ids, position_ids=packed, attention_mask=torch.ones_like(ids), layout="contiguous")
     assert torch.isfinite(model(**batch).loss)
-    # flash-attention style boundaries
+    # flash-attention style boundaries given to the model
     batch = rhf.shard_inputs(ids, layout="contiguous")
     cu = torch.tensor([0, S // 2, S], dtype=torch.int32)
     _raises(
@@ -536,6 +581,7 @@ def _hybrid(rank, world):
     group, head_group = grid(2, 2)
     for case in CASES_HYBRID:
         _case(case, group=group, head_group=head_group)
+    check_packed(make_model("qwen2"), [3, 22, 1, 14, 7], seed=9, group=group, head_group=head_group)
 
     # the pieces of the R x U grid, as ringflash.shard / local_positions place them; a 2-D mesh is the same grid
     ids, mask = make_batch(30, "mixed")
@@ -596,11 +642,12 @@ def _hybrid(rank, world):
     m(**batch).loss.backward()
     _raises(ValueError, r"leave out rank\(s\) \[" + str(rank ^ 1) + r"\]", lambda: rhf.allreduce_grads(m, group=group))
     rhf.allreduce_grads(m, group=mesh)  # the 2-D mesh: the same grid
-    # packed documents (restarting position_ids without a mask) raise on the grid too, on every rank
+    # packed documents in two rows, and restarting position_ids given to the model directly, raise
+    # on the grid too, on every rank
     packed = torch.cat([torch.arange(S // 2)] * 2).expand(2, S)
     _raises(
         NotImplementedError,
-        "packed sequences",
+        "batch of 2 rows",
         lambda: rhf.shard_inputs(ids, position_ids=packed, group=group, head_group=head_group),
     )
     local = dict(input_ids=batch["input_ids"], position_ids=packed[:, pos])
@@ -695,21 +742,28 @@ def test_unapply_restores(torch_backend):
         rhf.unapply(model)
 
 
-def test_packed_raises_locally(torch_backend):
-    """One process too: a DataCollatorWithFlattening batch (restarting position_ids, no mask) would
-    get a per-document mask from transformers, which the ring's attention does not compute yet."""
-    model = rhf.apply(make_model("llama"))
-    collate = transformers.DataCollatorWithFlattening()
-    batch = collate([{"input_ids": list(range(1, 9))}, {"input_ids": list(range(1, 7))}])
+def test_packed_one_process(torch_backend):
+    """One process: a DataCollatorWithFlattening batch (restarting position_ids, no mask) given to
+    the model directly raises (the positions alone do not reach the attention); through
+    shard_inputs (position_ids, or its flash-attention cu_seq_lens_q as cu_seqlens) each document
+    attends within itself: transformers' own sdpa loss and gradients for the same batch."""
+    ref = make_model("llama")
+    model = rhf.apply(copy.deepcopy(ref))
+    docs = [{"input_ids": list(range(1, 9))}, {"input_ids": list(range(3, 9))}]
+    batch = transformers.DataCollatorWithFlattening()(docs)
     assert "attention_mask" not in batch and batch["position_ids"][0, 8] == 0
     with pytest.raises(NotImplementedError, match="packed sequences"):
         model(**batch)
-    with pytest.raises(NotImplementedError, match="packed sequences"):
-        rhf.shard_inputs(batch["input_ids"], position_ids=batch["position_ids"])
-    collate = transformers.DataCollatorWithFlattening(return_flash_attn_kwargs=True, return_position_ids=False)
-    batch = collate([{"input_ids": list(range(1, 9))}, {"input_ids": list(range(1, 7))}])
+    ref32 = reference(ref, batch["input_ids"], None, batch["labels"], batch["position_ids"], use_cache=False)
+    ref64 = reference(ref, batch["input_ids"], None, batch["labels"], batch["position_ids"], dtype=torch.float64,
+                      use_cache=False)  # fmt: skip
+    got = ring_run(ref, batch["input_ids"], None, batch["labels"], batch["position_ids"])[:2]
+    compare("packed, one process", *got, ref64, ref32, torch.float32)
+    flash = transformers.DataCollatorWithFlattening(return_flash_attn_kwargs=True, return_position_ids=False)(docs)
     with pytest.raises(NotImplementedError, match="cu_seq_lens"):
-        model(**batch)
+        model(**flash)
+    got = ring_run(ref, flash["input_ids"], None, flash["labels"], None, cu_seqlens=flash["cu_seq_lens_q"])[:2]
+    compare("packed by cu_seqlens, one process", *got, ref64, ref32, torch.float32)
 
 
 def test_local_4d_mask_uses_sdpa(torch_backend):
@@ -761,10 +815,10 @@ def test_argument_errors_name_the_argument(torch_backend):
         rhf.apply(torch.nn.Linear(2, 2))
     from ringflash import balanced_layout
 
-    packed = balanced_layout([0, 20, 48], 1)  # packed documents: not yet, with or without a head_group
-    with pytest.raises(NotImplementedError, match="a balanced layout .* is not supported yet"):
+    packed = balanced_layout([0, 20, 48], 1)  # shard_inputs plans packed documents' layout itself
+    with pytest.raises(NotImplementedError, match="a balanced layout .* is not supported: pass layout"):
         rhf.apply(make_model("llama"), layout=packed)
-    with pytest.raises(NotImplementedError, match="a balanced layout .* is not supported yet"):
+    with pytest.raises(NotImplementedError, match="a balanced layout .* is not supported: pass layout"):
         rhf.shard_inputs(ids, layout=packed)
     with pytest.raises(ValueError, match="head_group given without group"):
         rhf.shard_inputs(ids, head_group=object())
