@@ -855,7 +855,7 @@ def test_finetune_example_check(tmp_path):
 
 def test_compiled_model_matches_eager(torch_backend):
     """torch.compile(fullgraph=True) of an applied model on one process: no graph break, and its
-    loss and gradients as accurate as the eager model's (against float64)."""
+    loss and gradients as accurate as the eager model's (against float64); packed documents too."""
     from torch._dynamo.utils import counters
 
     model = make_model("llama", num_hidden_layers=1)  # one layer: tracing is the cost
@@ -875,3 +875,13 @@ def test_compiled_model_matches_eager(torch_backend):
     assert not counters["graph_break"], dict(counters["graph_break"])
     compare("compiled", out.loss.detach(), grads, ref64, ref32, torch.float32)
     compare("eager", eager[0], eager[1], ref64, ref32, torch.float32)
+    # packed documents through the same compiled model (flash_attn_varlen_func inside)
+    ids, pos, labels, _ = packed_batch(4, [5, 1, 20, 9, 13])
+    ref64 = reference(model, ids, None, labels, pos, dtype=torch.float64, use_cache=False)
+    ref32 = reference(model, ids, None, labels, pos, use_cache=False)
+    m.zero_grad(set_to_none=True)
+    out = compiled(**rhf.shard_inputs(ids, labels=labels, position_ids=pos))
+    out.loss.backward()
+    grads = {n: p.grad.detach().clone() for n, p in m.named_parameters() if p.grad is not None}
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    compare("compiled, packed", out.loss.detach(), grads, ref64, ref32, torch.float32)
