@@ -13,10 +13,9 @@ from ringflash import (
     shard,
     unshard,
 )
-from ringflash.testing import varlen_plain_errors, varlen_reference
 
 from oracle import assert_within, plain_errors, reference, rel_rms
-from ring_cases import full_inputs, padding_mask
+from ring_cases import full_inputs, packed_case, padding_mask
 
 _GRIDS = {}  # per process: (R, U) -> (ring group, head group) of this rank; new_group is collective
 
@@ -105,19 +104,9 @@ def hybrid_varlen_vs_oracle(rank, world, R, U, lengths, causal, window_size, Hq,
     reassembled against the float64 oracle run one document at a time. Returns this rank's
     piece length and whether its head group's pieces differ in length."""
     group, head_group = grid(R, U)
-    cu = [0]
-    for n in lengths:
-        cu.append(cu[-1] + n)
+    cu, cu_t, q, k, v, do, ref, plain = packed_case(lengths, causal, window_size, Hq, Hkv, dtype, seed)
     L = balanced_layout(cu, R, causal=causal, window_size=window_size)
-    g = torch.Generator().manual_seed(seed)
-    T, D = cu[-1], 16
-    q = torch.randn(T, Hq, D, generator=g).to(dtype)
-    k, v = (torch.randn(T, Hkv, D, generator=g).to(dtype) for _ in range(2))
-    do = torch.randn(T, Hq, D, generator=g).to(dtype)
-    cu_t = torch.tensor(cu)
-    kw = dict(causal=causal, window_size=window_size)
-    ref = varlen_reference(q, k, v, do, cu_t, cu_t, **kw)
-    plain = varlen_plain_errors(q, k, v, do, cu_t, cu_t, ref, **kw)
+    T, kw = cu[-1], dict(causal=causal, window_size=window_size)
     grid_kw = dict(group=group, head_group=head_group, layout=L)
     sh = lambda t, dim=0: shard(t, dim=dim, **grid_kw)
     pos = local_positions(T, **grid_kw)

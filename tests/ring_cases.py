@@ -24,6 +24,25 @@ def full_inputs(B, S, Sk, Hq, Hkv, D, dtype, seed):
     return q, k, v, do
 
 
+def packed_case(lengths, causal, window_size, Hq, Hkv, dtype, seed, D=16):
+    """Packed documents of `lengths` tokens: (cu_seqlens list, cu tensor, q, k, v, do (total, H,
+    D), the float64 reference run one document at a time, the plain same-dtype errors)."""
+    from ringflash.testing import varlen_plain_errors, varlen_reference
+
+    cu = [0]
+    for n in lengths:
+        cu.append(cu[-1] + n)
+    g = torch.Generator().manual_seed(seed)
+    T = cu[-1]
+    q = torch.randn(T, Hq, D, generator=g).to(dtype)
+    k, v = (torch.randn(T, Hkv, D, generator=g).to(dtype) for _ in range(2))
+    do = torch.randn(T, Hq, D, generator=g).to(dtype)
+    cu_t = torch.tensor(cu)
+    kw = dict(causal=causal, window_size=window_size)
+    ref = varlen_reference(q, k, v, do, cu_t, cu_t, **kw)
+    return cu, cu_t, q, k, v, do, ref, varlen_plain_errors(q, k, v, do, cu_t, cu_t, ref, **kw)
+
+
 def padding_mask(kind, B, Sk, seed):
     """A key padding mask: None, "bool" (30% padded) or "float" (an additive bias)."""
     if kind is None:

@@ -12,10 +12,9 @@ from ringflash import balanced_layout, local_positions, ring_flash_attn_varlen_f
 from ringflash.balance import _pairs
 from ringflash.comm import RingComm
 from ringflash.masks import Window
-from ringflash.testing import varlen_plain_errors, varlen_reference
 
 from oracle import assert_within
-from ring_cases import TORCH, TRITON
+from ring_cases import TORCH, TRITON, packed_case
 
 
 def _cu(lengths):
@@ -93,17 +92,9 @@ def test_balanced_layout_rejects_bad_input():
 
 
 def _ring_varlen_vs_oracle(rank, world, lengths, causal, window_size, Hq, Hkv, dtype, seed):
-    cu = _cu(lengths)
+    cu, cu_t, q, k, v, do, ref, plain = packed_case(lengths, causal, window_size, Hq, Hkv, dtype, seed)
     L = balanced_layout(cu, world, causal=causal, window_size=window_size)
-    g = torch.Generator().manual_seed(seed)
-    T, D = cu[-1], 16
-    q = torch.randn(T, Hq, D, generator=g).to(dtype)
-    k, v = (torch.randn(T, Hkv, D, generator=g).to(dtype) for _ in range(2))
-    do = torch.randn(T, Hq, D, generator=g).to(dtype)
-    cu_t = torch.tensor(cu)
-    kw = dict(causal=causal, window_size=window_size)
-    ref = varlen_reference(q, k, v, do, cu_t, cu_t, **kw)
-    plain = varlen_plain_errors(q, k, v, do, cu_t, cu_t, ref, **kw)
+    T, kw = cu[-1], dict(causal=causal, window_size=window_size)
 
     sh = lambda t: shard(t, layout=L, dim=0)
     assert torch.equal(local_positions(T, layout=L), L.positions(rank))
