@@ -35,8 +35,8 @@ How it fits into transformers (5.x):
 
 Sliding-window layers (Mistral; Qwen2 with use_sliding_window) run through
 flash_attn_func(window_size=(W - 1, 0)) on one process and ring_flash_attn_func(window_size=)
-on the ring (transformers: query i sees key j iff i - W < j <= i); with the contiguous layout
-a window shorter than a shard needs one neighbour's K/V only (the ring stops early). Attention
+on the ring (transformers: query i sees key j iff i - W < j <= i); a window shorter than a
+shard needs one neighbour's K/V only (the ring runs 2 steps with contiguous, at most 3 with zigzag). Attention
 dropout in training runs in the kernels (ringflash.dropout: the ring drops the pairs one
 process drops). Both, and padding, work with a head_group as without.
 

@@ -10,7 +10,8 @@ copied). Receiving thus costs 1/C of the accumulators instead of a second full p
 Order: the exchanges of a step form a chain (each reuses the slot the previous one freed),
 started by send(step) and driven on as the next step asks for its chunks (arriving(step)), after
 its dQ pass, so the transfers overlap compute. Chunks are ordered largest first and the chain
-runs in ascending order on even steps, descending on odd ones: each slot then always holds a
+runs in ascending order on every other step that runs (the first, the third, ...), descending
+on the others: each slot then always holds a
 chunk no larger than the one it was made for, although chunk sizes may differ by a head
 (Hkv % C != 0). arriving(step) yields the chunks in the order they arrive; callers never see
 the parity rule.
@@ -76,15 +77,17 @@ class GradRelay:
     Per ring step: `for heads, dk, dv in relay.arriving(step)` gives each chunk's kv heads and
     its (B, Sk, heads, D) dK, dV views, in arrival order, to add the step's contributions into;
     then relay.send(step). After the last step, relay.finish(dtype) returns this rank's dK, dV.
-    steps: how many ring steps run (None: comm.world). A ring that stops early sends the last
-    step's accumulators straight home, world - steps + 1 places on; one step sends nothing.
+    steps: the ring steps that run (schedule.ring_steps; None: every one): the accumulators go
+    with their block from one to the next, and from the last straight home (world - step places
+    on); one step sends nothing.
     """
 
-    def __init__(self, comm, k, acc: torch.dtype, chunks: int, steps: int | None = None):
+    def __init__(self, comm, k, acc: torch.dtype, chunks: int, steps=None):
         B, S, H, D = k.shape
         self.comm = comm
-        self.steps = comm.world if steps is None else steps
-        self.exchanges = comm.world > 1 and self.steps > 1  # else every block's accumulators stay home
+        self.steps = tuple(range(comm.world)) if steps is None else tuple(steps)
+        self.index = {step: i for i, step in enumerate(self.steps)}
+        self.exchanges = comm.world > 1 and len(self.steps) > 1  # else every block's accumulators stay home
         self.heads = head_chunks(H, chunks if self.exchanges else 1)
         self.shapes = [(B, S, h.stop - h.start, D) for h in self.heads]
         numel = [math.prod(shape) for shape in self.shapes]
@@ -103,8 +106,8 @@ class GradRelay:
         return slot[:n].view(shape), slot[n : 2 * n].view(shape)
 
     def _chain_order(self, step: int) -> list[int]:
-        up = list(range(len(self.heads)))
-        return up if step % 2 == 0 else up[::-1]
+        up = list(range(len(self.heads)))  # alternating between the steps that run
+        return up if self.index[step] % 2 == 0 else up[::-1]
 
     def _on_side(self):
         return torch.cuda.stream(self.side) if self.side is not None else contextlib.nullcontext()
@@ -156,8 +159,10 @@ class GradRelay:
         if self.side is not None:
             self.side.wait_stream(torch.cuda.current_stream(self.side.device))
         self.chain, self.chain_step = self._chain_order(step), step
-        # the next rank, or from the last step straight to the owner, rank - step
-        self.chain_hop = 1 if step + 1 < self.steps else (self.comm.world - step) % self.comm.world
+        # to where the block is at the next step that runs, or from the last straight to the owner, rank - step
+        i = self.index[step]
+        world = self.comm.world
+        self.chain_hop = self.steps[i + 1] - step if i + 1 < len(self.steps) else (world - step) % world
         self._start_next()
 
     def finish(self, dtype):

@@ -23,15 +23,7 @@ from .local import backend_for, backend_name, backward_inputs, block_backward, b
 from .masks import FULL, BlockMask, Window, window_from
 from .merge import SoftmaxState, state_dtype
 from .relay import GradRelay, default_grad_chunks
-from .schedule import (
-    check_layout,
-    chunks_per_rank,
-    is_balanced,
-    layout_code,
-    show_layout_code,
-    step_tasks,
-    steps_needed,
-)
+from .schedule import check_layout, chunks_per_rank, is_balanced, layout_code, ring_steps, show_layout_code, step_tasks
 
 
 @dataclass(frozen=True)
@@ -59,21 +51,22 @@ class RingSpec:
 
 
 def _ring_kv(comm, k, v, key_bias, steps):
-    """The one ring loop: yield (step, k, v, key_bias) blocks for `steps` steps (at most
-    comm.world; schedule.steps_needed: later blocks no query sees are never sent), this rank's
-    own first, then each previous rank's (key_bias travels with its keys, or stays None); the
-    next blocks are already in flight while the caller computes on the current. Two sets of
-    receive buffers, allocated once, reused."""
+    """The one ring loop: yield (step, k, v, key_bias) blocks for the ring steps `steps`
+    (schedule.ring_steps: ascending from 0; blocks no query sees are never sent), this rank's
+    own first, then at step s the block of rank (rank - s), each sent straight from one step
+    of `steps` to the next (to the rank that many places on; key_bias travels with its keys, or
+    stays None); the next blocks are already in flight while the caller computes on the
+    current. Two sets of receive buffers, allocated once, reused."""
     blocks = (k, v) if key_bias is None else (k, v, key_bias)
     bufs = [None, None]
     cur = blocks
-    for step in range(steps):
-        last = step + 1 == steps
+    for i, step in enumerate(steps):
+        last = i + 1 == len(steps)
         if not last:
-            slot = step % 2
+            slot = i % 2
             if bufs[slot] is None:
                 bufs[slot] = tuple(torch.empty_like(t) for t in blocks)
-            handles = comm.start(list(cur), list(bufs[slot]), "kv", step=step)
+            handles = comm.start(list(cur), list(bufs[slot]), "kv", step=step, hop=steps[i + 1] - step)
         yield step, cur[0], cur[1], (cur[2] if key_bias is not None else None)
         if not last:
             comm.wait(handles)
@@ -102,7 +95,7 @@ class _RingAttn(torch.autograd.Function):
         k, v = k.contiguous(), v.contiguous()  # they travel whole
         backend = backend_for(q.device)  # kept for the backward: the same arithmetic in both
         state = SoftmaxState.zeros(q.shape, state_dtype(q.dtype), q.device)
-        steps = steps_needed(spec.layout, comm.world, q.shape[1], k.shape[1], spec.window)
+        steps = ring_steps(spec.layout, comm.world, q.shape[1], k.shape[1], spec.window)
         for step, k_blk, v_blk, bias_blk in _ring_kv(comm, k, v, key_bias, steps):
             for t, mask, drop in _tasks(spec, comm, step, q.shape[1], k.shape[1]):
                 block_forward(
@@ -133,7 +126,7 @@ class _RingAttn(torch.autograd.Function):
         chunks = default_grad_chunks(k, acc) if spec.grad_chunks is None else spec.grad_chunks
         do, delta = backward_inputs(out, do, dlse, backend)
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
-        steps = steps_needed(spec.layout, comm.world, q.shape[1], k.shape[1], spec.window)
+        steps = ring_steps(spec.layout, comm.world, q.shape[1], k.shape[1], spec.window)
         relay = GradRelay(comm, k, acc, chunks, steps)
         G = q.shape[2] // k.shape[2]
         for step, k_blk, v_blk, bias_blk in _ring_kv(comm, k, v, key_bias, steps):
@@ -316,7 +309,8 @@ def ring_flash_attn_func(
     unbounded on that side), as flash_attn_func(window_size=) on the unsharded tensors; with
     causal=True right must be -1 or 0. A window needs Sq_local == Sk_local, as causal does.
     Blocks no query sees are skipped (a rank computes about Sq_local x window), and the ring
-    stops after the last step any rank has work in (schedule.steps_needed).
+    runs only the steps some rank has work in (schedule.ring_steps): a block skips steps
+    nobody needs and is not sent after the last one.
     key_padding_mask: optional (B, Sk_local) for this rank's keys, bool (True = padding, the
     key is ignored) or float (added to the scores; not differentiated); it travels around the
     ring with its keys.
@@ -522,7 +516,7 @@ def ring_flash_attn_varlen_func(
         )
         agree, cu_check = [], None
     # K/V travel padded to the longest shard; the schedule never reads the padding rows. The
-    # ring runs layout.hops steps (schedule.steps_needed): with every document whole, one, and
+    # ring runs layout.hops steps (schedule.ring_steps): with every document whole, one, and
     # nothing is exchanged
     pad = layout.max_local_len - q.shape[0]
     k_p, v_p = (torch.nn.functional.pad(t, (0, 0, 0, 0, 0, pad)) for t in (k, v))

@@ -144,13 +144,19 @@ def step_tasks(
 
 
 @functools.lru_cache(maxsize=256)
-def steps_needed(layout, world: int, q_len: int, kv_len: int, window: Window) -> int:
-    """How many ring steps any rank has a block task in, 1 to world: the ring stops after
-    them, since no later K/V block is seen by any query (e.g. a sliding window narrower than a
-    contiguous shard needs one neighbour's keys: 2 steps). Pure and the same on every rank;
-    cached (layouts, windows and lengths are hashable)."""
-    needed = 1
+def ring_steps(layout, world: int, q_len: int, kv_len: int, window: Window) -> tuple[int, ...]:
+    """The ring steps some rank has a block task in, ascending, step 0 always: the only steps
+    the ring runs. A K/V block goes from one such step straight to the next (a hop of several
+    places when the steps between have no work for anyone: e.g. a sliding window on the zigzag
+    layout needs steps 0, 1 and world - 1 only), and after the last none is sent. Pure and the
+    same on every rank; cached (layouts, windows and lengths are hashable)."""
+    steps = [0]
     for step in range(1, world):
         if any(step_tasks(layout, r, world, step, q_len, kv_len, window) for r in range(world)):
-            needed = step + 1
-    return needed
+            steps.append(step)
+    return tuple(steps)
+
+
+def steps_needed(layout, world: int, q_len: int, kv_len: int, window: Window) -> int:
+    """How many steps the ring runs (len(ring_steps)): 1 means no K/V block ever travels."""
+    return len(ring_steps(layout, world, q_len, kv_len, window))

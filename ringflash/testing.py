@@ -27,12 +27,12 @@ from .ring import _RingAttn, ring_call_spec
 class ReplayComm:
     """Plays rank `rank` of a `world`-rank ring inside one process.
 
-    The K/V blocks "received" at step s are copied from `blocks[(rank - s - 1) % world]`, the
-    tuple of tensors (k, v, and the key bias if any) that rank holds. Gradient accumulators
-    sent on at step s belong to the block of rank (rank - s) % world; with `record` set each is
-    recorded in `sent_grads` as (owner rank, kv heads slice, [dk, dv]), and zeros come back, so
-    adding the records of every replayed rank into dk[:, :, heads] / dv[:, :, heads] gives each
-    block's dK/dV.
+    The K/V blocks "received" at step s for step s + hop are copied from
+    `blocks[(rank - s - hop) % world]`, the tuple of tensors (k, v, and the key bias if any)
+    that rank holds. Gradient accumulators sent on at step s belong to the block of rank
+    (rank - s) % world; with `record` set each is recorded in `sent_grads` as (owner rank, kv
+    heads slice, [dk, dv]), and zeros come back, so adding the records of every replayed rank
+    into dk[:, :, heads] / dv[:, :, heads] gives each block's dK/dV.
     """
 
     def __init__(self, rank: int, world: int, blocks, record: bool = True):
@@ -47,7 +47,7 @@ class ReplayComm:
     def start(self, send, recv, kind: str, *, step: int, heads: slice | None = None, hop: int = 1):
         self.exchanges[kind] += 1
         if kind == "kv":
-            for buf, t in zip(recv, self.blocks[(self.rank - step - 1) % self.world], strict=True):
+            for buf, t in zip(recv, self.blocks[(self.rank - step - hop) % self.world], strict=True):
                 buf.copy_(t)
         else:
             if self.record:

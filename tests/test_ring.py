@@ -9,7 +9,7 @@ import torch.distributed as dist
 from ringflash import flash_attn_func, local_positions, ring_flash_attn_func, shard, unshard
 from ringflash.comm import RingComm
 from ringflash.masks import window_from
-from ringflash.schedule import step_tasks, steps_needed
+from ringflash.schedule import ring_steps, step_tasks, steps_needed
 
 from hybrid_cases import hybrid_precision, hybrid_vs_oracle
 from oracle import assert_within, max_err, plain_errors, reference, rel_rms
@@ -130,6 +130,9 @@ def test_narrow_windows_leave_ring_steps_without_work():
     assert work("contiguous", 3, True, (3, 0))[2] == [False] * 3
     assert steps_needed("contiguous", 3, 12, 12, window_from(True, (3, 0), "t")) == 2  # one hop: K/V stop there
     assert work("zigzag", 4, True, (3, 0))[2] == [False] * 4
+    # the ring skips that step: K/V go from step 1 straight to step 3, two places on
+    assert ring_steps("zigzag", 4, 12, 12, window_from(True, (3, 0), "t")) == (0, 1, 3)
+    assert ring_steps("zigzag", 8, 12, 12, window_from(True, (3, 0), "t")) == (0, 1, 7)  # 2 hops, not 7
     assert not work("zigzag", 3, True, (3, 0))[1][0]
     for layout in ("contiguous", "zigzag"):
         assert not all(all(step) for step in work(layout, 3, False, (2, 4)))
