@@ -1,18 +1,32 @@
 """Balanced layouts of packed documents over the ranks of a ring (pure: no communication).
 
 A packing user has one long row of documents (cu_seqlens) to shard over P ranks. The layout is
-computed identically on every rank from the global cu_seqlens:
+computed identically on every rank from the global cu_seqlens. Documents are dealt most work
+(visible pairs) first; one that fits on the least loaded rank within BALANCE_SLACK of an equal
+share stays whole there: its pairs are all computed at ring step 0 and none of its keys ever
+needs to travel. Any other document is cut, so that the ring steps stay even:
 
-- documents are dealt longest (most visible pairs) first, each to the rank with the least work
-  so far; one that fits there within BALANCE_SLACK of an equal share stays whole: its pairs
-  are all computed at ring step 0 and none of its keys ever needs to travel;
-- any other document is cut over all P ranks, so that every ring step carries an equal part of
-  it: causal without a window bound in 2P chunks, rank r holding chunks r and 2P-1-r (the
-  zigzag of one document); with a window or without causality in P contiguous pieces (each
-  query's keys are its neighbours, and those pieces' work is already equal).
+- a window with an unbounded side (causal; (-1, w) or (w, -1) without causality): the zigzag
+  of the document over all P ranks (2P chunks, rank r holding chunks r and 2P-1-r): every ring
+  step carries an equal part of it, up to the one-token chunk granularity, and for a bounded
+  side w > 0 one T(w) = w(w+1)/2 neighbour pair that one rank lacks at steps 1 and P - 1 (the
+  ring is turned by one rank per cut document, so these differ by at most one pair);
+- full attention: P contiguous pieces (every pair visible: every step even);
+- a window bounded on both sides: pieces of at least m = max(left, right, 1) tokens, so each
+  query's keys are in its own piece or a neighbour's and the ring needs steps 0, 1 and (with
+  right > 0) P - 1 only, as few as the window allows. Each pair of neighbouring pieces adds
+  exactly T(left) pairs at step 1 and T(right) at step P - 1 whatever their lengths, so the
+  lengths are free to even out step 0. A document of n >= (P + 1) m tokens goes around the
+  whole ring (P + 1 pieces, its head and its tail on one rank): every rank gets one neighbour
+  pair at each of those steps, and the document alone is even at every step. A shorter one
+  goes to k < P consecutive ranks (or stays whole: below 2m tokens it cannot be cut), and k - 1
+  of them get a neighbour pair: no single rotation can make that even, since the first piece
+  has no left neighbour; the offsets chosen per document spread these pairs over several
+  documents, so steps 1 and P - 1 differ between ranks by whole neighbour pairs, at most one
+  per such document.
 
-No length needs to divide by anything: chunk lengths differ by at most one token, shard sizes
-may differ between ranks. Each rank's local tensor holds its pieces in global order.
+No length needs to divide by anything: shard sizes may differ between ranks. Each rank's
+local tensor holds its pieces in global order.
 """
 
 from __future__ import annotations
@@ -192,6 +206,20 @@ def _runs_work(runs, world: int, window: Window) -> dict[int, list[int]]:
     runs = sorted(runs)
     out: dict[int, list[int]] = {0: [0] * world}
     bounded = window.left is not None and window.right is not None
+    if bounded and all(b - a >= max(window.left, window.right) for a, b, _ in runs):
+        # every run at least as long as the window: in closed form, the same counts. A run of
+        # x tokens sees itself x (left + right + 1) - T(left) - T(right) times (T(w) = w(w+1)/2:
+        # what its edges lack); next to each other, the right run's queries see T(left) of
+        # the left one's keys, the left run's queries T(right) of the right one's; no further
+        left, right = window.left, window.right
+        tl, tr = left * (left + 1) // 2, right * (right + 1) // 2
+        for a, b, r in runs:
+            out[0][r] += (b - a) * (left + right + 1) - tl - tr
+        for (_, _, r), (_, _, q) in zip(runs, runs[1:]):
+            for step, rank, pairs in (((q - r) % world, q, tl), ((r - q) % world, r, tr)):
+                if pairs:
+                    out.setdefault(step, [0] * world)[rank] += pairs
+        return out
     for j, (qa, qb, qr) in enumerate(runs):
         for order in (range(j, -1, -1), range(j + 1, len(runs))):  # itself and back, then ahead
             for i in order:
@@ -267,14 +295,15 @@ def _place_cut(start: int, n: int, world: int, window: Window, load, least: int,
     T(right) at step P - 1 (T(w) = w(w+1)/2), whatever the lengths, which are then free to even
     out step 0 (_window_cut). The candidates: whole on rank `least` (a document kept whole never
     adds a step), and k pieces on consecutive ranks from any offset, for k = min(P, n // m) and
-    a few smaller k; taken: the least ring time after it (sum over steps of max_r of the loads),
-    then the least idle at steps >= 1 (sum of P * max_r - sum_r: whole documents can only fill
-    step 0), then the candidate's order (pure and deterministic)."""
+    k = 2 (fewer ranks to carry the m-token minimum); taken: the least ring time after it (sum
+    over steps of max_r of the loads), then the least idle at steps >= 1 (sum of P * max_r -
+    sum_r: whole documents can only fill step 0), then the candidate's order (pure and
+    deterministic)."""
     if window.left is None or window.right is None or world == 1:
         return _cut(start, n, world, window, turn if window.left or window.right else 0)
     top = min(world, n // max(window.left, window.right, 1))
     candidates = [[(start, start + n, least)]]
-    for parts in sorted({top, (top + 1) // 2, 2}, reverse=True):
+    for parts in sorted({top, 2}, reverse=True):
         if 2 <= parts <= top:
             candidates += [_window_cut(start, n, world, window, load, parts, o) for o in range(world)]
     best = None
