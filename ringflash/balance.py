@@ -1,18 +1,32 @@
 """Balanced layouts of packed documents over the ranks of a ring (pure: no communication).
 
 A packing user has one long row of documents (cu_seqlens) to shard over P ranks. The layout is
-computed identically on every rank from the global cu_seqlens:
+computed identically on every rank from the global cu_seqlens. Documents are dealt most work
+(visible pairs) first; one that fits on the least loaded rank within BALANCE_SLACK of an equal
+share stays whole there: its pairs are all computed at ring step 0 and none of its keys ever
+needs to travel. Any other document is cut, so that the ring steps stay even:
 
-- documents are dealt longest (most visible pairs) first, each to the rank with the least work
-  so far; one that fits there within BALANCE_SLACK of an equal share stays whole: its pairs
-  are all computed at ring step 0 and none of its keys ever needs to travel;
-- any other document is cut over all P ranks, so that every ring step carries an equal part of
-  it: causal without a window bound in 2P chunks, rank r holding chunks r and 2P-1-r (the
-  zigzag of one document); with a window or without causality in P contiguous pieces (each
-  query's keys are its neighbours, and those pieces' work is already equal).
+- a window with an unbounded side (causal; (-1, w) or (w, -1) without causality): the zigzag
+  of the document over all P ranks (2P chunks, rank r holding chunks r and 2P-1-r): every ring
+  step carries an equal part of it, up to the one-token chunk granularity, and for a bounded
+  side w > 0 one T(w) = w(w+1)/2 neighbour pair that one rank lacks at steps 1 and P - 1 (the
+  ring is turned by one rank per cut document, so these differ by at most one pair);
+- full attention: P contiguous pieces (every pair visible: every step even);
+- a window bounded on both sides: pieces of at least m = max(left, right, 1) tokens, so each
+  query's keys are in its own piece or a neighbour's and the ring needs steps 0, 1 and (with
+  right > 0) P - 1 only, as few as the window allows. Each pair of neighbouring pieces adds
+  exactly T(left) pairs at step 1 and T(right) at step P - 1 whatever their lengths, so the
+  lengths are free to even out step 0. A document of n >= (P + 1) m tokens goes around the
+  whole ring (P + 1 pieces, its head and its tail on one rank): every rank gets one neighbour
+  pair at each of those steps, and the document alone is even at every step. A shorter one
+  goes to k < P consecutive ranks (or stays whole: below 2m tokens it cannot be cut), and k - 1
+  of them get a neighbour pair: no single rotation can make that even, since the first piece
+  has no left neighbour; the offsets chosen per document spread these pairs over several
+  documents, so steps 1 and P - 1 differ between ranks by whole neighbour pairs, at most one
+  per such document.
 
-No length needs to divide by anything: chunk lengths differ by at most one token, shard sizes
-may differ between ranks. Each rank's local tensor holds its pieces in global order.
+No length needs to divide by anything: shard sizes may differ between ranks. Each rank's
+local tensor holds its pieces in global order.
 """
 
 from __future__ import annotations
@@ -167,6 +181,145 @@ def _cuts(start: int, n: int, parts: int) -> list[tuple[int, int]]:
     return list(zip(bounds, bounds[1:]))
 
 
+def _cut(start: int, n: int, world: int, window: Window, offset: int):
+    """A document [start, start + n) cut over all P ranks (a window with an unbounded side), as
+    runs (a, b, rank). One side unbounded (causal, or (-1, w) / (w, -1) without causality): the
+    zigzag of the document, 2P chunks, rank (r + offset) mod P holding chunks r and 2P-1-r;
+    full attention: P contiguous pieces, piece i on rank (i + offset) mod P. Chunk lengths
+    differ by at most one token: every ring step is even up to that, at any offset (a rotation
+    of the ring)."""
+    if (window.left is None) != (window.right is None):
+        chunks = _cuts(start, n, 2 * world)
+        owned = [(r, c) for r in range(world) for c in (chunks[r], chunks[2 * world - 1 - r])]
+    else:
+        owned = list(enumerate(_cuts(start, n, world)))
+    return [(a, b, (r + offset) % world) for r, (a, b) in owned if b > a]
+
+
+def _runs_work(runs, world: int, window: Window) -> dict[int, list[int]]:
+    """Ring step -> visible pairs of each rank at that step, for one document's runs (a, b,
+    rank): the queries of a run on rank r see the keys of a run on rank q at step (r - q) mod P.
+    With a bounded window only runs within reach see each other (walking away from a run, the
+    first one out of reach ends the walk); with an unbounded side only step 0 is counted (the
+    steps of a zigzag or full-attention cut are even already, and only step 0 gets whole
+    documents)."""
+    runs = sorted(runs)
+    out: dict[int, list[int]] = {0: [0] * world}
+    bounded = window.left is not None and window.right is not None
+    if bounded and all(b - a >= max(window.left, window.right) for a, b, _ in runs):
+        # every run at least as long as the window: in closed form, the same counts. A run of
+        # x tokens sees itself x (left + right + 1) - T(left) - T(right) times (T(w) = w(w+1)/2:
+        # what its edges lack); next to each other, the right run's queries see T(left) of
+        # the left one's keys, the left run's queries T(right) of the right one's; no further
+        left, right = window.left, window.right
+        tl, tr = left * (left + 1) // 2, right * (right + 1) // 2
+        for a, b, r in runs:
+            out[0][r] += (b - a) * (left + right + 1) - tl - tr
+        for (_, _, r), (_, _, q) in zip(runs, runs[1:]):
+            for step, rank, pairs in (((q - r) % world, q, tl), ((r - q) % world, r, tr)):
+                if pairs:
+                    out.setdefault(step, [0] * world)[rank] += pairs
+        return out
+    for j, (qa, qb, qr) in enumerate(runs):
+        for order in (range(j, -1, -1), range(j + 1, len(runs))):  # itself and back, then ahead
+            for i in order:
+                ka, kb, kr = runs[i]
+                if not bounded and kr != qr:
+                    continue
+                pairs = _pairs(qa, qb - qa, ka, kb - ka, window)
+                if bounded and pairs == 0:
+                    break
+                out.setdefault((qr - kr) % world, [0] * world)[qr] += pairs
+    return out
+
+
+def _fill(level: list[int], fixed: list[int], least: list[int], n: int, c: int) -> list[int]:
+    """Token counts x_r >= least[r] summing to n that leave level[r] - fixed[r] + c * x_r (a
+    rank's step-0 pairs: c pairs per token, less `fixed` at its pieces' edges) as even as
+    possible: water filling, in integers (the remainder, one token each, to the lowest)."""
+    k = len(level)
+    base = [level[r] - fixed[r] + c * least[r] for r in range(k)]  # each rank at its minimum
+    extra = n - sum(least)
+    order = sorted(range(k), key=lambda r: (base[r], r))
+    acc = 0
+    for j, r in enumerate(order):
+        acc += base[r]
+        top = (c * extra + acc) // (j + 1)  # the level when the j + 1 lowest share `extra`
+        if j + 1 == k or top <= base[order[j + 1]]:
+            break
+    x = list(least)
+    for r in order[: j + 1]:
+        x[r] += (top - base[r]) // c
+    for r in sorted(range(k), key=lambda r: (base[r] + c * (x[r] - least[r]), r))[: n - sum(x)]:
+        x[r] += 1
+    return x
+
+
+def _window_cut(start: int, n: int, world: int, window: Window, load, parts: int, offset: int):
+    """A window bounded on both sides: the document in `parts` pieces on consecutive ranks from
+    `offset`, each at least m = max(left, right, 1) tokens, lengths evening out step 0 (_fill).
+    With parts == P and n >= (P + 1) m the ring closes: P + 1 pieces, the first and the last
+    on one rank, so that every rank holds a piece with a left and one with a right neighbour."""
+    left, right = window.left, window.right
+    m = max(left, right, 1)
+    ring = parts == world and n >= (world + 1) * m
+    ranks = [(offset + i) % world for i in range(parts)]
+    count = [2 if ring and i == parts - 1 else 1 for i in range(parts)]
+    edge = left * (left + 1) // 2 + right * (right + 1) // 2  # pairs a piece's edges lack at step 0
+    x = _fill([load[0][r] for r in ranks], [c * edge for c in count], [c * m for c in count], n,
+              left + right + 1)  # fmt: skip
+    if ring:  # the last rank's share: the document's head, and its tail
+        head = x[-1] // 2
+        x, ranks = [head, *x[:-1], x[-1] - head], [ranks[-1], *ranks]
+    runs, a = [], start
+    for length, r in zip(x, ranks):
+        runs.append((a, a + length, r))
+        a += length
+    return runs
+
+
+def _place_cut(start: int, n: int, world: int, window: Window, load, least: int, turn: int):
+    """Where a document that does not fit whole goes, as runs (a, b, rank), given the ring
+    step loads so far (`load`: step -> visible pairs per rank).
+
+    Zigzag and full attention: cut over every rank (_cut), at offset 0, or, with a bounded
+    side w > 0 (e.g. window (-1, w) without causality), at offset `turn` (the count of documents
+    cut before): in a zigzag one rank's last chunk has no right neighbour (its step-1 share of
+    T(w) = w(w+1)/2 pairs) and one's first chunk the next chunk on its own rank (step P - 1),
+    so turning the ring for each document spreads those shortfalls, one per rank in turn.
+
+    A window bounded on both sides: its pieces are at least m = max(left, right, 1) tokens, so
+    a query's keys are in its own piece or a neighbour's: a piece sees its left neighbour's
+    keys one ring step later and its right one's P - 1 steps later, no more steps than the
+    window needs. Each pair of neighbouring pieces adds exactly T(left) pairs at step 1 and
+    T(right) at step P - 1 (T(w) = w(w+1)/2), whatever the lengths, which are then free to even
+    out step 0 (_window_cut). The candidates: whole on rank `least` (a document kept whole never
+    adds a step), and k pieces on consecutive ranks from any offset, for k = min(P, n // m) and
+    k = 2 (fewer ranks to carry the m-token minimum); taken: the least ring time after it (sum
+    over steps of max_r of the loads), then the least idle at steps >= 1 (sum of P * max_r -
+    sum_r: whole documents can only fill step 0), then the candidate's order (pure and
+    deterministic)."""
+    if window.left is None or window.right is None or world == 1:
+        return _cut(start, n, world, window, turn if window.left or window.right else 0)
+    top = min(world, n // max(window.left, window.right, 1))
+    candidates = [[(start, start + n, least)]]
+    for parts in sorted({top, 2}, reverse=True):
+        if 2 <= parts <= top:
+            candidates += [_window_cut(start, n, world, window, load, parts, o) for o in range(world)]
+    best = None
+    for order, runs in enumerate(candidates):
+        time = idle = 0
+        work = _runs_work(runs, world, window)
+        for step in set(load) | set(work):
+            row, add = load.get(step, [0] * world), work.get(step, [0] * world)
+            new = [row[r] + add[r] for r in range(world)]
+            time += max(new)
+            idle += (world * max(new) - sum(new)) if step else 0
+        if best is None or (time, idle, order) < best[0]:
+            best = ((time, idle, order), runs)
+    return best[1]
+
+
 def balanced_layout(cu_seqlens, world: int, *, causal: bool = True, window_size=(-1, -1)) -> BalancedLayout:
     """The balanced layout of packed documents over `world` ranks (module docstring).
 
@@ -196,28 +349,34 @@ def balanced_layout(cu_seqlens, world: int, *, causal: bool = True, window_size=
     work = {d: _document_work(n, window) for d, _, n in docs}
     share = sum(work.values()) / world
     per_rank: list[list[Segment]] = [[] for _ in range(world)]
-    load = [0] * world
+    load: dict[int, list[int]] = {0: [0] * world}  # ring step -> each rank's visible pairs at it
+    total = [0] * world  # each rank's visible pairs over all steps
     tokens = [0] * world
-    # longest first; a document stays whole on the least loaded rank if it fits there within
-    # BALANCE_SLACK of an equal share, else it is cut over every rank
+    turn = 0  # documents cut so far
+    # a whole document's pairs are all at step 0: with a bounded window, where steps 1 and P - 1
+    # may be uneven by whole neighbour pairs, it goes to the rank with the least step-0 work;
+    # otherwise (every later step even) to the one with the least work in total
+    bounded = window.left is not None and window.right is not None
+    # most work first; a document stays whole on the rank with the least work if it fits there
+    # within BALANCE_SLACK of an equal share, else it is cut (_place_cut)
     for d, start, n in sorted(docs, key=lambda t: (-work[t[0]], t[1])):
-        r = min(range(world), key=lambda i: (load[i], tokens[i], i))
-        if world == 1 or load[r] + work[d] <= share * (1 + BALANCE_SLACK):
+        r = min(range(world), key=lambda i: (load[0][i] if bounded else total[i], total[i], tokens[i], i))
+        if world == 1 or total[r] + work[d] <= share * (1 + BALANCE_SLACK):
             per_rank[r].append(Segment(0, start, n, d))
-            load[r] += work[d]
             tokens[r] += n
+            total[r] += work[d]
+            load[0][r] += work[d]
             continue
-        if window.left is None and window.right == 0:  # causal, unbounded: zigzag of the document
-            chunks = _cuts(start, n, 2 * world)
-            owned = [(chunks[i], chunks[2 * world - 1 - i]) for i in range(world)]
-        else:
-            owned = [(c,) for c in _cuts(start, n, world)]
-        for i, runs in enumerate(owned):
-            for a, b in runs:
-                if b > a:
-                    per_rank[i].append(Segment(0, a, b - a, d))
-                    tokens[i] += b - a
-                    load[i] += _pairs(a, b - a, start, n, window)
+        runs = _place_cut(start, n, world, window, load, r, turn)
+        turn += 1
+        for a, b, i in runs:
+            per_rank[i].append(Segment(0, a, b - a, d))
+            tokens[i] += b - a
+            total[i] += _pairs(a, b - a, start, n, window)
+        for step, pairs in _runs_work(runs, world, window).items():
+            row = load.setdefault(step, [0] * world)
+            for i, p in enumerate(pairs):
+                row[i] += p
     pieces = []
     for segs in per_rank:
         local, placed = 0, []

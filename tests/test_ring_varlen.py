@@ -2,6 +2,7 @@
 gloo against a float64 oracle run one document at a time."""
 
 import itertools
+import math
 import random
 from unittest import mock
 
@@ -9,9 +10,10 @@ import pytest
 import torch
 
 from ringflash import balanced_layout, local_positions, ring_flash_attn_varlen_func, shard, unshard
-from ringflash.balance import _pairs
+from ringflash.balance import BalancedLayout, _cuts, _pairs
 from ringflash.comm import RingComm
 from ringflash.masks import Window
+from ringflash.schedule import Segment, steps_needed
 
 from oracle import assert_within
 from ring_cases import TORCH, TRITON, packed_case
@@ -29,29 +31,122 @@ def _long_tailed(n_docs, seed, lo=1, hi=400):
     return [int(lo * (hi / lo) ** rng.random()) for _ in range(n_docs)]
 
 
+def _plain_hops(L):
+    """steps_needed of L with its cut documents cut the unrotated way (P pieces, piece i on
+    rank i) and its whole ones where they are: the hops L must not exceed."""
+    P, pieces = L.world, [[] for _ in range(L.world)]
+    for d, (a, b) in enumerate(zip(L.cu_seqlens, L.cu_seqlens[1:])):
+        ranks = sorted({r for r in range(P) for s in L.segments(r) if s.doc == d})
+        runs = _cuts(a, b - a, P) if len(ranks) > 1 else [(a, b)] * len(ranks)
+        for i, (x, y) in enumerate(runs):
+            if y > x:
+                pieces[i if len(ranks) > 1 else ranks[0]].append((x, y - x, d))
+    segs = []
+    for runs in pieces:
+        local, placed = 0, []
+        for x, n, d in sorted(runs):
+            placed.append(Segment(local, x, n, d))
+            local += n
+        segs.append(tuple(placed))
+    return steps_needed(BalancedLayout(L.cu_seqlens, P, L.window, tuple(segs)), P, 0, 0, L.window)
+
+
+def _tri(w):
+    return w * (w + 1) // 2
+
+
+MASKS = [  # (causal, window_size): zigzag, full, zigzag with a bounded side, bounded windows
+    (True, (-1, -1)),
+    (False, (-1, -1)),
+    (False, (-1, 31)),
+    (True, (31, 0)),
+    (True, (100, 0)),
+    (False, (31, 31)),
+    (False, (40, 7)),
+]
+
+
 @pytest.mark.parametrize("world", [1, 2, 3, 4, 8])
-@pytest.mark.parametrize("causal,window_size", [(True, (-1, -1)), (False, (-1, -1)), (True, (31, 0))])
+@pytest.mark.parametrize("causal,window_size", MASKS)
 def test_layout_holds_every_token_once_and_balances_every_step(world, causal, window_size):
-    lengths = _long_tailed(40, world) + [0, 1, 2000]  # empty, one token, one longer than a share
-    L = balanced_layout(_cu(lengths), world, causal=causal, window_size=window_size)
-    held = torch.cat([L.positions(r) for r in range(world)])
+    for seed in range(12):  # many long-tailed mixes: the empty, one-token and long ones each time
+        lengths = _long_tailed(40, 100 * world + seed) + [0, 1, 2000]
+        L = balanced_layout(_cu(lengths), world, causal=causal, window_size=window_size)
+        _check_layout(L, lengths, seed)
+
+
+def _check_layout(L, lengths, seed):
+    P, window = L.world, L.window
+    held = torch.cat([L.positions(r) for r in range(P)])
     assert torch.equal(held.sort().values, torch.arange(L.total))
-    assert sum(L.local_len(r) for r in range(world)) == L.total
-    for r in range(world):
+    assert sum(L.local_len(r) for r in range(P)) == L.total
+    docs = {}  # document -> its pieces (rank, segment)
+    for r in range(P):
+        starts = [s.global_start for s in L.segments(r)]
+        assert starts == sorted(starts)  # each rank's pieces in global order
         for s in L.segments(r):  # each piece is inside one document
             d = s.doc
             assert L.cu_seqlens[d] <= s.global_start and s.global_start + s.length <= L.cu_seqlens[d + 1]
-    # a whole document may leave a rank 2% above an equal share (BALANCE_SLACK), a cut one
-    # differs between ranks by its one-token cut granularity: 3% in all
-    work = [[L.work(r, step) for r in range(world)] for step in range(world)]
-    if window_size == (-1, -1):  # every step balanced
+            docs.setdefault(d, []).append((r, s))
+    if P == 1:
+        assert L.hops == 1
+        return
+    work = [[L.work(r, step) for r in range(P)] for step in range(P)]
+    assert L.hops <= _plain_hops(L), seed  # never more ring steps than the unrotated cut
+    bounded = window.left is not None and window.right is not None
+    # a whole document may leave a rank 2% of an equal share of all the work above the others
+    # (BALANCE_SLACK), all of it at step 0; a cut one differs between ranks by its one-token
+    # granularity: 3% of a share in all, at step 0 and in total
+    share = sum(map(sum, work)) / P
+    if not bounded:
+        # zigzag / full attention: every later step as even as the cut, but for a bounded side
+        # w (window (-1, 31)): each zigzag leaves one rank without a T(w) neighbour pair at
+        # steps 1 and P - 1; the ring turned one rank per cut document, they differ by one pair
+        pair = _tri(window.left or window.right or 0)
         for step, w in enumerate(work):
-            assert max(w) <= 1.03 * sum(w) / world + 1, (step, w)
-    else:  # a window: each rank's total balanced (the first piece of a cut has no left neighbour)
-        totals = [sum(work[s][r] for s in range(world)) for r in range(world)]
-        assert max(totals) <= 1.03 * sum(totals) / world + 1, totals
-    text = repr(L)
-    assert f"{world} ranks" in text and "rank 0:" in text
+            slack = 0.03 * share if step == 0 else 0.03 * sum(w) / P + pair
+            assert max(w) <= sum(w) / P + slack + 1, (seed, step, w)
+        return
+    # a window bounded on both sides: pieces of at least m tokens, so a query's keys are in its
+    # own piece or a neighbour's: ring steps 0, 1 and (right > 0) P - 1 only; if any document
+    # is cut (a causal one has left neighbours) the ring runs steps 0 and 1, with right > 0
+    # also P - 1 (the ring skips the steps between)
+    m = max(window.left, window.right, 1)
+    cut = {d: pieces for d, pieces in docs.items() if len({r for r, _ in pieces}) > 1}
+    assert all(s.length >= m for pieces in cut.values() for _, s in pieces), seed
+    assert all(sum(w) == 0 for step, w in enumerate(work) if step not in (0, 1, P - 1)), seed
+    assert L.hops == (1 if not cut else len({0, 1, P - 1}) if window.right else 2), seed
+    # each pair of neighbouring pieces adds exactly T(left) pairs at step 1 (the right piece's
+    # queries, the left one's keys) and T(right) at step P - 1, whatever the lengths: a step
+    # s >= 1 is even document by document for one cut around the ring (P + 1 pieces, the head
+    # and the tail on one rank: every rank has one left and one right neighbour pair); each
+    # cut over k < P ranks (too short for the ring) adds one pair to k - 1 of them, a step's
+    # unevenness of at most one pair per such document
+    partial = 0
+    for d, pieces in cut.items():
+        n = L.cu_seqlens[d + 1] - L.cu_seqlens[d]
+        if len({r for r, _ in pieces}) == P and n >= (P + 1) * m:
+            one = BalancedLayout(
+                L.cu_seqlens, P, window, tuple(tuple(s for q, s in pieces if q == r) for r in range(P))
+            )
+            for step in (1, P - 1):
+                assert len({one.work(r, step) for r in range(P)}) == 1, (seed, d, step)
+        else:
+            partial += 1
+    units = {}  # step -> what one neighbour pair adds there (P = 2: steps 1 and P - 1 are one)
+    for step, unit in ((1, _tri(window.left)), (P - 1, _tri(window.right))):
+        if unit:
+            units.setdefault(step, []).append(unit)
+    for step, us in units.items():
+        w = work[step]
+        assert all(x % math.gcd(*us) == 0 for x in w), (seed, step, w)  # whole neighbour pairs
+        assert max(w) <= sum(w) / P + partial * sum(us), (seed, step, w, partial)
+    # step 0 and the total: as above, plus what a cut must put on each of its ranks even where
+    # that rank is above the others (m tokens, at most m * (left + right + 1) pairs, per cut)
+    forced = len(cut) * m * (window.left + window.right + 1)
+    totals = [sum(work[s][r] for s in range(P)) for r in range(P)]
+    for w in (work[0], totals):
+        assert max(w) <= sum(w) / P + 0.03 * share + 1 + forced, (seed, w, forced)
 
 
 def test_pair_count_is_the_count_of_visible_pairs():
