@@ -281,7 +281,7 @@ def hybrid_attn(
 
     B, L, Lk = q.shape[0], q.shape[1], k.shape[1]
     comm = RingComm(group) if R > 1 else LocalComm()
-    dims = AttnDims(B, U * L, U * Lk, plan.q_per, plan.kv_per, q.shape[-1])
+    dims = AttnDims(B, U * L, U * Lk, plan.q_per, plan.kv_per, q.shape[-1], v.shape[-1])
     key_bias = key_bias_from_mask(mask_r, dims, q.device, api, state_dtype(q.dtype))
     out, lse = _exchange_and_ring(
         q, k, v, key_bias, spec, comm, plan, head_group, (L,) * U, (Lk,) * U, U * Lk, return_lse

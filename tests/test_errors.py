@@ -33,7 +33,7 @@ def _t(*shape, dtype=torch.float32):
         ),
         ((_t(2, 8, 4, 32), _t(2, 8, 4, 64), _t(2, 8, 4, 64)), ValueError, r"head_dim differs"),
         ((_t(2, 8, 4, 32), _t(2, 8, 3, 32), _t(2, 8, 3, 32)), ValueError, r"multiple of k/v heads \(3\)"),
-        ((_t(2, 8, 4, 32), _t(2, 8, 4, 32), _t(2, 9, 4, 32)), ValueError, r"k and v must have the same shape"),
+        ((_t(2, 8, 4, 32), _t(2, 8, 4, 32), _t(2, 9, 4, 32)), ValueError, r"v must match k in batch, seqlen and heads"),
         ((_t(2, 8, 4, 0), _t(2, 8, 4, 0), _t(2, 8, 4, 0)), ValueError, r"head_dim 0 unsupported"),
         ((_t(2, 8, 4, 264), _t(2, 8, 4, 264), _t(2, 8, 4, 264)), ValueError, r"head_dim 264 unsupported"),
         ((_t(2, 8, 4, 32), _t(2, 8, 4, 32, dtype=torch.float16), _t(2, 8, 4, 32)), TypeError, r"share a dtype"),
