@@ -162,9 +162,12 @@ def _mismatch(rank, world):
         ),
         grad_chunks=(q[:, :4], k[:, :4], v[:, :4], {"grad_chunks": 1 + rank}),
         window=(q[:, :4], k[:, :4], v[:, :4], {"window_size": (2, 1 + rank)}),
+        v_head_dim=(q[:, :4], k[:, :4], v[:, :4, :, : 16 - 8 * rank], {}),
     )
-    for a, b, c, kw in bad.values():
-        with pytest.raises(ValueError, match="disagree"):
+    for name, (a, b, c, kw) in bad.items():
+        with pytest.raises(
+            ValueError, match=r"disagree \(v head_dim: rank 0=16, rank 1=8" if name == "v_head_dim" else "disagree"
+        ):
             ring_flash_attn_func(a, b, c, **kw)
     # one rank's own input is invalid: it raises its error, the other quotes it
     pattern = "head_dim 264" if rank == 1 else r"rank\(s\) \[1\] .*rejected their inputs \(rank 1: .*head_dim 264"
