@@ -24,9 +24,10 @@ def full_inputs(B, S, Sk, Hq, Hkv, D, dtype, seed):
     return q, k, v, do
 
 
-def packed_case(lengths, causal, window_size, Hq, Hkv, dtype, seed, D=16):
+def packed_case(lengths, causal, window_size, Hq, Hkv, dtype, seed, D=16, Dv=None):
     """Packed documents of `lengths` tokens: (cu_seqlens list, cu tensor, q, k, v, do (total, H,
-    D), the float64 reference run one document at a time, the plain same-dtype errors)."""
+    D; v and do: Dv, default D), the float64 reference run one document at a time, the plain
+    same-dtype errors)."""
     from ringflash.testing import varlen_plain_errors, varlen_reference
 
     cu = [0]
@@ -35,8 +36,9 @@ def packed_case(lengths, causal, window_size, Hq, Hkv, dtype, seed, D=16):
     g = torch.Generator().manual_seed(seed)
     T = cu[-1]
     q = torch.randn(T, Hq, D, generator=g).to(dtype)
-    k, v = (torch.randn(T, Hkv, D, generator=g).to(dtype) for _ in range(2))
-    do = torch.randn(T, Hq, D, generator=g).to(dtype)
+    k = torch.randn(T, Hkv, D, generator=g).to(dtype)
+    v = torch.randn(T, Hkv, Dv or D, generator=g).to(dtype)
+    do = torch.randn(T, Hq, Dv or D, generator=g).to(dtype)
     cu_t = torch.tensor(cu)
     kw = dict(causal=causal, window_size=window_size)
     ref = varlen_reference(q, k, v, do, cu_t, cu_t, **kw)

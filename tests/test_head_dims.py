@@ -6,6 +6,7 @@ import math
 import pytest
 import torch
 from test_local import _check, _inputs
+from test_ring_varlen import _ring_varlen_vs_oracle
 from test_varlen import _check_varlen
 
 from ringflash import flash_attn_func, flash_attn_varlen_func, ring_flash_attn_func, shard
@@ -216,3 +217,9 @@ def test_ring_v_head_dim_differs_torch(worlds, D, Dv):
 
 def test_ring_v_head_dim_differs_triton(worlds):
     worlds(2, **TRITON).run(_ring_v_head_dim, 12, 20, torch.float16, 2, 7)
+
+
+def test_ring_varlen_v_head_dim_differs(worlds):
+    """Packed documents on the ring (one cut over both ranks, K/V padded to the longest shard)
+    with v's head dim 24 beside q/k's 16."""
+    worlds(2, **TORCH).run(_ring_varlen_vs_oracle, [3, 0, 50, 1, 7], True, (-1, -1), 4, 2, torch.float32, 3, 24)
