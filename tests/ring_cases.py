@@ -14,13 +14,14 @@ TORCH = {"RINGFLASH_BACKEND": "torch"}
 TRITON = {"RINGFLASH_BACKEND": "triton", "TRITON_INTERPRET": "1"}
 
 
-def full_inputs(B, S, Sk, Hq, Hkv, D, dtype, seed):
-    """q, k, v, do: the full (unsharded) tensors, the same on every rank."""
+def full_inputs(B, S, Sk, Hq, Hkv, D, dtype, seed, Dv=None):
+    """q, k, v, do: the full (unsharded) tensors, the same on every rank; v and do have head dim
+    Dv (default D)."""
     g = torch.Generator().manual_seed(seed)
     q = torch.randn(B, S, Hq, D, generator=g).to(dtype)
     k = torch.randn(B, Sk, Hkv, D, generator=g).to(dtype)
-    v = torch.randn(B, Sk, Hkv, D, generator=g).to(dtype)
-    do = torch.randn(B, S, Hq, D, generator=g).to(dtype)
+    v = torch.randn(B, Sk, Hkv, Dv or D, generator=g).to(dtype)
+    do = torch.randn(B, S, Hq, Dv or D, generator=g).to(dtype)
     return q, k, v, do
 
 

@@ -11,6 +11,7 @@ from test_varlen import _check_varlen
 
 from ringflash import flash_attn_func, flash_attn_varlen_func, ring_flash_attn_func, shard
 
+from hybrid_cases import hybrid_vs_oracle
 from oracle import assert_within, plain_errors, reference
 from ring_cases import TORCH, TRITON, Case, ring_vs_oracle
 
@@ -223,3 +224,25 @@ def test_ring_varlen_v_head_dim_differs(worlds):
     """Packed documents on the ring (one cut over both ranks, K/V padded to the longest shard)
     with v's head dim 24 beside q/k's 16."""
     worlds(2, **TORCH).run(_ring_varlen_vs_oracle, [3, 0, 50, 1, 7], True, (-1, -1), 4, 2, torch.float32, 3, 24)
+
+
+def test_hybrid_v_head_dim_differs(worlds):
+    """A head group of 2 (R = 1, U = 2): the head all-to-alls carry v and out at Dv = 24."""
+    worlds(2, **TORCH).run(hybrid_vs_oracle, 1, 2, "zigzag", True, 1, 2, 4, 2, None, 11, True, (-1, -1), 24)
+
+
+def test_operator_fakes_give_v_head_dim():
+    """torch.compile traces the operators' fake implementations: out (.., Dv), gradients like q, k, v."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from ringflash import ops
+
+    ns = getattr(torch.ops, ops.NAMESPACE)
+    with FakeTensorMode():
+        q, k, v = torch.empty(1, 5, 2, 8), torch.empty(1, 6, 1, 8), torch.empty(1, 6, 1, 3)
+        out, lse, m, l = ns.flash_fwd(q, k, v, None, None, None, 0, 0, -1, -1, 0.3, 0.0, None, "", -1, -1)
+        assert out.shape == (1, 5, 2, 3) and lse.shape == m.shape == l.shape == (1, 2, 5)
+        out, *_ = ns.ring_fwd(q, k, v, None, None, "", -1, -1, 0.3, 0.0, None, "contiguous", -1, None, "", [])
+        assert out.shape == (1, 5, 2, 3)
+        grads = ns.flash_bwd(q, k, v, out, m, l, out, None, None, None, None, 0, 0, -1, -1, 0.3, 0.0, None, "")
+        assert [g.shape for g in grads] == [q.shape, k.shape, v.shape]
