@@ -6,6 +6,7 @@ runs), and ptxas's performance warnings (C7514 / C7512: every wgmma of the kerne
     python -m benchmarks.kernel_report                       # built-in shapes, D=64 and 128
     python -m benchmarks.kernel_report --kind fwd --head-dims 128 --shape 128 64 8 4 --dump DIR
     python -m benchmarks.kernel_report --head-dims 128 --dropout   # the attention-dropout variants
+    python -m benchmarks.kernel_report --head-dims 192 --head-dim-v 128   # v's head dim apart (MLA)
 
 Pointers and strides are compiled as 16-divisible, as the launcher's arguments are at these
 shapes, so the figures match a compile on the GPU machine (checked on an H200: forward 196
@@ -28,7 +29,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from ringflash.kernels import configs
+from ringflash.kernels import _block_d, _config_d, configs
 from ringflash.kernels.backward import _dkdv_kernel, _dq_kernel
 from ringflash.kernels.forward import _fwd_kernel
 
@@ -37,17 +38,27 @@ HOPPER_SHARED_BYTES = 232448  # per block on H100/H200 (227 KiB)
 
 
 def compile_for_hopper(
-    kind: str, D: int, causal: bool, cfg: configs.KernelConfig, dtype: str = "bf16", dropout: bool = False
+    kind: str,
+    D: int,
+    causal: bool,
+    cfg: configs.KernelConfig,
+    dtype: str = "bf16",
+    dropout: bool = False,
+    Dv: int | None = None,
 ):
-    """The kernel `kind` for `dtype` (bf16 or fp32) inputs of head dim D (a power of two), one
-    kv head per q head; dropout: with attention dropout (the DROPOUT variant)."""
+    """The kernel `kind` for `dtype` (bf16 or fp32) inputs of head dim D for q/k and Dv for v
+    (default D), each padded as the launcher pads it; one kv head per q head; dropout: with
+    attention dropout (the DROPOUT variant)."""
     fn = KERNELS[kind][0]
+    Dv = D if Dv is None else Dv
+    block_d, block_dv = _block_d(D), _block_d(Dv)
     rows = cfg.block_m if kind == "dkdv" else cfg.block_n
     descriptors = ({"Q", "DO"} if kind == "dkdv" else {"K", "V"}) if cfg.tma else set()
     signature, attrs = {}, {}
     for i, name in enumerate(fn.arg_names):
         if name in descriptors:
-            signature[name] = f"tensordesc<{dtype}[1,{rows},1,{D}]>"
+            block = block_dv if name in ("V", "DO") else block_d
+            signature[name] = f"tensordesc<{dtype}[1,{rows},1,{block}]>"
         elif name in ("M", "L", "DELTA"):
             signature[name] = "*fp32"
         elif name in ("KLO", "KHI", "QLO", "QHI"):
@@ -69,7 +80,9 @@ def compile_for_hopper(
     constants = dict(
         GROUP=1,
         HEAD_DIM=D,
-        BLOCK_D=D,
+        BLOCK_D=block_d,
+        HEAD_DIM_V=Dv,
+        BLOCK_DV=block_dv,
         BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n,
         MASK=1 if causal else 0,  # tiles.MASK_WINDOW (causal: left unbounded, right 0) or MASK_NONE
@@ -118,12 +131,14 @@ def report(
     dump: Path | None = None,
     dtype="bf16",
     dropout=False,
+    Dv=None,
 ) -> dict:
-    kern = compile_for_hopper(kind, D, causal, cfg, dtype, dropout)
+    kern = compile_for_hopper(kind, D, causal, cfg, dtype, dropout, Dv)
     ptx = kern.asm["ptx"]
     row = {
         "kind": kind,
         "D": D,
+        "Dv": D if Dv is None else Dv,
         "causal": causal,
         "dropout": dropout,
         "config": asdict(cfg),
@@ -140,7 +155,8 @@ def report(
     }
     if dump:
         dump.mkdir(parents=True, exist_ok=True)
-        stem = f"{kind}_d{D}_c{int(causal)}_{cfg.block_m}x{cfg.block_n}_w{cfg.num_warps}_s{cfg.num_stages}"
+        dv = "" if Dv in (None, D) else f"_dv{Dv}"
+        stem = f"{kind}_d{D}{dv}_c{int(causal)}_{cfg.block_m}x{cfg.block_n}_w{cfg.num_warps}_s{cfg.num_stages}"
         (dump / f"{stem}.ptx").write_text(ptx)
         (dump / f"{stem}.ttgir").write_text(kern.asm["ttgir"])
     return row
@@ -150,6 +166,9 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--kind", nargs="+", default=list(KERNELS), choices=list(KERNELS))
     ap.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
+    ap.add_argument(
+        "--head-dim-v", type=int, help="v's head dim (default: each of --head-dims); the config is the launcher's"
+    )
     ap.add_argument(
         "--shape",
         type=int,
@@ -165,14 +184,17 @@ def main():
     with tempfile.TemporaryDirectory() as tmp:
         for kind in args.kind:
             for D in args.head_dims:
-                cfg = configs.KernelConfig(*args.shape, tma=True) if args.shape else KERNELS[kind][1][D]
+                Dv = D if args.head_dim_v is None else args.head_dim_v
+                table_d = _config_d(_block_d(D), _block_d(Dv))  # as the launcher looks it up
+                cfg = configs.KernelConfig(*args.shape, tma=True) if args.shape else KERNELS[kind][1][table_d]
+                dims = f"D={D:<3d}" if Dv == D else f"D={D}/Dv={Dv}"
                 for causal in (False, True):
-                    r = report(kind, D, causal, cfg, Path(tmp), args.dump, dropout=args.dropout)
+                    r = report(kind, D, causal, cfg, Path(tmp), args.dump, dropout=args.dropout, Dv=Dv)
                     rows.append(r)
                     fits = "" if r["fits"] else " (over the H200's shared memory)"
                     drop = " dropout" if args.dropout else ""
                     print(
-                        f"{kind:4s}{drop} D={D:<3d} causal={causal!s:5s} {cfg.block_m}x{cfg.block_n} w{cfg.num_warps} "
+                        f"{kind:4s}{drop} {dims} causal={causal!s:5s} {cfg.block_m}x{cfg.block_n} w{cfg.num_warps} "
                         f"s{cfg.num_stages} tma={cfg.tma!s:5s} regs={r['regs']} spill_bytes={r['spill_bytes']} "
                         f"shared={r['shared']}{fits} waits={r['waits']} warnings={r['warnings'] or '-'}",
                         flush=True,

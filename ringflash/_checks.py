@@ -12,9 +12,10 @@ from typing import NamedTuple
 import torch
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-# Any head dim in this range: the Triton kernels pad it inside to a power of two of at least 16
-# (kernels._block_d: zero columns, masked loads and stores), which changes no score and no
-# output column; the softmax scale stays that of the true head dim (resolve_scale).
+# Any head dim in this range, for q/k and for v independently: the Triton kernels pad each inside
+# to a power of two of at least 16 (kernels._block_d: zero columns, masked loads and stores), which
+# changes no score and no output column; the softmax scale stays that of q/k's true head dim
+# (resolve_scale).
 MIN_HEAD_DIM, MAX_HEAD_DIM = 1, 256
 
 
@@ -24,7 +25,8 @@ class AttnDims(NamedTuple):
     seqlen_k: int
     heads_q: int
     heads_kv: int
-    head_dim: int
+    head_dim: int  # q and k's (the softmax scale's)
+    head_dim_v: int  # v's, and the output's
 
     @property
     def empty(self) -> bool:
@@ -42,7 +44,8 @@ def check_tensor(name: str, t, api: str) -> None:
 
 
 def check_qkv(q, k, v, api: str) -> AttnDims:
-    """Validate q (B, Sq, Hq, D), k and v (B, Sk, Hkv, D); return the dimensions."""
+    """Validate q (B, Sq, Hq, D), k (B, Sk, Hkv, D) and v (B, Sk, Hkv, Dv); return the dimensions.
+    D and Dv may differ (e.g. 192 and 128), each from MIN_HEAD_DIM to MAX_HEAD_DIM."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         check_tensor(name, t, api)
         if t.dim() != 4:
@@ -57,9 +60,13 @@ def check_qkv(q, k, v, api: str) -> AttnDims:
     if not (q.device == k.device == v.device):
         raise ValueError(f"{api}: q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
     B, Sq, Hq, D = q.shape
-    if k.shape != v.shape:
-        raise ValueError(f"{api}: k and v must have the same shape, got k {_shape(k)} and v {_shape(v)}")
     Bk, Sk, Hkv, Dk = k.shape
+    if v.shape[:3] != k.shape[:3]:
+        raise ValueError(
+            f"{api}: v must match k in batch, seqlen and heads (its head_dim may differ), got k {_shape(k)} "
+            f"and v {_shape(v)}"
+        )
+    Dv = v.shape[3]
     if Bk != B:
         raise ValueError(f"{api}: batch differs: q {_shape(q)} vs k {_shape(k)}")
     if Dk != D:
@@ -68,7 +75,9 @@ def check_qkv(q, k, v, api: str) -> AttnDims:
         raise ValueError(f"{api}: q heads ({Hq}) must be a multiple of k/v heads ({Hkv}); q {_shape(q)}, k {_shape(k)}")
     if not MIN_HEAD_DIM <= D <= MAX_HEAD_DIM:
         raise ValueError(f"{api}: head_dim {D} unsupported (q {_shape(q)}); need {MIN_HEAD_DIM} to {MAX_HEAD_DIM}")
-    return AttnDims(B, Sq, Sk, Hq, Hkv, D)
+    if not MIN_HEAD_DIM <= Dv <= MAX_HEAD_DIM:
+        raise ValueError(f"{api}: v head_dim {Dv} unsupported (v {_shape(v)}); need {MIN_HEAD_DIM} to {MAX_HEAD_DIM}")
+    return AttnDims(B, Sq, Sk, Hq, Hkv, D, Dv)
 
 
 def resolve_scale(softmax_scale, head_dim: int, api: str) -> float:

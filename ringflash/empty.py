@@ -28,6 +28,6 @@ class _Empty(torch.autograd.Function):
 
 
 def empty_attention(q, k, v):
-    """(out (B, Sq, Hq, D) zeros in q's dtype, lse (B, Hq, Sq) -inf in the state dtype) for
-    q (B, Sq, Hq, D), k, v (B, Sk, Hkv, D) where B, Sq, Hq or Sk is 0."""
+    """(out (B, Sq, Hq, Dv) zeros in q's dtype, lse (B, Hq, Sq) -inf in the state dtype) for
+    q (B, Sq, Hq, D), k (B, Sk, Hkv, D), v (B, Sk, Hkv, Dv) where B, Sq, Hq or Sk is 0."""
     return _Empty.apply(q, k, v)

@@ -171,9 +171,9 @@ def _ring_shard(x: torch.Tensor, lens) -> torch.Tensor:
 
 
 def _exchange_and_ring(q, k, v, key_bias, spec, comm, plan, head_group, lens_q, lens_k, ring_len, return_lse):
-    """The hybrid call once validated: q (B, lens_q[u], Hq, D), k, v (B, lens_k[u], Hkv, D) this
+    """The hybrid call once validated: q (B, lens_q[u], Hq, D), k, v (B, lens_k[u], Hkv, D / Dv) this
     rank's tokens; the head all-to-all, the ring over the ring position's shard at this rank's
-    heads (K/V padded to ring_len rows), the all-to-all back. Returns out (B, lens_q[u], Hq, D)
+    heads (K/V padded to ring_len rows), the all-to-all back. Returns out (B, lens_q[u], Hq, Dv)
     and lse (B, Hq, lens_q[u]) or None."""
     from .ring import _RingAttn
 
@@ -258,7 +258,7 @@ def hybrid_attn(
                 f"{api}: grad_chunks {grad_chunks} exceeds the {plan.kv_per} k/v head(s) each rank holds "
                 f"with a head_group of {U}"
             )
-        fields = _signature(q, k, spec, key_padding_mask is not None, p)
+        fields = _signature(q, k, v, spec, key_padding_mask is not None, p)
         return fields, (spec, plan, p)
 
     spec, plan, p = validated_across_grid(
@@ -281,7 +281,7 @@ def hybrid_attn(
 
     B, L, Lk = q.shape[0], q.shape[1], k.shape[1]
     comm = RingComm(group) if R > 1 else LocalComm()
-    dims = AttnDims(B, U * L, U * Lk, plan.q_per, plan.kv_per, q.shape[-1])
+    dims = AttnDims(B, U * L, U * Lk, plan.q_per, plan.kv_per, q.shape[-1], v.shape[-1])
     key_bias = key_bias_from_mask(mask_r, dims, q.device, api, state_dtype(q.dtype))
     out, lse = _exchange_and_ring(
         q, k, v, key_bias, spec, comm, plan, head_group, (L,) * U, (Lk,) * U, U * Lk, return_lse
@@ -323,6 +323,7 @@ def hybrid_varlen_attn(
         shapes = (
             q.new_empty(1, layout.max_local_len, *q.shape[1:]),
             k.new_empty(1, layout.max_local_len, *k.shape[1:]),
+            v.new_empty(1, layout.max_local_len, *v.shape[1:]),
         )
         return _signature(*shapes, spec, False, p), (spec, plan, p)
 

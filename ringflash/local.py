@@ -94,9 +94,9 @@ def _unit_stride(t: torch.Tensor) -> torch.Tensor:
 def block_forward(
     q, k, v, state, mask: BlockMask, *, scale, fold, normalize=False, key_bias=None, backend=None, dropout=None
 ):
-    """Attention of q (B, Sq, Hq, D) over k, v (B, Sk, Hkv, D), the pairs `mask` lets attend
+    """Attention of q (B, Sq, Hq, D) over k (B, Sk, Hkv, D), v (B, Sk, Hkv, Dv), the pairs `mask` lets attend
     (positions, window, document bounds: ringflash.masks.BlockMask), into `state`, a
-    SoftmaxState of the Sq rows (ringflash.merge). fold=True: state holds an incoming
+    SoftmaxState of the Sq rows, o (B, Sq, Hq, Dv) (ringflash.merge). fold=True: state holds an incoming
     unnormalized state for the same rows and receives the merged one; otherwise it is
     overwritten. normalize=True: state.o receives the normalized output (in its own dtype)
     instead of the unnormalized sum. key_bias: optional (B, Sk) float32 added to the scores of
@@ -122,7 +122,7 @@ def block_forward(
 
 
 def attention_delta(o, do, backend=None):
-    """rowsum(dO * O) in float32 (float64 for float64): (B, S, H, D) -> (B, H, S)."""
+    """rowsum(dO * O) in float32 (float64 for float64): (B, S, H, Dv) -> (B, H, S)."""
     return (backend or backend_for(o.device)).delta(_unit_stride(o), _unit_stride(do))
 
 
@@ -147,7 +147,8 @@ def block_backward(
 ):
     """Gradients of the block (`mask` and `dropout` as in block_forward) given the final row statistics m, l
     (SoftmaxState.m / .l) and delta, (B, Hq, Sq) each, of the query rows: added into
-    (accumulate=True) or written to dq (B, Sq, Hq, D), dk and dv (B, Sk, Hkv, D). dq=None skips
+    (accumulate=True) or written to dq (B, Sq, Hq, D), dk (B, Sk, Hkv, D) and dv (B, Sk, Hkv, Dv);
+    do is (B, Sq, Hq, Dv). dq=None skips
     the dQ pass, dk=dv=None the dK/dV pass. Returns whether anything was computed."""
     vis = mask.visibility(q.shape[1], k.shape[1])
     if vis is Visibility.NONE:
@@ -196,7 +197,7 @@ class _FlashAttn(torch.autograd.Function):
     @without_autocast
     def forward(ctx, q, k, v, key_bias, mask: BlockMask, scale, dropout=None):
         backend = backend_for(q.device)
-        state = SoftmaxState.empty(torch.empty_like(q, memory_format=torch.contiguous_format))
+        state = SoftmaxState.empty(q.new_empty(*q.shape[:3], v.shape[3]))  # out: (B, Sq, Hq, Dv)
         block_forward(q, k, v, state, mask, scale=scale, fold=False, normalize=True, key_bias=key_bias,
                       backend=backend, dropout=dropout)  # fmt: skip
         ctx.save_for_backward(q, k, v, state.o, state.m, state.l, key_bias)
@@ -221,9 +222,10 @@ def flash_attn_func(
 ):  # fmt: skip
     """Exact attention on one device.
 
-    q: (B, Sq, Hq, D); k, v: (B, Sk, Hkv, D) with Hq % Hkv == 0 (GQA / MQA without copies).
-    dtype float16, bfloat16 or float32 (float64 on the torch backend); any D from 1 to 256
-    (padded inside; the default scale is 1/sqrt(D) of the true D). Empty inputs (B, Sq or Hq
+    q: (B, Sq, Hq, D); k: (B, Sk, Hkv, D); v: (B, Sk, Hkv, Dv) with Hq % Hkv == 0 (GQA / MQA
+    without copies). dtype float16, bfloat16 or float32 (float64 on the torch backend); any D
+    and any Dv from 1 to 256, independently (v's head dim may differ, e.g. D = 192, Dv = 128;
+    padded inside; the default scale is 1/sqrt(D) of q/k's true D). Empty inputs (B, Sq or Hq
     0) give empty outputs; Sk = 0 gives out 0 and lse -inf. Masks align bottom-right when
     Sq != Sk, as flash-attn's: query i sits at key position i + Sk - Sq. causal: query i
     sees key j iff j <= i + Sk - Sq. window_size = (left, right): query i sees key j iff
@@ -231,7 +233,7 @@ def flash_attn_func(
     means right = 0; another right with causal=True is an error). A query that sees no key
     gets output 0 and lse -inf. key_padding_mask: optional (B, Sk), bool (True = padding: the
     key is ignored) or float (added to every query's scores of that key; not differentiated).
-    Returns out (B, Sq, Hq, D) in q's dtype, and with return_lse=True also lse (B, Hq, Sq),
+    Returns out (B, Sq, Hq, Dv) in q's dtype, and with return_lse=True also lse (B, Hq, Sq),
     float32 (float64 for float64 inputs), natural log. Differentiable in q, k, v (and
     through lse). Key blocks no query of a tile sees are skipped: a window costs in proportion
     to S x window, not S^2. dropout_p: attention dropout (apply it in training only, as
@@ -267,13 +269,13 @@ def flash_attn_varlen_func(
 ):  # fmt: skip
     """Exact attention over packed documents (the THD layout), on one device.
 
-    q: (total_q, Hq, D); k, v: (total_k, Hkv, D), Hq % Hkv == 0; dtypes and head dims as
+    q: (total_q, Hq, D); k: (total_k, Hkv, D); v: (total_k, Hkv, Dv), Hq % Hkv == 0; dtypes and head dims as
     flash_attn_func. cu_seqlens_q, cu_seqlens_k: int32 or int64 (n_docs + 1,) on q's device,
     starting at 0, non-decreasing, ending at total_q / total_k: document d is rows
     cu[d]:cu[d+1] (empty documents allowed). Each query attends only to the keys of its own
     document, with causal and window_size (as flash_attn_func's) applied per document, aligned
     bottom-right within it. max_seqlen_q / max_seqlen_k: hints, checked when given (never
-    trusted: the kernels do not use them). Returns out (total_q, Hq, D) in q's dtype and, with
+    trusted: the kernels do not use them). Returns out (total_q, Hq, Dv) in q's dtype and, with
     return_lse=True, lse (Hq, total_q), float32 (float64 for float64 inputs). Differentiable in
     q, k, v. Any head dim from 1 to 256; no documents or no rows give empty (or zero) outputs.
     Cost follows the visible pairs (about the sum of squared document lengths / 2 for

@@ -29,7 +29,7 @@ def state_dtype(dtype: torch.dtype) -> torch.dtype:
 class SoftmaxState(NamedTuple):
     """The softmax state of B x S query rows with H heads.
 
-    o: (B, S, H, D), the unnormalized sum_j exp2(s2_ij - m_i) v_j (state dtype), or the
+    o: (B, S, H, Dv) (Dv: v's head dim), the unnormalized sum_j exp2(s2_ij - m_i) v_j (state dtype), or the
     normalized output in any dtype. m, l: (B, H, S) views with equal strides, in the state
     dtype: m the row max of the scaled base-2 scores (-inf for a row that saw no key), l the
     sum of exp2(s2_ij - m_i) (0 for such a row).
@@ -41,7 +41,7 @@ class SoftmaxState(NamedTuple):
 
     @staticmethod
     def empty(o: torch.Tensor) -> SoftmaxState:
-        """A state for the rows of `o` (B, S, H, D) with m and l allocated as one (2, B, H, S)
+        """A state for the rows of `o` (B, S, H, Dv) with m and l allocated as one (2, B, H, S)
         buffer of the state dtype, contents undefined."""
         B, S, H, _ = o.shape
         stats = torch.empty(2, B, H, S, dtype=state_dtype(o.dtype), device=o.device)
@@ -49,7 +49,7 @@ class SoftmaxState(NamedTuple):
 
     @staticmethod
     def zeros(shape, dtype: torch.dtype, device) -> SoftmaxState:
-        """The state of rows that have seen no key yet: o = 0, m = -inf, l = 0."""
+        """The state of rows that have seen no key yet: o = 0 of `shape` (B, S, H, Dv), m = -inf, l = 0."""
         B, S, H, _ = shape
         stats = torch.empty(2, B, H, S, dtype=dtype, device=device)
         stats[0].fill_(float("-inf"))
@@ -85,7 +85,7 @@ def fold(o_a, m_a, l_a, o_b, m_b, l_b, exp=torch.exp2):
 def merge_attn_states(o_a, lse_a, o_b, lse_b):
     """Merge two attention states over disjoint key sets.
 
-    o_a, o_b: (B, S, H, D), normalized outputs of each key set (any float dtype).
+    o_a, o_b: (B, S, H, Dv), normalized outputs of each key set (any float dtype).
     lse_a, lse_b: (B, H, S), natural-log sum of exp(scores); -inf for a row that saw no key.
     Returns (o, lse) in float32, or float64 when an input is float64. Associative and
     commutative; a row empty on both sides gives o = 0 and lse = -inf, never NaN.

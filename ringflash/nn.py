@@ -205,7 +205,7 @@ class RingMultiheadAttention(nn.MultiheadAttention):
             o = o.to(q.dtype)
         weights = None
         if need_weights:
-            dims = AttnDims(B, L, k.shape[1], H, H, hd)
+            dims = AttnDims(B, L, k.shape[1], H, H, hd, hd)
             bias = key_bias_from_mask(key_padding_mask, dims, q.device, api, lse.dtype)
             weights = attention_weights(
                 q, k, lse, scale=scale, causal=is_causal, key_bias=bias, group=self.group, layout=self.layout
@@ -304,7 +304,7 @@ class RingMultiheadAttention(nn.MultiheadAttention):
         else:
             bias = torch.zeros(1, 1, L, S, dtype=acc, device=q.device)
         if key_padding_mask is not None:
-            dims = AttnDims(B, L, k.shape[1], H, H, hd)
+            dims = AttnDims(B, L, k.shape[1], H, H, hd, hd)
             key_bias = key_bias_from_mask(key_padding_mask, dims, q.device, api, acc)
             bias = bias + gather_sequence(key_bias, group=self.group, layout=self.layout)[:, None, None, :]
         if extra is not None:  # visible to every query, as torch pads both masks for them

@@ -78,11 +78,12 @@ def _dropout(dropout_p: float, seed) -> Dropout | None:
     return None if seed is None or dropout_p == 0.0 else Dropout(int(seed), dropout_p)
 
 
-def _forward_like(q):
-    """What a forward operator returns, as fakes: out like q, lse, m, l (B, Hq, Sq)."""
+def _forward_like(q, v):
+    """What a forward operator returns, as fakes: out (B, Sq, Hq, Dv) (q's with v's head dim),
+    lse, m, l (B, Hq, Sq)."""
     B, S, H, _ = q.shape
     stats = [q.new_empty((B, H, S), dtype=state_dtype(q.dtype)) for _ in range(3)]
-    return (torch.empty_like(q, memory_format=torch.contiguous_format), *stats)
+    return (q.new_empty((B, S, H, v.shape[-1])), *stats)
 
 
 def _grads_like(q, k, v):
@@ -111,11 +112,11 @@ def flash_fwd(
     max_q: int,
     max_k: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Attention of q (B, Sq, Hq, D) over k, v (B, Sk, Hkv, D), shapes already validated.
+    """Attention of q (B, Sq, Hq, D) over k (B, Sk, Hkv, D), v (B, Sk, Hkv, Dv), shapes already validated.
     Packed documents: B = 1 and cu_q / cu_k give the documents; their values and the
     max_q / max_k hints (-1: none) are checked here, where they are known even under
     torch.compile. dropout_p, seed (an int64 scalar tensor, or None: no dropout): attention
-    dropout (ringflash.dropout). Returns out (B, Sq, Hq, D), lse, m, l (B, Hq, Sq) in the state
+    dropout (ringflash.dropout). Returns out (B, Sq, Hq, Dv), lse, m, l (B, Hq, Sq) in the state
     dtype."""
     if cu_q is not None:
         api = "flash_attn_varlen_func"
@@ -131,7 +132,7 @@ def flash_fwd(
 
 @flash_fwd.register_fake
 def _(q, k, v, *args):
-    return _forward_like(q)
+    return _forward_like(q, v)
 
 
 @torch.library.custom_op(f"{NAMESPACE}::flash_bwd", mutates_args=())
@@ -282,7 +283,7 @@ def ring_fwd(
 
 @ring_fwd.register_fake
 def _(q, k, v, *args):
-    return (*_forward_like(q), torch.empty((), dtype=torch.int64))
+    return (*_forward_like(q, v), torch.empty((), dtype=torch.int64))
 
 
 @torch.library.custom_op(f"{NAMESPACE}::ring_bwd", mutates_args=())

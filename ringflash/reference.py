@@ -76,7 +76,7 @@ def _kept(dropout, B, Hkv, G, rows: range, cols: range, device):
 
 
 def forward(q, k, v, state, *, q_start, k_start, window, bounds, scale, fold, normalize, key_bias=None, dropout=None):
-    """Attention of q (B, Sq, Hq, D) over k, v (B, Sk, Hkv, D) at global positions q_start..,
+    """Attention of q (B, Sq, Hq, D) over k (B, Sk, Hkv, D), v (B, Sk, Hkv, Dv) at global positions q_start..,
     k_start.., each query seeing the keys `window` (ringflash.masks.Window; None: every key)
     or `bounds` (masks.RowBounds of the Sq query rows) lets it, into `state` (a SoftmaxState
     for the Sq rows; see ringflash.merge).
@@ -88,8 +88,8 @@ def forward(q, k, v, state, *, q_start, k_start, window, bounds, scale, fold, no
     ringflash.dropout.Dropout of the block: l sums every probability, the values are weighed by
     the kept ones times 1 / (1 - p).
     """
-    B, Sq, Hq, D = q.shape
-    Sk, Hkv = k.shape[1], k.shape[2]
+    B, Sq, Hq, _ = q.shape
+    Sk, Hkv, Dv = k.shape[1], k.shape[2], v.shape[3]
     acc = state_dtype(q.dtype)
     qk_scale = scale * LOG2E
     for i0 in range(0, Sq, Q_CHUNK):
@@ -100,7 +100,7 @@ def forward(q, k, v, state, *, q_start, k_start, window, bounds, scale, fold, no
             o = state.o[:, i0:i1].to(acc)
             m, l = state.m[:, :, i0:i1].to(acc), state.l[:, :, i0:i1].to(acc)
         else:
-            o, m, l = SoftmaxState.zeros((B, n, Hq, D), acc, q.device)
+            o, m, l = SoftmaxState.zeros((B, n, Hq, Dv), acc, q.device)
         for j0 in range(0, Sk, K_CHUNK):
             j1 = min(j0 + K_CHUNK, Sk)
             vis, mask = chunk_mask(q_start + i0, n, k_start + j0, j1 - j0, window or FULL, bounds, i0, q.device)
@@ -112,7 +112,7 @@ def forward(q, k, v, state, *, q_start, k_start, window, bounds, scale, fold, no
             p = torch.exp2(s - pivot[..., None])
             keep = _kept(dropout, B, Hkv, Hq // Hkv, range(i0, i1), range(j0, j1), q.device)
             p_v = p if keep is None else torch.where(keep, p * dropout.keep_scale, 0.0)
-            o_c = torch.einsum("bhgij,bjhd->bihgd", p_v, v[:, j0:j1].to(acc)).reshape(B, n, Hq, D)
+            o_c = torch.einsum("bhgij,bjhd->bihgd", p_v, v[:, j0:j1].to(acc)).reshape(B, n, Hq, Dv)
             o, m, l = fold_states(o, m, l, o_c, m_c.reshape(B, Hq, n), p.sum(-1).reshape(B, Hq, n))
         state.m[:, :, i0:i1] = m
         state.l[:, :, i0:i1] = l
@@ -120,7 +120,7 @@ def forward(q, k, v, state, *, q_start, k_start, window, bounds, scale, fold, no
 
 
 def delta(o, do):
-    """rowsum(dO * O): (B, S, H, D) x2 -> (B, H, S) in the state dtype."""
+    """rowsum(dO * O): (B, S, H, Dv) x2 -> (B, H, S) in the state dtype."""
     acc = state_dtype(o.dtype)
     return (do.to(acc) * o.to(acc)).sum(-1).transpose(1, 2).contiguous()
 
@@ -149,18 +149,19 @@ def backward(
     """Gradients of one block (positions, window, bounds and dropout as in forward) given the
     final row statistics m, l and delta (B, Hq, Sq).
 
-    dq (B, Sq, Hq, D), dk and dv (B, Sk, Hkv, D) are added to (accumulate=True) or overwritten;
+    dq (B, Sq, Hq, D), dk (B, Sk, Hkv, D) and dv (B, Sk, Hkv, Dv) (do: (B, Sq, Hq, Dv)) are added
+    to (accumulate=True) or overwritten;
     dq=None skips dQ, dk=dv=None skips dK/dV.
     """
     B, Sq, Hq, D = q.shape
-    Sk, Hkv = k.shape[1], k.shape[2]
+    Sk, Hkv, Dv = k.shape[1], k.shape[2], v.shape[3]
     G = Hq // Hkv
     acc = state_dtype(q.dtype)
     qk_scale = scale * LOG2E
     # accumulators only for the gradients asked for
     dq_acc = None if dq is None else torch.zeros(B, Sq, Hkv, G, D, dtype=acc, device=q.device)
     dk_acc = None if dk is None else torch.zeros(B, Sk, Hkv, D, dtype=acc, device=q.device)
-    dv_acc = None if dv is None else torch.zeros(B, Sk, Hkv, D, dtype=acc, device=q.device)
+    dv_acc = None if dv is None else torch.zeros(B, Sk, Hkv, Dv, dtype=acc, device=q.device)
     for i0 in range(0, Sq, Q_CHUNK):
         i1 = min(i0 + Q_CHUNK, Sq)
         n = i1 - i0

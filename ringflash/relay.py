@@ -43,9 +43,10 @@ chunked dK/dV kernels over a short sequence would leave most of the GPU idle (on
 S_local = 4K with 8 kv heads: 0.61 -> 0.44 ring efficiency with 4 chunks)."""
 
 
-def default_grad_chunks(k: torch.Tensor, acc: torch.dtype) -> int:
-    """The chunk count for K/V blocks like k (B, S, Hkv, D) with accumulators of dtype acc."""
-    accumulator_bytes = 2 * k.numel() * acc.itemsize
+def default_grad_chunks(k: torch.Tensor, acc: torch.dtype, v: torch.Tensor | None = None) -> int:
+    """The chunk count for K/V blocks k (B, S, Hkv, D), v (B, S, Hkv, Dv) (None: like k) with
+    accumulators of dtype acc."""
+    accumulator_bytes = (k.numel() + (k if v is None else v).numel()) * acc.itemsize
     return max(1, min(DEFAULT_GRAD_CHUNKS, accumulator_bytes // GRAD_CHUNK_MIN_BYTES))
 
 
@@ -71,29 +72,33 @@ def _side_stream(device: torch.device) -> torch.cuda.Stream:
 
 
 class GradRelay:
-    """dK/dV accumulators for K/V blocks like k (B, Sk, Hkv, D), in `acc` dtype, in `chunks`
-    kv-head chunks, passed around the ring of `comm` (RingComm, LocalComm or ReplayComm).
+    """dK/dV accumulators for K/V blocks like k (B, Sk, Hkv, D) and v (B, Sk, Hkv, Dv), in `acc`
+    dtype, in `chunks` kv-head chunks, passed around the ring of `comm` (RingComm, LocalComm or
+    ReplayComm).
 
     Per ring step: `for heads, dk, dv in relay.arriving(step)` gives each chunk's kv heads and
-    its (B, Sk, heads, D) dK, dV views, in arrival order, to add the step's contributions into;
+    its (B, Sk, heads, D) dK and (B, Sk, heads, Dv) dV views, in arrival order, to add the step's
+    contributions into;
     then relay.send(step). After the last step, relay.finish(dtype) returns this rank's dK, dV.
     steps: the ring steps that run (schedule.ring_steps; None: every one): the accumulators go
     with their block from one to the next, and from the last straight home (world - step places
     on); one step sends nothing.
     """
 
-    def __init__(self, comm, k, acc: torch.dtype, chunks: int, steps=None):
+    def __init__(self, comm, k, v, acc: torch.dtype, chunks: int, steps=None):
         B, S, H, D = k.shape
+        Dv = v.shape[3]
         self.comm = comm
         self.steps = tuple(range(comm.world)) if steps is None else tuple(steps)
         self.index = {step: i for i, step in enumerate(self.steps)}
         self.exchanges = comm.world > 1 and len(self.steps) > 1  # else every block's accumulators stay home
         self.heads = head_chunks(H, chunks if self.exchanges else 1)
-        self.shapes = [(B, S, h.stop - h.start, D) for h in self.heads]
-        numel = [math.prod(shape) for shape in self.shapes]
+        # (dK, dV) shapes of each chunk
+        self.shapes = [((B, S, h.stop - h.start, D), (B, S, h.stop - h.start, Dv)) for h in self.heads]
+        numel = [math.prod(sk) + math.prod(sv) for sk, sv in self.shapes]
         # one flat tensor of the accumulator dtype per slot holds the chunk's dK then its dV
-        self.slots = [torch.zeros(2 * n, dtype=acc, device=k.device) for n in numel]
-        self.spare = torch.empty(2 * max(numel), dtype=acc, device=k.device) if self.exchanges else None
+        self.slots = [torch.zeros(n, dtype=acc, device=k.device) for n in numel]
+        self.spare = torch.empty(max(numel), dtype=acc, device=k.device) if self.exchanges else None
         self.side = _side_stream(k.device) if self.exchanges and k.is_cuda else None
         self.chain = []  # chunks still to exchange in the current chain, in order
         self.in_flight = None  # (chunk, handles) of the running exchange
@@ -101,9 +106,9 @@ class GradRelay:
         self.chain_hop = 1
 
     def _views(self, slot, c):
-        shape = self.shapes[c]
-        n = math.prod(shape)
-        return slot[:n].view(shape), slot[n : 2 * n].view(shape)
+        shape_k, shape_v = self.shapes[c]
+        n, n_v = math.prod(shape_k), math.prod(shape_v)
+        return slot[:n].view(shape_k), slot[n : n + n_v].view(shape_v)
 
     def _chain_order(self, step: int) -> list[int]:
         up = list(range(len(self.heads)))  # alternating between the steps that run
@@ -166,8 +171,8 @@ class GradRelay:
         self._start_next()
 
     def finish(self, dtype):
-        """Complete the last chain; return dK, dV contiguous (B, Sk, Hkv, D) in `dtype`,
-        releasing each slot as soon as it is copied out."""
+        """Complete the last chain; return dK (B, Sk, Hkv, D), dV (B, Sk, Hkv, Dv) contiguous in
+        `dtype`, releasing each slot as soon as it is copied out."""
         while self.in_flight is not None:
             self._complete()
             if self.chain:
@@ -175,9 +180,9 @@ class GradRelay:
         if self.side is not None:
             torch.cuda.current_stream(self.side.device).wait_stream(self.side)
         self.spare = None
-        B, S, _, D = self.shapes[0]
+        (B, S, _, D), (_, _, _, Dv) = self.shapes[0]
         H = self.heads[-1].stop
-        dk, dv = (torch.empty(B, S, H, D, dtype=dtype, device=self.slots[0].device) for _ in range(2))
+        dk, dv = (torch.empty(B, S, H, d, dtype=dtype, device=self.slots[0].device) for d in (D, Dv))
         for c, h in enumerate(self.heads):
             gk, gv = self._views(self.slots[c], c)
             dk[:, :, h].copy_(gk)

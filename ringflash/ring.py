@@ -94,7 +94,7 @@ class _RingAttn(torch.autograd.Function):
         in the state dtype. Returns (out, lse)."""
         k, v = k.contiguous(), v.contiguous()  # they travel whole
         backend = backend_for(q.device)  # kept for the backward: the same arithmetic in both
-        state = SoftmaxState.zeros(q.shape, state_dtype(q.dtype), q.device)
+        state = SoftmaxState.zeros((*q.shape[:3], v.shape[3]), state_dtype(q.dtype), q.device)  # o: (.., Dv)
         steps = ring_steps(spec.layout, comm.world, q.shape[1], k.shape[1], spec.window)
         for step, k_blk, v_blk, bias_blk in _ring_kv(comm, k, v, key_bias, steps):
             for t, mask, drop in _tasks(spec, comm, step, q.shape[1], k.shape[1]):
@@ -123,11 +123,11 @@ class _RingAttn(torch.autograd.Function):
         q, k, v, out, m, l, key_bias = ctx.saved_tensors
         spec, comm, backend = ctx.spec, ctx.comm, ctx.backend
         acc = spec.grad_accum or state_dtype(q.dtype)
-        chunks = default_grad_chunks(k, acc) if spec.grad_chunks is None else spec.grad_chunks
+        chunks = default_grad_chunks(k, acc, v) if spec.grad_chunks is None else spec.grad_chunks
         do, delta = backward_inputs(out, do, dlse, backend)
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
         steps = ring_steps(spec.layout, comm.world, q.shape[1], k.shape[1], spec.window)
-        relay = GradRelay(comm, k, acc, chunks, steps)
+        relay = GradRelay(comm, k, v, acc, chunks, steps)
         G = q.shape[2] // k.shape[2]
         for step, k_blk, v_blk, bias_blk in _ring_kv(comm, k, v, key_bias, steps):
             tasks = list(_tasks(spec, comm, step, q.shape[1], k.shape[1]))
@@ -190,6 +190,7 @@ _FIELD_NAMES = (
     "q heads",
     "k/v heads",
     "head_dim",
+    "v head_dim",
     "dtype",
     "window left",
     "window right",
@@ -207,7 +208,7 @@ def _float_bits(x: float) -> int:
     return struct.unpack("<q", struct.pack("<d", x))[0]
 
 
-def _signature(q, k, spec: RingSpec, has_mask: bool, dropout_p: float = 0.0) -> dict:
+def _signature(q, k, v, spec: RingSpec, has_mask: bool, dropout_p: float = 0.0) -> dict:
     """What every rank of a ring must agree on, as integers."""
     B, Sq, Hq, D = q.shape
     values = (
@@ -217,6 +218,7 @@ def _signature(q, k, spec: RingSpec, has_mask: bool, dropout_p: float = 0.0) -> 
         Hq,
         k.shape[2],
         D,
+        v.shape[-1],
         SUPPORTED_DTYPES.index(q.dtype),
         -1 if spec.window.left is None else spec.window.left,
         -1 if spec.window.right is None else spec.window.right,
@@ -297,9 +299,10 @@ def ring_flash_attn_func(
 ):
     """Exact attention over a sequence sharded across the ranks of `group`.
 
-    q: (B, Sq_local, Hq, D), k, v: (B, Sk_local, Hkv, D): this rank's shards (see shard() and
-    local_positions(), with the same layout), Hq % Hkv == 0; float16, bfloat16 or float32
-    (float64 on CPU); any head dim D from 1 to 256 (padded inside, not on the wire). An empty
+    q: (B, Sq_local, Hq, D), k: (B, Sk_local, Hkv, D), v: (B, Sk_local, Hkv, Dv): this rank's
+    shards (see shard() and local_positions(), with the same layout), Hq % Hkv == 0; float16,
+    bfloat16 or float32 (float64 on CPU); any head dims D (q, k) and Dv (v) from 1 to 256,
+    independently (padded inside, not on the wire; the default scale is 1/sqrt(D)). An empty
     shard (B, Sq_local or Hq 0, on every rank) gives an empty output, Sk_local = 0 out 0.
     group: a process group (None: the default group). With world size 1, or no process group
     initialized, this is local attention. layout: "zigzag" (balanced causal
@@ -314,7 +317,7 @@ def ring_flash_attn_func(
     key_padding_mask: optional (B, Sk_local) for this rank's keys, bool (True = padding, the
     key is ignored) or float (added to the scores; not differentiated); it travels around the
     ring with its keys.
-    Returns this rank's shard of the output, (B, Sq_local, Hq, D) in q's dtype, exactly as
+    Returns this rank's shard of the output, (B, Sq_local, Hq, Dv) in q's dtype, exactly as
     attention over the whole sequence on one device would give it; with return_lse=True also
     lse (B, Hq, Sq_local), float32. Differentiable in q, k, v.
     grad_accum_dtype: the dtype the backward accumulates dQ and the travelling dK/dV in across
@@ -325,7 +328,7 @@ def ring_flash_attn_func(
     error grows like sqrt(P) (README: Memory). The forward is the same either way.
     grad_chunks: the number of kv-head chunks the dK/dV accumulators travel in (at most Hkv;
     None: 4, fewer for accumulators under 4 x 64 MiB); receiving costs one chunk of memory.
-    Every call checks with one small all_gather that all ranks passed the same shapes, dtype,
+    Every call checks with one small all_gather that all ranks passed the same shapes (head dims too), dtype,
     causal flag and window, layout, scale, mask presence, grad_accum_dtype and grad_chunks,
     and raises on every rank if not.
     head_group: a process group of U ranks sharing this rank's ring position (or pass a 2-D
@@ -381,7 +384,7 @@ def ring_flash_attn_func(
                     )
         else:  # one rank: every layout is the identity
             spec = dataclasses.replace(spec, layout="contiguous")
-        return _signature(q, k, spec, key_bias is not None, p), (spec, key_bias, p)
+        return _signature(q, k, v, spec, key_bias is not None, p), (spec, key_bias, p)
 
     if torch.compiler.is_compiling():
         # traced: this rank's checks run now; the agreement all_gather runs inside the ring
@@ -462,13 +465,13 @@ def ring_flash_attn_varlen_func(
 ):
     """Exact attention over packed documents sharded across the ranks of `group`.
 
-    q: (n_local, Hq, D), k, v: (n_local, Hkv, D): this rank's tokens of the packed row, in the
+    q: (n_local, Hq, D), k: (n_local, Hkv, D), v: (n_local, Hkv, Dv): this rank's tokens of the packed row, in the
     order of `layout` (a ringflash.balanced_layout(cu_seqlens, world, ...) built from the same
     global cu_seqlens on every rank; shard(x, layout=layout, dim=0) makes them), Hq % Hkv == 0.
     cu_seqlens: the global document boundaries (as balanced_layout's). Each query attends to
     the keys of its own document only, with causal and window_size (flash-attn semantics)
     applied within it: self-attention, the same documents for queries and keys. Returns this
-    rank's output (n_local, Hq, D) in q's dtype and, with return_lse, lse (Hq, n_local).
+    rank's output (n_local, Hq, Dv) in q's dtype and, with return_lse, lse (Hq, n_local).
     Differentiable in q, k, v. A document the layout keeps whole on one rank is computed
     there; when no document spans two ranks no K/V travels at all. grad_accum_dtype,
     grad_chunks: as ring_flash_attn_func's. dropout_p, generator: as flash_attn_varlen_func's
@@ -503,6 +506,7 @@ def ring_flash_attn_varlen_func(
         shapes = (
             q.new_empty(1, layout.max_local_len, *q.shape[1:]),
             k.new_empty(1, layout.max_local_len, *k.shape[1:]),
+            v.new_empty(1, layout.max_local_len, *v.shape[1:]),
         )
         return _signature(*shapes, spec, False, p), (spec, p)
 

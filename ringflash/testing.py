@@ -81,7 +81,7 @@ def replay_ring(
     """Run the ring's schedule for `world` ranks inside one process on full tensors, without
     a process group: each rank in `ranks` (default all) is replayed in turn with ReplayComm.
 
-    q, k, v, do: full (B, S, H, D) tensors. Returns out, dq, dk, dv as full tensors
+    q, k, v, do: full (B, S, H, D) tensors (v and do: v's head dim Dv). Returns out, dq, dk, dv as full tensors
     (positions of ranks not replayed are zero; dk/dv then hold only the replayed ranks'
     contributions). window_size, grad_accum_dtype, grad_chunks: as in ring_flash_attn_func
     (the summing of dK/dV over the replayed ranks is float32).
@@ -94,7 +94,8 @@ def replay_ring(
     bias_shards = [None] * world if key_bias is None else _split(key_bias, world, layout)
     blocks = [(ks, vs) if bs is None else (ks, vs, bs) for ks, vs, bs in zip(k_shards, v_shards, bias_shards)]
     q_shards, do_shards = _split(q, world, layout), _split(do, world, layout)
-    outs, dqs = [torch.zeros_like(t) for t in q_shards], [torch.zeros_like(t) for t in q_shards]
+    outs = [t.new_zeros(*t.shape[:-1], v.shape[-1]) for t in q_shards]  # (.., Dv)
+    dqs = [torch.zeros_like(t) for t in q_shards]
     dks = [torch.zeros_like(t, dtype=state_dtype(k.dtype)) for t in k_shards]
     dvs = [torch.zeros_like(t, dtype=state_dtype(v.dtype)) for t in v_shards]
     for rank in range(world) if ranks is None else ranks:
@@ -144,11 +145,11 @@ def naive_attention(
 ):  # fmt: skip
     """Attention computed the obvious way, in `dtype` (default float64), differentiable.
 
-    q (B, Sq, Hq, D), k/v (B, Sk, Hkv, D). causal and window_size as flash-attn's, by global
+    q (B, Sq, Hq, D), k (B, Sk, Hkv, D), v (B, Sk, Hkv, Dv). causal and window_size as flash-attn's, by global
     positions q_pos / k_pos (default: bottom-right alignment). key_padding_mask (B, Sk): bool
     (True = ignored) or float (added to the scores). drop: optional (B, Hq, Sq, Sk) factors of
     the weights (dropout: keep / (1 - p)); lse is that of the weights before them. Returns out
-    (B, Sq, Hq, D) and lse (B, Hq, Sq); a row with no visible key gives 0 and -inf.
+    (B, Sq, Hq, Dv) and lse (B, Hq, Sq); a row with no visible key gives 0 and -inf.
     """
     dtype = dtype or torch.float64
     q, k, v = (t.to(dtype) for t in (q, k, v))
@@ -217,10 +218,13 @@ def plain_errors(q, k, v, do, ref, *, orders=1, seed=0, **kw):
     scores which one a kernel's rounding resembles is luck.
     """
     g = torch.Generator().manual_seed(seed)
-    D = q.shape[-1]
+    D, Dv = q.shape[-1], v.shape[-1]
     errs = dict.fromkeys(("out", "lse", "dq", "dk", "dv"), 0.0)
     for i in range(orders):
-        pk, pv = (torch.arange(D), torch.arange(D)) if i == 0 else (torch.randperm(D, generator=g) for _ in range(2))
+        if i == 0:
+            pk, pv = torch.arange(D), torch.arange(Dv)
+        else:
+            pk, pv = torch.randperm(D, generator=g), torch.randperm(Dv, generator=g)
         uk, uv = torch.argsort(pk), torch.argsort(pv)
         qp, kp, vp = (
             q.detach()[..., pk].requires_grad_(),
@@ -247,7 +251,8 @@ def flash_plain(
     softmax (which cancels against sum(P dP) computed from the same P), dS then inherits the
     rounding of out through delta: that part of dq and dk's error is the algorithm's own.
 
-    q (B, Sq, Hq, D), k/v (B, Sk, Hkv, D), do like q. causal and window_size as flash-attn's,
+    q (B, Sq, Hq, D), k (B, Sk, Hkv, D), v (B, Sk, Hkv, Dv), do (B, Sq, Hq, Dv). causal and
+    window_size as flash-attn's,
     aligned bottom-right; drop as naive_attention's (dropout: the values are weighed by P drop,
     dS = P (dP drop - delta)). Returns out, lse, dq, dk, dv (lse natural log; rows that see no
     key: 0 and -inf).
@@ -286,7 +291,7 @@ def flash_plain(
     ds = p * (dp - delta)
     dq = torch.einsum("bhij,bjhd->bihd", ds, kr) * scale
     dk = torch.einsum("bhij,bihd->bjhd", ds, q).reshape(B, Sk, Hkv, G, D).sum(3) * scale
-    dv = torch.einsum("bhij,bihd->bjhd", p_v, do).reshape(B, Sk, Hkv, G, D).sum(3)
+    dv = torch.einsum("bhij,bihd->bjhd", p_v, do).reshape(B, Sk, Hkv, G, -1).sum(3)
     return out, lse, dq, dk, dv
 
 
@@ -304,15 +309,15 @@ def documents(cu_seqlens):
 
 def varlen_reference(q, k, v, do, cu_q, cu_k, **kw):
     """reference() of packed documents, one document at a time (an oracle that shares nothing
-    with the kernels' masks): q (total_q, Hq, D), k/v (total_k, Hkv, D), do like q. Returns
-    out (total_q, Hq, D), lse (Hq, total_q), dq, dk, dv, float64."""
+    with the kernels' masks): q (total_q, Hq, D), k (total_k, Hkv, D), v (total_k, Hkv, Dv), do
+    (total_q, Hq, Dv). Returns out (total_q, Hq, Dv), lse (Hq, total_q), dq, dk, dv, float64."""
     parts = []
     for (qa, qb), (ka, kb) in zip(documents(cu_q), documents(cu_k)):
         if qb > qa and kb > ka:
             r = reference(q[None, qa:qb], k[None, ka:kb], v[None, ka:kb], do[None, qa:qb], **kw)
             parts.append(((qa, qb), (ka, kb), r))
     f64 = dict(dtype=torch.float64, device=q.device)
-    out = torch.zeros(q.shape, **f64)
+    out = torch.zeros(*q.shape[:-1], v.shape[-1], **f64)
     lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), **f64)
     dq, dk, dv = torch.zeros(q.shape, **f64), torch.zeros(k.shape, **f64), torch.zeros(v.shape, **f64)
     for (qa, qb), (ka, kb), (o, ls, gq, gk, gv) in parts:

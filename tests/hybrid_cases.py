@@ -32,11 +32,12 @@ def grid(R, U):
 
 
 def hybrid_vs_oracle(
-    rank, world, R, U, layout, causal, B, chunk, Hq, Hkv, mask, seed, return_lse=True, window_size=(-1, -1)
+    rank, world, R, U, layout, causal, B, chunk, Hq, Hkv, mask, seed, return_lse=True, window_size=(-1, -1), Dv=None
 ):
+    """Dv: v's head dim (default q and k's, 16)."""
     group, head_group = grid(R, U)
     S, D = 2 * R * U * chunk, 16
-    q, k, v, do = full_inputs(B, S, S, Hq, Hkv, D, torch.float32, seed)
+    q, k, v, do = full_inputs(B, S, S, Hq, Hkv, D, torch.float32, seed, Dv)
     kpm = padding_mask(mask, B, S, seed)
     ref = reference(q, k, v, do, causal=causal, window_size=window_size, key_padding_mask=kpm)
     plain = plain_errors(q, k, v, do, ref, causal=causal, window_size=window_size, key_padding_mask=kpm)
@@ -57,7 +58,7 @@ def hybrid_vs_oracle(
         return_lse=return_lse,
     )
     out, lse = res if return_lse else (res, None)
-    assert out.shape == ql.shape and out.dtype == q.dtype
+    assert out.shape == (*ql.shape[:-1], v.shape[-1]) and out.dtype == q.dtype
     grads = torch.autograd.grad(out, (ql, kl, vl), sh(do))
     tag = f"R{R}xU{U} {layout} causal={causal} window_size={window_size} {Hq}/{Hkv} mask={mask}"
     assert_within(f"out {tag}", out, sh(ref[0]), plain["out"])
@@ -65,7 +66,7 @@ def hybrid_vs_oracle(
         assert lse.shape == (B, Hq, S // (R * U)) and lse.dtype == torch.float32
         assert_within(f"lse {tag}", lse, sh(ref[1], dim=2), plain["lse"], sum_len=S)
     for name, g, r in zip(("dq", "dk", "dv"), grads, ref[2:]):
-        assert g.shape == (ql if name == "dq" else kl).shape
+        assert g.shape == {"dq": ql, "dk": kl, "dv": vl}[name].shape
         assert_within(f"{name} {tag}", g, sh(r), plain[name])
     # reassembled on every rank (unshard is differentiable: one loss, single-device gradients)
     assert_within(

@@ -14,19 +14,21 @@ TORCH = {"RINGFLASH_BACKEND": "torch"}
 TRITON = {"RINGFLASH_BACKEND": "triton", "TRITON_INTERPRET": "1"}
 
 
-def full_inputs(B, S, Sk, Hq, Hkv, D, dtype, seed):
-    """q, k, v, do: the full (unsharded) tensors, the same on every rank."""
+def full_inputs(B, S, Sk, Hq, Hkv, D, dtype, seed, Dv=None):
+    """q, k, v, do: the full (unsharded) tensors, the same on every rank; v and do have head dim
+    Dv (default D)."""
     g = torch.Generator().manual_seed(seed)
     q = torch.randn(B, S, Hq, D, generator=g).to(dtype)
     k = torch.randn(B, Sk, Hkv, D, generator=g).to(dtype)
-    v = torch.randn(B, Sk, Hkv, D, generator=g).to(dtype)
-    do = torch.randn(B, S, Hq, D, generator=g).to(dtype)
+    v = torch.randn(B, Sk, Hkv, Dv or D, generator=g).to(dtype)
+    do = torch.randn(B, S, Hq, Dv or D, generator=g).to(dtype)
     return q, k, v, do
 
 
-def packed_case(lengths, causal, window_size, Hq, Hkv, dtype, seed, D=16):
+def packed_case(lengths, causal, window_size, Hq, Hkv, dtype, seed, D=16, Dv=None):
     """Packed documents of `lengths` tokens: (cu_seqlens list, cu tensor, q, k, v, do (total, H,
-    D), the float64 reference run one document at a time, the plain same-dtype errors)."""
+    D; v and do: Dv, default D), the float64 reference run one document at a time, the plain
+    same-dtype errors)."""
     from ringflash.testing import varlen_plain_errors, varlen_reference
 
     cu = [0]
@@ -35,8 +37,9 @@ def packed_case(lengths, causal, window_size, Hq, Hkv, dtype, seed, D=16):
     g = torch.Generator().manual_seed(seed)
     T = cu[-1]
     q = torch.randn(T, Hq, D, generator=g).to(dtype)
-    k, v = (torch.randn(T, Hkv, D, generator=g).to(dtype) for _ in range(2))
-    do = torch.randn(T, Hq, D, generator=g).to(dtype)
+    k = torch.randn(T, Hkv, D, generator=g).to(dtype)
+    v = torch.randn(T, Hkv, Dv or D, generator=g).to(dtype)
+    do = torch.randn(T, Hq, Dv or D, generator=g).to(dtype)
     cu_t = torch.tensor(cu)
     kw = dict(causal=causal, window_size=window_size)
     ref = varlen_reference(q, k, v, do, cu_t, cu_t, **kw)

@@ -33,7 +33,7 @@ def _t(*shape, dtype=torch.float32):
         ),
         ((_t(2, 8, 4, 32), _t(2, 8, 4, 64), _t(2, 8, 4, 64)), ValueError, r"head_dim differs"),
         ((_t(2, 8, 4, 32), _t(2, 8, 3, 32), _t(2, 8, 3, 32)), ValueError, r"multiple of k/v heads \(3\)"),
-        ((_t(2, 8, 4, 32), _t(2, 8, 4, 32), _t(2, 9, 4, 32)), ValueError, r"k and v must have the same shape"),
+        ((_t(2, 8, 4, 32), _t(2, 8, 4, 32), _t(2, 9, 4, 32)), ValueError, r"v must match k in batch, seqlen and heads"),
         ((_t(2, 8, 4, 0), _t(2, 8, 4, 0), _t(2, 8, 4, 0)), ValueError, r"head_dim 0 unsupported"),
         ((_t(2, 8, 4, 264), _t(2, 8, 4, 264), _t(2, 8, 4, 264)), ValueError, r"head_dim 264 unsupported"),
         ((_t(2, 8, 4, 32), _t(2, 8, 4, 32, dtype=torch.float16), _t(2, 8, 4, 32)), TypeError, r"share a dtype"),
@@ -162,9 +162,12 @@ def _mismatch(rank, world):
         ),
         grad_chunks=(q[:, :4], k[:, :4], v[:, :4], {"grad_chunks": 1 + rank}),
         window=(q[:, :4], k[:, :4], v[:, :4], {"window_size": (2, 1 + rank)}),
+        v_head_dim=(q[:, :4], k[:, :4], v[:, :4, :, : 16 - 8 * rank], {}),
     )
-    for a, b, c, kw in bad.values():
-        with pytest.raises(ValueError, match="disagree"):
+    for name, (a, b, c, kw) in bad.items():
+        with pytest.raises(
+            ValueError, match=r"disagree \(v head_dim: rank 0=16, rank 1=8" if name == "v_head_dim" else "disagree"
+        ):
             ring_flash_attn_func(a, b, c, **kw)
     # one rank's own input is invalid: it raises its error, the other quotes it
     pattern = "head_dim 264" if rank == 1 else r"rank\(s\) \[1\] .*rejected their inputs \(rank 1: .*head_dim 264"

@@ -23,11 +23,11 @@ CASES = [  # (B, Sq, Sk, Hq, Hkv, D)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "x".join(map(str, c)))
-def test_forward_backward_vs_float64(dtype, causal, case, window_size=(-1, -1)):
+def test_forward_backward_vs_float64(dtype, causal, case, window_size=(-1, -1), Dv=None):
     B, Sq, Sk, Hq, Hkv, D = case
     g = torch.Generator(device="cuda").manual_seed(Sq + D)
-    mk = lambda S, H: torch.randn(B, S, H, D, device="cuda", generator=g, dtype=dtype).requires_grad_()
-    q, k, v = mk(Sq, Hq), mk(Sk, Hkv), mk(Sk, Hkv)
+    mk = lambda S, H, d=D: torch.randn(B, S, H, d, device="cuda", generator=g, dtype=dtype).requires_grad_()
+    q, k, v = mk(Sq, Hq), mk(Sk, Hkv), mk(Sk, Hkv, Dv or D)
     out, lse = flash_attn_func(q, k, v, causal=causal, window_size=window_size, return_lse=True)
     do = torch.randn_like(out)
     grads = torch.autograd.grad(out, (q, k, v), do)
@@ -83,6 +83,21 @@ def test_deterministic_on_gpu():
 @pytest.mark.parametrize("causal", [False, True])
 def test_other_head_dims(D, causal):
     test_forward_backward_vs_float64(torch.bfloat16, causal, (1, 2049, 2049, 4, 2, D))
+
+
+@pytest.mark.parametrize("D,Dv", [(192, 128), (128, 64), (64, 128)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_v_head_dim_differs(D, Dv, causal, monkeypatch):
+    """v's head dim apart from q/k's (MLA: 192 and 128), bf16 against float64, out and
+    gradients within 2x plain bf16 attention. (128, 64) and (64, 128): tensor descriptors with
+    BLOCK_DV != BLOCK_D; the Gluon forward (equal dims only) is not used."""
+    from ringflash.kernels import gluon_forward
+
+    calls = []
+    real = gluon_forward.forward
+    monkeypatch.setattr(gluon_forward, "forward", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    test_forward_backward_vs_float64(torch.bfloat16, causal, (1, 2049, 2049, 4, 2, D), Dv=Dv)
+    assert not calls
 
 
 @pytest.mark.parametrize("variant", ["pointers", "tma", "tma+ws"])

@@ -29,7 +29,7 @@ def _check(q, k, v, causal, scale=None, check_grad=True, key_padding_mask=None, 
         q, k, v, causal=causal, softmax_scale=scale, return_lse=True, key_padding_mask=key_padding_mask,
         window_size=window_size,
     )  # fmt: skip
-    assert out.dtype == q.dtype and out.shape == q.shape
+    assert out.dtype == q.dtype and out.shape == (*q.shape[:-1], v.shape[-1])  # v's head dim
     assert lse.dtype == (torch.float64 if q.dtype == torch.float64 else torch.float32)
     assert lse.shape == (q.shape[0], q.shape[2], q.shape[1])
     do = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed + 1)).to(q.dtype)

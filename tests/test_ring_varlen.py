@@ -186,8 +186,9 @@ def test_balanced_layout_rejects_bad_input():
         balanced_layout([0, 4], 2, window_size=(1,))
 
 
-def _ring_varlen_vs_oracle(rank, world, lengths, causal, window_size, Hq, Hkv, dtype, seed):
-    cu, cu_t, q, k, v, do, ref, plain = packed_case(lengths, causal, window_size, Hq, Hkv, dtype, seed)
+def _ring_varlen_vs_oracle(rank, world, lengths, causal, window_size, Hq, Hkv, dtype, seed, Dv=None):
+    """Dv: v's head dim (default q and k's, 16)."""
+    cu, cu_t, q, k, v, do, ref, plain = packed_case(lengths, causal, window_size, Hq, Hkv, dtype, seed, Dv=Dv)
     L = balanced_layout(cu, world, causal=causal, window_size=window_size)
     T, kw = cu[-1], dict(causal=causal, window_size=window_size)
 
@@ -203,7 +204,7 @@ def _ring_varlen_vs_oracle(rank, world, lengths, causal, window_size, Hq, Hkv, d
 
     with mock.patch.object(RingComm, "start", counted):
         out, lse = ring_flash_attn_varlen_func(ql, kl, vl, cu_t, layout=L, return_lse=True, **kw)
-        assert out.shape == ql.shape and lse.shape == (Hq, ql.shape[0])
+        assert out.shape == (*ql.shape[:-1], v.shape[-1]) and lse.shape == (Hq, ql.shape[0])
         grads = torch.autograd.grad(out, (ql, kl, vl), sh(do))
     # K/V: hops - 1 exchanges in the forward and again in the backward; dK/dV: one chain per step
     assert kinds.count("kv") == 2 * (L.hops - 1)

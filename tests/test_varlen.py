@@ -27,20 +27,24 @@ def _cu(lengths, device="cpu"):
     return torch.tensor(cu, dtype=torch.int32, device=device)
 
 
-def _packed(len_q, len_k, Hq, Hkv, D, dtype, seed, device="cpu"):
+def _packed(len_q, len_k, Hq, Hkv, D, dtype, seed, device="cpu", Dv=None):
+    """q, k, v, do of packed documents; v and do have head dim Dv (default D)."""
     g = torch.Generator().manual_seed(seed)
     tq, tk = sum(len_q), sum(len_k)
-    mk = lambda n, H: torch.randn(n, H, D, generator=g).to(device, dtype)
+    mk = lambda n, H, d=D: torch.randn(n, H, d, generator=g).to(device, dtype)
     q = mk(tq, Hq).requires_grad_()
-    k, v = (mk(tk, Hkv).requires_grad_() for _ in range(2))
-    return q, k, v, mk(tq, Hq)
+    k = mk(tk, Hkv).requires_grad_()
+    v = mk(tk, Hkv, Dv or D).requires_grad_()
+    return q, k, v, mk(tq, Hq, Dv or D)
 
 
-def _check_varlen(len_q, len_k, causal, window_size, Hq=4, Hkv=2, D=32, dtype=torch.float32, seed=0, device="cpu"):
-    q, k, v, do = _packed(len_q, len_k, Hq, Hkv, D, dtype, seed, device)
+def _check_varlen(
+    len_q, len_k, causal, window_size, Hq=4, Hkv=2, D=32, dtype=torch.float32, seed=0, device="cpu", Dv=None
+):
+    q, k, v, do = _packed(len_q, len_k, Hq, Hkv, D, dtype, seed, device, Dv)
     cu_q, cu_k = _cu(len_q, device), _cu(len_k, device)
     out, lse = flash_attn_varlen_func(q, k, v, cu_q, cu_k, causal=causal, window_size=window_size, return_lse=True)
-    assert out.shape == q.shape and out.dtype == dtype and lse.shape == (Hq, q.shape[0])
+    assert out.shape == (*q.shape[:-1], v.shape[-1]) and out.dtype == dtype and lse.shape == (Hq, q.shape[0])
     grads = torch.autograd.grad(out, (q, k, v), do)
     kw = dict(causal=causal, window_size=window_size)
     ref = varlen_reference(q, k, v, do, cu_q, cu_k, **kw)

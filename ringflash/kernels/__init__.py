@@ -20,7 +20,17 @@ from .tiles import MASK_NONE, MASK_ROWS, MASK_WINDOW, UNBOUNDED
 
 
 def _block_d(head_dim: int) -> int:
+    """A head dim padded for the kernels: a power of two of at least 16 (zero columns)."""
     return max(16, triton.next_power_of_2(head_dim))
+
+
+def _config_d(block_d: int, block_dv: int) -> int:
+    """The padded head dim the block-shape tables are looked up by: the larger of q/k's and v's.
+    A config tuned (and checked to fit) for equal dims of that size is then an upper bound on
+    every tile, shared-memory stage and accumulator of the launch; a config for the smaller dim
+    could overflow (D = 32 with Dv = 256: a 128 x 256 float32 accumulator in 4 warps). Equal dims
+    look up exactly the entry they always did."""
+    return max(block_d, block_dv)
 
 
 def _precision(dtype: torch.dtype) -> str:
@@ -47,14 +57,16 @@ def _tma_ok(t: torch.Tensor) -> bool:
     return t.data_ptr() % 16 == 0 and all((st * size) % 16 == 0 for st in t.stride()[:-1])
 
 
-def _maybe_descriptors(cfg, tensors, rows, block_d):
-    """(True, descriptors with blocks [1, rows, 1, block_d]) when the config asks for TMA and
-    every tensor allows it, else (False, the tensors)."""
+def _maybe_descriptors(cfg, tensors, rows, block_ds):
+    """(True, descriptors with blocks [1, rows, 1, block_d], block_d the tensor's entry of
+    block_ds: its padded head dim) when the config asks for TMA and every tensor allows it,
+    else (False, the tensors)."""
     if not (cfg.tma and all(_tma_ok(t) for t in tensors)):
         return False, tensors
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    return True, tuple(TensorDescriptor(t, list(t.shape), list(t.stride()), [1, rows, 1, block_d]) for t in tensors)
+    return True, tuple(TensorDescriptor(t, list(t.shape), list(t.stride()), [1, rows, 1, block_d])
+                       for t, block_d in zip(tensors, block_ds, strict=True))
 
 
 def _bias_args(key_bias, q):
@@ -101,24 +113,25 @@ def forward(q, k, v, state, *, q_start, k_start, window, bounds, scale, fold, no
     """See ringflash.reference.forward."""
     _check_dtype(q)
     B, Sq, Hq, D = q.shape
-    Sk, Hkv = k.shape[1], k.shape[2]
-    block_d = _block_d(D)
+    Sk, Hkv, Dv = k.shape[1], k.shape[2], v.shape[3]
+    block_d, block_dv = _block_d(D), _block_d(Dv)
     drop_args, has_dropout = _dropout_args(dropout)
     gluon_ok = key_bias is None and bounds is None and not has_dropout
     if gluon_ok and _gluon_forward(q, k, v, state, q_start, k_start, window, scale, fold, normalize, block_d):
         return
-    cfg = configs.forward_config(block_d, documents=bounds is not None, float32=q.dtype == torch.float32)
+    cfg = configs.forward_config(_config_d(block_d, block_dv), documents=bounds is not None,
+                                 float32=q.dtype == torch.float32)
     grid = (triton.cdiv(Sq, cfg.block_m), B * Hq)
     bias, stride_bias_b, has_bias = _bias_args(key_bias, q)
     mask, left, right, left_k, _, (k_lo, k_hi), _ = _mask_args(window, bounds, q)
-    use_tma, (k_arg, v_arg) = _maybe_descriptors(cfg, (k, v), cfg.block_n, block_d)
+    use_tma, (k_arg, v_arg) = _maybe_descriptors(cfg, (k, v), cfg.block_n, (block_d, block_dv))
     with _on_device(q):
         _fwd_kernel[grid](
             q, k_arg, v_arg, state.o, state.m, state.l, bias, k_lo, k_hi,
             *_bsh(q), *_bsh(k), *_bsh(v), *_bsh(state.o), *_stat_strides(state.m, state.l), stride_bias_b,
             Hq, Sq, Sk, q_start, k_start, left, right, scale * LOG2E, *drop_args,
-            GROUP=Hq // Hkv, HEAD_DIM=D, BLOCK_D=block_d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-            MASK=mask, LEFT=left_k, HAS_STATE=fold, NORMALIZE=normalize, HAS_BIAS=has_bias,
+            GROUP=Hq // Hkv, HEAD_DIM=D, BLOCK_D=block_d, HEAD_DIM_V=Dv, BLOCK_DV=block_dv, BLOCK_M=cfg.block_m,
+            BLOCK_N=cfg.block_n, MASK=mask, LEFT=left_k, HAS_STATE=fold, NORMALIZE=normalize, HAS_BIAS=has_bias,
             PRECISION=_precision(q.dtype), TMA=use_tma, WARP_SPECIALIZE=cfg.warp_specialize,
             SCALE_SIGN=_scale_sign(scale), DROPOUT=has_dropout, num_warps=cfg.num_warps,
             num_stages=cfg.num_stages,
@@ -127,10 +140,13 @@ def forward(q, k, v, state, *, q_start, k_start, window, bounds, scale, fold, no
 
 def _gluon_forward(q, k, v, state, q_start, k_start, window, scale, fold, normalize, block_d) -> bool:
     """Run the block on the Gluon forward where it is faster and takes these inputs (Hopper,
-    16-bit, a dense or causal block: configs.GLUON_FWD); False: the caller runs the Triton one."""
+    16-bit, a dense or causal block, v's head dim equal to q/k's: configs.GLUON_FWD); False: the
+    caller runs the Triton one."""
     variant = configs.gluon_forward_variant(block_d)
     causal = window == CAUSAL
-    if variant is None or q.shape[-1] != block_d or not q.is_cuda or not (causal or window is None or window.is_full):
+    if variant is None or q.shape[-1] != block_d or v.shape[-1] != q.shape[-1] or not q.is_cuda:
+        return False
+    if not (causal or window is None or window.is_full):
         return False
     from . import gluon_forward
 
@@ -145,7 +161,7 @@ def _gluon_forward(q, k, v, state, q_start, k_start, window, scale, fold, normal
 
 
 def delta(o, do):
-    """rowsum(dO * O): (B, S, H, D) x2 -> (B, H, S) float32."""
+    """rowsum(dO * O): (B, S, H, Dv) x2 -> (B, H, S) float32."""
     B, S, H, D = o.shape
     out = torch.empty(B, H, S, dtype=torch.float32, device=o.device)
     block_m = 32 if configs.INTERPRETING else 128
@@ -170,23 +186,24 @@ def backward(q, k, v, m, l, do, delta, dq, dk, dv, *, q_start, k_start, window, 
     """See ringflash.reference.backward. m, l and delta: (B, Hq, Sq) views with equal strides."""
     _check_dtype(q)
     B, Sq, Hq, D = q.shape
-    Sk, Hkv = k.shape[1], k.shape[2]
-    block_d = _block_d(D)
+    Sk, Hkv, Dv = k.shape[1], k.shape[2], v.shape[3]
+    block_d, block_dv = _block_d(D), _block_d(Dv)
+    config_d = _config_d(block_d, block_dv)
     bias, stride_bias_b, has_bias = _bias_args(key_bias, q)
     mask, left, right, left_k, left_q, (k_lo, k_hi), (q_lo, q_hi) = _mask_args(window, bounds, q)
     drop_args, has_dropout = _dropout_args(dropout)
-    common = dict(GROUP=Hq // Hkv, HEAD_DIM=D, BLOCK_D=block_d, MASK=mask, ACCUMULATE=accumulate,
-                  HAS_BIAS=has_bias, PRECISION=_precision(q.dtype), SCALE_SIGN=_scale_sign(scale),
-                  DROPOUT=has_dropout)
+    common = dict(GROUP=Hq // Hkv, HEAD_DIM=D, BLOCK_D=block_d, HEAD_DIM_V=Dv, BLOCK_DV=block_dv, MASK=mask,
+                  ACCUMULATE=accumulate, HAS_BIAS=has_bias, PRECISION=_precision(q.dtype),
+                  SCALE_SIGN=_scale_sign(scale), DROPOUT=has_dropout)
     positions = (Sq, Sk, q_start, k_start, left, right, scale * LOG2E, scale, *drop_args)
     stat_strides = _stat_strides(m, l, delta)
     with _on_device(q):
         if dk is not None:
-            cfg = configs.dkdv_config(block_d, float32=q.dtype == torch.float32)
+            cfg = configs.dkdv_config(config_d, float32=q.dtype == torch.float32)
             combined = cfg.combined_stats and q.dtype != torch.float32
             m_arg, l_arg = (combined_stats(m, l),) * 2 if combined else (m, l)
             assert _stat_strides(m_arg) == stat_strides
-            tma, (q_arg, do_arg) = _maybe_descriptors(cfg, (q, do), cfg.block_m, block_d)
+            tma, (q_arg, do_arg) = _maybe_descriptors(cfg, (q, do), cfg.block_m, (block_d, block_dv))
             _dkdv_kernel[(triton.cdiv(Sk, cfg.block_n), B * Hkv)](
                 q_arg, k, v, do_arg, m_arg, l_arg, delta, dk, dv, bias, q_lo, q_hi,
                 *_bsh(q), *_bsh(k), *_bsh(v), *_bsh(do), *_bsh(dk), *_bsh(dv),
@@ -195,8 +212,8 @@ def backward(q, k, v, m, l, do, delta, dq, dk, dv, *, q_start, k_start, window, 
                 COMBINED_STATS=combined, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **common,
             )
         if dq is not None:
-            cfg = configs.dq_config(block_d, float32=q.dtype == torch.float32)
-            tma, (k_arg, v_arg) = _maybe_descriptors(cfg, (k, v), cfg.block_n, block_d)
+            cfg = configs.dq_config(config_d, float32=q.dtype == torch.float32)
+            tma, (k_arg, v_arg) = _maybe_descriptors(cfg, (k, v), cfg.block_n, (block_d, block_dv))
             _dq_kernel[(triton.cdiv(Sq, cfg.block_m), B * Hq)](
                 q, k_arg, v_arg, do, m, l, delta, dq, bias, k_lo, k_hi,
                 *_bsh(q), *_bsh(k), *_bsh(v), *_bsh(do), *_bsh(dq),

@@ -38,6 +38,7 @@ def _delta_kernel(
     H, S,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
 ):
+    """DELTA (B, H, S) = rowsum(DO * O) of O, DO (B, S, H, HEAD_DIM): v's head dim Dv."""
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = (pid_bh // H).to(tl.int64)
@@ -63,21 +64,23 @@ def _store_grad(ptrs, grad, mask, ACCUMULATE: tl.constexpr):
 @triton.jit
 def _dkdv_q_range(
     dk, dv, k, v, q_lo, q_hi, bias2, bias2_t, Q_ptrs, DO_ptrs, M_ptrs, L_ptrs, DELTA_ptrs, stride_qs, stride_dos,
-    offs_m, d_ok, start, end, Sq, qk_scale, Q_desc, DO_desc, b32, h32, drop,
+    offs_m, d_ok, dv_ok, start, end, Sq, qk_scale, Q_desc, DO_desc, b32, h32, drop,
     MASKED: tl.constexpr, LEFT: tl.constexpr, PAD_D: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_D: tl.constexpr, PRECISION: tl.constexpr, TMA: tl.constexpr, PRESCALE: tl.constexpr,
     QK_ORDER: tl.constexpr, COMBINED_STATS: tl.constexpr, DROPOUT: tl.constexpr,
+    PAD_DV: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
     """Add the query blocks [start, end) to the key tile's dK, dV; MASKED: each key is seen only
     by the query rows [q_lo, q_hi) (tiles.in_bounds; LEFT: some q_lo is above 0).
     Q_ptrs / DO_ptrs (pointer path) and M_ptrs / L_ptrs / DELTA_ptrs point at query row `start`
     on entry. DROPOUT: drop = (seed low, seed high, threshold, the query index of query row 0,
     the tile's key indices, the head offset, 1 / (1 - p)): dV takes the kept probabilities scaled, dS the kept
-    dP scaled (the forward's mask, rebuilt)."""
+    dP scaled (the forward's mask, rebuilt). Q tiles and dK are (.., BLOCK_D) over q/k's head dim,
+    dO tiles, v and dV (.., BLOCK_DV) over v's (dv_ok, PAD_DV)."""
     for start_m in range(start, end, BLOCK_M):
         rows = start_m + offs_m
         q = load_tile(Q_ptrs, Q_desc, b32, start_m, h32, rows, Sq, d_ok, MASKED, PAD_D, TMA, BLOCK_M, BLOCK_D)
-        do = load_tile(DO_ptrs, DO_desc, b32, start_m, h32, rows, Sq, d_ok, MASKED, PAD_D, TMA, BLOCK_M, BLOCK_D)
+        do = load_tile(DO_ptrs, DO_desc, b32, start_m, h32, rows, Sq, dv_ok, MASKED, PAD_DV, TMA, BLOCK_M, BLOCK_DV)
         if COMBINED_STATS:  # M holds m + log2(l) per row (+inf for a row that saw no key)
             if MASKED:
                 m = tl.load(M_ptrs, mask=rows < Sq, other=float("inf"))
@@ -146,14 +149,17 @@ def _dkdv_kernel(
     Hkv, Sq, Sk, q_start, k_start, win_left, win_right, qk_scale, sm_scale,
     drop_seed_lo, drop_seed_hi, drop_thr, drop_q0, drop_k0, drop_h0, drop_scale,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     MASK: tl.constexpr, LEFT: tl.constexpr, ACCUMULATE: tl.constexpr, HAS_BIAS: tl.constexpr,
     PRECISION: tl.constexpr,
     TMA: tl.constexpr = False, SCALE_SIGN: tl.constexpr = 1, QK_ORDER: tl.constexpr = False,
     COMBINED_STATS: tl.constexpr = False, DROPOUT: tl.constexpr = False,
 ):
-    """Q and DO are tensors, or (B, Sq, Hq, D) descriptors with blocks [1, BLOCK_M, 1, BLOCK_D]
-    when TMA. M, L, DELTA: (B, Hq, Sq) float32 with equal strides. MASK, win_left, win_right: as
+    """Q, K, DK (.., D) and V, DO, DV (.., Dv): HEAD_DIM = D and HEAD_DIM_V = Dv, padded to BLOCK_D
+    and BLOCK_DV (equal when D = Dv). Q and DO are tensors, or descriptors with blocks
+    [1, BLOCK_M, 1, BLOCK_D] and [1, BLOCK_M, 1, BLOCK_DV] when TMA. M, L, DELTA: (B, Hq, Sq)
+    float32 with equal strides. MASK, win_left, win_right: as
     the forward's; QLO / QHI (Sk,) int32: the global query bounds [lo, hi) of each key for
     MASK_ROWS. LEFT here: some key is seen only from a query row after 0
     (causal, a window's right side, documents). QK_ORDER:
@@ -169,18 +175,22 @@ def _dkdv_kernel(
     b = (pid_bh // Hkv).to(tl.int64)
     hk = (pid_bh % Hkv).to(tl.int64)
     PAD_D: tl.constexpr = BLOCK_D != HEAD_DIM
+    PAD_DV: tl.constexpr = BLOCK_DV != HEAD_DIM_V
 
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
     d_ok = offs_d[None, :] < HEAD_DIM
+    dv_ok = offs_dv[None, :] < HEAD_DIM_V
     col_ok = offs_n < Sk
     tile_mask = col_ok[:, None] & d_ok
+    tile_mask_v = col_ok[:, None] & dv_ok
     cols64 = offs_n.to(tl.int64)
     k = tl.load(K + b * stride_kb + hk * stride_kh + cols64[:, None] * stride_ks + offs_d[None, :],
                 mask=tile_mask, other=0.0)
-    v = tl.load(V + b * stride_vb + hk * stride_vh + cols64[:, None] * stride_vs + offs_d[None, :],
-                mask=tile_mask, other=0.0)
+    v = tl.load(V + b * stride_vb + hk * stride_vh + cols64[:, None] * stride_vs + offs_dv[None, :],
+                mask=tile_mask_v, other=0.0)
     # the key tile's bias in base-2 units, as a row (Q K^T order) and as a column (K Q^T); 0.0
     # without one
     bias2 = key_bias2(BIAS + b * stride_bias_b + offs_n, offs_n, Sk, True, HAS_BIAS)
@@ -195,7 +205,7 @@ def _dkdv_kernel(
     start, full_start, full_end, end = block_ranges(q_lo, q_hi, col_ok, Sq, BLOCK_M, LEFT)
 
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
-    dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
     b32 = b.to(tl.int32)
     drop = (drop_seed_lo, drop_seed_hi, drop_thr, drop_q0, drop_k0 + offs_n, drop_h0, drop_scale)
     for g in range(GROUP):
@@ -207,46 +217,46 @@ def _dkdv_kernel(
             Q_ptrs, DO_ptrs = DELTA_ptrs, DELTA_ptrs
         else:
             Q_ptrs = Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qs + offs_d[None, :]
-            DO_ptrs = DO + b * stride_dob + h * stride_doh + offs_m[:, None] * stride_dos + offs_d[None, :]
+            DO_ptrs = DO + b * stride_dob + h * stride_doh + offs_m[:, None] * stride_dos + offs_dv[None, :]
         if LEFT:  # masked: the diagonal of a causal block, a window's edge
             at = start.to(tl.int64)
             dk, dv = _dkdv_q_range(
                 dk, dv, k, v, q_lo, q_hi, bias2, bias2_t, Q_ptrs + at * stride_qs, DO_ptrs + at * stride_dos,
                 M_ptrs + at, L_ptrs + at, DELTA_ptrs + at, stride_qs, stride_dos,
-                offs_m, d_ok, start, full_start, Sq, qk_scale, Q, DO, b32, h32, drop,
+                offs_m, d_ok, dv_ok, start, full_start, Sq, qk_scale, Q, DO, b32, h32, drop,
                 MASKED=True, LEFT=LEFT, PAD_D=PAD_D, BLOCK_M=BLOCK_M, BLOCK_D=BLOCK_D,
                 PRECISION=PRECISION, TMA=TMA, PRESCALE=PRESCALE, QK_ORDER=QK_ORDER, COMBINED_STATS=COMBINED_STATS,
-                DROPOUT=DROPOUT)
+                DROPOUT=DROPOUT, PAD_DV=PAD_DV, BLOCK_DV=BLOCK_DV)
         at = full_start.to(tl.int64)  # query blocks that see every key of the tile: no mask
         dk, dv = _dkdv_q_range(
             dk, dv, k, v, q_lo, q_hi, bias2, bias2_t, Q_ptrs + at * stride_qs, DO_ptrs + at * stride_dos,
             M_ptrs + at, L_ptrs + at, DELTA_ptrs + at, stride_qs, stride_dos,
-            offs_m, d_ok, full_start, full_end, Sq, qk_scale, Q, DO, b32, h32, drop,
+            offs_m, d_ok, dv_ok, full_start, full_end, Sq, qk_scale, Q, DO, b32, h32, drop,
             MASKED=False, LEFT=LEFT, PAD_D=PAD_D, BLOCK_M=BLOCK_M, BLOCK_D=BLOCK_D,
             PRECISION=PRECISION, TMA=TMA, PRESCALE=PRESCALE, QK_ORDER=QK_ORDER, COMBINED_STATS=COMBINED_STATS,
-                DROPOUT=DROPOUT)
+                DROPOUT=DROPOUT, PAD_DV=PAD_DV, BLOCK_DV=BLOCK_DV)
         at = full_end.to(tl.int64)  # masked: a window's other edge, the ragged end of the queries
         dk, dv = _dkdv_q_range(
             dk, dv, k, v, q_lo, q_hi, bias2, bias2_t, Q_ptrs + at * stride_qs, DO_ptrs + at * stride_dos,
             M_ptrs + at, L_ptrs + at, DELTA_ptrs + at, stride_qs, stride_dos,
-            offs_m, d_ok, full_end, end, Sq, qk_scale, Q, DO, b32, h32, drop,
+            offs_m, d_ok, dv_ok, full_end, end, Sq, qk_scale, Q, DO, b32, h32, drop,
             MASKED=True, LEFT=LEFT, PAD_D=PAD_D, BLOCK_M=BLOCK_M, BLOCK_D=BLOCK_D,
             PRECISION=PRECISION, TMA=TMA, PRESCALE=PRESCALE, QK_ORDER=QK_ORDER, COMBINED_STATS=COMBINED_STATS,
-                DROPOUT=DROPOUT)
+                DROPOUT=DROPOUT, PAD_DV=PAD_DV, BLOCK_DV=BLOCK_DV)
 
     _store_grad(DK + b * stride_dkb + hk * stride_dkh + cols64[:, None] * stride_dks + offs_d[None, :],
                 dk * sm_scale, tile_mask, ACCUMULATE)
-    _store_grad(DV + b * stride_dvb + hk * stride_dvh + cols64[:, None] * stride_dvs + offs_d[None, :],
-                dv, tile_mask, ACCUMULATE)
+    _store_grad(DV + b * stride_dvb + hk * stride_dvh + cols64[:, None] * stride_dvs + offs_dv[None, :],
+                dv, tile_mask_v, ACCUMULATE)
 
 
 @triton.jit
 def _dq_k_range(
-    dq, q, do, m, delta, lo_i, hi_i, K_ptrs, V_ptrs, BIAS_ptrs, stride_ks, stride_vs, offs_n, d_ok,
+    dq, q, do, m, delta, lo_i, hi_i, K_ptrs, V_ptrs, BIAS_ptrs, stride_ks, stride_vs, offs_n, d_ok, dv_ok,
     start, end, Sk, qk_scale, K_desc, V_desc, b32, hk32, h32, drop,
     MASKED: tl.constexpr, LEFT: tl.constexpr, PAD_D: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr, TMA: tl.constexpr, PRESCALE: tl.constexpr,
-    DROPOUT: tl.constexpr,
+    DROPOUT: tl.constexpr, PAD_DV: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
     """Add the key blocks [start, end) to the query tile's dQ (times l: 1/l is applied at the
     end); MASKED: each row sees only its keys [lo_i, hi_i) (tiles.in_bounds). K_ptrs / V_ptrs (pointer path) and
@@ -255,7 +265,7 @@ def _dq_k_range(
     for start_n in range(start, end, BLOCK_N):
         cols = start_n + offs_n
         k = load_tile(K_ptrs, K_desc, b32, start_n, hk32, cols, Sk, d_ok, MASKED, PAD_D, TMA, BLOCK_N, BLOCK_D)
-        v = load_tile(V_ptrs, V_desc, b32, start_n, hk32, cols, Sk, d_ok, MASKED, PAD_D, TMA, BLOCK_N, BLOCK_D)
+        v = load_tile(V_ptrs, V_desc, b32, start_n, hk32, cols, Sk, dv_ok, MASKED, PAD_DV, TMA, BLOCK_N, BLOCK_DV)
         bias2 = key_bias2(BIAS_ptrs, cols, Sk, MASKED, HAS_BIAS)
         s, scale = base2_scores(tl.dot(q, tl.trans(k), input_precision=PRECISION), qk_scale, bias2, PRESCALE)
         # exp2(s2 - m): the probabilities times l; dq's 1/l is applied once per row at the end
@@ -288,30 +298,36 @@ def _dq_kernel(
     Hq, Sq, Sk, q_start, k_start, win_left, win_right, qk_scale, sm_scale,
     drop_seed_lo, drop_seed_hi, drop_thr, drop_q0, drop_k0, drop_h0, drop_scale,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     MASK: tl.constexpr, LEFT: tl.constexpr, ACCUMULATE: tl.constexpr, HAS_BIAS: tl.constexpr,
     PRECISION: tl.constexpr,
     TMA: tl.constexpr = False, SCALE_SIGN: tl.constexpr = 1, DROPOUT: tl.constexpr = False,
 ):
-    """K and V are tensors, or (B, Sk, Hkv, D) descriptors with blocks [1, BLOCK_N, 1, BLOCK_D]
-    when TMA. M, L, DELTA: (B, Hq, Sq) float32 with equal strides. MASK, LEFT, win_left,
+    """Q, K, DQ (.., D) and V, DO (.., Dv): HEAD_DIM = D and HEAD_DIM_V = Dv, padded to BLOCK_D and
+    BLOCK_DV (equal when D = Dv). K and V are tensors, or descriptors with blocks
+    [1, BLOCK_N, 1, BLOCK_D] and [1, BLOCK_N, 1, BLOCK_DV] when TMA. M, L, DELTA: (B, Hq, Sq)
+    float32 with equal strides. MASK, LEFT, win_left,
     win_right, KLO, KHI: as the forward's. SCALE_SIGN: the sign of qk_scale (1, 0 or -1).
     DROPOUT, drop_*: as the forward's."""
     PRESCALE: tl.constexpr = HAS_BIAS or SCALE_SIGN == 0
     pid_m, b, h, hk = query_program(Hq, GROUP, MASK != MASK_NONE)
     PAD_D: tl.constexpr = BLOCK_D != HEAD_DIM
+    PAD_DV: tl.constexpr = BLOCK_DV != HEAD_DIM_V
 
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
     d_ok = offs_d[None, :] < HEAD_DIM
+    dv_ok = offs_dv[None, :] < HEAD_DIM_V
     row_ok = offs_m < Sq
     tile_mask = row_ok[:, None] & d_ok
     rows64 = offs_m.to(tl.int64)
     q = tl.load(Q + b * stride_qb + h * stride_qh + rows64[:, None] * stride_qs + offs_d[None, :],
                 mask=tile_mask, other=0.0)
-    do = tl.load(DO + b * stride_dob + h * stride_doh + rows64[:, None] * stride_dos + offs_d[None, :],
-                 mask=tile_mask, other=0.0)
+    do = tl.load(DO + b * stride_dob + h * stride_doh + rows64[:, None] * stride_dos + offs_dv[None, :],
+                 mask=row_ok[:, None] & dv_ok, other=0.0)
     stat_offs = b * stride_lb + h * stride_lh + offs_m
     m, inv_l = row_stats(M + stat_offs, L + stat_offs, offs_m, Sq, True)
     delta = tl.load(DELTA + stat_offs, mask=row_ok, other=0.0)
@@ -324,7 +340,7 @@ def _dq_kernel(
         K_ptrs, V_ptrs = BIAS_ptrs, BIAS_ptrs
     else:
         K_ptrs = K + b * stride_kb + hk * stride_kh + offs_n[:, None] * stride_ks + offs_d[None, :]
-        V_ptrs = V + b * stride_vb + hk * stride_vh + offs_n[:, None] * stride_vs + offs_d[None, :]
+        V_ptrs = V + b * stride_vb + hk * stride_vh + offs_n[:, None] * stride_vs + offs_dv[None, :]
     b32, hk32, h32 = b.to(tl.int32), hk.to(tl.int32), h.to(tl.int32) + drop_h0  # h32: dropout's head
     drop = (drop_seed_lo, drop_seed_hi, drop_thr, drop_q0 + offs_m, drop_k0, drop_scale)
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
@@ -339,8 +355,9 @@ def _dq_kernel(
             at = lo.to(tl.int64)
             dq = _dq_k_range(
                 dq, q, do, m, delta, lo_i, hi_i, K_ptrs + at * stride_ks, V_ptrs + at * stride_vs, BIAS_ptrs + at,
-                stride_ks, stride_vs, offs_n, d_ok, lo, hi, Sk, qk_scale, K, V, b32, hk32, h32, drop,
+                stride_ks, stride_vs, offs_n, d_ok, dv_ok, lo, hi, Sk, qk_scale, K, V, b32, hk32, h32, drop,
                 MASKED=part != 1, LEFT=LEFT, PAD_D=PAD_D, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D,
-                HAS_BIAS=HAS_BIAS, PRECISION=PRECISION, TMA=TMA, PRESCALE=PRESCALE, DROPOUT=DROPOUT)
+                HAS_BIAS=HAS_BIAS, PRECISION=PRECISION, TMA=TMA, PRESCALE=PRESCALE, DROPOUT=DROPOUT,
+                PAD_DV=PAD_DV, BLOCK_DV=BLOCK_DV)
     _store_grad(DQ + b * stride_dqb + h * stride_dqh + rows64[:, None] * stride_dqs + offs_d[None, :],
                 dq * (inv_l * sm_scale)[:, None], tile_mask, ACCUMULATE)

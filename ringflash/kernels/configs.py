@@ -48,7 +48,8 @@ _INTERP_FWD = KernelConfig(32, 16, 4, 1)
 _INTERP_DKDV = KernelConfig(32, 16, 4, 1, qk_order=True, combined_stats=True)
 _INTERP_DQ = KernelConfig(32, 16, 4, 1)
 
-# Hopper (H200), keyed by padded head dim. D=64 and D=128: the choice of the sweep
+# Hopper (H200), keyed by padded head dim (the larger of q/k's and v's when they differ:
+# kernels._config_d; no shape is tuned for unequal dims). D=64 and D=128: the choice of the sweep
 # `bench_local --tune --write-configs` on one H200 (B=1, H=32, S=16K, bf16), committed as
 # benchmarks/results/configs_h200.json (a test keeps the two equal). D=32 and D=256: not tuned,
 # checked for correctness on an H200.
