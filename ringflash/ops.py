@@ -10,10 +10,15 @@ the autograd formula registered:
     ringflash::ring_fwd  / ringflash::ring_bwd    the ring, the process group named by its
                                                   group_name, as torch's functional collectives
                                                   name theirs
+    ringflash::hybrid_fwd / ringflash::hybrid_bwd a call with a head_group: the ring group and
+                                                  the head group named so; the head all-to-alls
+                                                  and the ring inside (hybrid.hybrid_forward /
+                                                  hybrid_backward)
 
 Inside, the operators run the same engine as everywhere else: the autograd Functions'
 forward and backward (local._FlashAttn, ring._RingAttn), called as plain functions with a
 _Saved object in place of autograd's context, so there is one engine and no copy of it.
+Eager calls go through the same operators.
 
 Which backend runs (Triton or torch) is decided when the operator runs, by the device and
 use_backend / RINGFLASH_BACKEND, as in eager calls; the eager wrappers pass the name they
@@ -428,10 +433,7 @@ def hybrid_fwd(
     elif error is not None:
         raise error
     if seed is not None:  # the grid's first rank's: over the ring, then over the head group
-        s = int(seed)
-        for g in (group, head_group):
-            s = first_ranks_seed(s, q.device, g)
-        seed = torch.tensor(s, dtype=torch.int64)
+        seed = torch.tensor(first_ranks_seed(int(seed), q.device, group, head_group), dtype=torch.int64)
     spec, plan = _hybrid_spec(
         left, right, scale, dropout_p, seed, layout, grad_chunks, grad_accum, q.shape[2], k.shape[2], head_group
     )
