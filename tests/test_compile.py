@@ -2,7 +2,7 @@
 the compiled forward and backward give exactly the eager results (the attention runs as one
 opaque operator either way, so the same arithmetic runs; aot_eager keeps the surrounding ops
 eager too). CPU: the torch backend and the Triton kernels under the interpreter; the ring over
-gloo with 2 processes."""
+gloo with 2 processes; a head_group on a 2 x 2 grid of 4."""
 
 import copy
 import shutil
