@@ -116,6 +116,11 @@ class BalancedLayout:
         ranks: U contiguous pieces in head-group rank order, lengths differing by at most one."""
         return _head_pieces(self.local_len(rank), U)
 
+    def head_piece_lens(self, rank: int, U: int) -> tuple[int, ...]:
+        """The lengths of head_pieces(rank, U)'s U pieces, by plain arithmetic (torch.compile
+        traces it; building a layout it cannot)."""
+        return tuple(b - a for a, b in _cuts(0, self.local_len(rank), U))
+
     @functools.cached_property
     def hops(self) -> int:
         """How many ring steps any rank has work in (1: no K/V ever travels), from the schedule;

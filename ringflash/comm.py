@@ -265,17 +265,25 @@ def validated_across_grid(group, head_group, api: str, validate, field_names, *,
     (the second stage's outcome). validate() -> (fields, result) as in validated_across_ranks.
     Pairs of groups that do not form a grid (a head group whose ranks sit at different ring
     positions, the same group passed twice) disagree on those ranks and raise."""
-    r, R = group_rank_world(group)
-    u, U = group_rank_world(head_group)
     try:
         fields, result = validate()
         error = None
     except (TypeError, ValueError) as e:
         fields, result, error = dict.fromkeys(field_names, 0), None, e
+    agree_across_grid(group, head_group, fields, error, api, device=device, show=show)
+    return result
+
+
+def agree_across_grid(group, head_group, fields: dict, local_error, api: str, *, device=None, show=None) -> None:
+    """validated_across_grid's three all_gathers once this rank's validation has run (fields,
+    and local_error: its error or None; the compiled hybrid operator runs them when it
+    executes): returns when every rank of the grid passed with equal fields, else raises on
+    every rank."""
+    r, R = group_rank_world(group)
+    u, U = group_rank_world(head_group)
     sizes = {"ring size (group)": R, "head_group size": U}
-    error = _agree_stage(head_group, {**fields, **sizes, "rank in group": r}, error, api, device, show)
+    error = _agree_stage(head_group, {**fields, **sizes, "rank in group": r}, local_error, api, device, show)
     error = _agree_stage(group, {**fields, **sizes, "rank in head_group": u}, error, api, device, show)
     error = _agree_stage(head_group, {}, error, api, device, show)
     if error is not None:
         raise error
-    return result

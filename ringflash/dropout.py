@@ -139,28 +139,26 @@ def draw_seed(generator: torch.Generator | None = None) -> int:
     return int(seed_tensor(generator))
 
 
-def first_ranks_seed(seed: int, device, group=None) -> int:
-    """The seed of the first rank of `group`, for every rank (a collective every rank must call):
-    ranks whose generators differ still drop the same pairs."""
-    _, world = group_rank_world(group)
-    if world == 1:
-        return seed
-    group = resolve_group(group)
-    dev = _exchange_device(group, device)
-    every = [torch.zeros(1, dtype=torch.int64, device=dev) for _ in range(world)]
-    dist.all_gather(every, torch.tensor([seed], dtype=torch.int64, device=dev), group=group)
-    return int(every[0])
+def first_ranks_seed(seed: int, device, *groups) -> int:
+    """The seed of the first rank of each of `groups` in turn (a ring, then its head group: the
+    grid's first rank's), for every rank (a collective every rank of the groups must call; no
+    group: the default one): ranks whose generators differ still drop the same pairs."""
+    for group in groups or (None,):
+        _, world = group_rank_world(group)
+        if world == 1:
+            continue
+        group = resolve_group(group)
+        dev = _exchange_device(group, device)
+        every = [torch.zeros(1, dtype=torch.int64, device=dev) for _ in range(world)]
+        dist.all_gather(every, torch.tensor([seed], dtype=torch.int64, device=dev), group=group)
+        seed = int(every[0])
+    return seed
 
 
 def agreed_seed(device, *groups, generator: torch.Generator | None = None) -> int:
-    """draw_seed(generator) on every rank, then the first rank's of each group in turn (a ring
-    and its head group: the grid's first rank's) for all: every rank advances its own generator
-    once and drops the same pairs (a collective every rank of the groups must call; no group:
-    the default one)."""
-    seed = draw_seed(generator)
-    for group in groups or (None,):
-        seed = first_ranks_seed(seed, device, group)
-    return seed
+    """draw_seed(generator) on every rank, then first_ranks_seed over `groups` for all: every
+    rank advances its own generator once and drops the same pairs."""
+    return first_ranks_seed(draw_seed(generator), device, *groups)
 
 
 def check_dropout(dropout_p, generator, api: str) -> float:

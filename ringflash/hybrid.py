@@ -10,6 +10,9 @@ A call: one all-to-all over head_group turns each rank's (S/(RU) tokens, all hea
 need); the one ring engine (ring._RingAttn) runs over `group` on those heads, its float32
 state across hops as always; one all-to-all brings out (and lse) back to (S/(RU) tokens, all
 heads). The all-to-all is its own adjoint, so the backward runs the same exchanges in reverse.
+
+A call runs as the operators ops.hybrid_fwd / ops.hybrid_bwd (eager and under torch.compile
+alike): hybrid_forward and hybrid_backward below, with no autograd inside.
 """
 
 from __future__ import annotations
@@ -21,16 +24,9 @@ import torch
 import torch.distributed as dist
 
 from ._checks import AttnDims, check_bool, key_bias_from_mask
-from .comm import (
-    LocalComm,
-    RingComm,
-    check_backend_device,
-    group_rank_world,
-    resolve_group,
-    resolve_groups,
-    validated_across_grid,
-)
-from .dropout import Dropout, agreed_seed, all_dropped, check_dropout
+from .comm import check_backend_device, group_rank_world, resolve_group, resolve_groups, validated_across_grid
+from .dropout import all_dropped, check_dropout, operator_dropout
+from .local import backend_for
 from .merge import state_dtype
 from .ops import _Saved
 from .schedule import chunks_per_rank, is_balanced
@@ -88,56 +84,6 @@ def all_to_all(x: torch.Tensor, group) -> torch.Tensor:
     return out
 
 
-class _AllToAll(torch.autograd.Function):
-    """all_to_all on several tensors at once; the exchange is its own adjoint (row j of rank
-    i's output is row i of rank j's input), so the backward is the same exchange of the
-    gradients. One node for all of them: a rank whose loss uses only some outputs still takes
-    part in every exchange (missing gradients are zeros)."""
-
-    @staticmethod
-    def forward(ctx, group, *xs):
-        ctx.group = group
-        return tuple(all_to_all(x.contiguous(), group) for x in xs)
-
-    @staticmethod
-    def backward(ctx, *grads):
-        return (None, *(all_to_all(g.contiguous(), ctx.group) for g in grads))
-
-
-class _KVToRing(torch.autograd.Function):
-    """The K/V all-to-all and the ring as one node, for kv heads replicated over several ranks
-    in a 16-bit dtype: k_rows / v_rows (U, B, Lmax, h, D) arrive in float32, travel in `dtype`,
-    and the gradients come back unrounded (the ring's float32 accumulators, exchanged in
-    float32), so that the copies' gradients are summed before the one rounding to `dtype`
-    (autograd between the ring and the exchange would round each copy's first). lens: the head
-    group's piece lengths; ring_len: the length K/V travel the ring at (packed documents: the
-    longest ring shard)."""
-
-    @staticmethod
-    def forward(ctx, head_group, dtype, lens, ring_len, q_r, k_rows, v_rows, key_bias, spec, comm):
-        from .ring import _RingAttn
-
-        k_r, v_r = (
-            _pad_rows(_ring_shard(all_to_all(t.to(dtype).contiguous(), head_group), lens), ring_len)
-            for t in (k_rows, v_rows)
-        )
-        ring_ctx = _Saved()  # _RingAttn's forward and backward run as plain functions, as in ops
-        out, lse = _RingAttn.forward(ring_ctx, q_r, k_r, v_r, key_bias, spec, comm)
-        ring_ctx.kv_grad_dtype = torch.float32
-        ctx.ring_ctx, ctx.head_group, ctx.lens = ring_ctx, head_group, lens
-        return out, lse
-
-    @staticmethod
-    def backward(ctx, dout, dlse):
-        from .ring import _RingAttn
-
-        dq, dk_r, dv_r = _RingAttn.backward(ctx.ring_ctx, dout, dlse)[:3]
-        ctx.ring_ctx = None
-        n = sum(ctx.lens)
-        dk, dv = (all_to_all(_from_ring_shard(g[:, :n], ctx.lens), ctx.head_group) for g in (dk_r, dv_r))
-        return None, None, None, None, dq, dk, dv, None, None, None
-
-
 def _pad_rows(x: torch.Tensor, n: int) -> torch.Tensor:
     """x (B, L, ...) with zero rows appended on dim 1 up to n (x itself when L = n)."""
     extra = n - x.shape[1]
@@ -155,7 +101,7 @@ def _from_ring_shard(x: torch.Tensor, lens) -> torch.Tensor:
 
 def _to_heads(x: torch.Tensor, of, U: int, rows: int) -> torch.Tensor:
     """(U, B, rows, h, D) rows for rank u': this rank's tokens (padded to `rows`) at heads
-    of(u') (stacked: a head sent to several ranks is copied, and autograd sums its gradients
+    of(u') (stacked: a head sent to several ranks is copied; _kv_from_heads sums its gradients
     back)."""
     x = _pad_rows(x, rows)
     return torch.stack([x[:, :, of(j)] for j in range(U)])
@@ -170,38 +116,128 @@ def _ring_shard(x: torch.Tensor, lens) -> torch.Tensor:
     return torch.cat([x[j, :, :n] for j, n in enumerate(lens)], 1)
 
 
-def _exchange_and_ring(q, k, v, key_bias, spec, comm, plan, head_group, lens_q, lens_k, ring_len, return_lse):
-    """The hybrid call once validated: q (B, lens_q[u], Hq, D), k, v (B, lens_k[u], Hkv, D / Dv) this
-    rank's tokens; the head all-to-all, the ring over the ring position's shard at this rank's
-    heads (K/V padded to ring_len rows), the all-to-all back. Returns out (B, lens_q[u], Hq, Dv)
-    and lse (B, Hq, lens_q[u]) or None."""
+def _from_heads(rows: torch.Tensor, n: int) -> torch.Tensor:
+    """The inverse of _to_heads where the heads of(u') are disjoint and in order: rows
+    (U, B, >= n, h, ...), row j this rank's tokens at rank j's heads -> (B, n, U h, ...)."""
+    return rows[:, :, :n].movedim(0, 2).flatten(2, 3).contiguous()
+
+
+def _kv_from_heads(rows: torch.Tensor, n: int, plan: HeadPlan, dtype) -> torch.Tensor:
+    """The adjoint of _to_heads for the kv heads: rows (U, B, >= n, kv_per, D) of gradients,
+    row j for the heads kv_of(j) -> (B, n, Hkv, D) in `dtype`, the copies of a replicated head
+    summed in the rows' dtype first (float32 for 16-bit heads: one rounding)."""
+    c = plan.kv_ranks_per_head
+    if c > 1:  # ranks j c .. j c + c - 1 hold copies of kv head j
+        rows = rows[:, :, :n].unflatten(0, (-1, c)).sum(1)
+    return _from_heads(rows, n).to(dtype)
+
+
+def _ring_key_bias(mask: torch.Tensor, head_group, U: int, dtype) -> torch.Tensor:
+    """This rank's key padding mask (B, Lk) -> the key bias (B, U Lk) of its ring position's
+    whole shard, in `dtype` (one all-to-all: each rank sends every rank its piece)."""
+    m = mask.to(torch.uint8) if mask.dtype == torch.bool else mask
+    got = all_to_all(m.unsqueeze(0).expand(U, *m.shape).contiguous(), head_group)
+    mask_r = got.transpose(0, 1).reshape(m.shape[0], U * m.shape[1])
+    mask_r = mask_r.bool() if mask.dtype == torch.bool else mask_r
+    B, n = mask_r.shape
+    return key_bias_from_mask(mask_r, AttnDims(B, n, n, 1, 1, 1, 1), mask.device, "ring_flash_attn_func", dtype)
+
+
+def hybrid_forward(q, k, v, key_padding_mask, spec, comm, plan, head_group, lens_q, lens_k, ring_len, return_lse):
+    """The hybrid call once validated and agreed (run inside ops.hybrid_fwd; no autograd):
+    q (B, lens_q[u], Hq, D), k, v (B, lens_k[u], Hkv, D / Dv) this rank's tokens,
+    key_padding_mask (B, lens_k[u]) or None; the head all-to-all, the ring over the ring
+    position's shard at this rank's heads (K/V padded to ring_len rows), the all-to-all back.
+    Returns out (B, lens_q[u], Hq, Dv), lse (B, Hq, lens_q[u]) or None, and what hybrid_backward
+    needs: the ring's saved tensors (q_r, k_r, v_r, out_r, m, l, key_bias_r)."""
     from .ring import _RingAttn
 
     U, Lq, Lk = len(lens_q), max(lens_q), max(lens_k)
-    B, L = q.shape[:2]
-    if plan.kv_ranks_per_head > 1 and k.dtype in (torch.float16, torch.bfloat16):
-        # replicated kv heads: their copies' gradients are summed in float32, rounded once
-        (qs,) = _AllToAll.apply(head_group, _to_heads(q, plan.q_of, U, Lq))
-        k_rows, v_rows = (_to_heads(t.float(), plan.kv_of, U, Lk) for t in (k, v))
-        q_r = _ring_shard(qs, lens_q)
-        out_r, lse_r = _KVToRing.apply(head_group, k.dtype, lens_k, ring_len, q_r, k_rows, v_rows, key_bias, spec, comm)
-    else:
-        qs, ks, vs = _AllToAll.apply(
-            head_group, _to_heads(q, plan.q_of, U, Lq), _to_heads(k, plan.kv_of, U, Lk), _to_heads(v, plan.kv_of, U, Lk)
-        )
-        k_r, v_r = (_pad_rows(_ring_shard(t, lens_k), ring_len) for t in (ks, vs))
-        out_r, lse_r = _RingAttn.apply(_ring_shard(qs, lens_q), k_r, v_r, key_bias, spec, comm)
-
+    L = q.shape[1]
+    key_bias = None
+    if key_padding_mask is not None:
+        key_bias = _ring_key_bias(key_padding_mask, head_group, U, state_dtype(q.dtype))
+    q_r = _ring_shard(all_to_all(_to_heads(q, plan.q_of, U, Lq), head_group), lens_q)
+    k_r, v_r = (
+        _pad_rows(_ring_shard(all_to_all(_to_heads(t, plan.kv_of, U, Lk), head_group), lens_k), ring_len)
+        for t in (k, v)
+    )
+    ctx = _Saved()
+    out_r, lse_r = _RingAttn.forward(ctx, q_r, k_r, v_r, key_bias, spec, comm)
     # back: (B, sum(lens_q), h, D) -> rows per head-group rank (its tokens) -> (B, L, Hq, D)
-    h = plan.q_per
+    out = _from_heads(all_to_all(_from_ring_shard(out_r, lens_q), head_group), L)
+    lse = None
     if return_lse:
-        rows = (_from_ring_shard(out_r, lens_q), _from_ring_shard(lse_r.transpose(1, 2), lens_q))
-        out_got, lse_got = _AllToAll.apply(head_group, *rows)
-        lse = lse_got[:, :, :L].permute(1, 0, 3, 2).reshape(B, U * h, L)
-    else:
-        (out_got,) = _AllToAll.apply(head_group, _from_ring_shard(out_r, lens_q))
-        lse = None
-    return out_got[:, :, :L].permute(1, 2, 0, 3, 4).reshape(B, L, U * h, -1), lse
+        lse = _from_heads(all_to_all(_from_ring_shard(lse_r.transpose(1, 2), lens_q), head_group), L)
+        lse = lse.transpose(1, 2).contiguous()
+    return out, lse, ctx.saved_tensors
+
+
+def hybrid_backward(saved, dout, dlse, spec, comm, plan, head_group, lens_q, lens_k, q_len, kv_len, return_lse):
+    """dq, dk, dv (this rank's q_len and kv_len tokens, as hybrid_forward's q, k, v) of
+    hybrid_forward, given its saved tensors and the gradients of out and lse (None: zeros):
+    the same exchanges in reverse (an all-to-all is its own adjoint: row j of rank i's output
+    is row i of rank j's input). Every rank takes part in every exchange, whatever gradients
+    it has. Replicated 16-bit kv heads: the ring's dK/dV come back unrounded (float32, and
+    travel so) and their copies are summed before the one rounding to the inputs' dtype."""
+    from .ring import _RingAttn
+
+    q_r, k_r, v_r, out_r = saved[:4]
+    U, Lq = len(lens_q), max(lens_q)
+    B, L = q_r.shape[0], q_len
+    if dout is None:
+        dout = out_r.new_zeros(B, L, U * out_r.shape[2], out_r.shape[3])
+    do_r = _ring_shard(all_to_all(_to_heads(dout, plan.q_of, U, Lq), head_group), lens_q)
+    dlse_r = None
+    if return_lse:
+        if dlse is None:
+            dlse = q_r.new_zeros(B, U * q_r.shape[2], L, dtype=saved[4].dtype)
+        dlse_r = _ring_shard(all_to_all(_to_heads(dlse.transpose(1, 2), plan.q_of, U, Lq), head_group), lens_q)
+        dlse_r = dlse_r.transpose(1, 2)
+    ctx = _Saved(saved_tensors=saved, spec=spec, comm=comm, backend=backend_for(q_r.device))
+    if plan.kv_ranks_per_head > 1 and k_r.dtype in (torch.float16, torch.bfloat16):
+        ctx.kv_grad_dtype = torch.float32
+    dq_r, dk_r, dv_r = _RingAttn.backward(ctx, do_r, dlse_r)[:3]
+    dq = _from_heads(all_to_all(_from_ring_shard(dq_r, lens_q), head_group), L)
+    n = sum(lens_k)
+    dk, dv = (
+        _kv_from_heads(all_to_all(_from_ring_shard(g[:, :n], lens_k), head_group), kv_len, plan, k_r.dtype)
+        for g in (dk_r, dv_r)
+    )
+    return dq, dk, dv
+
+
+def _validated(group, head_group, api: str, validate, device):
+    """(validate()'s result, the operator's agree list). Eager: agreed over the grid now
+    (comm.validated_across_grid), agree empty. Traced by torch.compile: this rank's checks run
+    now and the grid agreement inside the operator when it runs (dynamo cannot trace a
+    collective whose result decides), agree this rank's signature."""
+    from .ring import _FIELD_NAMES, _show_field
+
+    if torch.compiler.is_compiling():
+        fields, result = validate()
+        return result, list(fields.values())
+    return validated_across_grid(group, head_group, api, validate, _FIELD_NAMES, device=device, show=_show_field), []
+
+
+def _call_operator(
+    q, k, v, key_padding_mask, cu_seqlens, group, head_group, spec, p, generator, lens_q, lens_k, ring_len, return_lse,
+    agree,
+):  # fmt: skip
+    """The validated call as the hybrid operator (ops.hybrid_fwd, eager and compiled alike):
+    q (B, lens_q[u], Hq, D), k, v (B, lens_k[u], Hkv, D); returns out and lse (or None)."""
+    from . import ops
+    from .local import backend_name
+
+    layout = spec.layout if isinstance(spec.layout, str) else spec.layout.code
+    out, lse, *_ = ops.hybrid_fwd(
+        q, k, v, key_padding_mask, cu_seqlens, resolve_group(group).group_name, resolve_group(head_group).group_name,
+        *ops.window_args(spec.window), spec.scale, *operator_dropout(p, generator), layout,
+        -1 if spec.grad_chunks is None else spec.grad_chunks, spec.grad_accum,
+        "" if torch.compiler.is_compiling() else backend_name(q.device), list(lens_q), list(lens_k), ring_len,
+        return_lse, agree,
+    )  # fmt: skip
+    return all_dropped(out, p), (lse if return_lse else None)
 
 
 def hybrid_attn(
@@ -225,7 +261,7 @@ def hybrid_attn(
     """ring_flash_attn_func with a head_group (see its docstring and README: Hybrid). Dropout:
     the keep mask of the global query heads (this rank's start at u * Hq / U), one seed for the
     whole grid (its first rank's)."""
-    from .ring import _FIELD_NAMES, _show_field, _signature, ring_call_spec
+    from .ring import _signature, ring_call_spec
 
     api = "ring_flash_attn_func"
     group, head_group = resolve_groups(group, head_group, api)
@@ -259,34 +295,16 @@ def hybrid_attn(
                 f"with a head_group of {U}"
             )
         fields = _signature(q, k, v, spec, key_padding_mask is not None, p)
-        return fields, (spec, plan, p)
+        return fields, (spec, p)
 
-    spec, plan, p = validated_across_grid(
-        group, head_group, api, validate, _FIELD_NAMES, device=device, show=_show_field
-    )
+    (spec, p), agree = _validated(group, head_group, api, validate, device)
     if R == 1:  # one ring position: every layout is the identity
         spec = dataclasses.replace(spec, layout="contiguous")
-    if 0.0 < p < 1.0:  # the grid's first rank's seed: over the ring, then over the head group
-        seed = agreed_seed(device, group, head_group, generator=generator)
-        u, _ = group_rank_world(head_group)
-        spec = dataclasses.replace(spec, dropout=Dropout(seed, p, h0=u * plan.q_per))
-
-    # the key padding mask of the ring position's whole shard (no gradient)
-    mask_r = None
-    if key_padding_mask is not None:
-        m = key_padding_mask.to(torch.uint8) if key_padding_mask.dtype == torch.bool else key_padding_mask
-        got = all_to_all(m.unsqueeze(0).expand(U, *m.shape).contiguous(), head_group)
-        mask_r = got.transpose(0, 1).reshape(m.shape[0], U * m.shape[1])
-        mask_r = mask_r.bool() if key_padding_mask.dtype == torch.bool else mask_r
-
-    B, L, Lk = q.shape[0], q.shape[1], k.shape[1]
-    comm = RingComm(group) if R > 1 else LocalComm()
-    dims = AttnDims(B, U * L, U * Lk, plan.q_per, plan.kv_per, q.shape[-1], v.shape[-1])
-    key_bias = key_bias_from_mask(mask_r, dims, q.device, api, state_dtype(q.dtype))
-    out, lse = _exchange_and_ring(
-        q, k, v, key_bias, spec, comm, plan, head_group, (L,) * U, (Lk,) * U, U * Lk, return_lse
-    )
-    out = all_dropped(out, p)
+    L, Lk = q.shape[1], k.shape[1]
+    out, lse = _call_operator(
+        q, k, v, key_padding_mask, None, group, head_group, spec, p, generator, (L,) * U, (Lk,) * U, U * Lk,
+        return_lse, agree,
+    )  # fmt: skip
     return (out, lse) if return_lse else out
 
 
@@ -298,7 +316,7 @@ def hybrid_varlen_attn(
     piece of its ring position's shard of a balanced layout over the R ring positions
     (shard(..., layout=layout, head_group=head_group, dim=0)); the ring runs the packed
     documents over the ring positions' whole shards at Hq / U heads."""
-    from .ring import _FIELD_NAMES, _show_field, _signature, check_packed_call
+    from .ring import _signature, check_packed_call
 
     api = "ring_flash_attn_varlen_func"
     group, head_group = resolve_groups(group, head_group, api)
@@ -325,18 +343,14 @@ def hybrid_varlen_attn(
             k.new_empty(1, layout.max_local_len, *k.shape[1:]),
             v.new_empty(1, layout.max_local_len, *v.shape[1:]),
         )
-        return _signature(*shapes, spec, False, p), (spec, plan, p)
+        return _signature(*shapes, spec, False, p), (spec, p)
 
-    spec, plan, p = validated_across_grid(
-        group, head_group, api, validate, _FIELD_NAMES, device=device, show=_show_field
-    )
-    if 0.0 < p < 1.0:
-        seed = agreed_seed(device, group, head_group, generator=generator)
-        spec = dataclasses.replace(spec, dropout=Dropout(seed, p, h0=u * plan.q_per))
-    lens = tuple(piece.local_len(j) for piece in (layout.head_pieces(r, U),) for j in range(U))
-    comm = RingComm(group) if R > 1 else LocalComm()
-    out, lse = _exchange_and_ring(
-        q[None], k[None], v[None], None, spec, comm, plan, head_group, lens, lens, layout.max_local_len, return_lse
-    )
-    out = all_dropped(out, p)
+    (spec, p), agree = _validated(group, head_group, api, validate, device)
+    # under torch.compile a cu_seqlens tensor's values are checked inside the operator
+    cu_check = cu_seqlens if torch.compiler.is_compiling() and isinstance(cu_seqlens, torch.Tensor) else None
+    lens = layout.head_piece_lens(r, U)
+    out, lse = _call_operator(
+        q[None], k[None], v[None], None, cu_check, group, head_group, spec, p, generator, lens, lens,
+        layout.max_local_len, return_lse, agree,
+    )  # fmt: skip
     return (out[0], lse[0]) if return_lse else out[0]

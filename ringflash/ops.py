@@ -10,10 +10,15 @@ the autograd formula registered:
     ringflash::ring_fwd  / ringflash::ring_bwd    the ring, the process group named by its
                                                   group_name, as torch's functional collectives
                                                   name theirs
+    ringflash::hybrid_fwd / ringflash::hybrid_bwd a call with a head_group: the ring group and
+                                                  the head group named so; the head all-to-alls
+                                                  and the ring inside (hybrid.hybrid_forward /
+                                                  hybrid_backward)
 
 Inside, the operators run the same engine as everywhere else: the autograd Functions'
 forward and backward (local._FlashAttn, ring._RingAttn), called as plain functions with a
 _Saved object in place of autograd's context, so there is one engine and no copy of it.
+Eager calls go through the same operators.
 
 Which backend runs (Triton or torch) is decided when the operator runs, by the device and
 use_backend / RINGFLASH_BACKEND, as in eager calls; the eager wrappers pass the name they
@@ -344,3 +349,198 @@ def _ring_backward(ctx, dout, dlse, dm, dl, dseed):
 
 
 ring_fwd.register_autograd(_ring_backward, setup_context=_ring_setup)
+
+
+# ----------------------------------------------------------------------------- hybrid
+
+
+def _grid_run(group_name: str, head_group_name: str):
+    """(ring group, head group, comm) for a hybrid operator: the groups by name, and RingComm
+    over the ring (LocalComm for a ring of one rank)."""
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    from .comm import LocalComm, RingComm, group_rank_world
+
+    group, head_group = _resolve_process_group(group_name), _resolve_process_group(head_group_name)
+    return group, head_group, RingComm(group) if group_rank_world(group)[1] > 1 else LocalComm()
+
+
+def _hybrid_api(layout: str) -> str:
+    return "ring_flash_attn_varlen_func" if layout.startswith(CODE_PREFIX) else "ring_flash_attn_func"
+
+
+def _hybrid_spec(left, right, scale, dropout_p, seed, layout, grad_chunks, grad_accum, q_heads, kv_heads, head_group):
+    """(RingSpec, HeadPlan) of a hybrid operator: dropout of this rank's query heads, which start
+    at u * Hq / U among the global ones."""
+    from .comm import group_rank_world
+    from .hybrid import head_plan
+
+    u, U = group_rank_world(head_group)
+    plan = head_plan(q_heads, kv_heads, U, _hybrid_api(layout))
+    drop = _dropout(dropout_p, seed)
+    drop = drop and drop.heads_from(u * plan.q_per)
+    return _ring_spec(left, right, scale, drop, layout, grad_chunks, grad_accum), plan
+
+
+@torch.library.custom_op(f"{NAMESPACE}::hybrid_fwd", mutates_args=())
+def hybrid_fwd(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    key_padding_mask: torch.Tensor | None,
+    cu_seqlens: torch.Tensor | None,
+    group_name: str,
+    head_group_name: str,
+    left: int,
+    right: int,
+    scale: float,
+    dropout_p: float,
+    seed: torch.Tensor | None,
+    layout: str,
+    grad_chunks: int,
+    grad_accum: torch.dtype | None,
+    backend: str,
+    lens_q: list[int],
+    lens_k: list[int],
+    ring_len: int,
+    return_lse: bool,
+    agree: list[int],
+) -> tuple[
+    torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+    torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+]:  # fmt: skip
+    """Hybrid attention (ringflash.hybrid) over the ring named `group_name` and the head group
+    named `head_group_name`, inputs already validated on this rank: q (B, lens_q[u], Hq, D),
+    k, v (B, lens_k[u], Hkv, D / Dv) this rank's tokens (u: its rank in the head group),
+    key_padding_mask (B, lens_k[u]) or None; K/V travel the ring at ring_len rows. layout, as
+    ring_fwd's (a balanced layout's .code: packed documents, B = 1, cu_seqlens checked when
+    given). agree: empty, or this rank's ring._signature values, agreed over the grid
+    (comm.agree_across_grid) before any exchange. dropout_p, seed: as ring_fwd's; every rank
+    uses the grid's first rank's seed (over the ring, then the head group).
+    Returns out (B, lens_q[u], Hq, Dv), lse (B, Hq, lens_q[u]; (B, Hq, 0) without return_lse)
+    and for hybrid_bwd the ring's q_r, k_r, v_r, out_r, m, l, key bias ((0,) without a mask)
+    and the seed used (an int64 scalar on the CPU, 0 without dropout)."""
+    from . import hybrid, ring
+
+    group, head_group, comm = _grid_run(group_name, head_group_name)
+    api = _hybrid_api(layout)
+    error = _cu_seqlens_error(cu_seqlens, layout, api)
+    if agree:
+        from .comm import agree_across_grid
+
+        fields = dict(zip(ring._FIELD_NAMES, agree))
+        agree_across_grid(group, head_group, fields, error, api, device=q.device, show=ring._show_field)
+    elif error is not None:
+        raise error
+    if seed is not None:  # the grid's first rank's: over the ring, then over the head group
+        seed = torch.tensor(first_ranks_seed(int(seed), q.device, group, head_group), dtype=torch.int64)
+    spec, plan = _hybrid_spec(
+        left, right, scale, dropout_p, seed, layout, grad_chunks, grad_accum, q.shape[2], k.shape[2], head_group
+    )
+    with local.use_backend(_backend(backend, q.device)):
+        out, lse, saved = hybrid.hybrid_forward(
+            q, k, v, key_padding_mask, spec, comm, plan, head_group, lens_q, lens_k, ring_len, return_lse
+        )
+    q_r, k_r, v_r, out_r, m, l, key_bias = saved
+    if lse is None:
+        lse = m.new_empty(q.shape[0], q.shape[2], 0)
+    if key_bias is None:
+        key_bias = m.new_empty(0)
+    seed = torch.zeros((), dtype=torch.int64) if seed is None else seed
+    return out, lse, q_r, k_r, v_r, out_r, m.clone(), l, key_bias, seed  # m, l share one buffer
+
+
+@hybrid_fwd.register_fake
+def _(q, k, v, key_padding_mask, cu_seqlens, group_name, head_group_name, *args):
+    from .hybrid import head_plan
+
+    layout, lens_q, ring_len, return_lse = args[5], args[9], args[11], args[12]
+    B, L, Hq, D = q.shape
+    plan = head_plan(Hq, k.shape[2], len(lens_q), _hybrid_api(layout))
+    n = sum(lens_q)
+    state = state_dtype(q.dtype)
+    q_r = q.new_empty(B, n, plan.q_per, D)
+    k_r, v_r = (t.new_empty(B, ring_len, plan.kv_per, t.shape[3]) for t in (k, v))
+    m, l = (q.new_empty(B, plan.q_per, n, dtype=state) for _ in range(2))
+    lse = q.new_empty(B, Hq, L if return_lse else 0, dtype=state)
+    key_bias = q.new_empty((B, ring_len) if key_padding_mask is not None else (0,), dtype=state)
+    out, out_r = q.new_empty(B, L, Hq, v.shape[3]), q.new_empty(B, n, plan.q_per, v.shape[3])
+    return out, lse, q_r, k_r, v_r, out_r, m, l, key_bias, torch.empty((), dtype=torch.int64)
+
+
+@torch.library.custom_op(f"{NAMESPACE}::hybrid_bwd", mutates_args=())
+def hybrid_bwd(
+    q_r: torch.Tensor,
+    k_r: torch.Tensor,
+    v_r: torch.Tensor,
+    out_r: torch.Tensor,
+    m: torch.Tensor,
+    l: torch.Tensor,
+    key_bias: torch.Tensor | None,
+    dout: torch.Tensor | None,
+    dlse: torch.Tensor | None,
+    group_name: str,
+    head_group_name: str,
+    left: int,
+    right: int,
+    scale: float,
+    dropout_p: float,
+    seed: torch.Tensor,
+    layout: str,
+    grad_chunks: int,
+    grad_accum: torch.dtype | None,
+    backend: str,
+    lens_q: list[int],
+    lens_k: list[int],
+    return_lse: bool,
+    q_len: int,
+    kv_len: int,
+    kv_heads: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dq (B, q_len, Hq, D), dk, dv (B, kv_len, kv_heads, D) of hybrid_fwd (this rank's tokens),
+    given its ring tensors and the gradients of out and lse (None: zeros); seed: the one
+    hybrid_fwd used."""
+    from . import hybrid
+
+    group, head_group, comm = _grid_run(group_name, head_group_name)
+    U = len(lens_q)
+    spec, plan = _hybrid_spec(
+        left, right, scale, dropout_p, seed, layout, grad_chunks, grad_accum, U * q_r.shape[2], kv_heads, head_group
+    )
+    saved = (q_r, k_r, v_r, out_r, m, l, key_bias)
+    with local.use_backend(_backend(backend, q_r.device)):
+        return hybrid.hybrid_backward(
+            saved, dout, dlse, spec, comm, plan, head_group, lens_q, lens_k, q_len, kv_len, return_lse
+        )
+
+
+@hybrid_bwd.register_fake
+def _(q_r, k_r, v_r, *args):
+    lens_q, q_len, kv_len, kv_heads = args[17], *args[20:23]
+    B, _, h, D = q_r.shape
+    dk, dv = (t.new_empty(B, kv_len, kv_heads, t.shape[3]) for t in (k_r, v_r))
+    return q_r.new_empty(B, q_len, len(lens_q) * h, D), dk, dv
+
+
+def _hybrid_setup(ctx, inputs, output):
+    q, k, _, key_padding_mask, _, *names_and_args = inputs
+    group_name, head_group_name, left, right, scale, dropout_p, _, layout, grad_chunks, grad_accum, backend = (
+        names_and_args[:11]
+    )
+    lens_q, lens_k, _, return_lse, _ = names_and_args[11:]
+    ctx.names_and_args = (group_name, head_group_name, left, right, scale, dropout_p)
+    ctx.rest = (layout, grad_chunks, grad_accum, backend, lens_q, lens_k, return_lse, q.shape[1], *k.shape[1:3])
+    ctx.has_mask = key_padding_mask is not None
+    ctx.set_materialize_grads(False)  # the ring tensors' gradients are never used
+    _, _, q_r, k_r, v_r, out_r, m, l, key_bias, seed = output
+    ctx.save_for_backward(q_r, k_r, v_r, out_r, m, l, key_bias, seed)
+
+
+def _hybrid_backward(ctx, dout, dlse, *unused):
+    q_r, k_r, v_r, out_r, m, l, key_bias, seed = ctx.saved_tensors
+    key_bias = key_bias if ctx.has_mask else None
+    dq, dk, dv = hybrid_bwd(q_r, k_r, v_r, out_r, m, l, key_bias, dout, dlse, *ctx.names_and_args, seed, *ctx.rest)
+    return (dq, dk, dv) + (None,) * 18
+
+
+hybrid_fwd.register_autograd(_hybrid_backward, setup_context=_hybrid_setup)

@@ -434,7 +434,7 @@ def check_packed_call(
         if tuple(cu) != layout.cu_seqlens:
             raise ValueError(f"{api}: cu_seqlens {cu[:6]}... is not the one the layout was built from")
     u, U = head_pieces
-    n = layout.local_len(rank) if U == 1 else layout.head_pieces(rank, U).local_len(u)
+    n = layout.local_len(rank) if U == 1 else layout.head_piece_lens(rank, U)[u]
     if q.shape[0] != n or k.shape[0] != n:
         where = f"rank {rank}" if U == 1 else f"ring position {rank}, head-group rank {u}"
         raise ValueError(f"{api}: the layout gives {where} {n} tokens, got q {tuple(q.shape)} and k {tuple(k.shape)}")

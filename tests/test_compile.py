@@ -2,7 +2,7 @@
 the compiled forward and backward give exactly the eager results (the attention runs as one
 opaque operator either way, so the same arithmetic runs; aot_eager keeps the surrounding ops
 eager too). CPU: the torch backend and the Triton kernels under the interpreter; the ring over
-gloo with 2 processes."""
+gloo with 2 processes; a head_group on a 2 x 2 grid of 4."""
 
 import copy
 import shutil
@@ -15,6 +15,8 @@ from torch._dynamo.utils import counters
 
 import ringflash
 from ringflash.nn import RingMultiheadAttention
+
+from ring_cases import TORCH
 
 BACKENDS = pytest.mark.parametrize("backend", ["torch", "triton"], indirect=True)
 
@@ -232,6 +234,86 @@ def test_ring_fullgraph_two_ranks(worlds):
     and as a list), no graph break, disagreeing ranks raise on every rank (a cu_seqlens that is
     not the layout's on one rank too), the encoder layer on the ring."""
     worlds(2).run(_ring_compiled)
+
+
+# ----------------------------------------------------------------------------- hybrid, 2 x 2 grid
+
+
+def _hybrid_compiled(rank, world):
+    from hybrid_cases import grid
+
+    torch.set_num_threads(1)
+    group, head_group = grid(2, 2)
+    kw = dict(group=group, head_group=head_group)
+    g = torch.Generator().manual_seed(0)
+    sh = lambda t, **a: ringflash.shard(t, **kw, **a)
+    # GQA with Hkv = U: the kv heads split over the head group; causal zigzag, lse returned
+    q, k, v = (torch.randn(2, 32, h, 16, generator=g) for h in (4, 2, 2))
+    leaves = [sh(t).requires_grad_() for t in (q, k, v)]
+    f = lambda q, k, v: ringflash.ring_flash_attn_func(q, k, v, causal=True, return_lse=True, **kw)
+    got_out, got_grads = _run(_compile(f), leaves)
+    want_out, want_grads = _run(f, leaves)
+    _assert_equal(got_out + got_grads, want_out + want_grads)
+    _no_graph_break()
+    # Hkv < U in 16-bit (the kv head replicated, its gradients summed in float32 and rounded
+    # once), a key padding mask, dropout on the grid's first rank's seed
+    q, k, v = (torch.randn(1, 32, h, 16, generator=g, dtype=torch.float16) for h in (4, 1, 1))
+    pad = torch.rand(1, 32, generator=g) < 0.2
+    pad[:, 0] = False
+    pad_l = sh(pad)
+    leaves = [sh(t).requires_grad_() for t in (q, k, v)]
+    fd = lambda q, k, v: ringflash.ring_flash_attn_func(
+        q, k, v, layout="contiguous", key_padding_mask=pad_l, dropout_p=0.25, return_lse=True, **kw
+    )
+    cf = _compile(fd)
+    torch.manual_seed(7 + rank)  # the ranks draw different seeds: they agree on the first rank's
+    got_out, got_grads = _run(cf, leaves)
+    torch.manual_seed(7 + rank)
+    want_out, want_grads = _run(fd, leaves)
+    _assert_equal(got_out + got_grads, want_out + want_grads)
+    _no_graph_break()
+    # one rank's shard is shorter: the grid agreement inside the operator raises on every rank
+    q, k = torch.randn(1, 8, 4, 16, generator=g), torch.randn(1, 8, 2, 16, generator=g)
+    bad = (q[:, :4], k[:, :4]) if rank == 0 else (q, k)
+    pattern = "q local length: rank 0=4, rank 1=8"
+    with pytest.raises(ValueError, match=pattern):
+        ringflash.ring_flash_attn_func(bad[0], bad[1], bad[1], causal=True, **kw)  # eager, for the message
+    cf = _compile(lambda q, k: ringflash.ring_flash_attn_func(q, k, k, causal=True, **kw))
+    with pytest.raises(ValueError, match=pattern):
+        cf(*bad)
+    # packed documents (cu_seqlens a tensor: its values checked inside the operator), pieces of
+    # unequal length; one rank's cu_seqlens wrong: every rank raises
+    cu = torch.tensor([0, 5, 6, 26, 26, 31], dtype=torch.int32)
+    layout = ringflash.balanced_layout(cu, 2, causal=True)
+    q, k, v = (torch.randn(31, h, 16, generator=g) for h in (4, 2, 2))
+    packed = [sh(t, layout=layout, dim=0).requires_grad_() for t in (q, k, v)]
+    wrong = cu.clone()
+    wrong[1] += rank == 3
+    fv = lambda q, k, v, cu: ringflash.ring_flash_attn_varlen_func(
+        q, k, v, cu, layout=layout, causal=True, return_lse=True, **kw
+    )
+    cf = _compile(fv)
+    got_out, got_grads = _run(lambda *t: cf(*t, cu), packed)
+    want_out, want_grads = _run(lambda *t: fv(*t, cu), packed)
+    _assert_equal(got_out + got_grads, want_out + want_grads)
+    _no_graph_break()
+    with pytest.raises(ValueError, match="is not the one the layout was built from"):
+        cf(*packed, wrong)
+    dist.barrier()
+    return packed[0].shape[0]
+
+
+def test_hybrid_fullgraph_2x2(worlds):
+    """ring_flash_attn_func / ring_flash_attn_varlen_func with a head_group compiled with
+    fullgraph on a 2 x 2 grid of gloo ranks: compiled == eager (out, lse, dq, dk, dv), no
+    graph break; kv heads split (Hkv = U) and replicated (Hkv < U, float16) with a padding mask
+    and dropout; packed documents; a disagreement or a wrong cu_seqlens on one rank raises on
+    every rank."""
+    lens = worlds(4, **TORCH).run(_hybrid_compiled)
+    layout = ringflash.balanced_layout([0, 5, 6, 26, 26, 31], 2, causal=True)
+    pieces = [[layout.head_pieces(r, 2).local_len(u) for u in range(2)] for r in range(2)]
+    assert lens == [n for row in pieces for n in row] and any(a != b for a, b in pieces)  # unequal pieces
+    assert [list(layout.head_piece_lens(r, 2)) for r in range(2)] == pieces  # what the traced call uses
 
 
 def test_renamed_copy_registers_its_own_operators(tmp_path):

@@ -571,7 +571,8 @@ def _hybrid(rank, world):
     """apply / shard_inputs / allreduce_grads with a head_group on a 2 x 2 grid (hybrid_cases.grid:
     rings {0, 2} and {1, 3}, head groups {0, 1} and {2, 3}). The loss summed over the 4 ranks and
     every gradient summed over the grid against one process (CASES_HYBRID); a sliding window and
-    dropout flow through to the ring; what does not fit the grid raises."""
+    dropout flow through to the ring; what does not fit the grid raises; compiled with
+    fullgraph, the eager results."""
     from torch.distributed.device_mesh import init_device_mesh
 
     from ringflash import local_positions
@@ -652,6 +653,21 @@ def _hybrid(rank, world):
     )
     local = dict(input_ids=batch["input_ids"], position_ids=packed[:, pos])
     _raises(NotImplementedError, "packed sequences", lambda: m(**local))
+
+    # torch.compile(fullgraph=True) of the applied model on the grid: no graph break, and this
+    # rank's loss and gradients exactly the eager model's (the same hybrid operators run)
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    runs = []
+    for fn in (m, torch.compile(m, fullgraph=True, backend="aot_eager")):
+        m.zero_grad(set_to_none=True)
+        loss = fn(**batch).loss
+        loss.backward()
+        runs.append([loss.detach()] + [p.grad.clone() for p in m.parameters() if p.grad is not None])
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    assert all(torch.equal(a, b) for a, b in zip(*runs, strict=True))
 
 
 def _world4(rank, world):
