@@ -237,6 +237,31 @@ def _cu_seqlens_error(cu_seqlens, layout: str, api: str):
     return ValueError(f"{api}: cu_seqlens {list(cu[:6])}... is not the one the layout was built from")
 
 
+def _agreed(agree, cu_seqlens, layout: str, device, seed, group, head_group=None):
+    """What a ring operator checks before its first exchange: cu_seqlens against the layout,
+    and (agree non-empty: the compiled path) this rank's signature against every rank's of the
+    ring, or of the grid with a head group, so that one rank's error raises on every rank.
+    Returns the seed every rank uses, the first rank's over the ring then the head group (None
+    without dropout; the seed as given without a process group)."""
+    from . import ring
+    from .comm import agree_across_grid, agree_across_ranks
+
+    api = _api_name(layout)
+    error = _cu_seqlens_error(cu_seqlens, layout, api)
+    if agree:
+        fields = dict(zip(ring._FIELD_NAMES, agree))
+        if head_group is None:
+            agree_across_ranks(group, fields, error, api, device=device, show=ring._show_field)
+        else:
+            agree_across_grid(group, head_group, fields, error, api, device=device, show=ring._show_field)
+    elif error is not None:
+        raise error
+    if seed is None or group is None:
+        return seed
+    groups = (group,) if head_group is None else (group, head_group)
+    return torch.tensor(first_ranks_seed(int(seed), device, *groups), dtype=torch.int64)
+
+
 @torch.library.custom_op(f"{NAMESPACE}::ring_fwd", mutates_args=())
 def ring_fwd(
     q: torch.Tensor,
@@ -267,17 +292,7 @@ def ring_fwd(
     from . import ring
 
     comm, group = _ring_run(group_name)
-    api = "ring_flash_attn_varlen_func" if layout.startswith(CODE_PREFIX) else "ring_flash_attn_func"
-    error = _cu_seqlens_error(cu_seqlens, layout, api)
-    if agree:
-        from .comm import agree_across_ranks
-
-        fields = dict(zip(ring._FIELD_NAMES, agree))
-        agree_across_ranks(group, fields, error, api, device=q.device, show=ring._show_field)
-    elif error is not None:
-        raise error
-    if seed is not None and group_name:
-        seed = torch.tensor(first_ranks_seed(int(seed), q.device, group), dtype=torch.int64)
+    seed = _agreed(agree, cu_seqlens, layout, q.device, seed, group)
     ctx = _Saved()
     spec = _ring_spec(left, right, scale, _dropout(dropout_p, seed), layout, grad_chunks, grad_accum)
     with local.use_backend(_backend(backend, q.device)):
@@ -365,7 +380,8 @@ def _grid_run(group_name: str, head_group_name: str):
     return group, head_group, RingComm(group) if group_rank_world(group)[1] > 1 else LocalComm()
 
 
-def _hybrid_api(layout: str) -> str:
+def _api_name(layout: str) -> str:
+    """The public function a ring or hybrid operator runs for (its errors name it)."""
     return "ring_flash_attn_varlen_func" if layout.startswith(CODE_PREFIX) else "ring_flash_attn_func"
 
 
@@ -376,7 +392,7 @@ def _hybrid_spec(left, right, scale, dropout_p, seed, layout, grad_chunks, grad_
     from .hybrid import head_plan
 
     u, U = group_rank_world(head_group)
-    plan = head_plan(q_heads, kv_heads, U, _hybrid_api(layout))
+    plan = head_plan(q_heads, kv_heads, U, _api_name(layout))
     drop = _dropout(dropout_p, seed)
     drop = drop and drop.heads_from(u * plan.q_per)
     return _ring_spec(left, right, scale, drop, layout, grad_chunks, grad_accum), plan
@@ -420,20 +436,10 @@ def hybrid_fwd(
     Returns out (B, lens_q[u], Hq, Dv), lse (B, Hq, lens_q[u]; (B, Hq, 0) without return_lse)
     and for hybrid_bwd the ring's q_r, k_r, v_r, out_r, m, l, key bias ((0,) without a mask)
     and the seed used (an int64 scalar on the CPU, 0 without dropout)."""
-    from . import hybrid, ring
+    from . import hybrid
 
     group, head_group, comm = _grid_run(group_name, head_group_name)
-    api = _hybrid_api(layout)
-    error = _cu_seqlens_error(cu_seqlens, layout, api)
-    if agree:
-        from .comm import agree_across_grid
-
-        fields = dict(zip(ring._FIELD_NAMES, agree))
-        agree_across_grid(group, head_group, fields, error, api, device=q.device, show=ring._show_field)
-    elif error is not None:
-        raise error
-    if seed is not None:  # the grid's first rank's: over the ring, then over the head group
-        seed = torch.tensor(first_ranks_seed(int(seed), q.device, group, head_group), dtype=torch.int64)
+    seed = _agreed(agree, cu_seqlens, layout, q.device, seed, group, head_group)
     spec, plan = _hybrid_spec(
         left, right, scale, dropout_p, seed, layout, grad_chunks, grad_accum, q.shape[2], k.shape[2], head_group
     )
@@ -456,7 +462,7 @@ def _(q, k, v, key_padding_mask, cu_seqlens, group_name, head_group_name, *args)
 
     layout, lens_q, ring_len, return_lse = args[5], args[9], args[11], args[12]
     B, L, Hq, D = q.shape
-    plan = head_plan(Hq, k.shape[2], len(lens_q), _hybrid_api(layout))
+    plan = head_plan(Hq, k.shape[2], len(lens_q), _api_name(layout))
     n = sum(lens_q)
     state = state_dtype(q.dtype)
     q_r = q.new_empty(B, n, plan.q_per, D)
