@@ -138,35 +138,37 @@ def check_cu_tensor(name: str, cu, device, api: str) -> None:
 
 
 def check_cu_seqlens(cu_q, cu_k, total_q: int, total_k: int, device, api: str):
-    """Validate packed documents' boundaries: (cu_q, cu_k) int64 on `device`, each starting at
-    0, non-decreasing, ending at its total, with as many documents on both sides."""
-    out = []
-    for name, cu, total in (("cu_seqlens_q", cu_q, total_q), ("cu_seqlens_k", cu_k, total_k)):
+    """Validate packed documents' boundaries, each starting at 0, non-decreasing, ending at its
+    total, with as many documents on both sides. Returns their values as two tuples of ints,
+    read to the host in one copy (for tensors on a GPU: one wait for its queue)."""
+    for name, cu in (("cu_seqlens_q", cu_q), ("cu_seqlens_k", cu_k)):
         check_cu_tensor(name, cu, device, api)
-        values = cu.tolist()
+    both = torch.cat([cu_q.long(), cu_k.long()]).tolist()
+    values_q, values_k = tuple(both[: cu_q.numel()]), tuple(both[cu_q.numel() :])
+    for name, values, total in (("cu_seqlens_q", values_q, total_q), ("cu_seqlens_k", values_k, total_k)):
         if values[0] != 0:
-            raise ValueError(f"{api}: {name} must start at 0, got {values[:4]}...")
+            raise ValueError(f"{api}: {name} must start at 0, got {list(values[:4])}...")
         steps = [b - a for a, b in zip(values, values[1:])]
         if any(d < 0 for d in steps):
             i = next(i for i, d in enumerate(steps) if d < 0)
             raise ValueError(f"{api}: {name} must be non-decreasing, got {values[i]} then {values[i + 1]} at {i}")
         if values[-1] != total:
             raise ValueError(f"{api}: {name} must end at the total length {total}, got {values[-1]}")
-        out.append(cu.long())
-    if out[0].numel() != out[1].numel():
+    if len(values_q) != len(values_k):
         raise ValueError(
             f"{api}: cu_seqlens_q and cu_seqlens_k must describe as many documents, got "
-            f"{out[0].numel() - 1} and {out[1].numel() - 1}"
+            f"{len(values_q) - 1} and {len(values_k) - 1}"
         )
-    return out[0], out[1]
+    return values_q, values_k
 
 
-def check_max_seqlen(max_seqlen, cu, name: str, api: str) -> None:
-    """A max_seqlen hint must be an int at least the longest document (it is never trusted)."""
+def check_max_seqlen(max_seqlen, cu: tuple, name: str, api: str) -> None:
+    """A max_seqlen hint must be an int at least the longest document (it is never trusted);
+    cu: the documents' boundaries as check_cu_seqlens returns them."""
     if max_seqlen is None:
         return
     if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, int):
         raise TypeError(f"{api}: {name} must be an int or None, got {type(max_seqlen).__name__}")
-    longest = int((cu[1:] - cu[:-1]).max()) if cu.numel() > 1 else 0
+    longest = max((b - a for a, b in zip(cu, cu[1:])), default=0)
     if max_seqlen < longest:
         raise ValueError(f"{api}: {name} = {max_seqlen} is smaller than the longest document ({longest})")

@@ -13,6 +13,7 @@ mask applies). Pure Python and torch; no kernels, no distributed code.
 from __future__ import annotations
 
 import enum
+import functools
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -152,6 +153,16 @@ def document_bounds(cu_q: torch.Tensor, cu_k: torch.Tensor, window: Window) -> R
     q_lo = torch.minimum(q_lo, q_hi.clamp(min=cu_q[doc_k]))
     q_hi = torch.maximum(q_hi, q_lo)
     return RowBounds(*(t.to(torch.int32) for t in (k_lo, k_hi, q_lo, q_hi)))
+
+
+@functools.lru_cache(maxsize=8)
+def packed_bounds(values_q: tuple, values_k: tuple, window: Window, device: torch.device) -> RowBounds:
+    """document_bounds of the documents whose boundaries are values_q / values_k (tuples of
+    ints, as check_cu_seqlens returns them), on `device`. Cached by those values: the layers of
+    a model over one packed batch, and each forward's backward, build them once (a few int32
+    per row, 16 bytes per token; the last 8 kept)."""
+    as_tensor = lambda values: torch.tensor(values, dtype=torch.int64, device=device)  # noqa: E731
+    return document_bounds(as_tensor(values_q), as_tensor(values_k), window)
 
 
 def visible_pairs(cu_q, cu_k, window: Window) -> int:

@@ -37,7 +37,7 @@ from . import local
 from ._checks import check_cu_seqlens, check_max_seqlen
 from .balance import CODE_PREFIX, layout_from_code
 from .dropout import Dropout, first_ranks_seed
-from .masks import BlockMask, Window, document_bounds
+from .masks import BlockMask, Window, packed_bounds
 from .merge import state_dtype
 
 # The operators' namespace is the package's import name: a copy of the package imported under
@@ -72,10 +72,19 @@ def _backend(name: str, device) -> str:
     return name or local.backend_name(device)
 
 
-def _mask(q_start, k_start, left, right, cu_q, cu_k) -> BlockMask:
+def _mask(q_start, k_start, left, right, cu_values=None, device=None) -> BlockMask:
+    """cu_values: packed documents' (cu_q, cu_k) as tuples of ints (check_cu_seqlens), or None."""
     window = _window(left, right)
-    bounds = None if cu_q is None else document_bounds(cu_q, cu_k, window)
+    bounds = None if cu_values is None else packed_bounds(*cu_values, window, device)
     return BlockMask(q_start, k_start, window, bounds)
+
+
+def _cu_values(cu_q, cu_k):
+    """The (already validated) boundaries as tuples, in one host read; None without documents."""
+    if cu_q is None:
+        return None
+    both = torch.cat([cu_q.long(), cu_k.long()]).tolist()
+    return tuple(both[: cu_q.numel()]), tuple(both[cu_q.numel() :])
 
 
 def _dropout(dropout_p: float, seed) -> Dropout | None:
@@ -123,12 +132,13 @@ def flash_fwd(
     torch.compile. dropout_p, seed (an int64 scalar tensor, or None: no dropout): attention
     dropout (ringflash.dropout). Returns out (B, Sq, Hq, Dv), lse, m, l (B, Hq, Sq) in the state
     dtype."""
+    cu_values = None
     if cu_q is not None:
         api = "flash_attn_varlen_func"
-        cu_q, cu_k = check_cu_seqlens(cu_q, cu_k, q.shape[1], k.shape[1], q.device, api)
-        check_max_seqlen(None if max_q < 0 else max_q, cu_q, "max_seqlen_q", api)
-        check_max_seqlen(None if max_k < 0 else max_k, cu_k, "max_seqlen_k", api)
-    ctx, mask = _Saved(), _mask(q_start, k_start, left, right, cu_q, cu_k)
+        cu_values = check_cu_seqlens(cu_q, cu_k, q.shape[1], k.shape[1], q.device, api)
+        check_max_seqlen(None if max_q < 0 else max_q, cu_values[0], "max_seqlen_q", api)
+        check_max_seqlen(None if max_k < 0 else max_k, cu_values[1], "max_seqlen_k", api)
+    ctx, mask = _Saved(), _mask(q_start, k_start, left, right, cu_values, q.device)
     with local.use_backend(_backend(backend, q.device)):
         out, lse = local._FlashAttn.forward(ctx, q, k, v, key_bias, mask, scale, _dropout(dropout_p, seed))
     m, l = ctx.saved_tensors[4:6]
@@ -167,7 +177,7 @@ def flash_bwd(
     with local.use_backend(name):
         ctx = _Saved(
             saved_tensors=(q, k, v, out, m, l, key_bias),
-            mask=_mask(q_start, k_start, left, right, cu_q, cu_k),
+            mask=_mask(q_start, k_start, left, right, _cu_values(cu_q, cu_k), q.device),
             scale=scale,
             backend=local.backend_for(q.device),
             dropout=_dropout(dropout_p, seed),

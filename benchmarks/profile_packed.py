@@ -1,0 +1,59 @@
+"""Where a packed-document call's time goes on one GPU: wall time per call beside the kernels'
+own time (torch.profiler), for many short documents and the long-tailed mix.
+
+    python -m benchmarks.profile_packed > profile_packed.txt
+
+Diagnostic, not a benchmark: the profiler's tables are printed as they come. Wall time well
+above the kernels' time means host work (checks, mask building, launches) decides the speed.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+import ringflash
+from benchmarks.packed import document_lengths
+
+
+def main():
+    dev, H, D = "cuda", 32, 128
+    for total, mix in ((16384, "short"), (65536, "short"), (16384, "longtail")):
+        lengths = document_lengths(mix, total, 0)
+        cu = torch.tensor([0, *np.cumsum(lengths)], dtype=torch.int32, device=dev)
+        g = torch.Generator(device=dev).manual_seed(0)
+        q, k, v, do = (torch.randn(total, H, D, device=dev, dtype=torch.bfloat16, generator=g) for _ in range(4))
+        q, k, v = (t.requires_grad_() for t in (q, k, v))
+        for mode in ("fwd", "fwd+bwd"):
+
+            def run():
+                if mode == "fwd":
+                    with torch.no_grad():
+                        ringflash.flash_attn_varlen_func(q, k, v, cu, cu, causal=True)
+                else:
+                    q.grad = k.grad = v.grad = None
+                    ringflash.flash_attn_varlen_func(q, k, v, cu, cu, causal=True).backward(do)
+
+            for _ in range(3):
+                run()
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(20):
+                run()
+            torch.cuda.synchronize()
+            wall = (time.perf_counter() - t0) / 20 * 1e3
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                for _ in range(5):
+                    run()
+                torch.cuda.synchronize()
+            table = prof.key_averages()
+            print(f"=== total {total} mix {mix} docs {len(lengths)} mode {mode}: wall {wall:.3f} ms per call")
+            print(table.table(sort_by="self_device_time_total", row_limit=12, max_name_column_width=60))
+            print(table.table(sort_by="self_cpu_time_total", row_limit=12, max_name_column_width=60))
+
+
+if __name__ == "__main__":
+    main()
