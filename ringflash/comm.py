@@ -56,11 +56,14 @@ def check_backend_device(group, device: torch.device, api: str) -> None:
 
 
 def _exchange_device(group, preferred) -> torch.device:
-    """A device the group's backend can all_gather on, `preferred` when possible."""
-    if isinstance(preferred, torch.device) and _CARRIES.get(_backend_for(group, preferred.type)) == preferred.type:
-        return preferred
+    """The device the small agreement all_gathers run on: the CPU whenever the group carries
+    CPU tensors (gloo, alone or beside NCCL as "cpu:gloo,cuda:nccl"), so that reading the
+    result back never waits for the GPU's queue; else `preferred` if the group carries it,
+    else the current GPU (NCCL alone: a GPU all_gather and a host sync per check)."""
     if _CARRIES.get(_backend_for(group, "cpu")) == "cpu":
         return torch.device("cpu")
+    if isinstance(preferred, torch.device) and _CARRIES.get(_backend_for(group, preferred.type)) == preferred.type:
+        return preferred
     return torch.device("cuda", torch.cuda.current_device())
 
 

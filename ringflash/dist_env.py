@@ -13,13 +13,17 @@ def init_from_env(*, timeout_s: float = 300.0, backend: str | None = None) -> tu
     """Initialize the default process group from torchrun's environment.
 
     Backend: `backend`, else $RINGFLASH_DIST_BACKEND, else "nccl" when CUDA is available and
-    "gloo" otherwise. With NCCL each process takes the GPU of its LOCAL_RANK. Collectives fail
+    "gloo" otherwise. "nccl" is set up as "cpu:gloo,cuda:nccl": NCCL carries the ring's CUDA
+    tensors and gloo the small per-call agreement check, which then never waits for the GPU's
+    queue. With NCCL each process takes the GPU of its LOCAL_RANK. Collectives fail
     after `timeout_s` seconds instead of hanging (a rank that died, a mismatched call).
     Without torchrun's variables (RANK unset) nothing is initialized: one process, world 1.
     Returns (rank, world_size, device).
     """
     backend = backend or os.environ.get("RINGFLASH_DIST_BACKEND") or ("nccl" if torch.cuda.is_available() else "gloo")
-    use_cuda = backend == "nccl"
+    if backend == "nccl":
+        backend = "cpu:gloo,cuda:nccl"
+    use_cuda = "nccl" in backend
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
     if use_cuda:

@@ -224,3 +224,9 @@ def test_compile_train_smoke(tmp_path):
     pytest.importorskip("transformers")
     out = run([sys.executable, "-m", "benchmarks.compile_train", "--smoke"], tmp_path)
     assert "graph breaks 0" in out and out.strip().splitlines()[-1].startswith("verdict: OK"), out
+
+
+def test_check_overhead_smoke(tmp_path):
+    run([sys.executable, "-m", "benchmarks.check_overhead", "--smoke", "--json", str(tmp_path / "c.json")], tmp_path)
+    data = json.loads((tmp_path / "c.json").read_text())
+    assert data["rows"][0]["gloo_alone_us"] > 0
