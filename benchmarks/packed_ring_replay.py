@@ -1,0 +1,152 @@
+"""Packed documents on the ring, every rank's schedule replayed on one GPU (no network).
+
+    python -m benchmarks.packed_ring_replay --json benchmarks/results/packed_ring_replay_h200.json
+    python -m benchmarks.packed_ring_replay --smoke          # tiny CPU run (CI keeps it working)
+
+For each total length and ring size P, one long-tailed document mix (lengths log-uniform in
+[128, 32768], numpy default_rng(--seed), the last cut to fit; benchmarks.packed.document_lengths)
+is laid out by ringflash.balanced_layout(cu_seqlens, P) (causal; --window W adds a causal window
+of W keys, window_size=(W - 1, 0)). Each rank r's forward+backward runs on this GPU as
+ring_flash_attn_varlen_func would run it, the K/V blocks of the other ranks copied in
+(ringflash.testing.ReplayComm) instead of received. Reported per (S, P):
+  max/mean   the busiest rank's replayed time over the mean rank's (1.00: even)
+  eff        single-GPU flash_attn_varlen_func forward+backward on the whole batch / P, over the
+             busiest rank's replayed time: the ring efficiency before any communication
+  hops       ring steps that send K/V (layout.hops - 1), and the bytes each rank sends: hops x
+             the longest shard's K/V (the ring sends blocks padded to it)
+  pred       the layout's own prediction of max/mean from its visible pairs (layout.work)
+Times are CUDA-event medians of --repeats runs after a warm-up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+import ringflash
+from benchmarks.common import device_name, write_json
+from benchmarks.packed import document_lengths
+from ringflash.ring import _RingAttn, check_packed_call
+from ringflash.testing import ReplayComm
+
+
+def timed(fn, device, repeats):
+    fn()
+    times = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def replay_rank(q, k, v, do, cu, layout, rank, world, window):
+    """One forward+backward of `rank`'s ring schedule; returns a callable."""
+    idx = [layout.positions(r, device=q.device) for r in range(world)]
+    pad = lambda t: torch.nn.functional.pad(t, (0, 0, 0, 0, 0, layout.max_local_len - t.shape[0]))  # noqa: E731
+    blocks = [(pad(k[i])[None], pad(v[i])[None]) for i in idx]
+    ql = q[idx[rank]].detach().requires_grad_()
+    kl, vl = blocks[rank][0].detach().requires_grad_(), blocks[rank][1].detach().requires_grad_()
+    dol = do[idx[rank]][None]
+    _, spec = check_packed_call(
+        ql, k[idx[rank]], v[idx[rank]], cu, layout, True, None, window, False, None, None, 0.0, None,
+        "ring_flash_attn_varlen_func", world, rank,
+    )  # fmt: skip
+
+    def run():
+        ql.grad = kl.grad = vl.grad = None
+        out, _ = _RingAttn.apply(ql[None], kl, vl, None, spec, ReplayComm(rank, world, blocks, record=False))
+        out.backward(dol)
+
+    return run
+
+
+def measure(args, device, dtype):
+    rows = []
+    for total in args.totals:
+        lengths = document_lengths("longtail", total, args.seed)
+        cu_list = [0, *np.cumsum(lengths).tolist()]
+        cu = torch.tensor(cu_list, dtype=torch.int32, device=device)
+        g = torch.Generator(device=device).manual_seed(0)
+        mk = lambda h: torch.randn(total, h, args.head_dim, device=device, dtype=dtype, generator=g)  # noqa: E731
+        q, k, v, do = mk(args.heads), mk(args.kv_heads), mk(args.kv_heads), mk(args.heads)
+        window = (-1, -1) if args.window is None else (args.window - 1, 0)
+        qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
+
+        def single():
+            qg.grad = kg.grad = vg.grad = None
+            ringflash.flash_attn_varlen_func(qg, kg, vg, cu, cu, causal=True, window_size=window).backward(do)
+
+        single_ms = timed(single, device, args.repeats)
+        for world in args.worlds:
+            layout = ringflash.balanced_layout(cu_list, world, causal=True, window_size=window)
+            per_rank = [
+                timed(replay_rank(q, k, v, do, cu, layout, r, world, window), device, args.repeats)
+                for r in range(world)
+            ]
+            work = [sum(layout.work(r, s) for s in range(world)) for r in range(world)]
+            hops = layout.hops - 1
+            kv_bytes = layout.max_local_len * args.kv_heads * args.head_dim * 2 * q.element_size()
+            row = dict(
+                total=total,
+                world=world,
+                docs=len(lengths),
+                window=args.window,
+                single_ms=single_ms,
+                rank_ms=per_rank,
+                max_over_mean=max(per_rank) / statistics.mean(per_rank),
+                efficiency=single_ms / world / max(per_rank),
+                predicted_max_over_mean=max(work) / statistics.mean(work),
+                hops=hops,
+                bytes_sent_per_rank=hops * kv_bytes,
+                local_lens=[layout.local_len(r) for r in range(world)],
+            )
+            rows.append(row)
+            print(
+                f"S={total:>7} P={world} docs={len(lengths):>3} window={args.window}: ranks "
+                + " ".join(f"{t:.2f}" for t in per_rank)
+                + f" ms; max/mean {row['max_over_mean']:.3f} (pred {row['predicted_max_over_mean']:.3f}); "
+                f"single/P {single_ms / world:.2f} ms, eff {row['efficiency']:.3f}; hops {hops}, "
+                f"{row['bytes_sent_per_rank'] / 2**20:.1f} MiB sent per rank",
+                flush=True,
+            )
+    return rows
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--totals", type=int, nargs="+", default=[131072, 524288])
+    ap.add_argument("--worlds", type=int, nargs="+", default=[2, 4, 8])
+    ap.add_argument("--heads", type=int, default=32)
+    ap.add_argument("--kv-heads", type=int, default=32)
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--window", type=int, default=None, help="a causal window of this many keys")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--json", type=Path)
+    ap.add_argument("--smoke", action="store_true", help="tiny CPU sizes")
+    args = ap.parse_args()
+    device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    if args.smoke:
+        args.totals, args.worlds, args.heads, args.kv_heads, args.head_dim, args.repeats = [512], [2], 2, 1, 16, 1
+    print(f"packed ring replay on {device_name(device)}: H={args.heads}/{args.kv_heads}, D={args.head_dim}, {dtype}")
+    rows = measure(args, device, dtype)
+    if args.json:
+        meta = dict(
+            vars(args), json=None, device=device_name(device), torch=torch.__version__, date=time.strftime("%Y-%m-%d")
+        )
+        write_json(args.json, {"meta": meta, "rows": rows})
+
+
+if __name__ == "__main__":
+    main()
