@@ -68,11 +68,9 @@ def test_any_fold_order_equals_one_pass(backend, causal):
     q, k, v = _qkv(S, seed=1)
     (ref, ref_lse), (plain, plain_lse) = _ref_and_plain(q, k, v, causal=causal)
     blocks = _split(S, 5, seed=2)
-    orders = {
-        "sequential": list(range(5)),
-        "reversed": list(range(5))[::-1],
-        "shuffled": random.Random(3).sample(range(5), 5),
-    }
+    orders = {"sequential": list(range(5)), "shuffled": random.Random(3).sample(range(5), 5)}
+    if backend == "torch":  # the interpreter's launches take seconds: its folds are checked in two orders and a tree
+        orders["reversed"] = list(range(5))[::-1]
     results = {name: _fold(q, k, v, blocks, order, causal) for name, order in orders.items()}
     results["tree"] = _tree_fold(q, k, v, blocks, causal)
     results["one pass"] = _fold(q, k, v, [(0, S)], [0], causal)

@@ -77,7 +77,11 @@ MIXES = {
 @pytest.mark.parametrize("causal,window_size", [(True, (-1, -1)), (False, (-1, -1)), (True, (4, 0)), (False, (2, 7))])
 def test_varlen_against_float64(backend, mix, causal, window_size):
     len_q, len_k = MIXES[mix]
-    for dtype in _dtypes(backend):
+    dtypes = _dtypes(backend)
+    if backend == "triton":  # the interpreter takes seconds per launch: one dtype per case, by parity, so
+        # that each dtype meets every mix, causal and not
+        dtypes = [dtypes[(list(MIXES).index(mix) + causal + window_size[0]) % 2]]
+    for dtype in dtypes:
         _check_varlen(len_q, len_k or len_q, causal, window_size, dtype=dtype, seed=len(len_q))
 
 
