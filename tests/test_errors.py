@@ -205,3 +205,34 @@ def test_device_mismatch_named():
     q = _t(1, 4, 2, 16)
     with pytest.raises(ValueError, match="one device.*meta"):
         flash_attn_func(q, q.to("meta"), q)
+
+
+def test_agreement_exchange_prefers_the_cpu(monkeypatch):
+    """The rank-agreement all_gather runs on the CPU whenever the group carries CPU tensors
+    (gloo beside NCCL), so reading it back never waits for the GPU; NCCL alone: the GPU."""
+    from ringflash import comm
+
+    cases = {"cpu:gloo,cuda:nccl": "cpu", "gloo": "cpu", "nccl": "cuda"}
+    for backend, want in cases.items():
+        monkeypatch.setattr(comm.dist, "get_backend", lambda group=None, b=backend: b)
+        monkeypatch.setattr(comm, "resolve_group", lambda group: group)
+        monkeypatch.setattr(comm.torch.cuda, "current_device", lambda: 0)
+        assert comm._exchange_device(None, torch.device("cuda", 0)).type == want, backend
+
+
+def test_init_from_env_sets_nccl_up_beside_gloo(monkeypatch):
+    """init_from_env's "nccl" is "cpu:gloo,cuda:nccl" (the agreement check on the CPU side)."""
+    from ringflash import dist_env
+
+    seen = {}
+    monkeypatch.setattr(dist_env.dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(dist_env.dist, "init_process_group", lambda backend, **kw: seen.update(backend=backend))
+    monkeypatch.setattr(dist_env.dist, "get_rank", lambda: 0)
+    monkeypatch.setattr(dist_env.dist, "get_world_size", lambda: 1)
+    monkeypatch.setattr(dist_env.torch.cuda, "set_device", lambda device: None)
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    dist_env.init_from_env(backend="nccl")
+    assert seen["backend"] == "cpu:gloo,cuda:nccl"
+    dist_env.init_from_env(backend="gloo")
+    assert seen["backend"] == "gloo"
