@@ -255,7 +255,7 @@ def flash_attn_func(
         out, lse = empty_attention(q, k, v)
         return (out, lse) if return_lse else out
     q_start, k_start = local_offsets(dims.seqlen_q, dims.seqlen_k)
-    out, lse, _, _ = ops.flash_fwd(
+    out, lse = ops.flash(
         q, k, v, key_bias, None, None, q_start, k_start, *ops.window_args(window), scale,
         *operator_dropout(dropout_p, generator), _op_backend(q), -1, -1,
     )  # fmt: skip
@@ -310,7 +310,7 @@ def flash_attn_varlen_func(
         return (out[0], lse[0]) if return_lse else out[0]
     # cu_seqlens' values (and the hints against them) are checked inside the operator, where
     # they are known under torch.compile too, before any kernel
-    out, lse, _, _ = ops.flash_fwd(
+    out, lse = ops.flash(
         q[None], k[None], v[None], None, cu_seqlens_q, cu_seqlens_k, 0, 0, *ops.window_args(window), scale,
         *operator_dropout(dropout_p, generator), _op_backend(q), *hints,
     )  # fmt: skip

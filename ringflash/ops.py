@@ -132,17 +132,37 @@ def flash_fwd(
     torch.compile. dropout_p, seed (an int64 scalar tensor, or None: no dropout): attention
     dropout (ringflash.dropout). Returns out (B, Sq, Hq, Dv), lse, m, l (B, Hq, Sq) in the state
     dtype."""
+    ctx, mask = _Saved(), _flash_mask(q, k, cu_q, cu_k, q_start, k_start, left, right, max_q, max_k)
+    with local.use_backend(_backend(backend, q.device)):
+        out, lse = local._FlashAttn.forward(ctx, q, k, v, key_bias, mask, scale, _dropout(dropout_p, seed))
+    m, l = ctx.saved_tensors[4:6]
+    return out, lse, m.clone(), l  # m and l share one buffer: an operator's outputs may not alias
+
+
+def _flash_mask(q, k, cu_q, cu_k, q_start, k_start, left, right, max_q, max_k) -> BlockMask:
+    """flash_fwd's BlockMask, packed documents' cu_seqlens and max_seqlen hints checked first."""
     cu_values = None
     if cu_q is not None:
         api = "flash_attn_varlen_func"
         cu_values = check_cu_seqlens(cu_q, cu_k, q.shape[1], k.shape[1], q.device, api)
         check_max_seqlen(None if max_q < 0 else max_q, cu_values[0], "max_seqlen_q", api)
         check_max_seqlen(None if max_k < 0 else max_k, cu_values[1], "max_seqlen_k", api)
-    ctx, mask = _Saved(), _mask(q_start, k_start, left, right, cu_values, q.device)
+    return _mask(q_start, k_start, left, right, cu_values, q.device)
+
+
+def flash(q, k, v, key_bias, cu_q, cu_k, q_start, k_start, left, right, scale, dropout_p, seed, backend, max_q, max_k):
+    """(out, lse) of flash_fwd (same arguments), for the public functions. Traced by
+    torch.compile: the operator. Eager: the same forward and backward (local._FlashAttn)
+    without the operator's dispatch, whose host time per call matters at short sequences
+    (benchmarks.host_overhead)."""
+    if torch.compiler.is_compiling():
+        out, lse, _, _ = flash_fwd(
+            q, k, v, key_bias, cu_q, cu_k, q_start, k_start, left, right, scale, dropout_p, seed, backend, max_q, max_k
+        )
+        return out, lse
+    mask = _flash_mask(q, k, cu_q, cu_k, q_start, k_start, left, right, max_q, max_k)
     with local.use_backend(_backend(backend, q.device)):
-        out, lse = local._FlashAttn.forward(ctx, q, k, v, key_bias, mask, scale, _dropout(dropout_p, seed))
-    m, l = ctx.saved_tensors[4:6]
-    return out, lse, m.clone(), l  # m and l share one buffer: an operator's outputs may not alias
+        return local._FlashAttn.apply(q, k, v, key_bias, mask, scale, _dropout(dropout_p, seed))
 
 
 @flash_fwd.register_fake

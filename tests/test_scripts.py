@@ -230,3 +230,9 @@ def test_check_overhead_smoke(tmp_path):
     run([sys.executable, "-m", "benchmarks.check_overhead", "--smoke", "--json", str(tmp_path / "c.json")], tmp_path)
     data = json.loads((tmp_path / "c.json").read_text())
     assert data["rows"][0]["gloo_alone_us"] > 0
+
+
+def test_host_overhead_smoke(tmp_path):
+    run([sys.executable, "-m", "benchmarks.host_overhead", "--smoke", "--json", str(tmp_path / "h.json")], tmp_path)
+    rows = json.loads((tmp_path / "h.json").read_text())["rows"]
+    assert {r["impl"] for r in rows} == {"public", "operator", "backend"} and all(r["fwd_us"] > 0 for r in rows)
