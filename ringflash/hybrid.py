@@ -277,10 +277,7 @@ def hybrid_attn(
         dims, spec, _ = ring_call_spec(
             q, k, v, causal, softmax_scale, layout, key_padding_mask, grad_accum_dtype, grad_chunks, api, window_size
         )
-        plan = head_plan(dims.heads_q, dims.heads_kv, U, api)
-        for g, n in ((group, R), (head_group, U)):
-            if n > 1:
-                check_backend_device(g, q.device, api)
+        _check_grid(group, head_group, R, U, dims.heads_q, dims.heads_kv, grad_chunks, q.device, api)
         if R > 1:
             parts = chunks_per_rank(layout)
             for name, n in (("q", dims.seqlen_q), ("k/v", dims.seqlen_k)):
@@ -289,11 +286,6 @@ def hybrid_attn(
                         f"{api}: {name} local length {n} x head_group size {U} must be a multiple of {parts} "
                         f"for layout {layout!r}"
                     )
-        if grad_chunks is not None and grad_chunks > plan.kv_per:
-            raise ValueError(
-                f"{api}: grad_chunks {grad_chunks} exceeds the {plan.kv_per} k/v head(s) each rank holds "
-                f"with a head_group of {U}"
-            )
         fields = _signature(q, k, v, spec, key_padding_mask is not None, p)
         return fields, (spec, p)
 
@@ -306,6 +298,21 @@ def hybrid_attn(
         return_lse, agree,
     )  # fmt: skip
     return (out, lse) if return_lse else out
+
+
+def _check_grid(group, head_group, R, U, heads_q, heads_kv, grad_chunks, device, api) -> None:
+    """What a call with a head group checks of the grid on this rank: the heads split over U
+    (head_plan), each group's backend carrying `device`, grad_chunks within the kv heads a
+    rank holds."""
+    plan = head_plan(heads_q, heads_kv, U, api)
+    for g, n in ((group, R), (head_group, U)):
+        if n > 1:
+            check_backend_device(g, device, api)
+    if grad_chunks is not None and grad_chunks > plan.kv_per:
+        raise ValueError(
+            f"{api}: grad_chunks {grad_chunks} exceeds the {plan.kv_per} k/v head(s) each rank holds "
+            f"with a head_group of {U}"
+        )
 
 
 def hybrid_varlen_attn(
@@ -329,15 +336,7 @@ def hybrid_varlen_attn(
             q, k, v, cu_seqlens, layout, causal, softmax_scale, window_size, return_lse, grad_accum_dtype,
             grad_chunks, dropout_p, generator, api, R, r, head_pieces=(u, U),
         )  # fmt: skip
-        plan = head_plan(q.shape[1], k.shape[1], U, api)
-        for g, n in ((group, R), (head_group, U)):
-            if n > 1:
-                check_backend_device(g, q.device, api)
-        if grad_chunks is not None and grad_chunks > plan.kv_per:
-            raise ValueError(
-                f"{api}: grad_chunks {grad_chunks} exceeds the {plan.kv_per} k/v head(s) each rank holds "
-                f"with a head_group of {U}"
-            )
+        _check_grid(group, head_group, R, U, q.shape[1], k.shape[1], grad_chunks, q.device, api)
         shapes = (
             q.new_empty(1, layout.max_local_len, *q.shape[1:]),
             k.new_empty(1, layout.max_local_len, *k.shape[1:]),
