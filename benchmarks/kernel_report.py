@@ -7,6 +7,7 @@ runs), and ptxas's performance warnings (C7514 / C7512: every wgmma of the kerne
     python -m benchmarks.kernel_report --kind fwd --head-dims 128 --shape 128 64 8 4 --dump DIR
     python -m benchmarks.kernel_report --head-dims 128 --dropout   # the attention-dropout variants
     python -m benchmarks.kernel_report --head-dims 192 --head-dim-v 128   # v's head dim apart (MLA)
+    python -m benchmarks.kernel_report --head-dims 128 256 --dtype fp32   # float32 inputs' shapes
 
 Pointers and strides are compiled as 16-divisible, as the launcher's arguments are at these
 shapes, so the figures match a compile on the GPU machine (checked on an H200: forward 196
@@ -177,6 +178,9 @@ def main():
         help="this block shape (with tensor descriptors) instead of the built-in one",
     )
     ap.add_argument("--dropout", action="store_true", help="the kernels with attention dropout")
+    ap.add_argument(
+        "--dtype", default="bf16", choices=["bf16", "fp32"], help="input dtype (fp32: the float32 block shapes)"
+    )
     ap.add_argument("--dump", type=Path, help="write each kernel's PTX and TTGIR here")
     ap.add_argument("--json", type=Path, help="write the rows here")
     args = ap.parse_args()
@@ -186,16 +190,22 @@ def main():
             for D in args.head_dims:
                 Dv = D if args.head_dim_v is None else args.head_dim_v
                 table_d = _config_d(_block_d(D), _block_d(Dv))  # as the launcher looks it up
-                cfg = configs.KernelConfig(*args.shape, tma=True) if args.shape else KERNELS[kind][1][table_d]
+                float32 = args.dtype == "fp32"
+                cfg = (
+                    configs.KernelConfig(*args.shape, tma=True)
+                    if args.shape
+                    else configs.pick(kind, table_d, float32=float32, interpreting=False, file_configs={})
+                )
                 dims = f"D={D:<3d}" if Dv == D else f"D={D}/Dv={Dv}"
                 for causal in (False, True):
-                    r = report(kind, D, causal, cfg, Path(tmp), args.dump, dropout=args.dropout, Dv=Dv)
+                    r = report(kind, D, causal, cfg, Path(tmp), args.dump, args.dtype, dropout=args.dropout, Dv=Dv)
                     rows.append(r)
                     fits = "" if r["fits"] else " (over the H200's shared memory)"
                     drop = " dropout" if args.dropout else ""
                     print(
-                        f"{kind:4s}{drop} {dims} causal={causal!s:5s} {cfg.block_m}x{cfg.block_n} w{cfg.num_warps} "
-                        f"s{cfg.num_stages} tma={cfg.tma!s:5s} regs={r['regs']} spill_bytes={r['spill_bytes']} "
+                        f"{kind:4s}{drop} {args.dtype} {dims} causal={causal!s:5s} {cfg.block_m}x{cfg.block_n} "
+                        f"w{cfg.num_warps} s{cfg.num_stages} tma={cfg.tma!s:5s} regs={r['regs']} "
+                        f"spill_bytes={r['spill_bytes']} "
                         f"shared={r['shared']}{fits} waits={r['waits']} warnings={r['warnings'] or '-'}",
                         flush=True,
                     )

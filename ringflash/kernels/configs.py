@@ -85,8 +85,9 @@ _FWD_DOCUMENTS = {128: KernelConfig(64, 64, 4, 3, tma=True)}
 GLUON_FWD = {128: "ws2_s3"}
 
 # float32 inputs take twice the shared memory per tile: the 16-bit shapes above overflow an H200's
-# 227 KiB at head dim 128 and 256 (forward 448 KiB, dK/dV 353 KiB at D=128, compiled for sm_90a
-# by benchmarks.kernel_report --dtype fp32); these halve the tiles and stages. Not tuned.
+# 227 KiB at head dim 128 and 256 (forward 448 KiB, dK/dV 353 KiB at D=128, compiled for sm_90a:
+# `python -m benchmarks.kernel_report --dtype fp32 --head-dims 128 --shape ...` with the 16-bit
+# shape; without --shape it compiles these). These halve the tiles and stages. Not tuned.
 _FLOAT32 = {
     "fwd": {128: KernelConfig(64, 64, 4, 2, tma=True), 256: KernelConfig(32, 32, 4, 2)},
     "dkdv": {128: KernelConfig(32, 64, 4, 2, tma=True), 256: KernelConfig(32, 32, 4, 1)},
