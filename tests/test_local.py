@@ -204,7 +204,8 @@ def test_key_padding_mask(backend, kind):
         mask[1] = True  # batch 1: every key padded -> output 0, lse -inf, no NaN
     else:
         mask = torch.randn(2, 70, generator=g) * 2
-    for causal in (False, True):
+    # the interpreter (seconds per launch) runs one causal setting per kind, the two ways round
+    for causal in (False, True) if backend == "torch" else (kind == "float",):
         out, lse = _check(q, k, v, causal, key_padding_mask=mask)
         if kind == "bool":
             assert torch.all(out[1] == 0) and torch.all(lse[1] == float("-inf"))
@@ -230,7 +231,8 @@ def test_forward_kernel_variants(backend, tma):
             for Sq, Sk, D in ((37, 45, 24), (1, 70, 16), (64, 64, 32), (20, 100, 16), (5, 50, 16)):
                 q, k, v = _inputs(1, Sq, Sk, 4, 2, D, torch.float16, seed=Sq + D)
                 _check(q, k, v, causal, check_grad=False)
-                _check(q, k, v, causal, scale=-0.3, check_grad=False)  # scores scaled before the max
+                if causal:  # scores scaled before the max (the interpreter takes seconds per launch: once)
+                    _check(q, k, v, causal, scale=-0.3, check_grad=False)
             q, k, v = _inputs(2, 33, 70, 4, 2, 32, torch.float32, seed=21)
             mask = torch.rand(2, 70, generator=torch.Generator().manual_seed(3)) < 0.3
             _check(q, k, v, causal, check_grad=False, key_padding_mask=mask)

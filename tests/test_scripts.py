@@ -236,3 +236,10 @@ def test_host_overhead_smoke(tmp_path):
     run([sys.executable, "-m", "benchmarks.host_overhead", "--smoke", "--json", str(tmp_path / "h.json")], tmp_path)
     rows = json.loads((tmp_path / "h.json").read_text())["rows"]
     assert {r["impl"] for r in rows} == {"public", "operator", "backend"} and all(r["fwd_us"] > 0 for r in rows)
+
+
+def test_packed_ring_replay_smoke(tmp_path):
+    out = tmp_path / "r.json"
+    run([sys.executable, "-m", "benchmarks.packed_ring_replay", "--smoke", "--json", str(out)], tmp_path)
+    row = json.loads(out.read_text())["rows"][0]
+    assert row["world"] == 2 and len(row["rank_ms"]) == 2 and sum(row["local_lens"]) == row["total"]
