@@ -137,14 +137,19 @@ def check_cu_tensor(name: str, cu, device, api: str) -> None:
         raise ValueError(f"{api}: {name} is on {cu.device}, q on {device}")
 
 
+def cu_values(cu_q, cu_k) -> tuple[tuple, tuple]:
+    """Packed documents' boundaries (two int tensors) as two tuples of ints, read to the host
+    in one copy (for tensors on a GPU: one wait for its queue)."""
+    both = torch.cat([cu_q.long(), cu_k.long()]).tolist()
+    return tuple(both[: cu_q.numel()]), tuple(both[cu_q.numel() :])
+
+
 def check_cu_seqlens(cu_q, cu_k, total_q: int, total_k: int, device, api: str):
     """Validate packed documents' boundaries, each starting at 0, non-decreasing, ending at its
-    total, with as many documents on both sides. Returns their values as two tuples of ints,
-    read to the host in one copy (for tensors on a GPU: one wait for its queue)."""
+    total, with as many documents on both sides. Returns their values (cu_values)."""
     for name, cu in (("cu_seqlens_q", cu_q), ("cu_seqlens_k", cu_k)):
         check_cu_tensor(name, cu, device, api)
-    both = torch.cat([cu_q.long(), cu_k.long()]).tolist()
-    values_q, values_k = tuple(both[: cu_q.numel()]), tuple(both[cu_q.numel() :])
+    values_q, values_k = cu_values(cu_q, cu_k)
     for name, values, total in (("cu_seqlens_q", values_q, total_q), ("cu_seqlens_k", values_k, total_k)):
         if values[0] != 0:
             raise ValueError(f"{api}: {name} must start at 0, got {list(values[:4])}...")

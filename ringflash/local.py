@@ -308,8 +308,8 @@ def flash_attn_varlen_func(
         check_max_seqlen(max_seqlen_k, cu_k, "max_seqlen_k", api)
         out, lse = empty_attention(q[None], k[None], v[None])
         return (out[0], lse[0]) if return_lse else out[0]
-    # cu_seqlens' values (and the hints against them) are checked inside the operator, where
-    # they are known under torch.compile too, before any kernel
+    # cu_seqlens' values (and the hints against them) are checked by ops.flash before any
+    # kernel: inside the operator when traced, where they are known under torch.compile too
     out, lse = ops.flash(
         q[None], k[None], v[None], None, cu_seqlens_q, cu_seqlens_k, 0, 0, *ops.window_args(window), scale,
         *operator_dropout(dropout_p, generator), _op_backend(q), *hints,

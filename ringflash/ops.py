@@ -34,7 +34,7 @@ from types import SimpleNamespace
 import torch
 
 from . import local
-from ._checks import check_cu_seqlens, check_max_seqlen
+from ._checks import check_cu_seqlens, check_max_seqlen, cu_values
 from .balance import CODE_PREFIX, layout_from_code
 from .dropout import Dropout, first_ranks_seed
 from .masks import BlockMask, Window, packed_bounds
@@ -77,14 +77,6 @@ def _mask(q_start, k_start, left, right, cu_values=None, device=None) -> BlockMa
     window = _window(left, right)
     bounds = None if cu_values is None else packed_bounds(*cu_values, window, device)
     return BlockMask(q_start, k_start, window, bounds)
-
-
-def _cu_values(cu_q, cu_k):
-    """The (already validated) boundaries as tuples, in one host read; None without documents."""
-    if cu_q is None:
-        return None
-    both = torch.cat([cu_q.long(), cu_k.long()]).tolist()
-    return tuple(both[: cu_q.numel()]), tuple(both[cu_q.numel() :])
 
 
 def _dropout(dropout_p: float, seed) -> Dropout | None:
@@ -197,7 +189,7 @@ def flash_bwd(
     with local.use_backend(name):
         ctx = _Saved(
             saved_tensors=(q, k, v, out, m, l, key_bias),
-            mask=_mask(q_start, k_start, left, right, _cu_values(cu_q, cu_k), q.device),
+            mask=_mask(q_start, k_start, left, right, None if cu_q is None else cu_values(cu_q, cu_k), q.device),
             scale=scale,
             backend=local.backend_for(q.device),
             dropout=_dropout(dropout_p, seed),
