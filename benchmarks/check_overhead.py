@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -31,7 +30,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import ringflash
-from benchmarks.common import device_name, write_json
+from benchmarks.common import device_name, host_seconds, result_meta, write_json
 from ringflash import ring
 from ringflash.comm import agree_across_ranks
 
@@ -44,18 +43,12 @@ def check(group, device):
 
 def row_seconds(layer, after, layers, repeats, device):
     """Median host seconds of `layers` x (layer(); after()), synchronized once at the end."""
-    times = []
-    for _ in range(repeats + 1):  # the first is a warm-up
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(layers):
-            layer()
-            after()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times[1:])
+
+    def step():
+        layer()
+        after()
+
+    return host_seconds(step, device, calls=layers, repeats=repeats, warmup=layers) * layers
 
 
 def single_process(args, device):
@@ -144,8 +137,7 @@ def main():
     if pair is not None:
         print(f"the check between two processes over gloo (CPU): {pair:.1f} us per call")
     if args.json:
-        meta = {"device": device_name(device), "torch": torch.__version__, "date": time.strftime("%Y-%m-%d")}
-        write_json(args.json, {"meta": meta, "rows": rows, "gloo_pair_us": pair})
+        write_json(args.json, {"meta": result_meta(device), "rows": rows, "gloo_pair_us": pair})
 
 
 if __name__ == "__main__":

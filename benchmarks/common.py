@@ -4,6 +4,7 @@ benchmarks' shape options, process-group start, inputs and result metadata."""
 from __future__ import annotations
 
 import json
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -35,6 +36,25 @@ def bench_ms(fn, device) -> float:
         fn()
         times.append((time.perf_counter() - t0) * 1e3)
     return sorted(times)[1]
+
+
+def host_seconds(fn, device, *, calls=1, repeats=1, warmup=1) -> float:
+    """Host-clock seconds per call of fn(): `warmup` calls, then `repeats` times `calls` calls
+    in a row with one synchronize at the end (a GPU's queue drained before and after), the
+    median over the repeats divided by `calls`. Unlike bench_ms it counts the host's own time,
+    which decides at short sequences."""
+    sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        sync()
+        times.append((time.perf_counter() - t0) / calls)
+    return statistics.median(times)
 
 
 def step_fn(call, inputs, do, mode):
@@ -105,6 +125,11 @@ def rank_inputs(args, S_local, rank, device, dtype):
 
 def device_name(device) -> str:
     return torch.cuda.get_device_name() if torch.device(device).type == "cuda" else "cpu"
+
+
+def result_meta(device, **extra) -> dict:
+    """What a result file says about the run: the device, torch's version, the date, extra."""
+    return {"device": device_name(device), "torch": torch.__version__, **extra, "date": time.strftime("%Y-%m-%d")}
 
 
 def run_meta(args, world, device, dtype, **extra):

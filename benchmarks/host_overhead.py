@@ -17,14 +17,13 @@ and prints microseconds per call.
 from __future__ import annotations
 
 import argparse
-import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 import ringflash
-from benchmarks.common import device_name, write_json
+from benchmarks.common import device_name, host_seconds, result_meta, write_json
 from ringflash import ops
 from ringflash.local import block_forward
 from ringflash.masks import CAUSAL, BlockMask
@@ -32,16 +31,7 @@ from ringflash.merge import SoftmaxState
 
 
 def per_call_us(fn, calls, device):
-    for _ in range(5):
-        fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / calls * 1e6
+    return host_seconds(fn, device, calls=calls, warmup=5) * 1e6
 
 
 def callables(S, args, device, dtype):
@@ -111,8 +101,7 @@ def main():
             cells = "  ".join(f"{m} {t:8.1f}" for m, t in times.items())
             print(f"S={S:>6} {name:>9}: {cells}", flush=True)
     if args.json:
-        meta = {"device": device_name(device), "torch": torch.__version__, "date": time.strftime("%Y-%m-%d")}
-        write_json(args.json, {"meta": meta, "rows": out})
+        write_json(args.json, {"meta": result_meta(device), "rows": out})
 
 
 if __name__ == "__main__":

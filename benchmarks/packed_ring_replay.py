@@ -22,31 +22,21 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 from pathlib import Path
 
 import numpy as np
 import torch
 
 import ringflash
-from benchmarks.common import device_name, write_json
+from benchmarks.common import device_name, host_seconds, result_meta, write_json
 from benchmarks.packed import document_lengths
 from ringflash.ring import _RingAttn, check_packed_call
 from ringflash.testing import ReplayComm
 
 
 def timed(fn, device, repeats):
-    fn()
-    times = []
-    for _ in range(repeats):
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
+    """Median milliseconds of one call, after one warm-up."""
+    return host_seconds(fn, device, repeats=repeats) * 1e3
 
 
 def replay_rank(q, k, v, do, cu, layout, rank, world, window):
@@ -142,9 +132,7 @@ def main():
     print(f"packed ring replay on {device_name(device)}: H={args.heads}/{args.kv_heads}, D={args.head_dim}, {dtype}")
     rows = measure(args, device, dtype)
     if args.json:
-        meta = dict(
-            vars(args), json=None, device=device_name(device), torch=torch.__version__, date=time.strftime("%Y-%m-%d")
-        )
+        meta = result_meta(device, **dict(vars(args), json=None))
         write_json(args.json, {"meta": meta, "rows": rows})
 
 

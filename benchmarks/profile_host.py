@@ -10,26 +10,19 @@ from __future__ import annotations
 import cProfile
 import io
 import pstats
-import time
 
 import numpy as np
 import torch
 from torch.profiler import ProfilerActivity, profile
 
 import ringflash
+from benchmarks.common import host_seconds
 from benchmarks.packed import document_lengths
 from benchmarks.packed_ring_replay import replay_rank
 
 
 def per_call_us(fn, calls=200):
-    for _ in range(20):
-        fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / calls * 1e6
+    return host_seconds(fn, "cuda", calls=calls, warmup=20) * 1e6
 
 
 def main():
