@@ -5,7 +5,7 @@ import torch
 
 from ringflash import flash_attn_func
 
-from oracle import assert_within, max_err, naive_attention, plain_errors, reference
+from oracle import assert_within, case_dtypes, max_err, naive_attention, plain_errors, reference
 
 BOTH = pytest.mark.parametrize("backend", ["torch", "triton"], indirect=True)
 
@@ -13,14 +13,6 @@ BOTH = pytest.mark.parametrize("backend", ["torch", "triton"], indirect=True)
 def _dtypes(backend):
     # bfloat16 tl.dot is wrong under the interpreter: bf16 is covered by the GPU tests
     return [torch.float32, torch.float16] if backend == "triton" else [torch.float32, torch.float64, torch.bfloat16]
-
-
-def _case_dtypes(backend, case: int, count: int = 3):
-    """The dtypes a parametrized case runs: the interpreter (seconds per launch) takes one of
-    its two by the case's parity, so that across the cases each dtype meets causal and not;
-    the torch backend takes its first `count`."""
-    dtypes = _dtypes(backend)
-    return [dtypes[case % 2]] if backend == "triton" else dtypes[:count]
 
 
 def _inputs(B, Sq, Sk, Hq, Hkv, D, dtype, seed):
@@ -67,7 +59,7 @@ def _check(q, k, v, causal, scale=None, check_grad=True, key_padding_mask=None, 
 def test_shapes(backend, causal, Sq, Sk):
     # the interpreter's larger blocks run one batch entry (batches are covered below)
     B = 1 if backend == "triton" and Sq * Sk > 2000 else 2
-    for dtype in _case_dtypes(backend, Sq + Sk + causal):
+    for dtype in case_dtypes(backend, _dtypes(backend), Sq + Sk + causal):
         _check(*_inputs(B, Sq, Sk, 4, 2, 32, dtype, seed=Sq * 1000 + Sk), causal)
 
 
@@ -355,7 +347,7 @@ def test_backward_runs_on_the_forwards_backend():
 def test_sliding_windows(backend, Sq, Sk, causal, window_size):
     """Windows of 0, 1, odd and larger than the sequence, one side open, Sq != Sk (bottom-right
     aligned), causal and not, GQA; rows that see no key get 0 and -inf."""
-    for dtype in _case_dtypes(backend, Sq + window_size[0] + window_size[1] + causal, count=2):
+    for dtype in case_dtypes(backend, _dtypes(backend)[:2], Sq + window_size[0] + window_size[1] + causal):
         q, k, v = _inputs(1, Sq, Sk, 4, 2, 32, dtype, seed=Sq + Sk + window_size[0])
         out, lse = _check(q, k, v, causal, window_size=window_size)
         ref, ref_lse = naive_attention(q, k, v, causal=causal, window_size=window_size)

@@ -10,7 +10,7 @@ from ringflash import flash_attn_func
 from ringflash.local import flash_attn_varlen_func
 from ringflash.testing import naive_attention, varlen_plain_errors, varlen_reference
 
-from oracle import assert_within, max_err
+from oracle import assert_within, case_dtypes, max_err
 
 BOTH = pytest.mark.parametrize("backend", ["torch", "triton"], indirect=True)
 
@@ -77,11 +77,8 @@ MIXES = {
 @pytest.mark.parametrize("causal,window_size", [(True, (-1, -1)), (False, (-1, -1)), (True, (4, 0)), (False, (2, 7))])
 def test_varlen_against_float64(backend, mix, causal, window_size):
     len_q, len_k = MIXES[mix]
-    dtypes = _dtypes(backend)
-    if backend == "triton":  # the interpreter takes seconds per launch: one dtype per case, by parity, so
-        # that each dtype meets every mix, causal and not
-        dtypes = [dtypes[(list(MIXES).index(mix) + causal + window_size[0]) % 2]]
-    for dtype in dtypes:
+    # the parity gives each dtype every mix, causal and not, under the interpreter
+    for dtype in case_dtypes(backend, _dtypes(backend), list(MIXES).index(mix) + causal + window_size[0]):
         _check_varlen(len_q, len_k or len_q, causal, window_size, dtype=dtype, seed=len(len_q))
 
 
