@@ -38,10 +38,16 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .masks import Window, window_from
-from .schedule import Segment, steps_needed
+from .masks import RowBounds, Window, held_bounds, window_from
+from .schedule import Segment, step_tasks, steps_needed
 
 BALANCE_SLACK = 0.02  # how far above an equal share of the work a whole document may leave a rank
+# A ring step's block tasks over packed documents run as they are (kernel calls of their own)
+# when they average this much work, visible pairs x q heads x head dim, else as one call over
+# per-row bounds (BalancedLayout.step_plan). Measured on one H200 (benchmarks.packed_ring_replay
+# --own-call-work-log2): own calls won at 33M-58M pairs per task (32 heads of 128), lost at
+# 1.4M-7M, where each call's launches (0.1-0.3 ms of host time each) outweighed its kernels
+OWN_CALL_WORK = 2**36
 CODE_PREFIX = "balanced:"  # BalancedLayout.code: the layout as the ring operators' layout string
 
 
@@ -63,6 +69,7 @@ class BalancedLayout:
     # made once by __post_init__, so that code traced by torch.compile reads them as constants
     code: str = field(init=False, repr=False, compare=False)
     _digest: int = field(init=False, repr=False, compare=False)
+    _held: dict = field(default_factory=dict, init=False, repr=False, compare=False)  # step_bounds'
 
     def __post_init__(self):
         window = [-1 if w is None else w for w in (self.window.left, self.window.right)]
@@ -102,13 +109,40 @@ class BalancedLayout:
     def work(self, rank: int, step: int) -> int:
         """Visible pairs `rank` computes at ring step `step` (it then holds the keys of rank
         (rank - step) mod world): the balance this layout is built for."""
-        src = self.pieces[(rank - step) % self.world]
+        return self._pairs_at(rank, (rank - step) % self.world, self.window)
+
+    def _pairs_at(self, rank: int, src: int, window: Window) -> int:
         pairs = 0
         for qs in self.pieces[rank]:
-            for ks in src:
+            for ks in self.pieces[src]:
                 if ks.doc == qs.doc:
-                    pairs += _pairs(qs.global_start, qs.length, ks.global_start, ks.length, self.window)
+                    pairs += _pairs(qs.global_start, qs.length, ks.global_start, ks.length, window)
         return pairs
+
+    def step_plan(self, rank: int, step: int, window: Window, n_k: int, device, pair_work: int):
+        """How `rank` computes ring step `step`, when it holds rank (rank - step) mod world's
+        shard padded to n_k rows, with the call's `window` per document: (tasks, bounds), one
+        of them empty (or None).
+
+        When the step's block tasks (schedule.step_tasks: a pair of pieces of one document
+        each, window masks by position) average at least OWN_CALL_WORK (visible pairs x
+        pair_work, pair_work being q heads x head dim): those tasks and bounds None, the
+        fastest kernels on large pieces. Otherwise no tasks and one call over every row,
+        `bounds` (masks.RowBounds in local row indices, block start 0): many small pieces
+        would each pay a launch. (), None: no row sees a key. Kept on the layout per (rank,
+        step, window, n_k, device, pair_work): a model's layers and the backward build it
+        once (16 bytes per row)."""
+        src = (rank - step) % self.world
+        key = (rank, src, window, n_k, str(device), pair_work, OWN_CALL_WORK)
+        if key not in self._held:
+            tasks = step_tasks(self, rank, self.world, step, 0, 0, window)
+            if not tasks or self._pairs_at(rank, src, window) * pair_work >= OWN_CALL_WORK * len(tasks):
+                self._held[key] = (tuple(tasks), None)
+            else:
+                cu = torch.tensor(self.cu_seqlens, dtype=torch.int64)
+                b = held_bounds(self.positions(rank), self.positions(src), n_k, cu, window)
+                self._held[key] = ((), RowBounds(*(t.to(device) for t in b)))
+        return self._held[key]
 
     def head_pieces(self, rank: int, U: int) -> BalancedLayout:
         """With a head group of U ranks (hybrid parallelism): how rank `rank`'s shard (its

@@ -165,6 +165,34 @@ def packed_bounds(values_q: tuple, values_k: tuple, window: Window, device: torc
     return document_bounds(as_tensor(values_q), as_tensor(values_k), window)
 
 
+def held_bounds(q_pos: torch.Tensor, k_pos: torch.Tensor, n_k: int, cu: torch.Tensor, window: Window) -> RowBounds:
+    """The RowBounds, in local row indices, of query rows at global positions q_pos against
+    key rows at k_pos of the same packed documents (self-attention: one cu, the document
+    boundaries, int64). q_pos, k_pos: int64, ascending (a layout's local order), which makes
+    each row's visible rows of the other side one interval: the ones whose positions lie in
+    its document and window. n_k >= len(k_pos): key rows past k_pos (padding) are seen by none.
+    A row that sees nothing gets lo == hi where its document's rows would be, and a padding
+    row the last key row's hi: neither widens the range a tile of the kernels loops over."""
+
+    def interval(pos, other, before, after):
+        # the positions [pos - before, pos + after] of pos's document, as indices into other
+        doc = torch.searchsorted(cu, pos, right=True) - 1
+        lo_pos, hi_pos = cu[doc], cu[doc + 1]
+        if before is not None:
+            lo_pos = torch.maximum(lo_pos, pos - before)
+        if after is not None:
+            hi_pos = torch.minimum(hi_pos, pos + after + 1)
+        lo = torch.searchsorted(other, lo_pos)
+        hi = torch.maximum(torch.searchsorted(other, hi_pos), lo)
+        return lo, hi
+
+    k_lo, k_hi = interval(q_pos, k_pos, window.left, window.right)
+    q_lo, q_hi = interval(k_pos, q_pos, window.right, window.left)
+    pad = torch.full((n_k - len(k_pos),), int(q_hi[-1]) if len(k_pos) else 0, dtype=torch.int64)
+    q_lo, q_hi = torch.cat([q_lo, pad]), torch.cat([q_hi, pad])
+    return RowBounds(*(t.to(torch.int32) for t in (k_lo, k_hi, q_lo, q_hi)))
+
+
 def visible_pairs(cu_q, cu_k, window: Window) -> int:
     """How many (query, key) pairs packed documents with `window` let attend (the FLOP count)."""
     b = document_bounds(cu_q, cu_k, window)

@@ -23,7 +23,16 @@ from .local import backend_for, backend_name, backward_inputs, block_backward, b
 from .masks import FULL, BlockMask, Window, window_from
 from .merge import SoftmaxState, state_dtype
 from .relay import GradRelay, default_grad_chunks
-from .schedule import check_layout, chunks_per_rank, is_balanced, layout_code, ring_steps, show_layout_code, step_tasks
+from .schedule import (
+    BlockTask,
+    check_layout,
+    chunks_per_rank,
+    is_balanced,
+    layout_code,
+    ring_steps,
+    show_layout_code,
+    step_tasks,
+)
 
 
 @dataclass(frozen=True)
@@ -77,11 +86,21 @@ def _rows(key_bias, rows):
     return None if key_bias is None else key_bias[:, rows]
 
 
-def _tasks(spec: RingSpec, comm, step, q_len, kv_len):
-    """This rank's block tasks at `step`, each with its BlockMask and its Dropout (or None):
-    with dropout every task keeps its global start positions (no coalescing)."""
+def _tasks(spec: RingSpec, comm, step, q, kv_len):
+    """This rank's block tasks at `step` for queries q (B, Sq, Hq, D), each with its BlockMask
+    and its Dropout (or None): with dropout every task keeps its global start positions (no
+    coalescing). Packed documents without dropout: the step's tasks when they are large, else
+    one task over every row, its mask each row's interval of the held keys
+    (BalancedLayout.step_plan)."""
     drop = spec.dropout
-    for t in step_tasks(spec.layout, comm.rank, comm.world, step, q_len, kv_len, spec.window, drop is None):
+    if is_balanced(spec.layout) and drop is None:
+        own, bounds = spec.layout.step_plan(comm.rank, step, spec.window, kv_len, q.device, q.shape[2] * q.shape[3])
+        for t in own:
+            yield t, BlockMask(t.q_start, t.k_start, spec.window if t.masked else FULL), None
+        if bounds is not None:
+            yield BlockTask(slice(0, q.shape[1]), slice(0, kv_len), 0, 0, True), BlockMask(bounds=bounds), None
+        return
+    for t in step_tasks(spec.layout, comm.rank, comm.world, step, q.shape[1], kv_len, spec.window, drop is None):
         mask = BlockMask(t.q_start, t.k_start, spec.window if t.masked else FULL)
         yield t, mask, drop and drop.at(t.q_start, t.k_start)
 
@@ -97,7 +116,7 @@ class _RingAttn(torch.autograd.Function):
         state = SoftmaxState.zeros((*q.shape[:3], v.shape[3]), state_dtype(q.dtype), q.device)  # o: (.., Dv)
         steps = ring_steps(spec.layout, comm.world, q.shape[1], k.shape[1], spec.window)
         for step, k_blk, v_blk, bias_blk in _ring_kv(comm, k, v, key_bias, steps):
-            for t, mask, drop in _tasks(spec, comm, step, q.shape[1], k.shape[1]):
+            for t, mask, drop in _tasks(spec, comm, step, q, k.shape[1]):
                 block_forward(
                     q[:, t.q_rows],
                     k_blk[:, t.kv_rows],
@@ -130,7 +149,7 @@ class _RingAttn(torch.autograd.Function):
         relay = GradRelay(comm, k, v, acc, chunks, steps)
         G = q.shape[2] // k.shape[2]
         for step, k_blk, v_blk, bias_blk in _ring_kv(comm, k, v, key_bias, steps):
-            tasks = list(_tasks(spec, comm, step, q.shape[1], k.shape[1]))
+            tasks = list(_tasks(spec, comm, step, q, k.shape[1]))
             # dQ first: it does not need the incoming dK/dV accumulators, which arrive meanwhile
             for t, mask, drop in tasks:
                 r = t.q_rows

@@ -117,7 +117,7 @@ def _coalesce(tasks: list[BlockTask]) -> list[BlockTask]:
 
 
 def step_tasks(
-    layout: str, rank: int, world: int, step: int, q_len: int, kv_len: int, window: Window, coalesce: bool = True
+    layout, rank: int, world: int, step: int, q_len: int, kv_len: int, window: Window, coalesce: bool = True
 ) -> list[BlockTask]:
     """Block tasks for `rank` at ring `step`, when it holds the keys of rank (rank - step) % world.
     q_len / kv_len: local lengths of the query and key shards. coalesce=False keeps one task

@@ -5,6 +5,8 @@ import random
 import pytest
 import torch
 
+from ringflash import balanced_layout
+from ringflash.balance import OWN_CALL_WORK
 from ringflash.masks import CAUSAL, FULL, Visibility, Window, block_visibility, document_bounds, window_from
 
 
@@ -57,6 +59,60 @@ def test_document_bounds_match_brute_force(window):
             col = sees[:, j].nonzero().flatten().tolist()
             assert col == list(range(int(b.q_lo[j]), int(b.q_hi[j]))), (cu_q, cu_k, j)
         assert all(t.dtype == torch.int32 for t in b)
+
+
+@pytest.mark.parametrize("window", WINDOWS, ids=str)
+def test_ring_step_plan_covers_every_visible_pair_once(window):
+    """A balanced layout's step_plan at every rank and step: its own tasks (position masks) and
+    its per-row intervals of the held block (padded by one row) together cover exactly the
+    pairs of one document that the window lets attend, each once, whichever documents are
+    large enough for tasks of their own; padding rows are seen by none."""
+    rng = random.Random(str(window) + "ring")
+    for trial in range(12):
+        cu = _random_cu(rng, rng.randint(1, 7), 30)
+        world = rng.randint(1, 4)
+        w = [-1 if x is None else x for x in (window.left, window.right)]
+        L = balanced_layout(cu, world, causal=w[1] == 0, window_size=tuple(w))
+        doc = lambda p: max(d for d in range(len(cu) - 1) if cu[d] <= p < cu[d + 1])  # noqa: E731
+        pair_work = [1, OWN_CALL_WORK // 40, OWN_CALL_WORK][trial % 3]  # none, some, every document
+        for rank in range(world):
+            for step in range(world):
+                q_pos = L.positions(rank).tolist()
+                k_pos = L.positions((rank - step) % world).tolist()
+                n_k = L.max_local_len + 1
+                sees = torch.zeros(len(q_pos), n_k, dtype=torch.int64)
+                for i, qp in enumerate(q_pos):
+                    for j, kp in enumerate(k_pos):
+                        sees[i, j] = doc(qp) == doc(kp) and _sees(window, qp, kp)
+                tasks, b = L.step_plan(rank, step, window, n_k, "cpu", pair_work)
+                covered = torch.zeros_like(sees)
+                for t in tasks:
+                    for i in range(t.q_rows.start, t.q_rows.stop):
+                        for j in range(t.kv_rows.start, t.kv_rows.stop):
+                            qp, kp = t.q_start + i - t.q_rows.start, t.k_start + j - t.kv_rows.start
+                            covered[i, j] += not t.masked or _sees(window, qp, kp)
+                if b is not None:
+                    for i in range(len(q_pos)):
+                        covered[i, int(b.k_lo[i]) : int(b.k_hi[i])] += 1
+                    for j in range(n_k):
+                        col = torch.arange(len(q_pos))
+                        seen_by = ((col >= int(b.q_lo[j])) & (col < int(b.q_hi[j]))).long()
+                        assert torch.equal(
+                            seen_by, covered[:, j] - sum(_task_column(t, j, len(q_pos), window) for t in tasks)
+                        )
+                    assert all(int(b.q_lo[j]) == int(b.q_hi[j]) for j in range(len(k_pos), n_k))  # padding
+                assert torch.equal(covered, sees), (cu, world, rank, step, pair_work)
+                assert L.step_plan(rank, step, window, n_k, "cpu", pair_work)[1] is b  # built once
+
+
+def _task_column(t, j, n_q, window):
+    """Which query rows task t lets see key row j (0/1 per row)."""
+    col = torch.zeros(n_q, dtype=torch.int64)
+    if t.kv_rows.start <= j < t.kv_rows.stop:
+        kp = t.k_start + j - t.kv_rows.start
+        for i in range(t.q_rows.start, t.q_rows.stop):
+            col[i] = not t.masked or _sees(window, t.q_start + i - t.q_rows.start, kp)
+    return col
 
 
 @pytest.mark.parametrize(

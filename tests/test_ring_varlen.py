@@ -1,6 +1,7 @@
 """Packed documents across the ring: balanced_layout (pure) and ring_flash_attn_varlen_func over
 gloo against a float64 oracle run one document at a time."""
 
+import contextlib
 import itertools
 import math
 import random
@@ -12,7 +13,9 @@ import torch
 from ringflash import balanced_layout, local_positions, ring_flash_attn_varlen_func, shard, unshard
 from ringflash.balance import BalancedLayout, _cuts, _pairs
 from ringflash.comm import RingComm
-from ringflash.masks import Window
+from ringflash.local import backend_for
+from ringflash.masks import Window, window_from
+from ringflash.relay import default_grad_chunks
 from ringflash.schedule import Segment, steps_needed
 
 from oracle import assert_within
@@ -186,8 +189,14 @@ def test_balanced_layout_rejects_bad_input():
         balanced_layout([0, 4], 2, window_size=(1,))
 
 
-def _ring_varlen_vs_oracle(rank, world, lengths, causal, window_size, Hq, Hkv, dtype, seed, Dv=None):
-    """Dv: v's head dim (default q and k's, 16)."""
+def _ring_varlen_vs_oracle(rank, world, lengths, causal, window_size, Hq, Hkv, dtype, seed, Dv=None, own_work=None):
+    """Dv: v's head dim (default q and k's, 16). own_work: balance.OWN_CALL_WORK for the call
+    (None: as it is, which at these sizes puts every document in the per-row-bounds call)."""
+    with mock.patch("ringflash.balance.OWN_CALL_WORK", own_work) if own_work else contextlib.nullcontext():
+        return _ring_varlen_check(rank, world, lengths, causal, window_size, Hq, Hkv, dtype, seed, Dv, own_work)
+
+
+def _ring_varlen_check(rank, world, lengths, causal, window_size, Hq, Hkv, dtype, seed, Dv, own_work):
     cu, cu_t, q, k, v, do, ref, plain = packed_case(lengths, causal, window_size, Hq, Hkv, dtype, seed, Dv=Dv)
     L = balanced_layout(cu, world, causal=causal, window_size=window_size)
     T, kw = cu[-1], dict(causal=causal, window_size=window_size)
@@ -202,13 +211,42 @@ def _ring_varlen_vs_oracle(rank, world, lengths, causal, window_size, Hq, Hkv, d
         kinds.append(kind)
         return start(self, send, recv, kind, **kw)
 
-    with mock.patch.object(RingComm, "start", counted):
+    backend = backend_for(q.device)
+    calls = {"forward": 0, "dq": 0, "dkdv": 0}  # kernel calls, however many documents a step holds
+    forward, backward = backend.forward, backend.backward
+
+    def counted_forward(*args, **kw):
+        calls["forward"] += 1
+        return forward(*args, **kw)
+
+    def counted_backward(q, k, v, m, l, do, delta, dq, dk, dv, **kw):
+        calls["dq" if dq is not None else "dkdv"] += 1
+        return backward(q, k, v, m, l, do, delta, dq, dk, dv, **kw)
+
+    with (
+        mock.patch.object(RingComm, "start", counted),
+        mock.patch.object(backend, "forward", counted_forward),
+        mock.patch.object(backend, "backward", counted_backward),
+    ):
         out, lse = ring_flash_attn_varlen_func(ql, kl, vl, cu_t, layout=L, return_lse=True, **kw)
         assert out.shape == (*ql.shape[:-1], v.shape[-1]) and lse.shape == (Hq, ql.shape[0])
         grads = torch.autograd.grad(out, (ql, kl, vl), sh(do))
     # K/V: hops - 1 exchanges in the forward and again in the backward; dK/dV: one chain per step
     assert kinds.count("kv") == 2 * (L.hops - 1)
     assert kinds.count("grad") == (0 if L.hops == 1 else L.hops)
+    # per step with work: a call per task when they are large, else one over every row (dK/dV:
+    # per kv-head chunk), not one per piece pair
+    window = window_from(causal, window_size, "test")
+    plans = [L.step_plan(rank, s, window, L.max_local_len, q.device, Hq * q.shape[-1]) for s in range(world)]
+    per_step = [len(tasks) + (bounds is not None) for tasks, bounds in plans]
+    assert all((n > 0) == (L.work(rank, s) > 0) for s, n in enumerate(per_step))
+    if own_work is None:
+        assert max(per_step) <= 1
+    else:  # both kinds of step in this call
+        assert any(tasks for tasks, _ in plans) and any(bounds is not None for _, bounds in plans), plans
+    chunks = default_grad_chunks(kl, torch.float64 if dtype == torch.float64 else torch.float32, vl)
+    n = sum(per_step)
+    assert calls == {"forward": n, "dq": n, "dkdv": n * chunks}, (calls, per_step, chunks)
     full = [unshard(t, layout=L, dim=0) for t in (out, *grads)]
     full_lse = unshard(lse, layout=L, dim=1)
     for name, got, r in zip(("out", "dq", "dk", "dv"), full, (ref[0], *ref[2:])):
@@ -234,6 +272,17 @@ def test_ring_varlen_torch_backend(worlds, world, mix, causal, window_size):
         assert hops == [1] * world
     if mix == "long_and_short" and window_size == (6, 0) and world == 3:
         assert hops == [2] * world  # each piece of the cut document needs its left neighbour only
+
+
+@pytest.mark.parametrize("causal,window_size,own_pairs", [(True, (-1, -1), 100), (True, (6, 0), 40)])
+def test_ring_varlen_steps_of_large_pieces_run_them_as_tasks(worlds, causal, window_size, own_pairs):
+    """With the threshold at own_pairs visible pairs per task (4 heads of 16), the cut 90-token
+    document's later steps run as position-masked tasks and step 0 (many small documents) as
+    the per-row-bounds call: both exact, in one ring call."""
+    worlds(3, **TORCH).run(
+        _ring_varlen_vs_oracle, MIXES["long_and_short"], causal, window_size, 4, 2, torch.float64, 3, None,
+        4 * 16 * own_pairs,
+    )  # fmt: skip
 
 
 @pytest.mark.parametrize("world", [2])
