@@ -79,7 +79,7 @@ def _check_balanced(layout, seq_len: int, world: int, api: str) -> None:
 def _shard_of(x, rank, world, layout, dim=1):
     local_len = x.shape[dim] // world
     parts = [x.narrow(dim, s.global_start, s.length) for s in segments(layout, rank, world, local_len)]
-    return parts[0] if len(parts) == 1 else torch.cat(parts, dim)
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim) if parts else x.narrow(dim, 0, 0)
 
 
 def _split(x, world, layout, dim=1):

@@ -22,6 +22,7 @@ from .comm import LocalComm
 from .layout import _place, _split
 from .merge import state_dtype
 from .ring import _RingAttn, ring_call_spec
+from .schedule import is_balanced
 
 
 class ReplayComm:
@@ -35,7 +36,10 @@ class ReplayComm:
     into dk[:, :, heads] / dv[:, :, heads] gives each block's dK/dV.
     """
 
-    def __init__(self, rank: int, world: int, blocks, record: bool = True):
+    def __init__(self, rank: int, world: int, blocks, record: bool = True, overlap: bool = False):
+        """overlap: make the copies on a side stream that the compute waits for only in
+        wait(), as a network transfer runs beside the kernels (on a GPU; the copies still take
+        the device's memory bandwidth). Default: on the current stream, in line."""
         if world < 2:
             raise ValueError("ReplayComm needs world >= 2")
         self.rank, self.world = rank, world
@@ -43,9 +47,21 @@ class ReplayComm:
         self.record = record
         self.sent_grads = []
         self.exchanges = {"kv": 0, "grad": 0}  # started exchanges of each kind
+        device = blocks[0][0].device
+        self.side = torch.cuda.Stream(device) if overlap and device.type == "cuda" else None
 
     def start(self, send, recv, kind: str, *, step: int, heads: slice | None = None, hop: int = 1):
         self.exchanges[kind] += 1
+        if self.side is None:
+            self._exchange(send, recv, kind, step, heads, hop)
+            return None
+        main = torch.cuda.current_stream(self.side.device)
+        self.side.wait_stream(main)  # what is sent, and the buffers' last readers, are done
+        with torch.cuda.stream(self.side):
+            self._exchange(send, recv, kind, step, heads, hop)
+        return main
+
+    def _exchange(self, send, recv, kind, step, heads, hop):
         if kind == "kv":
             for buf, t in zip(recv, self.blocks[(self.rank - step - hop) % self.world], strict=True):
                 buf.copy_(t)
@@ -55,11 +71,10 @@ class ReplayComm:
                 self.sent_grads.append((owner, slice(None) if heads is None else heads, [t.clone() for t in send]))
             for t in recv:
                 t.zero_()
-        return None
 
-    @staticmethod
-    def wait(handles) -> None:
-        pass
+    def wait(self, handles) -> None:
+        if handles is not None:  # the stream the exchange was started from waits for it
+            handles.wait_stream(self.side)
 
 
 def replay_ring(
@@ -77,6 +92,7 @@ def replay_ring(
     ranks=None,
     grad_accum_dtype=None,
     grad_chunks=None,
+    overlap=False,
 ):
     """Run the ring's schedule for `world` ranks inside one process on full tensors, without
     a process group: each rank in `ranks` (default all) is replayed in turn with ReplayComm.
@@ -84,13 +100,19 @@ def replay_ring(
     q, k, v, do: full (B, S, H, D) tensors (v and do: v's head dim Dv). Returns out, dq, dk, dv as full tensors
     (positions of ranks not replayed are zero; dk/dv then hold only the replayed ranks'
     contributions). window_size, grad_accum_dtype, grad_chunks: as in ring_flash_attn_func
-    (the summing of dK/dV over the replayed ranks is float32).
+    (the summing of dK/dV over the replayed ranks is float32). layout: a name or a
+    ringflash.balanced_layout built for `world` (packed documents: B = 1, S the packed total; the
+    K/V blocks travel padded to the longest shard, as ring_flash_attn_varlen_func sends them).
+    overlap: ReplayComm's.
     """
     _, spec, key_bias = ring_call_spec(
         q, k, v, causal, softmax_scale, layout, key_padding_mask, grad_accum_dtype, grad_chunks, "replay_ring",
         window_size,
     )  # fmt: skip
     k_shards, v_shards = _split(k, world, layout), _split(v, world, layout)
+    if is_balanced(layout):  # every block as long as the longest shard
+        pad = lambda t: torch.nn.functional.pad(t, (0, 0, 0, 0, 0, layout.max_local_len - t.shape[1]))  # noqa: E731
+        k_shards, v_shards = [pad(t) for t in k_shards], [pad(t) for t in v_shards]
     bias_shards = [None] * world if key_bias is None else _split(key_bias, world, layout)
     blocks = [(ks, vs) if bs is None else (ks, vs, bs) for ks, vs, bs in zip(k_shards, v_shards, bias_shards)]
     q_shards, do_shards = _split(q, world, layout), _split(do, world, layout)
@@ -99,7 +121,7 @@ def replay_ring(
     dks = [torch.zeros_like(t, dtype=state_dtype(k.dtype)) for t in k_shards]
     dvs = [torch.zeros_like(t, dtype=state_dtype(v.dtype)) for t in v_shards]
     for rank in range(world) if ranks is None else ranks:
-        comm = ReplayComm(rank, world, blocks) if world > 1 else LocalComm()
+        comm = ReplayComm(rank, world, blocks, overlap=overlap) if world > 1 else LocalComm()
         ql = q_shards[rank].detach().requires_grad_()
         kl, vl = k_shards[rank].detach().requires_grad_(), v_shards[rank].detach().requires_grad_()
         out, _ = _RingAttn.apply(ql, kl, vl, bias_shards[rank], spec, comm)
@@ -110,11 +132,12 @@ def replay_ring(
         for owner, heads, (dk_part, dv_part) in [(rank, slice(None), (dk, dv))] if kept_home else comm.sent_grads:
             dks[owner][:, :, heads] += dk_part
             dvs[owner][:, :, heads] += dv_part
+    rows = [t.shape[1] for t in q_shards]  # the padding rows go
     return (
         _place(outs, layout),
         _place(dqs, layout),
-        _place([t.to(k.dtype) for t in dks], layout),
-        _place([t.to(v.dtype) for t in dvs], layout),
+        _place([t[:, :n].to(k.dtype) for t, n in zip(dks, rows)], layout),
+        _place([t[:, :n].to(v.dtype) for t, n in zip(dvs, rows)], layout),
     )
 
 
