@@ -8,21 +8,29 @@ For each total length and ring size P, one long-tailed document mix (lengths log
 is laid out by ringflash.balanced_layout(cu_seqlens, P) (causal; --window W adds a causal window
 of W keys, window_size=(W - 1, 0)). Each rank r's forward+backward runs on this GPU as
 ring_flash_attn_varlen_func would run it, the K/V blocks of the other ranks copied in
-(ringflash.testing.ReplayComm) instead of received. Reported per (S, P):
+(ringflash.testing.ReplayComm) instead of received, on a side stream beside the kernels as a
+network transfer would run (the copies still take this GPU's memory bandwidth; "inline": the
+same copies on the compute stream, an upper bound on their cost). Reported per (S, P):
   max/mean   the busiest rank's replayed time over the mean rank's (1.00: even)
   eff        single-GPU flash_attn_varlen_func forward+backward on the whole batch / P, over the
-             busiest rank's replayed time: the ring efficiency before any communication
+             busiest rank's replayed time: the ring efficiency before any network time
   hops       ring steps that send K/V (layout.hops - 1), and the bytes each rank sends: hops x
              the longest shard's K/V (the ring sends blocks padded to it)
-  pred       the layout's own prediction of max/mean from its visible pairs (layout.work)
+  own calls  ringflash.balance.OWN_CALL_WORK: from this much work a document's share of a step
+             gets kernel calls of its own (--own-call-work-log2 varies it)
+  pred       the layout's own prediction of max/mean from its visible pairs (layout.work), in
+             total and at its most uneven step
 Times are CUDA-event medians of --repeats runs after a warm-up.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
+import math
 import statistics
 from pathlib import Path
+from unittest import mock
 
 import numpy as np
 import torch
@@ -39,8 +47,9 @@ def timed(fn, device, repeats):
     return host_seconds(fn, device, repeats=repeats) * 1e3
 
 
-def replay_rank(q, k, v, do, cu, layout, rank, world, window):
-    """One forward+backward of `rank`'s ring schedule; returns a callable."""
+def replay_rank(q, k, v, do, cu, layout, rank, world, window, overlap):
+    """One forward+backward of `rank`'s ring schedule; returns a callable. overlap: as
+    ReplayComm's."""
     idx = [layout.positions(r, device=q.device) for r in range(world)]
     pad = lambda t: torch.nn.functional.pad(t, (0, 0, 0, 0, 0, layout.max_local_len - t.shape[0]))  # noqa: E731
     blocks = [(pad(k[i])[None], pad(v[i])[None]) for i in idx]
@@ -54,7 +63,8 @@ def replay_rank(q, k, v, do, cu, layout, rank, world, window):
 
     def run():
         ql.grad = kl.grad = vl.grad = None
-        out, _ = _RingAttn.apply(ql[None], kl, vl, None, spec, ReplayComm(rank, world, blocks, record=False))
+        comm = ReplayComm(rank, world, blocks, record=False, overlap=overlap)
+        out, _ = _RingAttn.apply(ql[None], kl, vl, None, spec, comm)
         out.backward(dol)
 
     return run
@@ -77,13 +87,22 @@ def measure(args, device, dtype):
             ringflash.flash_attn_varlen_func(qg, kg, vg, cu, cu, causal=True, window_size=window).backward(do)
 
         single_ms = timed(single, device, args.repeats)
-        for world in args.worlds:
+        for world, own_log2 in itertools.product(args.worlds, args.own_call_work_log2 or [None]):
             layout = ringflash.balanced_layout(cu_list, world, causal=True, window_size=window)
-            per_rank = [
-                timed(replay_rank(q, k, v, do, cu, layout, r, world, window), device, args.repeats)
-                for r in range(world)
-            ]
+            own = ringflash.balance.OWN_CALL_WORK if own_log2 is None else 2.0**own_log2
+            with mock.patch("ringflash.balance.OWN_CALL_WORK", own):
+                per_rank, inline = (
+                    [
+                        timed(replay_rank(q, k, v, do, cu, layout, r, world, window, overlap), device, args.repeats)
+                        for r in range(world)
+                    ]
+                    if overlap or not args.no_inline
+                    else None
+                    for overlap in (True, False)
+                )
             work = [sum(layout.work(r, s) for s in range(world)) for r in range(world)]
+            step_work = [[layout.work(r, s) for r in range(world)] for s in range(world)]
+            step_uneven = max(max(w) / statistics.mean(w) for w in step_work if any(w))
             hops = layout.hops - 1
             kv_bytes = layout.max_local_len * args.kv_heads * args.head_dim * 2 * q.element_size()
             row = dict(
@@ -95,7 +114,11 @@ def measure(args, device, dtype):
                 rank_ms=per_rank,
                 max_over_mean=max(per_rank) / statistics.mean(per_rank),
                 efficiency=single_ms / world / max(per_rank),
+                own_call_work=own,
+                rank_ms_inline_copies=inline,
+                efficiency_inline_copies=inline and single_ms / world / max(inline),
                 predicted_max_over_mean=max(work) / statistics.mean(work),
+                predicted_step_max_over_mean=step_uneven,
                 hops=hops,
                 bytes_sent_per_rank=hops * kv_bytes,
                 local_lens=[layout.local_len(r) for r in range(world)],
@@ -104,8 +127,10 @@ def measure(args, device, dtype):
             print(
                 f"S={total:>7} P={world} docs={len(lengths):>3} window={args.window}: ranks "
                 + " ".join(f"{t:.2f}" for t in per_rank)
-                + f" ms; max/mean {row['max_over_mean']:.3f} (pred {row['predicted_max_over_mean']:.3f}); "
-                f"single/P {single_ms / world:.2f} ms, eff {row['efficiency']:.3f}; hops {hops}, "
+                + f" ms; max/mean {row['max_over_mean']:.3f} (pred {row['predicted_max_over_mean']:.3f}, "
+                f"step {step_uneven:.3f}); single/P {single_ms / world:.2f} ms, eff {row['efficiency']:.3f}"
+                + (f" (inline {row['efficiency_inline_copies']:.3f}); " if inline else "; ")
+                + f"own calls from 2^{math.log2(own):.0f}; hops {hops}, "
                 f"{row['bytes_sent_per_rank'] / 2**20:.1f} MiB sent per rank",
                 flush=True,
             )
@@ -122,6 +147,13 @@ def main():
     ap.add_argument("--window", type=int, default=None, help="a causal window of this many keys")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument(
+        "--own-call-work-log2",
+        type=float,
+        nargs="+",
+        help="variants of ringflash.balance.OWN_CALL_WORK (log2; inf: every document in the per-row-bounds call)",
+    )
+    ap.add_argument("--no-inline", action="store_true", help="skip the inline-copies timing")
     ap.add_argument("--json", type=Path)
     ap.add_argument("--smoke", action="store_true", help="tiny CPU sizes")
     args = ap.parse_args()
