@@ -47,9 +47,9 @@ def timed(fn, device, repeats):
     return host_seconds(fn, device, repeats=repeats) * 1e3
 
 
-def replay_rank(q, k, v, do, cu, layout, rank, world, window, overlap):
+def replay_rank(q, k, v, do, cu, layout, rank, world, window, overlap, grad_chunks=None):
     """One forward+backward of `rank`'s ring schedule; returns a callable. overlap: as
-    ReplayComm's."""
+    ReplayComm's; grad_chunks: as ring_flash_attn_varlen_func's."""
     idx = [layout.positions(r, device=q.device) for r in range(world)]
     pad = lambda t: torch.nn.functional.pad(t, (0, 0, 0, 0, 0, layout.max_local_len - t.shape[0]))  # noqa: E731
     blocks = [(pad(k[i])[None], pad(v[i])[None]) for i in idx]
@@ -57,7 +57,7 @@ def replay_rank(q, k, v, do, cu, layout, rank, world, window, overlap):
     kl, vl = blocks[rank][0].detach().requires_grad_(), blocks[rank][1].detach().requires_grad_()
     dol = do[idx[rank]][None]
     _, spec = check_packed_call(
-        ql, k[idx[rank]], v[idx[rank]], cu, layout, True, None, window, False, None, None, 0.0, None,
+        ql, k[idx[rank]], v[idx[rank]], cu, layout, True, None, window, False, None, grad_chunks, 0.0, None,
         "ring_flash_attn_varlen_func", world, rank,
     )  # fmt: skip
 
@@ -87,13 +87,18 @@ def measure(args, device, dtype):
             ringflash.flash_attn_varlen_func(qg, kg, vg, cu, cu, causal=True, window_size=window).backward(do)
 
         single_ms = timed(single, device, args.repeats)
-        for world, own_log2 in itertools.product(args.worlds, args.own_call_work_log2 or [None]):
+        variants = itertools.product(args.worlds, args.own_call_work_log2 or [None], args.grad_chunks or [None])
+        for world, own_log2, chunks in variants:
             layout = ringflash.balanced_layout(cu_list, world, causal=True, window_size=window)
             own = ringflash.balance.OWN_CALL_WORK if own_log2 is None else 2.0**own_log2
             with mock.patch("ringflash.balance.OWN_CALL_WORK", own):
                 per_rank, inline = (
                     [
-                        timed(replay_rank(q, k, v, do, cu, layout, r, world, window, overlap), device, args.repeats)
+                        timed(
+                            replay_rank(q, k, v, do, cu, layout, r, world, window, overlap, chunks),
+                            device,
+                            args.repeats,
+                        )
                         for r in range(world)
                     ]
                     if overlap or not args.no_inline
@@ -115,6 +120,7 @@ def measure(args, device, dtype):
                 max_over_mean=max(per_rank) / statistics.mean(per_rank),
                 efficiency=single_ms / world / max(per_rank),
                 own_call_work=own,
+                grad_chunks=chunks,
                 rank_ms_inline_copies=inline,
                 efficiency_inline_copies=inline and single_ms / world / max(inline),
                 predicted_max_over_mean=max(work) / statistics.mean(work),
@@ -130,7 +136,9 @@ def measure(args, device, dtype):
                 + f" ms; max/mean {row['max_over_mean']:.3f} (pred {row['predicted_max_over_mean']:.3f}, "
                 f"step {step_uneven:.3f}); single/P {single_ms / world:.2f} ms, eff {row['efficiency']:.3f}"
                 + (f" (inline {row['efficiency_inline_copies']:.3f}); " if inline else "; ")
-                + f"own calls from 2^{math.log2(own):.0f}; hops {hops}, "
+                + f"own calls from 2^{math.log2(own):.0f}"
+                + ("" if chunks is None else f", grad_chunks {chunks}")
+                + f"; hops {hops}, "
                 f"{row['bytes_sent_per_rank'] / 2**20:.1f} MiB sent per rank",
                 flush=True,
             )
@@ -153,6 +161,7 @@ def main():
         nargs="+",
         help="variants of ringflash.balance.OWN_CALL_WORK (log2; inf: every document in the per-row-bounds call)",
     )
+    ap.add_argument("--grad-chunks", type=int, nargs="+", help="variants of grad_chunks (default: the ring's own)")
     ap.add_argument("--no-inline", action="store_true", help="skip the inline-copies timing")
     ap.add_argument("--json", type=Path)
     ap.add_argument("--smoke", action="store_true", help="tiny CPU sizes")
