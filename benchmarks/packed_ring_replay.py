@@ -15,7 +15,8 @@ same copies on the compute stream, an upper bound on their cost). Reported per (
   eff        single-GPU flash_attn_varlen_func forward+backward on the whole batch / P, over the
              busiest rank's replayed time: the ring efficiency before any network time
   hops       ring steps that send K/V (layout.hops - 1), and the bytes each rank sends: hops x
-             the longest shard's K/V (the ring sends blocks padded to it)
+             the longest shard's K/V (the ring sends blocks padded to it); beside it what a
+             zigzag layout of every document (2P pieces each) would send: P - 1 shards' K/V
   own calls  ringflash.balance.OWN_CALL_WORK: from this much work a document's share of a step
              gets kernel calls of its own (--own-call-work-log2 varies it)
   pred       the layout's own prediction of max/mean from its visible pairs (layout.work), in
@@ -110,6 +111,9 @@ def measure(args, device, dtype):
             step_uneven = max(max(w) / statistics.mean(w) for w in step_work if any(w))
             hops = layout.hops - 1
             kv_bytes = layout.max_local_len * args.kv_heads * args.head_dim * 2 * q.element_size()
+            # every document cut in 2P zigzag pieces: each rank holds total / P tokens, and every
+            # step has work, so P - 1 hops each send that shard's K/V
+            zigzag_bytes = (world - 1) * total // world * args.kv_heads * args.head_dim * 2 * q.element_size()
             row = dict(
                 total=total,
                 world=world,
@@ -127,6 +131,7 @@ def measure(args, device, dtype):
                 predicted_step_max_over_mean=step_uneven,
                 hops=hops,
                 bytes_sent_per_rank=hops * kv_bytes,
+                zigzag_per_doc_bytes_per_rank=zigzag_bytes,
                 local_lens=[layout.local_len(r) for r in range(world)],
             )
             rows.append(row)
@@ -139,7 +144,8 @@ def measure(args, device, dtype):
                 + f"own calls from 2^{math.log2(own):.0f}"
                 + ("" if chunks is None else f", grad_chunks {chunks}")
                 + f"; hops {hops}, "
-                f"{row['bytes_sent_per_rank'] / 2**20:.1f} MiB sent per rank",
+                f"{row['bytes_sent_per_rank'] / 2**20:.1f} MiB sent per rank (zigzag per document "
+                f"{zigzag_bytes / 2**20:.1f})",
                 flush=True,
             )
     return rows
