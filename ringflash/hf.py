@@ -584,6 +584,7 @@ def shard_inputs(
     pad=False,
     head_group=None,
     cu_seqlens=None,
+    sliding_window=None,
 ):
     """This rank's model inputs for a full batch, for a model prepared by apply().
 
@@ -605,6 +606,10 @@ def shard_inputs(
       default to each token's position within its document; labels=None gives next-token
       labels that never cross a document boundary (each document's first token is not
       predicted, as DataCollatorWithFlattening's labels).
+    sliding_window: packed documents for a model whose every layer slides (transformers'
+      config.sliding_window, e.g. Mistral's): the layout is balanced for that window (fewer
+      documents cut, K/V sent to neighbours only) instead of for causal attention. Either is
+      exact: each layer applies its own mask; this only decides which rank holds what.
     num_items_in_batch: the loss's denominator; None: the number of label tokens of this
       batch. Pass the total over all micro-batches / data-parallel batches that one optimizer
       step averages over (see README: data parallelism).
@@ -628,6 +633,7 @@ def shard_inputs(
     """
     api = "ringflash.hf.shard_inputs"
     _check_named_layout(layout, api)
+    _check_sliding_window(sliding_window, api)
     group, head_group = resolve_groups(group, head_group, api)
     _check_2d("input_ids", input_ids, None, api)
     B, S = input_ids.shape
@@ -650,7 +656,10 @@ def shard_inputs(
         position_ids = position_ids.to(device)
     packed = None
     if cu_seqlens is not None or (attention_mask is None and position_ids is not None and _restarts(position_ids)):
-        packed, position_ids = _packed_documents(cu_seqlens, position_ids, attention_mask, B, S, group, api, device)
+        window = _window_size(sliding_window, S)
+        packed, position_ids = _packed_documents(
+            cu_seqlens, position_ids, attention_mask, B, S, group, api, device, window
+        )
     if labels is None:
         labels = input_ids if attention_mask is None else input_ids.masked_fill(attention_mask == 0, IGNORE_INDEX)
         if packed is not None:  # no prediction across a document boundary
@@ -719,10 +728,18 @@ def _restarts(position_ids: torch.Tensor) -> bool:
     return bool((position_ids.diff(dim=-1) != 1).any())
 
 
-def _packed_documents(cu_seqlens, position_ids, attention_mask, B, S, group, api, device):
+def _check_sliding_window(sliding_window, api):
+    if sliding_window is not None and (
+        isinstance(sliding_window, bool) or not isinstance(sliding_window, int) or sliding_window < 1
+    ):
+        raise ValueError(f"{api}: sliding_window must be None or a positive int, got {sliding_window!r}")
+
+
+def _packed_documents(cu_seqlens, position_ids, attention_mask, B, S, group, api, device, window_size=(-1, -1)):
     """shard_inputs' packed documents: (_Packed, position_ids (1, S)) from cu_seqlens or from
     restarting position_ids (a new document wherever they do not step by 1, as transformers'
-    find_packed_sequence_indices reads them), checked against each other when both are given."""
+    find_packed_sequence_indices reads them), checked against each other when both are given;
+    the layout balanced for causal attention within window_size (flash-attn's)."""
     if B != 1:
         raise _unsupported(f"packed documents in a batch of {B} rows are not supported: pack them into one row")
     if attention_mask is not None:
@@ -748,7 +765,7 @@ def _packed_documents(cu_seqlens, position_ids, attention_mask, B, S, group, api
                 f"{api}: position_ids restart at {from_positions[1:-1][:8]} but cu_seqlens has documents "
                 f"starting at {nonempty[1:-1][:8]}: one process would see other documents"
             )
-    layout = balanced_layout(cu, group_rank_world(group)[1], causal=True)  # checks cu_seqlens
+    layout = balanced_layout(cu, group_rank_world(group)[1], causal=True, window_size=window_size)  # checks cu
     if position_ids is None:  # each token's position in its document
         starts = torch.tensor(cu[:-1], device=device)
         doc = torch.bucketize(torch.arange(S, device=device), starts, right=True) - 1

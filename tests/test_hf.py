@@ -24,6 +24,7 @@ import torch.distributed as dist  # noqa: E402
 
 import ringflash.hf as rhf  # noqa: E402
 from ringflash.local import use_backend  # noqa: E402
+from ringflash.masks import Window  # noqa: E402
 
 from dist_utils import run_world  # noqa: E402
 
@@ -346,10 +347,11 @@ def packed_batch(seed, lengths):
     return ids, pos, labels, cu
 
 
-def check_packed(model, lengths, seed, group=None, head_group=None, dtype=torch.float32):
+def check_packed(model, lengths, seed, group=None, head_group=None, dtype=torch.float32, sliding_window=None):
     """Packed documents on the ring against one process's sdpa with the same restarting
     position_ids (use_cache=False: with a cache transformers does not look for documents), by
-    position_ids and by cu_seqlens; the documents matter (an unpacked run differs)."""
+    position_ids and by cu_seqlens (with sliding_window: the layout balanced for it); the
+    documents matter (an unpacked run differs)."""
     ids, pos, labels, cu = packed_batch(seed, lengths)
     ref64 = reference(model, ids, None, labels, pos, dtype=torch.float64, use_cache=False)
     ref32 = reference(model, ids, None, labels, pos, use_cache=False)
@@ -359,6 +361,10 @@ def check_packed(model, lengths, seed, group=None, head_group=None, dtype=torch.
     # the same documents by cu_seqlens (an empty one in front): positions and labels derived
     batch = rhf.shard_inputs(ids, cu_seqlens=torch.tensor([0] + cu), **grid)
     assert torch.equal(batch["position_ids"], rhf.shard_inputs(ids, position_ids=pos, **grid)["position_ids"])
+    if sliding_window is not None:
+        grid["sliding_window"] = sliding_window
+        got = rhf.shard_inputs(ids, cu_seqlens=[0] + cu, **grid)["ringflash_packed"].layout
+        assert got.window == Window(sliding_window - 1, 0) and got.window != batch["ringflash_packed"].layout.window
     loss, grads, _ = ring_run(to_dtype(model, dtype), ids, None, None, None, cu_seqlens=[0] + cu, **grid)
     compare(f"packed {lengths} by cu_seqlens", loss, grads, ref64, ref32, dtype)
     unpacked = reference(model, ids, None, labels, None, use_cache=False)[0]
@@ -371,7 +377,9 @@ def _trap_packed(rank, world):
     the positions, restarting position_ids or cu_seq_lens given to the model directly."""
     check_packed(make_model("llama"), [5, 1, 20, 9, 13], seed=6)  # the 20-token one crosses the ranks
     check_packed(make_model("mistral", sliding_window=6), [30, 2, 16], seed=7, dtype=torch.float64)
+    check_packed(make_model("mistral", sliding_window=6), [30, 2, 16], seed=7, dtype=torch.float64, sliding_window=6)
     ids, pos, labels, cu = packed_batch(8, [10, 14, 24])
+    _raises(ValueError, "sliding_window must be None or a positive", lambda: rhf.shard_inputs(ids, sliding_window=0))
     two = (ids.expand(2, -1), pos.expand(2, -1))
     _raises(NotImplementedError, "batch of 2 rows", lambda: rhf.shard_inputs(two[0], position_ids=two[1]))
     _raises(
