@@ -79,6 +79,9 @@ class BalancedLayout:
         text = repr((self.cu_seqlens, self.world, self.pieces)).encode()
         object.__setattr__(self, "_digest", int.from_bytes(hashlib.sha256(text).digest()[:8], "little") >> 2)
 
+    def __getstate__(self):  # pickled and copied without step_plan's device tensors
+        return {**self.__dict__, "_held": {}}
+
     @property
     def total(self) -> int:
         return self.cu_seqlens[-1]

@@ -1,5 +1,6 @@
 """The one description of which keys a query sees (ringflash.masks), against brute force."""
 
+import pickle
 import random
 
 import pytest
@@ -103,6 +104,8 @@ def test_ring_step_plan_covers_every_visible_pair_once(window):
                     assert all(int(b.q_lo[j]) == int(b.q_hi[j]) for j in range(len(k_pos), n_k))  # padding
                 assert torch.equal(covered, sees), (cu, world, rank, step, pair_work)
                 assert L.step_plan(rank, step, window, n_k, "cpu", pair_work)[1] is b  # built once
+        copied = pickle.loads(pickle.dumps(L))  # without the plans, equal
+        assert copied == L and not copied._held and copied.code == L.code
 
 
 def _task_column(t, j, n_q, window):
