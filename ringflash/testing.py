@@ -110,6 +110,7 @@ def replay_ring(
         window_size,
     )  # fmt: skip
     k_shards, v_shards = _split(k, world, layout), _split(v, world, layout)
+    kv_rows = [t.shape[1] for t in k_shards]  # before any padding
     if is_balanced(layout):  # every block as long as the longest shard
         pad = lambda t: torch.nn.functional.pad(t, (0, 0, 0, 0, 0, layout.max_local_len - t.shape[1]))  # noqa: E731
         k_shards, v_shards = [pad(t) for t in k_shards], [pad(t) for t in v_shards]
@@ -132,12 +133,11 @@ def replay_ring(
         for owner, heads, (dk_part, dv_part) in [(rank, slice(None), (dk, dv))] if kept_home else comm.sent_grads:
             dks[owner][:, :, heads] += dk_part
             dvs[owner][:, :, heads] += dv_part
-    rows = [t.shape[1] for t in q_shards]  # the padding rows go
-    return (
+    return (  # the padding rows go
         _place(outs, layout),
         _place(dqs, layout),
-        _place([t[:, :n].to(k.dtype) for t, n in zip(dks, rows)], layout),
-        _place([t[:, :n].to(v.dtype) for t, n in zip(dvs, rows)], layout),
+        _place([t[:, :n].to(k.dtype) for t, n in zip(dks, kv_rows)], layout),
+        _place([t[:, :n].to(v.dtype) for t, n in zip(dvs, kv_rows)], layout),
     )
 
 
