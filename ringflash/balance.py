@@ -105,6 +105,20 @@ class BalancedLayout:
             return torch.zeros(0, dtype=torch.long, device=device)
         return torch.cat([torch.arange(s.global_start, s.global_start + s.length, device=device) for s in segs])
 
+    def document_positions(self, global_positions: torch.Tensor) -> torch.Tensor:
+        """Each token's position within its own document (0 at the document's first token), for
+        int global positions such as positions(rank) or local_positions(..., layout=self):
+        what RoPE and position embeddings take when packing restarts them at every document.
+        Same shape and device; no communication."""
+        if not isinstance(global_positions, torch.Tensor) or global_positions.is_floating_point():
+            raise TypeError(f"BalancedLayout.document_positions: global_positions must be an int tensor, "
+                            f"got {getattr(global_positions, 'dtype', type(global_positions).__name__)}")  # fmt: skip
+        pos = global_positions.long()
+        if pos.numel() and (int(pos.min()) < 0 or int(pos.max()) >= self.total):
+            raise ValueError(f"BalancedLayout.document_positions: positions must lie in [0, {self.total})")
+        cu = torch.tensor(self.cu_seqlens, dtype=torch.long, device=pos.device)
+        return pos - cu[torch.searchsorted(cu, pos, right=True) - 1]
+
     def fingerprint(self) -> int:
         """A 62-bit digest of (cu_seqlens, world, pieces): ranks compare it to agree on the layout."""
         return self._digest

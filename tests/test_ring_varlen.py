@@ -165,6 +165,20 @@ def test_pair_count_is_the_count_of_visible_pairs():
         assert _pairs(q0, nq, k0, nk, w) == want, (w, q0, nq, k0, nk)
 
 
+def test_document_positions_restart_at_every_document():
+    cu = _cu([3, 0, 5, 1, 4])
+    L = balanced_layout(cu, 3)
+    within = [i - a for a, b in zip(cu, cu[1:]) for i in range(a, b)]  # 0 1 2 0 1 2 3 4 0 0 1 2 3
+    for r in range(3):
+        got = L.document_positions(L.positions(r))
+        assert got.tolist() == [within[p] for p in L.positions(r).tolist()] and got.dtype == torch.int64
+    assert L.document_positions(torch.tensor([], dtype=torch.int32)).numel() == 0
+    with pytest.raises(TypeError, match="must be an int tensor"):
+        L.document_positions(torch.tensor([1.0]))
+    with pytest.raises(ValueError, match=r"must lie in \[0, 13\)"):
+        L.document_positions(torch.tensor([13]))
+
+
 def test_short_documents_stay_whole_and_need_no_hop():
     lengths = [50, 60, 40, 70, 55, 45, 65, 35]
     L = balanced_layout(_cu(lengths), 2)
