@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .masks import RowBounds, Window, held_bounds, window_from
-from .schedule import Segment, step_tasks, steps_needed
+from .schedule import LAYOUTS, Segment, check_divisible, segments, step_tasks, steps_needed
 
 BALANCE_SLACK = 0.02  # how far above an equal share of the work a whole document may leave a rank
 # A ring step's block tasks over packed documents run as they are (kernel calls of their own)
@@ -376,15 +376,9 @@ def _place_cut(start: int, n: int, world: int, window: Window, load, least: int,
     return best[1]
 
 
-def balanced_layout(cu_seqlens, world: int, *, causal: bool = True, window_size=(-1, -1)) -> BalancedLayout:
-    """The balanced layout of packed documents over `world` ranks (module docstring).
-
-    cu_seqlens: the global document boundaries, a 1-D int tensor or a sequence of ints,
-    starting at 0, non-decreasing (empty documents allowed). causal / window_size: the masking
-    the attention will use (flash-attn semantics per document), which decides the balance.
-    Pure and deterministic: every rank computes the same layout from the same arguments.
-    """
-    api = "balanced_layout"
+def checked_cu_seqlens(cu_seqlens, api: str) -> list[int]:
+    """Global document boundaries (a 1-D int tensor or a sequence of ints) as a list of ints,
+    checked: starting at 0, non-decreasing."""
     if isinstance(cu_seqlens, torch.Tensor):
         if cu_seqlens.dtype not in (torch.int32, torch.int64) or cu_seqlens.dim() != 1:
             raise TypeError(f"{api}: cu_seqlens must be a 1-D int32/int64 tensor, got {cu_seqlens.dtype} "
@@ -398,6 +392,19 @@ def balanced_layout(cu_seqlens, world: int, *, causal: bool = True, window_size=
         raise ValueError(f"{api}: cu_seqlens must start at 0, got {cu[:4]}")
     if any(b < a for a, b in zip(cu, cu[1:])):
         raise ValueError(f"{api}: cu_seqlens must be non-decreasing, got {cu[:8]}...")
+    return cu
+
+
+def balanced_layout(cu_seqlens, world: int, *, causal: bool = True, window_size=(-1, -1)) -> BalancedLayout:
+    """The balanced layout of packed documents over `world` ranks (module docstring).
+
+    cu_seqlens: the global document boundaries, a 1-D int tensor or a sequence of ints,
+    starting at 0, non-decreasing (empty documents allowed). causal / window_size: the masking
+    the attention will use (flash-attn semantics per document), which decides the balance.
+    Pure and deterministic: every rank computes the same layout from the same arguments.
+    """
+    api = "balanced_layout"
+    cu = checked_cu_seqlens(cu_seqlens, api)
     if isinstance(world, bool) or not isinstance(world, int) or world < 1:
         raise ValueError(f"{api}: world must be a positive int, got {world!r}")
     window = window_from(causal, window_size, api)
@@ -441,3 +448,29 @@ def balanced_layout(cu_seqlens, world: int, *, causal: bool = True, window_size=
             local += s.length
         pieces.append(tuple(placed))
     return BalancedLayout(tuple(cu), world, window, tuple(pieces))
+
+
+@functools.lru_cache(maxsize=16)
+def named_layout(cu_seqlens: tuple, world: int, name: str, window: Window, parts: int = 1) -> BalancedLayout:
+    """A named layout ("zigzag", "contiguous") of packed documents as a BalancedLayout: the
+    shards shard(x, layout=name, dim=0) makes of the packed row, cut at the document
+    boundaries, for comparing with balanced_layout (documents are cut wherever the shards fall;
+    nothing is balanced). The total must split into world x parts shards as `name` requires
+    (parts: a head group's U). window: the attention's (masks.Window), for work() and hops."""
+    api = "ring_flash_attn_varlen_func"
+    if name not in LAYOUTS:
+        raise ValueError(f"{api}: layout must be one of {LAYOUTS} or a balanced_layout(), got {name!r}")
+    total = cu_seqlens[-1]
+    check_divisible(total, world * parts, name, api, what="packed length (cu_seqlens[-1])")
+    docs = [(d, a, b) for d, (a, b) in enumerate(zip(cu_seqlens, cu_seqlens[1:])) if b > a]
+    pieces = []
+    for rank in range(world):
+        placed, at = [], 0
+        for seg in segments(name, rank, world, total // world):
+            for d, a, b in docs:
+                lo, hi = max(a, seg.global_start), min(b, seg.global_start + seg.length)
+                if hi > lo:
+                    placed.append(Segment(at, lo, hi - lo, d))
+                    at += hi - lo
+        pieces.append(tuple(placed))
+    return BalancedLayout(tuple(cu_seqlens), world, window, tuple(pieces))

@@ -16,6 +16,7 @@ import torch
 
 from . import ops
 from ._checks import SUPPORTED_DTYPES, check_bool, check_qkv, key_bias_from_mask, resolve_grad_accum, resolve_scale
+from .balance import checked_cu_seqlens, named_layout
 from .comm import check_backend_device, group_rank_world, is_mesh, resolve_group, resolve_groups, validated_across_ranks
 from .dropout import Dropout, all_dropped, check_dropout, operator_dropout
 from .empty import empty_attention
@@ -24,6 +25,7 @@ from .masks import FULL, BlockMask, Window, window_from
 from .merge import SoftmaxState, state_dtype
 from .relay import GradRelay, default_grad_chunks
 from .schedule import (
+    LAYOUTS,
     BlockTask,
     check_layout,
     chunks_per_rank,
@@ -441,7 +443,7 @@ def check_packed_call(
     check_bool("return_lse", return_lse, api)
     p = check_dropout(dropout_p, generator, api)
     if not is_balanced(layout):
-        raise ValueError(f"{api}: layout must be a ringflash.balanced_layout(...), got {layout!r}")
+        raise ValueError(f"{api}: layout must be a ringflash.balanced_layout(...) or one of {LAYOUTS}, got {layout!r}")
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor) or t.dim() != 3:
             raise ValueError(f"{api}: {name} must be a 3-D tensor (n_local, heads, head_dim), got "
@@ -462,6 +464,23 @@ def check_packed_call(
         window_size,
     )  # fmt: skip
     return p, dataclasses.replace(spec, layout=layout)
+
+
+def _packed_layout(layout, cu_seqlens, causal, window_size, group, head_group, api):
+    """A named layout ("zigzag", "contiguous") of packed documents as the BalancedLayout it
+    amounts to (balance.named_layout: the name's shards cut at the document boundaries, over
+    the ring's R ranks, each divisible by a head group's U); anything else as it is."""
+    if not isinstance(layout, str):
+        return layout
+    if torch.compiler.is_compiling() and isinstance(cu_seqlens, torch.Tensor):
+        raise ValueError(
+            f"{api}: layout={layout!r} needs cu_seqlens' values, which torch.compile does not give: "
+            "pass them as a list of ints, or a ringflash.balanced_layout(...)"
+        )
+    cu = checked_cu_seqlens(cu_seqlens, api)
+    window = window_from(causal, window_size, api)
+    U = 1 if head_group is None else group_rank_world(head_group)[1]
+    return named_layout(tuple(cu), group_rank_world(group)[1], layout, window, U)
 
 
 def ring_flash_attn_varlen_func(
@@ -487,6 +506,8 @@ def ring_flash_attn_varlen_func(
     q: (n_local, Hq, D), k: (n_local, Hkv, D), v: (n_local, Hkv, Dv): this rank's tokens of the packed row, in the
     order of `layout` (a ringflash.balanced_layout(cu_seqlens, world, ...) built from the same
     global cu_seqlens on every rank; shard(x, layout=layout, dim=0) makes them), Hq % Hkv == 0.
+    layout may also be "zigzag" or "contiguous", for comparison: the packed row sharded as
+    those cut it (its length divisible by 2P or P), documents cut wherever the shards fall.
     cu_seqlens: the global document boundaries (as balanced_layout's). Each query attends to
     the keys of its own document only, with causal and window_size (flash-attn semantics)
     applied within it: self-attention, the same documents for queries and keys. Returns this
@@ -504,14 +525,15 @@ def ring_flash_attn_varlen_func(
     api = "ring_flash_attn_varlen_func"
     if head_group is not None or is_mesh(group):
         group, head_group = resolve_groups(group, head_group, api)
-        if head_group is not None:
-            from .hybrid import hybrid_varlen_attn
+    layout = _packed_layout(layout, cu_seqlens, causal, window_size, group, head_group, api)
+    if head_group is not None:
+        from .hybrid import hybrid_varlen_attn
 
-            return hybrid_varlen_attn(
-                q, k, v, cu_seqlens, layout=layout, causal=causal, softmax_scale=softmax_scale,
-                window_size=window_size, group=group, head_group=head_group, return_lse=return_lse,
-                grad_accum_dtype=grad_accum_dtype, grad_chunks=grad_chunks, dropout_p=dropout_p, generator=generator,
-            )  # fmt: skip
+        return hybrid_varlen_attn(
+            q, k, v, cu_seqlens, layout=layout, causal=causal, softmax_scale=softmax_scale,
+            window_size=window_size, group=group, head_group=head_group, return_lse=return_lse,
+            grad_accum_dtype=grad_accum_dtype, grad_chunks=grad_chunks, dropout_p=dropout_p, generator=generator,
+        )  # fmt: skip
     rank, world = group_rank_world(group)
     compiling = torch.compiler.is_compiling()
 

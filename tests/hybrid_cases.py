@@ -99,14 +99,14 @@ def hybrid_precision(rank, world, R, U, Hq, Hkv):
         assert ew <= 1.2 * e1, f"{name}: R{R} x U{U} error {ew:.3e} vs one device {e1:.3e}"
 
 
-def hybrid_varlen_vs_oracle(rank, world, R, U, lengths, causal, window_size, Hq, Hkv, dtype, seed):
-    """Packed documents with a head_group: a balanced layout over the R ring positions, each
-    position's shard cut into U pieces (unequal when it does not divide); out, lse, dq, dk, dv
-    reassembled against the float64 oracle run one document at a time. Returns this rank's
-    piece length and whether its head group's pieces differ in length."""
+def hybrid_varlen_vs_oracle(rank, world, R, U, lengths, causal, window_size, Hq, Hkv, dtype, seed, named=None):
+    """Packed documents with a head_group: a balanced layout over the R ring positions (or the
+    named layout `named`), each position's shard cut into U pieces (unequal when it does not
+    divide); out, lse, dq, dk, dv reassembled against the float64 oracle run one document at a
+    time. Returns this rank's piece length and whether its head group's pieces differ in length."""
     group, head_group = grid(R, U)
     cu, cu_t, q, k, v, do, ref, plain = packed_case(lengths, causal, window_size, Hq, Hkv, dtype, seed)
-    L = balanced_layout(cu, R, causal=causal, window_size=window_size)
+    L = balanced_layout(cu, R, causal=causal, window_size=window_size) if named is None else named
     T, kw = cu[-1], dict(causal=causal, window_size=window_size)
     grid_kw = dict(group=group, head_group=head_group, layout=L)
     sh = lambda t, dim=0: shard(t, dim=dim, **grid_kw)
@@ -121,5 +121,7 @@ def hybrid_varlen_vs_oracle(rank, world, R, U, lengths, causal, window_size, Hq,
         assert_within(f"{name} {tag}", unshard(got, dim=0, **grid_kw), r, plain[name])
         assert_within(f"{name} (shard) {tag}", got, sh(r), plain[name])
     assert_within(f"lse {tag}", unshard(lse, dim=1, **grid_kw), ref[1], plain["lse"], sum_len=1)
+    if named is not None:
+        return ql.shape[0], False
     pieces = L.head_pieces(dist.get_rank(group) if R > 1 else 0, U)
     return ql.shape[0], len({pieces.local_len(u) for u in range(U)}) > 1

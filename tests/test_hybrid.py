@@ -224,3 +224,11 @@ def test_hybrid_packed_documents(worlds, R, U, causal, window_size, Hq, Hkv, dty
     got = worlds(4, **TORCH).run(hybrid_varlen_vs_oracle, R, U, lengths, causal, window_size, Hq, Hkv, dtype, 3)
     assert sum(n for n, _ in got) == sum(lengths)
     assert any(unequal for _, unequal in got) == (U > 1)  # the unequal-pieces path is exercised
+
+
+@pytest.mark.parametrize("R,U,named", [(2, 2, "zigzag"), (4, 1, "contiguous")])
+def test_hybrid_packed_documents_on_a_named_layout(worlds, R, U, named):
+    """Packed documents on a named layout with a head_group: 128 tokens, divisible by 2 x R x U."""
+    lengths = [3, 0, 90, 1, 7, 20, 7]
+    got = worlds(4, **TORCH).run(hybrid_varlen_vs_oracle, R, U, lengths, True, (-1, -1), 4, 2, torch.float64, 3, named)
+    assert [n for n, _ in got] == [128 // (R * U)] * 4

@@ -299,6 +299,27 @@ def test_ring_varlen_steps_of_large_pieces_run_them_as_tasks(worlds, causal, win
     )  # fmt: skip
 
 
+def _ring_varlen_named(rank, world, lengths, layout, causal, window_size):
+    """A named layout of packed documents: shard(x, layout=name, dim=0)'s shards, documents cut
+    wherever they fall, against the float64 oracle."""
+    cu, cu_t, q, k, v, do, ref, plain = packed_case(lengths, causal, window_size, 4, 2, torch.float64, 5)
+    sh = lambda t: shard(t, layout=layout, dim=0)  # noqa: E731
+    ql, kl, vl = (sh(t).clone().requires_grad_() for t in (q, k, v))
+    kw = dict(causal=causal, window_size=window_size)
+    out = ring_flash_attn_varlen_func(ql, kl, vl, cu if rank % 2 else cu_t, layout=layout, **kw)
+    grads = torch.autograd.grad(out, (ql, kl, vl), sh(do))
+    for name, got, r in zip(("out", "dq", "dk", "dv"), (out, *grads), (ref[0], *ref[2:])):
+        assert_within(name, unshard(got, layout=layout, dim=0), r, plain[name])
+
+
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
+@pytest.mark.parametrize("causal,window_size", [(True, (-1, -1)), (False, (-1, -1)), (True, (6, 0))])
+def test_ring_varlen_named_layouts(worlds, layout, causal, window_size):
+    """The named layouts take packed documents too (for comparison with balanced_layout): a row
+    of 132 tokens (divisible by 2 x 3) whose documents the shards cut anywhere."""
+    worlds(3, **TORCH).run(_ring_varlen_named, MIXES["long_and_short"] + [6], layout, causal, window_size)
+
+
 @pytest.mark.parametrize("world", [2])
 def test_ring_varlen_triton_interpreter(worlds, world):
     worlds(world, **TRITON).run(_ring_varlen_vs_oracle, MIXES["long_and_short"], True, (-1, -1), 2, 1, torch.float32, 5)
@@ -308,7 +329,11 @@ def test_ring_varlen_checks_its_layout():
     L = balanced_layout(_cu([5, 7]), 1)
     q = torch.randn(12, 2, 16)
     with pytest.raises(ValueError, match="layout must be a ringflash.balanced_layout"):
-        ring_flash_attn_varlen_func(q, q, q, torch.tensor(_cu([5, 7])), layout="zigzag")
+        ring_flash_attn_varlen_func(q, q, q, torch.tensor(_cu([5, 7])), layout=None)
+    with pytest.raises(ValueError, match="layout must be one of"):
+        ring_flash_attn_varlen_func(q, q, q, torch.tensor(_cu([5, 7])), layout="diagonal")
+    with pytest.raises(ValueError, match="packed length .* multiple of 2"):
+        ring_flash_attn_varlen_func(q[:11], q[:11], q[:11], torch.tensor(_cu([5, 6])), layout="zigzag")
     with pytest.raises(ValueError, match="is not the one the layout was built from"):
         ring_flash_attn_varlen_func(q, q, q, torch.tensor(_cu([6, 6])), layout=L)
     with pytest.raises(ValueError, match="gives rank 0 12 tokens"):
