@@ -472,10 +472,10 @@ def _packed_layout(layout, cu_seqlens, causal, window_size, group, head_group, a
     the ring's R ranks, each divisible by a head group's U); anything else as it is."""
     if not isinstance(layout, str):
         return layout
-    if torch.compiler.is_compiling() and isinstance(cu_seqlens, torch.Tensor):
+    if torch.compiler.is_compiling():  # the layout object cannot be built inside a compiled graph
         raise ValueError(
-            f"{api}: layout={layout!r} needs cu_seqlens' values, which torch.compile does not give: "
-            "pass them as a list of ints, or a ringflash.balanced_layout(...)"
+            f"{api}: layout={layout!r} with packed documents is not supported under torch.compile: "
+            "build a ringflash.balanced_layout(...) outside the compiled code and pass it"
         )
     cu = checked_cu_seqlens(cu_seqlens, api)
     window = window_from(causal, window_size, api)
@@ -507,7 +507,8 @@ def ring_flash_attn_varlen_func(
     order of `layout` (a ringflash.balanced_layout(cu_seqlens, world, ...) built from the same
     global cu_seqlens on every rank; shard(x, layout=layout, dim=0) makes them), Hq % Hkv == 0.
     layout may also be "zigzag" or "contiguous", for comparison: the packed row sharded as
-    those cut it (its length divisible by 2P or P), documents cut wherever the shards fall.
+    those cut it (its length divisible by 2P or P), documents cut wherever the shards fall
+    (eager only: a compiled graph cannot build its layout object).
     cu_seqlens: the global document boundaries (as balanced_layout's). Each query attends to
     the keys of its own document only, with causal and window_size (flash-attn semantics)
     applied within it: self-attention, the same documents for queries and keys. Returns this

@@ -118,6 +118,15 @@ def test_ring_without_group_fullgraph():
     _no_graph_break()
 
 
+def test_named_packed_layout_raises_under_fullgraph():
+    """A named layout of packed documents needs its layout object built, which a compiled graph
+    cannot: fullgraph compilation fails with the reason (eager works: test_ring_varlen)."""
+    q = torch.randn(16, 2, 16)
+    f = lambda q: ringflash.ring_flash_attn_varlen_func(q, q, q, [0, 5, 12, 16], layout="zigzag", causal=True)
+    with pytest.raises(Exception, match="with packed documents is not supported under torch.compile"):
+        torch.compile(f, fullgraph=True)(q)
+
+
 @pytest.mark.parametrize("fn", ["flash", "ring"])
 def test_dropout_fullgraph_draws_as_eager(fn):
     """dropout_p under torch.compile: no graph break, the seed drawn from torch's generator in
