@@ -123,6 +123,14 @@ def rank_inputs(args, S_local, rank, device, dtype):
     return q, k, v, torch.randn_like(q)
 
 
+def bench_device(smoke: bool) -> tuple[torch.device, torch.dtype]:
+    """Where a benchmark runs and in what dtype: the GPU in bfloat16, or the CPU in float32 when
+    there is none or for a smoke run (--smoke: tiny sizes, CI keeps the script working)."""
+    if torch.cuda.is_available() and not smoke:
+        return torch.device("cuda"), torch.bfloat16
+    return torch.device("cpu"), torch.float32
+
+
 def device_name(device) -> str:
     return torch.cuda.get_device_name() if torch.device(device).type == "cuda" else "cpu"
 

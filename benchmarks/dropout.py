@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.bench_local import make_inputs
-from benchmarks.common import attention_flops, bench_ms, device_name, step_fn, write_json
+from benchmarks.common import attention_flops, bench_device, bench_ms, device_name, step_fn, write_json
 from ringflash import flash_attn_func
 
 
@@ -48,8 +48,7 @@ def main():
     ap.add_argument("--json", type=Path)
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU")
     args = ap.parse_args()
-    device = "cuda" if torch.cuda.is_available() and not args.smoke else "cpu"
-    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    device, dtype = bench_device(args.smoke)
     seqlens, dims, H = ([64], [16], 2) if args.smoke else (args.seqlens, args.head_dims, args.heads)
     rows = []
     print(f"{'D':>4} {'S':>6} {'causal':>6} {'mode':>8} {'p=0':>7} {'p':>7} {'sdpa p':>7} {'p/p0':>6} {'/sdpa':>6}")

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 import ringflash
-from benchmarks.common import device_name, host_seconds, result_meta, write_json
+from benchmarks.common import bench_device, device_name, host_seconds, result_meta, write_json
 from ringflash import ops
 from ringflash.local import block_forward
 from ringflash.masks import CAUSAL, BlockMask
@@ -89,8 +89,7 @@ def main():
     ap.add_argument("--json", type=Path)
     ap.add_argument("--smoke", action="store_true", help="tiny CPU sizes")
     args = ap.parse_args()
-    device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    device, dtype = bench_device(args.smoke)
     if args.smoke:
         args.seqlens, args.heads, args.head_dim, args.calls = [16], 2, 16, 3
     out = []

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common import attention_flops, bench_ms, write_json
+from benchmarks.common import attention_flops, bench_device, bench_ms, write_json
 from ringflash.cost import hybrid_step_time, kv_heads_per_rank
 from ringflash.testing import replay_ring
 
@@ -57,8 +57,7 @@ def main(argv=None):
     args = ap.parse_args(argv)
     if args.smoke:
         args.seq, args.heads, args.kv_heads, args.head_dim, args.rings, args.head_groups = 64, 4, 2, 16, [2], [1, 2, 4]
-    device = "cuda" if torch.cuda.is_available() and not args.smoke else "cpu"
-    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    device, dtype = bench_device(args.smoke)
     rows = []
     print(f"per-rank compute, replayed on {device} ({dtype}); model_ms: ringflash.cost at 440 TFLOP/s")
     print(f"{'S':>8} {'R':>3} {'U':>2} {'hq':>3} {'hkv':>3} {'ms':>9} {'TFLOP/s':>8} {'model_ms':>9}")
@@ -70,7 +69,7 @@ def main(argv=None):
                 f"{r['S']:>8} {R:>3} {U:>2} {r['q_heads']:>3} {r['kv_heads']:>3} {r['ms']:>9.2f} "
                 f"{r['tflops']:>8.2f} {r['model_ms']:>9.2f}"
             )
-    write_json(Path(args.json) if args.json else None, {"args": vars(args), "device": device, "rows": rows})
+    write_json(Path(args.json) if args.json else None, {"args": vars(args), "device": device.type, "rows": rows})
     return rows
 
 

@@ -37,7 +37,7 @@ import numpy as np
 import torch
 
 import ringflash
-from benchmarks.common import device_name, host_seconds, result_meta, write_json
+from benchmarks.common import bench_device, device_name, host_seconds, result_meta, write_json
 from benchmarks.packed import document_lengths
 from ringflash.ring import _RingAttn, check_packed_call
 from ringflash.testing import ReplayComm
@@ -172,8 +172,7 @@ def main():
     ap.add_argument("--json", type=Path)
     ap.add_argument("--smoke", action="store_true", help="tiny CPU sizes")
     args = ap.parse_args()
-    device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    device, dtype = bench_device(args.smoke)
     if args.smoke:
         args.totals, args.worlds, args.heads, args.kv_heads, args.head_dim, args.repeats = [512], [2], 2, 1, 16, 1
     print(f"packed ring replay on {device_name(device)}: H={args.heads}/{args.kv_heads}, D={args.head_dim}, {dtype}")
