@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .masks import RowBounds, Window, held_bounds, window_from
-from .schedule import LAYOUTS, Segment, check_divisible, segments, step_tasks, steps_needed
+from .schedule import Segment, check_divisible, check_layout, segments, step_tasks, steps_needed
 
 BALANCE_SLACK = 0.02  # how far above an equal share of the work a whole document may leave a rank
 # A ring step's block tasks over packed documents run as they are (kernel calls of their own)
@@ -69,7 +69,7 @@ class BalancedLayout:
     # made once by __post_init__, so that code traced by torch.compile reads them as constants
     code: str = field(init=False, repr=False, compare=False)
     _digest: int = field(init=False, repr=False, compare=False)
-    _held: dict = field(default_factory=dict, init=False, repr=False, compare=False)  # step_bounds'
+    _held: dict = field(default_factory=dict, init=False, repr=False, compare=False)  # step_plan's
 
     def __post_init__(self):
         window = [-1 if w is None else w for w in (self.window.left, self.window.right)]
@@ -458,8 +458,7 @@ def named_layout(cu_seqlens: tuple, world: int, name: str, window: Window, parts
     nothing is balanced). The total must split into world x parts shards as `name` requires
     (parts: a head group's U). window: the attention's (masks.Window), for work() and hops."""
     api = "ring_flash_attn_varlen_func"
-    if name not in LAYOUTS:
-        raise ValueError(f"{api}: layout must be one of {LAYOUTS} or a balanced_layout(), got {name!r}")
+    check_layout(name, api)
     total = cu_seqlens[-1]
     check_divisible(total, world * parts, name, api, what="packed length (cu_seqlens[-1])")
     docs = [(d, a, b) for d, (a, b) in enumerate(zip(cu_seqlens, cu_seqlens[1:])) if b > a]

@@ -767,9 +767,7 @@ def _packed_documents(cu_seqlens, position_ids, attention_mask, B, S, group, api
             )
     layout = balanced_layout(cu, group_rank_world(group)[1], causal=True, window_size=window_size)  # checks cu
     if position_ids is None:  # each token's position in its document
-        starts = torch.tensor(cu[:-1], device=device)
-        doc = torch.bucketize(torch.arange(S, device=device), starts, right=True) - 1
-        position_ids = (torch.arange(S, device=device) - starts[doc])[None]
+        position_ids = layout.document_positions(torch.arange(S, device=device))[None]
     return _Packed(tuple(cu), layout), position_ids
 
 

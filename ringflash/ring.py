@@ -96,13 +96,13 @@ def _tasks(spec: RingSpec, comm, step, q, kv_len):
     (BalancedLayout.step_plan)."""
     drop = spec.dropout
     if is_balanced(spec.layout) and drop is None:
-        own, bounds = spec.layout.step_plan(comm.rank, step, spec.window, kv_len, q.device, q.shape[2] * q.shape[3])
-        for t in own:
-            yield t, BlockMask(t.q_start, t.k_start, spec.window if t.masked else FULL), None
+        tasks, bounds = spec.layout.step_plan(comm.rank, step, spec.window, kv_len, q.device, q.shape[2] * q.shape[3])
         if bounds is not None:
             yield BlockTask(slice(0, q.shape[1]), slice(0, kv_len), 0, 0, True), BlockMask(bounds=bounds), None
-        return
-    for t in step_tasks(spec.layout, comm.rank, comm.world, step, q.shape[1], kv_len, spec.window, drop is None):
+            return
+    else:
+        tasks = step_tasks(spec.layout, comm.rank, comm.world, step, q.shape[1], kv_len, spec.window, drop is None)
+    for t in tasks:
         mask = BlockMask(t.q_start, t.k_start, spec.window if t.masked else FULL)
         yield t, mask, drop and drop.at(t.q_start, t.k_start)
 
@@ -467,11 +467,13 @@ def check_packed_call(
 
 
 def _packed_layout(layout, cu_seqlens, causal, window_size, group, head_group, api):
-    """A named layout ("zigzag", "contiguous") of packed documents as the BalancedLayout it
-    amounts to (balance.named_layout: the name's shards cut at the document boundaries, over
-    the ring's R ranks, each divisible by a head group's U); anything else as it is."""
+    """(layout, cu_seqlens): a named layout ("zigzag", "contiguous") of packed documents as the
+    BalancedLayout it amounts to (balance.named_layout: the name's shards cut at the document
+    boundaries, over the ring's R ranks, each divisible by a head group's U), with cu_seqlens
+    as the checked list of ints it was built from (read to the host once); anything else as
+    it is."""
     if not isinstance(layout, str):
-        return layout
+        return layout, cu_seqlens
     if torch.compiler.is_compiling():  # the layout object cannot be built inside a compiled graph
         raise ValueError(
             f"{api}: layout={layout!r} with packed documents is not supported under torch.compile: "
@@ -480,7 +482,7 @@ def _packed_layout(layout, cu_seqlens, causal, window_size, group, head_group, a
     cu = checked_cu_seqlens(cu_seqlens, api)
     window = window_from(causal, window_size, api)
     U = 1 if head_group is None else group_rank_world(head_group)[1]
-    return named_layout(tuple(cu), group_rank_world(group)[1], layout, window, U)
+    return named_layout(tuple(cu), group_rank_world(group)[1], layout, window, U), cu
 
 
 def ring_flash_attn_varlen_func(
@@ -526,7 +528,7 @@ def ring_flash_attn_varlen_func(
     api = "ring_flash_attn_varlen_func"
     if head_group is not None or is_mesh(group):
         group, head_group = resolve_groups(group, head_group, api)
-    layout = _packed_layout(layout, cu_seqlens, causal, window_size, group, head_group, api)
+    layout, cu_seqlens = _packed_layout(layout, cu_seqlens, causal, window_size, group, head_group, api)
     if head_group is not None:
         from .hybrid import hybrid_varlen_attn
 
