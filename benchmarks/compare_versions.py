@@ -43,14 +43,16 @@ def sdpa(q, k, v, causal):
 def variant_context(name, head_dim):
     """A context manager that makes this checkout run variant `name` at head_dim: "+"-joined
     changes of the dK/dV pass's config: qk_order (the forward's operand order), combined
-    (probabilities from m + log2 l), 32x128 (32 query rows per tile, 8 warps, 3 stages)."""
+    (probabilities from m + log2 l), 32x128 (32 query rows per tile, 8 warps, 3 stages); or
+    of the forward: gluon=NAME (that Gluon forward variant), gluon=none (the Triton forward)."""
     import contextlib
 
     from ringflash.kernels import configs
 
     if not name:
         return contextlib.nullcontext()
-    cfg = configs.dkdv_config(max(16, 1 << (head_dim - 1).bit_length())).__dict__.copy()
+    base = configs.dkdv_config(max(16, 1 << (head_dim - 1).bit_length())).__dict__
+    cfg, forced = base.copy(), {}
     for part in name.split("+"):
         if part == "qk_order":
             cfg["qk_order"] = True
@@ -58,9 +60,13 @@ def variant_context(name, head_dim):
             cfg["combined_stats"] = True
         elif part == "32x128":
             cfg.update(block_m=32, block_n=128, num_warps=8, num_stages=3)
+        elif part.startswith("gluon="):
+            forced["gluon"] = None if part == "gluon=none" else part.split("=", 1)[1]
         else:
             raise ValueError(f"unknown variant part {part!r}")
-    return configs.override(dkdv=configs.KernelConfig(**cfg))
+    if cfg != base:
+        forced["dkdv"] = configs.KernelConfig(**cfg)
+    return configs.override(**forced)
 
 
 def main():

@@ -7,8 +7,10 @@ flight), HGMMA count, ptxas warnings.
     python benchmarks/gluon_report.py --variants ws --head-dims 128 --modes local fold --dump DIR
     python benchmarks/gluon_report.py --case ws:128:1:bf16:1:0 --json rows.json   # one exact case
 
-Cases: variant:D:causal:dtype:normalize:fold. Runs with TRITON_INTERPRET unset (interpreted
-kernels patch triton.language in-process, which breaks Gluon compilation afterwards).
+Cases: variant:D:causal:dtype:normalize:fold[:mask], mask "window" (a sliding window) or "rows"
+(per-row bounds of packed documents); without it, dense or causal by `causal`. Runs with
+TRITON_INTERPRET unset (interpreted kernels patch triton.language in-process, which breaks Gluon
+compilation afterwards).
 """
 
 from __future__ import annotations
@@ -30,12 +32,13 @@ MODES = {"local": (True, False), "fold": (False, True), "fold_normalize": (True,
 
 
 def parse_case(text: str) -> tuple:
-    v, d, c, dt, n, f = text.split(":")
-    return v, int(d), bool(int(c)), dt, bool(int(n)), bool(int(f))
+    v, d, c, dt, n, f, *mask = text.split(":")
+    return v, int(d), bool(int(c)), dt, bool(int(n)), bool(int(f)), *mask[:1]
 
 
 def one(case: tuple, dump: str | None = None) -> dict:
-    variant, D, causal, dtype, normalize, fold = case
+    variant, D, causal, dtype, normalize, fold, *mask = case
+    mask = mask[0] if mask else ""
     try:
         row = gf.hopper_report(
             gf.VARIANTS[variant][D],
@@ -45,6 +48,7 @@ def one(case: tuple, dump: str | None = None) -> dict:
             normalize=normalize,
             fold=fold,
             dump=Path(dump) / variant if dump else None,
+            mask=mask,
         )
         row["problems"] = gf.report_problems(row)
     except Exception as e:  # reported as a row: the caller decides
@@ -52,6 +56,7 @@ def one(case: tuple, dump: str | None = None) -> dict:
             "error": f"{type(e).__name__}: {e}"[:4000],
             "D": D,
             "causal": causal,
+            "mask": mask,
             "dtype": dtype,
             "normalize": normalize,
             "fold": fold,
@@ -62,8 +67,8 @@ def one(case: tuple, dump: str | None = None) -> dict:
 
 def line(r: dict) -> str:
     head = (
-        f"{r['name']:9s} D={r['D']:<3d} causal={int(r['causal'])} {r['dtype']} norm={int(r['normalize'])} "
-        f"fold={int(r['fold'])}"
+        f"{r['name']:9s} D={r['D']:<3d} causal={int(r['causal'])} {r['mask'] or '-':6s} {r['dtype']} "
+        f"norm={int(r['normalize'])} fold={int(r['fold'])}"
     )
     if "error" in r:
         return f"{head} ERROR {r['error'][:300]}"
@@ -83,6 +88,8 @@ def main():
     ap.add_argument("--head-dims", type=int, nargs="+", default=list(gf.HEAD_DIMS))
     ap.add_argument("--modes", nargs="+", default=["local"], choices=list(MODES))
     ap.add_argument("--causal", nargs="+", type=int, default=[1], choices=[0, 1])
+    ap.add_argument("--masks", nargs="+", default=[""], choices=["", "window", "rows"],
+                    help="'' (dense or causal), a sliding window, per-row document bounds")  # fmt: skip
     ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp16"])
     ap.add_argument("--case", action="append", default=[], help="variant:D:causal:dtype:normalize:fold (repeatable)")
     ap.add_argument("--jobs", type=int, default=min(4, os.cpu_count() or 1))
@@ -92,12 +99,13 @@ def main():
     if not gf.HAS_GLUON:
         sys.exit(f"Gluon not importable: {gf.GLUON_ERROR}")
     cases = [parse_case(c) for c in args.case] or [
-        (v, D, bool(c), args.dtype, *MODES[m])
+        (v, D, bool(c), args.dtype, *MODES[m], mask)
         for v in args.variants
         for D in args.head_dims
         if D in gf.VARIANTS[v]
         for m in args.modes
         for c in args.causal
+        for mask in args.masks
     ]
     if args.jobs > 1 and len(cases) > 1:
         import multiprocessing

@@ -9,7 +9,8 @@ total length, all in one run.
 TFLOP/s are counted over the visible (query, key) pairs only: 4 * H * D * pairs for the forward,
 3.5x that for forward + backward. Document mixes (lengths drawn until the total is reached, the
 last one cut to fit; numpy default_rng(seed)):
-  longtail: log-uniform in [128, 32768] tokens;  short: log-uniform in [64, 2048] tokens.
+  longtail: log-uniform in [128, 32768] tokens;  short: log-uniform in [64, 2048] tokens;
+  fixed:N (e.g. --mixes fixed:1024): documents of N tokens each (the last one shorter).
 The sliding-window row is causal with a window of W keys (window_size=(W - 1, 0)); its
 "predicted" time is the visible pairs at the dense causal kernel's rate at the same length.
 """
@@ -32,7 +33,11 @@ MIXES = {"longtail": (128, 32768), "short": (64, 2048)}
 
 
 def document_lengths(mix: str, total: int, seed: int) -> list[int]:
-    """Lengths log-uniform in MIXES[mix] summing to total (the last one cut to fit)."""
+    """Lengths log-uniform in MIXES[mix] summing to total (the last one cut to fit); mix
+    "fixed:N": N tokens each."""
+    if mix.startswith("fixed:"):
+        n = int(mix.split(":")[1])
+        return [n] * (total // n) + ([total % n] if total % n else [])
     lo, hi = MIXES[mix]
     rng = np.random.default_rng(seed)
     lengths = []
@@ -74,10 +79,14 @@ def step(call, inputs, do, mode):
 
 def parse_variant(text: str) -> dict:
     """'fwd=128,64,8,3,tma;dq=...' -> {kind: KernelConfig} for configs.override: block_m,
-    block_n, num_warps, num_stages, then flags (tma, combined)."""
+    block_n, num_warps, num_stages, then flags (tma, combined); 'gluon=ws2_n64' (a Gluon
+    forward variant) or 'gluon=none' (the Triton forward)."""
     out = {}
     for part in text.split(";"):
         kind, spec = part.split("=")
+        if kind == "gluon":
+            out["gluon"] = None if spec == "none" else spec
+            continue
         fields = spec.split(",")
         flags = set(fields[4:])
         out[kind] = configs.KernelConfig(*map(int, fields[:4]), tma="tma" in flags,
@@ -164,6 +173,7 @@ def measure(args, device, dtype):
                             ms=ms,
                             pairs=pairs,
                             docs=len(lengths),
+                            keys_per_row=pairs / total,
                             tflops=flop(pairs) / ms / 1e9,
                             vs_dense_rate=flop(pairs) / ms / 1e9 / dense_rate,
                         )
@@ -185,8 +195,11 @@ def measure(args, device, dtype):
                     mask = window_block_mask(flex[1], W, total, device)
                     impls["flex"] = step(lambda m=mask: flex[0](*bhsd, block_mask=m), bhsd, do_bhsd, mode)
                 predicted_ms = flop(pairs) / dense_rate / 1e9
-                for impl, fn in impls.items():
-                    ms = bench_ms(fn, device)
+                timed = [(impl, fn, None) for impl, fn in impls.items()]
+                timed += [(f"rf[{v}]", impls["ringflash"], v) for v in args.variants]
+                for impl, fn, variant in timed:
+                    with configs.override(**(parse_variant(variant) if variant else {})):
+                        ms = bench_ms(fn, device)
                     rows.append(
                         dict(
                             case=f"window:{W}",
@@ -241,7 +254,7 @@ def window_block_mask(create_block_mask, width, total, device):
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--totals", type=int, nargs="+", default=[16384, 65536])
-    ap.add_argument("--mixes", nargs="+", default=list(MIXES), choices=list(MIXES))
+    ap.add_argument("--mixes", nargs="+", default=list(MIXES), help=f"{list(MIXES)} or fixed:N")
     ap.add_argument("--modes", nargs="+", default=["fwd", "fwd+bwd"], choices=["fwd", "fwd+bwd"])
     ap.add_argument("--window", type=int, default=4096, help="sliding window width in keys")
     ap.add_argument("--window-totals", type=int, nargs="*", default=[65536])
@@ -253,7 +266,8 @@ def main():
         nargs="*",
         default=[],
         help="extra ringflash rows with other block shapes, e.g. "
-        "'fwd=128,64,8,3,tma;dq=128,64,8,3,tma;dkdv=64,128,8,3,tma,combined'",
+        "'fwd=128,64,8,3,tma;dq=128,64,8,3,tma;dkdv=64,128,8,3,tma,combined', or another forward: "
+        "'gluon=none' (the Triton kernel), 'gluon=ws2_s3' (a Gluon variant)",
     )
     ap.add_argument("--json", type=Path)
     ap.add_argument("--smoke", action="store_true", help="tiny sizes on the CPU")
@@ -275,7 +289,7 @@ def main():
                 "head_dim": args.head_dim,
                 "dtype": str(dtype),
                 "seed": args.seed,
-                "mixes": {m: MIXES[m] for m in args.mixes},
+                "mixes": {m: MIXES.get(m, m) for m in args.mixes},
                 "date": time.strftime("%Y-%m-%d"),
             },
             "rows": rows,

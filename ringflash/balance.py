@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .masks import RowBounds, Window, held_bounds, window_from
+from .masks import Window, held_bounds, window_from
 from .schedule import Segment, check_divisible, check_layout, segments, step_tasks, steps_needed
 
 BALANCE_SLACK = 0.02  # how far above an equal share of the work a whole document may leave a rank
@@ -158,7 +158,7 @@ class BalancedLayout:
             else:
                 cu = torch.tensor(self.cu_seqlens, dtype=torch.int64)
                 b = held_bounds(self.positions(rank), self.positions(src), n_k, cu, window)
-                self._held[key] = ((), RowBounds(*(t.to(device) for t in b)))
+                self._held[key] = ((), b.on_device(device))
         return self._held[key]
 
     def head_pieces(self, rank: int, U: int) -> BalancedLayout:

@@ -83,18 +83,32 @@ class RowBounds(NamedTuple):
     """Per-row visible intervals, int32, in global positions of the other side, half-open:
     query row i sees key positions [k_lo[i], k_hi[i]); key row j is seen by query positions
     [q_lo[j], q_hi[j]). An empty row has lo == hi (at its document's start). The kernels
-    subtract a block's start position and clip to the block."""
+    subtract a block's start position and clip to the block. keys_per_row: the mean number of
+    keys a query row sees, where it was known on the host when the bounds were built
+    (on_device), else None; the kernels choose a tile shape by it."""
 
     k_lo: torch.Tensor
     k_hi: torch.Tensor
     q_lo: torch.Tensor
     q_hi: torch.Tensor
+    keys_per_row: float | None = None
 
     def query_rows(self, rows: slice) -> RowBounds:
-        return RowBounds(self.k_lo[rows], self.k_hi[rows], self.q_lo, self.q_hi)
+        return RowBounds(self.k_lo[rows], self.k_hi[rows], self.q_lo, self.q_hi, self.keys_per_row)
 
     def key_rows(self, rows: slice) -> RowBounds:
-        return RowBounds(self.k_lo, self.k_hi, self.q_lo[rows], self.q_hi[rows])
+        return RowBounds(self.k_lo, self.k_hi, self.q_lo[rows], self.q_hi[rows], self.keys_per_row)
+
+    def on_device(self, device) -> RowBounds:
+        """These bounds (host tensors) on `device`, with keys_per_row counted here; on a GPU the
+        copies come from pinned memory and do not wait for the device's queue."""
+        keys = float((self.k_hi - self.k_lo).double().mean()) if len(self.k_lo) else 0.0
+        device = torch.device(device)
+        if device.type == "cuda":
+            move = lambda t: t.pin_memory().to(device, non_blocking=True)  # noqa: E731
+        else:
+            move = lambda t: t.to(device)  # noqa: E731
+        return RowBounds(*(move(t) for t in self[:4]), keys_per_row=keys)
 
 
 @dataclass(frozen=True)
@@ -158,11 +172,12 @@ def document_bounds(cu_q: torch.Tensor, cu_k: torch.Tensor, window: Window) -> R
 @functools.lru_cache(maxsize=8)
 def packed_bounds(values_q: tuple, values_k: tuple, window: Window, device: torch.device) -> RowBounds:
     """document_bounds of the documents whose boundaries are values_q / values_k (tuples of
-    ints, as check_cu_seqlens returns them), on `device`. Cached by those values: the layers of
-    a model over one packed batch, and each forward's backward, build them once (a few int32
-    per row, 16 bytes per token; the last 8 kept)."""
-    as_tensor = lambda values: torch.tensor(values, dtype=torch.int64, device=device)  # noqa: E731
-    return document_bounds(as_tensor(values_q), as_tensor(values_k), window)
+    ints, as check_cu_seqlens returns them), built on the host and copied to `device`
+    (RowBounds.on_device: with keys_per_row). Cached by those values: the layers of a model
+    over one packed batch, and each forward's backward, build them once (a few int32 per row,
+    16 bytes per token; the last 8 kept)."""
+    as_tensor = lambda values: torch.tensor(values, dtype=torch.int64)  # noqa: E731
+    return document_bounds(as_tensor(values_q), as_tensor(values_k), window).on_device(device)
 
 
 def held_bounds(q_pos: torch.Tensor, k_pos: torch.Tensor, n_k: int, cu: torch.Tensor, window: Window) -> RowBounds:

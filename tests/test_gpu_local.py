@@ -172,12 +172,14 @@ def test_large_scores_16bit(dtype, causal):
         assert_within(name, x, r, plain[name])
 
 
-@pytest.mark.parametrize("causal", [False, True])
-def test_gluon_forward_is_used_and_agrees(causal, monkeypatch):
-    """D=128 bf16 dense / causal blocks run on the Gluon forward (configs.GLUON_FWD): its
-    output and lse against float64 within the plain bound, and beside the Triton kernel's
-    (forced by a config override) within the same bound; windows and key padding take the
-    Triton kernel."""
+@pytest.mark.parametrize(
+    "causal,window_size", [(False, (-1, -1)), (True, (-1, -1)), (True, (200, 0)), (False, (300, 77))]
+)
+def test_gluon_forward_is_used_and_agrees(causal, window_size, monkeypatch):
+    """D=128 bf16 blocks without a key bias run on the Gluon forward (configs.GLUON_FWD), dense,
+    causal or windowed: its output and lse against float64 within the plain bound, and beside
+    the Triton kernel's (override(gluon=None)) within the same bound; a key padding mask takes
+    the Triton kernel."""
     from ringflash.kernels import configs, gluon_forward
 
     calls = []
@@ -185,20 +187,59 @@ def test_gluon_forward_is_used_and_agrees(causal, monkeypatch):
     monkeypatch.setattr(gluon_forward, "forward", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     g = torch.Generator(device="cuda").manual_seed(21)
     q, k, v = (torch.randn(2, 1031, H, 128, device="cuda", generator=g, dtype=torch.bfloat16) for H in (4, 2, 2))
-    out, lse = flash_attn_func(q, k, v, causal=causal, return_lse=True)
+    kw = dict(causal=causal, window_size=window_size)
+    out, lse = flash_attn_func(q, k, v, return_lse=True, **kw)
     assert calls, "the Gluon forward was not used"
-    with configs.override(fwd=configs.forward_config(128)):
-        out_t, lse_t = flash_attn_func(q, k, v, causal=causal, return_lse=True)
-    ref, ref_lse = naive_attention(q, k, v, causal=causal)
-    plain, plain_lse = naive_attention(q, k, v, causal=causal, dtype=torch.bfloat16)
+    with configs.override(gluon=None):
+        out_t, lse_t = flash_attn_func(q, k, v, return_lse=True, **kw)
+    ref, ref_lse = naive_attention(q, k, v, **kw)
+    plain, plain_lse = naive_attention(q, k, v, dtype=torch.bfloat16, **kw)
     assert_within("out", out, ref, plain)
     assert_within("out vs triton", out, out_t.double(), plain)
     assert_within("lse", lse, ref_lse, plain_lse, sum_len=1)
     assert_within("lse vs triton", lse, lse_t.double(), plain_lse, sum_len=1)
+    assert torch.equal(torch.isneginf(lse), torch.isneginf(ref_lse))  # rows that see no key
     calls.clear()
-    flash_attn_func(q, k, v, causal=True, window_size=(100, 0))
-    flash_attn_func(q, k, v, key_padding_mask=torch.zeros(2, 1031, dtype=torch.bool, device="cuda"))
+    flash_attn_func(q, k, v, key_padding_mask=torch.zeros(2, 1031, dtype=torch.bool, device="cuda"), **kw)
     assert not calls
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(
+    "causal,window_size,len_k_extra",
+    [(True, (-1, -1), 0), (False, (-1, -1), 0), (True, (255, 0), 0), (False, (100, 300), 0), (True, (-1, -1), 37)],
+)
+def test_gluon_forward_documents(dtype, causal, window_size, len_k_extra, monkeypatch):
+    """Packed documents (per-row bounds) at D=128 run on the Gluon forward
+    (configs.GLUON_FWD_DOCUMENTS): documents of 0 to 3000 rows, most 128-row tiles straddling
+    several; out and lse against float64 within the plain bound and beside the Triton kernel's;
+    rows that see no key give out 0 and lse -inf."""
+    from ringflash.kernels import configs, gluon_forward
+    from ringflash.local import flash_attn_varlen_func
+    from ringflash.testing import varlen_plain_errors, varlen_reference
+
+    calls = []
+    real = gluon_forward.forward
+    monkeypatch.setattr(gluon_forward, "forward", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    len_q = [1, 0, 700, 3000, 129, 64, 1500, 2, 257, 5, 130]
+    len_k = [n + len_k_extra for n in len_q]
+    cu_q, cu_k = (torch.tensor([0, *torch.tensor(x).cumsum(0).tolist()], device="cuda") for x in (len_q, len_k))
+    g = torch.Generator(device="cuda").manual_seed(len(len_q) + len_k_extra)
+    mk = lambda n, H: torch.randn(n, H, 128, device="cuda", generator=g, dtype=dtype)  # noqa: E731
+    q, k, v, do = mk(sum(len_q), 8), mk(sum(len_k), 2), mk(sum(len_k), 2), mk(sum(len_q), 8)
+    kw = dict(causal=causal, window_size=window_size)
+    out, lse = flash_attn_varlen_func(q, k, v, cu_q, cu_k, return_lse=True, **kw)
+    assert calls, "the Gluon forward was not used"
+    with configs.override(gluon=None):
+        out_t, lse_t = flash_attn_varlen_func(q, k, v, cu_q, cu_k, return_lse=True, **kw)
+    ref = varlen_reference(q, k, v, do, cu_q, cu_k, **kw)
+    plain = varlen_plain_errors(q, k, v, do, cu_q, cu_k, ref, **kw)
+    assert_within("out", out, ref[0], plain["out"])
+    assert_within("out vs triton", out, out_t.double(), plain["out"])
+    assert_within("lse", lse, ref[1], plain["lse"], sum_len=1)
+    assert_within("lse vs triton", lse, lse_t.double(), plain["lse"], sum_len=1)
+    assert torch.equal(torch.isneginf(lse), torch.isneginf(ref[1]))
+    assert not torch.isnan(out).any()
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

@@ -287,6 +287,30 @@ def test_kernel_configs_file(tmp_path):
             pass
 
 
+def test_gluon_forward_choice(monkeypatch):
+    """Which Gluon forward variant a block asks for on a GPU: GLUON_FWD by head dim, packed
+    documents GLUON_FWD_DOCUMENTS, none for an untuned head dim; override(gluon=) forces one (or
+    none), a Triton forward override turns it off. Every variant named exists for its head dim."""
+    from ringflash.kernels import configs, gluon_forward
+
+    monkeypatch.setattr(configs, "INTERPRETING", False)
+    assert configs.gluon_forward_variant(128) == configs.GLUON_FWD[128]
+    assert configs.gluon_forward_variant(128, documents=True) == configs.GLUON_FWD_DOCUMENTS[128]
+    assert configs.gluon_forward_variant(32) is None
+    few = configs.GLUON_DOCUMENTS_MIN_KEYS_PER_ROW - 1  # short documents: the Triton forward
+    assert configs.gluon_forward_variant(128, documents=True, keys_per_row=few) is None
+    assert configs.gluon_forward_variant(128, documents=True, keys_per_row=few + 1) == configs.GLUON_FWD_DOCUMENTS[128]
+    with configs.override(gluon="ws2_n64"):
+        assert configs.gluon_forward_variant(128) == "ws2_n64"
+    with configs.override(gluon=None):
+        assert configs.gluon_forward_variant(128, documents=True) is None
+    with configs.override(fwd=configs.KernelConfig(64, 64, 4, 2)):
+        assert configs.gluon_forward_variant(128) is None
+    for table in (configs.GLUON_FWD, configs.GLUON_FWD_DOCUMENTS):
+        for d, name in table.items():
+            assert d in gluon_forward.VARIANTS[name]
+
+
 def test_builtin_configs_match_the_h200_sweep():
     """The table the kernels use on Hopper is the one the committed sweep chose."""
     import json

@@ -8,7 +8,16 @@ import torch
 
 from ringflash import balanced_layout
 from ringflash.balance import OWN_CALL_WORK
-from ringflash.masks import CAUSAL, FULL, Visibility, Window, block_visibility, document_bounds, window_from
+from ringflash.masks import (
+    CAUSAL,
+    FULL,
+    Visibility,
+    Window,
+    block_visibility,
+    document_bounds,
+    packed_bounds,
+    window_from,
+)
 
 
 def _sees(window: Window, qp: int, kp: int) -> bool:
@@ -59,7 +68,11 @@ def test_document_bounds_match_brute_force(window):
         for j in range(cu_k[-1]):
             col = sees[:, j].nonzero().flatten().tolist()
             assert col == list(range(int(b.q_lo[j]), int(b.q_hi[j]))), (cu_q, cu_k, j)
-        assert all(t.dtype == torch.int32 for t in b)
+        assert all(t.dtype == torch.int32 for t in b[:4])
+        # built on the host for a device: the same bounds, and the mean keys per query row
+        on_dev = packed_bounds(tuple(cu_q), tuple(cu_k), window, torch.device("cpu"))
+        assert all(torch.equal(x, y) for x, y in zip(on_dev[:4], b[:4]))
+        assert on_dev.keys_per_row == pytest.approx(sees.sum().item() / max(cu_q[-1], 1))
 
 
 @pytest.mark.parametrize("window", WINDOWS, ids=str)
@@ -102,6 +115,7 @@ def test_ring_step_plan_covers_every_visible_pair_once(window):
                             seen_by, covered[:, j] - sum(_task_column(t, j, len(q_pos), window) for t in tasks)
                         )
                     assert all(int(b.q_lo[j]) == int(b.q_hi[j]) for j in range(len(k_pos), n_k))  # padding
+                    assert b.keys_per_row == pytest.approx(sees.sum().item() / len(q_pos))
                 assert torch.equal(covered, sees), (cu, world, rank, step, pair_work)
                 assert L.step_plan(rank, step, window, n_k, "cpu", pair_work)[1] is b  # built once
         copied = pickle.loads(pickle.dumps(L))  # without the plans, equal

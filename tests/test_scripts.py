@@ -114,14 +114,17 @@ def test_plot_scaling_picks_weak_and_strong_rows(tmp_path):
 
 
 def test_gluon_forward_compiles_for_hopper(tmp_path):
-    """The Gluon forward variants the package uses (configs.GLUON_FWD) compile for sm_90a on
-    this CPU machine: local causal (bf16) and a ring step (fold, float32 state, fp16), within
-    the shared memory, no spills, a wgmma left in flight (wait_group 1)."""
-    from ringflash.kernels.configs import GLUON_FWD
+    """The Gluon forward variants the package uses (configs.GLUON_FWD, GLUON_FWD_DOCUMENTS)
+    compile for sm_90a on this CPU machine: local causal (bf16), a sliding window, a ring step
+    (fold, float32 state, fp16) and packed documents (per-row bounds, local and folded),
+    within the shared memory, no spills, a wgmma left in flight (wait_group 1)."""
+    from ringflash.kernels.configs import GLUON_FWD, GLUON_FWD_DOCUMENTS
 
-    cases = [f"{v}:{D}:1:bf16:1:0" for D, v in GLUON_FWD.items()] + [
-        f"{v}:{D}:0:fp16:0:1" for D, v in GLUON_FWD.items()
-    ]
+    cases = [f"{v}:{D}:1:bf16:1:0" for D, v in GLUON_FWD.items()]  # every head dim, causal
+    v = GLUON_FWD[128]
+    cases += [f"{v}:128:0:fp16:0:1", f"{v}:128:1:bf16:1:0:window"]
+    cases += [c for D, v in GLUON_FWD_DOCUMENTS.items() for c in (f"{v}:{D}:1:bf16:1:0:rows",
+                                                                  f"{v}:{D}:0:fp16:0:1:rows")]  # fmt: skip
     run([sys.executable, "benchmarks/gluon_report.py", "--jobs", "2", "--json", str(tmp_path / "g.json")]
         + [a for c in cases for a in ("--case", c)], tmp_path)  # fmt: skip
     rows = json.loads((tmp_path / "g.json").read_text())

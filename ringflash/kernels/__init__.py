@@ -11,7 +11,6 @@ import contextlib
 import torch
 import triton
 
-from ..masks import CAUSAL
 from ..merge import LOG2E
 from . import configs
 from .backward import _delta_kernel, _dkdv_kernel, _dq_kernel
@@ -116,8 +115,8 @@ def forward(q, k, v, state, *, q_start, k_start, window, bounds, scale, fold, no
     Sk, Hkv, Dv = k.shape[1], k.shape[2], v.shape[3]
     block_d, block_dv = _block_d(D), _block_d(Dv)
     drop_args, has_dropout = _dropout_args(dropout)
-    gluon_ok = key_bias is None and bounds is None and not has_dropout
-    if gluon_ok and _gluon_forward(q, k, v, state, q_start, k_start, window, scale, fold, normalize, block_d):
+    gluon_ok = key_bias is None and not has_dropout
+    if gluon_ok and _gluon_forward(q, k, v, state, q_start, k_start, window, bounds, scale, fold, normalize, block_d):
         return
     cfg = configs.forward_config(_config_d(block_d, block_dv), documents=bounds is not None,
                                  float32=q.dtype == torch.float32)
@@ -138,23 +137,22 @@ def forward(q, k, v, state, *, q_start, k_start, window, bounds, scale, fold, no
         )
 
 
-def _gluon_forward(q, k, v, state, q_start, k_start, window, scale, fold, normalize, block_d) -> bool:
+def _gluon_forward(q, k, v, state, q_start, k_start, window, bounds, scale, fold, normalize, block_d) -> bool:
     """Run the block on the Gluon forward where it is faster and takes these inputs (Hopper,
-    16-bit, a dense or causal block, v's head dim equal to q/k's: configs.GLUON_FWD); False: the
+    16-bit, v's head dim equal to q/k's, any mask: configs.gluon_forward_variant); False: the
     caller runs the Triton one."""
-    variant = configs.gluon_forward_variant(block_d)
-    causal = window == CAUSAL
+    variant = configs.gluon_forward_variant(
+        block_d, documents=bounds is not None, keys_per_row=None if bounds is None else bounds.keys_per_row
+    )
     if variant is None or q.shape[-1] != block_d or v.shape[-1] != q.shape[-1] or not q.is_cuda:
-        return False
-    if not (causal or window is None or window.is_full):
         return False
     from . import gluon_forward
 
     try:
         with _on_device(q):
-            gluon_forward.forward(q, k, v, q_start=q_start, k_start=k_start, causal=causal, scale=scale,
-                                  out_o=state.o, out_m=state.m, out_l=state.l, normalize=normalize, fold=fold,
-                                  config=variant)  # fmt: skip
+            gluon_forward.forward(q, k, v, q_start=q_start, k_start=k_start, window=window, bounds=bounds,
+                                  scale=scale, out_o=state.o, out_m=state.m, out_l=state.l, normalize=normalize,
+                                  fold=fold, config=variant)  # fmt: skip
     except gluon_forward.Unsupported:  # raised before anything is written
         return False
     return True

@@ -18,6 +18,11 @@ State per query row, softmax in base 2 (qk_scale = scale * log2(e)):
 m = max_j s2_ij, l = sum_j exp2(s2_ij - m), acc = sum_j exp2(s2_ij - m) v_j; an empty row has
 m = -inf, l = 0, acc = 0. NORMALIZE writes O = acc / l (0 for empty rows), else acc.
 HAS_STATE folds this call's keys into the incoming state (acc, m, l) = (O, M, L).
+
+Which keys a query row sees is the Triton kernels' description, computed by the same helpers
+(tiles.row_key_bounds, tiles.in_bounds): MASK_NONE, MASK_WINDOW (win_left / win_right around
+the row's global position; causal is a window with right = 0) or MASK_ROWS (per-row global
+bounds KLO / KHI, packed documents), each row an interval [lo, hi) of the local keys.
 """
 
 from triton.experimental import gluon
@@ -30,40 +35,62 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
+from .tiles import MASK_NONE, MASK_ROWS, in_bounds, row_key_bounds
+
 # ----------------------------------------------------------------------------------------------
-# Which keys a query tile visits. The one place to change for other masks (sliding windows,
-# packed documents): everything else asks these two functions.
+# Which keys a query tile visits: the one place that reads the mask; everything else asks it.
 
 
 @gluon.jit
-def key_blocks(q_first, q_last, k_start, Sk, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr):
-    """Key blocks visited by a query tile whose valid rows have global positions
-    q_first..q_last (inclusive).
+def _rows_range(
+    first, Sq, Sk, q_start, k_start, win_left, win_right, KLO, KHI,
+    MASK: gl.constexpr, ROWS: gl.constexpr, num_warps: gl.constexpr,
+):  # fmt: skip
+    """Over the valid rows of [first, first + ROWS), each seeing its local keys [lo, hi)
+    (tiles.row_key_bounds): (min lo, max hi), the keys some row sees, and (max lo, min hi),
+    the keys every row sees."""
+    if MASK == MASK_ROWS:
+        rows = first + gl.arange(0, ROWS, layout=gl.BlockedLayout([1], [32], [num_warps], [0]))
+        lo, hi = row_key_bounds(rows, Sq, Sk, q_start, k_start, win_left, win_right, KLO, KHI, MASK)
+        valid = rows < Sq
+        return (
+            gl.reduce(gl.where(valid, lo, Sk), 0, _min_combine),
+            gl.reduce(gl.where(valid, hi, 0), 0, _max_combine),
+            gl.reduce(gl.where(valid, lo, 0), 0, _max_combine),
+            gl.reduce(gl.where(valid, hi, Sk), 0, _min_combine),
+        )
+    else:  # a window's bounds grow with the row: the first and last rows decide
+        last = gl.minimum(first + ROWS, Sq) - 1
+        lo_first, hi_first = row_key_bounds(first, Sq, Sk, q_start, k_start, win_left, win_right, KLO, KHI, MASK)
+        lo_last, hi_last = row_key_bounds(last, Sq, Sk, q_start, k_start, win_left, win_right, KLO, KHI, MASK)
+        return lo_first, hi_last, lo_last, hi_first
 
-    Returns (lo, n, full_lo, full_hi) in local key indices: the tile visits the n blocks
-    [lo + i * BLOCK_N, lo + (i + 1) * BLOCK_N); a block needs no mask iff it lies inside
-    [full_lo, full_hi) (the keys every row of the tile sees, all < Sk). n == 0: the tile is
-    skipped. Visiting in increasing order; blocks outside [lo, lo + n * BLOCK_N) are never read.
-    """
-    if CAUSAL:
-        # row at position p sees local keys j with k_start + j <= p
-        hi = gl.minimum(gl.maximum(q_last - k_start + 1, 0), Sk)
-        full_hi = gl.minimum(gl.maximum(q_first - k_start + 1, 0), Sk)
+
+@gluon.jit
+def _tile_key_range(
+    off_m, Sq, Sk, q_start, k_start, win_left, win_right, KLO, KHI,
+    MASK: gl.constexpr, LEFT: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, num_warps: gl.constexpr,
+):  # fmt: skip
+    """The key blocks of the query tile at off_m, computed once per program by all warps before
+    the partitions split, so that the producer and both consumers visit the same blocks:
+    (lo, n, full_lo0, full_hi0, full_lo1, full_hi1). The tile visits the n blocks
+    [lo + i * BLOCK_N, lo + (i + 1) * BLOCK_N) that some valid row sees (n == 0: none;
+    tiles.block_ranges' start and end); every valid row of consumer warpgroup w (rows
+    off_m + w * BLOCK_M / 2 ..) sees the keys [full_lo_w, full_hi_w): a block inside needs no
+    mask."""
+    lo, hi, _, _ = _rows_range(off_m, Sq, Sk, q_start, k_start, win_left, win_right, KLO, KHI, MASK, BLOCK_M,
+                               num_warps)  # fmt: skip
+    if LEFT:
+        lo = lo // BLOCK_N * BLOCK_N
     else:
-        hi = Sk
-        full_hi = Sk
-    lo = 0
-    return lo, (hi - lo + BLOCK_N - 1) // BLOCK_N, lo, full_hi
-
-
-@gluon.jit
-def visible(q_pos, cols, k_start, Sk, CAUSAL: gl.constexpr):
-    """(rows, keys) mask: key at local index cols is inside the keys and, when CAUSAL, at or
-    before the query's global position q_pos."""
-    vis = cols[None, :] < Sk
-    if CAUSAL:
-        vis = vis & (q_pos[:, None] >= (cols + k_start)[None, :])
-    return vis
+        lo = 0
+    half: gl.constexpr = BLOCK_M // 2
+    _, _, full_lo0, full_hi0 = _rows_range(off_m, Sq, Sk, q_start, k_start, win_left, win_right, KLO, KHI, MASK,
+                                           half, num_warps)  # fmt: skip
+    _, _, full_lo1, full_hi1 = _rows_range(off_m + half, Sq, Sk, q_start, k_start, win_left, win_right, KLO, KHI,
+                                           MASK, half, num_warps)  # fmt: skip
+    n = (gl.maximum(hi - lo, 0) + BLOCK_N - 1) // BLOCK_N
+    return lo, n, full_lo0, full_hi0, full_lo1, full_hi1
 
 
 # ----------------------------------------------------------------------------------------------
@@ -75,6 +102,11 @@ def visible(q_pos, cols, k_start, Sk, CAUSAL: gl.constexpr):
 @gluon.jit
 def _max_combine(a, b):
     return gl.maximum(a, b)
+
+
+@gluon.jit
+def _min_combine(a, b):
+    return gl.minimum(a, b)
 
 
 @gluon.jit
@@ -99,20 +131,17 @@ def _mma_layout(num_warps, n):
 
 
 @gluon.jit
-def _tile(Hq, group, Sq, q_start, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr):
-    """(b, h, hk, off_m, q_first, q_last) of this program: batch, q head, kv head, first row
-    of the query tile, global positions of its first and last valid rows. Causal: later query
-    tiles see more keys, so they are launched first."""
+def _tile(Hq, group, REVERSE: gl.constexpr, BLOCK_M: gl.constexpr):
+    """(b, h, hk, off_m) of this program: batch, q head, kv head, first row of the query tile.
+    REVERSE (masked attention, causal above all): later query tiles see more keys, so they are
+    launched first and the tail is short."""
     pid_m = gl.program_id(0)
-    if CAUSAL:
+    if REVERSE:
         pid_m = gl.num_programs(0) - 1 - pid_m
     pid_bh = gl.program_id(1)
     b = pid_bh // Hq
     h = pid_bh % Hq
-    off_m = pid_m * BLOCK_M
-    q_first = q_start + off_m
-    q_last = q_start + gl.minimum(off_m + BLOCK_M, Sq) - 1
-    return b, h, h // group, off_m, q_first, q_last
+    return b, h, h // group, pid_m * BLOCK_M
 
 
 @gluon.jit
@@ -120,29 +149,41 @@ def _softmax_step(
     s,
     m_i,
     l_i,
-    q_pos,
+    first_row,
     start_n,
     full_lo,
     full_hi,
-    k_start,
-    Sk,
     qk_scale,
-    CAUSAL: gl.constexpr,
+    Sq,
+    Sk,
+    q_start,
+    k_start,
+    win_left,
+    win_right,
+    KLO,
+    KHI,
+    MASK: gl.constexpr,
+    LEFT: gl.constexpr,
     POSITIVE_SCALE: gl.constexpr,
     BLOCK_N: gl.constexpr,
 ):
     """One key block of the online softmax.
 
-    s: raw scores q.k (BLOCK_M, BLOCK_N) float32 in the wgmma accumulator layout; m_i, l_i,
-    q_pos: (BLOCK_M,) in its row slice. Returns (p, m_new, l_new, alpha) with p float32 and
-    alpha the factor the accumulator must be multiplied by before p @ v is added.
+    s: raw scores q.k (BLOCK_M, BLOCK_N) float32 in the wgmma accumulator layout, of query rows
+    first_row.. and keys start_n..; m_i, l_i: (BLOCK_M,) in its row slice. A block outside
+    [full_lo, full_hi) is masked by the rows' visible keys (tiles.row_key_bounds), computed
+    here, in the few masked blocks, rather than held in registers through the loop. Returns
+    (p, m_new, l_new, alpha) with p float32 and alpha the factor the accumulator must be
+    multiplied by before p @ v is added.
     """
     if not POSITIVE_SCALE:
         # max(s) * scale is the scaled max only for scale > 0: scale first (and mask after)
         s = s * qk_scale
     if (start_n < full_lo) | (start_n + BLOCK_N > full_hi):
+        rows = first_row + gl.arange(0, s.shape[0], layout=gl.SliceLayout(1, s.type.layout))
+        lo_r, hi_r = row_key_bounds(rows, Sq, Sk, q_start, k_start, win_left, win_right, KLO, KHI, MASK)
         cols = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s.type.layout))
-        s = gl.where(visible(q_pos, cols, k_start, Sk, CAUSAL), s, float("-inf"))
+        s = gl.where(in_bounds(cols[None, :], lo_r[:, None], hi_r[:, None], LEFT), s, float("-inf"))
     if POSITIVE_SCALE:
         m_new = gl.maximum(m_i, _row_max(s) * qk_scale)
     else:
@@ -306,24 +347,26 @@ def _overlap_loop(
     v_ready,
     k_empty,
     v_empty,
-    k_desc,
-    v_desc,
     acc,
     m_i,
     l_i,
-    q_pos,
-    b,
-    hk,
+    first_row,
     lo,
     n,
     full_lo,
     full_hi,
-    k_start,
-    Sk,
     qk_scale,
-    PRODUCER: gl.constexpr,
+    Sq,
+    Sk,
+    q_start,
+    k_start,
+    win_left,
+    win_right,
+    KLO,
+    KHI,
     STAGES: gl.constexpr,
-    CAUSAL: gl.constexpr,
+    MASK: gl.constexpr,
+    LEFT: gl.constexpr,
     POSITIVE_SCALE: gl.constexpr,
     BLOCK_M: gl.constexpr,
     BLOCK_N: gl.constexpr,
@@ -331,12 +374,9 @@ def _overlap_loop(
     s_layout: gl.constexpr,
     o_layout: gl.constexpr,
 ):
-    """The overlapped key loop over n >= 1 blocks; returns (acc, m_i, l_i).
-
-    PRODUCER: a producer partition fills the rings; this loop releases stages through the
-    empty barriers. Otherwise the loop issues its own loads (the rings must have been filled
-    with blocks 0..STAGES-1) and guards stage reuse with a barrier of all its warps.
-    """
+    """The overlapped key loop over the n >= 1 blocks from key lo that the producer partition
+    streams into the rings; releases each stage through its empty barrier. Returns
+    (acc, m_i, l_i)."""
     dtype: gl.constexpr = q2.dtype
     s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
 
@@ -346,20 +386,13 @@ def _overlap_loop(
         q2, _kv_tile(k_bufs, 0, STAGES, BLOCK_N, HEAD_DIM).permute((1, 0)), s_zero, use_acc=False, is_async=True
     )
     s = warpgroup_mma_wait(0, deps=(s_tok,))
-    if PRODUCER:
-        mbarrier.arrive(k_empty.index(0))
+    mbarrier.arrive(k_empty.index(0))
     p, m_i, l_i, alpha = _softmax_step(
-        s, m_i, l_i, q_pos, lo, full_lo, full_hi, k_start, Sk, qk_scale, CAUSAL, POSITIVE_SCALE, BLOCK_N
-    )
+        s, m_i, l_i, first_row, lo, full_lo, full_hi, qk_scale, Sq, Sk, q_start, k_start, win_left, win_right, KLO,
+        KHI, MASK, LEFT, POSITIVE_SCALE, BLOCK_N,
+    )  # fmt: skip
     acc = acc * _rows(alpha, o_layout)[:, None]
     for j in range(1, n):
-        if not PRODUCER:
-            # all warps are past QK^T(j-1) and PV(j-2): refill K stage (j-1) and V stage (j-2)
-            gl.thread_barrier()
-            if j - 1 + STAGES < n:
-                _load_kv(k_desc, k_bufs, k_ready, j - 1 + STAGES, b, hk, lo, STAGES, BLOCK_N)
-            if (j >= 2) & (j - 2 + STAGES < n):
-                _load_kv(v_desc, v_bufs, v_ready, j - 2 + STAGES, b, hk, lo, STAGES, BLOCK_N)
         _wait_stage(k_ready, j, STAGES)
         s_tok = warpgroup_mma(
             q2, _kv_tile(k_bufs, j, STAGES, BLOCK_N, HEAD_DIM).permute((1, 0)), s_zero, use_acc=False, is_async=True
@@ -369,26 +402,13 @@ def _overlap_loop(
         acc_tok = warpgroup_mma(p_op, _kv_tile(v_bufs, j - 1, STAGES, BLOCK_N, HEAD_DIM), acc, is_async=True)
         # groups complete in order: with one left in flight, QK^T(j) is done, PV(j-1) may not be
         s = warpgroup_mma_wait(1, deps=(s_tok,))
-        if PRODUCER:
-            mbarrier.arrive(k_empty.index(j % STAGES))
+        mbarrier.arrive(k_empty.index(j % STAGES))
         p, m_i, l_i, alpha = _softmax_step(
-            s,
-            m_i,
-            l_i,
-            q_pos,
-            lo + j * BLOCK_N,
-            full_lo,
-            full_hi,
-            k_start,
-            Sk,
-            qk_scale,
-            CAUSAL,
-            POSITIVE_SCALE,
-            BLOCK_N,
-        )
+            s, m_i, l_i, first_row, lo + j * BLOCK_N, full_lo, full_hi, qk_scale, Sq, Sk, q_start, k_start,
+            win_left, win_right, KLO, KHI, MASK, LEFT, POSITIVE_SCALE, BLOCK_N,
+        )  # fmt: skip
         acc, p_op = warpgroup_mma_wait(0, deps=(acc_tok, p_op))
-        if PRODUCER:
-            mbarrier.arrive(v_empty.index((j - 1) % STAGES))
+        mbarrier.arrive(v_empty.index((j - 1) % STAGES))
         # rescale only once PV(j-1) has landed in acc
         acc = acc * _rows(alpha, o_layout)[:, None]
     _wait_stage(v_ready, n - 1, STAGES)
@@ -413,20 +433,17 @@ def _ws_producer(
     v_ready,
     k_empty,
     v_empty,
-    Hq,
-    group,
-    Sq,
-    Sk,
-    q_start,
-    k_start,
+    b,
+    h,
+    hk,
+    off_m,
+    lo,
+    n,
     BLOCK_M: gl.constexpr,
     BLOCK_N: gl.constexpr,
     STAGES: gl.constexpr,
-    CAUSAL: gl.constexpr,
     Q_PARTS: gl.constexpr,
 ):
-    b, h, hk, off_m, q_first, q_last = _tile(Hq, group, Sq, q_start, CAUSAL, BLOCK_M)
-    lo, n, full_lo, full_hi = key_blocks(q_first, q_last, k_start, Sk, CAUSAL, BLOCK_N)
     if n > 0:
         if Q_PARTS == 1:
             _load_q(q_desc, q_smem, q_bar.index(0), b, h, off_m)
@@ -466,6 +483,8 @@ def _ws2_consumer(
     O,
     M,
     L,
+    KLO,
+    KHI,
     stride_ob,
     stride_os,
     stride_oh,
@@ -475,18 +494,28 @@ def _ws2_consumer(
     stride_lb,
     stride_lh,
     stride_ls,
-    Hq,
-    group,
+    b,
+    h,
+    off_m,
+    lo,
+    n,
+    full_lo0,
+    full_hi0,
+    full_lo1,
+    full_hi1,
     Sq,
     Sk,
     q_start,
     k_start,
+    win_left,
+    win_right,
     qk_scale,
     HEAD_DIM: gl.constexpr,
     BLOCK_M: gl.constexpr,
     BLOCK_N: gl.constexpr,
     STAGES: gl.constexpr,
-    CAUSAL: gl.constexpr,
+    MASK: gl.constexpr,
+    LEFT: gl.constexpr,
     NORMALIZE: gl.constexpr,
     HAS_STATE: gl.constexpr,
     POSITIVE_SCALE: gl.constexpr,
@@ -494,13 +523,15 @@ def _ws2_consumer(
     ROWS: gl.constexpr = BLOCK_M // 2
     s_layout: gl.constexpr = _mma_layout(4, BLOCK_N)
     o_layout: gl.constexpr = _mma_layout(4, HEAD_DIM)
-    # the key range is the whole tile's, as the producer's: both warpgroups consume every block
-    b, h, hk, off_m, q_first, q_last = _tile(Hq, group, Sq, q_start, CAUSAL, BLOCK_M)
-    lo, n, full_lo, full_hi = key_blocks(q_first, q_last, k_start, Sk, CAUSAL, BLOCK_N)
+    # the key blocks [lo, lo + n * BLOCK_N) are the whole tile's, as the producer's: both
+    # warpgroups consume every block; the mask is this warpgroup's rows'
     my_m = off_m + WG * ROWS
     acc, m_i, l_i = _empty_state(ROWS, HEAD_DIM, s_layout, o_layout)
     if n > 0:
-        q_pos = q_start + my_m + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))
+        if WG == 0:
+            full_lo, full_hi = full_lo0, full_hi0
+        else:
+            full_lo, full_hi = full_lo1, full_hi1
         mbarrier.wait(q_bar.index(0), 0)
         acc, m_i, l_i = _overlap_loop(
             q_bufs.index(WG).reshape([ROWS, HEAD_DIM]),
@@ -510,24 +541,26 @@ def _ws2_consumer(
             v_ready,
             k_empty,
             v_empty,
-            k_bufs,
-            v_bufs,
             acc,
             m_i,
             l_i,
-            q_pos,
-            b,
-            hk,
+            my_m,
             lo,
             n,
             full_lo,
             full_hi,
-            k_start,
-            Sk,
             qk_scale,
-            True,
+            Sq,
+            Sk,
+            q_start,
+            k_start,
+            win_left,
+            win_right,
+            KLO,
+            KHI,
             STAGES,
-            CAUSAL,
+            MASK,
+            LEFT,
             POSITIVE_SCALE,
             ROWS,
             BLOCK_N,
@@ -564,7 +597,7 @@ def _ws2_consumer(
     )
 
 
-@gluon.jit(do_not_specialize=["group", "Sq", "Sk", "q_start", "k_start"])
+@gluon.jit(do_not_specialize=["group", "Sq", "Sk", "q_start", "k_start", "win_left", "win_right"])
 def _fwd_ws2(
     q_desc,
     k_desc,
@@ -572,6 +605,8 @@ def _fwd_ws2(
     O,
     M,
     L,
+    KLO,
+    KHI,
     stride_ob,
     stride_os,
     stride_oh,
@@ -587,12 +622,15 @@ def _fwd_ws2(
     Sk,
     q_start,
     k_start,
+    win_left,
+    win_right,
     qk_scale,
     HEAD_DIM: gl.constexpr,
     BLOCK_M: gl.constexpr,
     BLOCK_N: gl.constexpr,
     STAGES: gl.constexpr,
-    CAUSAL: gl.constexpr,
+    MASK: gl.constexpr,
+    LEFT: gl.constexpr,
     NORMALIZE: gl.constexpr,
     HAS_STATE: gl.constexpr,
     POSITIVE_SCALE: gl.constexpr,
@@ -600,10 +638,16 @@ def _fwd_ws2(
     CONSUMER_REGS: gl.constexpr,
     num_warps: gl.constexpr,
 ):
-    """q_desc blocks are [1, BLOCK_M // 2, 1, D] (one per consumer warpgroup); num_warps = 4."""
+    """q_desc blocks are [1, BLOCK_M // 2, 1, D] (one per consumer warpgroup); num_warps = 4.
+    MASK, LEFT, win_left, win_right, KLO, KHI: as the Triton forward's (tiles.MASK_*; KLO / KHI
+    (Sq,) int32 global key bounds for MASK_ROWS, any pointer otherwise)."""
     gl.static_assert(num_warps == 4, "ws2: the default partition is one consumer warpgroup")
     gl.static_assert(q_desc.block_type.shape[1] * 2 == BLOCK_M)
     dtype: gl.constexpr = q_desc.dtype
+    b, h, hk, off_m = _tile(Hq, group, MASK != MASK_NONE, BLOCK_M)
+    lo, n, full_lo0, full_hi0, full_lo1, full_hi1 = _tile_key_range(
+        off_m, Sq, Sk, q_start, k_start, win_left, win_right, KLO, KHI, MASK, LEFT, BLOCK_M, BLOCK_N, num_warps
+    )
     q_bufs = gl.allocate_shared_memory(dtype, [2] + q_desc.block_type.shape, q_desc.layout)
     k_bufs = _alloc_ring(k_desc, STAGES)
     v_bufs = _alloc_ring(v_desc, STAGES)
@@ -628,6 +672,8 @@ def _fwd_ws2(
         O,
         M,
         L,
+        KLO,
+        KHI,
         stride_ob,
         stride_os,
         stride_oh,
@@ -637,18 +683,28 @@ def _fwd_ws2(
         stride_lb,
         stride_lh,
         stride_ls,
-        Hq,
-        group,
+        b,
+        h,
+        off_m,
+        lo,
+        n,
+        full_lo0,
+        full_hi0,
+        full_lo1,
+        full_hi1,
         Sq,
         Sk,
         q_start,
         k_start,
+        win_left,
+        win_right,
         qk_scale,
         HEAD_DIM,
         BLOCK_M,
         BLOCK_N,
         STAGES,
-        CAUSAL,
+        MASK,
+        LEFT,
         NORMALIZE,
         HAS_STATE,
         POSITIVE_SCALE,
@@ -671,16 +727,15 @@ def _fwd_ws2(
                     v_ready,
                     k_empty,
                     v_empty,
-                    Hq,
-                    group,
-                    Sq,
-                    Sk,
-                    q_start,
-                    k_start,
+                    b,
+                    h,
+                    hk,
+                    off_m,
+                    lo,
+                    n,
                     BLOCK_M,
                     BLOCK_N,
                     STAGES,
-                    CAUSAL,
                     2,
                 ),
             ),

@@ -79,10 +79,18 @@ _DQ = {
 _FWD_DOCUMENTS = {128: KernelConfig(64, 64, 4, 3, tma=True)}
 
 # The Gluon (warp-specialized) forward's variant per padded head dim on Hopper, where it beats
-# the Triton kernel (ringflash.kernels.gluon_forward; D=128: 1.19x, measured on one H200 with
-# benchmarks/gluon_check.py). Used for dense and causal blocks without a key bias; any other
-# block, head dim or GPU takes the Triton kernel.
-GLUON_FWD = {128: "ws2_s3"}
+# the Triton kernel (ringflash.kernels.gluon_forward; one H200, bf16, S=16K, forward: D=64
+# 1.11-1.13x, D=128 1.19-1.23x, D=256 2.7-3.0x; benchmarks/RESULTS.md). Used for blocks
+# without a key bias or dropout, dense, causal or windowed; packed documents (per-row bounds)
+# take GLUON_FWD_DOCUMENTS. Any other block, head dim or GPU takes the Triton kernel.
+GLUON_FWD = {64: "ws2_s3", 128: "ws2_s3", 256: "ws2"}
+# 64-key blocks: the 128-key variant spills at D=128 with per-row bounds (python -m
+# benchmarks.gluon_report --masks rows), and a short document's edge wastes less.
+GLUON_FWD_DOCUMENTS = {128: "ws2_n64"}
+# Below this many keys per query row on average (RowBounds.keys_per_row) packed documents take
+# the Triton forward: its 64-row tiles with few key blocks each beat the Gluon kernel's 128-row
+# tiles there, whose set-up per tile is paid for few blocks.
+GLUON_DOCUMENTS_MIN_KEYS_PER_ROW = 1024
 
 # float32 inputs take twice the shared memory per tile: the 16-bit shapes above overflow an H200's
 # 227 KiB at head dim 128 and 256 (forward 448 KiB, dK/dV 353 KiB at D=128, compiled for sm_90a:
@@ -100,8 +108,10 @@ _OVERRIDES: contextvars.ContextVar[dict | None] = contextvars.ContextVar("ringfl
 @contextlib.contextmanager
 def override(**configs: KernelConfig):
     """Inside the block, the given kernels (fwd=, dkdv=, dq=) use these configs for every head
-    dim, e.g. `with override(fwd=KernelConfig(128, 64, 8, 3)):` (the tuning sweep, tests)."""
-    unknown = set(configs) - set(KINDS)
+    dim, e.g. `with override(fwd=KernelConfig(128, 64, 8, 3)):` (the tuning sweep, tests);
+    gluon= names the Gluon forward variant to run where it takes the inputs (a key of
+    gluon_forward.VARIANTS; None: never; a Triton fwd= override alone also turns it off)."""
+    unknown = set(configs) - set(KINDS) - {"gluon"}
     if unknown:
         raise ValueError(f"override: unknown kernel(s) {sorted(unknown)}; expected some of {KINDS}")
     token = _OVERRIDES.set({**(_OVERRIDES.get() or {}), **configs})
@@ -162,19 +172,29 @@ def forward_config(block_d: int, documents: bool = False, float32: bool = False)
         documents
         and not float32
         and not INTERPRETING
-        and not _OVERRIDES.get()
+        and "fwd" not in (_OVERRIDES.get() or {})
         and block_d not in _FILE_CONFIGS.get("fwd", {})
     ):
         return _FWD_DOCUMENTS.get(block_d) or pick("fwd", block_d)
     return pick("fwd", block_d, float32=float32)
 
 
-def gluon_forward_variant(block_d: int) -> str | None:
-    """The Gluon forward variant for this head dim, or None: none is tuned for it, a config is
-    forced by override() or the RINGFLASH_KERNEL_CONFIGS file, or the kernels are interpreted."""
-    if INTERPRETING or _OVERRIDES.get() or block_d in _FILE_CONFIGS.get("fwd", {}):
+def gluon_forward_variant(block_d: int, documents: bool = False, keys_per_row: float | None = None) -> str | None:
+    """The Gluon forward variant for this head dim (documents: a block masked by per-row
+    bounds whose rows see keys_per_row keys on average, where known), or None: none is tuned
+    for it, the documents are short (GLUON_DOCUMENTS_MIN_KEYS_PER_ROW), a Triton config is
+    forced by override() or the RINGFLASH_KERNEL_CONFIGS file, or the kernels are
+    interpreted. override(gluon=name) forces a variant (None: the Triton forward)."""
+    overrides = _OVERRIDES.get() or {}
+    if "gluon" in overrides:
+        return overrides["gluon"]
+    if INTERPRETING or overrides or block_d in _FILE_CONFIGS.get("fwd", {}):
         return None
-    return GLUON_FWD.get(block_d)
+    if not documents:
+        return GLUON_FWD.get(block_d)
+    if keys_per_row is not None and keys_per_row < GLUON_DOCUMENTS_MIN_KEYS_PER_ROW:
+        return None
+    return GLUON_FWD_DOCUMENTS.get(block_d)
 
 
 def dkdv_config(block_d: int, float32: bool = False) -> KernelConfig:

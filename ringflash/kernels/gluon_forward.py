@@ -7,10 +7,13 @@ reference of its semantics, and a compile report that needs no GPU.
 
 Semantics (per query row, softmax in base 2, qk_scale = scale * log2(e)):
   m = max_j s2_ij (float32, -inf for a row that sees no key), l = sum_j exp2(s2_ij - m),
-  acc = sum_j exp2(s2_ij - m) v_j, with s2 = (q . k) * qk_scale over the visible keys (causal:
-  q_start + i >= k_start + j; keys past Sk never). fold=True starts from (acc, m, l) =
-  (out_o, out_m, out_l) (out_o float32) instead of the empty state; normalize=True writes
-  out_o = acc / l (0 for empty rows) in out_o's dtype, else acc (out_o float32).
+  acc = sum_j exp2(s2_ij - m) v_j, with s2 = (q . k) * qk_scale over the visible keys (keys
+  past Sk never): every key, or causal (q_start + i >= k_start + j), or a `window`
+  (ringflash.masks.Window by global positions), or per-row `bounds` (ringflash.masks.RowBounds
+  of packed documents), exactly as the Triton forward reads them. fold=True starts from
+  (acc, m, l) = (out_o, out_m, out_l) (out_o float32) instead of the empty state;
+  normalize=True writes out_o = acc / l (0 for empty rows) in out_o's dtype, else acc (out_o
+  float32).
 
 The module imports on any machine; without Gluon (triton < 3.6) or without a Hopper GPU,
 `forward` raises `Unsupported` and the caller uses the Triton kernel instead.
@@ -27,6 +30,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+
+from ..masks import CAUSAL
 
 try:  # Gluon exists from triton 3.6 on; the rest of the package must not depend on it
     from triton.experimental.gluon import language as _gl
@@ -99,6 +104,9 @@ VARIANTS: dict[str, dict[int, GluonConfig]] = {
         256: GluonConfig("ws2", 128, 64, 4, 2, 24, 168),
     },
     "ws2_s3": {64: GluonConfig("ws2", 128, 128, 4, 4, 24, 168), 128: GluonConfig("ws2", 128, 128, 4, 3, 24, 168)},
+    # 64-key blocks: half the score registers (room for per-row document bounds at D=128) and
+    # less of a short document's edge computed and masked
+    "ws2_n64": {64: GluonConfig("ws2", 128, 64, 4, 6, 24, 168), 128: GluonConfig("ws2", 128, 64, 4, 5, 24, 168)},
 }
 DEFAULT_VARIANT = "ws2_s3"
 HEAD_DIMS = (64, 128, 256)
@@ -188,12 +196,17 @@ def check_shapes(q, k, v, out_o, out_m, out_l, *, normalize, fold, cfg=None) -> 
         raise Unsupported("sizes beyond 32-bit row indices")
 
 
-def forward(q, k, v, *, q_start, k_start, causal, scale, out_o, out_m, out_l, normalize, fold, config=None):
+def forward(
+    q, k, v, *, q_start, k_start, scale, out_o, out_m, out_l, normalize, fold, causal=False, window=None, bounds=None,
+    config=None,
+):  # fmt: skip
     """Attention of q (B, Sq, Hq, D) over k, v (B, Sk, Hkv, D) by global positions; writes
     out_o (B, Sq, Hq, D), out_m and out_l (B, Hq, Sq) float32 (semantics: module docstring).
 
-    config: a GluonConfig or a variant name (default: DEFAULT_VARIANT for this head dim).
-    Raises Unsupported for inputs the kernel does not take (nothing is written then).
+    causal=True is window=masks.CAUSAL; bounds (RowBounds, its k_lo / k_hi for q's rows)
+    decides alone when given. config: a GluonConfig or a variant name (default:
+    DEFAULT_VARIANT for this head dim). Raises Unsupported for inputs the kernel does not take
+    (nothing is written then).
     """
     cfg = _resolve(q.shape[-1], config)
     check_supported(q, k, v, out_o, out_m, out_l, normalize=normalize, fold=fold, cfg=cfg)
@@ -214,6 +227,8 @@ def forward(q, k, v, *, q_start, k_start, causal, scale, out_o, out_m, out_l, no
         q_start=q_start,
         k_start=k_start,
         causal=causal,
+        window=window,
+        bounds=bounds,
         scale=scale,
         out_o=out_o,
         out_m=out_m,
@@ -230,20 +245,31 @@ def _resolve(head_dim: int, config) -> GluonConfig:
     return config_for(head_dim, config) if config is None or isinstance(config, str) else config
 
 
-def launch_plan(q, k, v, *, q_start, k_start, causal, scale, out_o, out_m, out_l, normalize, fold, cfg):
+def launch_plan(
+    q, k, v, *, q_start, k_start, scale, out_o, out_m, out_l, normalize, fold, cfg, causal=False, window=None,
+    bounds=None,
+):  # fmt: skip
     """(kernel, grid, args, kwargs) of one launch, for checked inputs (any device: the CPU
     compile check binds CPU tensors through the same arguments)."""
+    from . import _mask_args
+
     B, Sq, Hq, D = q.shape
     Sk, Hkv = k.shape[1], k.shape[2]
     q_start, k_start = int(q_start), int(k_start)
-    if max(abs(q_start), abs(k_start)) + Sq + Sk >= 2**31 - 1:
-        raise Unsupported("positions beyond 32 bits")
+    # positions as the Triton kernels take them: below 2^30 (tiles.UNBOUNDED), so that a
+    # window's bounds stay within 32 bits
+    if max(abs(q_start), abs(k_start)) + Sq + Sk >= 2**30:
+        raise Unsupported("positions beyond 2^30")
+    if causal and window is not None:
+        raise ValueError("give causal=True or a window, not both")
+    mask, win_left, win_right, left, _, (k_lo, k_hi), _ = _mask_args(CAUSAL if causal else window, bounds, out_m)
     kwargs = dict(
         HEAD_DIM=D,
         BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n,
         STAGES=cfg.stages,
-        CAUSAL=bool(causal),
+        MASK=mask,
+        LEFT=left,
         NORMALIZE=bool(normalize),
         HAS_STATE=bool(fold),
         POSITIVE_SCALE=bool(scale > 0),
@@ -262,6 +288,8 @@ def launch_plan(q, k, v, *, q_start, k_start, causal, scale, out_o, out_m, out_l
         out_o,
         out_m,
         out_l,
+        k_lo,
+        k_hi,
         out_o.stride(0),
         out_o.stride(1),
         out_o.stride(2),
@@ -277,6 +305,8 @@ def launch_plan(q, k, v, *, q_start, k_start, causal, scale, out_o, out_m, out_l
         Sk,
         q_start,
         k_start,
+        win_left,
+        win_right,
         float(scale) * LOG2E,
     )
     grid = (triton_cdiv(Sq, cfg.block_m), B * Hq)
@@ -357,8 +387,9 @@ def _bind_for_hopper(kernel, args, kwargs):
 
 
 def compile_launch(
-    q, k, v, *, q_start, k_start, causal, scale, out_o, out_m, out_l, normalize, fold, config=None, key_only=False
-):
+    q, k, v, *, q_start, k_start, scale, out_o, out_m, out_l, normalize, fold, causal=False, window=None, bounds=None,
+    config=None, key_only=False,
+):  # fmt: skip
     """Compile for sm_90a, on any machine, exactly what forward() with these arguments would
     launch (tensors may be CPU tensors of the same shapes and strides: the specialization
     depends only on dtypes, strides and 16-byte alignment). The result lands in triton's
@@ -379,6 +410,8 @@ def compile_launch(
         q_start=q_start,
         k_start=k_start,
         causal=causal,
+        window=window,
+        bounds=bounds,
         scale=scale,
         out_o=out_o,
         out_m=out_m,
@@ -442,21 +475,32 @@ def compile_for_hopper(
     group: int = 1,
     Sq: int = 1031,
     Sk: int = 777,
+    mask: str = "",
 ):
-    """compile_launch for contiguous CPU tensors of these sizes (2 kv heads)."""
+    """compile_launch for contiguous CPU tensors of these sizes (2 kv heads). mask: "" (causal
+    or not, by `causal`), "window" (a sliding window: (300, 0) with causal, else (300, 77)) or
+    "rows" (per-row bounds of packed documents)."""
+    from ..masks import RowBounds, Window
+
     tdt = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
     hkv = 2
     q = torch.empty(1, Sq, hkv * group, head_dim, dtype=tdt)
     k = torch.empty(1, Sk, hkv, head_dim, dtype=tdt)
     o = torch.empty(q.shape, dtype=torch.float32 if (fold or not normalize) else tdt)
     m = torch.empty(1, q.shape[2], Sq)
+    if mask not in ("", "window", "rows"):
+        raise ValueError(f"mask must be '', 'window' or 'rows', got {mask!r}")
+    window = Window(300, 0 if causal else 77) if mask == "window" else None
+    bounds = RowBounds(*(torch.zeros(n, dtype=torch.int32) for n in (Sq, Sq, Sk, Sk))) if mask == "rows" else None
     return compile_launch(
         q,
         k,
         k,
         q_start=Sk - Sq,
         k_start=0,
-        causal=causal,
+        causal=causal and not mask,
+        window=window,
+        bounds=bounds,
         scale=scale,
         out_o=o,
         out_m=m,
@@ -482,6 +526,7 @@ def hopper_report(
     normalize: bool = True,
     fold: bool = False,
     dump: Path | None = None,
+    mask: str = "",
 ) -> dict:
     """What ptxas and the SASS say about one compiled variant:
 
@@ -491,8 +536,8 @@ def hopper_report(
     shared (bytes; must be <= 232448), ptx_waits / sass_waits: {N: count} of wgmma waits that
     leave N groups in flight (N = 1: a matmul overlapping other work), hgmma: count of Hopper
     tensor-core instructions, warnings: ptxas's C7xxx codes (C7510-C7515: wgmma serialized,
-    C7508: setmaxnreg ignored)."""
-    kern = compile_for_hopper(cfg, head_dim, causal=causal, dtype=dtype, normalize=normalize, fold=fold)
+    C7508: setmaxnreg ignored). mask: as compile_for_hopper's."""
+    kern = compile_for_hopper(cfg, head_dim, causal=causal, dtype=dtype, normalize=normalize, fold=fold, mask=mask)
     ptx = kern.asm["ptx"]
     with tempfile.TemporaryDirectory() as tmp:
         ptx_path = Path(tmp) / "k.ptx"
@@ -514,6 +559,7 @@ def hopper_report(
         "config": asdict(cfg),
         "D": head_dim,
         "causal": causal,
+        "mask": mask,
         "dtype": dtype,
         "normalize": normalize,
         "fold": fold,
@@ -535,7 +581,10 @@ def hopper_report(
     row["fits"] = row["shared"] <= HOPPER_SHARED_BYTES
     if dump:
         dump.mkdir(parents=True, exist_ok=True)
-        stem = f"{cfg.schedule}_d{head_dim}_c{int(causal)}_{cfg.block_m}x{cfg.block_n}_w{cfg.num_warps}_s{cfg.stages}"
+        stem = (
+            f"{cfg.schedule}_d{head_dim}_c{int(causal)}{mask and '_' + mask}_{cfg.block_m}x{cfg.block_n}"
+            f"_w{cfg.num_warps}_s{cfg.stages}"
+        )
         (dump / f"{stem}.ptx").write_text(ptx)
         (dump / f"{stem}.ttgir").write_text(kern.asm["ttgir"])
         (dump / f"{stem}.sass").write_text(sass)
