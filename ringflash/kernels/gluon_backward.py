@@ -208,7 +208,7 @@ def row_stats(m, l, delta, cfg: GluonBwdConfig) -> torch.Tensor:
     padded past Sq with (+inf, 0), the padding rows' exact values."""
     B, Hq, Sq = m.shape
     st = torch.empty(B, Hq, 2, padded_rows(Sq, cfg), dtype=torch.float32, device=m.device)
-    torch.where(l > 0, m + torch.log2(l), float("inf"), out=st[:, :, 0, :Sq])
+    st[:, :, 0, :Sq] = torch.where(l > 0, m + torch.log2(l), float("inf"))
     st[:, :, 1, :Sq] = delta
     st[:, :, 0, Sq:] = float("inf")
     st[:, :, 1, Sq:] = 0.0
