@@ -277,6 +277,8 @@ def emulate_backward(q, k, v, m, l, do, delta, dq, dk, dv, *, q_start, k_start, 
                         dk_acc += ds @ qt
                         dq_part = (ds.T @ kt) * scale
                         n_ok = max(0, min(BM, Sq - off_m))
+                        # the kernel adds the padding rows' dQ (exactly 0) to row Sq - 1
+                        assert bool((dq_part[n_ok:] == 0).all()), "padding rows must give dQ = 0"
                         dq32[b, off_m : off_m + n_ok, h] += dq_part[:n_ok]
                 n_ok = max(0, min(BN, Sk - n0))
                 for buf, acc in ((dk, dk_acc * scale), (dv, dv_acc)):

@@ -71,10 +71,17 @@ def _plan(Hkv, Sq, Sk, q_start, k_start, CAUSAL: gl.constexpr, BLOCK_M: gl.const
 
 
 @gluon.jit
-def _query_block(i, hk, group, m_first, n_m, BLOCK_M: gl.constexpr):
-    """(q head, first row) of iteration i: heads of the group outer, query blocks inner."""
+def _query_block(i, hk, group, m_first, n_m, BLOCK_M: gl.constexpr, ROTATE: gl.constexpr):
+    """(q head, first row) of iteration i: heads of the group outer, query blocks inner.
+
+    ROTATE: each key block starts its walk over the query blocks at its own one (and wraps):
+    programs running side by side (neighbouring key blocks of one head) then add their dQ into
+    different rows at any moment, instead of all into the same rows at once."""
     g = i // n_m
-    return hk * group + g, (m_first + i - g * n_m) * BLOCK_M
+    j = i - g * n_m
+    if ROTATE:
+        j = (j + gl.program_id(0)) % n_m
+    return hk * group + g, (m_first + j) * BLOCK_M
 
 
 # ----------------------------------------------------------------------------------------------
@@ -108,6 +115,7 @@ def _producer(
     BLOCK_M: gl.constexpr,
     BLOCK_N: gl.constexpr,
     STAGES: gl.constexpr,
+    ROTATE: gl.constexpr,
 ):
     b, hk, n0, m_first, m_full, n_m, key_ragged = _plan(Hkv, Sq, Sk, q_start, k_start, CAUSAL, BLOCK_M, BLOCK_N)
     n_iter = group * n_m
@@ -126,7 +134,7 @@ def _producer(
         # phase u-1 completed: parity (u & 1) ^ 1. A fresh barrier counts as having completed
         # the phase before phase 0, so the first STAGES waits (u = 0, parity 1) pass at once.
         mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)
-        h, off_m = _query_block(i, hk, group, m_first, n_m, BLOCK_M)
+        h, off_m = _query_block(i, hk, group, m_first, n_m, BLOCK_M, ROTATE)
         # ready[s]: count 1 (this expect), completes when all stage_bytes have landed
         bar = ready.index(s)
         mbarrier.expect(bar, stage_bytes)
@@ -143,17 +151,18 @@ def _producer(
 
 
 @gluon.jit
-def _red_add_pairs(ptrs, vals, mask, ROWS: gl.constexpr, COLS: gl.constexpr):
-    """Atomically add vals (ROWS, COLS) float32 into ptrs where mask, two adjacent columns per
-    instruction (red.global.add.v2.f32, sm_90). Requires every pair (2c, 2c+1) to be held by one
-    thread, as in the wgmma accumulator layout: reshape + split then stay in registers."""
+def _red_add_pairs(ptrs, vals, ROWS: gl.constexpr, COLS: gl.constexpr):
+    """Atomically add vals (ROWS, COLS) float32 into ptrs, two adjacent columns per instruction
+    (red.global.add.v2.f32, sm_90; Gluon's atomic_add emits one scalar atom per element).
+    Requires every pair (2c, 2c+1) to be held by one thread, as in the wgmma accumulator layout:
+    the reshape and split then stay in registers. Unpredicated: ptxas turns a predicated red into
+    a branch around it."""
     v_lo, v_hi = vals.reshape([ROWS, COLS // 2, 2]).split()
     p_lo, p_hi = ptrs.reshape([ROWS, COLS // 2, 2]).split()
-    m_lo, m_hi = mask.reshape([ROWS, COLS // 2, 2]).split()
     gl.inline_asm_elementwise(
-        "{ .reg .pred p; setp.ne.b32 p, $4, 0; @p red.relaxed.gpu.global.add.v2.f32 [$1], {$2, $3}; mov.b32 $0, 0; }",
-        "=r,l,r,r,r",
-        [p_lo.to(gl.int64, bitcast=True), v_lo, v_hi, m_lo.to(gl.int32)],
+        "red.relaxed.gpu.global.add.v2.f32 [$1], {$2, $3}; mov.b32 $0, 0;",
+        "=r,l,r,r",
+        [p_lo.to(gl.int64, bitcast=True), v_lo, v_hi],
         gl.int32,
         is_pure=False,
         pack=1,
@@ -220,6 +229,7 @@ def _consumer(
     STAGES: gl.constexpr,
     CAUSAL: gl.constexpr,
     ACCUMULATE: gl.constexpr,
+    ROTATE: gl.constexpr,
 ):
     KEYS: gl.constexpr = BLOCK_N // 2  # keys of this warpgroup
     DQ_COLS: gl.constexpr = HEAD_DIM // 2  # dQ columns of this warpgroup
@@ -244,7 +254,7 @@ def _consumer(
         mbarrier.wait(kv_bar.index(0), 0)  # phase 0: K and V landed (the producer's one expect)
     for i in range(n_iter):
         s = i % STAGES
-        h, off_m = _query_block(i, hk, group, m_first, n_m, BLOCK_M)
+        h, off_m = _query_block(i, hk, group, m_first, n_m, BLOCK_M, ROTATE)
         # ready[s]: the (i // STAGES)-th completion of stage s's barrier
         mbarrier.wait(ready.index(s), (i // STAGES) & 1)
         q_t = q_bufs.index(s).reshape([BLOCK_M, HEAD_DIM])
@@ -300,11 +310,12 @@ def _consumer(
         # Buffer i % 2 of dS is rewritten at iteration i + 2, after both warpgroups have passed
         # ds_bar at i + 1, which each reaches only after this wait: its dQ read is done.
         mbarrier.arrive(empty.index(s))
-        rows = off_m + _opaque(dq_rows)
+        # Rows past Sq (the zero-filled end of the last query block) have p = 0, so ds = 0 and
+        # their dQ rows are exactly 0: they add +0.0 to row Sq - 1 instead of being masked
+        rows = gl.minimum(off_m + _opaque(dq_rows), Sq - 1)
         dq_base = DQ + b.to(gl.int64) * stride_dqb + h.to(gl.int64) * stride_dqh
         dq_ptrs = dq_base + rows.to(gl.int64)[:, None] * stride_dqs + _opaque(dq_cols)[None, :]
-        dq_mask = (rows < Sq)[:, None] & (dq_cols < HEAD_DIM)[None, :]
-        _red_add_pairs(dq_ptrs, dq * sm_scale, dq_mask, BLOCK_M, DQ_COLS)
+        _red_add_pairs(dq_ptrs, dq * sm_scale, BLOCK_M, DQ_COLS)
     row0 = n0 + WG * KEYS
     _store_grad(
         dk * sm_scale,
@@ -363,6 +374,7 @@ def _bwd_ws2(
     STAGES: gl.constexpr,
     CAUSAL: gl.constexpr,
     ACCUMULATE: gl.constexpr,
+    ROTATE: gl.constexpr,
     PRODUCER_REGS: gl.constexpr,
     CONSUMER_REGS: gl.constexpr,
     num_warps: gl.constexpr,
@@ -427,6 +439,7 @@ def _bwd_ws2(
         STAGES,
         CAUSAL,
         ACCUMULATE,
+        ROTATE,
     )
     gl.warp_specialize(
         [
@@ -460,6 +473,7 @@ def _bwd_ws2(
                     BLOCK_M,
                     BLOCK_N,
                     STAGES,
+                    ROTATE,
                 ),
             ),
         ],

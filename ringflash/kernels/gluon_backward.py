@@ -68,6 +68,7 @@ class GluonBwdConfig:
     stages: int = 2  # depth of the Q / dO / statistics ring
     producer_regs: int = 24  # registers of the producer warp (setmaxnreg)
     maxnreg: int = 168  # register cap at entry: 168 x 12 warps x 32 = 64512 of the SM's 65536
+    rotate: bool = False  # each key block walks the query blocks from its own one (spreads the dQ atomics)
 
     def __post_init__(self):
         if self.schedule != "ws2":
@@ -89,6 +90,7 @@ class GluonBwdConfig:
 VARIANTS: dict[str, dict[int, GluonBwdConfig]] = {
     "ws2": {128: GluonBwdConfig(stages=2)},
     "ws2_s3": {128: GluonBwdConfig(stages=3)},
+    "ws2_rot": {128: GluonBwdConfig(stages=2, rotate=True)},
 }
 DEFAULT_VARIANT = "ws2"
 HEAD_DIMS = (128,)
@@ -237,6 +239,7 @@ def launch_plan(q, k, v, stats, do, dq32, dk, dv, *, q_start, k_start, causal, s
         STAGES=cfg.stages,
         CAUSAL=bool(causal),
         ACCUMULATE=bool(accumulate),
+        ROTATE=cfg.rotate,
         PRODUCER_REGS=cfg.producer_regs,
         CONSUMER_REGS=cfg.consumer_regs,
         num_warps=cfg.num_warps,
