@@ -474,6 +474,7 @@ class Runner:
     inside a task: CRASH. Either way a fresh child continues with the tasks left."""
 
     STARTUP_S = 180.0  # imports and CUDA initialisation before the first START
+    script = Path(__file__).resolve()  # the script whose --worker mode runs the tasks
 
     def __init__(self, timeout: float, deadline: float, sink, family: bool = False):
         self.timeout, self.deadline, self.sink, self.family = timeout, deadline, sink, family
@@ -515,7 +516,7 @@ class Runner:
         env.pop("TRITON_INTERPRET", None)
         with open(err_path, "w") as err:  # a file, not a pipe: a chatty child must never block
             proc = subprocess.Popen(
-                [sys.executable, str(Path(__file__).resolve()), "--worker", str(path)],
+                [sys.executable, str(self.script), "--worker", str(path)],
                 stdout=subprocess.PIPE,
                 stderr=err,
                 env=env,

@@ -1,0 +1,485 @@
+"""Gluon backward kernel for Hopper (sm_90a): FlashAttention-3's fused, warp-specialized schedule.
+
+Imported only through ringflash.kernels.gluon_backward, which guards the import: this module
+needs `triton.experimental.gluon` (triton >= 3.6).
+
+One program per (key block of BLOCK_N = 128 keys, batch x kv head). It loops over the q heads of
+the GQA group and, for each, over the query blocks of BLOCK_M = 64 rows that see the key block;
+dK and dV stay in registers (float32) and are stored once at the end. Partitions:
+
+- producer (1 warp, few registers): K and V of the block once, then Q, dO and the two per-row
+  statistics of every query block through a STAGES-deep ring (ready / empty mbarriers);
+- two consumer warpgroups (4 warps each, WG = 0, 1), each owning 64 of the 128 keys:
+    S^T  = K_wg Q^T            (SS wgmma, 64 keys x 64 queries)
+    dP^T = V_wg dO^T           (SS)
+    P^T  = exp2(fma(S^T, qk_scale, -offset)) (masked on diagonal / ragged blocks)
+    dV  += P^T dO              (RS: P^T stays in registers as the A operand)
+    dS^T = P^T (dP^T - delta)
+    dK  += dS^T Q              (RS)
+    dS^T -> shared memory (both halves form the 128-key dS of the block), then
+    dQ_wg = dS K[:, 64 WG : 64 WG + 64]  (SS, 64 queries x 64 head-dim columns of this WG)
+  and add dQ_wg * scale to a float32 dQ with vectorized atomics (red.global.add.v2.f32: Gluon
+  3.6 has no TMA reduce-add).
+
+Statistics: `offset` = m + log2(l) per query row (+inf for rows that saw no key and for the
+padding rows past Sq, so their probabilities are exactly 0), `delta` = rowsum(dO * O); both
+float32, in one padded tensor (B * Hq, 2, Sq_pad) that the launcher builds, read flat by TMA.
+Q, K, V, dO: (B, S, H, D) 16-bit tensors through 4-D TMA descriptors (rows past the end read as
+zeros, never the next batch's). Keys past Sk are masked (their zero rows would otherwise meet
+p = exp2(-offset), which can overflow, times 0 in the dQ matmul).
+"""
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+from ._gluon_fwd import _alloc_bars, _mma_layout
+
+# ----------------------------------------------------------------------------------------------
+# Which query blocks a key block visits. Every partition computes the same plan from the same
+# arguments, so their loops have the same trip count (the barrier protocol depends on it).
+
+
+@gluon.jit
+def _plan(Hkv, Sq, Sk, q_start, k_start, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+    """(b, hk, n0, m_first, m_full, n_m, key_ragged) of this program: batch, kv head, first key
+    of the block; the query blocks m_first .. m_first + n_m - 1 see the block (n_m >= 0), those
+    below m_full only partly (causal diagonal); key_ragged: the block runs past Sk."""
+    n0 = gl.program_id(0) * BLOCK_N
+    pid_bh = gl.program_id(1)
+    b = pid_bh // Hkv
+    hk = pid_bh % Hkv
+    n_last = gl.minimum(n0 + BLOCK_N, Sk) - 1  # last valid key of the block
+    n_mblocks = (Sq + BLOCK_M - 1) // BLOCK_M
+    if CAUSAL:
+        # query row i sees local key j iff q_start + i >= k_start + j
+        first_row = gl.maximum(k_start + n0 - q_start, 0)  # first row that sees key n0
+        full_row = gl.maximum(k_start + n_last - q_start, 0)  # rows from here see every valid key
+        m_first = gl.minimum(first_row // BLOCK_M, n_mblocks)
+        m_full = (full_row + BLOCK_M - 1) // BLOCK_M
+    else:
+        m_first = 0
+        m_full = 0
+    n_m = n_mblocks - m_first
+    return b, hk, n0, m_first, m_full, n_m, n0 + BLOCK_N > Sk
+
+
+@gluon.jit
+def _query_block(i, hk, group, m_first, n_m, BLOCK_M: gl.constexpr, ROTATE: gl.constexpr):
+    """(q head, first row) of iteration i: heads of the group outer, query blocks inner.
+
+    ROTATE: each key block starts its walk over the query blocks at its own one (and wraps):
+    programs running side by side (neighbouring key blocks of one head) then add their dQ into
+    different rows at any moment, instead of all into the same rows at once."""
+    g = i // n_m
+    j = i - g * n_m
+    if ROTATE:
+        j = (j + gl.program_id(0)) % n_m
+    return hk * group + g, (m_first + j) * BLOCK_M
+
+
+# ----------------------------------------------------------------------------------------------
+# Producer: one warp issuing TMA copies.
+
+
+@gluon.jit
+def _producer(
+    q_desc,
+    do_desc,
+    k_desc,
+    v_desc,
+    st_desc,
+    q_bufs,
+    do_bufs,
+    st_bufs,
+    k_smem,
+    v_smem,
+    kv_bar,
+    ready,
+    empty,
+    Hq,
+    Hkv,
+    group,
+    Sq,
+    Sk,
+    Sq_pad,
+    q_start,
+    k_start,
+    CAUSAL: gl.constexpr,
+    BLOCK_M: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+    STAGES: gl.constexpr,
+    ROTATE: gl.constexpr,
+):
+    b, hk, n0, m_first, m_full, n_m, key_ragged = _plan(Hkv, Sq, Sk, q_start, k_start, CAUSAL, BLOCK_M, BLOCK_N)
+    n_iter = group * n_m
+    if n_iter > 0:
+        # kv_bar: count 1; this expect is its only arrival, completing phase 0 once both
+        # tiles have landed. Loaded only when the consumers will wait for it (n_iter > 0):
+        # no copy may still be in flight when the program ends.
+        mbarrier.expect(kv_bar.index(0), 2 * k_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(k_desc, [b, n0, hk, 0], kv_bar.index(0), k_smem.index(0))
+        tma.async_copy_global_to_shared(v_desc, [b, n0, hk, 0], kv_bar.index(0), v_smem.index(0))
+    stage_bytes: gl.constexpr = 2 * q_desc.block_type.nbytes + 2 * st_desc.block_type.nbytes
+    for i in range(n_iter):
+        s = i % STAGES
+        # empty[s]: count 2, one arrival per consumer warpgroup when it has finished reading
+        # stage s. The i-th fill of stage s (i // STAGES = u) needs the (u-1)-th release, i.e.
+        # phase u-1 completed: parity (u & 1) ^ 1. A fresh barrier counts as having completed
+        # the phase before phase 0, so the first STAGES waits (u = 0, parity 1) pass at once.
+        mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)
+        h, off_m = _query_block(i, hk, group, m_first, n_m, BLOCK_M, ROTATE)
+        # ready[s]: count 1 (this expect), completes when all stage_bytes have landed
+        bar = ready.index(s)
+        mbarrier.expect(bar, stage_bytes)
+        tma.async_copy_global_to_shared(q_desc, [b, off_m, h, 0], bar, q_bufs.index(s))
+        tma.async_copy_global_to_shared(do_desc, [b, off_m, h, 0], bar, do_bufs.index(s))
+        # the (offset, delta) rows of (b, h) in the flat statistics: two 1-D copies
+        st_at = (b * Hq + h) * 2 * Sq_pad + off_m
+        tma.async_copy_global_to_shared(st_desc, [st_at], bar, st_bufs.index(2 * s))
+        tma.async_copy_global_to_shared(st_desc, [st_at + Sq_pad], bar, st_bufs.index(2 * s + 1))
+
+
+# ----------------------------------------------------------------------------------------------
+# Consumers: two warpgroups, 64 keys each.
+
+
+@gluon.jit
+def _red_add_pairs(ptrs, vals, ROWS: gl.constexpr, COLS: gl.constexpr):
+    """Atomically add vals (ROWS, COLS) float32 into ptrs, two adjacent columns per instruction
+    (red.global.add.v2.f32, sm_90; Gluon's atomic_add emits one scalar atom per element).
+    Requires every pair (2c, 2c+1) to be held by one thread, as in the wgmma accumulator layout:
+    the reshape and split then stay in registers. Unpredicated: ptxas turns a predicated red into
+    a branch around it."""
+    v_lo, v_hi = vals.reshape([ROWS, COLS // 2, 2]).split()
+    p_lo, p_hi = ptrs.reshape([ROWS, COLS // 2, 2]).split()
+    gl.inline_asm_elementwise(
+        "red.relaxed.gpu.global.add.v2.f32 [$1], {$2, $3}; mov.b32 $0, 0;",
+        "=r,l,r,r",
+        [p_lo.to(gl.int64, bitcast=True), v_lo, v_hi],
+        gl.int32,
+        is_pure=False,
+        pack=1,
+    )
+
+
+@gluon.jit
+def _opaque(x):
+    """x, through a non-pure move the compiler cannot hoist out of a loop: loop-invariant index
+    vectors are cheap to recompute but expensive to keep (LLVM hoists them, ptxas then spills)."""
+    return gl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [x], gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def _store_grad(acc, base, row0, n_rows, stride_s, ACCUMULATE: gl.constexpr, ROWS: gl.constexpr, layout: gl.constexpr):
+    """Store (or add, ACCUMULATE) acc (ROWS, D) float32 at rows row0.. (< n_rows) of a (S, D)
+    slice with row stride stride_s, in base's dtype."""
+    rows = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
+    cols = gl.arange(0, acc.shape[1], layout=gl.SliceLayout(0, layout))
+    ptrs = base + rows.to(gl.int64)[:, None] * stride_s + cols[None, :]
+    mask = (rows < n_rows)[:, None] & (cols < acc.shape[1])[None, :]
+    if ACCUMULATE:
+        acc = acc + gl.load(ptrs, mask=mask, other=0.0).to(gl.float32)
+    gl.store(ptrs, acc.to(base.dtype.element_ty), mask=mask)
+
+
+@gluon.jit
+def _consumer(
+    WG: gl.constexpr,
+    q_bufs,
+    do_bufs,
+    st_bufs,
+    k_smem,
+    v_smem,
+    ds_bufs,
+    kv_bar,
+    ready,
+    empty,
+    ds_bar,
+    DQ,
+    DK,
+    DV,
+    stride_dqb,
+    stride_dqs,
+    stride_dqh,
+    stride_dkb,
+    stride_dks,
+    stride_dkh,
+    stride_dvb,
+    stride_dvs,
+    stride_dvh,
+    Hq,
+    Hkv,
+    group,
+    Sq,
+    Sk,
+    q_start,
+    k_start,
+    qk_scale,
+    sm_scale,
+    HEAD_DIM: gl.constexpr,
+    BLOCK_M: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+    STAGES: gl.constexpr,
+    CAUSAL: gl.constexpr,
+    ACCUMULATE: gl.constexpr,
+    ROTATE: gl.constexpr,
+):
+    KEYS: gl.constexpr = BLOCK_N // 2  # keys of this warpgroup
+    DQ_COLS: gl.constexpr = HEAD_DIM // 2  # dQ columns of this warpgroup
+    dtype: gl.constexpr = q_bufs.dtype
+    s_layout: gl.constexpr = _mma_layout(4, BLOCK_M)  # S^T, dP^T: (KEYS, BLOCK_M)
+    dq_layout: gl.constexpr = _mma_layout(4, DQ_COLS)  # dQ_wg: (BLOCK_M, DQ_COLS)
+    kv_layout: gl.constexpr = _mma_layout(4, HEAD_DIM)  # dK, dV: (KEYS, HEAD_DIM)
+    op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kv_layout, k_width=2)
+    gl.static_assert(KEYS == 64, "one warpgroup's wgmma tile is 64 rows")
+
+    b, hk, n0, m_first, m_full, n_m, key_ragged = _plan(Hkv, Sq, Sk, q_start, k_start, CAUSAL, BLOCK_M, BLOCK_N)
+    n_iter = group * n_m
+    dk = gl.zeros([KEYS, HEAD_DIM], gl.float32, kv_layout)
+    dv = gl.zeros([KEYS, HEAD_DIM], gl.float32, kv_layout)
+    s_zero = gl.zeros([KEYS, BLOCK_M], gl.float32, s_layout)
+    dq_zero = gl.zeros([BLOCK_M, DQ_COLS], gl.float32, dq_layout)
+    key_idx = n0 + WG * KEYS + gl.arange(0, KEYS, layout=gl.SliceLayout(1, s_layout))
+    q_idx = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
+    dq_rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, dq_layout))
+    dq_cols = WG * DQ_COLS + gl.arange(0, DQ_COLS, layout=gl.SliceLayout(0, dq_layout))
+    if n_iter > 0:
+        mbarrier.wait(kv_bar.index(0), 0)  # phase 0: K and V landed (the producer's one expect)
+    for i in range(n_iter):
+        s = i % STAGES
+        h, off_m = _query_block(i, hk, group, m_first, n_m, BLOCK_M, ROTATE)
+        # ready[s]: the (i // STAGES)-th completion of stage s's barrier
+        mbarrier.wait(ready.index(s), (i // STAGES) & 1)
+        q_t = q_bufs.index(s).reshape([BLOCK_M, HEAD_DIM])
+        do_t = do_bufs.index(s).reshape([BLOCK_M, HEAD_DIM])
+        # K and V through an index the compiler cannot prove constant: their wgmma descriptors
+        # are then rebuilt per step (a few uniform adds) instead of being kept across the loop,
+        # which ran out of uniform registers and spilled
+        zero = _opaque(i * 0)
+        k_all = k_smem.index(zero).reshape([BLOCK_N, HEAD_DIM])
+        k_wg = k_all.slice(WG * KEYS, KEYS, dim=0)  # (KEYS, D): A of S^T
+        k_cols = k_all.slice(WG * DQ_COLS, DQ_COLS, dim=1)  # (BLOCK_N, DQ_COLS): B of dQ_wg
+        v_wg = v_smem.index(zero).reshape([BLOCK_N, HEAD_DIM]).slice(WG * KEYS, KEYS, dim=0)
+        st_tok = warpgroup_mma(k_wg, q_t.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        dpt_tok = warpgroup_mma(v_wg, do_t.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        offset = st_bufs.index(2 * s).load(gl.SliceLayout(0, s_layout))
+        # groups complete in order: one left in flight means S^T is done, dP^T may not be
+        st = warpgroup_mma_wait(1, deps=(st_tok,))
+        if CAUSAL:
+            masked = key_ragged | (off_m < m_full * BLOCK_M)  # diagonal blocks
+        else:
+            masked = key_ragged
+        if masked:
+            # -inf scores give p = 0 (also against an offset of +inf); keys past Sk never count
+            keys = _opaque(key_idx)
+            vis = (keys < Sk)[:, None] & (q_idx < BLOCK_M)[None, :]
+            if CAUSAL:
+                vis = vis & ((q_start + off_m + _opaque(q_idx))[None, :] >= (k_start + keys)[:, None])
+            st = gl.where(vis, st, float("-inf"))
+        pt = gl.exp2(gl.fma(st, qk_scale, -offset[None, :]))
+        pt_op = gl.convert_layout(pt.to(dtype), op_layout)
+        dv_tok = warpgroup_mma(pt_op, do_t, dv, is_async=True)
+        delta = st_bufs.index(2 * s + 1).load(gl.SliceLayout(0, s_layout))
+        # in flight: dP^T, dV; one left means dP^T is done
+        dpt = warpgroup_mma_wait(1, deps=(dpt_tok,))
+        ds = (pt * (dpt - delta[None, :])).to(dtype)
+        # dS^T of this warpgroup's keys into rows WG * KEYS.. of buffer i % 2
+        ds_buf = ds_bufs.index(i % 2)
+        ds_buf.slice(WG * KEYS, KEYS, dim=0).store(ds)
+        ds_op = gl.convert_layout(ds, op_layout)
+        dk_tok = warpgroup_mma(ds_op, q_t, dk, is_async=True)
+        # Both halves of dS must be in shared memory before either warpgroup reads it.
+        # ds_bar[i % 2]: count 2, one arrival per warpgroup (mbarrier.arrive syncs the
+        # warpgroup's 128 threads, then one thread arrives); its n-th use (n = i // 2) completes
+        # phase n, so wait for parity n & 1. A warpgroup arrives for use n + 1 only after its
+        # own wait for use n has passed, so no phase is skipped. The fence makes the generic
+        # stores above visible to the wgmma (async proxy) reads.
+        fence_async_shared()
+        mbarrier.arrive(ds_bar.index(i % 2))
+        mbarrier.wait(ds_bar.index(i % 2), (i // 2) & 1)
+        dq_tok = warpgroup_mma(ds_buf.permute((1, 0)), k_cols, dq_zero, use_acc=False, is_async=True)
+        dv, dk, dq, pt_op, ds_op = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok, dq_tok, pt_op, ds_op))
+        # Stage s fully read (S^T, dP^T, dV, dK are done): release it. empty[s] has count 2.
+        # Buffer i % 2 of dS is rewritten at iteration i + 2, after both warpgroups have passed
+        # ds_bar at i + 1, which each reaches only after this wait: its dQ read is done.
+        mbarrier.arrive(empty.index(s))
+        # Rows past Sq (the zero-filled end of the last query block) have p = 0, so ds = 0 and
+        # their dQ rows are exactly 0: they add +0.0 to row Sq - 1 instead of being masked
+        rows = gl.minimum(off_m + _opaque(dq_rows), Sq - 1)
+        dq_base = DQ + b.to(gl.int64) * stride_dqb + h.to(gl.int64) * stride_dqh
+        dq_ptrs = dq_base + rows.to(gl.int64)[:, None] * stride_dqs + _opaque(dq_cols)[None, :]
+        _red_add_pairs(dq_ptrs, dq * sm_scale, BLOCK_M, DQ_COLS)
+    row0 = n0 + WG * KEYS
+    _store_grad(
+        dk * sm_scale,
+        DK + b.to(gl.int64) * stride_dkb + hk.to(gl.int64) * stride_dkh,
+        row0,
+        Sk,
+        stride_dks,
+        ACCUMULATE,
+        KEYS,
+        kv_layout,
+    )
+    _store_grad(
+        dv,
+        DV + b.to(gl.int64) * stride_dvb + hk.to(gl.int64) * stride_dvh,
+        row0,
+        Sk,
+        stride_dvs,
+        ACCUMULATE,
+        KEYS,
+        kv_layout,
+    )
+
+
+@gluon.jit(do_not_specialize=["group", "Sq", "Sk", "Sq_pad", "q_start", "k_start"])
+def _bwd_ws2(
+    q_desc,
+    k_desc,
+    v_desc,
+    do_desc,
+    st_desc,
+    DQ,
+    DK,
+    DV,
+    stride_dqb,
+    stride_dqs,
+    stride_dqh,
+    stride_dkb,
+    stride_dks,
+    stride_dkh,
+    stride_dvb,
+    stride_dvs,
+    stride_dvh,
+    Hq,
+    Hkv,
+    group,
+    Sq,
+    Sk,
+    Sq_pad,
+    q_start,
+    k_start,
+    qk_scale,
+    sm_scale,
+    HEAD_DIM: gl.constexpr,
+    BLOCK_M: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+    STAGES: gl.constexpr,
+    CAUSAL: gl.constexpr,
+    ACCUMULATE: gl.constexpr,
+    ROTATE: gl.constexpr,
+    PRODUCER_REGS: gl.constexpr,
+    CONSUMER_REGS: gl.constexpr,
+    num_warps: gl.constexpr,
+):
+    """q_desc, do_desc: blocks [1, BLOCK_M, 1, D]; k_desc, v_desc: [1, BLOCK_N, 1, D]; st_desc:
+    the flat (B * Hq * 2 * Sq_pad,) float32 statistics with blocks [BLOCK_M]. num_warps = 4 (the default partition is
+    consumer warpgroup 0). DQ: float32 (B, Sq, Hq, D), added to atomically."""
+    gl.static_assert(num_warps == 4, "the default partition is one consumer warpgroup")
+    gl.static_assert(q_desc.block_type.shape[1] == BLOCK_M)
+    gl.static_assert(k_desc.block_type.shape[1] == BLOCK_N)
+    dtype: gl.constexpr = q_desc.dtype
+    q_bufs = gl.allocate_shared_memory(dtype, [STAGES] + q_desc.block_type.shape, q_desc.layout)
+    do_bufs = gl.allocate_shared_memory(dtype, [STAGES] + do_desc.block_type.shape, do_desc.layout)
+    # (offset, delta) of stage s at rows 2 s, 2 s + 1; the 1-D layout of the descriptor's blocks
+    st_bufs = gl.allocate_shared_memory(gl.float32, [2 * STAGES] + st_desc.block_type.shape, st_desc.layout)
+    # K and V: rings of depth 1, so that the consumers can index them with an opaque zero
+    k_smem = gl.allocate_shared_memory(dtype, [1] + k_desc.block_type.shape, k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [1] + v_desc.block_type.shape, v_desc.layout)
+    ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype)
+    ds_bufs = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M], ds_layout)
+    kv_bar = _alloc_bars(1)
+    ready = _alloc_bars(STAGES)
+    empty = _alloc_bars(STAGES, 2)  # released when both consumer warpgroups are done with a stage
+    ds_bar = _alloc_bars(2, 2)  # both halves of dS written
+    fence_async_shared()
+    # Annotated constexpr so the tuple keeps its constexpr members (as in _gluon_fwd)
+    consumer_args: gl.constexpr = (
+        q_bufs,
+        do_bufs,
+        st_bufs,
+        k_smem,
+        v_smem,
+        ds_bufs,
+        kv_bar,
+        ready,
+        empty,
+        ds_bar,
+        DQ,
+        DK,
+        DV,
+        stride_dqb,
+        stride_dqs,
+        stride_dqh,
+        stride_dkb,
+        stride_dks,
+        stride_dkh,
+        stride_dvb,
+        stride_dvs,
+        stride_dvh,
+        Hq,
+        Hkv,
+        group,
+        Sq,
+        Sk,
+        q_start,
+        k_start,
+        qk_scale,
+        sm_scale,
+        HEAD_DIM,
+        BLOCK_M,
+        BLOCK_N,
+        STAGES,
+        CAUSAL,
+        ACCUMULATE,
+        ROTATE,
+    )
+    gl.warp_specialize(
+        [
+            (_consumer, (0,) + consumer_args),
+            (_consumer, (1,) + consumer_args),
+            (
+                _producer,
+                (
+                    q_desc,
+                    do_desc,
+                    k_desc,
+                    v_desc,
+                    st_desc,
+                    q_bufs,
+                    do_bufs,
+                    st_bufs,
+                    k_smem,
+                    v_smem,
+                    kv_bar,
+                    ready,
+                    empty,
+                    Hq,
+                    Hkv,
+                    group,
+                    Sq,
+                    Sk,
+                    Sq_pad,
+                    q_start,
+                    k_start,
+                    CAUSAL,
+                    BLOCK_M,
+                    BLOCK_N,
+                    STAGES,
+                    ROTATE,
+                ),
+            ),
+        ],
+        [4, 1],
+        [CONSUMER_REGS, PRODUCER_REGS],
+    )
+
+
+KERNELS = {"ws2": _bwd_ws2}

@@ -1,0 +1,575 @@
+"""Gluon (fused, warp-specialized, FlashAttention-3-style) backward for Hopper, its launcher, a
+float64 reference of its semantics, and a compile report that needs no GPU.
+
+    from ringflash.kernels import gluon_backward as gb
+    gb.backward(q, k, v, m, l, do, delta, dq, dk, dv, q_start=0, k_start=0, causal=True,
+                scale=D ** -0.5, accumulate=False)
+
+Semantics (those of ringflash.kernels.backward for a dense or causal block), per batch b, q head
+h and kv head hk = h // (Hq // Hkv), with qk_scale = scale * log2(e) and s = q_i . k_j:
+  p_ij = exp2(fma(s, qk_scale, -(m_i + log2 l_i))) for visible pairs (causal: q_start + i >=
+  k_start + j), 0 otherwise and 0 for rows with l = 0; dp_ij = do_i . v_j;
+  ds_ij = p_ij (dp_ij - delta_i); dv_j = sum_i p_ij do_i; dk_j = scale sum_i ds_ij q_i;
+  dq_i = scale sum_j ds_ij k_j; dk, dv of a kv head sum over its q heads.
+accumulate=True adds the gradients to dq, dk, dv; otherwise they are written.
+
+dq: the kernel adds dQ in float32 with atomics (so dQ is not bitwise reproducible run to run).
+A float32 dq is accumulated into in place (zeroed first when not accumulating); a 16-bit dq goes
+through a float32 scratch buffer and one cast (or add) at the end. dk, dv: any of float32,
+bfloat16, float16 (stored once per key block, added to when accumulating).
+
+The module imports on any machine; without Gluon (triton < 3.6), without a Hopper GPU, or for
+inputs the kernel does not take (float32, head dims other than 128, scale <= 0, strides a TMA
+descriptor cannot express), `backward` raises `Unsupported` before writing anything and the
+caller uses the Triton kernels instead.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import re
+import subprocess
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from .gluon_forward import HOPPER_SHARED_BYTES, LOG2E, _bind_for_hopper, _tool
+
+try:  # Gluon exists from triton 3.6 on; the rest of the package must not depend on it
+    from triton.experimental.gluon import language as _gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as _TensorDescriptor
+
+    from . import _gluon_bwd as _k
+
+    GLUON_ERROR = None
+except Exception as e:  # ImportError, or an API change in another triton version
+    _k = _gl = _TensorDescriptor = None
+    GLUON_ERROR = f"{type(e).__name__}: {e}"
+
+HAS_GLUON = GLUON_ERROR is None
+
+
+class Unsupported(ValueError):
+    """The Gluon backward cannot run these inputs; use the Triton kernels."""
+
+
+# ----------------------------------------------------------------------------------------------
+# Configurations
+
+
+@dataclass(frozen=True)
+class GluonBwdConfig:
+    schedule: str = "ws2"  # producer warp + two consumer warpgroups (the one schedule of _gluon_bwd)
+    block_m: int = 64  # query rows per step (one wgmma N; each warpgroup sees all of them)
+    block_n: int = 128  # keys per program (64 per consumer warpgroup)
+    stages: int = 2  # depth of the Q / dO / statistics ring
+    producer_regs: int = 24  # registers of the producer warp (setmaxnreg)
+    maxnreg: int = 168  # register cap at entry: 168 x 12 warps x 32 = 64512 of the SM's 65536
+    rotate: bool = False  # each key block walks the query blocks from its own one (spreads the dQ atomics)
+
+    def __post_init__(self):
+        if self.schedule != "ws2":
+            raise ValueError(f"unknown schedule {self.schedule!r}")
+        if self.block_n != 128 or self.block_m != 64:
+            raise ValueError("ws2 takes 128-key blocks (64 per consumer warpgroup) and 64-row query blocks")
+
+    @property
+    def num_warps(self) -> int:
+        return 4  # the default partition: consumer warpgroup 0
+
+    @property
+    def consumer_regs(self) -> int:
+        """Registers per consumer thread after reallocation: 3 warpgroups at the entry cap, less
+        the producer's warpgroup at producer_regs, over the two consumer warpgroups."""
+        return (self.maxnreg * 12 - self.producer_regs * 4) // 8
+
+
+VARIANTS: dict[str, dict[int, GluonBwdConfig]] = {
+    "ws2": {128: GluonBwdConfig(stages=2)},
+    "ws2_s3": {128: GluonBwdConfig(stages=3)},
+    "ws2_rot": {128: GluonBwdConfig(stages=2, rotate=True)},
+}
+DEFAULT_VARIANT = "ws2"
+HEAD_DIMS = (128,)
+
+
+def config_for(head_dim: int, variant: str | None = None) -> GluonBwdConfig:
+    by_d = VARIANTS[variant or DEFAULT_VARIANT]
+    if head_dim not in by_d:
+        raise Unsupported(f"head_dim {head_dim} not supported by the Gluon backward (supported: {sorted(by_d)})")
+    return by_d[head_dim]
+
+
+def shared_bytes(cfg: GluonBwdConfig, head_dim: int, elem: int = 2) -> int:
+    """Shared memory of the tiles: K + V, STAGES x (Q + dO + statistics), 2 dS buffers."""
+    kv = 2 * cfg.block_n * head_dim * elem
+    ring = cfg.stages * (2 * cfg.block_m * head_dim * elem + 2 * cfg.block_m * 4)
+    ds = 2 * cfg.block_n * cfg.block_m * elem
+    return kv + ring + ds
+
+
+def _resolve(head_dim: int, config) -> GluonBwdConfig:
+    return config_for(head_dim, config) if config is None or isinstance(config, str) else config
+
+
+# ----------------------------------------------------------------------------------------------
+# Checks
+
+_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+def _tma_ok(t: torch.Tensor) -> bool:
+    size = t.element_size()
+    return t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and all((s * size) % 16 == 0 for s in t.stride()[:-1])
+
+
+def check_shapes(q, k, v, m, l, do, delta, dq, dk, dv, *, scale, cfg=None) -> None:
+    """Everything check_supported checks that does not need the device: dtypes, shapes,
+    strides, alignment, the scale."""
+    if q.dtype not in _DTYPES or any(t.dtype != q.dtype for t in (k, v, do)):
+        raise Unsupported(
+            f"q, k, v, do must all be bfloat16 or float16, got {q.dtype}, {k.dtype}, {v.dtype}, {do.dtype}"
+        )
+    if q.dim() != 4 or k.dim() != 4 or k.shape != v.shape or do.shape != q.shape:
+        raise Unsupported(
+            "expected q, do (B, Sq, Hq, D) and k, v (B, Sk, Hkv, D), "
+            f"got {tuple(q.shape)}, {tuple(do.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
+        )
+    B, Sq, Hq, D = q.shape
+    Bk, Sk, Hkv, Dk = k.shape
+    if Bk != B or Dk != D or Hq % Hkv:
+        raise Unsupported(f"shape mismatch: q {tuple(q.shape)}, k {tuple(k.shape)} (Hq % Hkv must be 0)")
+    if D not in HEAD_DIMS:
+        raise Unsupported(f"head_dim {D} not supported by the Gluon backward (supported: {HEAD_DIMS})")
+    if not scale > 0:
+        raise Unsupported(f"the Gluon backward takes a positive scale, got {scale}")
+    if cfg is not None and shared_bytes(cfg, D) > HOPPER_SHARED_BYTES - 1024:
+        raise Unsupported(f"config {cfg} needs too much shared memory at D={D}")
+    for name, t in (("q", q), ("k", k), ("v", v), ("do", do)):
+        if not _tma_ok(t):
+            raise Unsupported(
+                f"{name} needs a unit head_dim stride, a 16-byte aligned base and 16-byte aligned strides"
+            )
+    for name, t in (("m", m), ("l", l), ("delta", delta)):
+        if tuple(t.shape) != (B, Hq, Sq) or t.dtype != torch.float32:
+            raise Unsupported(f"{name} must be float32 (B, Hq, Sq) = {(B, Hq, Sq)}, got {t.dtype} {tuple(t.shape)}")
+    if dq is None or dk is None or dv is None:
+        raise Unsupported("the fused backward computes dq, dk and dv together")
+    for name, t, shape in (("dq", dq, (B, Sq, Hq, D)), ("dk", dk, (B, Sk, Hkv, D)), ("dv", dv, (B, Sk, Hkv, D))):
+        if tuple(t.shape) != shape or t.stride(-1) != 1:
+            raise Unsupported(f"{name} must be {shape} with a unit last stride, got {tuple(t.shape)} {t.stride()}")
+        if t.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            raise Unsupported(f"{name} dtype {t.dtype} not supported")
+    if dq.dtype == torch.float32 and (dq.data_ptr() % 8 or any(s % 2 for s in dq.stride()[:-1])):
+        # the atomics add two adjacent float32 per instruction (8-byte aligned pairs)
+        raise Unsupported("a float32 dq needs an 8-byte aligned base and even strides")
+    if max(Sq, Sk) >= 2**30:
+        raise Unsupported("sizes beyond 32-bit row indices")
+
+
+def check_supported(q, k, v, m, l, do, delta, dq, dk, dv, *, scale, cfg=None) -> None:
+    """Raise Unsupported unless the Gluon backward can run these tensors here."""
+    if not HAS_GLUON:
+        raise Unsupported(f"Gluon is not available: {GLUON_ERROR}")
+    tensors = (q, k, v, m, l, do, delta, dq, dk, dv)
+    if any(t is not None and (not t.is_cuda or t.device != q.device) for t in tensors):
+        raise Unsupported("the Gluon backward needs all tensors on one CUDA device")
+    cap = torch.cuda.get_device_capability(q.device)
+    if cap != (9, 0):
+        raise Unsupported(f"the Gluon backward is built for sm_90a (Hopper), this GPU is sm_{cap[0]}{cap[1]}")
+    check_shapes(q, k, v, m, l, do, delta, dq, dk, dv, scale=scale, cfg=cfg)
+
+
+# ----------------------------------------------------------------------------------------------
+# Launcher
+
+
+@functools.lru_cache(maxsize=64)
+def _smem_layout(rows: int, head_dim: int, bf16: bool):
+    return _gl.NVMMASharedLayout.get_default_for([1, rows, 1, head_dim], _gl.bfloat16 if bf16 else _gl.float16)
+
+
+def _descriptor(t: torch.Tensor, rows: int):
+    """4-D TMA descriptor over (B, S, H, D) with blocks of `rows` rows of one head."""
+    block = [1, rows, 1, t.shape[3]]
+    return _TensorDescriptor(
+        t, list(t.shape), list(t.stride()), block, _smem_layout(rows, t.shape[3], t.dtype == torch.bfloat16)
+    )
+
+
+def padded_rows(Sq: int, cfg: GluonBwdConfig) -> int:
+    return -(-Sq // cfg.block_m) * cfg.block_m
+
+
+def row_stats(m, l, delta, cfg: GluonBwdConfig) -> torch.Tensor:
+    """The kernel's per-row statistics: (B, Hq, 2, Sq_pad) float32 seen flat, rows (offset, delta) per
+    (batch, head), offset = m + log2(l) (+inf where l = 0: those rows' probabilities are 0),
+    padded past Sq with (+inf, 0), the padding rows' exact values."""
+    B, Hq, Sq = m.shape
+    st = torch.empty(B, Hq, 2, padded_rows(Sq, cfg), dtype=torch.float32, device=m.device)
+    st[:, :, 0, :Sq] = torch.where(l > 0, m + torch.log2(l), float("inf"))
+    st[:, :, 1, :Sq] = delta
+    st[:, :, 0, Sq:] = float("inf")
+    st[:, :, 1, Sq:] = 0.0
+    return st.view(-1)
+
+
+def _stats_descriptor(stats: torch.Tensor, cfg: GluonBwdConfig):
+    layout = _gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)
+    return _TensorDescriptor(stats, [stats.numel()], [1], [cfg.block_m], layout)
+
+
+def launch_plan(q, k, v, stats, do, dq32, dk, dv, *, q_start, k_start, causal, scale, accumulate, cfg):
+    """(kernel, grid, args, kwargs) of one launch for checked inputs; dq32: the float32 buffer
+    the kernel adds dQ to; stats: row_stats(). Any device (the CPU compile binds CPU tensors)."""
+    B, Sq, Hq, D = q.shape
+    Sk, Hkv = k.shape[1], k.shape[2]
+    q_start, k_start = int(q_start), int(k_start)
+    if max(abs(q_start), abs(k_start), abs(k_start - q_start)) + Sq + Sk >= 2**31 - 1:
+        raise Unsupported("positions beyond 32 bits")
+    if stats.numel() >= 2**31:
+        raise Unsupported("row statistics beyond 32-bit indices")
+    kwargs = dict(
+        HEAD_DIM=D,
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        STAGES=cfg.stages,
+        CAUSAL=bool(causal),
+        ACCUMULATE=bool(accumulate),
+        ROTATE=cfg.rotate,
+        PRODUCER_REGS=cfg.producer_regs,
+        CONSUMER_REGS=cfg.consumer_regs,
+        num_warps=cfg.num_warps,
+        maxnreg=cfg.maxnreg,
+    )
+    args = (
+        _descriptor(q, cfg.block_m),
+        _descriptor(k, cfg.block_n),
+        _descriptor(v, cfg.block_n),
+        _descriptor(do, cfg.block_m),
+        _stats_descriptor(stats, cfg),
+        dq32,
+        dk,
+        dv,
+        *dq32.stride()[:3],
+        *dk.stride()[:3],
+        *dv.stride()[:3],
+        Hq,
+        Hkv,
+        Hq // Hkv,
+        Sq,
+        Sk,
+        padded_rows(Sq, cfg),
+        q_start,
+        k_start,
+        float(scale) * LOG2E,
+        float(scale),
+    )
+    grid = (-(-Sk // cfg.block_n), B * Hkv)
+    return _k.KERNELS[cfg.schedule], grid, args, kwargs
+
+
+def backward(q, k, v, m, l, do, delta, dq, dk, dv, *, q_start, k_start, causal, scale, accumulate, config=None):
+    """Gradients of attention over one block (semantics: module docstring) into dq, dk, dv.
+
+    q, do (B, Sq, Hq, D); k, v (B, Sk, Hkv, D): all bfloat16 or all float16, D = 128, TMA-able
+    strides. m, l, delta (B, Hq, Sq) float32: the forward's row max of the base-2 scaled scores,
+    its normalizer sum exp2(s2 - m) (0 for a row that saw no key) and rowsum(dO * O).
+    dq: float32 (accumulated into with atomics; an 8-byte aligned base and even strides) or
+    16-bit (through a float32 scratch and a cast at the end). config: a GluonBwdConfig or a
+    variant name (default DEFAULT_VARIANT). Raises Unsupported (nothing written) for inputs the
+    kernel does not take.
+    """
+    cfg = _resolve(q.shape[-1], config)
+    check_supported(q, k, v, m, l, do, delta, dq, dk, dv, scale=scale, cfg=cfg)
+    B, Sq, Hq, D = q.shape
+    Sk = k.shape[1]
+    if Sq == 0 or Sk == 0:  # nothing to add (a TMA descriptor cannot be empty)
+        if not accumulate:
+            for t in (dq, dk, dv):
+                t.zero_()
+        return
+    with torch.cuda.device(q.device):
+        if dq.dtype == torch.float32:
+            dq32 = dq
+            if not accumulate:
+                dq32.zero_()
+        else:
+            dq32 = torch.zeros(B, Sq, Hq, D, dtype=torch.float32, device=q.device)
+        stats = row_stats(m, l, delta, cfg)
+        kernel, grid, args, kwargs = launch_plan(
+            q,
+            k,
+            v,
+            stats,
+            do,
+            dq32,
+            dk,
+            dv,
+            q_start=q_start,
+            k_start=k_start,
+            causal=causal,
+            scale=scale,
+            accumulate=accumulate,
+            cfg=cfg,
+        )
+        kernel[grid](*args, **kwargs)
+        if dq32 is not dq:
+            if accumulate:
+                dq.add_(dq32)
+            else:
+                dq.copy_(dq32)
+
+
+# ----------------------------------------------------------------------------------------------
+# float64 reference of exactly these semantics
+
+
+def reference(q, k, v, m, l, do, delta, *, q_start, k_start, causal, scale, chunk=512):
+    """(dq, dk, dv) in float64 of the module's semantics, from the given statistics (any float
+    dtype; the probabilities use m + log2 l as given). Chunked over query rows."""
+    B, Sq, Hq, D = q.shape
+    Sk, Hkv = k.shape[1], k.shape[2]
+    G = Hq // Hkv
+    f64 = torch.float64
+    kd = k.to(f64).repeat_interleave(G, dim=2)
+    vd = v.to(f64).repeat_interleave(G, dim=2)
+    qk_scale = scale * LOG2E
+    dq = torch.zeros(B, Sq, Hq, D, dtype=f64, device=q.device)
+    dkr = torch.zeros(B, Sk, Hq, D, dtype=f64, device=q.device)
+    dvr = torch.zeros(B, Sk, Hq, D, dtype=f64, device=q.device)
+    k_pos = k_start + torch.arange(Sk, device=q.device)
+    m, l, delta = m.to(f64), l.to(f64), delta.to(f64)
+    for i0 in range(0, Sq, chunk):
+        i1 = min(i0 + chunk, Sq)
+        qc, doc = q[:, i0:i1].to(f64), do[:, i0:i1].to(f64)
+        s2 = torch.einsum("bihd,bjhd->bhij", qc, kd) * qk_scale
+        lc = l[:, :, i0:i1]
+        off = torch.where(lc > 0, m[:, :, i0:i1] + torch.log2(torch.where(lc > 0, lc, 1.0)), float("inf"))
+        p = torch.exp2(s2 - off[..., None])
+        if causal:
+            q_pos = q_start + torch.arange(i0, i1, device=q.device)
+            p = p.masked_fill(q_pos[:, None] < k_pos[None, :], 0.0)
+        dp = torch.einsum("bihd,bjhd->bhij", doc, vd)
+        ds = p * (dp - delta[:, :, i0:i1, None])
+        dq[:, i0:i1] = scale * torch.einsum("bhij,bjhd->bihd", ds, kd)
+        dkr += scale * torch.einsum("bhij,bihd->bjhd", ds, qc)
+        dvr += torch.einsum("bhij,bihd->bjhd", p, doc)
+    dk = dkr.view(B, Sk, Hkv, G, D).sum(3)
+    dv = dvr.view(B, Sk, Hkv, G, D).sum(3)
+    return dq, dk, dv
+
+
+# ----------------------------------------------------------------------------------------------
+# Compile report (no GPU needed)
+
+
+def compile_launch(
+    q, k, v, m, l, do, delta, dq, dk, dv, *, q_start, k_start, causal, scale, accumulate, config=None, key_only=False
+):
+    """Compile for sm_90a, on any machine, exactly what backward() with these arguments would
+    launch (CPU tensors of the same shapes and strides will do: the specialization depends only
+    on dtypes, strides and 16-byte alignment). Returns triton's CompiledKernel, or with key_only
+    a string that is equal for launches sharing a kernel."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    if not HAS_GLUON:
+        raise Unsupported(f"Gluon is not available: {GLUON_ERROR}")
+    cfg = _resolve(q.shape[-1], config)
+    check_shapes(q, k, v, m, l, do, delta, dq, dk, dv, scale=scale, cfg=cfg)
+    B, Sq, Hq, D = q.shape
+    dq32 = dq if dq.dtype == torch.float32 else torch.empty(B, Sq, Hq, D, dtype=torch.float32, device=q.device)
+    stats = torch.empty(B * Hq * 2 * padded_rows(Sq, cfg), dtype=torch.float32, device=q.device)
+    kernel, _, args, kwargs = launch_plan(
+        q,
+        k,
+        v,
+        stats,
+        do,
+        dq32,
+        dk,
+        dv,
+        q_start=q_start,
+        k_start=k_start,
+        causal=causal,
+        scale=scale,
+        accumulate=accumulate,
+        cfg=cfg,
+    )
+    signature, constexprs, attrs, options = _bind_for_hopper(kernel, args, kwargs)
+    if key_only:
+        return repr(
+            (
+                kernel.fn.__name__,
+                sorted(signature.items()),
+                sorted(constexprs.items()),
+                sorted(attrs.items()),
+                sorted(options.__dict__.items()),
+            )
+        )
+    return triton.compile(
+        GluonASTSource(kernel, signature, constexprs, attrs), target=GPUTarget("cuda", 90, 32), options=options.__dict__
+    )
+
+
+_NAMES = ("q", "k", "v", "m", "l", "do", "delta", "dq", "dk", "dv")
+
+
+def launch_spec(q, k, v, m, l, do, delta, dq, dk, dv, **kw) -> dict:
+    """A picklable description of a backward() call: tensor shapes, strides and dtypes, the
+    other arguments as given. compile_spec compiles what that call launches."""
+    meta = lambda t: (tuple(t.shape), tuple(t.stride()), str(t.dtype).replace("torch.", ""))
+    return {"tensors": [meta(t) for t in (q, k, v, m, l, do, delta, dq, dk, dv)], **kw}
+
+
+def compile_spec(spec: dict, key_only: bool = False):
+    """compile_launch for a launch_spec, on CPU tensors with its shapes and strides."""
+    ts = [torch.empty_strided(shape, stride, dtype=getattr(torch, dt)) for shape, stride, dt in spec["tensors"]]
+    kw = {k: v for k, v in spec.items() if k != "tensors"}
+    return compile_launch(*ts, key_only=key_only, **kw)
+
+
+def try_compile_spec(spec: dict):
+    """(None or the error message, seconds) of compile_spec: for a process pool."""
+    import time
+
+    t = time.perf_counter()
+    try:
+        compile_spec(spec)
+        return None, time.perf_counter() - t
+    except Exception as e:
+        return f"{type(e).__name__}: {str(e)[-600:]}", time.perf_counter() - t
+
+
+def compile_for_hopper(
+    cfg: GluonBwdConfig,
+    head_dim: int,
+    *,
+    causal: bool,
+    dtype: str = "bf16",
+    accumulate: bool = False,
+    grad_dtype: str | None = None,
+    group: int = 1,
+    Sq: int = 1031,
+    Sk: int = 777,
+):
+    """compile_launch for contiguous CPU tensors of these sizes (2 kv heads). grad_dtype: that
+    of dk and dv (default: float32 when accumulating, else the input dtype); dq is float32."""
+    tdt = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+    gdt = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, None: None}[grad_dtype]
+    gdt = gdt or (torch.float32 if accumulate else tdt)
+    hkv = 2
+    q = torch.empty(1, Sq, hkv * group, head_dim, dtype=tdt)
+    k = torch.empty(1, Sk, hkv, head_dim, dtype=tdt)
+    m = torch.empty(1, q.shape[2], Sq)
+    return compile_launch(
+        q,
+        k,
+        k,
+        m,
+        m,
+        q,
+        m,
+        torch.empty(q.shape, dtype=torch.float32),
+        torch.empty(k.shape, dtype=gdt),
+        torch.empty(k.shape, dtype=gdt),
+        q_start=Sk - Sq,
+        k_start=0,
+        causal=causal,
+        scale=head_dim**-0.5,
+        accumulate=accumulate,
+        config=cfg,
+    )
+
+
+def hopper_report(
+    cfg: GluonBwdConfig,
+    head_dim: int,
+    *,
+    causal: bool,
+    dtype: str = "bf16",
+    accumulate: bool = False,
+    group: int = 1,
+    dump: Path | None = None,
+) -> dict:
+    """What ptxas and the SASS say about one compiled case (the fields of
+    gluon_forward.hopper_report): regs (the entry cap), setmaxnreg (the partitions' budgets),
+    sass_regs (what the busiest partition uses), spill_bytes, stack_bytes, shared,
+    ptx_waits / sass_waits ({N: count} of wgmma waits leaving N groups in flight), hgmma,
+    red_v2 (vectorized float32 atomics in the SASS), warnings (ptxas C7xxx codes)."""
+    kern = compile_for_hopper(cfg, head_dim, causal=causal, dtype=dtype, accumulate=accumulate, group=group)
+    ptx = kern.asm["ptx"]
+    with tempfile.TemporaryDirectory() as tmp:
+        ptx_path = Path(tmp) / "k.ptx"
+        cubin = Path(tmp) / "k.cubin"
+        ptx_path.write_text(ptx)
+        res = subprocess.run(
+            [_tool("ptxas"), "-arch=sm_90a", "-v", str(ptx_path), "-o", str(cubin)],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        sass = subprocess.run(
+            [_tool("cuobjdump"), "-sass", str(cubin)], capture_output=True, text=True, check=True
+        ).stdout
+    log = res.stderr
+    count = lambda xs: dict(sorted(collections.Counter(int(x, 0) for x in xs).items()))
+    row = {
+        "variant": cfg.schedule,
+        "config": asdict(cfg),
+        "D": head_dim,
+        "causal": causal,
+        "dtype": dtype,
+        "accumulate": accumulate,
+        "group": group,
+        "regs": int(re.search(r"Used (\d+) registers", log).group(1)),
+        "setmaxnreg": sorted({int(x) for x in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", ptx)}),
+        "consumer_regs_expected": cfg.consumer_regs,
+        "spill_bytes": int(re.search(r"(\d+) bytes spill stores", log).group(1))
+        + int(re.search(r"(\d+) bytes spill loads", log).group(1)),
+        "stack_bytes": int(re.search(r"(\d+) bytes stack frame", log).group(1)),
+        "shared": kern.metadata.shared,
+        "ptx_waits": count(re.findall(r"wgmma\.wait_group\.sync\.aligned\s+(\d+)", ptx)),
+        "sass_waits": count(re.findall(r"WARPGROUP\.DEPBAR\.LE\s+gsb0,\s*(0x[0-9a-f]+)", sass)),
+        "hgmma": len(re.findall(r"\bHGMMA\.", sass)),
+        "red_v2": len(re.findall(r"\bREDG?\.E\.ADD\.F32x2\b", sass)),
+        "red_scalar": len(re.findall(r"\b(?:REDG?|ATOMG?)\.E\.ADD\.F32\.", sass)),
+        "sass_regs": 1 + max((int(x) for x in re.findall(r"\bR(\d+)\b", sass)), default=-1),
+        "sass_lines": sass.count("\n"),
+        "warnings": sorted(set(re.findall(r"\((C7\d+)\)", log))),
+    }
+    row["fits"] = row["shared"] <= HOPPER_SHARED_BYTES
+    if dump:
+        dump.mkdir(parents=True, exist_ok=True)
+        stem = f"bwd_{cfg.schedule}_d{head_dim}_c{int(causal)}_{dtype}_a{int(accumulate)}_s{cfg.stages}"
+        (dump / f"{stem}.ptx").write_text(ptx)
+        (dump / f"{stem}.ttgir").write_text(kern.asm["ttgir"])
+        (dump / f"{stem}.sass").write_text(sass)
+        (dump / f"{stem}.ptxas.txt").write_text(log)
+    return row
+
+
+def report_problems(row: dict) -> list[str]:
+    """Why a compile report is not acceptable (empty list: fine)."""
+    bad = []
+    if row["spill_bytes"] or row["stack_bytes"]:
+        bad.append(f"spills {row['spill_bytes']} bytes, stack {row['stack_bytes']}")
+    if not row["fits"]:
+        bad.append(f"shared memory {row['shared']} > {HOPPER_SHARED_BYTES}")
+    if row["hgmma"] == 0:
+        bad.append("no HGMMA in the SASS")
+    if row["warnings"]:
+        bad.append(f"ptxas warnings {row['warnings']}")
+    if not row["sass_waits"].get(1):
+        bad.append("no wgmma wait of 1 (no matmul left in flight)")
+    if row["red_v2"] == 0 or row["red_scalar"]:
+        bad.append(f"dQ atomics not vectorized (v2: {row['red_v2']}, scalar: {row['red_scalar']})")
+    want = {row["config"]["producer_regs"], row["consumer_regs_expected"]}
+    if not want <= set(row["setmaxnreg"]):
+        bad.append(f"setmaxnreg {row['setmaxnreg']} lacks {sorted(want)}")
+    return bad
