@@ -117,7 +117,7 @@ def measure(args, device, dtype):
         bhsd = [t.detach().permute(1, 0, 2)[None].contiguous().requires_grad_() for t in (q, k, v)]
         do_bhsd = do.permute(1, 0, 2)[None].contiguous()
         if flex is None:
-            flex = flex_fns(total, H, device, dtype) or False
+            flex = not args.no_peers and flex_fns(total, H, device, dtype)
         dense_pairs = total * (total + 1) // 2
         cases = []
         for mix in args.mixes:
@@ -152,7 +152,7 @@ def measure(args, device, dtype):
                         mode,
                     )
                 }
-                if device.type == "cuda":
+                if device.type == "cuda" and not args.no_peers:
                     impls["cudnn per doc"] = step(
                         lambda cu=cu: per_document_sdpa(bhsd, cu), bhsd, per_document_grads(do_bhsd, cu), mode
                     )
@@ -269,6 +269,7 @@ def main():
         "'fwd=128,64,8,3,tma;dq=128,64,8,3,tma;dkdv=64,128,8,3,tma,combined', or another forward: "
         "'gluon=none' (the Triton kernel), 'gluon=ws2_s3' (a Gluon variant)",
     )
+    ap.add_argument("--no-peers", action="store_true", help="ringflash and its --variants only")
     ap.add_argument("--json", type=Path)
     ap.add_argument("--smoke", action="store_true", help="tiny sizes on the CPU")
     args = ap.parse_args()
@@ -296,11 +297,15 @@ def main():
         },
     )
     print(f"\nvisible-pair TFLOP/s (H={args.heads}, D={args.head_dim}, {dtype})")
-    print(f"{'case':>14} {'total':>6} {'mode':>8} {'impl':>14} {'ms':>9} {'TFLOP/s':>8} {'vs dense':>8} {'vs pred':>7}")
+    print(
+        f"{'case':>14} {'total':>6} {'mode':>8} {'impl':>14} {'ms':>9} {'TFLOP/s':>8} {'vs dense':>8} {'vs pred':>7} "
+        f"{'keys/row':>8}"
+    )
     for r in rows:
         print(
             f"{r['case']:>14} {r['total']:>6} {r['mode']:>8} {r['impl']:>14} {r['ms']:9.3f} {r['tflops']:8.1f} "
-            f"{r.get('vs_dense_rate', float('nan')):8.2f} {r.get('vs_predicted', float('nan')):7.2f}"
+            f"{r.get('vs_dense_rate', float('nan')):8.2f} {r.get('vs_predicted', float('nan')):7.2f} "
+            f"{r.get('keys_per_row', float('nan')):8.0f}"
         )
     print("\nringflash speed over the peer's (time ratio, > 1: ringflash faster)")
     by = {(r["case"], r["total"], r["mode"], r["impl"]): r["ms"] for r in rows}
