@@ -210,10 +210,11 @@ def test_gluon_forward_is_used_and_agrees(causal, window_size, monkeypatch):
     [(True, (-1, -1), 0), (False, (-1, -1), 0), (True, (255, 0), 0), (False, (100, 300), 0), (True, (-1, -1), 37)],
 )
 def test_gluon_forward_documents(dtype, causal, window_size, len_k_extra, monkeypatch):
-    """Packed documents (per-row bounds) at D=128 run on the Gluon forward
-    (configs.GLUON_FWD_DOCUMENTS): documents of 0 to 3000 rows, most 128-row tiles straddling
-    several; out and lse against float64 within the plain bound and beside the Triton kernel's;
-    rows that see no key give out 0 and lse -inf."""
+    """Packed documents (per-row bounds) at D=128 on the Gluon forward (configs.GLUON_FWD_DOCUMENTS,
+    forced: these documents are short enough that the built-in rule would take the Triton
+    forward, configs.GLUON_DOCUMENTS_MIN_KEYS_PER_ROW): documents of 0 to 3000 rows, most 128-row
+    tiles straddling several; out and lse against float64 within the plain bound and beside the
+    Triton kernel's; rows that see no key give out 0 and lse -inf."""
     from ringflash.kernels import configs, gluon_forward
     from ringflash.local import flash_attn_varlen_func
     from ringflash.testing import varlen_plain_errors, varlen_reference
@@ -228,7 +229,8 @@ def test_gluon_forward_documents(dtype, causal, window_size, len_k_extra, monkey
     mk = lambda n, H: torch.randn(n, H, 128, device="cuda", generator=g, dtype=dtype)  # noqa: E731
     q, k, v, do = mk(sum(len_q), 8), mk(sum(len_k), 2), mk(sum(len_k), 2), mk(sum(len_q), 8)
     kw = dict(causal=causal, window_size=window_size)
-    out, lse = flash_attn_varlen_func(q, k, v, cu_q, cu_k, return_lse=True, **kw)
+    with configs.override(gluon=configs.GLUON_FWD_DOCUMENTS[128]):
+        out, lse = flash_attn_varlen_func(q, k, v, cu_q, cu_k, return_lse=True, **kw)
     assert calls, "the Gluon forward was not used"
     with configs.override(gluon=None):
         out_t, lse_t = flash_attn_varlen_func(q, k, v, cu_q, cu_k, return_lse=True, **kw)

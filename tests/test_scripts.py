@@ -133,6 +133,18 @@ def test_gluon_forward_compiles_for_hopper(tmp_path):
         assert not r["problems"] and r["spill_bytes"] == 0 and r["sass_waits"].get("1", 0) > 0, r
 
 
+def test_gluon_backward_compiles_for_hopper(tmp_path):
+    """The Gluon backward (not used by the package yet: benchmarks/NOTES.md) keeps compiling for
+    sm_90a on this CPU machine, causal bf16 accumulating into float32 (a ring step): no spills,
+    within the shared memory, S^T and dP^T left in flight (wait_group 1), vectorized dQ adds."""
+    run([sys.executable, "benchmarks/gluon_bwd_report.py", "--variants", "ws2", "--causal", "1", "--dtypes", "bf16",
+         "--accumulate", "1", "--jobs", "1", "--json", str(tmp_path / "b.json")], tmp_path)  # fmt: skip
+    rows = json.loads((tmp_path / "b.json").read_text())
+    assert len(rows) == 1
+    for r in rows:
+        assert not r["problems"] and r["spill_bytes"] == 0 and r["sass_waits"].get("1", 0) > 0, r
+
+
 def test_builtin_shapes_compile_for_hopper(tmp_path):
     """Every built-in kernel shape compiles for sm_90a (on this CPU machine, with the ptxas that
     ships with Triton) within the H200's shared memory and without ptxas serializing the

@@ -89,8 +89,12 @@ GLUON_FWD = {64: "ws2_s3", 128: "ws2_s3", 256: "ws2"}
 GLUON_FWD_DOCUMENTS = {128: "ws2_n64"}
 # Below this many keys per query row on average (RowBounds.keys_per_row) packed documents take
 # the Triton forward: its 64-row tiles with few key blocks each beat the Gluon kernel's 128-row
-# tiles there, whose set-up per tile is paid for few blocks.
-GLUON_DOCUMENTS_MIN_KEYS_PER_ROW = 1024
+# tiles there, whose set-up per tile is paid for few blocks. One H200, causal documents of N
+# tokens in 64K (python -m benchmarks.packed --no-peers --mixes fixed:N ..., N / 2 keys per
+# row), Gluon over Triton forward speed: N = 256 / 512 / 1024 / 2048: 0.73 / 0.81 / 0.88 /
+# 0.93-0.98x; N = 4096 / 8192: 1.02-1.08x / 1.03-1.07x (two timings of the Gluon kernel each);
+# the threshold sits between 1024 and 2048 keys per row.
+GLUON_DOCUMENTS_MIN_KEYS_PER_ROW = 1536
 
 # float32 inputs take twice the shared memory per tile: the 16-bit shapes above overflow an H200's
 # 227 KiB at head dim 128 and 256 (forward 448 KiB, dK/dV 353 KiB at D=128, compiled for sm_90a:
