@@ -56,6 +56,9 @@ _DT = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 # the masks, the padded statistics); FAKE=bug: the emulation without the causal diagonal mask
 FAKE = os.environ.get("GLUON_BWD_CHECK_FAKE", "")
 DEV = "cpu" if FAKE else "cuda"
+# what one plain run checks and times: the first version and the second round's variants
+# (benchmarks/NOTES.md, 2026-12-02); ws2_s3 and ws2_rot were measured equal or slower than ws2
+DEFAULT_VARIANTS = ["ws2", "ws2_blk", "ws2_lag", "ws2_lagq"]
 
 # ----------------------------------------------------------------------------------------------
 # Cases
@@ -97,7 +100,9 @@ def correctness_cases(variant: str, lite: bool) -> list[dict]:
     cases = []
     for row, extras in table:
         c = {**dict(zip(cols, row)), "D": 128, "scale": 128**-0.5, "accumulate": False, "dq": "fp32", **extras}
-        c.update(kind="correct", variant=variant, schedule=gb.VARIANTS[variant][128].schedule)
+        cfg = gb.VARIANTS[variant][128]
+        # the family a hang takes down: variants sharing a barrier protocol (lag has its own)
+        c.update(kind="correct", variant=variant, schedule=cfg.schedule + ("_lag" if cfg.lag else ""))
         c["id"] = f"{variant}:{len(cases)}"
         cases.append(c)
     return cases
@@ -237,12 +242,11 @@ def emulate_backward(q, k, v, m, l, do, delta, dq, dk, dv, *, q_start, k_start, 
     pad = lambda t, rows: torch.cat([t.float(), t.new_zeros(B, rows - t.shape[1], *t.shape[2:]).float()], 1)
     qp, dop = pad(q, sq_pad), pad(do, sq_pad)
     kp, vp = pad(k, n_kblocks * BN), pad(v, n_kblocks * BN)
-    if dq.dtype == torch.float32:  # as the launcher: added to in place, zeroed first unless accumulating
-        dq32 = dq
-        if not accumulate:
-            dq32.zero_()
-    else:
-        dq32 = torch.zeros(B, Sq, Hq, D, dtype=torch.float32)
+    # the launcher's float32 dQ buffer and its finish (cast, or un-permuting the blocked layout)
+    dq32, finish = gb.dq_buffer(dq, scale=scale, accumulate=accumulate, cfg=cfg)
+    # blocked (cfg.dq_blocked): the kernel adds unscaled dQ tiles through this (B, n, 4, 2, 8, Hq,
+    # 2, 8, 4, 2) view, the inverse of the kernel's offsets; the finish scales it
+    nat = gb.dq_natural_view(dq32) if cfg.dq_blocked else None
     qk_scale = scale * LOG2E
     n_mblocks = -(-Sq // BM)
     for kb in range(n_kblocks):
@@ -260,39 +264,64 @@ def emulate_backward(q, k, v, m, l, do, delta, dq, dk, dv, *, q_start, k_start, 
                 kt, vt = kp[b, n0 : n0 + BN, hk], vp[b, n0 : n0 + BN, hk]
                 dk_acc = torch.zeros(BN, D)
                 dv_acc = torch.zeros(BN, D)
-                for h in range(hk * G, hk * G + G):
-                    for mb in range(m_first, n_mblocks):
-                        off_m = mb * BM
-                        qt, dot = qp[b, off_m : off_m + BM, h], dop[b, off_m : off_m + BM, h]
-                        st = kt @ qt.T  # (BN keys, BM queries)
-                        if key_ragged or (causal and mb < m_full and FAKE != "bug"):
-                            vis = (keys < Sk)[:, None].expand(BN, BM)
-                            if causal:
-                                rows = q_start + off_m + torch.arange(BM)
-                                vis = vis & (rows[None, :] >= (k_start + keys)[:, None])
-                            st = st.masked_fill(~vis, float("-inf"))
-                        offset, dl = stats[b, h, 0, off_m : off_m + BM], stats[b, h, 1, off_m : off_m + BM]
-                        pt = torch.exp2(st * qk_scale - offset[None, :])
-                        dv_acc += pt.to(dt).float() @ dot
-                        dpt = vt @ dot.T
-                        ds = (pt * (dpt - dl[None, :])).to(dt).float()
-                        dk_acc += ds @ qt
-                        dq_part = (ds.T @ kt) * scale
-                        n_ok = max(0, min(BM, Sq - off_m))
-                        # the kernel adds the padding rows' dQ (exactly 0) to row Sq - 1
-                        assert bool((dq_part[n_ok:] == 0).all()), "padding rows must give dQ = 0"
-                        dq32[b, off_m : off_m + n_ok, h] += dq_part[:n_ok]
+                n_m = n_mblocks - m_first
+
+                def query_block(i):  # _gluon_bwd._query_block: (q head, query block) of step i
+                    g = i // n_m
+                    j = i - g * n_m
+                    if cfg.rotate:
+                        j = (j + kb) % n_m
+                    return hk * G + g, m_first + j
+
+                def add_dq(i, ds):  # step i's dQ from its dS (kernel: _dq_add)
+                    h, mb = query_block(i)
+                    off_m = mb * BM
+                    dq_part = ds.T @ kt
+                    n_ok = max(0, min(BM, Sq - off_m))
+                    # the kernel adds the padding rows' dQ (exactly 0) to row Sq - 1 (or, blocked,
+                    # to the padding rows of the scratch)
+                    assert bool((dq_part[n_ok:] == 0).all()), "padding rows must give dQ = 0"
+                    if nat is not None:
+                        nat[b, mb, :, :, :, h] += dq_part.view(4, 2, 8, 2, D // 16, 4, 2)
+                    else:
+                        dq32[b, off_m : off_m + n_ok, h] += dq_part[:n_ok] * scale
+
+                # the kernel's flat loop over G * n_m steps; cfg.lag: step i adds dQ(i - 1) from the
+                # kept dS(i - 1), the last one after the loop (as _consumer, its indices recomputed)
+                ds_prev = None
+                for i in range(G * n_m):
+                    h, mb = query_block(i)
+                    off_m = mb * BM
+                    qt, dot = qp[b, off_m : off_m + BM, h], dop[b, off_m : off_m + BM, h]
+                    st = kt @ qt.T  # (BN keys, BM queries)
+                    if key_ragged or (causal and mb < m_full and FAKE != "bug"):
+                        vis = (keys < Sk)[:, None].expand(BN, BM)
+                        if causal:
+                            rows = q_start + off_m + torch.arange(BM)
+                            vis = vis & (rows[None, :] >= (k_start + keys)[:, None])
+                        st = st.masked_fill(~vis, float("-inf"))
+                    offset, dl = stats[b, h, 0, off_m : off_m + BM], stats[b, h, 1, off_m : off_m + BM]
+                    pt = torch.exp2(st * qk_scale - offset[None, :])
+                    dv_acc += pt.to(dt).float() @ dot
+                    dpt = vt @ dot.T
+                    ds = (pt * (dpt - dl[None, :])).to(dt).float()
+                    dk_acc += ds @ qt
+                    if cfg.lag:
+                        if i > 0:
+                            add_dq(i - 1, ds_prev)
+                        ds_prev = ds
+                    else:
+                        add_dq(i, ds)
+                if cfg.lag and ds_prev is not None:
+                    add_dq(G * n_m - 1, ds_prev)
                 n_ok = max(0, min(BN, Sk - n0))
                 for buf, acc in ((dk, dk_acc * scale), (dv, dv_acc)):
                     acc = acc[:n_ok]
                     if accumulate:
                         acc = acc + buf[b, n0 : n0 + n_ok, hk].float()
                     buf[b, n0 : n0 + n_ok, hk] = acc.to(buf.dtype)
-    if dq32 is not dq:
-        if accumulate:
-            dq.add_(dq32)
-        else:
-            dq.copy_(dq32)
+    if finish is not None:
+        finish()
 
 
 def _rel(got, ref) -> float:
@@ -441,6 +470,22 @@ def run_timing(t: dict) -> dict:
     ms = triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
     flops = 2.5 * 4 * B * H * S * S * D * (0.5 if causal else 1.0)
     res = {"status": "OK", "ms": ms, "tflops": flops / ms / 1e9}
+    if impl.startswith("gluon:"):
+        # the parts of the same call: the kernel launch alone (its inputs prepared outside the
+        # timed region: delta, the row statistics, the zeroed float32 dQ; it keeps adding into
+        # that buffer, which changes nothing in its cost) and the finish (dQ cast / un-permute)
+        prep = gb.prepare(
+            q, k, v, m, l, do, rk.delta(o, do), dq, dk, dv, q_start=0, k_start=0, causal=causal, scale=scale,
+            accumulate=False, config=variant,
+        )  # fmt: skip
+        prep.launch()
+        torch.cuda.synchronize()
+        res["kernel_ms"] = triton.testing.do_bench(prep.launch, warmup=25, rep=100, return_mode="median")
+        res["kernel_tflops"] = flops / res["kernel_ms"] / 1e9
+        res["finish_ms"] = (
+            triton.testing.do_bench(prep.finish, warmup=5, rep=25, return_mode="median") if prep.finish else 0.0
+        )
+        res["rest_ms"] = ms - res["kernel_ms"]  # delta, statistics, zeroing, finish, launch overheads
     if grads is not None:
         if impl == "triton":
             c["triton_grads"] = [x.clone() for x in grads]
@@ -567,12 +612,27 @@ def print_summary(out: dict, variants, seqlens):
             tail += f", {best[1] / cu:.2f}x" if cu else ""
         print(f"{S:>6} {str(causal):>6} {hkv:>4} | " + " ".join(vals) + f" | {tail}")
     print("('!' = gradients differ from the Triton backward's by more than 2e-2 relative)")
+    gl_impls = [i for i in impls if i.startswith("gluon:")]
+    if any("kernel_ms" in r for r in out["timing"]):
+        print("\n=== Gluon kernel alone: TFLOP/s (ms outside the kernel: delta, statistics, zeroing, finish) ===")
+        print(f"{'S':>6} {'causal':>6} {'Hkv':>4} | " + " ".join(f"{i[6:][:16]:>16}" for i in gl_impls))
+        for S, causal, hkv in shapes:
+            cells = []
+            for i in gl_impls:
+                r = by.get((i, S, causal, hkv)) or {}
+                cells.append(f"{r['kernel_tflops']:7.1f} ({r['rest_ms']:5.2f})" if "kernel_ms" in r else f"{'-':>16}")
+            print(f"{S:>6} {str(causal):>6} {hkv:>4} | " + " ".join(f"{c:>16}" for c in cells))
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", type=Path, default=Path("gluon_bwd.json"))
-    ap.add_argument("--variants", nargs="+", default=None, help="default: every variant in gluon_backward.VARIANTS")
+    ap.add_argument(
+        "--variants",
+        nargs="+",
+        default=None,
+        help=f"default: {' '.join(DEFAULT_VARIANTS)} (ws2_s3, ws2_rot: measured, no gain; 'all': every variant)",
+    )
     ap.add_argument("--seqlens", type=int, nargs="+", default=[4096, 16384, 65536])
     ap.add_argument("--heads", type=int, default=32)
     ap.add_argument("--gqa-heads", type=int, default=8, help="kv heads of the one GQA timing (0: none)")
@@ -615,7 +675,9 @@ def main():
     deadline = t0 + args.deadline
     from ringflash.kernels import gluon_backward as gb
 
-    variants = args.variants or list(gb.VARIANTS)
+    variants = args.variants or DEFAULT_VARIANTS
+    if variants == ["all"]:
+        variants = list(gb.VARIANTS)
     unknown = [v for v in variants if v not in gb.VARIANTS]
     if unknown:
         sys.exit(f"unknown variants {unknown}; known: {list(gb.VARIANTS)}")
@@ -663,6 +725,11 @@ def main():
                 )
             else:
                 extra = f" vs triton {row['rel_vs_triton']:.1e}" if "rel_vs_triton" in row else ""
+                if "kernel_ms" in row:
+                    extra += (
+                        f"; kernel alone {row['kernel_ms']:.3f} ms {row['kernel_tflops']:.1f} TFLOP/s, "
+                        f"rest {row['rest_ms']:.3f} ms (finish {row['finish_ms']:.3f})"
+                    )
                 print(
                     f"{row['status']:7s} {row['impl']:14s} S={row['S']} causal={int(row['causal'])} Hkv={row['Hkv']} "
                     + (

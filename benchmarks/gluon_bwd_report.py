@@ -56,7 +56,8 @@ def line(r: dict) -> str:
         f"{head} {c['block_m']}x{c['block_n']} s{c['stages']} regs={r['regs']} "
         f"setmaxnreg={r['setmaxnreg'] or '-'} sass_regs={r['sass_regs']} spills={r['spill_bytes']} "
         f"stack={r['stack_bytes']} shared={r['shared']} waits={r['sass_waits']} hgmma={r['hgmma']} "
-        f"red.v2={r['red_v2']} warnings={r['warnings'] or '-'} "
+        f"red.v2={r['red_v2']} red.v4={r.get('red_v4', 0)} sass_lines={r['sass_lines']} "
+        f"warnings={r['warnings'] or '-'} "
         f"{'OK' if not r['problems'] else 'PROBLEMS ' + '; '.join(r['problems'])}"
     )
 

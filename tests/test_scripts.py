@@ -133,14 +133,42 @@ def test_gluon_forward_compiles_for_hopper(tmp_path):
         assert not r["problems"] and r["spill_bytes"] == 0 and r["sass_waits"].get("1", 0) > 0, r
 
 
+def test_gluon_backward_blocked_dq_layout():
+    """The blocked float32 dQ of the Gluon backward (cfg.dq_blocked): the launcher's view inverts
+    the kernel's offsets (_gluon_bwd._red_add_blocked), and its finish scales, un-permutes and
+    casts (or adds) into dq, ragged last block included."""
+    import torch
+
+    from ringflash.kernels import gluon_backward as gb
+
+    cfg = gb.VARIANTS["ws2_blk"][128]
+    B, Sq, Hq, D = 2, 130, 3, 128
+    acc = torch.arange(B * Hq * gb.padded_rows(Sq, cfg) * D, dtype=torch.float32).view(B, Hq, -1, D)
+    nat = gb.dq_natural_view(acc)
+    for b, n, w, h, g, hq, wg, j, t, e in [(0, 0, 0, 0, 0, 0, 0, 0, 0, 0), (1, 2, 3, 1, 5, 2, 1, 7, 2, 1)]:
+        # the kernel: tile (b, hq, 64-row block n, warpgroup wg) at ((b Hq + hq) Sq_pad + 64 n) D + 4096 wg,
+        # element (r = 16 w + 8 h + g, c = 8 j + 2 t + e) at (w * 1024 + g * 16 + h * 2) + (j * 128 + t * 4 + e)
+        flat = ((b * Hq + hq) * acc.shape[2] + 64 * n) * D + 4096 * wg + w * 1024 + g * 16 + h * 2 + j * 128 + t * 4 + e
+        assert nat[b, n, w, h, g, hq, wg, j, t, e].item() == flat
+    natural = nat.reshape(B, -1, Hq, D)[:, :Sq]  # (B, Sq, Hq, D) in row order
+    for dtype, accumulate in [(torch.bfloat16, False), (torch.float32, True)]:
+        dq = torch.ones(B, Sq, Hq, D, dtype=dtype)
+        acc32, finish = gb.dq_buffer(dq, scale=0.5, accumulate=accumulate, cfg=cfg)
+        acc32.copy_(acc)
+        finish()
+        want = natural * 0.5 + (1.0 if accumulate else 0.0)
+        assert torch.equal(dq, want.to(dtype))
+
+
 def test_gluon_backward_compiles_for_hopper(tmp_path):
     """The Gluon backward (not used by the package yet: benchmarks/NOTES.md) keeps compiling for
     sm_90a on this CPU machine, causal bf16 accumulating into float32 (a ring step): no spills,
     within the shared memory, S^T and dP^T left in flight (wait_group 1), vectorized dQ adds."""
-    run([sys.executable, "benchmarks/gluon_bwd_report.py", "--variants", "ws2", "--causal", "1", "--dtypes", "bf16",
-         "--accumulate", "1", "--jobs", "1", "--json", str(tmp_path / "b.json")], tmp_path)  # fmt: skip
+    variants = ["ws2", "ws2_blk", "ws2_lag", "ws2_lagq"]
+    run([sys.executable, "benchmarks/gluon_bwd_report.py", "--variants", *variants, "--causal", "1", "--dtypes",
+         "bf16", "--accumulate", "1", "--jobs", "1", "--json", str(tmp_path / "b.json")], tmp_path)  # fmt: skip
     rows = json.loads((tmp_path / "b.json").read_text())
-    assert len(rows) == 1
+    assert len(rows) == len(variants)
     for r in rows:
         assert not r["problems"] and r["spill_bytes"] == 0 and r["sass_waits"].get("1", 0) > 0, r
 

@@ -21,6 +21,17 @@ dK and dV stay in registers (float32) and are stored once at the end. Partitions
   and add dQ_wg * scale to a float32 dQ with vectorized atomics (red.global.add.v2.f32: Gluon
   3.6 has no TMA reduce-add).
 
+Options (constexprs; gluon_backward.VARIANTS names the combinations):
+- DQ_BLOCKED: dQ is added unscaled into a float32 scratch in a blocked order (_red_add_blocked):
+  eight red.global.add.v4.f32 per thread and step at immediate offsets from one base, each warp
+  instruction covering 512 contiguous bytes; the launcher scales and un-permutes it into dq.
+- LAG: dQ one step late. Step i computes dQ(i - 1) from dS(i - 1) (three dS buffers), so the
+  dS barrier that held both warpgroups in lockstep every step is normally passed at once: they
+  may drift up to a step apart (one's softmax beside the other's matmuls). The last step's dQ
+  follows the loop.
+- DQ_FIRST (with LAG): FlashAttention-3's order, dQ(i - 1) issued before dK(i); the dQ atomics
+  then run while dK is in the tensor cores.
+
 Statistics: `offset` = m + log2(l) per query row (+inf for rows that saw no key and for the
 padding rows past Sq, so their probabilities are exactly 0), `delta` = rowsum(dO * O); both
 float32, in one padded tensor (B * Hq, 2, Sq_pad) that the launcher builds, read flat by TMA.
@@ -170,6 +181,45 @@ def _red_add_pairs(ptrs, vals, ROWS: gl.constexpr, COLS: gl.constexpr):
 
 
 @gluon.jit
+def _red_add_blocked(base, vals, ROWS: gl.constexpr, COLS: gl.constexpr, layout: gl.constexpr):
+    """Atomically add vals (ROWS = 64, COLS) float32 into the blocked tile at base (ROWS * COLS
+    float32, layout below), four values per instruction (red.global.add.v4.f32, sm_90).
+
+    Blocked tile: element (r, c), with r = 16 w + 8 h + g (w < 4, h < 2, g < 8) and
+    c = 8 j + 2 t + e (j < COLS / 8, t < 4, e < 2), sits at ((w * COLS / 8 + j) * 32 + 4 g + t) * 4
+    + 2 h + e, i.e. dimensions (w, j, g, t, h, e) in memory order (gluon_backward.dq_natural_view
+    is the inverse). In the wgmma accumulator layout warp w holds rows 16 w.. 16 w + 15 and lane
+    4 g + t holds (g + 8 h, 8 j + 2 t + e) for all j, h, e: the four values of one (w, j, g, t) are
+    one thread's and contiguous (16 bytes), and one instruction of a warp (fixed j) covers 512
+    contiguous bytes, against 8 rows x 32 bytes for a row-major dQ. The addresses are then one base
+    plus immediates. Correctness does not depend on that layout: the offsets come from the
+    logical (r, c) and reshape / permute / split are logical operations (another layout would
+    cost shuffles, not results)."""
+    gl.static_assert(ROWS == 64, "one warpgroup's accumulator: 4 warps x 16 rows")
+    r = gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
+    c = gl.arange(0, COLS, layout=gl.SliceLayout(0, layout))
+    r_off = (r // 16) * (COLS * 16) + (r % 8) * 16 + ((r // 8) % 2) * 2
+    c_off = (c // 8) * 128 + ((c // 2) % 4) * 4 + (c % 2)
+    # (r, c) -> (w, h, g, c2, e) -> (w, g, c2, h, e): the last two dimensions are the 16 bytes
+    offs = r_off[:, None] + c_off[None, :]
+    o = gl.permute(offs.reshape([4, 2, 8, COLS // 2, 2]), (0, 2, 3, 1, 4))
+    v = gl.permute(vals.reshape([4, 2, 8, COLS // 2, 2]), (0, 2, 3, 1, 4))
+    o0, _ = o.split()  # e = 0
+    o00, _ = o0.split()  # h = 0, e = 0: the first of the four
+    v0, v1 = v.split()  # e = 0, 1
+    v00, v10 = v0.split()  # h = 0, 1 at e = 0
+    v01, v11 = v1.split()  # h = 0, 1 at e = 1
+    gl.inline_asm_elementwise(
+        "red.relaxed.gpu.global.add.v4.f32 [$1], {$2, $3, $4, $5}; mov.b32 $0, 0;",
+        "=r,l,r,r,r,r",
+        [(base + o00).to(gl.int64, bitcast=True), v00, v01, v10, v11],
+        gl.int32,
+        is_pure=False,
+        pack=1,
+    )
+
+
+@gluon.jit
 def _opaque(x):
     """x, through a non-pure move the compiler cannot hoist out of a loop: loop-invariant index
     vectors are cheap to recompute but expensive to keep (LLVM hoists them, ptxas then spills)."""
@@ -187,6 +237,42 @@ def _store_grad(acc, base, row0, n_rows, stride_s, ACCUMULATE: gl.constexpr, ROW
     if ACCUMULATE:
         acc = acc + gl.load(ptrs, mask=mask, other=0.0).to(gl.float32)
     gl.store(ptrs, acc.to(base.dtype.element_ty), mask=mask)
+
+
+@gluon.jit
+def _dq_add(
+    dq,
+    DQ,
+    b,
+    h,
+    off_m,
+    Sq,
+    stride_dqb,
+    stride_dqs,
+    stride_dqh,
+    sm_scale,
+    dq_rows,
+    dq_cols,
+    WG: gl.constexpr,
+    BLOCK_M: gl.constexpr,
+    DQ_COLS: gl.constexpr,
+    DQ_BLOCKED: gl.constexpr,
+    dq_layout: gl.constexpr,
+):
+    """Add this warpgroup's dQ (BLOCK_M rows from off_m, DQ_COLS columns from WG * DQ_COLS) of
+    head h to the float32 dQ: row-major (B, Sq, Hq, D) with sm_scale applied, or (DQ_BLOCKED)
+    unscaled into the blocked (B, Hq, Sq_pad, D) accumulator (_red_add_blocked's tile of 64 x
+    DQ_COLS at [b, h, off_m: off_m + 64] seen flat, warpgroup WG's half after the other's)."""
+    if DQ_BLOCKED:
+        base = DQ + b.to(gl.int64) * stride_dqb + h.to(gl.int64) * stride_dqh + off_m.to(gl.int64) * stride_dqs
+        _red_add_blocked(base + WG * (BLOCK_M * DQ_COLS), dq, BLOCK_M, DQ_COLS, dq_layout)
+    else:
+        # Rows past Sq (the zero-filled end of the last query block) have p = 0, so ds = 0 and
+        # their dQ rows are exactly 0: they add +0.0 to row Sq - 1 instead of being masked
+        rows = gl.minimum(off_m + _opaque(dq_rows), Sq - 1)
+        dq_base = DQ + b.to(gl.int64) * stride_dqb + h.to(gl.int64) * stride_dqh
+        dq_ptrs = dq_base + rows.to(gl.int64)[:, None] * stride_dqs + _opaque(dq_cols)[None, :]
+        _red_add_pairs(dq_ptrs, dq * sm_scale, BLOCK_M, DQ_COLS)
 
 
 @gluon.jit
@@ -230,6 +316,9 @@ def _consumer(
     CAUSAL: gl.constexpr,
     ACCUMULATE: gl.constexpr,
     ROTATE: gl.constexpr,
+    DQ_BLOCKED: gl.constexpr,
+    LAG: gl.constexpr,
+    DQ_FIRST: gl.constexpr,
 ):
     KEYS: gl.constexpr = BLOCK_N // 2  # keys of this warpgroup
     DQ_COLS: gl.constexpr = HEAD_DIM // 2  # dQ columns of this warpgroup
@@ -290,33 +379,104 @@ def _consumer(
         # in flight: dP^T, dV; one left means dP^T is done
         dpt = warpgroup_mma_wait(1, deps=(dpt_tok,))
         ds = (pt * (dpt - delta[None, :])).to(dtype)
-        # dS^T of this warpgroup's keys into rows WG * KEYS.. of buffer i % 2
-        ds_buf = ds_bufs.index(i % 2)
-        ds_buf.slice(WG * KEYS, KEYS, dim=0).store(ds)
-        ds_op = gl.convert_layout(ds, op_layout)
-        dk_tok = warpgroup_mma(ds_op, q_t, dk, is_async=True)
-        # Both halves of dS must be in shared memory before either warpgroup reads it.
-        # ds_bar[i % 2]: count 2, one arrival per warpgroup (mbarrier.arrive syncs the
-        # warpgroup's 128 threads, then one thread arrives); its n-th use (n = i // 2) completes
-        # phase n, so wait for parity n & 1. A warpgroup arrives for use n + 1 only after its
-        # own wait for use n has passed, so no phase is skipped. The fence makes the generic
-        # stores above visible to the wgmma (async proxy) reads.
-        fence_async_shared()
-        mbarrier.arrive(ds_bar.index(i % 2))
-        mbarrier.wait(ds_bar.index(i % 2), (i // 2) & 1)
-        dq_tok = warpgroup_mma(ds_buf.permute((1, 0)), k_cols, dq_zero, use_acc=False, is_async=True)
-        dv, dk, dq, pt_op, ds_op = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok, dq_tok, pt_op, ds_op))
-        # Stage s fully read (S^T, dP^T, dV, dK are done): release it. empty[s] has count 2.
-        # Buffer i % 2 of dS is rewritten at iteration i + 2, after both warpgroups have passed
-        # ds_bar at i + 1, which each reaches only after this wait: its dQ read is done.
-        mbarrier.arrive(empty.index(s))
-        # Rows past Sq (the zero-filled end of the last query block) have p = 0, so ds = 0 and
-        # their dQ rows are exactly 0: they add +0.0 to row Sq - 1 instead of being masked
-        rows = gl.minimum(off_m + _opaque(dq_rows), Sq - 1)
-        dq_base = DQ + b.to(gl.int64) * stride_dqb + h.to(gl.int64) * stride_dqh
-        dq_ptrs = dq_base + rows.to(gl.int64)[:, None] * stride_dqs + _opaque(dq_cols)[None, :]
-        _red_add_pairs(dq_ptrs, dq * sm_scale, BLOCK_M, DQ_COLS)
+        if LAG:
+            ds_op = gl.convert_layout(ds, op_layout)
+            # dQ one step late: dQ(i - 1) from dS(i - 1), which both warpgroups wrote during step
+            # i - 1, so the barrier below is normally passed at once and the warpgroups may
+            # drift up to one step apart instead of meeting every step (module docstring).
+            # Three dS buffers, dS(i) in buffer i % 3; ds_bar[i % 3]: count 2, one
+            # arrival per warpgroup at step i; its n-th use (n = i // 3) completes phase n.
+            #  - wait for dS(i - 1), parity ((i - 1) // 3) & 1: the barrier cannot be two phases
+            #    ahead, its next arrivals (step i + 2) need this warpgroup's, which come later.
+            #  - no phase skipped: a warpgroup arrives for step i (use n) after passing the wait
+            #    for step i - 1 (below, before its arrival), so the other warpgroup had arrived
+            #    for step i - 1, hence for step i - 3 (use n - 1): phase n - 1 was complete.
+            #  - buffer reuse: dS(i) overwrites dS(i - 3), which this warpgroup read at step
+            #    i - 2 (finished by that step's wait(0)) and the other one at its step i - 2;
+            #    this warpgroup's store comes after its wait for dS(i - 1), so the other
+            #    warpgroup had arrived at step i - 1, which follows its step i - 2's wait(0).
+            # At i = 0 there is no dS(-1): the matmul reads buffer 2 (not written before step 2,
+            # which neither warpgroup reaches before both arrived for step 1) and its result is
+            # dropped; the barrier wait and the atomics are skipped.
+            ip = i + 2  # i - 1 modulo 3 without a negative operand
+            if DQ_FIRST:
+                # FlashAttention-3's order: dQ before dK, then the dQ atomics run while dK is in
+                # the tensor cores (wait(1) below leaves dK in flight)
+                if i > 0:
+                    mbarrier.wait(ds_bar.index(ip % 3), ((i - 1) // 3) & 1)
+                dq_tok = warpgroup_mma(
+                    ds_bufs.index(ip % 3).permute((1, 0)), k_cols, dq_zero, use_acc=False, is_async=True
+                )
+                dk_tok = warpgroup_mma(ds_op, q_t, dk, is_async=True)
+                ds_bufs.index(_opaque(i % 3)).slice(WG * KEYS, KEYS, dim=0).store(ds)
+                fence_async_shared()
+                mbarrier.arrive(ds_bar.index(i % 3))
+                # in flight: dV, dQ(i - 1), dK; one left: dV and dQ are done
+                dv, dq, pt_op = warpgroup_mma_wait(1, deps=(dv_tok, dq_tok, pt_op))
+                if i > 0:
+                    hp, off_mp = _query_block(i - 1, hk, group, m_first, n_m, BLOCK_M, ROTATE)
+                    _dq_add(dq, DQ, b, hp, off_mp, Sq, stride_dqb, stride_dqs, stride_dqh, sm_scale, dq_rows,
+                            dq_cols, WG, BLOCK_M, DQ_COLS, DQ_BLOCKED, dq_layout)  # fmt: skip
+                dk, ds_op = warpgroup_mma_wait(0, deps=(dk_tok, ds_op))
+                mbarrier.arrive(empty.index(s))
+            else:
+                dk_tok = warpgroup_mma(ds_op, q_t, dk, is_async=True)
+                if i > 0:
+                    mbarrier.wait(ds_bar.index(ip % 3), ((i - 1) // 3) & 1)
+                dq_tok = warpgroup_mma(
+                    ds_bufs.index(ip % 3).permute((1, 0)), k_cols, dq_zero, use_acc=False, is_async=True
+                )
+                ds_bufs.index(_opaque(i % 3)).slice(WG * KEYS, KEYS, dim=0).store(ds)
+                fence_async_shared()
+                mbarrier.arrive(ds_bar.index(i % 3))
+                dv, dk, dq, pt_op, ds_op = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok, dq_tok, pt_op, ds_op))
+                mbarrier.arrive(empty.index(s))
+                if i > 0:
+                    hp, off_mp = _query_block(i - 1, hk, group, m_first, n_m, BLOCK_M, ROTATE)
+                    _dq_add(dq, DQ, b, hp, off_mp, Sq, stride_dqb, stride_dqs, stride_dqh, sm_scale, dq_rows,
+                            dq_cols, WG, BLOCK_M, DQ_COLS, DQ_BLOCKED, dq_layout)  # fmt: skip
+        else:
+            # dS^T of this warpgroup's keys into rows WG * KEYS.. of buffer i % 2
+            ds_buf = ds_bufs.index(i % 2)
+            ds_buf.slice(WG * KEYS, KEYS, dim=0).store(ds)
+            ds_op = gl.convert_layout(ds, op_layout)
+            dk_tok = warpgroup_mma(ds_op, q_t, dk, is_async=True)
+            # Both halves of dS must be in shared memory before either warpgroup reads it.
+            # ds_bar[i % 2]: count 2, one arrival per warpgroup (mbarrier.arrive syncs the
+            # warpgroup's 128 threads, then one thread arrives); its n-th use (n = i // 2)
+            # completes phase n, so wait for parity n & 1. A warpgroup arrives for use n + 1 only
+            # after its own wait for use n has passed, so no phase is skipped. The fence makes
+            # the generic stores above visible to the wgmma (async proxy) reads.
+            fence_async_shared()
+            mbarrier.arrive(ds_bar.index(i % 2))
+            mbarrier.wait(ds_bar.index(i % 2), (i // 2) & 1)
+            dq_tok = warpgroup_mma(ds_buf.permute((1, 0)), k_cols, dq_zero, use_acc=False, is_async=True)
+            dv, dk, dq, pt_op, ds_op = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok, dq_tok, pt_op, ds_op))
+            # Stage s fully read (S^T, dP^T, dV, dK are done): release it. empty[s] has count 2.
+            # Buffer i % 2 of dS is rewritten at iteration i + 2, after both warpgroups have
+            # passed ds_bar at i + 1, which each reaches only after this wait: its dQ read is done.
+            mbarrier.arrive(empty.index(s))
+            _dq_add(dq, DQ, b, h, off_m, Sq, stride_dqb, stride_dqs, stride_dqh, sm_scale, dq_rows, dq_cols, WG,
+                    BLOCK_M, DQ_COLS, DQ_BLOCKED, dq_layout)  # fmt: skip
+    if LAG:
+        if n_iter > 0:
+            # the last step's dQ: dS(n_iter - 1) from both warpgroups
+            last = n_iter - 1
+            mbarrier.wait(ds_bar.index(last % 3), (last // 3) & 1)
+            k_cols = k_smem.index(0).reshape([BLOCK_N, HEAD_DIM]).slice(WG * DQ_COLS, DQ_COLS, dim=1)
+            dq_tok = warpgroup_mma(
+                ds_bufs.index(last % 3).permute((1, 0)), k_cols, dq_zero, use_acc=False, is_async=True
+            )
+            dq = warpgroup_mma_wait(0, deps=(dq_tok,))
+            hp, off_mp = _query_block(last, hk, group, m_first, n_m, BLOCK_M, ROTATE)
+            _dq_add(dq, DQ, b, hp, off_mp, Sq, stride_dqb, stride_dqs, stride_dqh, sm_scale, dq_rows, dq_cols, WG,
+                    BLOCK_M, DQ_COLS, DQ_BLOCKED, dq_layout)  # fmt: skip
     row0 = n0 + WG * KEYS
+    if LAG:
+        # through opaque moves: the pointers' 64-bit parts are then computed here, not before the
+        # loop and kept across it (ptxas spilled them in the accumulating causal case)
+        b = _opaque(b)
+        hk = _opaque(hk)
     _store_grad(
         dk * sm_scale,
         DK + b.to(gl.int64) * stride_dkb + hk.to(gl.int64) * stride_dkh,
@@ -375,6 +535,9 @@ def _bwd_ws2(
     CAUSAL: gl.constexpr,
     ACCUMULATE: gl.constexpr,
     ROTATE: gl.constexpr,
+    DQ_BLOCKED: gl.constexpr,
+    LAG: gl.constexpr,
+    DQ_FIRST: gl.constexpr,
     PRODUCER_REGS: gl.constexpr,
     CONSUMER_REGS: gl.constexpr,
     num_warps: gl.constexpr,
@@ -394,11 +557,12 @@ def _bwd_ws2(
     k_smem = gl.allocate_shared_memory(dtype, [1] + k_desc.block_type.shape, k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, [1] + v_desc.block_type.shape, v_desc.layout)
     ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype)
-    ds_bufs = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M], ds_layout)
+    DS_BUFS: gl.constexpr = 3 if LAG else 2  # LAG: dS(i) is read during step i + 1 (_consumer)
+    ds_bufs = gl.allocate_shared_memory(dtype, [DS_BUFS, BLOCK_N, BLOCK_M], ds_layout)
     kv_bar = _alloc_bars(1)
     ready = _alloc_bars(STAGES)
     empty = _alloc_bars(STAGES, 2)  # released when both consumer warpgroups are done with a stage
-    ds_bar = _alloc_bars(2, 2)  # both halves of dS written
+    ds_bar = _alloc_bars(DS_BUFS, 2)  # both halves of dS written
     fence_async_shared()
     # Annotated constexpr so the tuple keeps its constexpr members (as in _gluon_fwd)
     consumer_args: gl.constexpr = (
@@ -440,6 +604,9 @@ def _bwd_ws2(
         CAUSAL,
         ACCUMULATE,
         ROTATE,
+        DQ_BLOCKED,
+        LAG,
+        DQ_FIRST,
     )
     gl.warp_specialize(
         [

@@ -69,12 +69,19 @@ class GluonBwdConfig:
     producer_regs: int = 24  # registers of the producer warp (setmaxnreg)
     maxnreg: int = 168  # register cap at entry: 168 x 12 warps x 32 = 64512 of the SM's 65536
     rotate: bool = False  # each key block walks the query blocks from its own one (spreads the dQ atomics)
+    # dQ added unscaled into a float32 scratch in a blocked order (each warp's atomic covers 512
+    # contiguous bytes, red.v4 at immediate offsets), scaled and un-permuted into dq at the end
+    dq_blocked: bool = False
+    lag: bool = False  # dQ one step late, 3 dS buffers: the warpgroups meet one step apart, not every step
+    dq_first: bool = False  # with lag: dQ issued before dK, its atomics overlap the dK matmul (FA3's order)
 
     def __post_init__(self):
         if self.schedule != "ws2":
             raise ValueError(f"unknown schedule {self.schedule!r}")
         if self.block_n != 128 or self.block_m != 64:
             raise ValueError("ws2 takes 128-key blocks (64 per consumer warpgroup) and 64-row query blocks")
+        if self.dq_first and not self.lag:
+            raise ValueError("dq_first needs lag (without it dQ waits for both halves of dS every step)")
 
     @property
     def num_warps(self) -> int:
@@ -91,6 +98,10 @@ VARIANTS: dict[str, dict[int, GluonBwdConfig]] = {
     "ws2": {128: GluonBwdConfig(stages=2)},
     "ws2_s3": {128: GluonBwdConfig(stages=3)},
     "ws2_rot": {128: GluonBwdConfig(stages=2, rotate=True)},
+    # 2026-12-02, second round (benchmarks/NOTES.md): one limit each
+    "ws2_blk": {128: GluonBwdConfig(stages=2, dq_blocked=True)},
+    "ws2_lag": {128: GluonBwdConfig(stages=2, dq_blocked=True, lag=True)},
+    "ws2_lagq": {128: GluonBwdConfig(stages=2, dq_blocked=True, lag=True, dq_first=True)},
 }
 DEFAULT_VARIANT = "ws2"
 HEAD_DIMS = (128,)
@@ -104,10 +115,10 @@ def config_for(head_dim: int, variant: str | None = None) -> GluonBwdConfig:
 
 
 def shared_bytes(cfg: GluonBwdConfig, head_dim: int, elem: int = 2) -> int:
-    """Shared memory of the tiles: K + V, STAGES x (Q + dO + statistics), 2 dS buffers."""
+    """Shared memory of the tiles: K + V, STAGES x (Q + dO + statistics), 2 dS buffers (3 with lag)."""
     kv = 2 * cfg.block_n * head_dim * elem
     ring = cfg.stages * (2 * cfg.block_m * head_dim * elem + 2 * cfg.block_m * 4)
-    ds = 2 * cfg.block_n * cfg.block_m * elem
+    ds = (3 if cfg.lag else 2) * cfg.block_n * cfg.block_m * elem
     return kv + ring + ds
 
 
@@ -222,6 +233,65 @@ def _stats_descriptor(stats: torch.Tensor, cfg: GluonBwdConfig):
     return _TensorDescriptor(stats, [stats.numel()], [1], [cfg.block_m], layout)
 
 
+def dq_natural_view(acc: torch.Tensor) -> torch.Tensor:
+    """The blocked float32 dQ accumulator (B, Hq, Sq_pad, D) (cfg.dq_blocked) as a view
+    (B, Sq_pad / 64, 4, 2, 8, Hq, 2, D / 16, 4, 2) whose element [b, n, w, h, g, hq, wg, j, t, e]
+    is dQ[b, 64 n + 16 w + 8 h + g, hq, 64 wg + 8 j + 2 t + e]: each (b, hq, 64-row block) is two
+    warpgroup tiles of 64 x 64 in the order (w, j, g, t, h, e) of _gluon_bwd._red_add_blocked."""
+    B, Hq, Sp, D = acc.shape
+    return acc.view(B, Hq, Sp // 64, 2, 4, D // 16, 8, 4, 2, 2).permute(0, 2, 4, 8, 6, 1, 3, 5, 7, 9)
+
+
+def _natural_blocks(dq: torch.Tensor, n: int) -> torch.Tensor:
+    """The first 64 n rows of dq (B, Sq, Hq, D) as the view dq_natural_view gives (a view, any strides)."""
+    return dq[:, : 64 * n].unflatten(1, (n, 4, 2, 8)).unflatten(-1, (2, dq.shape[-1] // 16, 4, 2))
+
+
+def dq_buffer(dq: torch.Tensor, *, scale: float, accumulate: bool, cfg: GluonBwdConfig):
+    """(dq32, finish) of a launch: dq32 the float32 buffer the kernel adds dQ to (zeroed as needed),
+    finish() None or what turns it into dq afterwards:
+    - row-major (B, Sq, Hq, D), the kernel's dQ scaled: a float32 dq itself (zeroed unless
+      accumulating, then no finish), else a zeroed scratch, cast into dq (or added);
+    - cfg.dq_blocked: a zeroed blocked scratch (dq_natural_view) of unscaled dQ, scaled and
+      un-permuted into dq (or added) by one strided torch op (plus a small one for a ragged
+      last block of Sq % 64 rows)."""
+    B, Sq, Hq, D = dq.shape
+    if cfg.dq_blocked:
+        acc = torch.zeros(B, Hq, padded_rows(Sq, cfg), D, dtype=torch.float32, device=dq.device)
+
+        def finish():
+            nat = dq_natural_view(acc)
+            full = Sq // 64
+            if full:
+                out = _natural_blocks(dq, full)
+                if accumulate:
+                    out.add_(nat[:, :full], alpha=scale)
+                else:
+                    torch.mul(nat[:, :full], scale, out=out)
+            rem = Sq - 64 * full
+            if rem:
+                tail = nat[:, full].reshape(B, 64, Hq, D)[:, :rem]
+                if accumulate:
+                    dq[:, 64 * full :].add_(tail, alpha=scale)
+                else:
+                    torch.mul(tail, scale, out=dq[:, 64 * full :])
+
+        return acc, finish
+    if dq.dtype == torch.float32:
+        if not accumulate:
+            dq.zero_()
+        return dq, None
+    dq32 = torch.zeros(B, Sq, Hq, D, dtype=torch.float32, device=dq.device)
+    return dq32, (lambda: dq.add_(dq32)) if accumulate else (lambda: dq.copy_(dq32))
+
+
+def _dq_strides(dq32: torch.Tensor, cfg: GluonBwdConfig):
+    """(batch, row, head) strides of the kernel's float32 dQ: (B, Sq, Hq, D), or blocked (B, Hq, Sq_pad, D)."""
+    if cfg.dq_blocked:
+        return dq32.stride(0), dq32.stride(2), dq32.stride(1)
+    return dq32.stride()[:3]
+
+
 def launch_plan(q, k, v, stats, do, dq32, dk, dv, *, q_start, k_start, causal, scale, accumulate, cfg):
     """(kernel, grid, args, kwargs) of one launch for checked inputs; dq32: the float32 buffer
     the kernel adds dQ to; stats: row_stats(). Any device (the CPU compile binds CPU tensors)."""
@@ -240,6 +310,9 @@ def launch_plan(q, k, v, stats, do, dq32, dk, dv, *, q_start, k_start, causal, s
         CAUSAL=bool(causal),
         ACCUMULATE=bool(accumulate),
         ROTATE=cfg.rotate,
+        DQ_BLOCKED=cfg.dq_blocked,
+        LAG=cfg.lag,
+        DQ_FIRST=cfg.dq_first,
         PRODUCER_REGS=cfg.producer_regs,
         CONSUMER_REGS=cfg.consumer_regs,
         num_warps=cfg.num_warps,
@@ -254,7 +327,7 @@ def launch_plan(q, k, v, stats, do, dq32, dk, dv, *, q_start, k_start, causal, s
         dq32,
         dk,
         dv,
-        *dq32.stride()[:3],
+        *_dq_strides(dq32, cfg),
         *dk.stride()[:3],
         *dv.stride()[:3],
         Hq,
@@ -283,22 +356,64 @@ def backward(q, k, v, m, l, do, delta, dq, dk, dv, *, q_start, k_start, causal, 
     variant name (default DEFAULT_VARIANT). Raises Unsupported (nothing written) for inputs the
     kernel does not take.
     """
+    prep = prepare(
+        q,
+        k,
+        v,
+        m,
+        l,
+        do,
+        delta,
+        dq,
+        dk,
+        dv,
+        q_start=q_start,
+        k_start=k_start,
+        causal=causal,
+        scale=scale,
+        accumulate=accumulate,
+        config=config,
+    )
+    if prep is not None:
+        prep()
+
+
+@dataclass
+class Prepared:
+    """One backward() call split in its parts: launch() the kernel (adds into dq32), finish()
+    (None, or dq32 into dq: cast / un-permute), prepared before them: the float32 dQ buffer
+    zeroed, the row statistics. Calling it runs launch then finish."""
+
+    kernel: object
+    grid: tuple
+    args: tuple
+    kwargs: dict
+    dq32: torch.Tensor
+    finish: object = None
+
+    def launch(self):
+        with torch.cuda.device(self.dq32.device):
+            self.kernel[self.grid](*self.args, **self.kwargs)
+
+    def __call__(self):
+        self.launch()
+        if self.finish is not None:
+            self.finish()
+
+
+def prepare(q, k, v, m, l, do, delta, dq, dk, dv, *, q_start, k_start, causal, scale, accumulate, config=None):
+    """backward() up to the launch (its arguments, checks and Unsupported alike): a Prepared, or
+    None when there is nothing to launch (Sq or Sk = 0: the gradients are then already handled)."""
     cfg = _resolve(q.shape[-1], config)
     check_supported(q, k, v, m, l, do, delta, dq, dk, dv, scale=scale, cfg=cfg)
-    B, Sq, Hq, D = q.shape
-    Sk = k.shape[1]
+    Sq, Sk = q.shape[1], k.shape[1]
     if Sq == 0 or Sk == 0:  # nothing to add (a TMA descriptor cannot be empty)
         if not accumulate:
             for t in (dq, dk, dv):
                 t.zero_()
-        return
+        return None
     with torch.cuda.device(q.device):
-        if dq.dtype == torch.float32:
-            dq32 = dq
-            if not accumulate:
-                dq32.zero_()
-        else:
-            dq32 = torch.zeros(B, Sq, Hq, D, dtype=torch.float32, device=q.device)
+        dq32, finish = dq_buffer(dq, scale=scale, accumulate=accumulate, cfg=cfg)
         stats = row_stats(m, l, delta, cfg)
         kernel, grid, args, kwargs = launch_plan(
             q,
@@ -316,12 +431,7 @@ def backward(q, k, v, m, l, do, delta, dq, dk, dv, *, q_start, k_start, causal, 
             accumulate=accumulate,
             cfg=cfg,
         )
-        kernel[grid](*args, **kwargs)
-        if dq32 is not dq:
-            if accumulate:
-                dq.add_(dq32)
-            else:
-                dq.copy_(dq32)
+    return Prepared(kernel, grid, args, kwargs, dq32, finish)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -383,7 +493,12 @@ def compile_launch(
     cfg = _resolve(q.shape[-1], config)
     check_shapes(q, k, v, m, l, do, delta, dq, dk, dv, scale=scale, cfg=cfg)
     B, Sq, Hq, D = q.shape
-    dq32 = dq if dq.dtype == torch.float32 else torch.empty(B, Sq, Hq, D, dtype=torch.float32, device=q.device)
+    if cfg.dq_blocked:
+        dq32 = torch.empty(B, Hq, padded_rows(Sq, cfg), D, dtype=torch.float32, device=q.device)
+    elif dq.dtype == torch.float32:
+        dq32 = dq
+    else:
+        dq32 = torch.empty(B, Sq, Hq, D, dtype=torch.float32, device=q.device)
     stats = torch.empty(B * Hq * 2 * padded_rows(Sq, cfg), dtype=torch.float32, device=q.device)
     kernel, _, args, kwargs = launch_plan(
         q,
@@ -538,6 +653,7 @@ def hopper_report(
         "sass_waits": count(re.findall(r"WARPGROUP\.DEPBAR\.LE\s+gsb0,\s*(0x[0-9a-f]+)", sass)),
         "hgmma": len(re.findall(r"\bHGMMA\.", sass)),
         "red_v2": len(re.findall(r"\bREDG?\.E\.ADD\.F32x2\b", sass)),
+        "red_v4": len(re.findall(r"\bREDG?\.E\.ADD\.F32x4\b", sass)),
         "red_scalar": len(re.findall(r"\b(?:REDG?|ATOMG?)\.E\.ADD\.F32\.", sass)),
         "sass_regs": 1 + max((int(x) for x in re.findall(r"\bR(\d+)\b", sass)), default=-1),
         "sass_lines": sass.count("\n"),
@@ -567,8 +683,10 @@ def report_problems(row: dict) -> list[str]:
         bad.append(f"ptxas warnings {row['warnings']}")
     if not row["sass_waits"].get(1):
         bad.append("no wgmma wait of 1 (no matmul left in flight)")
-    if row["red_v2"] == 0 or row["red_scalar"]:
-        bad.append(f"dQ atomics not vectorized (v2: {row['red_v2']}, scalar: {row['red_scalar']})")
+    if row["red_v2"] + row.get("red_v4", 0) == 0 or row["red_scalar"]:
+        bad.append(
+            f"dQ atomics not vectorized (v2: {row['red_v2']}, v4: {row.get('red_v4', 0)}, scalar: {row['red_scalar']})"
+        )
     want = {row["config"]["producer_regs"], row["consumer_regs_expected"]}
     if not want <= set(row["setmaxnreg"]):
         bad.append(f"setmaxnreg {row['setmaxnreg']} lacks {sorted(want)}")
