@@ -205,6 +205,28 @@ def test_builtin_shapes_compile_for_hopper(tmp_path):
     assert not any(r["fits"] for r in json.loads((tmp_path / "big.json").read_text()))
 
 
+def test_run_retries_only_a_gloo_teardown_abort(tmp_path):
+    """commands.run reruns a command once when a process's log shows gloo's teardown abort, and
+    reports any other failure at once."""
+    import commands
+
+    script = tmp_path / "flaky.py"
+    script.write_text(
+        "import os, pathlib, sys\n"
+        "logs = pathlib.Path(os.environ['RINGFLASH_LOG_DIR']) / 'r' / '1'\n"
+        "logs.mkdir(parents=True)\n"
+        "first = not pathlib.Path(sys.argv[1]).exists()\n"
+        "pathlib.Path(sys.argv[1]).touch()\n"
+        "(logs / 'stderr.log').write_text(sys.argv[2] if first else '')\n"
+        "print('attempt', 1 if first else 2)\n"
+        "sys.exit(134 if first else 0)\n"
+    )
+    cmd = [sys.executable, str(script), str(tmp_path / "ran")]
+    assert "attempt 2" in commands.run(cmd + [commands.TEARDOWN_ABORT], tmp_path)
+    (tmp_path / "ran").unlink()
+    assert "attempt 1" in commands.run(cmd + ["some other error"], tmp_path / "other", expect_ok=False)
+
+
 def test_ringflash_run_builds_the_torchrun_command(tmp_path):
     """ringflash-run: defaults from the machine, options over environment variables, the CPU
     cores shared out, no change of directory or paths, -m for modules, clear refusals."""
