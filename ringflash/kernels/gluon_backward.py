@@ -26,17 +26,14 @@ caller uses the Triton kernels instead.
 
 from __future__ import annotations
 
-import collections
 import functools
-import re
-import subprocess
-import tempfile
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from .gluon_forward import HOPPER_SHARED_BYTES, LOG2E, _bind_for_hopper, _tool
+from .gluon_forward import HOPPER_SHARED_BYTES, LOG2E, _bind_for_hopper, compiled_report
+from .gluon_forward import report_problems as forward_report_problems
 
 try:  # Gluon exists from triton 3.6 on; the rest of the package must not depend on it
     from triton.experimental.gluon import language as _gl
@@ -612,82 +609,27 @@ def hopper_report(
     group: int = 1,
     dump: Path | None = None,
 ) -> dict:
-    """What ptxas and the SASS say about one compiled case (the fields of
-    gluon_forward.hopper_report): regs (the entry cap), setmaxnreg (the partitions' budgets),
-    sass_regs (what the busiest partition uses), spill_bytes, stack_bytes, shared,
-    ptx_waits / sass_waits ({N: count} of wgmma waits leaving N groups in flight), hgmma,
-    red_v2 (vectorized float32 atomics in the SASS), warnings (ptxas C7xxx codes)."""
+    """gluon_forward.compiled_report of one case compiled by compile_for_hopper, with the dQ
+    atomics counted in the SASS: red_v2 / red_v4 (vectorized float32 adds), red_scalar."""
     kern = compile_for_hopper(cfg, head_dim, causal=causal, dtype=dtype, accumulate=accumulate, group=group)
-    ptx = kern.asm["ptx"]
-    with tempfile.TemporaryDirectory() as tmp:
-        ptx_path = Path(tmp) / "k.ptx"
-        cubin = Path(tmp) / "k.cubin"
-        ptx_path.write_text(ptx)
-        res = subprocess.run(
-            [_tool("ptxas"), "-arch=sm_90a", "-v", str(ptx_path), "-o", str(cubin)],
-            capture_output=True,
-            text=True,
-            check=True,
-        )
-        sass = subprocess.run(
-            [_tool("cuobjdump"), "-sass", str(cubin)], capture_output=True, text=True, check=True
-        ).stdout
-    log = res.stderr
-    count = lambda xs: dict(sorted(collections.Counter(int(x, 0) for x in xs).items()))
-    row = {
-        "variant": cfg.schedule,
-        "config": asdict(cfg),
-        "D": head_dim,
-        "causal": causal,
-        "dtype": dtype,
-        "accumulate": accumulate,
-        "group": group,
-        "regs": int(re.search(r"Used (\d+) registers", log).group(1)),
-        "setmaxnreg": sorted({int(x) for x in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", ptx)}),
-        "consumer_regs_expected": cfg.consumer_regs,
-        "spill_bytes": int(re.search(r"(\d+) bytes spill stores", log).group(1))
-        + int(re.search(r"(\d+) bytes spill loads", log).group(1)),
-        "stack_bytes": int(re.search(r"(\d+) bytes stack frame", log).group(1)),
-        "shared": kern.metadata.shared,
-        "ptx_waits": count(re.findall(r"wgmma\.wait_group\.sync\.aligned\s+(\d+)", ptx)),
-        "sass_waits": count(re.findall(r"WARPGROUP\.DEPBAR\.LE\s+gsb0,\s*(0x[0-9a-f]+)", sass)),
-        "hgmma": len(re.findall(r"\bHGMMA\.", sass)),
-        "red_v2": len(re.findall(r"\bREDG?\.E\.ADD\.F32x2\b", sass)),
-        "red_v4": len(re.findall(r"\bREDG?\.E\.ADD\.F32x4\b", sass)),
-        "red_scalar": len(re.findall(r"\b(?:REDG?|ATOMG?)\.E\.ADD\.F32\.", sass)),
-        "sass_regs": 1 + max((int(x) for x in re.findall(r"\bR(\d+)\b", sass)), default=-1),
-        "sass_lines": sass.count("\n"),
-        "warnings": sorted(set(re.findall(r"\((C7\d+)\)", log))),
-    }
-    row["fits"] = row["shared"] <= HOPPER_SHARED_BYTES
-    if dump:
-        dump.mkdir(parents=True, exist_ok=True)
-        stem = f"bwd_{cfg.schedule}_d{head_dim}_c{int(causal)}_{dtype}_a{int(accumulate)}_s{cfg.stages}"
-        (dump / f"{stem}.ptx").write_text(ptx)
-        (dump / f"{stem}.ttgir").write_text(kern.asm["ttgir"])
-        (dump / f"{stem}.sass").write_text(sass)
-        (dump / f"{stem}.ptxas.txt").write_text(log)
-    return row
+    case = {"D": head_dim, "causal": causal, "dtype": dtype, "accumulate": accumulate, "group": group}
+    return compiled_report(
+        kern,
+        cfg,
+        case,
+        dump=dump,
+        stem=f"bwd_{cfg.schedule}_d{head_dim}_c{int(causal)}_{dtype}_a{int(accumulate)}_s{cfg.stages}",
+        sass_counts={
+            "red_v2": r"\bREDG?\.E\.ADD\.F32x2\b",
+            "red_v4": r"\bREDG?\.E\.ADD\.F32x4\b",
+            "red_scalar": r"\b(?:REDG?|ATOMG?)\.E\.ADD\.F32\.",
+        },
+    )
 
 
 def report_problems(row: dict) -> list[str]:
-    """Why a compile report is not acceptable (empty list: fine)."""
-    bad = []
-    if row["spill_bytes"] or row["stack_bytes"]:
-        bad.append(f"spills {row['spill_bytes']} bytes, stack {row['stack_bytes']}")
-    if not row["fits"]:
-        bad.append(f"shared memory {row['shared']} > {HOPPER_SHARED_BYTES}")
-    if row["hgmma"] == 0:
-        bad.append("no HGMMA in the SASS")
-    if row["warnings"]:
-        bad.append(f"ptxas warnings {row['warnings']}")
-    if not row["sass_waits"].get(1):
-        bad.append("no wgmma wait of 1 (no matmul left in flight)")
-    if row["red_v2"] + row.get("red_v4", 0) == 0 or row["red_scalar"]:
-        bad.append(
-            f"dQ atomics not vectorized (v2: {row['red_v2']}, v4: {row.get('red_v4', 0)}, scalar: {row['red_scalar']})"
-        )
-    want = {row["config"]["producer_regs"], row["consumer_regs_expected"]}
-    if not want <= set(row["setmaxnreg"]):
-        bad.append(f"setmaxnreg {row['setmaxnreg']} lacks {sorted(want)}")
+    """gluon_forward.report_problems, and dQ atomics that are not all vectorized."""
+    bad = forward_report_problems(row)
+    if row["red_v2"] + row["red_v4"] == 0 or row["red_scalar"]:
+        bad.append(f"dQ atomics not vectorized (v2: {row['red_v2']}, v4: {row['red_v4']}, scalar: {row['red_scalar']})")
     return bad

@@ -517,27 +517,20 @@ def _tool(name: str) -> str:
     return str(Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / name)
 
 
-def hopper_report(
-    cfg: GluonConfig,
-    head_dim: int,
-    *,
-    causal: bool,
-    dtype: str = "bf16",
-    normalize: bool = True,
-    fold: bool = False,
-    dump: Path | None = None,
-    mask: str = "",
-) -> dict:
-    """What ptxas and the SASS say about one compiled variant:
+def compiled_report(kern, cfg, case: dict, *, dump: Path | None = None, stem: str = "k", sass_counts=None) -> dict:
+    """What ptxas and the SASS say about `kern` (a Gluon kernel compiled for sm_90a) of config
+    `cfg` (a dataclass with schedule and consumer_regs): `case` (the compiled case's own
+    entries), then
 
     regs: registers per thread at entry (ptxas; with warp specialization the entry cap),
     setmaxnreg: the per-partition budgets the kernel switches to, sass_regs: registers the
-    SASS names (with warp specialization: what the busiest partition uses of its budget), spill_bytes (must be 0),
-    shared (bytes; must be <= 232448), ptx_waits / sass_waits: {N: count} of wgmma waits that
-    leave N groups in flight (N = 1: a matmul overlapping other work), hgmma: count of Hopper
-    tensor-core instructions, warnings: ptxas's C7xxx codes (C7510-C7515: wgmma serialized,
-    C7508: setmaxnreg ignored). mask: as compile_for_hopper's."""
-    kern = compile_for_hopper(cfg, head_dim, causal=causal, dtype=dtype, normalize=normalize, fold=fold, mask=mask)
+    SASS names (with warp specialization: what the busiest partition uses of its budget),
+    spill_bytes and stack_bytes (must be 0), shared (bytes; must be <= 232448), ptx_waits /
+    sass_waits: {N: count} of wgmma waits that leave N groups in flight (N = 1: a matmul
+    overlapping other work), hgmma: count of Hopper tensor-core instructions, sass_lines,
+    warnings: ptxas's C7xxx codes (C7510-C7515: wgmma serialized, C7508: setmaxnreg ignored),
+    and for each {name: regex} of sass_counts its count in the SASS. dump: a folder for the
+    PTX, TTGIR, SASS and ptxas's log, named by `stem`."""
     ptx = kern.asm["ptx"]
     with tempfile.TemporaryDirectory() as tmp:
         ptx_path = Path(tmp) / "k.ptx"
@@ -557,12 +550,7 @@ def hopper_report(
     row = {
         "variant": cfg.schedule,
         "config": asdict(cfg),
-        "D": head_dim,
-        "causal": causal,
-        "mask": mask,
-        "dtype": dtype,
-        "normalize": normalize,
-        "fold": fold,
+        **case,
         "regs": int(re.search(r"Used (\d+) registers", log).group(1)),
         "setmaxnreg": sorted({int(x) for x in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", ptx)}),
         "consumer_regs_expected": cfg.consumer_regs,
@@ -576,23 +564,45 @@ def hopper_report(
         # highest register any instruction names + 1: with warp specialization, what the
         # busiest partition really uses under its setmaxnreg budget
         "sass_regs": 1 + max((int(x) for x in re.findall(r"\bR(\d+)\b", sass)), default=-1),
+        "sass_lines": sass.count("\n"),
         "warnings": sorted(set(re.findall(r"\((C7\d+)\)", log))),
+        **{name: len(re.findall(pattern, sass)) for name, pattern in (sass_counts or {}).items()},
     }
     row["fits"] = row["shared"] <= HOPPER_SHARED_BYTES
     if dump:
         dump.mkdir(parents=True, exist_ok=True)
-        stem = (
-            f"{cfg.schedule}_d{head_dim}_c{int(causal)}{mask and '_' + mask}_{cfg.block_m}x{cfg.block_n}"
-            f"_w{cfg.num_warps}_s{cfg.stages}"
-        )
         (dump / f"{stem}.ptx").write_text(ptx)
         (dump / f"{stem}.ttgir").write_text(kern.asm["ttgir"])
         (dump / f"{stem}.sass").write_text(sass)
+        (dump / f"{stem}.ptxas.txt").write_text(log)
     return row
 
 
+def hopper_report(
+    cfg: GluonConfig,
+    head_dim: int,
+    *,
+    causal: bool,
+    dtype: str = "bf16",
+    normalize: bool = True,
+    fold: bool = False,
+    dump: Path | None = None,
+    mask: str = "",
+) -> dict:
+    """compiled_report of one variant compiled by compile_for_hopper (mask: as its)."""
+    kern = compile_for_hopper(cfg, head_dim, causal=causal, dtype=dtype, normalize=normalize, fold=fold, mask=mask)
+    case = {"D": head_dim, "causal": causal, "mask": mask, "dtype": dtype, "normalize": normalize, "fold": fold}
+    stem = (
+        f"{cfg.schedule}_d{head_dim}_c{int(causal)}{mask and '_' + mask}_{cfg.block_m}x{cfg.block_n}"
+        f"_w{cfg.num_warps}_s{cfg.stages}"
+    )
+    return compiled_report(kern, cfg, case, dump=dump, stem=stem)
+
+
 def report_problems(row: dict) -> list[str]:
-    """Why a compile report is not acceptable (empty list: fine)."""
+    """Why a compile report (compiled_report's row) is not acceptable (empty list: fine):
+    spills, shared memory over the limit, no HGMMA, ptxas warnings, no wgmma wait of 1, other
+    setmaxnreg budgets than the config's."""
     bad = []
     if row["spill_bytes"] or row["stack_bytes"]:
         bad.append(f"spills {row['spill_bytes']} bytes, stack {row['stack_bytes']}")
@@ -603,10 +613,10 @@ def report_problems(row: dict) -> list[str]:
     if row["warnings"]:
         bad.append(f"ptxas warnings {row['warnings']}")
     if not row["sass_waits"].get(1):
-        bad.append("no wgmma wait of 1 (the overlap is gone)")
-    if row["config"]["schedule"] == "ws2":
-        # ws2 also shows the budgets of the idle worker warps and of the region before the split
-        want = {row["config"]["producer_regs"], row["consumer_regs_expected"]}
-        if not want <= set(row["setmaxnreg"]):
-            bad.append(f"setmaxnreg {row['setmaxnreg']} lacks {sorted(want)}")
+        bad.append("no wgmma wait of 1 (no matmul left in flight)")
+    # warp-specialized kernels also show the budgets of the idle worker warps and of the
+    # region before the split
+    want = {row["config"]["producer_regs"], row["consumer_regs_expected"]}
+    if not want <= set(row["setmaxnreg"]):
+        bad.append(f"setmaxnreg {row['setmaxnreg']} lacks {sorted(want)}")
     return bad
