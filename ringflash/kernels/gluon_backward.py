@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from .gluon_forward import HOPPER_SHARED_BYTES, LOG2E, _bind_for_hopper, compiled_report
+from .gluon_forward import HOPPER_SHARED_BYTES, LOG2E, compile_plan, compiled_report, timed_compile
 from .gluon_forward import report_problems as forward_report_problems
 
 try:  # Gluon exists from triton 3.6 on; the rest of the package must not depend on it
@@ -481,10 +481,6 @@ def compile_launch(
     launch (CPU tensors of the same shapes and strides will do: the specialization depends only
     on dtypes, strides and 16-byte alignment). Returns triton's CompiledKernel, or with key_only
     a string that is equal for launches sharing a kernel."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-
     if not HAS_GLUON:
         raise Unsupported(f"Gluon is not available: {GLUON_ERROR}")
     cfg = _resolve(q.shape[-1], config)
@@ -513,20 +509,7 @@ def compile_launch(
         accumulate=accumulate,
         cfg=cfg,
     )
-    signature, constexprs, attrs, options = _bind_for_hopper(kernel, args, kwargs)
-    if key_only:
-        return repr(
-            (
-                kernel.fn.__name__,
-                sorted(signature.items()),
-                sorted(constexprs.items()),
-                sorted(attrs.items()),
-                sorted(options.__dict__.items()),
-            )
-        )
-    return triton.compile(
-        GluonASTSource(kernel, signature, constexprs, attrs), target=GPUTarget("cuda", 90, 32), options=options.__dict__
-    )
+    return compile_plan(kernel, args, kwargs, key_only)
 
 
 _NAMES = ("q", "k", "v", "m", "l", "do", "delta", "dq", "dk", "dv")
@@ -547,15 +530,8 @@ def compile_spec(spec: dict, key_only: bool = False):
 
 
 def try_compile_spec(spec: dict):
-    """(None or the error message, seconds) of compile_spec: for a process pool."""
-    import time
-
-    t = time.perf_counter()
-    try:
-        compile_spec(spec)
-        return None, time.perf_counter() - t
-    except Exception as e:
-        return f"{type(e).__name__}: {str(e)[-600:]}", time.perf_counter() - t
+    """timed_compile of compile_spec: for a process pool."""
+    return timed_compile(compile_spec, spec)
 
 
 def compile_for_hopper(

@@ -372,18 +372,46 @@ def normalized(acc, l):
 # Compile report (no GPU needed)
 
 
-def _bind_for_hopper(kernel, args, kwargs):
-    """(signature, constexprs, attrs, options) that triton's launcher binder derives from these
-    launch arguments, for sm_90a; no GPU needed."""
+def compile_plan(kernel, args, kwargs, key_only: bool = False):
+    """Compile for sm_90a, on any machine, the Gluon kernel that `kernel[grid](*args,
+    **kwargs)` would launch, from the specialization triton's launcher binder derives from
+    those arguments. Returns triton's CompiledKernel (it lands in triton's cache, so a later GPU
+    launch of the same kernel skips compiling), or with key_only a string that is equal for
+    launches sharing a kernel."""
+    import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler.compiler import make_backend
+    from triton.experimental.gluon._runtime import GluonASTSource
     from triton.runtime.jit import create_function_from_signature
 
-    backend = make_backend(GPUTarget("cuda", 90, 32))
+    target = GPUTarget("cuda", 90, 32)
+    backend = make_backend(target)
     binder = create_function_from_signature(kernel.signature, kernel.params, backend)
     bound, specialization, options = binder(*args, **kwargs)
     options, signature, constexprs, attrs = kernel._pack_args(backend, kwargs, bound, specialization, options)
-    return signature, constexprs, attrs, options
+    if key_only:
+        return repr(
+            (
+                kernel.fn.__name__,
+                sorted(signature.items()),
+                sorted(constexprs.items()),
+                sorted(attrs.items()),
+                sorted(options.__dict__.items()),
+            )
+        )
+    return triton.compile(GluonASTSource(kernel, signature, constexprs, attrs), target=target, options=options.__dict__)
+
+
+def timed_compile(compile_spec, spec: dict):
+    """(None or the error message, seconds) of compile_spec(spec): for a process pool."""
+    import time
+
+    t = time.perf_counter()
+    try:
+        compile_spec(spec)
+        return None, time.perf_counter() - t
+    except Exception as e:
+        return f"{type(e).__name__}: {str(e)[-600:]}", time.perf_counter() - t
 
 
 def compile_launch(
@@ -395,10 +423,6 @@ def compile_launch(
     depends only on dtypes, strides and 16-byte alignment). The result lands in triton's
     cache, so a later GPU launch of the same kernel skips compiling. Returns triton's
     CompiledKernel, or with key_only a string that is equal for launches sharing a kernel."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-
     if not HAS_GLUON:
         raise Unsupported(f"Gluon is not available: {GLUON_ERROR}")
     cfg = _resolve(q.shape[-1], config)
@@ -420,20 +444,7 @@ def compile_launch(
         fold=fold,
         cfg=cfg,
     )
-    signature, constexprs, attrs, options = _bind_for_hopper(kernel, args, kwargs)
-    if key_only:
-        return repr(
-            (
-                kernel.fn.__name__,
-                sorted(signature.items()),
-                sorted(constexprs.items()),
-                sorted(attrs.items()),
-                sorted(options.__dict__.items()),
-            )
-        )
-    return triton.compile(
-        GluonASTSource(kernel, signature, constexprs, attrs), target=GPUTarget("cuda", 90, 32), options=options.__dict__
-    )
+    return compile_plan(kernel, args, kwargs, key_only)
 
 
 def launch_spec(q, k, v, *, out_o, out_m, out_l, **kw) -> dict:
@@ -452,15 +463,8 @@ def compile_spec(spec: dict, key_only: bool = False):
 
 
 def try_compile_spec(spec: dict):
-    """(None or the error message, seconds) of compile_spec: for a process pool."""
-    import time
-
-    t = time.perf_counter()
-    try:
-        compile_spec(spec)
-        return None, time.perf_counter() - t
-    except Exception as e:
-        return f"{type(e).__name__}: {str(e)[-600:]}", time.perf_counter() - t
+    """timed_compile of compile_spec: for a process pool."""
+    return timed_compile(compile_spec, spec)
 
 
 def compile_for_hopper(
