@@ -14,7 +14,9 @@
    two K/V receive buffers.
 --grad-chunks 1 4 repeats sections 2 and 3 with the dK/dV accumulators exchanged in 1 and 4
 kv-head chunks (default: the library's choice); --grad-accum float32 input repeats them with
-the gradient accumulators in float32 (default) and in the inputs' dtype (grad_accum_dtype).
+the gradient accumulators in float32 (default) and in the inputs' dtype (grad_accum_dtype);
+--backward default deterministic repeats section 2 with the fused backward (the default) and
+the two-pass one (deterministic=True), ring and one-GPU call alike.
 Medians of triton.testing.do_bench; bf16, B=1, H=32, D=128.
 """
 
@@ -93,7 +95,7 @@ def block_op_rows(S, H, D, dtype, device):
     return rows
 
 
-def replay_rows(S, world, H, Hkv, D, dtype, device, grad_chunks, grad_accum):
+def replay_rows(S, world, H, Hkv, D, dtype, device, grad_chunks, grad_accum, backward="default"):
     g = torch.Generator(device=device).manual_seed(1)
     S_local = S // world
     mk = lambda S, heads: torch.randn(1, S, heads, D, device=device, dtype=dtype, generator=g).requires_grad_()
@@ -101,14 +103,15 @@ def replay_rows(S, world, H, Hkv, D, dtype, device, grad_chunks, grad_accum):
     qf, kf, vf = mk(S, H), mk(S, Hkv), mk(S, Hkv)
     dof = torch.randn_like(qf)
     blocks = [(k.detach(), v.detach())] * world
-    spec = RingSpec(CAUSAL, D**-0.5, "zigzag", grad_chunks, ACCUM[grad_accum](dtype))
+    det = backward == "deterministic"
+    spec = RingSpec(CAUSAL, D**-0.5, "zigzag", grad_chunks, ACCUM[grad_accum](dtype), deterministic=det)
 
     def replay():
         comm = ReplayComm(0, world, blocks, record=False)
         _RingAttn.apply(q, k, v, None, spec, comm)[0].backward(do.detach())
 
     def full():
-        flash_attn_func(qf, kf, vf, causal=True).backward(dof)
+        flash_attn_func(qf, kf, vf, causal=True, deterministic=det).backward(dof)
 
     r, f = bench(replay, device), bench(full, device)
     row = {
@@ -117,6 +120,7 @@ def replay_rows(S, world, H, Hkv, D, dtype, device, grad_chunks, grad_accum):
         "kv_heads": Hkv,
         "grad_chunks": grad_chunks,
         "grad_accum": grad_accum,
+        "backward": backward,
         "replay_rank0_ms": r,
         "full_over_world_ms": f / world,
         "efficiency": f / world / r,
@@ -195,6 +199,13 @@ def main():
         choices=sorted(ACCUM),
         help="gradient accumulators in float32 or in the inputs' dtype",
     )
+    ap.add_argument(
+        "--backward",
+        nargs="+",
+        default=["default"],
+        choices=["default", "deterministic"],
+        help="the replay's backward: the default (fused where it applies) or deterministic=True",
+    )
     args = ap.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
     dtype, H, D = (torch.bfloat16, 32, 128) if device.type == "cuda" else (torch.float32, 2, 32)
@@ -222,10 +233,11 @@ def main():
         out["block_ops"] = [r for S in sizes for r in block_op_rows(S, H, D, dtype, device)]
     if "replay" in args.sections:
         out["replay"] = [
-            replay_rows(S, w, H, Hkv, D, dtype, device, c, a)
+            replay_rows(S, w, H, Hkv, D, dtype, device, c, a, b)
             for S, w, Hkv in replays
             for c in args.grad_chunks
             for a in args.grad_accum
+            for b in args.backward
         ]
     if "memory" in args.sections and device.type == "cuda":
         out["memory"] = [
@@ -246,8 +258,8 @@ def main():
     for r in out["replay"]:
         print(
             f"  S={r['S']} P={r['world']} Hkv={r['kv_heads']} grad chunks={r['grad_chunks']} "
-            f"accumulators {r['grad_accum']}: "
-            f"efficiency {r['efficiency']:.3f}"
+            f"accumulators {r['grad_accum']} backward {r['backward']}: "
+            f"{r['replay_rank0_ms']:.2f} ms, efficiency {r['efficiency']:.3f}"
         )
     print("peak memory beyond the inputs, ring (P=4) vs local + 2 K/V buffers:")
     for r in out["memory"]:

@@ -108,6 +108,13 @@ def check_bool(name: str, value, api: str) -> None:
         raise TypeError(f"{api}: {name} must be a bool, got {type(value).__name__}")
 
 
+def resolve_deterministic(deterministic, api: str) -> bool:
+    """The backward's mode: bitwise reproducible when asked (deterministic=True) or when torch
+    is told to use deterministic algorithms (torch.use_deterministic_algorithms(True))."""
+    check_bool("deterministic", deterministic, api)
+    return deterministic or torch.are_deterministic_algorithms_enabled()
+
+
 def key_bias_from_mask(mask, dims: AttnDims, device, api: str, dtype=torch.float32):
     """key_padding_mask (B, Sk), bool (True = ignore the key) or float (added to the scores),
     as a (B, Sk) bias in `dtype` (the state dtype: float32, float64 for float64), or None."""

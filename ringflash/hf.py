@@ -475,7 +475,10 @@ def apply(model, *, group=None, layout="zigzag", head_group=None, allow_untested
     A forward runs on the ring when the group (R x U ranks with a head_group) has more than one
     rank, no KV cache is passed in and it is not inside model.generate(); otherwise (no process
     group, world 1, a cache, generate()) attention is local and the input must be the whole
-    sequence. Applying again rebinds group, layout and head_group.
+    sequence. Applying again rebinds group, layout and head_group. The backward is bitwise
+    reproducible under torch.use_deterministic_algorithms(True) (the attention functions'
+    deterministic=True; transformers' enable_full_determinism sets it), otherwise it may take
+    the fused Hopper kernel (flash_attn_func's deterministic).
     """
     api = "ringflash.hf.apply"
     _check_named_layout(layout, api)

@@ -234,8 +234,8 @@ def _call_operator(
         q, k, v, key_padding_mask, cu_seqlens, resolve_group(group).group_name, resolve_group(head_group).group_name,
         *ops.window_args(spec.window), spec.scale, *operator_dropout(p, generator), layout,
         -1 if spec.grad_chunks is None else spec.grad_chunks, spec.grad_accum,
-        "" if torch.compiler.is_compiling() else backend_name(q.device), list(lens_q), list(lens_k), ring_len,
-        return_lse, agree,
+        "" if torch.compiler.is_compiling() else backend_name(q.device), spec.deterministic, list(lens_q),
+        list(lens_k), ring_len, return_lse, agree,
     )  # fmt: skip
     return all_dropped(out, p), (lse if return_lse else None)
 
@@ -257,6 +257,7 @@ def hybrid_attn(
     grad_chunks,
     dropout_p=0.0,
     generator=None,
+    deterministic=False,
 ):
     """ring_flash_attn_func with a head_group (see its docstring and README: Hybrid). Dropout:
     the keep mask of the global query heads (this rank's start at u * Hq / U), one seed for the
@@ -275,8 +276,9 @@ def hybrid_attn(
         if is_balanced(layout):
             raise ValueError(f"{api}: a balanced layout (packed documents) goes with ring_flash_attn_varlen_func")
         dims, spec, _ = ring_call_spec(
-            q, k, v, causal, softmax_scale, layout, key_padding_mask, grad_accum_dtype, grad_chunks, api, window_size
-        )
+            q, k, v, causal, softmax_scale, layout, key_padding_mask, grad_accum_dtype, grad_chunks, api, window_size,
+            deterministic,
+        )  # fmt: skip
         _check_grid(group, head_group, R, U, dims.heads_q, dims.heads_kv, grad_chunks, q.device, api)
         if R > 1:
             parts = chunks_per_rank(layout)
@@ -317,7 +319,7 @@ def _check_grid(group, head_group, R, U, heads_q, heads_kv, grad_chunks, device,
 
 def hybrid_varlen_attn(
     q, k, v, cu_seqlens, *, layout, causal, softmax_scale, window_size, group, head_group, return_lse,
-    grad_accum_dtype, grad_chunks, dropout_p, generator,
+    grad_accum_dtype, grad_chunks, dropout_p, generator, deterministic=False,
 ):  # fmt: skip
     """ring_flash_attn_varlen_func with a head_group: q (n, Hq, D), k, v (n, Hkv, D) this rank's
     piece of its ring position's shard of a balanced layout over the R ring positions
@@ -334,7 +336,7 @@ def hybrid_varlen_attn(
     def validate():
         p, spec = check_packed_call(
             q, k, v, cu_seqlens, layout, causal, softmax_scale, window_size, return_lse, grad_accum_dtype,
-            grad_chunks, dropout_p, generator, api, R, r, head_pieces=(u, U),
+            grad_chunks, dropout_p, generator, api, R, r, head_pieces=(u, U), deterministic=deterministic,
         )  # fmt: skip
         _check_grid(group, head_group, R, U, q.shape[1], k.shape[1], grad_chunks, q.device, api)
         shapes = (

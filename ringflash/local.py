@@ -25,6 +25,7 @@ from ._checks import (
     check_qkv,
     check_tensor,
     key_bias_from_mask,
+    resolve_deterministic,
     resolve_scale,
 )
 from .dropout import all_dropped, check_dropout, operator_dropout
@@ -144,12 +145,15 @@ def block_backward(
     key_bias=None,
     backend=None,
     dropout=None,
+    deterministic=False,
 ):
     """Gradients of the block (`mask` and `dropout` as in block_forward) given the final row statistics m, l
     (SoftmaxState.m / .l) and delta, (B, Hq, Sq) each, of the query rows: added into
     (accumulate=True) or written to dq (B, Sq, Hq, D), dk (B, Sk, Hkv, D) and dv (B, Sk, Hkv, Dv);
     do is (B, Sq, Hq, Dv). dq=None skips
-    the dQ pass, dk=dv=None the dK/dV pass. Returns whether anything was computed."""
+    the dQ pass, dk=dv=None the dK/dV pass. With all three given, a block fuses_backward accepts
+    runs as one fused kernel whose dQ is not bitwise reproducible; deterministic=True keeps the
+    separate passes, which are. Returns whether anything was computed."""
     vis = mask.visibility(q.shape[1], k.shape[1])
     if vis is Visibility.NONE:
         if not accumulate:
@@ -161,9 +165,22 @@ def block_backward(
     (backend or backend_for(q.device)).backward(
         _unit_stride(q), _unit_stride(k), _unit_stride(v), m, l, _unit_stride(do), delta, dq, dk, dv,
         q_start=mask.q_start, k_start=mask.k_start, window=window, bounds=mask.bounds, scale=scale,
-        accumulate=accumulate, key_bias=key_bias, dropout=dropout,
+        accumulate=accumulate, key_bias=key_bias, dropout=dropout, deterministic=deterministic,
     )  # fmt: skip
     return True
+
+
+def fuses_backward(q, k, v, mask: BlockMask, *, key_bias=None, backend=None, dropout=None, deterministic=False):
+    """Whether block_backward runs this block (arguments as its) as one fused kernel when given
+    dq, dk and dv together: a caller that computes dQ apart from dK/dV (the ring's backward)
+    should then pass them together."""
+    vis = mask.visibility(q.shape[1], k.shape[1])
+    if vis is Visibility.NONE:
+        return False
+    window = None if vis is Visibility.FULL else mask.window
+    return (backend or backend_for(q.device)).fuses_backward(
+        q, k, v, window=window, bounds=mask.bounds, key_bias=key_bias, dropout=dropout, deterministic=deterministic
+    )
 
 
 def without_autocast(method):
@@ -195,13 +212,14 @@ def backward_inputs(out, do, dlse, backend=None):
 class _FlashAttn(torch.autograd.Function):
     @staticmethod
     @without_autocast
-    def forward(ctx, q, k, v, key_bias, mask: BlockMask, scale, dropout=None):
+    def forward(ctx, q, k, v, key_bias, mask: BlockMask, scale, dropout=None, deterministic=False):
         backend = backend_for(q.device)
         state = SoftmaxState.empty(q.new_empty(*q.shape[:3], v.shape[3]))  # out: (B, Sq, Hq, Dv)
         block_forward(q, k, v, state, mask, scale=scale, fold=False, normalize=True, key_bias=key_bias,
                       backend=backend, dropout=dropout)  # fmt: skip
         ctx.save_for_backward(q, k, v, state.o, state.m, state.l, key_bias)
         ctx.mask, ctx.scale, ctx.backend, ctx.dropout = mask, scale, backend, dropout
+        ctx.deterministic = deterministic
         ctx.set_materialize_grads(False)
         return state.o, state.lse()
 
@@ -212,13 +230,14 @@ class _FlashAttn(torch.autograd.Function):
         do, delta = backward_inputs(out, do, dlse, ctx.backend)
         dq, dk, dv = (torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
         block_backward(q, k, v, m, l, do, delta, dq, dk, dv, ctx.mask, scale=ctx.scale, accumulate=False,
-                       key_bias=key_bias, backend=ctx.backend, dropout=ctx.dropout)  # fmt: skip
-        return dq, dk, dv, None, None, None, None
+                       key_bias=key_bias, backend=ctx.backend, dropout=ctx.dropout,
+                       deterministic=ctx.deterministic)  # fmt: skip
+        return dq, dk, dv, None, None, None, None, None
 
 
 def flash_attn_func(
     q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), key_padding_mask=None, return_lse=False,
-    dropout_p=0.0, generator=None,
+    dropout_p=0.0, generator=None, deterministic=False,
 ):  # fmt: skip
     """Exact attention on one device.
 
@@ -242,11 +261,17 @@ def flash_attn_func(
     (ringflash.dropout), kept weights are scaled by 1 / (1 - p); the backward rebuilds the
     mask. lse is that of the weights before dropout. generator: a CPU torch.Generator to draw
     the seed from instead.
+    deterministic: the backward's mode. False (default): on Hopper, 16-bit inputs with D = Dv =
+    64 or 128, dense or causal, no mask or dropout, run one fused backward kernel whose dQ is summed
+    in float32 by atomics in a varying order (gradients equal within rounding, not bitwise, run
+    to run); True, or torch.use_deterministic_algorithms(True): the two-pass backward, bitwise
+    reproducible. Every other case is bitwise reproducible either way.
     """
     api = "flash_attn_func"
     dims = check_qkv(q, k, v, api)
     check_bool("causal", causal, api)
     check_bool("return_lse", return_lse, api)
+    deterministic = resolve_deterministic(deterministic, api)
     dropout_p = check_dropout(dropout_p, generator, api)
     window = window_from(causal, window_size, api)
     scale = resolve_scale(softmax_scale, dims.head_dim, api)
@@ -257,7 +282,7 @@ def flash_attn_func(
     q_start, k_start = local_offsets(dims.seqlen_q, dims.seqlen_k)
     out, lse = ops.flash(
         q, k, v, key_bias, None, None, q_start, k_start, *ops.window_args(window), scale,
-        *operator_dropout(dropout_p, generator), _op_backend(q), -1, -1,
+        *operator_dropout(dropout_p, generator), _op_backend(q), deterministic, -1, -1,
     )  # fmt: skip
     out = all_dropped(out, dropout_p)
     return (out, lse) if return_lse else out
@@ -265,7 +290,7 @@ def flash_attn_func(
 
 def flash_attn_varlen_func(
     q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_seqlen_k=None, *, causal=False, softmax_scale=None,
-    window_size=(-1, -1), return_lse=False, dropout_p=0.0, generator=None,
+    window_size=(-1, -1), return_lse=False, dropout_p=0.0, generator=None, deterministic=False,
 ):  # fmt: skip
     """Exact attention over packed documents (the THD layout), on one device.
 
@@ -280,7 +305,8 @@ def flash_attn_varlen_func(
     q, k, v. Any head dim from 1 to 256; no documents or no rows give empty (or zero) outputs.
     Cost follows the visible pairs (about the sum of squared document lengths / 2 for
     causal documents), not total_q x total_k. dropout_p, generator: as flash_attn_func's, query
-    and key indices being rows of the packed q and k.
+    and key indices being rows of the packed q and k. deterministic: as flash_attn_func's (packed
+    documents always take the two-pass backward today).
     """
     api = "flash_attn_varlen_func"
     for name, t in (("q", q), ("k", k), ("v", v)):
@@ -291,6 +317,7 @@ def flash_attn_varlen_func(
     check_bool("causal", causal, api)
     check_bool("return_lse", return_lse, api)
     dropout_p = check_dropout(dropout_p, generator, api)
+    deterministic = resolve_deterministic(deterministic, api)
     window = window_from(causal, window_size, api)
     scale = resolve_scale(softmax_scale, dims.head_dim, api)
     check_cu_tensor("cu_seqlens_q", cu_seqlens_q, q.device, api)
@@ -312,7 +339,7 @@ def flash_attn_varlen_func(
     # kernel: inside the operator when traced, where they are known under torch.compile too
     out, lse = ops.flash(
         q[None], k[None], v[None], None, cu_seqlens_q, cu_seqlens_k, 0, 0, *ops.window_args(window), scale,
-        *operator_dropout(dropout_p, generator), _op_backend(q), *hints,
+        *operator_dropout(dropout_p, generator), _op_backend(q), deterministic, *hints,
     )  # fmt: skip
     out = all_dropped(out, dropout_p)
     return (out[0], lse[0]) if return_lse else out[0]

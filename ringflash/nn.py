@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ._checks import MAX_HEAD_DIM, SUPPORTED_DTYPES, AttnDims, key_bias_from_mask, resolve_scale
+from ._checks import MAX_HEAD_DIM, SUPPORTED_DTYPES, AttnDims, check_bool, key_bias_from_mask, resolve_scale
 from .comm import group_rank_world
 from .dense import dense_attention, gather_sequence, pair_bias
 from .dropout import agreed_seed
@@ -27,8 +27,8 @@ class RingMultiheadAttention(nn.MultiheadAttention):
     Inputs are this rank's shard of each sequence, in the module's layout: (B, L_local, E)
     with batch_first=True, else (L_local, B, E); unbatched (L_local, E) works too. Keys and
     values are sharded the same way as their own sequence (see ringflash.shard). The output
-    is this rank's shard. group, layout, grad_accum_dtype and head_group (keyword-only) are
-    passed to ring_flash_attn_func (with a head_group, inputs are sharded over R x U ranks as
+    is this rank's shard. group, layout, grad_accum_dtype, head_group and deterministic
+    (keyword-only) are passed to ring_flash_attn_func (with a head_group, inputs are sharded over R x U ranks as
     ringflash.shard(..., head_group=) does, and num_heads must split over the head group).
 
     need_weights=True (torch's default) also returns the attention weights of this rank's
@@ -74,6 +74,8 @@ class RingMultiheadAttention(nn.MultiheadAttention):
     module is built.
     """
 
+    deterministic = False  # modules pickled before the argument existed
+
     def __init__(
         self,
         embed_dim,
@@ -92,8 +94,10 @@ class RingMultiheadAttention(nn.MultiheadAttention):
         layout="zigzag",
         grad_accum_dtype=None,
         head_group=None,
+        deterministic=False,
     ):
         _check_construction(embed_dim, num_heads, dropout, kdim, vdim, grad_accum_dtype)
+        check_bool("deterministic", deterministic, "RingMultiheadAttention")
         check_layout(layout, "RingMultiheadAttention")
         super().__init__(
             embed_dim,
@@ -112,6 +116,7 @@ class RingMultiheadAttention(nn.MultiheadAttention):
         self.head_group = head_group
         self.layout = layout
         self.grad_accum_dtype = grad_accum_dtype
+        self.deterministic = deterministic
         # torch's TransformerEncoderLayer has a fused inference fast path that reads these
         # weights and runs local attention itself, bypassing forward(); an attached hook is one
         # of the conditions that turns it off, on every torch version that has it.
@@ -198,9 +203,12 @@ class RingMultiheadAttention(nn.MultiheadAttention):
             return_lse=True,
             head_group=self.head_group,
             dropout_p=float(self.dropout) if dropping else 0.0,
+            deterministic=self.deterministic,
         )
         if extra is not None:  # seen by every query: one more block, folded in with the lse merge
-            o_x, lse_x = flash_attn_func(q, *extra, softmax_scale=scale, return_lse=True)
+            o_x, lse_x = flash_attn_func(
+                q, *extra, softmax_scale=scale, return_lse=True, deterministic=self.deterministic
+            )
             o, lse = merge_attn_states(o, lse, o_x, lse_x)
             o = o.to(q.dtype)
         weights = None
@@ -246,10 +254,21 @@ class RingMultiheadAttention(nn.MultiheadAttention):
         if dropping and extra is not None:
             raise NotImplementedError(f"{api}: nested tensors with dropout and add_bias_kv / add_zero_attn")
         o, lse = flash_attn_varlen_func(
-            q, k, v, cu_q, cu_k, causal=is_causal, return_lse=True, dropout_p=float(self.dropout) if dropping else 0.0
+            q,
+            k,
+            v,
+            cu_q,
+            cu_k,
+            causal=is_causal,
+            return_lse=True,
+            dropout_p=float(self.dropout) if dropping else 0.0,
+            deterministic=self.deterministic,
         )
         if extra is not None:  # seen by every query, folded in with the lse merge (see _extra_kv)
-            o_x, lse_x = flash_attn_func(q[None], *extra, softmax_scale=resolve_scale(None, hd, api), return_lse=True)
+            o_x, lse_x = flash_attn_func(
+                q[None], *extra, softmax_scale=resolve_scale(None, hd, api), return_lse=True,
+                deterministic=self.deterministic,
+            )  # fmt: skip
             o, lse = merge_attn_states(o[None], lse[None], o_x, lse_x)
             o = o[0].to(q.dtype)
         out = _linear(o.reshape(-1, self.embed_dim), self.out_proj.weight, self.out_proj.bias)

@@ -115,6 +115,7 @@ def flash_fwd(
     dropout_p: float,
     seed: torch.Tensor | None,
     backend: str,
+    deterministic: bool,
     max_q: int,
     max_k: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -122,8 +123,8 @@ def flash_fwd(
     Packed documents: B = 1 and cu_q / cu_k give the documents; their values and the
     max_q / max_k hints (-1: none) are checked here, where they are known even under
     torch.compile. dropout_p, seed (an int64 scalar tensor, or None: no dropout): attention
-    dropout (ringflash.dropout). Returns out (B, Sq, Hq, Dv), lse, m, l (B, Hq, Sq) in the state
-    dtype."""
+    dropout (ringflash.dropout). deterministic: the backward's mode (local.block_backward), kept
+    for flash_bwd. Returns out (B, Sq, Hq, Dv), lse, m, l (B, Hq, Sq) in the state dtype."""
     ctx, mask = _Saved(), _flash_mask(q, k, cu_q, cu_k, q_start, k_start, left, right, max_q, max_k)
     with local.use_backend(_backend(backend, q.device)):
         out, lse = local._FlashAttn.forward(ctx, q, k, v, key_bias, mask, scale, _dropout(dropout_p, seed))
@@ -142,19 +143,23 @@ def _flash_mask(q, k, cu_q, cu_k, q_start, k_start, left, right, max_q, max_k) -
     return _mask(q_start, k_start, left, right, cu_values, q.device)
 
 
-def flash(q, k, v, key_bias, cu_q, cu_k, q_start, k_start, left, right, scale, dropout_p, seed, backend, max_q, max_k):
+def flash(
+    q, k, v, key_bias, cu_q, cu_k, q_start, k_start, left, right, scale, dropout_p, seed, backend, deterministic, max_q,
+    max_k,
+):  # fmt: skip
     """(out, lse) of flash_fwd (same arguments), for the public functions. Traced by
     torch.compile: the operator. Eager: the same forward and backward (local._FlashAttn)
     without the operator's dispatch, whose host time per call matters at short sequences
     (benchmarks.host_overhead)."""
     if torch.compiler.is_compiling():
         out, lse, _, _ = flash_fwd(
-            q, k, v, key_bias, cu_q, cu_k, q_start, k_start, left, right, scale, dropout_p, seed, backend, max_q, max_k
-        )
+            q, k, v, key_bias, cu_q, cu_k, q_start, k_start, left, right, scale, dropout_p, seed, backend,
+            deterministic, max_q, max_k,
+        )  # fmt: skip
         return out, lse
     mask = _flash_mask(q, k, cu_q, cu_k, q_start, k_start, left, right, max_q, max_k)
     with local.use_backend(_backend(backend, q.device)):
-        return local._FlashAttn.apply(q, k, v, key_bias, mask, scale, _dropout(dropout_p, seed))
+        return local._FlashAttn.apply(q, k, v, key_bias, mask, scale, _dropout(dropout_p, seed), deterministic)
 
 
 @flash_fwd.register_fake
@@ -183,6 +188,7 @@ def flash_bwd(
     dropout_p: float,
     seed: torch.Tensor | None,
     backend: str,
+    deterministic: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dq, dk, dv of flash_fwd, given its out, m, l and the gradients of out and lse."""
     name = _backend(backend, q.device)
@@ -193,6 +199,7 @@ def flash_bwd(
             scale=scale,
             backend=local.backend_for(q.device),
             dropout=_dropout(dropout_p, seed),
+            deterministic=deterministic,
         )
         dq, dk, dv = local._FlashAttn.backward(ctx, do, dlse)[:3]
     return dq, dk, dv
@@ -204,17 +211,19 @@ def _(q, k, v, *args):
 
 
 def _flash_setup(ctx, inputs, output):
-    q, k, v, key_bias, cu_q, cu_k, q_start, k_start, left, right, scale, dropout_p, seed, backend, _, _ = inputs
+    q, k, v, key_bias, cu_q, cu_k, q_start, k_start, left, right, scale, dropout_p, seed, backend, det, _, _ = inputs
     ctx.args = (q_start, k_start, left, right, scale, dropout_p)  # the hints were checked by the forward
-    ctx.backend = backend
+    ctx.backend, ctx.deterministic = backend, det
     out, _, m, l = output
     ctx.save_for_backward(q, k, v, out, m, l, key_bias, cu_q, cu_k, seed)
 
 
 def _flash_backward(ctx, dout, dlse, dm, dl):
     q, k, v, out, m, l, key_bias, cu_q, cu_k, seed = ctx.saved_tensors
-    dq, dk, dv = flash_bwd(q, k, v, out, m, l, dout, dlse, key_bias, cu_q, cu_k, *ctx.args, seed, ctx.backend)
-    return (dq, dk, dv) + (None,) * 13
+    dq, dk, dv = flash_bwd(
+        q, k, v, out, m, l, dout, dlse, key_bias, cu_q, cu_k, *ctx.args, seed, ctx.backend, ctx.deterministic
+    )
+    return (dq, dk, dv) + (None,) * 14
 
 
 flash_fwd.register_autograd(_flash_backward, setup_context=_flash_setup)
@@ -240,11 +249,11 @@ def _layout(layout: str):
     return layout_from_code(layout) if layout.startswith(CODE_PREFIX) else layout
 
 
-def _ring_spec(left, right, scale, dropout, layout, grad_chunks, grad_accum):
+def _ring_spec(left, right, scale, dropout, layout, grad_chunks, grad_accum, deterministic):
     from .ring import RingSpec
 
     grad_chunks = None if grad_chunks < 0 else grad_chunks
-    return RingSpec(_window(left, right), scale, _layout(layout), grad_chunks, grad_accum, dropout)
+    return RingSpec(_window(left, right), scale, _layout(layout), grad_chunks, grad_accum, dropout, deterministic)
 
 
 def _cu_seqlens_error(cu_seqlens, layout: str, api: str):
@@ -301,6 +310,7 @@ def ring_fwd(
     grad_chunks: int,
     grad_accum: torch.dtype | None,
     backend: str,
+    deterministic: bool,
     agree: list[int],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The ring forward over the process group named `group_name` ("" : one rank), inputs
@@ -316,7 +326,7 @@ def ring_fwd(
     comm, group = _ring_run(group_name)
     seed = _agreed(agree, cu_seqlens, layout, q.device, seed, group)
     ctx = _Saved()
-    spec = _ring_spec(left, right, scale, _dropout(dropout_p, seed), layout, grad_chunks, grad_accum)
+    spec = _ring_spec(left, right, scale, _dropout(dropout_p, seed), layout, grad_chunks, grad_accum, deterministic)
     with local.use_backend(_backend(backend, q.device)):
         out, lse = ring._RingAttn.forward(ctx, q, k, v, key_bias, spec, comm)
     m, l = ctx.saved_tensors[4:6]
@@ -349,6 +359,7 @@ def ring_bwd(
     grad_chunks: int,
     grad_accum: torch.dtype | None,
     backend: str,
+    deterministic: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dq, dk, dv of ring_fwd (this rank's shards), K/V rotating the ring again; seed: the one
     ring_fwd used."""
@@ -358,7 +369,9 @@ def ring_bwd(
     with local.use_backend(_backend(backend, q.device)):
         ctx = _Saved(
             saved_tensors=(q, k.contiguous(), v.contiguous(), out, m, l, key_bias),
-            spec=_ring_spec(left, right, scale, _dropout(dropout_p, seed), layout, grad_chunks, grad_accum),
+            spec=_ring_spec(
+                left, right, scale, _dropout(dropout_p, seed), layout, grad_chunks, grad_accum, deterministic
+            ),
             comm=comm,
             backend=local.backend_for(q.device),
         )
@@ -382,7 +395,7 @@ def _ring_setup(ctx, inputs, output):
 def _ring_backward(ctx, dout, dlse, dm, dl, dseed):
     q, k, v, out, m, l, key_bias, seed = ctx.saved_tensors
     dq, dk, dv = ring_bwd(q, k, v, out, m, l, dout, dlse, key_bias, *ctx.args, seed, *ctx.rest)
-    return (dq, dk, dv) + (None,) * 13
+    return (dq, dk, dv) + (None,) * 14
 
 
 ring_fwd.register_autograd(_ring_backward, setup_context=_ring_setup)
@@ -407,7 +420,9 @@ def _api_name(layout: str) -> str:
     return "ring_flash_attn_varlen_func" if layout.startswith(CODE_PREFIX) else "ring_flash_attn_func"
 
 
-def _hybrid_spec(left, right, scale, dropout_p, seed, layout, grad_chunks, grad_accum, q_heads, kv_heads, head_group):
+def _hybrid_spec(
+    left, right, scale, dropout_p, seed, layout, grad_chunks, grad_accum, deterministic, q_heads, kv_heads, head_group
+):  # fmt: skip
     """(RingSpec, HeadPlan) of a hybrid operator: dropout of this rank's query heads, which start
     at u * Hq / U among the global ones."""
     from .comm import group_rank_world
@@ -417,7 +432,7 @@ def _hybrid_spec(left, right, scale, dropout_p, seed, layout, grad_chunks, grad_
     plan = head_plan(q_heads, kv_heads, U, _api_name(layout))
     drop = _dropout(dropout_p, seed)
     drop = drop and drop.heads_from(u * plan.q_per)
-    return _ring_spec(left, right, scale, drop, layout, grad_chunks, grad_accum), plan
+    return _ring_spec(left, right, scale, drop, layout, grad_chunks, grad_accum, deterministic), plan
 
 
 @torch.library.custom_op(f"{NAMESPACE}::hybrid_fwd", mutates_args=())
@@ -438,6 +453,7 @@ def hybrid_fwd(
     grad_chunks: int,
     grad_accum: torch.dtype | None,
     backend: str,
+    deterministic: bool,
     lens_q: list[int],
     lens_k: list[int],
     ring_len: int,
@@ -463,8 +479,9 @@ def hybrid_fwd(
     group, head_group, comm = _grid_run(group_name, head_group_name)
     seed = _agreed(agree, cu_seqlens, layout, q.device, seed, group, head_group)
     spec, plan = _hybrid_spec(
-        left, right, scale, dropout_p, seed, layout, grad_chunks, grad_accum, q.shape[2], k.shape[2], head_group
-    )
+        left, right, scale, dropout_p, seed, layout, grad_chunks, grad_accum, deterministic, q.shape[2], k.shape[2],
+        head_group,
+    )  # fmt: skip
     with local.use_backend(_backend(backend, q.device)):
         out, lse, saved = hybrid.hybrid_forward(
             q, k, v, key_padding_mask, spec, comm, plan, head_group, lens_q, lens_k, ring_len, return_lse
@@ -482,7 +499,7 @@ def hybrid_fwd(
 def _(q, k, v, key_padding_mask, cu_seqlens, group_name, head_group_name, *args):
     from .hybrid import head_plan
 
-    layout, lens_q, ring_len, return_lse = args[5], args[9], args[11], args[12]
+    layout, lens_q, ring_len, return_lse = args[5], args[-5], args[-3], args[-2]
     B, L, Hq, D = q.shape
     plan = head_plan(Hq, k.shape[2], len(lens_q), _api_name(layout))
     n = sum(lens_q)
@@ -518,6 +535,7 @@ def hybrid_bwd(
     grad_chunks: int,
     grad_accum: torch.dtype | None,
     backend: str,
+    deterministic: bool,
     lens_q: list[int],
     lens_k: list[int],
     return_lse: bool,
@@ -533,8 +551,9 @@ def hybrid_bwd(
     group, head_group, comm = _grid_run(group_name, head_group_name)
     U = len(lens_q)
     spec, plan = _hybrid_spec(
-        left, right, scale, dropout_p, seed, layout, grad_chunks, grad_accum, U * q_r.shape[2], kv_heads, head_group
-    )
+        left, right, scale, dropout_p, seed, layout, grad_chunks, grad_accum, deterministic, U * q_r.shape[2],
+        kv_heads, head_group,
+    )  # fmt: skip
     saved = (q_r, k_r, v_r, out_r, m, l, key_bias)
     with local.use_backend(_backend(backend, q_r.device)):
         return hybrid.hybrid_backward(
@@ -544,7 +563,7 @@ def hybrid_bwd(
 
 @hybrid_bwd.register_fake
 def _(q_r, k_r, v_r, *args):
-    lens_q, q_len, kv_len, kv_heads = args[17], *args[20:23]
+    lens_q, q_len, kv_len, kv_heads = args[-6], *args[-3:]
     B, _, h, D = q_r.shape
     dk, dv = (t.new_empty(B, kv_len, kv_heads, t.shape[3]) for t in (k_r, v_r))
     return q_r.new_empty(B, q_len, len(lens_q) * h, D), dk, dv
@@ -552,12 +571,12 @@ def _(q_r, k_r, v_r, *args):
 
 def _hybrid_setup(ctx, inputs, output):
     q, k, _, key_padding_mask, _, *names_and_args = inputs
-    group_name, head_group_name, left, right, scale, dropout_p, _, layout, grad_chunks, grad_accum, backend = (
-        names_and_args[:11]
-    )
-    lens_q, lens_k, _, return_lse, _ = names_and_args[11:]
+    group_name, head_group_name, left, right, scale, dropout_p, _, layout, grad_chunks, grad_accum = names_and_args[:10]
+    backend, deterministic, lens_q, lens_k, _, return_lse, _ = names_and_args[10:]
     ctx.names_and_args = (group_name, head_group_name, left, right, scale, dropout_p)
-    ctx.rest = (layout, grad_chunks, grad_accum, backend, lens_q, lens_k, return_lse, q.shape[1], *k.shape[1:3])
+    ctx.rest = (
+        layout, grad_chunks, grad_accum, backend, deterministic, lens_q, lens_k, return_lse, q.shape[1], *k.shape[1:3]
+    )  # fmt: skip
     ctx.has_mask = key_padding_mask is not None
     ctx.set_materialize_grads(False)  # the ring tensors' gradients are never used
     _, _, q_r, k_r, v_r, out_r, m, l, key_bias, seed = output
@@ -568,7 +587,7 @@ def _hybrid_backward(ctx, dout, dlse, *unused):
     q_r, k_r, v_r, out_r, m, l, key_bias, seed = ctx.saved_tensors
     key_bias = key_bias if ctx.has_mask else None
     dq, dk, dv = hybrid_bwd(q_r, k_r, v_r, out_r, m, l, key_bias, dout, dlse, *ctx.names_and_args, seed, *ctx.rest)
-    return (dq, dk, dv) + (None,) * 18
+    return (dq, dk, dv) + (None,) * 19
 
 
 hybrid_fwd.register_autograd(_hybrid_backward, setup_context=_hybrid_setup)

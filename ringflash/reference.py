@@ -125,6 +125,12 @@ def delta(o, do):
     return (do.to(acc) * o.to(acc)).sum(-1).transpose(1, 2).contiguous()
 
 
+def fuses_backward(q, k, v, *, window, bounds, key_bias=None, dropout=None, deterministic=False) -> bool:
+    """Whether a block's dQ and dK/dV are best computed in one call: never here (the callers'
+    separate dQ and dK/dV calls are the ones this backend was measured and tested with)."""
+    return False
+
+
 def backward(
     q,
     k,
@@ -145,9 +151,11 @@ def backward(
     accumulate,
     key_bias=None,
     dropout=None,
+    deterministic=False,
 ):
     """Gradients of one block (positions, window, bounds and dropout as in forward) given the
-    final row statistics m, l and delta (B, Hq, Sq).
+    final row statistics m, l and delta (B, Hq, Sq). Always bitwise reproducible
+    (deterministic is accepted for the backends' common signature).
 
     dq (B, Sq, Hq, D), dk (B, Sk, Hkv, D) and dv (B, Sk, Hkv, Dv) (do: (B, Sq, Hq, Dv)) are added
     to (accumulate=True) or overwritten;

@@ -15,12 +15,28 @@ from dataclasses import dataclass
 import torch
 
 from . import ops
-from ._checks import SUPPORTED_DTYPES, check_bool, check_qkv, key_bias_from_mask, resolve_grad_accum, resolve_scale
+from ._checks import (
+    SUPPORTED_DTYPES,
+    check_bool,
+    check_qkv,
+    key_bias_from_mask,
+    resolve_deterministic,
+    resolve_grad_accum,
+    resolve_scale,
+)
 from .balance import checked_cu_seqlens, named_layout
 from .comm import check_backend_device, group_rank_world, is_mesh, resolve_group, resolve_groups, validated_across_ranks
 from .dropout import Dropout, all_dropped, check_dropout, operator_dropout
 from .empty import empty_attention
-from .local import backend_for, backend_name, backward_inputs, block_backward, block_forward, without_autocast
+from .local import (
+    backend_for,
+    backend_name,
+    backward_inputs,
+    block_backward,
+    block_forward,
+    fuses_backward,
+    without_autocast,
+)
 from .masks import FULL, BlockMask, Window, window_from
 from .merge import SoftmaxState, state_dtype
 from .relay import GradRelay, default_grad_chunks
@@ -47,6 +63,8 @@ class RingSpec:
     (None: relay.default_grad_chunks). grad_accum: dtype of dQ and the travelling dK/dV
     accumulators (None: the state dtype). dropout: None, or the call's attention dropout
     (ringflash.dropout.Dropout from index 0; each block task takes it at its global positions).
+    deterministic: the backward keeps dQ apart from dK/dV in bitwise reproducible passes;
+    otherwise blocks local.fuses_backward accepts compute all three in one fused call.
     """
 
     window: Window
@@ -55,6 +73,7 @@ class RingSpec:
     grad_chunks: int | None = None
     grad_accum: torch.dtype | None = None
     dropout: Dropout | None = None
+    deterministic: bool = False
 
     def __post_init__(self):
         if not isinstance(self.window, Window):  # e.g. the causal flag where the window goes
@@ -152,8 +171,24 @@ class _RingAttn(torch.autograd.Function):
         G = q.shape[2] // k.shape[2]
         for step, k_blk, v_blk, bias_blk in _ring_kv(comm, k, v, key_bias, steps):
             tasks = list(_tasks(spec, comm, step, q, k.shape[1]))
+            # a task the fused kernel takes computes its dQ with dK/dV below; the others compute
             # dQ first: it does not need the incoming dK/dV accumulators, which arrive meanwhile
-            for t, mask, drop in tasks:
+            fused = [
+                fuses_backward(
+                    q[:, t.q_rows],
+                    k_blk[:, t.kv_rows],
+                    v_blk[:, t.kv_rows],
+                    mask,
+                    key_bias=_rows(bias_blk, t.kv_rows),
+                    backend=backend,
+                    dropout=drop,
+                    deterministic=spec.deterministic,
+                )  # fmt: skip
+                for t, mask, drop in tasks
+            ]
+            for (t, mask, drop), fuse in zip(tasks, fused):
+                if fuse:
+                    continue
                 r = t.q_rows
                 block_backward(
                     q[:, r],
@@ -176,7 +211,7 @@ class _RingAttn(torch.autograd.Function):
             # dK/dV per kv-head chunk h, with the q heads of its group, as the chunks arrive
             for h, dk, dv in relay.arriving(step):
                 qh = slice(h.start * G, h.stop * G)
-                for t, mask, drop in tasks:
+                for (t, mask, drop), fuse in zip(tasks, fused):
                     r = t.q_rows
                     block_backward(
                         q[:, r, qh],
@@ -186,7 +221,7 @@ class _RingAttn(torch.autograd.Function):
                         l[:, qh, r],
                         do[:, r, qh],
                         delta[:, qh, r],
-                        None,
+                        dq[:, r, qh] if fuse else None,
                         dk[:, t.kv_rows],
                         dv[:, t.kv_rows],
                         mask,
@@ -195,6 +230,7 @@ class _RingAttn(torch.autograd.Function):
                         key_bias=_rows(bias_blk, t.kv_rows),
                         backend=backend,
                         dropout=drop and drop.heads_from(qh.start),
+                        deterministic=spec.deterministic,
                     )
             relay.send(step)
         k_blk = v_blk = bias_blk = None  # the K/V receive buffers go before the outputs are made
@@ -274,12 +310,14 @@ def check_grad_chunks(grad_chunks, api: str):
 
 
 def ring_call_spec(
-    q, k, v, causal, softmax_scale, layout, key_padding_mask, grad_accum_dtype, grad_chunks, api, window_size=(-1, -1)
-):
+    q, k, v, causal, softmax_scale, layout, key_padding_mask, grad_accum_dtype, grad_chunks, api, window_size=(-1, -1),
+    deterministic=False,
+):  # fmt: skip
     """Validate a ring call's own arguments (not against other ranks); returns the dims, its
     RingSpec and the key bias (B, Sk_local) in the state dtype, or None. causal and
     window_size (flash-attn's) become the RingSpec's Window, by global positions."""
     dims = check_qkv(q, k, v, api)
+    deterministic = resolve_deterministic(deterministic, api)
     check_bool("causal", causal, api)
     window = window_from(causal, window_size, api)
     check_layout(layout, api)
@@ -297,7 +335,7 @@ def ring_call_spec(
             f"{api}: {what} ring attention needs equal q and k/v local lengths (self-attention), "
             f"got q {tuple(q.shape)} and k {tuple(k.shape)}"
         )
-    return dims, RingSpec(window, scale, layout, grad_chunks, grad_accum), key_bias
+    return dims, RingSpec(window, scale, layout, grad_chunks, grad_accum, deterministic=deterministic), key_bias
 
 
 def ring_flash_attn_func(
@@ -317,6 +355,7 @@ def ring_flash_attn_func(
     head_group=None,
     dropout_p=0.0,
     generator=None,
+    deterministic=False,
 ):
     """Exact attention over a sequence sharded across the ranks of `group`.
 
@@ -361,6 +400,11 @@ def ring_flash_attn_func(
     of global query and key indices: the same seed drops the same pairs at any world size and
     layout; every rank uses the first rank's seed (one more small all_gather per call).
     generator: a CPU torch.Generator to draw the seed from (default: torch's CPU generator).
+    deterministic: the backward's mode, as flash_attn_func's: False (default) lets each ring
+    step's blocks that the fused Hopper backward takes (16-bit, D = Dv = 64 or 128, dense or causal,
+    no mask or dropout) compute dQ, dK and dV in one kernel, dQ summed by float32 atomics in a
+    varying order; True (or torch.use_deterministic_algorithms(True)) keeps the bitwise
+    reproducible two-pass backward.
     """
     api = "ring_flash_attn_func"
     if head_group is not None or is_mesh(group):
@@ -384,6 +428,7 @@ def ring_flash_attn_func(
                 grad_chunks=grad_chunks,
                 dropout_p=dropout_p,
                 generator=generator,
+                deterministic=deterministic,
             )
     rank, world = group_rank_world(group)
 
@@ -393,8 +438,9 @@ def ring_flash_attn_func(
         if is_balanced(layout):
             raise ValueError(f"{api}: a balanced layout (packed documents) goes with ring_flash_attn_varlen_func")
         dims, spec, key_bias = ring_call_spec(
-            q, k, v, causal, softmax_scale, layout, key_padding_mask, grad_accum_dtype, grad_chunks, api, window_size
-        )
+            q, k, v, causal, softmax_scale, layout, key_padding_mask, grad_accum_dtype, grad_chunks, api, window_size,
+            deterministic,
+        )  # fmt: skip
         if world > 1:
             check_backend_device(group, q.device, api)
             parts = chunks_per_rank(layout)
@@ -425,7 +471,7 @@ def ring_flash_attn_func(
         q, k, v, key_bias, None, resolve_group(group).group_name if world > 1 else "", *ops.window_args(spec.window),
         spec.scale, *operator_dropout(p, generator), spec.layout,
         -1 if spec.grad_chunks is None else spec.grad_chunks, spec.grad_accum,
-        "" if torch.compiler.is_compiling() else backend_name(q.device), agree,
+        "" if torch.compiler.is_compiling() else backend_name(q.device), spec.deterministic, agree,
     )  # fmt: skip
     out = all_dropped(out, p)
     return (out, lse) if return_lse else out
@@ -433,7 +479,7 @@ def ring_flash_attn_func(
 
 def check_packed_call(
     q, k, v, cu_seqlens, layout, causal, softmax_scale, window_size, return_lse, grad_accum_dtype, grad_chunks,
-    dropout_p, generator, api, world, rank, head_pieces=(0, 1),
+    dropout_p, generator, api, world, rank, head_pieces=(0, 1), deterministic=False,
 ):  # fmt: skip
     """Validate a packed-document ring call on this rank (not against other ranks): returns
     (dropout_p as a float, its RingSpec over the balanced layout). world, rank: the ring's;
@@ -461,7 +507,7 @@ def check_packed_call(
         raise ValueError(f"{api}: the layout gives {where} {n} tokens, got q {tuple(q.shape)} and k {tuple(k.shape)}")
     _, spec, _ = ring_call_spec(
         q[None], k[None], v[None], causal, softmax_scale, "contiguous", None, grad_accum_dtype, grad_chunks, api,
-        window_size,
+        window_size, deterministic,
     )  # fmt: skip
     return p, dataclasses.replace(spec, layout=layout)
 
@@ -502,6 +548,7 @@ def ring_flash_attn_varlen_func(
     dropout_p=0.0,
     generator=None,
     head_group=None,
+    deterministic=False,
 ):
     """Exact attention over packed documents sharded across the ranks of `group`.
 
@@ -523,7 +570,8 @@ def ring_flash_attn_varlen_func(
     for the R ranks of the ring: each ring position's shard is cut into U contiguous pieces
     (lengths differing by at most one; shard(..., layout=layout, head_group=head_group, dim=0)),
     heads travel by all-to-all inside the head group and the ring runs the documents over the
-    ring positions' whole shards at Hq / U heads.
+    ring positions' whole shards at Hq / U heads. deterministic: as ring_flash_attn_func's
+    (packed documents always take the two-pass backward today).
     """
     api = "ring_flash_attn_varlen_func"
     if head_group is not None or is_mesh(group):
@@ -536,6 +584,7 @@ def ring_flash_attn_varlen_func(
             q, k, v, cu_seqlens, layout=layout, causal=causal, softmax_scale=softmax_scale,
             window_size=window_size, group=group, head_group=head_group, return_lse=return_lse,
             grad_accum_dtype=grad_accum_dtype, grad_chunks=grad_chunks, dropout_p=dropout_p, generator=generator,
+            deterministic=deterministic,
         )  # fmt: skip
     rank, world = group_rank_world(group)
     compiling = torch.compiler.is_compiling()
@@ -543,7 +592,7 @@ def ring_flash_attn_varlen_func(
     def validate():
         p, spec = check_packed_call(
             q, k, v, cu_seqlens, layout, causal, softmax_scale, window_size, return_lse, grad_accum_dtype,
-            grad_chunks, dropout_p, generator, api, world, rank,
+            grad_chunks, dropout_p, generator, api, world, rank, deterministic=deterministic,
         )  # fmt: skip
         if world > 1:
             check_backend_device(group, q.device, api)
@@ -572,7 +621,7 @@ def ring_flash_attn_varlen_func(
         q[None], k_p[None], v_p[None], None, cu_check, resolve_group(group).group_name if world > 1 else "",
         *ops.window_args(spec.window), spec.scale, *operator_dropout(p, generator), layout.code,
         -1 if spec.grad_chunks is None else spec.grad_chunks, spec.grad_accum,
-        "" if compiling else backend_name(q.device), agree,
+        "" if compiling else backend_name(q.device), spec.deterministic, agree,
     )  # fmt: skip
     out = all_dropped(out, p)
     return (out[0], lse[0]) if return_lse else out[0]

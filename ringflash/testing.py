@@ -93,13 +93,14 @@ def replay_ring(
     grad_accum_dtype=None,
     grad_chunks=None,
     overlap=False,
+    deterministic=False,
 ):
     """Run the ring's schedule for `world` ranks inside one process on full tensors, without
     a process group: each rank in `ranks` (default all) is replayed in turn with ReplayComm.
 
     q, k, v, do: full (B, S, H, D) tensors (v and do: v's head dim Dv). Returns out, dq, dk, dv as full tensors
     (positions of ranks not replayed are zero; dk/dv then hold only the replayed ranks'
-    contributions). window_size, grad_accum_dtype, grad_chunks: as in ring_flash_attn_func
+    contributions). window_size, grad_accum_dtype, grad_chunks, deterministic: as in ring_flash_attn_func
     (the summing of dK/dV over the replayed ranks is float32). layout: a name or a
     ringflash.balanced_layout built for `world` (packed documents: B = 1, S the packed total; the
     K/V blocks travel padded to the longest shard, as ring_flash_attn_varlen_func sends them).
@@ -107,7 +108,7 @@ def replay_ring(
     """
     _, spec, key_bias = ring_call_spec(
         q, k, v, causal, softmax_scale, layout, key_padding_mask, grad_accum_dtype, grad_chunks, "replay_ring",
-        window_size,
+        window_size, deterministic,
     )  # fmt: skip
     k_shards, v_shards = _split(k, world, layout), _split(v, world, layout)
     kv_rows = [t.shape[1] for t in k_shards]  # before any padding

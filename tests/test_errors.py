@@ -56,7 +56,18 @@ def test_bad_options():
         flash_attn_func(q, q, q, causal=1)
     with pytest.raises(TypeError):
         flash_attn_func(q, q, q, True)  # options are keyword-only
-    from ringflash import ring_flash_attn_func
+    from ringflash import flash_attn_varlen_func, ring_flash_attn_func
+    from ringflash.nn import RingMultiheadAttention
+
+    cu = torch.tensor([0, 4], dtype=torch.int32)
+    for call in (
+        lambda: flash_attn_func(q, q, q, deterministic=1),
+        lambda: flash_attn_varlen_func(q[0], q[0], q[0], cu, cu, deterministic="yes"),
+        lambda: ring_flash_attn_func(q, q, q, deterministic=None),
+        lambda: RingMultiheadAttention(32, 2, deterministic=0),
+    ):
+        with pytest.raises(TypeError, match="deterministic must be a bool"):
+            call()
 
     h = q.to(torch.bfloat16)
     for bad in (torch.float16, torch.float64, "bfloat16"):  # neither float32 nor the inputs' dtype

@@ -65,18 +65,63 @@ def test_windows_vs_float64(dtype, causal, window_size, case):
     test_forward_backward_vs_float64(dtype, causal, case, window_size)
 
 
-def test_deterministic_on_gpu():
+def _spy_fused_backward(monkeypatch) -> list:
+    """Record every call of the fused Gluon backward (the list grows by one per call)."""
+    from ringflash.kernels import gluon_backward
+
+    calls = []
+    real = gluon_backward.backward
+    monkeypatch.setattr(gluon_backward, "backward", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    return calls
+
+
+@pytest.mark.parametrize("how", ["argument", "torch_flag"])
+def test_deterministic_on_gpu(how, monkeypatch):
+    """deterministic=True, or torch.use_deterministic_algorithms(True): the two-pass backward
+    (the fused kernel is never called), bitwise equal run to run, on the shape the fused kernel
+    would otherwise take."""
+    calls = _spy_fused_backward(monkeypatch)
     g = torch.Generator(device="cuda").manual_seed(0)
     q, k, v = (
         torch.randn(1, 4096, 8, 128, device="cuda", generator=g, dtype=torch.bfloat16).requires_grad_()
         for _ in range(3)
     )
     results = []
-    for _ in range(2):
-        out = flash_attn_func(q, k, v, causal=True)
-        results.append((out, *torch.autograd.grad(out, (q, k, v), torch.ones_like(out))))
+    before = torch.are_deterministic_algorithms_enabled()
+    try:
+        if how == "torch_flag":
+            torch.use_deterministic_algorithms(True, warn_only=True)
+        for _ in range(2):
+            out = flash_attn_func(q, k, v, causal=True, deterministic=how == "argument")
+            results.append((out, *torch.autograd.grad(out, (q, k, v), torch.ones_like(out))))
+    finally:
+        torch.use_deterministic_algorithms(before)
+    assert not calls
     for a, b in zip(*results):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize(
+    "case",
+    [(2, 1031, 1031, 4, 2, 128), (1, 777, 2048, 4, 1, 128), (1, 2048, 777, 8, 8, 128), (2, 1031, 1031, 4, 2, 64)],
+    ids=lambda c: "x".join(map(str, c)),
+)
+def test_fused_backward_is_used_and_agrees(dtype, causal, case, monkeypatch):
+    """The default backward of 16-bit D=64 / 128 dense and causal blocks runs the fused Gluon kernel
+    (configs.GLUON_BWD): gradients against float64 within the plain bound (as the two-pass
+    backward's), Sq != Sk aligned bottom-right; with a key padding mask the two passes run."""
+    calls = _spy_fused_backward(monkeypatch)
+    test_forward_backward_vs_float64(dtype, causal, case)
+    assert calls, "the fused backward was not used"
+    calls.clear()
+    B, Sq, Sk, Hq, Hkv, D = case
+    q, k, v = (torch.randn(B, S, H, D, device="cuda", dtype=dtype, requires_grad=True)
+               for S, H in ((Sq, Hq), (Sk, Hkv), (Sk, Hkv)))  # fmt: skip
+    pad = torch.zeros(B, Sk, dtype=torch.bool, device="cuda")
+    flash_attn_func(q, k, v, causal=causal, key_padding_mask=pad).sum().backward()
+    assert not calls
 
 
 @pytest.mark.parametrize("D", [256, 32, 1, 4, 12, 72, 200])  # below 16 or not a multiple of 8: padded inside

@@ -240,9 +240,9 @@ def test_operator_fakes_give_v_head_dim():
     ns = getattr(torch.ops, ops.NAMESPACE)
     with FakeTensorMode():
         q, k, v = torch.empty(1, 5, 2, 8), torch.empty(1, 6, 1, 8), torch.empty(1, 6, 1, 3)
-        out, lse, m, l = ns.flash_fwd(q, k, v, None, None, None, 0, 0, -1, -1, 0.3, 0.0, None, "", -1, -1)
+        out, lse, m, l = ns.flash_fwd(q, k, v, None, None, None, 0, 0, -1, -1, 0.3, 0.0, None, "", False, -1, -1)
         assert out.shape == (1, 5, 2, 3) and lse.shape == m.shape == l.shape == (1, 2, 5)
-        out, *_ = ns.ring_fwd(q, k, v, None, None, "", -1, -1, 0.3, 0.0, None, "contiguous", -1, None, "", [])
+        out, *_ = ns.ring_fwd(q, k, v, None, None, "", -1, -1, 0.3, 0.0, None, "contiguous", -1, None, "", False, [])
         assert out.shape == (1, 5, 2, 3)
-        grads = ns.flash_bwd(q, k, v, out, m, l, out, None, None, None, None, 0, 0, -1, -1, 0.3, 0.0, None, "")
+        grads = ns.flash_bwd(q, k, v, out, m, l, out, None, None, None, None, 0, 0, -1, -1, 0.3, 0.0, None, "", False)
         assert [g.shape for g in grads] == [q.shape, k.shape, v.shape]

@@ -311,6 +311,47 @@ def test_gluon_forward_choice(monkeypatch):
             assert d in gluon_forward.VARIANTS[name]
 
 
+def test_gluon_backward_choice(monkeypatch):
+    """Which fused backward a block asks for on a GPU: GLUON_BWD by head dim, none for an
+    untuned one; override(gluon_bwd=) forces one (or none), a Triton backward override (or the
+    interpreter) turns it off. Every variant named exists for its head dim."""
+    from ringflash.kernels import configs, gluon_backward
+
+    monkeypatch.setattr(configs, "INTERPRETING", False)
+    assert configs.gluon_backward_variant(128) == configs.GLUON_BWD[128]
+    assert configs.gluon_backward_variant(32) is None
+    with configs.override(gluon_bwd="ws2"):
+        assert configs.gluon_backward_variant(128) == "ws2"
+    with configs.override(gluon_bwd=None):
+        assert configs.gluon_backward_variant(128) is None
+    for kind in ("dkdv", "dq"):
+        with configs.override(**{kind: configs.KernelConfig(64, 64, 4, 2)}):
+            assert configs.gluon_backward_variant(128) is None
+    monkeypatch.setattr(configs, "INTERPRETING", True)
+    assert configs.gluon_backward_variant(128) is None
+    for d, name in configs.GLUON_BWD.items():
+        assert d in gluon_backward.VARIANTS[name]
+
+
+def test_fused_backward_only_where_it_runs():
+    """kernels.fuses_backward: never for float32, a CPU tensor, a key bias, dropout, per-row
+    bounds, a window other than causal, unequal head dims or deterministic=True (checked
+    before any device query, so on any machine)."""
+    from ringflash import kernels
+    from ringflash.dropout import Dropout
+    from ringflash.masks import Window
+
+    q = torch.empty(1, 8, 2, 128, dtype=torch.bfloat16)
+    kw = dict(window=None, bounds=None)
+    assert not kernels.fuses_backward(q, q, q, **kw)  # on the CPU
+    assert not kernels.fuses_backward(q, q, q, deterministic=True, **kw)
+    assert not kernels.fuses_backward(q, q, q, key_bias=torch.zeros(1, 8), **kw)
+    assert not kernels.fuses_backward(q, q, q, dropout=Dropout(1, 0.1), **kw)
+    assert not kernels.fuses_backward(q, q, q, window=Window(16, 0), bounds=None)
+    assert not kernels.fuses_backward(q, q, q[..., :64], **kw)
+    assert not kernels.fuses_backward(q.float(), q.float(), q.float(), **kw)
+
+
 def test_builtin_configs_match_the_h200_sweep():
     """The table the kernels use on Hopper is the one the committed sweep chose."""
     import json

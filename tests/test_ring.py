@@ -1,5 +1,6 @@
 """Ring attention over gloo with several processes against a single-process float64 oracle."""
 
+import contextlib
 from unittest import mock
 
 import pytest
@@ -267,3 +268,47 @@ def test_large_scores_on_the_ring(worlds, world, case):
 )
 def test_large_scores_on_the_ring_triton_interpreter(worlds, case):
     worlds(2, **TRITON).run(_large_scores, *case)
+
+
+@pytest.mark.parametrize("chunks,masked", [(None, False), (2, True)])
+def test_ring_backward_fused_grouping(chunks, masked, monkeypatch):
+    """A backend that fuses a block's dQ with its dK/dV (the fused Hopper kernel; here the torch
+    backend told to) gets each task's dQ inside the kv-head chunk loop, beside dK/dV, instead
+    of in the dQ pass first: the same gradients (float64, to rounding) as the separate passes,
+    with kv-head chunks and a key padding mask; deterministic=True keeps the separate passes."""
+    from ringflash import reference as torch_backend
+    from ringflash.testing import replay_ring
+
+    g = torch.Generator().manual_seed(3)
+    q, do = (torch.randn(1, 96, 8, 16, dtype=torch.float64, generator=g) for _ in range(2))
+    k, v = (torch.randn(1, 96, 4, 16, dtype=torch.float64, generator=g) for _ in range(2))
+    pad = (torch.rand(1, 96, generator=g) < 0.2) if masked else None
+    kw = dict(world=3, causal=True, key_padding_mask=pad, grad_chunks=chunks)
+    with torch_backend_calls(monkeypatch, torch_backend) as calls:
+        separate = replay_ring(q, k, v, do, **kw)
+        assert calls and not any(dq and dk for dq, dk in calls)
+    monkeypatch.setattr(torch_backend, "fuses_backward", lambda *a, **kw: not kw["deterministic"])
+    with torch_backend_calls(monkeypatch, torch_backend) as calls:
+        fused = replay_ring(q, k, v, do, **kw)
+        assert calls and all(dq and dk for dq, dk in calls)
+    with torch_backend_calls(monkeypatch, torch_backend) as calls:
+        replay_ring(q, k, v, do, deterministic=True, **kw)
+        assert not any(dq and dk for dq, dk in calls)
+    for name, a, b in zip(("out", "dq", "dk", "dv"), separate, fused):
+        assert torch.allclose(a, b, rtol=1e-12, atol=1e-12), name
+
+
+@contextlib.contextmanager
+def torch_backend_calls(monkeypatch, module):
+    """Record (dq given, dk given) of every backward call of the torch backend inside the block."""
+    calls, real = [], module.backward
+
+    def spy(*a, **kw):
+        calls.append((a[7] is not None, a[8] is not None))
+        return real(*a, **kw)
+
+    monkeypatch.setattr(module, "backward", spy)
+    try:
+        yield calls
+    finally:
+        monkeypatch.setattr(module, "backward", real)

@@ -17,6 +17,8 @@ from .backward import _delta_kernel, _dkdv_kernel, _dq_kernel
 from .forward import _fwd_kernel
 from .tiles import MASK_NONE, MASK_ROWS, MASK_WINDOW, UNBOUNDED
 
+_CAUSAL_WINDOW = (None, 0)  # masks.Window(None, 0): causal, the one window the fused backward takes
+
 
 def _block_d(head_dim: int) -> int:
     """A head dim padded for the kernels: a power of two of at least 16 (zero columns)."""
@@ -179,10 +181,61 @@ def combined_stats(m, l):
     return out.copy_(torch.where(l > 0, m + torch.log2(l), float("inf")))
 
 
+def _is_causal(window) -> bool:
+    return window is not None and (window.left, window.right) == _CAUSAL_WINDOW
+
+
+def fuses_backward(q, k, v, *, window, bounds, key_bias=None, dropout=None, deterministic=False) -> bool:
+    """Whether backward() given dq, dk and dv together runs this block as one fused kernel
+    (the Gluon backward on Hopper: 16-bit, head dims equal and tuned (configs.GLUON_BWD), dense
+    or causal, no key bias, dropout or per-row bounds). Its dQ is added in float32 by atomics,
+    whose order varies: not bitwise reproducible, so deterministic=True says no. A caller that
+    can compute dQ and dK/dV in one call should then do so (the ring's backward)."""
+    if deterministic or key_bias is not None or dropout is not None or bounds is not None:
+        return False
+    if not (window is None or window.is_full or _is_causal(window)):
+        return False
+    D = q.shape[-1]
+    if not q.is_cuda or q.dtype == torch.float32 or v.shape[-1] != D or _block_d(D) != D:
+        return False
+    if configs.gluon_backward_variant(D) is None:
+        return False
+    from . import gluon_backward
+
+    return gluon_backward.HAS_GLUON and torch.cuda.get_device_capability(q.device) == (9, 0)
+
+
+def _gluon_backward(q, k, v, m, l, do, delta, dq, dk, dv, q_start, k_start, window, scale, accumulate) -> bool:
+    """Run the block on the fused Gluon backward (the caller checked fuses_backward); False:
+    it does not take these tensors (strides, alignment, sizes), nothing written, the caller runs
+    the Triton passes."""
+    from . import gluon_backward
+
+    try:
+        with _on_device(q):
+            gluon_backward.backward(q, k, v, m, l, do, delta, dq, dk, dv, q_start=q_start, k_start=k_start,
+                                    causal=_is_causal(window), scale=scale, accumulate=accumulate,
+                                    config=configs.gluon_backward_variant(q.shape[-1]))  # fmt: skip
+    except gluon_backward.Unsupported:
+        return False
+    return True
+
+
 def backward(q, k, v, m, l, do, delta, dq, dk, dv, *, q_start, k_start, window, bounds, scale, accumulate,
-             key_bias=None, dropout=None):
-    """See ringflash.reference.backward. m, l and delta: (B, Hq, Sq) views with equal strides."""
+             key_bias=None, dropout=None, deterministic=False):
+    """See ringflash.reference.backward. m, l and delta: (B, Hq, Sq) views with equal strides.
+    Given dq, dk and dv together, a block fuses_backward accepts runs as one fused kernel
+    (dQ not bitwise reproducible); otherwise, or with deterministic=True, the dK/dV and dQ
+    passes run (bitwise reproducible)."""
     _check_dtype(q)
+    if (
+        dq is not None
+        and dk is not None
+        and fuses_backward(q, k, v, window=window, bounds=bounds, key_bias=key_bias, dropout=dropout,
+                           deterministic=deterministic)  # fmt: skip
+        and _gluon_backward(q, k, v, m, l, do, delta, dq, dk, dv, q_start, k_start, window, scale, accumulate)
+    ):
+        return
     B, Sq, Hq, D = q.shape
     Sk, Hkv, Dv = k.shape[1], k.shape[2], v.shape[3]
     block_d, block_dv = _block_d(D), _block_d(Dv)

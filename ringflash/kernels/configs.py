@@ -96,6 +96,14 @@ GLUON_FWD_DOCUMENTS = {128: "ws2_n64"}
 # the threshold sits between 1024 and 2048 keys per row.
 GLUON_DOCUMENTS_MIN_KEYS_PER_ROW = 1536
 
+# The fused Gluon backward's variant per padded head dim on Hopper (one kernel per key block:
+# dK, dV in registers, dQ added in float32 by atomics, so not bitwise reproducible; callers
+# asking for determinism keep the two Triton passes). One H200, bf16, B=1, H=32, D=128, S=16K,
+# whole backward: 532-557 TFLOP/s against the two Triton passes' 400-417 and cuDNN's 517-535
+# (python benchmarks/gluon_bwd_check.py --quick; benchmarks/RESULTS.md). Blocks with a key bias,
+# dropout, a window other than causal or per-row bounds take the Triton passes.
+GLUON_BWD = {64: "ws2_lag", 128: "ws2_lag"}
+
 # float32 inputs take twice the shared memory per tile: the 16-bit shapes above overflow an H200's
 # 227 KiB at head dim 128 and 256 (forward 448 KiB, dK/dV 353 KiB at D=128, compiled for sm_90a:
 # `python -m benchmarks.kernel_report --dtype fp32 --head-dims 128 --shape ...` with the 16-bit
@@ -114,8 +122,10 @@ def override(**configs: KernelConfig):
     """Inside the block, the given kernels (fwd=, dkdv=, dq=) use these configs for every head
     dim, e.g. `with override(fwd=KernelConfig(128, 64, 8, 3)):` (the tuning sweep, tests);
     gluon= names the Gluon forward variant to run where it takes the inputs (a key of
-    gluon_forward.VARIANTS; None: never; a Triton fwd= override alone also turns it off)."""
-    unknown = set(configs) - set(KINDS) - {"gluon"}
+    gluon_forward.VARIANTS; None: never; a Triton fwd= override alone also turns it off);
+    gluon_bwd= the fused Gluon backward's (gluon_backward.VARIANTS; None: never; a dkdv= or
+    dq= override alone also turns it off)."""
+    unknown = set(configs) - set(KINDS) - {"gluon", "gluon_bwd"}
     if unknown:
         raise ValueError(f"override: unknown kernel(s) {sorted(unknown)}; expected some of {KINDS}")
     token = _OVERRIDES.set({**(_OVERRIDES.get() or {}), **configs})
@@ -199,6 +209,21 @@ def gluon_forward_variant(block_d: int, documents: bool = False, keys_per_row: f
     if keys_per_row is not None and keys_per_row < GLUON_DOCUMENTS_MIN_KEYS_PER_ROW:
         return None
     return GLUON_FWD_DOCUMENTS.get(block_d)
+
+
+def gluon_backward_variant(block_d: int) -> str | None:
+    """The fused Gluon backward's variant for this padded head dim, or None: none is tuned for
+    it, a Triton backward config is forced by override() or the RINGFLASH_KERNEL_CONFIGS file,
+    or the kernels are interpreted. override(gluon_bwd=name) forces a variant (None: the two
+    Triton passes)."""
+    overrides = _OVERRIDES.get() or {}
+    if "gluon_bwd" in overrides:
+        return overrides["gluon_bwd"]
+    if INTERPRETING or {"dkdv", "dq"} & set(overrides):
+        return None
+    if any(block_d in _FILE_CONFIGS.get(kind, {}) for kind in ("dkdv", "dq")):
+        return None
+    return GLUON_BWD.get(block_d)
 
 
 def dkdv_config(block_d: int, float32: bool = False) -> KernelConfig:

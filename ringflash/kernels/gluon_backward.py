@@ -19,7 +19,7 @@ through a float32 scratch buffer and one cast (or add) at the end. dk, dv: any o
 bfloat16, float16 (stored once per key block, added to when accumulating).
 
 The module imports on any machine; without Gluon (triton < 3.6), without a Hopper GPU, or for
-inputs the kernel does not take (float32, head dims other than 128, scale <= 0, strides a TMA
+inputs the kernel does not take (float32, head dims other than 64 and 128, scale <= 0, strides a TMA
 descriptor cannot express), `backward` raises `Unsupported` before writing anything and the
 caller uses the Triton kernels instead.
 """
@@ -91,17 +91,20 @@ class GluonBwdConfig:
         return (self.maxnreg * 12 - self.producer_regs * 4) // 8
 
 
-VARIANTS: dict[str, dict[int, GluonBwdConfig]] = {
-    "ws2": {128: GluonBwdConfig(stages=2)},
-    "ws2_s3": {128: GluonBwdConfig(stages=3)},
-    "ws2_rot": {128: GluonBwdConfig(stages=2, rotate=True)},
+HEAD_DIMS = (64, 128)
+_CONFIGS = {
+    "ws2": GluonBwdConfig(stages=2),
+    "ws2_s3": GluonBwdConfig(stages=3),
+    "ws2_rot": GluonBwdConfig(stages=2, rotate=True),
     # 2026-12-02, second round (benchmarks/NOTES.md): one limit each
-    "ws2_blk": {128: GluonBwdConfig(stages=2, dq_blocked=True)},
-    "ws2_lag": {128: GluonBwdConfig(stages=2, dq_blocked=True, lag=True)},
-    "ws2_lagq": {128: GluonBwdConfig(stages=2, dq_blocked=True, lag=True, dq_first=True)},
+    "ws2_blk": GluonBwdConfig(stages=2, dq_blocked=True),
+    "ws2_lag": GluonBwdConfig(stages=2, dq_blocked=True, lag=True),
+    "ws2_lagq": GluonBwdConfig(stages=2, dq_blocked=True, lag=True, dq_first=True),
 }
+# the same tiles at each head dim (D = 64: half the shared memory; compiles without spills,
+# `python benchmarks/gluon_bwd_report.py`)
+VARIANTS: dict[str, dict[int, GluonBwdConfig]] = {name: dict.fromkeys(HEAD_DIMS, c) for name, c in _CONFIGS.items()}
 DEFAULT_VARIANT = "ws2"
-HEAD_DIMS = (128,)
 
 
 def config_for(head_dim: int, variant: str | None = None) -> GluonBwdConfig:
@@ -345,7 +348,7 @@ def launch_plan(q, k, v, stats, do, dq32, dk, dv, *, q_start, k_start, causal, s
 def backward(q, k, v, m, l, do, delta, dq, dk, dv, *, q_start, k_start, causal, scale, accumulate, config=None):
     """Gradients of attention over one block (semantics: module docstring) into dq, dk, dv.
 
-    q, do (B, Sq, Hq, D); k, v (B, Sk, Hkv, D): all bfloat16 or all float16, D = 128, TMA-able
+    q, do (B, Sq, Hq, D); k, v (B, Sk, Hkv, D): all bfloat16 or all float16, D = 64 or 128, TMA-able
     strides. m, l, delta (B, Hq, Sq) float32: the forward's row max of the base-2 scaled scores,
     its normalizer sum exp2(s2 - m) (0 for a row that saw no key) and rowsum(dO * O).
     dq: float32 (accumulated into with atomics; an 8-byte aligned base and even strides) or
