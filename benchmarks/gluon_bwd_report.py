@@ -28,7 +28,7 @@ from ringflash.kernels import gluon_backward as gb  # noqa: E402
 
 
 def one(case: tuple, dump: str | None = None) -> dict:
-    variant, D, causal, dtype, accumulate, group = case
+    variant, D, causal, dtype, accumulate, group, window_left = case
     try:
         row = gb.hopper_report(
             gb.VARIANTS[variant][D],
@@ -38,17 +38,20 @@ def one(case: tuple, dump: str | None = None) -> dict:
             accumulate=accumulate,
             group=group,
             dump=Path(dump) / variant if dump else None,
+            window_left=window_left,
         )
         row["problems"] = gb.report_problems(row)
     except Exception as e:  # reported as a row: the caller decides
         row = {"error": f"{type(e).__name__}: {e}"[:4000], "D": D, "causal": causal, "dtype": dtype}
-        row.update(accumulate=accumulate, group=group)
+        row.update(accumulate=accumulate, group=group, window_left=window_left)
     row["name"] = variant
     return row
 
 
 def line(r: dict) -> str:
     head = f"{r['name']:7s} D={r['D']:<3d} causal={int(r['causal'])} {r['dtype']} acc={int(r['accumulate'])}"
+    if r.get("window_left") is not None:
+        head += f" window_left={r['window_left']}"
     if "error" in r:
         return f"{head} ERROR {r['error'][-600:]}"
     c = r["config"]
@@ -72,6 +75,7 @@ def main():
         "--accumulate", nargs="+", type=int, default=[0, 1], choices=[0, 1], help="1: float32 dk/dv added to"
     )
     ap.add_argument("--group", type=int, default=4, help="q heads per kv head of the compiled case")
+    ap.add_argument("--window-left", type=int, help="a sliding window of this left reach (right: 0 if causal)")
     ap.add_argument("--jobs", type=int, default=1, help="compile processes (the CPU machine is shared: 1-2)")
     ap.add_argument("--dump", help="write PTX, TTGIR, SASS and ptxas's log here")
     ap.add_argument("--json", type=Path)
@@ -79,7 +83,7 @@ def main():
     if not gb.HAS_GLUON:
         sys.exit(f"Gluon not importable: {gb.GLUON_ERROR}")
     cases = [
-        (v, D, bool(c), dt, bool(a), args.group)
+        (v, D, bool(c), dt, bool(a), args.group, args.window_left)
         for v in args.variants
         for D in args.head_dims
         if D in gb.VARIANTS[v]

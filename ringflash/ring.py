@@ -169,15 +169,17 @@ class _RingAttn(torch.autograd.Function):
         steps = ring_steps(spec.layout, comm.world, q.shape[1], k.shape[1], spec.window)
         relay = GradRelay(comm, k, v, acc, chunks, steps)
         G = q.shape[2] // k.shape[2]
+        chunk_heads = min(h.stop - h.start for h in relay.heads)
         for step, k_blk, v_blk, bias_blk in _ring_kv(comm, k, v, key_bias, steps):
             tasks = list(_tasks(spec, comm, step, q, k.shape[1]))
-            # a task the fused kernel takes computes its dQ with dK/dV below; the others compute
-            # dQ first: it does not need the incoming dK/dV accumulators, which arrive meanwhile
+            # a task the fused kernel takes (asked with the smallest kv-head chunk, the calls'
+            # size) computes its dQ with dK/dV below; the others compute dQ first: it does not
+            # need the incoming dK/dV accumulators, which arrive meanwhile
             fused = [
                 fuses_backward(
-                    q[:, t.q_rows],
-                    k_blk[:, t.kv_rows],
-                    v_blk[:, t.kv_rows],
+                    q[:, t.q_rows, : chunk_heads * G],
+                    k_blk[:, t.kv_rows, :chunk_heads],
+                    v_blk[:, t.kv_rows, :chunk_heads],
                     mask,
                     key_bias=_rows(bias_blk, t.kv_rows),
                     backend=backend,

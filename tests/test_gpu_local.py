@@ -108,20 +108,57 @@ def test_deterministic_on_gpu(how, monkeypatch):
     [(2, 1031, 1031, 4, 2, 128), (1, 777, 2048, 4, 1, 128), (1, 2048, 777, 8, 8, 128), (2, 1031, 1031, 4, 2, 64)],
     ids=lambda c: "x".join(map(str, c)),
 )
-def test_fused_backward_is_used_and_agrees(dtype, causal, case, monkeypatch):
-    """The default backward of 16-bit D=64 / 128 dense and causal blocks runs the fused Gluon kernel
-    (configs.GLUON_BWD): gradients against float64 within the plain bound (as the two-pass
-    backward's), Sq != Sk aligned bottom-right; with a key padding mask the two passes run."""
+def test_fused_backward_vs_float64(dtype, causal, case, monkeypatch):
+    """The fused Gluon backward (configs.GLUON_BWD, forced at these small sizes), D=64 / 128,
+    dense and causal, Sq != Sk aligned bottom-right: gradients against float64 within the plain
+    bound, as the two-pass backward's."""
+    from ringflash.kernels import configs
+
     calls = _spy_fused_backward(monkeypatch)
-    test_forward_backward_vs_float64(dtype, causal, case)
+    with configs.override(gluon_bwd=configs.GLUON_BWD[case[-1]]):
+        test_forward_backward_vs_float64(dtype, causal, case)
     assert calls, "the fused backward was not used"
-    calls.clear()
-    B, Sq, Sk, Hq, Hkv, D = case
-    q, k, v = (torch.randn(B, S, H, D, device="cuda", dtype=dtype, requires_grad=True)
-               for S, H in ((Sq, Hq), (Sk, Hkv), (Sk, Hkv)))  # fmt: skip
-    pad = torch.zeros(B, Sk, dtype=torch.bool, device="cuda")
-    flash_attn_func(q, k, v, causal=causal, key_padding_mask=pad).sum().backward()
-    assert not calls
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(
+    "causal,window_size,case",
+    [
+        (True, (511, 0), (1, 4096, 4096, 4, 2, 128)),
+        (True, (0, 0), (1, 1031, 1031, 2, 1, 64)),
+        (False, (300, 77), (2, 2049, 2049, 4, 4, 128)),
+        (False, (-1, 128), (1, 777, 2048, 4, 1, 64)),
+        (False, (40, 0), (1, 2048, 777, 2, 2, 128)),  # queries before every key's window see nothing
+        (False, (130, -1), (1, 1031, 1031, 2, 2, 128)),  # a left reach alone
+    ],
+)
+def test_fused_backward_windows_vs_float64(dtype, causal, window_size, case, monkeypatch):
+    """Sliding windows in the fused backward (both edges masked, key blocks visiting only the
+    query blocks their window reaches): gradients against float64 within the plain bound."""
+    from ringflash.kernels import configs
+
+    calls = _spy_fused_backward(monkeypatch)
+    with configs.override(gluon_bwd=configs.GLUON_BWD[case[-1]]):
+        test_forward_backward_vs_float64(dtype, causal, case, window_size)
+    assert calls, "the fused backward was not used"
+
+
+def test_fused_backward_is_the_default_where_it_fills_the_gpu(monkeypatch):
+    """By default: B=1, S=4096, 32 kv heads (1024 programs) take the fused kernel, dense and with
+    a window; 2 kv heads (64 programs, configs.GLUON_BWD_MIN_PROGRAMS_PER_SM) and a key padding
+    mask take the two passes."""
+    calls = _spy_fused_backward(monkeypatch)
+
+    def run(H, **kw):
+        calls.clear()
+        q, k, v = (torch.randn(1, 4096, H, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+                   for _ in range(3))  # fmt: skip
+        flash_attn_func(q, k, v, **kw).sum().backward()
+        return bool(calls)
+
+    assert run(32, causal=True) and run(32, window_size=(255, 0))
+    assert not run(2, causal=True)
+    assert not run(32, key_padding_mask=torch.zeros(1, 4096, dtype=torch.bool, device="cuda"))
 
 
 @pytest.mark.parametrize("D", [256, 32, 1, 4, 12, 72, 200])  # below 16 or not a multiple of 8: padded inside

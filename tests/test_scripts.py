@@ -161,7 +161,7 @@ def test_gluon_backward_blocked_dq_layout():
 
 
 def test_gluon_backward_compiles_for_hopper(tmp_path):
-    """The Gluon backward (not used by the package yet: benchmarks/NOTES.md) keeps compiling for
+    """The Gluon backward's variants keep compiling for
     sm_90a on this CPU machine, causal bf16 accumulating into float32 (a ring step): no spills,
     within the shared memory, S^T and dP^T left in flight (wait_group 1), vectorized dQ adds."""
     variants = ["ws2", "ws2_blk", "ws2_lag", "ws2_lagq"]
@@ -169,6 +169,20 @@ def test_gluon_backward_compiles_for_hopper(tmp_path):
          "bf16", "--accumulate", "1", "--jobs", "1", "--json", str(tmp_path / "b.json")], tmp_path)  # fmt: skip
     rows = json.loads((tmp_path / "b.json").read_text())
     assert len(rows) == len(variants)
+    for r in rows:
+        assert not r["problems"] and r["spill_bytes"] == 0 and r["sass_waits"].get("1", 0) > 0, r
+
+
+def test_gluon_backward_window_compiles_for_hopper(tmp_path):
+    """The default fused backward with a sliding window (both edges masked), causal and not, D=64
+    and 128: no spills, within the shared memory, wait_group 1 kept."""
+    from ringflash.kernels import configs
+
+    run([sys.executable, "benchmarks/gluon_bwd_report.py", "--variants", configs.GLUON_BWD[128], "--causal", "0", "1",
+         "--dtypes", "bf16", "--accumulate", "1", "--window-left", "300", "--jobs", "1", "--json",
+         str(tmp_path / "w.json")], tmp_path)  # fmt: skip
+    rows = json.loads((tmp_path / "w.json").read_text())
+    assert len(rows) == 4 and all(r["window_left"] == 300 for r in rows)
     for r in rows:
         assert not r["problems"] and r["spill_bytes"] == 0 and r["sass_waits"].get("1", 0) > 0, r
 

@@ -7,6 +7,7 @@ Kernels never import distributed code.
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 import triton
@@ -16,8 +17,6 @@ from . import configs
 from .backward import _delta_kernel, _dkdv_kernel, _dq_kernel
 from .forward import _fwd_kernel
 from .tiles import MASK_NONE, MASK_ROWS, MASK_WINDOW, UNBOUNDED
-
-_CAUSAL_WINDOW = (None, 0)  # masks.Window(None, 0): causal, the one window the fused backward takes
 
 
 def _block_d(head_dim: int) -> int:
@@ -181,28 +180,36 @@ def combined_stats(m, l):
     return out.copy_(torch.where(l > 0, m + torch.log2(l), float("inf")))
 
 
-def _is_causal(window) -> bool:
-    return window is not None and (window.left, window.right) == _CAUSAL_WINDOW
-
-
 def fuses_backward(q, k, v, *, window, bounds, key_bias=None, dropout=None, deterministic=False) -> bool:
     """Whether backward() given dq, dk and dv together runs this block as one fused kernel
-    (the Gluon backward on Hopper: 16-bit, head dims equal and tuned (configs.GLUON_BWD), dense
-    or causal, no key bias, dropout or per-row bounds). Its dQ is added in float32 by atomics,
+    (the Gluon backward on Hopper: 16-bit, head dims equal and tuned (configs.GLUON_BWD), dense,
+    causal or a sliding window, no key bias, dropout or per-row bounds, enough key blocks x kv
+    heads to fill the GPU: configs.GLUON_BWD_MIN_PROGRAMS_PER_SM, unless override(gluon_bwd=)
+    forces it). Its dQ is added in float32 by atomics,
     whose order varies: not bitwise reproducible, so deterministic=True says no. A caller that
     can compute dQ and dK/dV in one call should then do so (the ring's backward)."""
     if deterministic or key_bias is not None or dropout is not None or bounds is not None:
         return False
-    if not (window is None or window.is_full or _is_causal(window)):
-        return False
     D = q.shape[-1]
     if not q.is_cuda or q.dtype == torch.float32 or v.shape[-1] != D or _block_d(D) != D:
         return False
-    if configs.gluon_backward_variant(D) is None:
+    variant = configs.gluon_backward_variant(D)
+    if variant is None:
         return False
     from . import gluon_backward
 
-    return gluon_backward.HAS_GLUON and torch.cuda.get_device_capability(q.device) == (9, 0)
+    if not gluon_backward.HAS_GLUON or torch.cuda.get_device_capability(q.device) != (9, 0):
+        return False
+    if configs.overridden("gluon_bwd"):  # forced: any size
+        return True
+    # one program per key block and kv head: too few to fill the GPU lose to the two passes
+    key_blocks = -(-k.shape[1] // gluon_backward.config_for(D, variant).block_n)
+    return k.shape[0] * k.shape[2] * key_blocks >= configs.GLUON_BWD_MIN_PROGRAMS_PER_SM * _sm_count(q.device)
+
+
+@functools.lru_cache(maxsize=16)
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def _gluon_backward(q, k, v, m, l, do, delta, dq, dk, dv, q_start, k_start, window, scale, accumulate) -> bool:
@@ -214,8 +221,9 @@ def _gluon_backward(q, k, v, m, l, do, delta, dq, dk, dv, q_start, k_start, wind
     try:
         with _on_device(q):
             gluon_backward.backward(q, k, v, m, l, do, delta, dq, dk, dv, q_start=q_start, k_start=k_start,
-                                    causal=_is_causal(window), scale=scale, accumulate=accumulate,
-                                    config=configs.gluon_backward_variant(q.shape[-1]))  # fmt: skip
+                                    causal=False, scale=scale, accumulate=accumulate,
+                                    config=configs.gluon_backward_variant(q.shape[-1]),
+                                    window=None if window is None else (window.left, window.right))  # fmt: skip
     except gluon_backward.Unsupported:
         return False
     return True

@@ -58,27 +58,44 @@ from ._gluon_fwd import _alloc_bars, _mma_layout
 
 
 @gluon.jit
-def _plan(Hkv, Sq, Sk, q_start, k_start, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
-    """(b, hk, n0, m_first, m_full, n_m, key_ragged) of this program: batch, kv head, first key
-    of the block; the query blocks m_first .. m_first + n_m - 1 see the block (n_m >= 0), those
-    below m_full only partly (causal diagonal); key_ragged: the block runs past Sk."""
+def _plan(
+    Hkv,
+    Sq,
+    Sk,
+    q_start,
+    k_start,
+    left,
+    CAUSAL: gl.constexpr,
+    HAS_LEFT: gl.constexpr,
+    BLOCK_M: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+):
+    """(b, hk, n0, m_first, n_m, full_lo, full_hi, key_ragged) of this program: batch, kv head,
+    first key of the block; the query blocks m_first .. m_first + n_m - 1 see the block
+    (n_m >= 0), the rows full_lo .. full_hi see every valid key of it (a query block reaching
+    outside is masked); key_ragged: the block runs past Sk. Query row i sees local key j iff
+    k_start + j <= q_start + i (CAUSAL: the launcher folds a window's right reach into q_start)
+    and q_start + i <= k_start + j + left (HAS_LEFT)."""
     n0 = gl.program_id(0) * BLOCK_N
     pid_bh = gl.program_id(1)
     b = pid_bh // Hkv
     hk = pid_bh % Hkv
     n_last = gl.minimum(n0 + BLOCK_N, Sk) - 1  # last valid key of the block
     n_mblocks = (Sq + BLOCK_M - 1) // BLOCK_M
+    m_first = 0
+    m_end = n_mblocks
+    full_lo = 0
+    full_hi = n_mblocks * BLOCK_M
     if CAUSAL:
-        # query row i sees local key j iff q_start + i >= k_start + j
-        first_row = gl.maximum(k_start + n0 - q_start, 0)  # first row that sees key n0
-        full_row = gl.maximum(k_start + n_last - q_start, 0)  # rows from here see every valid key
+        first_row = gl.maximum(k_start + n0 - q_start, 0)  # the first row that sees key n0
         m_first = gl.minimum(first_row // BLOCK_M, n_mblocks)
-        m_full = (full_row + BLOCK_M - 1) // BLOCK_M
-    else:
-        m_first = 0
-        m_full = 0
-    n_m = n_mblocks - m_first
-    return b, hk, n0, m_first, m_full, n_m, n0 + BLOCK_N > Sk
+        full_lo = k_start + n_last - q_start  # rows from here see every valid key's right edge
+    if HAS_LEFT:
+        last_row = gl.minimum(k_start + n_last + left - q_start, Sq - 1)  # the last row that sees key n_last
+        m_end = (gl.maximum(last_row, -1) + BLOCK_M) // BLOCK_M  # (never a negative division)
+        full_hi = k_start + n0 + left - q_start  # rows up to here see key n0
+    n_m = gl.maximum(m_end - m_first, 0)
+    return b, hk, n0, m_first, n_m, full_lo, full_hi, n0 + BLOCK_N > Sk
 
 
 @gluon.jit
@@ -122,13 +139,15 @@ def _producer(
     Sq_pad,
     q_start,
     k_start,
+    left,
     CAUSAL: gl.constexpr,
+    HAS_LEFT: gl.constexpr,
     BLOCK_M: gl.constexpr,
     BLOCK_N: gl.constexpr,
     STAGES: gl.constexpr,
     ROTATE: gl.constexpr,
 ):
-    b, hk, n0, m_first, m_full, n_m, key_ragged = _plan(Hkv, Sq, Sk, q_start, k_start, CAUSAL, BLOCK_M, BLOCK_N)
+    b, hk, n0, m_first, n_m, _, _, _ = _plan(Hkv, Sq, Sk, q_start, k_start, left, CAUSAL, HAS_LEFT, BLOCK_M, BLOCK_N)
     n_iter = group * n_m
     if n_iter > 0:
         # kv_bar: count 1; this expect is its only arrival, completing phase 0 once both
@@ -307,6 +326,7 @@ def _consumer(
     Sk,
     q_start,
     k_start,
+    left,
     qk_scale,
     sm_scale,
     HEAD_DIM: gl.constexpr,
@@ -314,6 +334,7 @@ def _consumer(
     BLOCK_N: gl.constexpr,
     STAGES: gl.constexpr,
     CAUSAL: gl.constexpr,
+    HAS_LEFT: gl.constexpr,
     ACCUMULATE: gl.constexpr,
     ROTATE: gl.constexpr,
     DQ_BLOCKED: gl.constexpr,
@@ -329,7 +350,9 @@ def _consumer(
     op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kv_layout, k_width=2)
     gl.static_assert(KEYS == 64, "one warpgroup's wgmma tile is 64 rows")
 
-    b, hk, n0, m_first, m_full, n_m, key_ragged = _plan(Hkv, Sq, Sk, q_start, k_start, CAUSAL, BLOCK_M, BLOCK_N)
+    b, hk, n0, m_first, n_m, full_lo, full_hi, key_ragged = _plan(
+        Hkv, Sq, Sk, q_start, k_start, left, CAUSAL, HAS_LEFT, BLOCK_M, BLOCK_N
+    )
     n_iter = group * n_m
     dk = gl.zeros([KEYS, HEAD_DIM], gl.float32, kv_layout)
     dv = gl.zeros([KEYS, HEAD_DIM], gl.float32, kv_layout)
@@ -361,16 +384,21 @@ def _consumer(
         offset = st_bufs.index(2 * s).load(gl.SliceLayout(0, s_layout))
         # groups complete in order: one left in flight means S^T is done, dP^T may not be
         st = warpgroup_mma_wait(1, deps=(st_tok,))
-        if CAUSAL:
-            masked = key_ragged | (off_m < m_full * BLOCK_M)  # diagonal blocks
+        if CAUSAL or HAS_LEFT:
+            masked = key_ragged | (off_m < full_lo) | (off_m + BLOCK_M - 1 > full_hi)  # the window's edges
         else:
             masked = key_ragged
         if masked:
             # -inf scores give p = 0 (also against an offset of +inf); keys past Sk never count
             keys = _opaque(key_idx)
             vis = (keys < Sk)[:, None] & (q_idx < BLOCK_M)[None, :]
-            if CAUSAL:
-                vis = vis & ((q_start + off_m + _opaque(q_idx))[None, :] >= (k_start + keys)[:, None])
+            if CAUSAL or HAS_LEFT:
+                q_pos = (q_start + off_m + _opaque(q_idx))[None, :]
+                k_pos = (k_start + keys)[:, None]
+                if CAUSAL:
+                    vis = vis & (q_pos >= k_pos)
+                if HAS_LEFT:
+                    vis = vis & (q_pos <= k_pos + left)
             st = gl.where(vis, st, float("-inf"))
         pt = gl.exp2(gl.fma(st, qk_scale, -offset[None, :]))
         pt_op = gl.convert_layout(pt.to(dtype), op_layout)
@@ -499,7 +527,7 @@ def _consumer(
     )
 
 
-@gluon.jit(do_not_specialize=["group", "Sq", "Sk", "Sq_pad", "q_start", "k_start"])
+@gluon.jit(do_not_specialize=["group", "Sq", "Sk", "Sq_pad", "q_start", "k_start", "left"])
 def _bwd_ws2(
     q_desc,
     k_desc,
@@ -526,6 +554,7 @@ def _bwd_ws2(
     Sq_pad,
     q_start,
     k_start,
+    left,
     qk_scale,
     sm_scale,
     HEAD_DIM: gl.constexpr,
@@ -533,6 +562,7 @@ def _bwd_ws2(
     BLOCK_N: gl.constexpr,
     STAGES: gl.constexpr,
     CAUSAL: gl.constexpr,
+    HAS_LEFT: gl.constexpr,
     ACCUMULATE: gl.constexpr,
     ROTATE: gl.constexpr,
     DQ_BLOCKED: gl.constexpr,
@@ -595,6 +625,7 @@ def _bwd_ws2(
         Sk,
         q_start,
         k_start,
+        left,
         qk_scale,
         sm_scale,
         HEAD_DIM,
@@ -602,6 +633,7 @@ def _bwd_ws2(
         BLOCK_N,
         STAGES,
         CAUSAL,
+        HAS_LEFT,
         ACCUMULATE,
         ROTATE,
         DQ_BLOCKED,
@@ -636,7 +668,9 @@ def _bwd_ws2(
                     Sq_pad,
                     q_start,
                     k_start,
+                    left,
                     CAUSAL,
+                    HAS_LEFT,
                     BLOCK_M,
                     BLOCK_N,
                     STAGES,

@@ -103,6 +103,12 @@ GLUON_DOCUMENTS_MIN_KEYS_PER_ROW = 1536
 # (python benchmarks/gluon_bwd_check.py --quick; benchmarks/RESULTS.md). Blocks with a key bias,
 # dropout, a window other than causal or per-row bounds take the Triton passes.
 GLUON_BWD = {64: "ws2_lag", 128: "ws2_lag"}
+# A fused launch has one program per (key block of 128, kv head): below this many per SM the
+# two passes (more, smaller programs) win. One H200, a ring rank's calls at 2K-key tasks and 8 kv
+# heads (128 programs on 132 SMs): fused 11.2 ms against 10.3 ms; at 8K-key tasks, 8 kv heads
+# per chunk (512 programs): fused 120 ms against 141 ms (python -m benchmarks.bench_blockops
+# --sections replay --backward default deterministic). The threshold sits between.
+GLUON_BWD_MIN_PROGRAMS_PER_SM = 2
 
 # float32 inputs take twice the shared memory per tile: the 16-bit shapes above overflow an H200's
 # 227 KiB at head dim 128 and 256 (forward 448 KiB, dK/dV 353 KiB at D=128, compiled for sm_90a:
@@ -224,6 +230,11 @@ def gluon_backward_variant(block_d: int) -> str | None:
     if any(block_d in _FILE_CONFIGS.get(kind, {}) for kind in ("dkdv", "dq")):
         return None
     return GLUON_BWD.get(block_d)
+
+
+def overridden(kind: str) -> bool:
+    """Whether override() around the call sets `kind` (a forced choice skips the heuristics)."""
+    return kind in (_OVERRIDES.get() or {})
 
 
 def dkdv_config(block_d: int, float32: bool = False) -> KernelConfig:

@@ -292,13 +292,32 @@ def _dq_strides(dq32: torch.Tensor, cfg: GluonBwdConfig):
     return dq32.stride()[:3]
 
 
-def launch_plan(q, k, v, stats, do, dq32, dk, dv, *, q_start, k_start, causal, scale, accumulate, cfg):
+def window_bounds(causal: bool, window) -> tuple[int | None, int | None]:
+    """(left, right) reaches of the mask (None: unbounded): window = (left, right) as
+    masks.Window's, or None; causal=True is (None, 0)."""
+    if window is None:
+        return (None, 0) if causal else (None, None)
+    if causal:
+        raise ValueError("pass causal=True or a window, not both")
+    left, right = window
+    for name, x in (("left", left), ("right", right)):
+        if x is not None and (isinstance(x, bool) or not isinstance(x, int) or x < 0):
+            raise ValueError(f"window {name} must be None or an int >= 0, got {x!r}")
+    return left, right
+
+
+def launch_plan(q, k, v, stats, do, dq32, dk, dv, *, q_start, k_start, causal, scale, accumulate, cfg, window=None):
     """(kernel, grid, args, kwargs) of one launch for checked inputs; dq32: the float32 buffer
-    the kernel adds dQ to; stats: row_stats(). Any device (the CPU compile binds CPU tensors)."""
+    the kernel adds dQ to; stats: row_stats(). Any device (the CPU compile binds CPU tensors).
+    The kernel takes a right reach as q_start moved by it (key kp <= query qp + right iff
+    kp <= qp' = qp + right) and the left one relative to that (qp <= kp + left iff
+    qp' <= kp + left + right)."""
     B, Sq, Hq, D = q.shape
     Sk, Hkv = k.shape[1], k.shape[2]
-    q_start, k_start = int(q_start), int(k_start)
-    if max(abs(q_start), abs(k_start), abs(k_start - q_start)) + Sq + Sk >= 2**31 - 1:
+    left, right = window_bounds(causal, window)
+    q_start, k_start = int(q_start) + (right or 0), int(k_start)
+    left = 0 if left is None else left + (right or 0)
+    if max(abs(q_start), abs(k_start), abs(k_start - q_start)) + Sq + Sk + left >= 2**31 - 1:
         raise Unsupported("positions beyond 32 bits")
     if stats.numel() >= 2**31:
         raise Unsupported("row statistics beyond 32-bit indices")
@@ -307,7 +326,8 @@ def launch_plan(q, k, v, stats, do, dq32, dk, dv, *, q_start, k_start, causal, s
         BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n,
         STAGES=cfg.stages,
-        CAUSAL=bool(causal),
+        CAUSAL=right is not None,
+        HAS_LEFT=window_bounds(causal, window)[0] is not None,
         ACCUMULATE=bool(accumulate),
         ROTATE=cfg.rotate,
         DQ_BLOCKED=cfg.dq_blocked,
@@ -338,6 +358,7 @@ def launch_plan(q, k, v, stats, do, dq32, dk, dv, *, q_start, k_start, causal, s
         padded_rows(Sq, cfg),
         q_start,
         k_start,
+        left,
         float(scale) * LOG2E,
         float(scale),
     )
@@ -345,7 +366,9 @@ def launch_plan(q, k, v, stats, do, dq32, dk, dv, *, q_start, k_start, causal, s
     return _k.KERNELS[cfg.schedule], grid, args, kwargs
 
 
-def backward(q, k, v, m, l, do, delta, dq, dk, dv, *, q_start, k_start, causal, scale, accumulate, config=None):
+def backward(
+    q, k, v, m, l, do, delta, dq, dk, dv, *, q_start, k_start, causal, scale, accumulate, config=None, window=None
+):
     """Gradients of attention over one block (semantics: module docstring) into dq, dk, dv.
 
     q, do (B, Sq, Hq, D); k, v (B, Sk, Hkv, D): all bfloat16 or all float16, D = 64 or 128, TMA-able
@@ -353,7 +376,9 @@ def backward(q, k, v, m, l, do, delta, dq, dk, dv, *, q_start, k_start, causal, 
     its normalizer sum exp2(s2 - m) (0 for a row that saw no key) and rowsum(dO * O).
     dq: float32 (accumulated into with atomics; an 8-byte aligned base and even strides) or
     16-bit (through a float32 scratch and a cast at the end). config: a GluonBwdConfig or a
-    variant name (default DEFAULT_VARIANT). Raises Unsupported (nothing written) for inputs the
+    variant name (default DEFAULT_VARIANT). window: None, or (left, right) reaches (None:
+    unbounded; masks.Window's meaning) instead of causal: query position qp sees key position kp
+    iff qp - left <= kp <= qp + right. Raises Unsupported (nothing written) for inputs the
     kernel does not take.
     """
     prep = prepare(
@@ -373,6 +398,7 @@ def backward(q, k, v, m, l, do, delta, dq, dk, dv, *, q_start, k_start, causal, 
         scale=scale,
         accumulate=accumulate,
         config=config,
+        window=window,
     )
     if prep is not None:
         prep()
@@ -401,7 +427,9 @@ class Prepared:
             self.finish()
 
 
-def prepare(q, k, v, m, l, do, delta, dq, dk, dv, *, q_start, k_start, causal, scale, accumulate, config=None):
+def prepare(
+    q, k, v, m, l, do, delta, dq, dk, dv, *, q_start, k_start, causal, scale, accumulate, config=None, window=None
+):
     """backward() up to the launch (its arguments, checks and Unsupported alike): a Prepared, or
     None when there is nothing to launch (Sq or Sk = 0: the gradients are then already handled)."""
     cfg = _resolve(q.shape[-1], config)
@@ -430,6 +458,7 @@ def prepare(q, k, v, m, l, do, delta, dq, dk, dv, *, q_start, k_start, causal, s
             scale=scale,
             accumulate=accumulate,
             cfg=cfg,
+            window=window,
         )
     return Prepared(kernel, grid, args, kwargs, dq32, finish)
 
@@ -478,8 +507,9 @@ def reference(q, k, v, m, l, do, delta, *, q_start, k_start, causal, scale, chun
 
 
 def compile_launch(
-    q, k, v, m, l, do, delta, dq, dk, dv, *, q_start, k_start, causal, scale, accumulate, config=None, key_only=False
-):
+    q, k, v, m, l, do, delta, dq, dk, dv, *, q_start, k_start, causal, scale, accumulate, config=None, key_only=False,
+    window=None,
+):  # fmt: skip
     """Compile for sm_90a, on any machine, exactly what backward() with these arguments would
     launch (CPU tensors of the same shapes and strides will do: the specialization depends only
     on dtypes, strides and 16-byte alignment). Returns triton's CompiledKernel, or with key_only
@@ -511,6 +541,7 @@ def compile_launch(
         scale=scale,
         accumulate=accumulate,
         cfg=cfg,
+        window=window,
     )
     return compile_plan(kernel, args, kwargs, key_only)
 
@@ -548,9 +579,11 @@ def compile_for_hopper(
     group: int = 1,
     Sq: int = 1031,
     Sk: int = 777,
+    window_left: int | None = None,
 ):
     """compile_launch for contiguous CPU tensors of these sizes (2 kv heads). grad_dtype: that
-    of dk and dv (default: float32 when accumulating, else the input dtype); dq is float32."""
+    of dk and dv (default: float32 when accumulating, else the input dtype); dq is float32.
+    window_left: a sliding window of that left reach (right: 0 when causal, else unbounded)."""
     tdt = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
     gdt = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, None: None}[grad_dtype]
     gdt = gdt or (torch.float32 if accumulate else tdt)
@@ -571,10 +604,11 @@ def compile_for_hopper(
         torch.empty(k.shape, dtype=gdt),
         q_start=Sk - Sq,
         k_start=0,
-        causal=causal,
+        causal=causal and window_left is None,
         scale=head_dim**-0.5,
         accumulate=accumulate,
         config=cfg,
+        window=None if window_left is None else (window_left, 0 if causal else None),
     )
 
 
@@ -587,17 +621,21 @@ def hopper_report(
     accumulate: bool = False,
     group: int = 1,
     dump: Path | None = None,
+    window_left: int | None = None,
 ) -> dict:
     """gluon_forward.compiled_report of one case compiled by compile_for_hopper, with the dQ
     atomics counted in the SASS: red_v2 / red_v4 (vectorized float32 adds), red_scalar."""
-    kern = compile_for_hopper(cfg, head_dim, causal=causal, dtype=dtype, accumulate=accumulate, group=group)
-    case = {"D": head_dim, "causal": causal, "dtype": dtype, "accumulate": accumulate, "group": group}
+    kern = compile_for_hopper(
+        cfg, head_dim, causal=causal, dtype=dtype, accumulate=accumulate, group=group, window_left=window_left
+    )
+    case = {"D": head_dim, "causal": causal, "dtype": dtype, "accumulate": accumulate, "group": group,
+            "window_left": window_left}  # fmt: skip
     return compiled_report(
         kern,
         cfg,
         case,
         dump=dump,
-        stem=f"bwd_{cfg.schedule}_d{head_dim}_c{int(causal)}_{dtype}_a{int(accumulate)}_s{cfg.stages}",
+        stem=f"bwd_{cfg.schedule}_d{head_dim}_c{int(causal)}_w{window_left}_{dtype}_a{int(accumulate)}_s{cfg.stages}",
         sass_counts={
             "red_v2": r"\bREDG?\.E\.ADD\.F32x2\b",
             "red_v4": r"\bREDG?\.E\.ADD\.F32x4\b",
