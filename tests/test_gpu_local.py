@@ -75,6 +75,14 @@ def _spy_fused_backward(monkeypatch) -> list:
     return calls
 
 
+def _force_fused(monkeypatch) -> None:
+    """The fused backward at any size (a module global: autograd runs a CUDA backward on its own
+    thread, where override()'s context variable is not set)."""
+    from ringflash.kernels import configs
+
+    monkeypatch.setattr(configs, "GLUON_BWD_MIN_PROGRAMS_PER_SM", 0)
+
+
 @pytest.mark.parametrize("how", ["argument", "torch_flag"])
 def test_deterministic_on_gpu(how, monkeypatch):
     """deterministic=True, or torch.use_deterministic_algorithms(True): the two-pass backward
@@ -112,11 +120,9 @@ def test_fused_backward_vs_float64(dtype, causal, case, monkeypatch):
     """The fused Gluon backward (configs.GLUON_BWD, forced at these small sizes), D=64 / 128,
     dense and causal, Sq != Sk aligned bottom-right: gradients against float64 within the plain
     bound, as the two-pass backward's."""
-    from ringflash.kernels import configs
-
     calls = _spy_fused_backward(monkeypatch)
-    with configs.override(gluon_bwd=configs.GLUON_BWD[case[-1]]):
-        test_forward_backward_vs_float64(dtype, causal, case)
+    _force_fused(monkeypatch)
+    test_forward_backward_vs_float64(dtype, causal, case)
     assert calls, "the fused backward was not used"
 
 
@@ -135,11 +141,9 @@ def test_fused_backward_vs_float64(dtype, causal, case, monkeypatch):
 def test_fused_backward_windows_vs_float64(dtype, causal, window_size, case, monkeypatch):
     """Sliding windows in the fused backward (both edges masked, key blocks visiting only the
     query blocks their window reaches): gradients against float64 within the plain bound."""
-    from ringflash.kernels import configs
-
     calls = _spy_fused_backward(monkeypatch)
-    with configs.override(gluon_bwd=configs.GLUON_BWD[case[-1]]):
-        test_forward_backward_vs_float64(dtype, causal, case, window_size)
+    _force_fused(monkeypatch)
+    test_forward_backward_vs_float64(dtype, causal, case, window_size)
     assert calls, "the fused backward was not used"
 
 
