@@ -99,9 +99,10 @@ GLUON_DOCUMENTS_MIN_KEYS_PER_ROW = 1536
 # The fused Gluon backward's variant per padded head dim on Hopper (one kernel per key block:
 # dK, dV in registers, dQ added in float32 by atomics, so not bitwise reproducible; callers
 # asking for determinism keep the two Triton passes). One H200, bf16, B=1, H=32, D=128, S=16K,
-# whole backward: 532-557 TFLOP/s against the two Triton passes' 400-417 and cuDNN's 517-535
-# (python benchmarks/gluon_bwd_check.py --quick; benchmarks/RESULTS.md). Blocks with a key bias,
-# dropout, a window other than causal or per-row bounds take the Triton passes.
+# whole backward: 532-562 TFLOP/s against the two Triton passes' 400-417 and cuDNN's 517-546
+# (python benchmarks/gluon_bwd_check.py --quick); forward+backward through the package, D=64 and
+# 128, S=16K-64K: 1.00-1.08x cuDNN (python -m benchmarks.bench_local; benchmarks/RESULTS.md).
+# Blocks with a key bias, dropout or per-row bounds take the Triton passes.
 GLUON_BWD = {64: "ws2_lag", 128: "ws2_lag"}
 # A fused launch has one program per (key block of 128, kv head): below this many per SM the
 # two passes (more, smaller programs) win. One H200, a ring rank's calls at 2K-key tasks and 8 kv
@@ -126,7 +127,9 @@ _OVERRIDES: contextvars.ContextVar[dict | None] = contextvars.ContextVar("ringfl
 @contextlib.contextmanager
 def override(**configs: KernelConfig):
     """Inside the block, the given kernels (fwd=, dkdv=, dq=) use these configs for every head
-    dim, e.g. `with override(fwd=KernelConfig(128, 64, 8, 3)):` (the tuning sweep, tests);
+    dim, e.g. `with override(fwd=KernelConfig(128, 64, 8, 3)):` (the tuning sweep, tests). A
+    context variable: kernels launched from another thread do not see it, and autograd runs a
+    CUDA backward on its own thread (call the kernels directly, or set module globals, there);
     gluon= names the Gluon forward variant to run where it takes the inputs (a key of
     gluon_forward.VARIANTS; None: never; a Triton fwd= override alone also turns it off);
     gluon_bwd= the fused Gluon backward's (gluon_backward.VARIANTS; None: never; a dkdv= or
