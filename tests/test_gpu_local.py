@@ -76,8 +76,7 @@ def _spy_fused_backward(monkeypatch) -> list:
 
 
 def _force_fused(monkeypatch) -> None:
-    """The fused backward at any size (a module global: autograd runs a CUDA backward on its own
-    thread, where override()'s context variable is not set)."""
+    """The fused backward at any size: no occupancy threshold."""
     from ringflash.kernels import configs
 
     monkeypatch.setattr(configs, "GLUON_BWD_MIN_PROGRAMS_PER_SM", 0)

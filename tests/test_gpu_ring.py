@@ -188,8 +188,7 @@ def test_replayed_ring_fused_backward(causal, layout, chunks, accum, monkeypatch
     ref = _reference(q, k, v, do, causal)
     single = _single_gpu(q, k, v, do, causal)
     kw = dict(world=4, causal=causal, layout=layout, grad_chunks=chunks, grad_accum_dtype=accum)
-    # forced at this small size (a module global: autograd's CUDA backward thread does not see
-    # override()'s context variable)
+    # forced at this small size: no occupancy threshold
     monkeypatch.setattr(configs, "GLUON_BWD_MIN_PROGRAMS_PER_SM", 0)
     ring = replay_ring(q, k, v, do, **kw)
     assert calls, "the fused backward was not used"

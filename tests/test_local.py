@@ -333,6 +333,26 @@ def test_gluon_backward_choice(monkeypatch):
         assert d in gluon_backward.VARIANTS[name]
 
 
+def test_override_holds_across_threads():
+    """override() holds for the whole process while its block runs: autograd runs a CUDA
+    backward on its own thread, and an override around forward and backward must reach it
+    (a context variable did not: the GPU backward silently kept its built-in configs)."""
+    import threading
+
+    from ringflash.kernels import configs
+
+    seen = []
+    probe = lambda: seen.append((configs.pick("dq", 64), configs.overridden("gluon_bwd")))  # noqa: E731
+    shape = configs.KernelConfig(16, 16, 4, 1)
+    with configs.override(dq=shape, gluon_bwd=None):
+        worker = threading.Thread(target=probe)
+        worker.start()
+        worker.join()
+    probe()
+    assert seen[0] == (shape, True)
+    assert seen[1][0] != shape and not seen[1][1]
+
+
 def test_fused_backward_only_where_it_runs():
     """kernels.fuses_backward: never for float32, a CPU tensor, a key bias, dropout, per-row
     bounds, a window other than causal, unequal head dims or deterministic=True (checked

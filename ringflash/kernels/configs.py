@@ -12,7 +12,6 @@ RINGFLASH_KERNEL_CONFIGS=path.json replaces entries for other GPUs, as written b
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import json
 import os
 from dataclasses import asdict, dataclass
@@ -121,15 +120,17 @@ _FLOAT32 = {
     "dq": {128: KernelConfig(64, 32, 4, 2, tma=True), 256: KernelConfig(32, 32, 4, 1)},
 }
 
-_OVERRIDES: contextvars.ContextVar[dict | None] = contextvars.ContextVar("ringflash_kernel_configs", default=None)
+# Process-wide, not per thread or context: autograd runs a CUDA backward on its own thread, and an
+# override around forward and backward must reach the backward's kernels too.
+_OVERRIDES: dict = {}
 
 
 @contextlib.contextmanager
 def override(**configs: KernelConfig):
     """Inside the block, the given kernels (fwd=, dkdv=, dq=) use these configs for every head
-    dim, e.g. `with override(fwd=KernelConfig(128, 64, 8, 3)):` (the tuning sweep, tests). A
-    context variable: kernels launched from another thread do not see it, and autograd runs a
-    CUDA backward on its own thread (call the kernels directly, or set module globals, there);
+    dim, e.g. `with override(fwd=KernelConfig(128, 64, 8, 3)):` (the tuning sweep, tests). It
+    holds for the whole process while the block runs (autograd's backward thread included), so
+    it is for one thread's use at a time;
     gluon= names the Gluon forward variant to run where it takes the inputs (a key of
     gluon_forward.VARIANTS; None: never; a Triton fwd= override alone also turns it off);
     gluon_bwd= the fused Gluon backward's (gluon_backward.VARIANTS; None: never; a dkdv= or
@@ -137,11 +138,13 @@ def override(**configs: KernelConfig):
     unknown = set(configs) - set(KINDS) - {"gluon", "gluon_bwd"}
     if unknown:
         raise ValueError(f"override: unknown kernel(s) {sorted(unknown)}; expected some of {KINDS}")
-    token = _OVERRIDES.set({**(_OVERRIDES.get() or {}), **configs})
+    saved = dict(_OVERRIDES)
+    _OVERRIDES.update(configs)
     try:
         yield
     finally:
-        _OVERRIDES.reset(token)
+        _OVERRIDES.clear()
+        _OVERRIDES.update(saved)
 
 
 def read_configs(path: str) -> dict:
@@ -175,7 +178,7 @@ def pick(
     """The config kernel `kind` uses for padded head dim block_d (the order in the module
     docstring; float32 inputs: the _FLOAT32 shapes where the 16-bit ones would not fit);
     interpreting and file_configs default to what the environment said at import."""
-    chosen = (_OVERRIDES.get() or {}).get(kind)
+    chosen = _OVERRIDES.get(kind)
     if chosen is not None:
         return chosen
     table, interp = _TABLES[kind]
@@ -195,7 +198,7 @@ def forward_config(block_d: int, documents: bool = False, float32: bool = False)
         documents
         and not float32
         and not INTERPRETING
-        and "fwd" not in (_OVERRIDES.get() or {})
+        and "fwd" not in _OVERRIDES
         and block_d not in _FILE_CONFIGS.get("fwd", {})
     ):
         return _FWD_DOCUMENTS.get(block_d) or pick("fwd", block_d)
@@ -208,7 +211,7 @@ def gluon_forward_variant(block_d: int, documents: bool = False, keys_per_row: f
     for it, the documents are short (GLUON_DOCUMENTS_MIN_KEYS_PER_ROW), a Triton config is
     forced by override() or the RINGFLASH_KERNEL_CONFIGS file, or the kernels are
     interpreted. override(gluon=name) forces a variant (None: the Triton forward)."""
-    overrides = _OVERRIDES.get() or {}
+    overrides = _OVERRIDES
     if "gluon" in overrides:
         return overrides["gluon"]
     if INTERPRETING or overrides or block_d in _FILE_CONFIGS.get("fwd", {}):
@@ -225,7 +228,7 @@ def gluon_backward_variant(block_d: int) -> str | None:
     it, a Triton backward config is forced by override() or the RINGFLASH_KERNEL_CONFIGS file,
     or the kernels are interpreted. override(gluon_bwd=name) forces a variant (None: the two
     Triton passes)."""
-    overrides = _OVERRIDES.get() or {}
+    overrides = _OVERRIDES
     if "gluon_bwd" in overrides:
         return overrides["gluon_bwd"]
     if INTERPRETING or {"dkdv", "dq"} & set(overrides):
@@ -237,7 +240,7 @@ def gluon_backward_variant(block_d: int) -> str | None:
 
 def overridden(kind: str) -> bool:
     """Whether override() around the call sets `kind` (a forced choice skips the heuristics)."""
-    return kind in (_OVERRIDES.get() or {})
+    return kind in _OVERRIDES
 
 
 def dkdv_config(block_d: int, float32: bool = False) -> KernelConfig:
