@@ -196,19 +196,26 @@ def fuses_backward(q, k, v, *, window, bounds, key_bias=None, dropout=None, dete
     variant = configs.gluon_backward_variant(D)
     if variant is None:
         return False
-    from . import gluon_backward
-
-    if not gluon_backward.HAS_GLUON or torch.cuda.get_device_capability(q.device) != (9, 0):
+    sm_count = _fused_backward_sms(q.device)
+    if not sm_count:
         return False
     if configs.overridden("gluon_bwd"):  # forced: any size
         return True
+    from . import gluon_backward
+
     # one program per key block and kv head: too few to fill the GPU lose to the two passes
     key_blocks = -(-k.shape[1] // gluon_backward.config_for(D, variant).block_n)
-    return k.shape[0] * k.shape[2] * key_blocks >= configs.GLUON_BWD_MIN_PROGRAMS_PER_SM * _sm_count(q.device)
+    return k.shape[0] * k.shape[2] * key_blocks >= configs.GLUON_BWD_MIN_PROGRAMS_PER_SM * sm_count
 
 
 @functools.lru_cache(maxsize=16)
-def _sm_count(device: torch.device) -> int:
+def _fused_backward_sms(device: torch.device) -> int:
+    """The SM count of a device the fused backward runs on (Gluon importable, Hopper), else 0;
+    once per device: the ring asks for every task of every step."""
+    from . import gluon_backward
+
+    if not gluon_backward.HAS_GLUON or torch.cuda.get_device_capability(device) != (9, 0):
+        return 0
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
