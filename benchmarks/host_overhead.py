@@ -46,7 +46,7 @@ def callables(S, args, device, dtype):
         return ringflash.flash_attn_func(q, k, v, causal=True)
 
     def operator():
-        return ops.flash_fwd(q, k, v, None, None, None, 0, 0, -1, 0, scale, 0.0, None, backend, -1, -1)[0]
+        return ops.flash_fwd(q, k, v, None, None, None, 0, 0, -1, 0, scale, 0.0, None, backend, False, -1, -1)[0]
 
     fns = {"public": public, "operator": operator}
     if device.type == "cuda":

@@ -308,8 +308,35 @@ def _hybrid_compiled(rank, world):
     _no_graph_break()
     with pytest.raises(ValueError, match="is not the one the layout was built from"):
         cf(*packed, wrong)
+    # RingMultiheadAttention with the head group, compiled: output and the gradients of the
+    # input and of every parameter as eager's
+    torch.manual_seed(0)  # the same parameters on every rank
+    mha = RingMultiheadAttention(64, 4, batch_first=True, group=group, head_group=head_group)
+    x = sh(torch.randn(2, 32, 64, generator=g)).requires_grad_()
+    fm = lambda x, *params: (mha(x, x, x, need_weights=False, is_causal=True)[0],)
+    got_out, got_grads = _run(_compile(fm), [x, *mha.parameters()])
+    want_out, want_grads = _run(fm, [x, *mha.parameters()])
+    _assert_equal(got_out + got_grads, want_out + want_grads)
+    _no_graph_break()
     dist.barrier()
     return packed[0].shape[0]
+
+
+def _hybrid_inductor(rank, world):
+    from hybrid_cases import grid
+
+    torch.set_num_threads(1)
+    group, head_group = grid(2, 2)
+    kw = dict(group=group, head_group=head_group)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 32, h, 16, generator=g) for h in (4, 2, 2))
+    leaves = [ringflash.shard(t, **kw).requires_grad_() for t in (q, k, v)]
+    f = lambda q, k, v: ringflash.ring_flash_attn_func(q, k, v, causal=True, return_lse=True, **kw)
+    got_out, got_grads = _run(_compile(f, backend="inductor"), leaves)
+    want_out, want_grads = _run(f, leaves)
+    _assert_equal(got_out + got_grads, want_out + want_grads)
+    _no_graph_break()
+    dist.barrier()
 
 
 def test_hybrid_fullgraph_2x2(worlds):
@@ -317,12 +344,20 @@ def test_hybrid_fullgraph_2x2(worlds):
     fullgraph on a 2 x 2 grid of gloo ranks: compiled == eager (out, lse, dq, dk, dv), no
     graph break; kv heads split (Hkv = U) and replicated (Hkv < U, float16) with a padding mask
     and dropout; packed documents; a disagreement or a wrong cu_seqlens on one rank raises on
-    every rank."""
+    every rank; RingMultiheadAttention with the head group (parameter gradients too)."""
     lens = worlds(4, **TORCH).run(_hybrid_compiled)
     layout = ringflash.balanced_layout([0, 5, 6, 26, 26, 31], 2, causal=True)
     pieces = [[layout.head_pieces(r, 2).local_len(u) for u in range(2)] for r in range(2)]
     assert lens == [n for row in pieces for n in row] and any(a != b for a, b in pieces)  # unequal pieces
     assert [list(layout.head_piece_lens(r, 2)) for r in range(2)] == pieces  # what the traced call uses
+
+
+def test_hybrid_inductor_2x2(worlds):
+    """The inductor backend around the hybrid operators on the 2 x 2 grid: the operators are
+    opaque, so outputs and gradients are exactly the eager ones, no graph break."""
+    if shutil.which("g++") is None and shutil.which("c++") is None:
+        pytest.skip("inductor on CPU needs a C++ compiler")
+    worlds(4, **TORCH).run(_hybrid_inductor)
 
 
 def test_renamed_copy_registers_its_own_operators(tmp_path):
