@@ -28,7 +28,7 @@ from ringflash.kernels import gluon_backward as gb  # noqa: E402
 
 
 def one(case: tuple, dump: str | None = None) -> dict:
-    variant, D, causal, dtype, accumulate, group, window_left = case
+    variant, D, causal, dtype, accumulate, group, window_left, rows = case
     try:
         row = gb.hopper_report(
             gb.VARIANTS[variant][D],
@@ -39,11 +39,12 @@ def one(case: tuple, dump: str | None = None) -> dict:
             group=group,
             dump=Path(dump) / variant if dump else None,
             window_left=window_left,
+            rows=rows,
         )
         row["problems"] = gb.report_problems(row)
     except Exception as e:  # reported as a row: the caller decides
         row = {"error": f"{type(e).__name__}: {e}"[:4000], "D": D, "causal": causal, "dtype": dtype}
-        row.update(accumulate=accumulate, group=group, window_left=window_left)
+        row.update(accumulate=accumulate, group=group, window_left=window_left, rows=rows)
     row["name"] = variant
     return row
 
@@ -52,6 +53,8 @@ def line(r: dict) -> str:
     head = f"{r['name']:7s} D={r['D']:<3d} causal={int(r['causal'])} {r['dtype']} acc={int(r['accumulate'])}"
     if r.get("window_left") is not None:
         head += f" window_left={r['window_left']}"
+    if r.get("rows"):
+        head += " rows"
     if "error" in r:
         return f"{head} ERROR {r['error'][-600:]}"
     c = r["config"]
@@ -76,6 +79,7 @@ def main():
     )
     ap.add_argument("--group", type=int, default=4, help="q heads per kv head of the compiled case")
     ap.add_argument("--window-left", type=int, help="a sliding window of this left reach (right: 0 if causal)")
+    ap.add_argument("--rows", action="store_true", help="packed documents' per-row bounds (--causal then unused)")
     ap.add_argument("--jobs", type=int, default=1, help="compile processes (the CPU machine is shared: 1-2)")
     ap.add_argument("--dump", help="write PTX, TTGIR, SASS and ptxas's log here")
     ap.add_argument("--json", type=Path)
@@ -83,7 +87,7 @@ def main():
     if not gb.HAS_GLUON:
         sys.exit(f"Gluon not importable: {gb.GLUON_ERROR}")
     cases = [
-        (v, D, bool(c), dt, bool(a), args.group, args.window_left)
+        (v, D, bool(c), dt, bool(a), args.group, args.window_left, args.rows)
         for v in args.variants
         for D in args.head_dims
         if D in gb.VARIANTS[v]

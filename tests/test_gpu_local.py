@@ -294,6 +294,42 @@ def test_gluon_forward_is_used_and_agrees(causal, window_size, monkeypatch):
     "causal,window_size,len_k_extra",
     [(True, (-1, -1), 0), (False, (-1, -1), 0), (True, (255, 0), 0), (False, (100, 300), 0), (True, (-1, -1), 37)],
 )
+@pytest.mark.parametrize("D", [128, 64])
+def test_fused_backward_documents_vs_float64(dtype, causal, window_size, len_k_extra, D, monkeypatch):
+    """Packed documents (per-row bounds) in the fused backward (configs.GLUON_BWD_DOCUMENTS,
+    forced: not enabled by default until this passes on a GPU): documents of 0 to 3000 rows,
+    key blocks straddling several, Sq != Sk per document; dq, dk, dv against float64 within
+    the plain bound."""
+    from ringflash.kernels import configs
+    from ringflash.local import flash_attn_varlen_func
+    from ringflash.testing import varlen_plain_errors, varlen_reference
+
+    calls = _spy_fused_backward(monkeypatch)
+    _force_fused(monkeypatch)
+    monkeypatch.setattr(configs, "GLUON_BWD_DOCUMENTS", {D: configs.GLUON_BWD[D]})
+    len_q = [1, 0, 700, 3000, 129, 64, 1500, 2, 257, 5, 130]
+    len_k = [n + len_k_extra for n in len_q]
+    cu_q, cu_k = (torch.tensor([0, *torch.tensor(x).cumsum(0).tolist()], device="cuda") for x in (len_q, len_k))
+    g = torch.Generator(device="cuda").manual_seed(len(len_q) + len_k_extra + D)
+    mk = lambda n, H: torch.randn(n, H, D, device="cuda", generator=g, dtype=dtype).requires_grad_()  # noqa: E731
+    q, k, v = mk(sum(len_q), 8), mk(sum(len_k), 2), mk(sum(len_k), 2)
+    do = torch.randn(q.shape, device="cuda", generator=g, dtype=dtype)
+    kw = dict(causal=causal, window_size=window_size)
+    out = flash_attn_varlen_func(q, k, v, cu_q, cu_k, **kw)
+    grads = torch.autograd.grad(out, (q, k, v), do)
+    assert calls, "the fused backward was not used"
+    ref = varlen_reference(q.detach(), k.detach(), v.detach(), do, cu_q, cu_k, **kw)
+    plain = varlen_plain_errors(q.detach(), k.detach(), v.detach(), do, cu_q, cu_k, ref, **kw)
+    for name, got, r in zip(("dq", "dk", "dv"), grads, ref[2:]):
+        assert_within(name, got, r, plain[name])
+        assert not torch.isnan(got).any()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(
+    "causal,window_size,len_k_extra",
+    [(True, (-1, -1), 0), (False, (-1, -1), 0), (True, (255, 0), 0), (False, (100, 300), 0), (True, (-1, -1), 37)],
+)
 def test_gluon_forward_documents(dtype, causal, window_size, len_k_extra, monkeypatch):
     """Packed documents (per-row bounds) at D=128 on the Gluon forward (configs.GLUON_FWD_DOCUMENTS,
     forced: these documents are short enough that the built-in rule would take the Triton

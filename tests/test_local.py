@@ -327,10 +327,14 @@ def test_gluon_backward_choice(monkeypatch):
     for kind in ("dkdv", "dq"):
         with configs.override(**{kind: configs.KernelConfig(64, 64, 4, 2)}):
             assert configs.gluon_backward_variant(128) is None
+    assert configs.gluon_backward_variant(128, documents=True) == configs.GLUON_BWD_DOCUMENTS.get(128)
+    monkeypatch.setattr(configs, "GLUON_BWD_DOCUMENTS", {128: "ws2_lag"})
+    assert configs.gluon_backward_variant(128, documents=True) == "ws2_lag"
     monkeypatch.setattr(configs, "INTERPRETING", True)
     assert configs.gluon_backward_variant(128) is None
-    for d, name in configs.GLUON_BWD.items():
-        assert d in gluon_backward.VARIANTS[name]
+    for table in (configs.GLUON_BWD, configs.GLUON_BWD_DOCUMENTS):
+        for d, name in table.items():
+            assert d in gluon_backward.VARIANTS[name]
 
 
 def test_override_holds_across_threads():

@@ -188,6 +188,21 @@ def test_gluon_backward_window_compiles_for_hopper(tmp_path):
         assert not r["problems"] and r["spill_bytes"] == 0 and r["sass_waits"].get("1", 0) > 0, r
 
 
+def test_gluon_backward_documents_compile_for_hopper(tmp_path):
+    """The fused backward with packed documents' per-row bounds (configs.GLUON_BWD_DOCUMENTS,
+    not enabled until a GPU has checked it), D=64 and 128, accumulating: no spills, within the
+    shared memory, wait_group 1 kept."""
+    from ringflash.kernels import configs
+
+    run([sys.executable, "benchmarks/gluon_bwd_report.py", "--variants", configs.GLUON_BWD[128], "--causal", "0",
+         "--dtypes", "bf16", "--accumulate", "1", "--rows", "--jobs", "1", "--json", str(tmp_path / "r.json")],
+        tmp_path)  # fmt: skip
+    rows = json.loads((tmp_path / "r.json").read_text())
+    assert len(rows) == 2 and all(r["rows"] for r in rows)
+    for r in rows:
+        assert not r["problems"] and r["spill_bytes"] == 0 and r["sass_waits"].get("1", 0) > 0, r
+
+
 def test_builtin_shapes_compile_for_hopper(tmp_path):
     """Every built-in kernel shape compiles for sm_90a (on this CPU machine, with the ptxas that
     ships with Triton) within the H200's shared memory and without ptxas serializing the

@@ -183,17 +183,18 @@ def combined_stats(m, l):
 def fuses_backward(q, k, v, *, window, bounds, key_bias=None, dropout=None, deterministic=False) -> bool:
     """Whether backward() given dq, dk and dv together runs this block as one fused kernel
     (the Gluon backward on Hopper: 16-bit, head dims equal and tuned (configs.GLUON_BWD), dense,
-    causal or a sliding window, no key bias, dropout or per-row bounds, enough key blocks x kv
+    causal or a sliding window (per-row bounds: configs.GLUON_BWD_DOCUMENTS), no key bias or
+    dropout, enough key blocks x kv
     heads to fill the GPU: configs.GLUON_BWD_MIN_PROGRAMS_PER_SM, unless override(gluon_bwd=)
     forces it). Its dQ is added in float32 by atomics,
     whose order varies: not bitwise reproducible, so deterministic=True says no. A caller that
     can compute dQ and dK/dV in one call should then do so (the ring's backward)."""
-    if deterministic or key_bias is not None or dropout is not None or bounds is not None:
+    if deterministic or key_bias is not None or dropout is not None:
         return False
     D = q.shape[-1]
     if not q.is_cuda or q.dtype == torch.float32 or v.shape[-1] != D or _block_d(D) != D:
         return False
-    variant = configs.gluon_backward_variant(D)
+    variant = configs.gluon_backward_variant(D, documents=bounds is not None)
     if variant is None:
         return False
     sm_count = _fused_backward_sms(q.device)
@@ -219,18 +220,19 @@ def _fused_backward_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def _gluon_backward(q, k, v, m, l, do, delta, dq, dk, dv, q_start, k_start, window, scale, accumulate) -> bool:
+def _gluon_backward(q, k, v, m, l, do, delta, dq, dk, dv, q_start, k_start, window, bounds, scale, accumulate) -> bool:
     """Run the block on the fused Gluon backward (the caller checked fuses_backward); False:
     it does not take these tensors (strides, alignment, sizes), nothing written, the caller runs
     the Triton passes."""
     from . import gluon_backward
 
+    reaches = None if window is None or bounds is not None else (window.left, window.right)  # bounds decide alone
     try:
         with _on_device(q):
             gluon_backward.backward(q, k, v, m, l, do, delta, dq, dk, dv, q_start=q_start, k_start=k_start,
                                     causal=False, scale=scale, accumulate=accumulate,
-                                    config=configs.gluon_backward_variant(q.shape[-1]),
-                                    window=None if window is None else (window.left, window.right))  # fmt: skip
+                                    config=configs.gluon_backward_variant(q.shape[-1], documents=bounds is not None),
+                                    window=reaches, bounds=bounds)  # fmt: skip
     except gluon_backward.Unsupported:
         return False
     return True
@@ -248,7 +250,7 @@ def backward(q, k, v, m, l, do, delta, dq, dk, dv, *, q_start, k_start, window, 
         and dk is not None
         and fuses_backward(q, k, v, window=window, bounds=bounds, key_bias=key_bias, dropout=dropout,
                            deterministic=deterministic)  # fmt: skip
-        and _gluon_backward(q, k, v, m, l, do, delta, dq, dk, dv, q_start, k_start, window, scale, accumulate)
+        and _gluon_backward(q, k, v, m, l, do, delta, dq, dk, dv, q_start, k_start, window, bounds, scale, accumulate)
     ):
         return
     B, Sq, Hq, D = q.shape

@@ -50,7 +50,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from ._gluon_fwd import _alloc_bars, _mma_layout
+from ._gluon_fwd import _alloc_bars, _max_combine, _min_combine, _mma_layout
+from .tiles import MASK_ROWS, in_bounds, key_query_bounds
 
 # ----------------------------------------------------------------------------------------------
 # Which query blocks a key block visits. Every partition computes the same plan from the same
@@ -65,8 +66,11 @@ def _plan(
     q_start,
     k_start,
     left,
+    rows_first,
+    rows_n,
     CAUSAL: gl.constexpr,
     HAS_LEFT: gl.constexpr,
+    ROWS: gl.constexpr,
     BLOCK_M: gl.constexpr,
     BLOCK_N: gl.constexpr,
 ):
@@ -75,7 +79,9 @@ def _plan(
     (n_m >= 0), the rows full_lo .. full_hi see every valid key of it (a query block reaching
     outside is masked); key_ragged: the block runs past Sk. Query row i sees local key j iff
     k_start + j <= q_start + i (CAUSAL: the launcher folds a window's right reach into q_start)
-    and q_start + i <= k_start + j + left (HAS_LEFT)."""
+    and q_start + i <= k_start + j + left (HAS_LEFT). ROWS (packed documents): the query blocks
+    rows_first .. rows_first + rows_n - 1 (_key_tile_query_range, before the partitions split);
+    full_lo / full_hi then unused (each consumer has its own keys' range)."""
     n0 = gl.program_id(0) * BLOCK_N
     pid_bh = gl.program_id(1)
     b = pid_bh // Hkv
@@ -94,8 +100,48 @@ def _plan(
         last_row = gl.minimum(k_start + n_last + left - q_start, Sq - 1)  # the last row that sees key n_last
         m_end = (gl.maximum(last_row, -1) + BLOCK_M) // BLOCK_M  # (never a negative division)
         full_hi = k_start + n0 + left - q_start  # rows up to here see key n0
+    if ROWS:
+        m_first = rows_first
+        m_end = rows_first + rows_n
     n_m = gl.maximum(m_end - m_first, 0)
     return b, hk, n0, m_first, n_m, full_lo, full_hi, n0 + BLOCK_N > Sk
+
+
+@gluon.jit
+def _keys_range(first, Sq, Sk, q_start, k_start, QLO, QHI, KEYS: gl.constexpr, num_warps: gl.constexpr):
+    """Over the valid keys of [first, first + KEYS), each seen by the local query rows [lo, hi)
+    (tiles.key_query_bounds of per-row bounds): (min lo, max hi), the rows that see some key,
+    and (max lo, min hi), the rows that see every key. The mirror of _gluon_fwd._rows_range."""
+    keys = first + gl.arange(0, KEYS, layout=gl.BlockedLayout([1], [32], [num_warps], [0]))
+    lo, hi = key_query_bounds(keys, Sq, Sk, q_start, k_start, 0, 0, QLO, QHI, MASK_ROWS)
+    valid = (keys < Sk) & (lo < hi)  # keys no row sees (empty, or past Sk) bound nothing
+    return (
+        gl.reduce(gl.where(valid, lo, Sq), 0, _min_combine),
+        gl.reduce(gl.where(valid, hi, 0), 0, _max_combine),
+        gl.reduce(gl.where(valid, lo, 0), 0, _max_combine),
+        gl.reduce(gl.where(valid, hi, Sq), 0, _min_combine),
+    )
+
+
+@gluon.jit
+def _key_tile_query_range(
+    Sq, Sk, q_start, k_start, QLO, QHI, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, num_warps: gl.constexpr
+):
+    """Packed documents: the query blocks of this program's key block, computed once by all
+    warps before the partitions split, so that the producer and both consumers visit the same
+    blocks: (m_first, n_m, full_lo0, full_hi0, full_lo1, full_hi1). The block visits query
+    blocks m_first .. m_first + n_m - 1 (those some key sees; n_m == 0: none); every valid key
+    of consumer warpgroup w sees the rows [full_lo_w, full_hi_w): a query block inside needs no
+    mask."""
+    n0 = gl.program_id(0) * BLOCK_N
+    half: gl.constexpr = BLOCK_N // 2
+    lo0, hi0, full_lo0, full_hi0 = _keys_range(n0, Sq, Sk, q_start, k_start, QLO, QHI, half, num_warps)
+    lo1, hi1, full_lo1, full_hi1 = _keys_range(n0 + half, Sq, Sk, q_start, k_start, QLO, QHI, half, num_warps)
+    lo = gl.minimum(lo0, lo1)
+    hi = gl.maximum(hi0, hi1)
+    m_first = lo // BLOCK_M
+    n_m = gl.maximum((hi + BLOCK_M - 1) // BLOCK_M - m_first, 0)
+    return m_first, n_m, full_lo0, full_hi0, full_lo1, full_hi1
 
 
 @gluon.jit
@@ -140,14 +186,19 @@ def _producer(
     q_start,
     k_start,
     left,
+    rows_first,
+    rows_n,
     CAUSAL: gl.constexpr,
     HAS_LEFT: gl.constexpr,
+    ROWS: gl.constexpr,
     BLOCK_M: gl.constexpr,
     BLOCK_N: gl.constexpr,
     STAGES: gl.constexpr,
     ROTATE: gl.constexpr,
 ):
-    b, hk, n0, m_first, n_m, _, _, _ = _plan(Hkv, Sq, Sk, q_start, k_start, left, CAUSAL, HAS_LEFT, BLOCK_M, BLOCK_N)
+    b, hk, n0, m_first, n_m, _, _, _ = _plan(
+        Hkv, Sq, Sk, q_start, k_start, left, rows_first, rows_n, CAUSAL, HAS_LEFT, ROWS, BLOCK_M, BLOCK_N
+    )
     n_iter = group * n_m
     if n_iter > 0:
         # kv_bar: count 1; this expect is its only arrival, completing phase 0 once both
@@ -327,6 +378,14 @@ def _consumer(
     q_start,
     k_start,
     left,
+    QLO,
+    QHI,
+    rows_first,
+    rows_n,
+    rows_full_lo0,
+    rows_full_hi0,
+    rows_full_lo1,
+    rows_full_hi1,
     qk_scale,
     sm_scale,
     HEAD_DIM: gl.constexpr,
@@ -335,6 +394,7 @@ def _consumer(
     STAGES: gl.constexpr,
     CAUSAL: gl.constexpr,
     HAS_LEFT: gl.constexpr,
+    ROWS: gl.constexpr,
     ACCUMULATE: gl.constexpr,
     ROTATE: gl.constexpr,
     DQ_BLOCKED: gl.constexpr,
@@ -351,7 +411,7 @@ def _consumer(
     gl.static_assert(KEYS == 64, "one warpgroup's wgmma tile is 64 rows")
 
     b, hk, n0, m_first, n_m, full_lo, full_hi, key_ragged = _plan(
-        Hkv, Sq, Sk, q_start, k_start, left, CAUSAL, HAS_LEFT, BLOCK_M, BLOCK_N
+        Hkv, Sq, Sk, q_start, k_start, left, rows_first, rows_n, CAUSAL, HAS_LEFT, ROWS, BLOCK_M, BLOCK_N
     )
     n_iter = group * n_m
     dk = gl.zeros([KEYS, HEAD_DIM], gl.float32, kv_layout)
@@ -362,6 +422,16 @@ def _consumer(
     q_idx = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
     dq_rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, dq_layout))
     dq_cols = WG * DQ_COLS + gl.arange(0, DQ_COLS, layout=gl.SliceLayout(0, dq_layout))
+    if ROWS:
+        # this warpgroup's keys: the local query rows each is seen by, for the whole loop;
+        # [full_lo, full_hi): the rows that see all of them
+        key_q_lo, key_q_hi = key_query_bounds(key_idx, Sq, Sk, q_start, k_start, 0, 0, QLO, QHI, MASK_ROWS)
+        if WG == 0:
+            full_lo = rows_full_lo0
+            full_hi = rows_full_hi0
+        else:
+            full_lo = rows_full_lo1
+            full_hi = rows_full_hi1
     if n_iter > 0:
         mbarrier.wait(kv_bar.index(0), 0)  # phase 0: K and V landed (the producer's one expect)
     for i in range(n_iter):
@@ -384,7 +454,9 @@ def _consumer(
         offset = st_bufs.index(2 * s).load(gl.SliceLayout(0, s_layout))
         # groups complete in order: one left in flight means S^T is done, dP^T may not be
         st = warpgroup_mma_wait(1, deps=(st_tok,))
-        if CAUSAL or HAS_LEFT:
+        if ROWS:
+            masked = key_ragged | (off_m < full_lo) | (off_m + BLOCK_M > full_hi)  # [full_lo, full_hi)
+        elif CAUSAL or HAS_LEFT:
             masked = key_ragged | (off_m < full_lo) | (off_m + BLOCK_M - 1 > full_hi)  # the window's edges
         else:
             masked = key_ragged
@@ -392,7 +464,9 @@ def _consumer(
             # -inf scores give p = 0 (also against an offset of +inf); keys past Sk never count
             keys = _opaque(key_idx)
             vis = (keys < Sk)[:, None] & (q_idx < BLOCK_M)[None, :]
-            if CAUSAL or HAS_LEFT:
+            if ROWS:
+                vis = vis & in_bounds((off_m + _opaque(q_idx))[None, :], key_q_lo[:, None], key_q_hi[:, None], True)
+            elif CAUSAL or HAS_LEFT:
                 q_pos = (q_start + off_m + _opaque(q_idx))[None, :]
                 k_pos = (k_start + keys)[:, None]
                 if CAUSAL:
@@ -555,6 +629,8 @@ def _bwd_ws2(
     q_start,
     k_start,
     left,
+    QLO,
+    QHI,
     qk_scale,
     sm_scale,
     HEAD_DIM: gl.constexpr,
@@ -563,6 +639,7 @@ def _bwd_ws2(
     STAGES: gl.constexpr,
     CAUSAL: gl.constexpr,
     HAS_LEFT: gl.constexpr,
+    ROWS: gl.constexpr,
     ACCUMULATE: gl.constexpr,
     ROTATE: gl.constexpr,
     DQ_BLOCKED: gl.constexpr,
@@ -594,6 +671,17 @@ def _bwd_ws2(
     empty = _alloc_bars(STAGES, 2)  # released when both consumer warpgroups are done with a stage
     ds_bar = _alloc_bars(DS_BUFS, 2)  # both halves of dS written
     fence_async_shared()
+    if ROWS:  # packed documents: every partition needs the same query blocks (QLO / QHI: per key)
+        rows_first, rows_n, rows_full_lo0, rows_full_hi0, rows_full_lo1, rows_full_hi1 = _key_tile_query_range(
+            Sq, Sk, q_start, k_start, QLO, QHI, BLOCK_M, BLOCK_N, num_warps
+        )
+    else:
+        rows_first = 0
+        rows_n = 0
+        rows_full_lo0 = 0
+        rows_full_hi0 = 0
+        rows_full_lo1 = 0
+        rows_full_hi1 = 0
     # Annotated constexpr so the tuple keeps its constexpr members (as in _gluon_fwd)
     consumer_args: gl.constexpr = (
         q_bufs,
@@ -626,6 +714,14 @@ def _bwd_ws2(
         q_start,
         k_start,
         left,
+        QLO,
+        QHI,
+        rows_first,
+        rows_n,
+        rows_full_lo0,
+        rows_full_hi0,
+        rows_full_lo1,
+        rows_full_hi1,
         qk_scale,
         sm_scale,
         HEAD_DIM,
@@ -634,6 +730,7 @@ def _bwd_ws2(
         STAGES,
         CAUSAL,
         HAS_LEFT,
+        ROWS,
         ACCUMULATE,
         ROTATE,
         DQ_BLOCKED,
@@ -669,8 +766,11 @@ def _bwd_ws2(
                     q_start,
                     k_start,
                     left,
+                    rows_first,
+                    rows_n,
                     CAUSAL,
                     HAS_LEFT,
+                    ROWS,
                     BLOCK_M,
                     BLOCK_N,
                     STAGES,

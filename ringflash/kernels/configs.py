@@ -109,6 +109,10 @@ GLUON_BWD = {64: "ws2_lag", 128: "ws2_lag"}
 # per chunk (512 programs): fused 120 ms against 141 ms (python -m benchmarks.bench_blockops
 # --sections replay --backward default deterministic). The threshold sits between.
 GLUON_BWD_MIN_PROGRAMS_PER_SM = 2
+# Packed documents (per-row bounds) in the fused backward: compiled for sm_90a without spills
+# (python benchmarks/gluon_bwd_report.py --rows), not yet checked on a GPU, so no head dim
+# takes it by default; override(gluon_bwd=NAME) forces it.
+GLUON_BWD_DOCUMENTS: dict[int, str] = {}
 
 # float32 inputs take twice the shared memory per tile: the 16-bit shapes above overflow an H200's
 # 227 KiB at head dim 128 and 256 (forward 448 KiB, dK/dV 353 KiB at D=128, compiled for sm_90a:
@@ -223,11 +227,11 @@ def gluon_forward_variant(block_d: int, documents: bool = False, keys_per_row: f
     return GLUON_FWD_DOCUMENTS.get(block_d)
 
 
-def gluon_backward_variant(block_d: int) -> str | None:
-    """The fused Gluon backward's variant for this padded head dim, or None: none is tuned for
-    it, a Triton backward config is forced by override() or the RINGFLASH_KERNEL_CONFIGS file,
-    or the kernels are interpreted. override(gluon_bwd=name) forces a variant (None: the two
-    Triton passes)."""
+def gluon_backward_variant(block_d: int, documents: bool = False) -> str | None:
+    """The fused Gluon backward's variant for this padded head dim (documents: a block masked by
+    per-row bounds, GLUON_BWD_DOCUMENTS), or None: none is tuned for it, a Triton backward config
+    is forced by override() or the RINGFLASH_KERNEL_CONFIGS file, or the kernels are
+    interpreted. override(gluon_bwd=name) forces a variant (None: the two Triton passes)."""
     overrides = _OVERRIDES
     if "gluon_bwd" in overrides:
         return overrides["gluon_bwd"]
@@ -235,7 +239,7 @@ def gluon_backward_variant(block_d: int) -> str | None:
         return None
     if any(block_d in _FILE_CONFIGS.get(kind, {}) for kind in ("dkdv", "dq")):
         return None
-    return GLUON_BWD.get(block_d)
+    return (GLUON_BWD_DOCUMENTS if documents else GLUON_BWD).get(block_d)
 
 
 def overridden(kind: str) -> bool:

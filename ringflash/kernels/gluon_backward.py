@@ -306,14 +306,23 @@ def window_bounds(causal: bool, window) -> tuple[int | None, int | None]:
     return left, right
 
 
-def launch_plan(q, k, v, stats, do, dq32, dk, dv, *, q_start, k_start, causal, scale, accumulate, cfg, window=None):
+def launch_plan(
+    q, k, v, stats, do, dq32, dk, dv, *, q_start, k_start, causal, scale, accumulate, cfg, window=None, bounds=None
+):
     """(kernel, grid, args, kwargs) of one launch for checked inputs; dq32: the float32 buffer
     the kernel adds dQ to; stats: row_stats(). Any device (the CPU compile binds CPU tensors).
     The kernel takes a right reach as q_start moved by it (key kp <= query qp + right iff
     kp <= qp' = qp + right) and the left one relative to that (qp <= kp + left iff
-    qp' <= kp + left + right)."""
+    qp' <= kp + left + right). bounds: packed documents' masks.RowBounds (its key rows' q_lo /
+    q_hi decide alone), without causal or a window."""
     B, Sq, Hq, D = q.shape
     Sk, Hkv = k.shape[1], k.shape[2]
+    if bounds is not None:
+        if causal or window is not None:
+            raise ValueError("per-row bounds decide alone: no causal flag or window with them")
+        for name, t in (("q_lo", bounds.q_lo), ("q_hi", bounds.q_hi)):
+            if t.dtype != torch.int32 or tuple(t.shape) != (Sk,) or t.stride(0) != 1 or t.device != q.device:
+                raise Unsupported(f"bounds.{name} must be int32 ({Sk},) with unit stride on q's device")
     left, right = window_bounds(causal, window)
     q_start, k_start = int(q_start) + (right or 0), int(k_start)
     left = 0 if left is None else left + (right or 0)
@@ -328,6 +337,7 @@ def launch_plan(q, k, v, stats, do, dq32, dk, dv, *, q_start, k_start, causal, s
         STAGES=cfg.stages,
         CAUSAL=right is not None,
         HAS_LEFT=window_bounds(causal, window)[0] is not None,
+        ROWS=bounds is not None,
         ACCUMULATE=bool(accumulate),
         ROTATE=cfg.rotate,
         DQ_BLOCKED=cfg.dq_blocked,
@@ -359,6 +369,8 @@ def launch_plan(q, k, v, stats, do, dq32, dk, dv, *, q_start, k_start, causal, s
         q_start,
         k_start,
         left,
+        dq32 if bounds is None else bounds.q_lo,  # (unused without bounds)
+        dq32 if bounds is None else bounds.q_hi,
         float(scale) * LOG2E,
         float(scale),
     )
@@ -367,8 +379,9 @@ def launch_plan(q, k, v, stats, do, dq32, dk, dv, *, q_start, k_start, causal, s
 
 
 def backward(
-    q, k, v, m, l, do, delta, dq, dk, dv, *, q_start, k_start, causal, scale, accumulate, config=None, window=None
-):
+    q, k, v, m, l, do, delta, dq, dk, dv, *, q_start, k_start, causal, scale, accumulate, config=None, window=None,
+    bounds=None,
+):  # fmt: skip
     """Gradients of attention over one block (semantics: module docstring) into dq, dk, dv.
 
     q, do (B, Sq, Hq, D); k, v (B, Sk, Hkv, D): all bfloat16 or all float16, D = 64 or 128, TMA-able
@@ -378,8 +391,9 @@ def backward(
     16-bit (through a float32 scratch and a cast at the end). config: a GluonBwdConfig or a
     variant name (default DEFAULT_VARIANT). window: None, or (left, right) reaches (None:
     unbounded; masks.Window's meaning) instead of causal: query position qp sees key position kp
-    iff qp - left <= kp <= qp + right. Raises Unsupported (nothing written) for inputs the
-    kernel does not take.
+    iff qp - left <= kp <= qp + right. bounds: packed documents' masks.RowBounds instead of
+    both (q_start / k_start: the block's first positions, as the Triton kernels take them).
+    Raises Unsupported (nothing written) for inputs the kernel does not take.
     """
     prep = prepare(
         q,
@@ -399,6 +413,7 @@ def backward(
         accumulate=accumulate,
         config=config,
         window=window,
+        bounds=bounds,
     )
     if prep is not None:
         prep()
@@ -428,8 +443,9 @@ class Prepared:
 
 
 def prepare(
-    q, k, v, m, l, do, delta, dq, dk, dv, *, q_start, k_start, causal, scale, accumulate, config=None, window=None
-):
+    q, k, v, m, l, do, delta, dq, dk, dv, *, q_start, k_start, causal, scale, accumulate, config=None, window=None,
+    bounds=None,
+):  # fmt: skip
     """backward() up to the launch (its arguments, checks and Unsupported alike): a Prepared, or
     None when there is nothing to launch (Sq or Sk = 0: the gradients are then already handled)."""
     cfg = _resolve(q.shape[-1], config)
@@ -459,6 +475,7 @@ def prepare(
             accumulate=accumulate,
             cfg=cfg,
             window=window,
+            bounds=bounds,
         )
     return Prepared(kernel, grid, args, kwargs, dq32, finish)
 
@@ -508,7 +525,7 @@ def reference(q, k, v, m, l, do, delta, *, q_start, k_start, causal, scale, chun
 
 def compile_launch(
     q, k, v, m, l, do, delta, dq, dk, dv, *, q_start, k_start, causal, scale, accumulate, config=None, key_only=False,
-    window=None,
+    window=None, bounds=None,
 ):  # fmt: skip
     """Compile for sm_90a, on any machine, exactly what backward() with these arguments would
     launch (CPU tensors of the same shapes and strides will do: the specialization depends only
@@ -542,6 +559,7 @@ def compile_launch(
         accumulate=accumulate,
         cfg=cfg,
         window=window,
+        bounds=bounds,
     )
     return compile_plan(kernel, args, kwargs, key_only)
 
@@ -580,10 +598,12 @@ def compile_for_hopper(
     Sq: int = 1031,
     Sk: int = 777,
     window_left: int | None = None,
+    rows: bool = False,
 ):
     """compile_launch for contiguous CPU tensors of these sizes (2 kv heads). grad_dtype: that
     of dk and dv (default: float32 when accumulating, else the input dtype); dq is float32.
-    window_left: a sliding window of that left reach (right: 0 when causal, else unbounded)."""
+    window_left: a sliding window of that left reach (right: 0 when causal, else unbounded).
+    rows: packed documents' per-row bounds instead (causal and window_left unused)."""
     tdt = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
     gdt = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, None: None}[grad_dtype]
     gdt = gdt or (torch.float32 if accumulate else tdt)
@@ -604,12 +624,20 @@ def compile_for_hopper(
         torch.empty(k.shape, dtype=gdt),
         q_start=Sk - Sq,
         k_start=0,
-        causal=causal and window_left is None,
+        causal=causal and window_left is None and not rows,
         scale=head_dim**-0.5,
         accumulate=accumulate,
         config=cfg,
-        window=None if window_left is None else (window_left, 0 if causal else None),
+        window=None if window_left is None or rows else (window_left, 0 if causal else None),
+        bounds=_compile_bounds(Sq, Sk) if rows else None,
     )
+
+
+def _compile_bounds(Sq: int, Sk: int):
+    """Per-row bounds of the right sizes and dtype for a CPU compile (values unused)."""
+    from ..masks import RowBounds
+
+    return RowBounds(*(torch.zeros(n, dtype=torch.int32) for n in (Sq, Sq, Sk, Sk)))
 
 
 def hopper_report(
@@ -622,20 +650,23 @@ def hopper_report(
     group: int = 1,
     dump: Path | None = None,
     window_left: int | None = None,
+    rows: bool = False,
 ) -> dict:
     """gluon_forward.compiled_report of one case compiled by compile_for_hopper, with the dQ
     atomics counted in the SASS: red_v2 / red_v4 (vectorized float32 adds), red_scalar."""
     kern = compile_for_hopper(
-        cfg, head_dim, causal=causal, dtype=dtype, accumulate=accumulate, group=group, window_left=window_left
-    )
+        cfg, head_dim, causal=causal, dtype=dtype, accumulate=accumulate, group=group, window_left=window_left,
+        rows=rows,
+    )  # fmt: skip
     case = {"D": head_dim, "causal": causal, "dtype": dtype, "accumulate": accumulate, "group": group,
-            "window_left": window_left}  # fmt: skip
+            "window_left": window_left, "rows": rows}  # fmt: skip
     return compiled_report(
         kern,
         cfg,
         case,
         dump=dump,
-        stem=f"bwd_{cfg.schedule}_d{head_dim}_c{int(causal)}_w{window_left}_{dtype}_a{int(accumulate)}_s{cfg.stages}",
+        stem=f"bwd_{cfg.schedule}_d{head_dim}_c{int(causal)}_w{window_left}_r{int(rows)}_{dtype}_a{int(accumulate)}"
+        f"_s{cfg.stages}",
         sass_counts={
             "red_v2": r"\bREDG?\.E\.ADD\.F32x2\b",
             "red_v4": r"\bREDG?\.E\.ADD\.F32x4\b",
