@@ -209,6 +209,7 @@ class _RingAttn(torch.autograd.Function):
                     key_bias=_rows(bias_blk, t.kv_rows),
                     backend=backend,
                     dropout=drop,
+                    deterministic=spec.deterministic,
                 )
             # dK/dV per kv-head chunk h, with the q heads of its group, as the chunks arrive
             for h, dk, dv in relay.arriving(step):

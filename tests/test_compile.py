@@ -352,6 +352,38 @@ def test_hybrid_fullgraph_2x2(worlds):
     assert [list(layout.head_piece_lens(r, 2)) for r in range(2)] == pieces  # what the traced call uses
 
 
+def _hybrid_deterministic(rank, world):
+    from unittest import mock
+
+    from ringflash import ring
+
+    from hybrid_cases import grid
+
+    group, head_group = grid(2, 2)
+    kw = dict(group=group, head_group=head_group, causal=True)
+    g = torch.Generator().manual_seed(0)
+    leaves = [ringflash.shard(torch.randn(1, 32, h, 16, generator=g), group=group, head_group=head_group)
+              .requires_grad_() for h in (4, 2, 2)]  # fmt: skip
+    seen = []
+    real = ring.block_backward
+    spy = lambda *a, **k: seen.append(k["deterministic"]) or real(*a, **k)  # noqa: E731
+    compiled = _compile(ringflash.ring_flash_attn_func)
+    with mock.patch.object(ring, "block_backward", spy):
+        for fn in (ringflash.ring_flash_attn_func, compiled):
+            for det in (False, True):
+                seen.clear()
+                out = fn(*leaves, deterministic=det, **kw)
+                torch.autograd.grad(out.sum(), leaves)
+                assert set(seen) == {det}
+    dist.barrier()
+
+
+def test_hybrid_deterministic_reaches_the_backward(worlds):
+    """deterministic= reaches every block backward of a call with a head_group, eager and
+    compiled (the hybrid operators carry it from the forward to the backward)."""
+    worlds(4, **TORCH).run(_hybrid_deterministic)
+
+
 def test_hybrid_inductor_2x2(worlds):
     """The inductor backend around the hybrid operators on the 2 x 2 grid: the operators are
     opaque, so outputs and gradients are exactly the eager ones, no graph break."""

@@ -357,6 +357,38 @@ def test_override_holds_across_threads():
     assert seen[1][0] != shape and not seen[1][1]
 
 
+@pytest.mark.parametrize("compiled", [False, True])
+def test_deterministic_reaches_the_backward(compiled, monkeypatch):
+    """block_backward gets the call's mode (deterministic=True, torch.use_deterministic_algorithms,
+    or neither), from flash_attn_func and flash_attn_varlen_func, eager and compiled (the
+    operators carry it from the forward to the backward)."""
+    from ringflash import flash_attn_varlen_func, local
+
+    seen = []
+    real = local.block_backward
+    monkeypatch.setattr(local, "block_backward", lambda *a, **kw: seen.append(kw["deterministic"]) or real(*a, **kw))
+    q, k, v = (torch.randn(1, 12, 2, 16, requires_grad=True) for _ in range(3))
+    cu = torch.tensor([0, 5, 12], dtype=torch.int32)
+    dense = lambda **kw: flash_attn_func(q, k, v, causal=True, **kw)  # noqa: E731
+    packed = lambda **kw: flash_attn_varlen_func(q[0], k[0], v[0], cu, cu, causal=True, **kw)  # noqa: E731
+    for fn in (dense, packed):
+        if compiled:
+            torch._dynamo.reset()
+            fn = torch.compile(fn, fullgraph=True, backend="aot_eager")
+
+        def modes(**kw):
+            seen.clear()
+            torch.autograd.grad(fn(**kw).sum(), (q, k, v))
+            return set(seen)
+
+        assert modes() == {False} and modes(deterministic=True) == {True}
+        torch.use_deterministic_algorithms(True)
+        try:
+            assert modes() == {True}
+        finally:
+            torch.use_deterministic_algorithms(False)
+
+
 def test_fused_backward_only_where_it_runs():
     """kernels.fuses_backward: never for float32, a CPU tensor, a key bias, dropout, per-row
     bounds, a window other than causal, unequal head dims or deterministic=True (checked

@@ -312,3 +312,40 @@ def torch_backend_calls(monkeypatch, module):
         yield calls
     finally:
         monkeypatch.setattr(module, "backward", real)
+
+
+def _deterministic_reaches_the_backward(rank, world):
+    """Every block_backward call of a ring backward gets the call's mode: deterministic=True,
+    torch.use_deterministic_algorithms(True), or neither; eager and compiled (the operators
+    carry it from the forward to the backward)."""
+    from ringflash import ring
+
+    q, k, v, do = full_inputs(1, 16, 16, 4, 2, 16, torch.float32, 5)
+    ql, kl, vl = (shard(t).requires_grad_() for t in (q, k, v))
+    seen = []
+    real = ring.block_backward
+
+    def spy(*a, **kw):
+        seen.append(kw["deterministic"])
+        return real(*a, **kw)
+
+    def modes(fn, **kw):
+        seen.clear()
+        torch.autograd.grad(fn(ql, kl, vl, causal=True, **kw), (ql, kl, vl), shard(do))
+        return set(seen)
+
+    compiled = torch.compile(ring_flash_attn_func, fullgraph=True, backend="aot_eager")
+    with mock.patch.object(ring, "block_backward", spy):
+        for fn in (ring_flash_attn_func, compiled):
+            assert modes(fn) == {False}
+            assert modes(fn, deterministic=True) == {True}
+            torch.use_deterministic_algorithms(True)
+            try:
+                assert modes(fn) == {True}
+            finally:
+                torch.use_deterministic_algorithms(False)
+    torch._dynamo.reset()
+
+
+def test_deterministic_reaches_the_ring_backward(worlds):
+    worlds(2, **TORCH).run(_deterministic_reaches_the_backward)
