@@ -44,7 +44,8 @@ def variant_context(name, head_dim):
     """A context manager that makes this checkout run variant `name` at head_dim: "+"-joined
     changes of the dK/dV pass's config: qk_order (the forward's operand order), combined
     (probabilities from m + log2 l), 32x128 (32 query rows per tile, 8 warps, 3 stages); or
-    of the forward: gluon=NAME (that Gluon forward variant), gluon=none (the Triton forward)."""
+    of the forward: gluon=NAME (that Gluon forward variant), gluon=none (the Triton forward);
+    of the backward: gluon_bwd=NAME (that fused variant, forced), gluon_bwd=none (the two passes)."""
     import contextlib
 
     from ringflash.kernels import configs
@@ -60,8 +61,9 @@ def variant_context(name, head_dim):
             cfg["combined_stats"] = True
         elif part == "32x128":
             cfg.update(block_m=32, block_n=128, num_warps=8, num_stages=3)
-        elif part.startswith("gluon="):
-            forced["gluon"] = None if part == "gluon=none" else part.split("=", 1)[1]
+        elif part.startswith(("gluon=", "gluon_bwd=")):
+            kind, value = part.split("=", 1)
+            forced[kind] = None if value == "none" else value
         else:
             raise ValueError(f"unknown variant part {part!r}")
     if cfg != base:

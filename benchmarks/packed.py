@@ -80,12 +80,13 @@ def step(call, inputs, do, mode):
 def parse_variant(text: str) -> dict:
     """'fwd=128,64,8,3,tma;dq=...' -> {kind: KernelConfig} for configs.override: block_m,
     block_n, num_warps, num_stages, then flags (tma, combined); 'gluon=ws2_n64' (a Gluon
-    forward variant) or 'gluon=none' (the Triton forward)."""
+    forward variant) or 'gluon=none' (the Triton forward); 'gluon_bwd=ws2_lag' (the fused
+    backward at any size, packed documents included) or 'gluon_bwd=none' (the two passes)."""
     out = {}
     for part in text.split(";"):
         kind, spec = part.split("=")
-        if kind == "gluon":
-            out["gluon"] = None if spec == "none" else spec
+        if kind in ("gluon", "gluon_bwd"):
+            out[kind] = None if spec == "none" else spec
             continue
         fields = spec.split(",")
         flags = set(fields[4:])
@@ -267,7 +268,8 @@ def main():
         default=[],
         help="extra ringflash rows with other block shapes, e.g. "
         "'fwd=128,64,8,3,tma;dq=128,64,8,3,tma;dkdv=64,128,8,3,tma,combined', or another forward: "
-        "'gluon=none' (the Triton kernel), 'gluon=ws2_s3' (a Gluon variant)",
+        "'gluon=none' (the Triton kernel), 'gluon=ws2_s3' (a Gluon variant), 'gluon_bwd=none' / 'gluon_bwd=ws2_lag' "
+        "(the backward's two passes / the fused one forced)",
     )
     ap.add_argument("--no-peers", action="store_true", help="ringflash and its --variants only")
     ap.add_argument("--json", type=Path)

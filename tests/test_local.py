@@ -306,6 +306,8 @@ def test_gluon_forward_choice(monkeypatch):
         assert configs.gluon_forward_variant(128, documents=True) is None
     with configs.override(fwd=configs.KernelConfig(64, 64, 4, 2)):
         assert configs.gluon_forward_variant(128) is None
+    with configs.override(dq=configs.KernelConfig(64, 64, 4, 2), gluon_bwd=None):  # the backward's alone
+        assert configs.gluon_forward_variant(128) == configs.GLUON_FWD[128]
     for table in (configs.GLUON_FWD, configs.GLUON_FWD_DOCUMENTS):
         for d, name in table.items():
             assert d in gluon_forward.VARIANTS[name]

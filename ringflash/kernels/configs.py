@@ -218,7 +218,7 @@ def gluon_forward_variant(block_d: int, documents: bool = False, keys_per_row: f
     overrides = _OVERRIDES
     if "gluon" in overrides:
         return overrides["gluon"]
-    if INTERPRETING or overrides or block_d in _FILE_CONFIGS.get("fwd", {}):
+    if INTERPRETING or "fwd" in overrides or block_d in _FILE_CONFIGS.get("fwd", {}):
         return None
     if not documents:
         return GLUON_FWD.get(block_d)
