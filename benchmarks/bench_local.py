@@ -102,6 +102,15 @@ CANDIDATES = {  # fwd: the sixth sweep (scale folded into exp2's FMA); dkdv, dq:
     },
     "dkdv": {
         64: [KC(32, 128, 4, 3), KC(32, 128, 4, 3, tma=True), KC(64, 128, 8, 3, tma=True), KC(64, 64, 4, 3, tma=True)],
+        # D=256: the built-in 32x64 spills 348 bytes; 32-key tiles are the spill-free ones
+        # (kernel_report), but their dK/dV matmuls are under wgmma's 64 rows
+        256: [
+            KC(32, 64, 8, 2, combined_stats=True),
+            KC(32, 32, 8, 2, tma=True, combined_stats=True),
+            KC(32, 32, 8, 3, tma=True, combined_stats=True),
+            KC(64, 32, 8, 2, tma=True, combined_stats=True),
+            KC(16, 32, 8, 2, tma=True, combined_stats=True),
+        ],
         128: [
             KC(64, 128, 8, 3),
             KC(64, 128, 8, 3, tma=True),
@@ -112,6 +121,7 @@ CANDIDATES = {  # fwd: the sixth sweep (scale folded into exp2's FMA); dkdv, dq:
     },
     "dq": {
         64: [KC(128, 32, 4, 3), KC(128, 32, 4, 3, tma=True), KC(128, 64, 4, 3, tma=True), KC(64, 64, 4, 3, tma=True)],
+        256: [KC(64, 32, 8, 2), KC(64, 32, 8, 2, tma=True), KC(64, 64, 8, 2, tma=True)],
         128: [
             KC(128, 64, 8, 3),
             KC(128, 64, 8, 3, tma=True),
