@@ -40,3 +40,13 @@ def case_dtypes(backend: str, dtypes, case: int) -> list:
     one of its two by the case's parity (choose `case` so that across the cases each dtype
     meets causal and not), on other backends all of `dtypes`."""
     return [dtypes[case % 2]] if backend == "triton" else list(dtypes)
+
+
+def spy_fused_backward(monkeypatch) -> list:
+    """Record every call of the fused Gluon backward (the list grows by one per call)."""
+    from ringflash.kernels import gluon_backward
+
+    calls = []
+    real = gluon_backward.backward
+    monkeypatch.setattr(gluon_backward, "backward", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    return calls

@@ -8,7 +8,7 @@ import torch
 
 from ringflash import flash_attn_func
 
-from oracle import assert_within, dropout_factors, naive_attention, plain_errors, reference
+from oracle import assert_within, dropout_factors, naive_attention, plain_errors, reference, spy_fused_backward
 
 pytestmark = pytest.mark.gpu
 
@@ -65,16 +65,6 @@ def test_windows_vs_float64(dtype, causal, window_size, case):
     test_forward_backward_vs_float64(dtype, causal, case, window_size)
 
 
-def _spy_fused_backward(monkeypatch) -> list:
-    """Record every call of the fused Gluon backward (the list grows by one per call)."""
-    from ringflash.kernels import gluon_backward
-
-    calls = []
-    real = gluon_backward.backward
-    monkeypatch.setattr(gluon_backward, "backward", lambda *a, **kw: calls.append(1) or real(*a, **kw))
-    return calls
-
-
 def _force_fused(monkeypatch) -> None:
     """The fused backward at any size: no occupancy threshold."""
     from ringflash.kernels import configs
@@ -87,7 +77,7 @@ def test_deterministic_on_gpu(how, monkeypatch):
     """deterministic=True, or torch.use_deterministic_algorithms(True): the two-pass backward
     (the fused kernel is never called), bitwise equal run to run, on the shape the fused kernel
     would otherwise take."""
-    calls = _spy_fused_backward(monkeypatch)
+    calls = spy_fused_backward(monkeypatch)
     g = torch.Generator(device="cuda").manual_seed(0)
     q, k, v = (
         torch.randn(1, 4096, 8, 128, device="cuda", generator=g, dtype=torch.bfloat16).requires_grad_()
@@ -119,7 +109,7 @@ def test_fused_backward_vs_float64(dtype, causal, case, monkeypatch):
     """The fused Gluon backward (configs.GLUON_BWD, forced at these small sizes), D=64 / 128,
     dense and causal, Sq != Sk aligned bottom-right: gradients against float64 within the plain
     bound, as the two-pass backward's."""
-    calls = _spy_fused_backward(monkeypatch)
+    calls = spy_fused_backward(monkeypatch)
     _force_fused(monkeypatch)
     test_forward_backward_vs_float64(dtype, causal, case)
     assert calls, "the fused backward was not used"
@@ -140,7 +130,7 @@ def test_fused_backward_vs_float64(dtype, causal, case, monkeypatch):
 def test_fused_backward_windows_vs_float64(dtype, causal, window_size, case, monkeypatch):
     """Sliding windows in the fused backward (both edges masked, key blocks visiting only the
     query blocks their window reaches): gradients against float64 within the plain bound."""
-    calls = _spy_fused_backward(monkeypatch)
+    calls = spy_fused_backward(monkeypatch)
     _force_fused(monkeypatch)
     test_forward_backward_vs_float64(dtype, causal, case, window_size)
     assert calls, "the fused backward was not used"
@@ -150,7 +140,7 @@ def test_fused_backward_is_the_default_where_it_fills_the_gpu(monkeypatch):
     """By default: B=1, S=4096, 32 kv heads (1024 programs) take the fused kernel, dense and with
     a window; 2 kv heads (64 programs, configs.GLUON_BWD_MIN_PROGRAMS_PER_SM) and a key padding
     mask take the two passes."""
-    calls = _spy_fused_backward(monkeypatch)
+    calls = spy_fused_backward(monkeypatch)
 
     def run(H, **kw):
         calls.clear()
@@ -304,7 +294,7 @@ def test_fused_backward_documents_vs_float64(dtype, causal, window_size, len_k_e
     from ringflash.local import flash_attn_varlen_func
     from ringflash.testing import varlen_plain_errors, varlen_reference
 
-    calls = _spy_fused_backward(monkeypatch)
+    calls = spy_fused_backward(monkeypatch)
     _force_fused(monkeypatch)
     monkeypatch.setattr(configs, "GLUON_BWD_DOCUMENTS", {D: configs.GLUON_BWD[D]})
     len_q = [1, 0, 700, 3000, 129, 64, 1500, 2, 257, 5, 130]
