@@ -92,6 +92,14 @@ def _unit_stride(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
+def _launch_window(mask: BlockMask, q, k):
+    """(visible, window) of a block of q's rows over k's: visible False when no query sees any
+    key (nothing to launch); window None when every pair is visible (the unmasked loop), else
+    the mask's window."""
+    vis = mask.visibility(q.shape[1], k.shape[1])
+    return vis is not Visibility.NONE, None if vis is Visibility.FULL else mask.window
+
+
 def block_forward(
     q, k, v, state, mask: BlockMask, *, scale, fold, normalize=False, key_bias=None, backend=None, dropout=None
 ):
@@ -106,14 +114,13 @@ def block_forward(
     ringflash.dropout.Dropout of the block (its q0 / k0: the indices of q's and k's first rows).
     Returns whether anything was computed.
     """
-    vis = mask.visibility(q.shape[1], k.shape[1])
-    if vis is Visibility.NONE:
+    visible, window = _launch_window(mask, q, k)
+    if not visible:
         if not fold:
             state.o.zero_()
             state.m.fill_(float("-inf"))
             state.l.zero_()
         return False
-    window = None if vis is Visibility.FULL else mask.window
     (backend or backend_for(q.device)).forward(
         _unit_stride(q), _unit_stride(k), _unit_stride(v), state, q_start=mask.q_start, k_start=mask.k_start,
         window=window, bounds=mask.bounds, scale=scale, fold=fold, normalize=normalize, key_bias=key_bias,
@@ -154,14 +161,13 @@ def block_backward(
     the dQ pass, dk=dv=None the dK/dV pass. With all three given, a block fuses_backward accepts
     runs as one fused kernel whose dQ is not bitwise reproducible; deterministic=True keeps the
     separate passes, which are. Returns whether anything was computed."""
-    vis = mask.visibility(q.shape[1], k.shape[1])
-    if vis is Visibility.NONE:
+    visible, window = _launch_window(mask, q, k)
+    if not visible:
         if not accumulate:
             for t in (dq, dk, dv):
                 if t is not None:
                     t.zero_()
         return False
-    window = None if vis is Visibility.FULL else mask.window
     (backend or backend_for(q.device)).backward(
         _unit_stride(q), _unit_stride(k), _unit_stride(v), m, l, _unit_stride(do), delta, dq, dk, dv,
         q_start=mask.q_start, k_start=mask.k_start, window=window, bounds=mask.bounds, scale=scale,
@@ -174,11 +180,8 @@ def fuses_backward(q, k, v, mask: BlockMask, *, key_bias=None, backend=None, dro
     """Whether block_backward runs this block (arguments as its) as one fused kernel when given
     dq, dk and dv together: a caller that computes dQ apart from dK/dV (the ring's backward)
     should then pass them together."""
-    vis = mask.visibility(q.shape[1], k.shape[1])
-    if vis is Visibility.NONE:
-        return False
-    window = None if vis is Visibility.FULL else mask.window
-    return (backend or backend_for(q.device)).fuses_backward(
+    visible, window = _launch_window(mask, q, k)
+    return visible and (backend or backend_for(q.device)).fuses_backward(
         q, k, v, window=window, bounds=mask.bounds, key_bias=key_bias, dropout=dropout, deterministic=deterministic
     )
 

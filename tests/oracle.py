@@ -50,3 +50,10 @@ def spy_fused_backward(monkeypatch) -> list:
     real = gluon_backward.backward
     monkeypatch.setattr(gluon_backward, "backward", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     return calls
+
+
+def force_fused_backward(monkeypatch) -> None:
+    """The fused backward at any size: no occupancy threshold (configs.GLUON_BWD_MIN_PROGRAMS_PER_SM)."""
+    from ringflash.kernels import configs
+
+    monkeypatch.setattr(configs, "GLUON_BWD_MIN_PROGRAMS_PER_SM", 0)

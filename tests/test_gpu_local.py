@@ -8,7 +8,15 @@ import torch
 
 from ringflash import flash_attn_func
 
-from oracle import assert_within, dropout_factors, naive_attention, plain_errors, reference, spy_fused_backward
+from oracle import (
+    assert_within,
+    dropout_factors,
+    force_fused_backward,
+    naive_attention,
+    plain_errors,
+    reference,
+    spy_fused_backward,
+)
 
 pytestmark = pytest.mark.gpu
 
@@ -65,13 +73,6 @@ def test_windows_vs_float64(dtype, causal, window_size, case):
     test_forward_backward_vs_float64(dtype, causal, case, window_size)
 
 
-def _force_fused(monkeypatch) -> None:
-    """The fused backward at any size: no occupancy threshold."""
-    from ringflash.kernels import configs
-
-    monkeypatch.setattr(configs, "GLUON_BWD_MIN_PROGRAMS_PER_SM", 0)
-
-
 @pytest.mark.parametrize("how", ["argument", "torch_flag"])
 def test_deterministic_on_gpu(how, monkeypatch):
     """deterministic=True, or torch.use_deterministic_algorithms(True): the two-pass backward
@@ -110,7 +111,7 @@ def test_fused_backward_vs_float64(dtype, causal, case, monkeypatch):
     dense and causal, Sq != Sk aligned bottom-right: gradients against float64 within the plain
     bound, as the two-pass backward's."""
     calls = spy_fused_backward(monkeypatch)
-    _force_fused(monkeypatch)
+    force_fused_backward(monkeypatch)
     test_forward_backward_vs_float64(dtype, causal, case)
     assert calls, "the fused backward was not used"
 
@@ -131,7 +132,7 @@ def test_fused_backward_windows_vs_float64(dtype, causal, window_size, case, mon
     """Sliding windows in the fused backward (both edges masked, key blocks visiting only the
     query blocks their window reaches): gradients against float64 within the plain bound."""
     calls = spy_fused_backward(monkeypatch)
-    _force_fused(monkeypatch)
+    force_fused_backward(monkeypatch)
     test_forward_backward_vs_float64(dtype, causal, case, window_size)
     assert calls, "the fused backward was not used"
 
@@ -295,7 +296,7 @@ def test_fused_backward_documents_vs_float64(dtype, causal, window_size, len_k_e
     from ringflash.testing import varlen_plain_errors, varlen_reference
 
     calls = spy_fused_backward(monkeypatch)
-    _force_fused(monkeypatch)
+    force_fused_backward(monkeypatch)
     monkeypatch.setattr(configs, "GLUON_BWD_DOCUMENTS", {D: configs.GLUON_BWD[D]})
     len_q = [1, 0, 700, 3000, 129, 64, 1500, 2, 257, 5, 130]
     len_k = [n + len_k_extra for n in len_q]

@@ -12,7 +12,7 @@ from ringflash import balanced_layout, flash_attn_func, flash_attn_varlen_func, 
 from ringflash.testing import replay_ring, varlen_reference
 
 from dist_utils import run_world
-from oracle import naive_attention, rel_rms, spy_fused_backward
+from oracle import force_fused_backward, naive_attention, rel_rms, spy_fused_backward
 
 pytestmark = pytest.mark.gpu
 _rel_rms = rel_rms
@@ -179,15 +179,13 @@ def test_replayed_ring_fused_backward(causal, layout, chunks, accum, monkeypatch
     compute dQ with dK/dV in one call, per kv-head chunk as the accumulators arrive: gradients within 1.2x of one GPU's
     error against float64 (1.3 sqrt(P) with 16-bit accumulators, as the two-pass ring's), and
     within the same bound of the deterministic ring's."""
-    from ringflash.kernels import configs
 
     calls = spy_fused_backward(monkeypatch)
     q, k, v, do = _inputs(1, 4096, 8, 4, 128, torch.bfloat16, seed=7)
     ref = _reference(q, k, v, do, causal)
     single = _single_gpu(q, k, v, do, causal)
     kw = dict(world=4, causal=causal, layout=layout, grad_chunks=chunks, grad_accum_dtype=accum)
-    # forced at this small size: no occupancy threshold
-    monkeypatch.setattr(configs, "GLUON_BWD_MIN_PROGRAMS_PER_SM", 0)
+    force_fused_backward(monkeypatch)  # at this small size
     ring = replay_ring(q, k, v, do, **kw)
     assert calls, "the fused backward was not used"
     calls.clear()

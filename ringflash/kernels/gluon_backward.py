@@ -324,8 +324,9 @@ def launch_plan(
             if t.dtype != torch.int32 or tuple(t.shape) != (Sk,) or t.stride(0) != 1 or t.device != q.device:
                 raise Unsupported(f"bounds.{name} must be int32 ({Sk},) with unit stride on q's device")
     left, right = window_bounds(causal, window)
+    has_left = left is not None
     q_start, k_start = int(q_start) + (right or 0), int(k_start)
-    left = 0 if left is None else left + (right or 0)
+    left = left + (right or 0) if has_left else 0
     if max(abs(q_start), abs(k_start), abs(k_start - q_start)) + Sq + Sk + left >= 2**31 - 1:
         raise Unsupported("positions beyond 32 bits")
     if stats.numel() >= 2**31:
@@ -336,7 +337,7 @@ def launch_plan(
         BLOCK_N=cfg.block_n,
         STAGES=cfg.stages,
         CAUSAL=right is not None,
-        HAS_LEFT=window_bounds(causal, window)[0] is not None,
+        HAS_LEFT=has_left,
         ROWS=bounds is not None,
         ACCUMULATE=bool(accumulate),
         ROTATE=cfg.rotate,
