@@ -39,6 +39,7 @@ import torch
 import ringflash
 from benchmarks.common import bench_device, device_name, host_seconds, result_meta, write_json
 from benchmarks.packed import document_lengths
+from ringflash.kernels import configs
 from ringflash.ring import _RingAttn, check_packed_call
 from ringflash.testing import ReplayComm
 
@@ -73,81 +74,90 @@ def replay_rank(q, k, v, do, cu, layout, rank, world, window, overlap, grad_chun
 
 def measure(args, device, dtype):
     rows = []
-    for total in args.totals:
-        lengths = document_lengths("longtail", total, args.seed)
-        cu_list = [0, *np.cumsum(lengths).tolist()]
-        cu = torch.tensor(cu_list, dtype=torch.int32, device=device)
-        g = torch.Generator(device=device).manual_seed(0)
-        mk = lambda h: torch.randn(total, h, args.head_dim, device=device, dtype=dtype, generator=g)  # noqa: E731
-        q, k, v, do = mk(args.heads), mk(args.kv_heads), mk(args.kv_heads), mk(args.heads)
-        window = (-1, -1) if args.window is None else (args.window - 1, 0)
-        qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
+    for documents_backward, total in itertools.product(args.documents_backward, args.totals):
+        # the fused Gluon backward for per-row bounds (packed documents) where it would run, or
+        # the two Triton passes; the single-GPU call takes the same backward
+        tables = {"default": configs.GLUON_BWD_DOCUMENTS, "fused": configs.GLUON_BWD, "two-pass": {}}
+        fused_tables = dict(tables[documents_backward])
+        with mock.patch.object(configs, "GLUON_BWD_DOCUMENTS", fused_tables):
+            rows += measure_total(args, device, dtype, total, documents_backward)
+    return rows
 
-        def single():
-            qg.grad = kg.grad = vg.grad = None
-            ringflash.flash_attn_varlen_func(qg, kg, vg, cu, cu, causal=True, window_size=window).backward(do)
 
-        single_ms = timed(single, device, args.repeats)
-        variants = itertools.product(args.worlds, args.own_call_work_log2 or [None], args.grad_chunks or [None])
-        for world, own_log2, chunks in variants:
-            layout = ringflash.balanced_layout(cu_list, world, causal=True, window_size=window)
-            own = ringflash.balance.OWN_CALL_WORK if own_log2 is None else 2.0**own_log2
-            with mock.patch("ringflash.balance.OWN_CALL_WORK", own):
-                per_rank, inline = (
-                    [
-                        timed(
-                            replay_rank(q, k, v, do, cu, layout, r, world, window, overlap, chunks),
-                            device,
-                            args.repeats,
-                        )
-                        for r in range(world)
-                    ]
-                    if overlap or not args.no_inline
-                    else None
-                    for overlap in (True, False)
-                )
-            work = [sum(layout.work(r, s) for s in range(world)) for r in range(world)]
-            step_work = [[layout.work(r, s) for r in range(world)] for s in range(world)]
-            step_uneven = max(max(w) / statistics.mean(w) for w in step_work if any(w))
-            hops = layout.hops - 1
-            kv_bytes = layout.max_local_len * args.kv_heads * args.head_dim * 2 * q.element_size()
-            # every document cut in 2P zigzag pieces: each rank holds total / P tokens, and every
-            # step has work, so P - 1 hops each send that shard's K/V
-            zigzag_bytes = (world - 1) * total // world * args.kv_heads * args.head_dim * 2 * q.element_size()
-            row = dict(
-                total=total,
-                world=world,
-                docs=len(lengths),
-                window=args.window,
-                single_ms=single_ms,
-                rank_ms=per_rank,
-                max_over_mean=max(per_rank) / statistics.mean(per_rank),
-                efficiency=single_ms / world / max(per_rank),
-                own_call_work=own,
-                grad_chunks=chunks,
-                rank_ms_inline_copies=inline,
-                efficiency_inline_copies=inline and single_ms / world / max(inline),
-                predicted_max_over_mean=max(work) / statistics.mean(work),
-                predicted_step_max_over_mean=step_uneven,
-                hops=hops,
-                bytes_sent_per_rank=hops * kv_bytes,
-                zigzag_per_doc_bytes_per_rank=zigzag_bytes,
-                local_lens=[layout.local_len(r) for r in range(world)],
+def measure_total(args, device, dtype, total, documents_backward):
+    rows = []
+    lengths = document_lengths("longtail", total, args.seed)
+    cu_list = [0, *np.cumsum(lengths).tolist()]
+    cu = torch.tensor(cu_list, dtype=torch.int32, device=device)
+    g = torch.Generator(device=device).manual_seed(0)
+    mk = lambda h: torch.randn(total, h, args.head_dim, device=device, dtype=dtype, generator=g)  # noqa: E731
+    q, k, v, do = mk(args.heads), mk(args.kv_heads), mk(args.kv_heads), mk(args.heads)
+    window = (-1, -1) if args.window is None else (args.window - 1, 0)
+    qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
+
+    def single():
+        qg.grad = kg.grad = vg.grad = None
+        ringflash.flash_attn_varlen_func(qg, kg, vg, cu, cu, causal=True, window_size=window).backward(do)
+
+    single_ms = timed(single, device, args.repeats)
+    variants = itertools.product(args.worlds, args.own_call_work_log2 or [None], args.grad_chunks or [None])
+    for world, own_log2, chunks in variants:
+        layout = ringflash.balanced_layout(cu_list, world, causal=True, window_size=window)
+        own = ringflash.balance.OWN_CALL_WORK if own_log2 is None else 2.0**own_log2
+        with mock.patch("ringflash.balance.OWN_CALL_WORK", own):
+            per_rank, inline = (
+                [
+                    timed(replay_rank(q, k, v, do, cu, layout, r, world, window, overlap, chunks), device, args.repeats)
+                    for r in range(world)
+                ]
+                if overlap or not args.no_inline
+                else None
+                for overlap in (True, False)
             )
-            rows.append(row)
-            print(
-                f"S={total:>7} P={world} docs={len(lengths):>3} window={args.window}: ranks "
-                + " ".join(f"{t:.2f}" for t in per_rank)
-                + f" ms; max/mean {row['max_over_mean']:.3f} (pred {row['predicted_max_over_mean']:.3f}, "
-                f"step {step_uneven:.3f}); single/P {single_ms / world:.2f} ms, eff {row['efficiency']:.3f}"
-                + (f" (inline {row['efficiency_inline_copies']:.3f}); " if inline else "; ")
-                + f"own calls from 2^{math.log2(own):.0f}"
-                + ("" if chunks is None else f", grad_chunks {chunks}")
-                + f"; hops {hops}, "
-                f"{row['bytes_sent_per_rank'] / 2**20:.1f} MiB sent per rank (zigzag per document "
-                f"{zigzag_bytes / 2**20:.1f})",
-                flush=True,
-            )
+        work = [sum(layout.work(r, s) for s in range(world)) for r in range(world)]
+        step_work = [[layout.work(r, s) for r in range(world)] for s in range(world)]
+        step_uneven = max(max(w) / statistics.mean(w) for w in step_work if any(w))
+        hops = layout.hops - 1
+        kv_bytes = layout.max_local_len * args.kv_heads * args.head_dim * 2 * q.element_size()
+        # every document cut in 2P zigzag pieces: each rank holds total / P tokens, and every
+        # step has work, so P - 1 hops each send that shard's K/V
+        zigzag_bytes = (world - 1) * total // world * args.kv_heads * args.head_dim * 2 * q.element_size()
+        row = dict(
+            total=total,
+            world=world,
+            docs=len(lengths),
+            window=args.window,
+            single_ms=single_ms,
+            rank_ms=per_rank,
+            max_over_mean=max(per_rank) / statistics.mean(per_rank),
+            efficiency=single_ms / world / max(per_rank),
+            own_call_work=own,
+            grad_chunks=chunks,
+            documents_backward=documents_backward,
+            rank_ms_inline_copies=inline,
+            efficiency_inline_copies=inline and single_ms / world / max(inline),
+            predicted_max_over_mean=max(work) / statistics.mean(work),
+            predicted_step_max_over_mean=step_uneven,
+            hops=hops,
+            bytes_sent_per_rank=hops * kv_bytes,
+            zigzag_per_doc_bytes_per_rank=zigzag_bytes,
+            local_lens=[layout.local_len(r) for r in range(world)],
+        )
+        rows.append(row)
+        print(
+            f"S={total:>7} P={world} docs={len(lengths):>3} window={args.window}: ranks "
+            + " ".join(f"{t:.2f}" for t in per_rank)
+            + f" ms; max/mean {row['max_over_mean']:.3f} (pred {row['predicted_max_over_mean']:.3f}, "
+            f"step {step_uneven:.3f}); single/P {single_ms / world:.2f} ms, eff {row['efficiency']:.3f}"
+            + (f" (inline {row['efficiency_inline_copies']:.3f}); " if inline else "; ")
+            + f"own calls from 2^{math.log2(own):.0f}"
+            + ("" if chunks is None else f", grad_chunks {chunks}")
+            + f"; documents backward {documents_backward}"
+            + f"; hops {hops}, "
+            f"{row['bytes_sent_per_rank'] / 2**20:.1f} MiB sent per rank (zigzag per document "
+            f"{zigzag_bytes / 2**20:.1f})",
+            flush=True,
+        )
     return rows
 
 
@@ -168,6 +178,14 @@ def main():
         help="variants of ringflash.balance.OWN_CALL_WORK (log2; inf: every document in the per-row-bounds call)",
     )
     ap.add_argument("--grad-chunks", type=int, nargs="+", help="variants of grad_chunks (default: the ring's own)")
+    ap.add_argument(
+        "--documents-backward",
+        nargs="+",
+        default=["default"],
+        choices=["default", "fused", "two-pass"],
+        help="variants: the packed documents' backward as configured, the fused Gluon kernel where it runs, "
+        "or the two Triton passes",
+    )
     ap.add_argument("--no-inline", action="store_true", help="skip the inline-copies timing")
     ap.add_argument("--json", type=Path)
     ap.add_argument("--smoke", action="store_true", help="tiny CPU sizes")
