@@ -72,6 +72,30 @@ def replay_rank(q, k, v, do, cu, layout, rank, world, window, overlap, grad_chun
     return run
 
 
+def print_kernels(q, k, v, do, cu, layout, world, window, chunks, label):
+    """Each rank's replayed forward+backward under torch.profiler: its kernels by device time
+    (on the CPU: its operators by CPU time)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = q.is_cuda
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    spent = (lambda e: e.self_device_time_total) if cuda else (lambda e: e.self_cpu_time_total)  # noqa: E731
+    for r in range(world):
+        run = replay_rank(q, k, v, do, cu, layout, r, world, window, True, chunks)
+        run()
+        sync()
+        with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+            run()
+            sync()
+        kernels = sorted((e for e in prof.key_averages() if spent(e) > 0), key=lambda e: -spent(e))
+        total = sum(spent(e) for e in kernels) / 1e3
+        print(
+            f"  [{label}] rank {r}: {total:.2f} ms: "
+            + ", ".join(f"{e.key[:28]} x{e.count} {spent(e) / 1e3:.2f}" for e in kernels[:6]),
+            flush=True,
+        )
+
+
 def measure(args, device, dtype):
     rows = []
     for documents_backward, total in itertools.product(args.documents_backward, args.totals):
@@ -114,6 +138,8 @@ def measure_total(args, device, dtype, total, documents_backward):
                 else None
                 for overlap in (True, False)
             )
+        if args.kernels:
+            print_kernels(q, k, v, do, cu, layout, world, window, chunks, documents_backward)
         work = [sum(layout.work(r, s) for s in range(world)) for r in range(world)]
         step_work = [[layout.work(r, s) for r in range(world)] for s in range(world)]
         step_uneven = max(max(w) / statistics.mean(w) for w in step_work if any(w))
@@ -186,6 +212,7 @@ def main():
         help="variants: the packed documents' backward as configured, the fused Gluon kernel where it runs, "
         "or the two Triton passes",
     )
+    ap.add_argument("--kernels", action="store_true", help="print each rank's kernels by device time (CUDA)")
     ap.add_argument("--no-inline", action="store_true", help="skip the inline-copies timing")
     ap.add_argument("--json", type=Path)
     ap.add_argument("--smoke", action="store_true", help="tiny CPU sizes")

@@ -283,14 +283,21 @@ def test_gluon_forward_is_used_and_agrees(causal, window_size, monkeypatch):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize(
     "causal,window_size,len_k_extra",
-    [(True, (-1, -1), 0), (False, (-1, -1), 0), (True, (255, 0), 0), (False, (100, 300), 0), (True, (-1, -1), 37)],
+    [
+        (True, (-1, -1), 0),
+        (False, (-1, -1), 0),
+        (True, (255, 0), 0),
+        (False, (100, 300), 0),
+        (True, (-1, -1), 37),
+        (True, (-1, -1), -40),
+    ],
 )
 @pytest.mark.parametrize("D", [128, 64])
 def test_fused_backward_documents_vs_float64(dtype, causal, window_size, len_k_extra, D, monkeypatch):
     """Packed documents (per-row bounds) in the fused backward (configs.GLUON_BWD_DOCUMENTS,
     forced: not enabled by default until this passes on a GPU): documents of 0 to 3000 rows,
     key blocks straddling several, Sq != Sk per document; dq, dk, dv against float64 within
-    the plain bound."""
+    the plain bound; keys no query sees get dK = dV = 0, queries that see no key dQ = 0."""
     from ringflash.kernels import configs
     from ringflash.local import flash_attn_varlen_func
     from ringflash.testing import varlen_plain_errors, varlen_reference
@@ -299,9 +306,11 @@ def test_fused_backward_documents_vs_float64(dtype, causal, window_size, len_k_e
     force_fused_backward(monkeypatch)
     monkeypatch.setattr(configs, "GLUON_BWD_DOCUMENTS", {D: configs.GLUON_BWD[D]})
     len_q = [1, 0, 700, 3000, 129, 64, 1500, 2, 257, 5, 130]
-    len_k = [n + len_k_extra for n in len_q]
+    # extra keys: some documents' keys are seen by no query (37 keys and no query); fewer keys:
+    # some queries see none (bottom-right alignment; documents of 1-40 queries and no key)
+    len_k = [max(n + len_k_extra, 0) for n in len_q]
     cu_q, cu_k = (torch.tensor([0, *torch.tensor(x).cumsum(0).tolist()], device="cuda") for x in (len_q, len_k))
-    g = torch.Generator(device="cuda").manual_seed(len(len_q) + len_k_extra + D)
+    g = torch.Generator(device="cuda").manual_seed(len(len_q) + len_k_extra + D + 40)
     mk = lambda n, H: torch.randn(n, H, D, device="cuda", generator=g, dtype=dtype).requires_grad_()  # noqa: E731
     q, k, v = mk(sum(len_q), 8), mk(sum(len_k), 2), mk(sum(len_k), 2)
     do = torch.randn(q.shape, device="cuda", generator=g, dtype=dtype)
@@ -311,15 +320,27 @@ def test_fused_backward_documents_vs_float64(dtype, causal, window_size, len_k_e
     assert calls, "the fused backward was not used"
     ref = varlen_reference(q.detach(), k.detach(), v.detach(), do, cu_q, cu_k, **kw)
     plain = varlen_plain_errors(q.detach(), k.detach(), v.detach(), do, cu_q, cu_k, ref, **kw)
+    unseen_rows = 0
     for name, got, r in zip(("dq", "dk", "dv"), grads, ref[2:]):
         assert_within(name, got, r, plain[name])
         assert not torch.isnan(got).any()
+        unseen = (r == 0).flatten(1).all(1)  # rows no visible pair reaches (float64: exactly 0)
+        assert (got[unseen] == 0).all(), f"{name}: rows that take part in no pair must be 0"
+        unseen_rows += int(unseen.sum())
+    assert (unseen_rows > 0) == (len_k_extra != 0)  # the cases built to have such rows do
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize(
     "causal,window_size,len_k_extra",
-    [(True, (-1, -1), 0), (False, (-1, -1), 0), (True, (255, 0), 0), (False, (100, 300), 0), (True, (-1, -1), 37)],
+    [
+        (True, (-1, -1), 0),
+        (False, (-1, -1), 0),
+        (True, (255, 0), 0),
+        (False, (100, 300), 0),
+        (True, (-1, -1), 37),
+        (True, (-1, -1), -40),
+    ],
 )
 def test_gluon_forward_documents(dtype, causal, window_size, len_k_extra, monkeypatch):
     """Packed documents (per-row bounds) at D=128 on the Gluon forward (configs.GLUON_FWD_DOCUMENTS,
@@ -335,9 +356,9 @@ def test_gluon_forward_documents(dtype, causal, window_size, len_k_extra, monkey
     real = gluon_forward.forward
     monkeypatch.setattr(gluon_forward, "forward", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     len_q = [1, 0, 700, 3000, 129, 64, 1500, 2, 257, 5, 130]
-    len_k = [n + len_k_extra for n in len_q]
+    len_k = [max(n + len_k_extra, 0) for n in len_q]  # -40: queries that see no key
     cu_q, cu_k = (torch.tensor([0, *torch.tensor(x).cumsum(0).tolist()], device="cuda") for x in (len_q, len_k))
-    g = torch.Generator(device="cuda").manual_seed(len(len_q) + len_k_extra)
+    g = torch.Generator(device="cuda").manual_seed(len(len_q) + len_k_extra + 40)
     mk = lambda n, H: torch.randn(n, H, 128, device="cuda", generator=g, dtype=dtype)  # noqa: E731
     q, k, v, do = mk(sum(len_q), 8), mk(sum(len_k), 2), mk(sum(len_k), 2), mk(sum(len_q), 8)
     kw = dict(causal=causal, window_size=window_size)

@@ -109,17 +109,19 @@ def _plan(
 
 @gluon.jit
 def _keys_range(first, Sq, Sk, q_start, k_start, QLO, QHI, KEYS: gl.constexpr, num_warps: gl.constexpr):
-    """Over the valid keys of [first, first + KEYS), each seen by the local query rows [lo, hi)
+    """Over the keys of [first, first + KEYS) below Sk, each seen by the local query rows [lo, hi)
     (tiles.key_query_bounds of per-row bounds): (min lo, max hi), the rows that see some key,
     and (max lo, min hi), the rows that see every key. The mirror of _gluon_fwd._rows_range."""
     keys = first + gl.arange(0, KEYS, layout=gl.BlockedLayout([1], [32], [num_warps], [0]))
     lo, hi = key_query_bounds(keys, Sq, Sk, q_start, k_start, 0, 0, QLO, QHI, MASK_ROWS)
-    valid = (keys < Sk) & (lo < hi)  # keys no row sees (empty, or past Sk) bound nothing
+    in_range = keys < Sk
+    seen = in_range & (lo < hi)  # a key no row sees widens no query range...
     return (
-        gl.reduce(gl.where(valid, lo, Sq), 0, _min_combine),
-        gl.reduce(gl.where(valid, hi, 0), 0, _max_combine),
-        gl.reduce(gl.where(valid, lo, 0), 0, _max_combine),
-        gl.reduce(gl.where(valid, hi, Sq), 0, _min_combine),
+        gl.reduce(gl.where(seen, lo, Sq), 0, _min_combine),
+        gl.reduce(gl.where(seen, hi, 0), 0, _max_combine),
+        # ...but leaves no row seeing every key (its lo == hi empties the intersection)
+        gl.reduce(gl.where(in_range, lo, 0), 0, _max_combine),
+        gl.reduce(gl.where(in_range, hi, Sq), 0, _min_combine),
     )
 
 
