@@ -404,10 +404,10 @@ def ring_flash_attn_func(
     layout; every rank uses the first rank's seed (one more small all_gather per call).
     generator: a CPU torch.Generator to draw the seed from (default: torch's CPU generator).
     deterministic: the backward's mode, as flash_attn_func's: False (default) lets each ring
-    step's blocks that the fused Hopper backward takes (16-bit, D = Dv = 64 or 128, dense or causal,
-    no mask or dropout) compute dQ, dK and dV in one kernel, dQ summed by float32 atomics in a
-    varying order; True (or torch.use_deterministic_algorithms(True)) keeps the bitwise
-    reproducible two-pass backward.
+    step's blocks that the fused Hopper backward takes (16-bit, D = Dv = 64 or 128, dense,
+    causal, windowed or packed documents, no key padding mask or dropout) compute dQ, dK and dV
+    in one kernel, dQ summed by float32 atomics in a varying order; True (or
+    torch.use_deterministic_algorithms(True)) keeps the bitwise reproducible two-pass backward.
     """
     api = "ring_flash_attn_func"
     if head_group is not None or is_mesh(group):
@@ -573,8 +573,7 @@ def ring_flash_attn_varlen_func(
     for the R ranks of the ring: each ring position's shard is cut into U contiguous pieces
     (lengths differing by at most one; shard(..., layout=layout, head_group=head_group, dim=0)),
     heads travel by all-to-all inside the head group and the ring runs the documents over the
-    ring positions' whole shards at Hq / U heads. deterministic: as ring_flash_attn_func's
-    (packed documents always take the two-pass backward today).
+    ring positions' whole shards at Hq / U heads. deterministic: as ring_flash_attn_func's.
     """
     api = "ring_flash_attn_varlen_func"
     if head_group is not None or is_mesh(group):

@@ -189,8 +189,8 @@ def test_gluon_backward_window_compiles_for_hopper(tmp_path):
 
 
 def test_gluon_backward_documents_compile_for_hopper(tmp_path):
-    """The fused backward with packed documents' per-row bounds (configs.GLUON_BWD_DOCUMENTS,
-    not enabled until a GPU has checked it), D=64 and 128, accumulating: no spills, within the
+    """The fused backward with packed documents' per-row bounds (configs.GLUON_BWD_DOCUMENTS),
+    D=64 and 128, accumulating: no spills, within the
     shared memory, wait_group 1 kept."""
     from ringflash.kernels import configs
 

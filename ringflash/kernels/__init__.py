@@ -183,11 +183,10 @@ def combined_stats(m, l):
 def fuses_backward(q, k, v, *, window, bounds, key_bias=None, dropout=None, deterministic=False) -> bool:
     """Whether backward() given dq, dk and dv together runs this block as one fused kernel
     (the Gluon backward on Hopper: 16-bit, head dims equal and tuned (configs.GLUON_BWD), dense,
-    causal or a sliding window (per-row bounds: configs.GLUON_BWD_DOCUMENTS), no key bias or
-    dropout, enough key blocks x kv
-    heads to fill the GPU: configs.GLUON_BWD_MIN_PROGRAMS_PER_SM, unless override(gluon_bwd=)
-    forces it). Its dQ is added in float32 by atomics,
-    whose order varies: not bitwise reproducible, so deterministic=True says no. A caller that
+    causal, a sliding window or per-row bounds (configs.GLUON_BWD_DOCUMENTS), no key bias or
+    dropout, enough key blocks x kv heads to fill the GPU: configs.GLUON_BWD_MIN_PROGRAMS_PER_SM,
+    unless override(gluon_bwd=) forces it). Its dQ is added in float32 by atomics, whose order
+    varies: not bitwise reproducible, so deterministic=True says no. A caller that
     can compute dQ and dK/dV in one call should then do so (the ring's backward)."""
     if deterministic or key_bias is not None or dropout is not None:
         return False

@@ -109,10 +109,14 @@ GLUON_BWD = {64: "ws2_lag", 128: "ws2_lag"}
 # per chunk (512 programs): fused 120 ms against 141 ms (python -m benchmarks.bench_blockops
 # --sections replay --backward default deterministic). The threshold sits between.
 GLUON_BWD_MIN_PROGRAMS_PER_SM = 2
-# Packed documents (per-row bounds) in the fused backward: compiled for sm_90a without spills
-# (python benchmarks/gluon_bwd_report.py --rows), not yet checked on a GPU, so no head dim
-# takes it by default; override(gluon_bwd=NAME) forces it.
-GLUON_BWD_DOCUMENTS: dict[int, str] = {}
+# Packed documents (per-row bounds) in the fused backward: checked against float64 on one H200
+# (tests/test_gpu_local.py -k documents). One H200, bf16, H=32, D=128, causal documents,
+# forward+backward over the two Triton passes (python -m benchmarks.packed --variants
+# gluon_bwd=ws2_lag gluon_bwd=none): long-tailed mix 1.20x (16K) / 1.11x (64K), short documents
+# 0.96x / 1.04x; a packed ring rank replayed (S=128K, P=8, rank 3, calls back to back: python -m
+# benchmarks.profile_host --sections ring --ring-world 8 --ring-rank 3 --documents-backward ...):
+# 33.1 ms against 36.8 ms.
+GLUON_BWD_DOCUMENTS = dict(GLUON_BWD)
 
 # float32 inputs take twice the shared memory per tile: the 16-bit shapes above overflow an H200's
 # 227 KiB at head dim 128 and 256 (forward 448 KiB, dK/dV 353 KiB at D=128, compiled for sm_90a:

@@ -5,7 +5,8 @@ float64 reference of its semantics, and a compile report that needs no GPU.
     gb.backward(q, k, v, m, l, do, delta, dq, dk, dv, q_start=0, k_start=0, causal=True,
                 scale=D ** -0.5, accumulate=False)
 
-Semantics (those of ringflash.kernels.backward for a dense or causal block), per batch b, q head
+Semantics (those of ringflash.kernels.backward for a dense or causal block; a window or packed
+documents' per-row bounds restrict the visible pairs as there), per batch b, q head
 h and kv head hk = h // (Hq // Hkv), with qk_scale = scale * log2(e) and s = q_i . k_j:
   p_ij = exp2(fma(s, qk_scale, -(m_i + log2 l_i))) for visible pairs (causal: q_start + i >=
   k_start + j), 0 otherwise and 0 for rows with l = 0; dp_ij = do_i . v_j;
