@@ -313,6 +313,26 @@ def test_gluon_forward_choice(monkeypatch):
             assert d in gluon_forward.VARIANTS[name]
 
 
+@pytest.mark.parametrize("Sq", [64, 100, 1])
+def test_gluon_backward_row_stats(Sq):
+    """The fused backward's packed row statistics (built by torch ops, on any device): per
+    (batch, head) the offsets m + log2(l) (+inf where l = 0) then delta, each padded to whole
+    query blocks with (+inf, 0)."""
+    from ringflash.kernels import gluon_backward as gb
+
+    cfg = gb.GluonBwdConfig()
+    g = torch.Generator().manual_seed(Sq)
+    m, delta = (torch.randn(2, 3, Sq, generator=g) for _ in range(2))
+    l = torch.rand(2, 3, Sq, generator=g) + 0.5
+    l[0, 1, 0] = 0.0  # a row that saw no key
+    Sp = gb.padded_rows(Sq, cfg)
+    st = gb.row_stats(m, l, delta, cfg).view(2, 3, 2, Sp)
+    want = torch.where(l > 0, m + torch.log2(l), float("inf"))
+    assert torch.equal(st[:, :, 0, :Sq], want) and torch.equal(st[:, :, 1, :Sq], delta)
+    assert bool((st[:, :, 0, Sq:] == float("inf")).all()) and bool((st[:, :, 1, Sq:] == 0).all())
+    assert st[0, 1, 0, 0] == float("inf") and Sp % cfg.block_m == 0 and Sp >= Sq
+
+
 def test_gluon_backward_choice(monkeypatch):
     """Which fused backward a block asks for on a GPU: GLUON_BWD by head dim, none for an
     untuned one; override(gluon_bwd=) forces one (or none), a Triton backward override (or the

@@ -149,11 +149,10 @@ def _gluon_forward(q, k, v, state, q_start, k_start, window, bounds, scale, fold
         return False
     from . import gluon_forward
 
-    try:
-        with _on_device(q):
-            gluon_forward.forward(q, k, v, q_start=q_start, k_start=k_start, window=window, bounds=bounds,
-                                  scale=scale, out_o=state.o, out_m=state.m, out_l=state.l, normalize=normalize,
-                                  fold=fold, config=variant)  # fmt: skip
+    try:  # it launches on q's device itself
+        gluon_forward.forward(q, k, v, q_start=q_start, k_start=k_start, window=window, bounds=bounds,
+                              scale=scale, out_o=state.o, out_m=state.m, out_l=state.l, normalize=normalize,
+                              fold=fold, config=variant)  # fmt: skip
     except gluon_forward.Unsupported:  # raised before anything is written
         return False
     return True
@@ -226,12 +225,11 @@ def _gluon_backward(q, k, v, m, l, do, delta, dq, dk, dv, q_start, k_start, wind
     from . import gluon_backward
 
     reaches = None if window is None or bounds is not None else (window.left, window.right)  # bounds decide alone
-    try:
-        with _on_device(q):
-            gluon_backward.backward(q, k, v, m, l, do, delta, dq, dk, dv, q_start=q_start, k_start=k_start,
-                                    causal=False, scale=scale, accumulate=accumulate,
-                                    config=configs.gluon_backward_variant(q.shape[-1], documents=bounds is not None),
-                                    window=reaches, bounds=bounds)  # fmt: skip
+    try:  # it launches on q's device itself
+        gluon_backward.backward(q, k, v, m, l, do, delta, dq, dk, dv, q_start=q_start, k_start=k_start,
+                                causal=False, scale=scale, accumulate=accumulate,
+                                config=configs.gluon_backward_variant(q.shape[-1], documents=bounds is not None),
+                                window=reaches, bounds=bounds)  # fmt: skip
     except gluon_backward.Unsupported:
         return False
     return True

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from .gluon_forward import HOPPER_SHARED_BYTES, LOG2E, compile_plan, compiled_report, timed_compile
+from .gluon_forward import HOPPER_SHARED_BYTES, LOG2E, compile_plan, compiled_report, device_capability, timed_compile
 from .gluon_forward import report_problems as forward_report_problems
 
 try:  # Gluon exists from triton 3.6 on; the rest of the package must not depend on it
@@ -189,7 +189,7 @@ def check_supported(q, k, v, m, l, do, delta, dq, dk, dv, *, scale, cfg=None) ->
     tensors = (q, k, v, m, l, do, delta, dq, dk, dv)
     if any(t is not None and (not t.is_cuda or t.device != q.device) for t in tensors):
         raise Unsupported("the Gluon backward needs all tensors on one CUDA device")
-    cap = torch.cuda.get_device_capability(q.device)
+    cap = device_capability(q.device)
     if cap != (9, 0):
         raise Unsupported(f"the Gluon backward is built for sm_90a (Hopper), this GPU is sm_{cap[0]}{cap[1]}")
     check_shapes(q, k, v, m, l, do, delta, dq, dk, dv, scale=scale, cfg=cfg)
@@ -221,12 +221,21 @@ def row_stats(m, l, delta, cfg: GluonBwdConfig) -> torch.Tensor:
     (batch, head), offset = m + log2(l) (+inf where l = 0: those rows' probabilities are 0),
     padded past Sq with (+inf, 0), the padding rows' exact values."""
     B, Hq, Sq = m.shape
-    st = torch.empty(B, Hq, 2, padded_rows(Sq, cfg), dtype=torch.float32, device=m.device)
-    st[:, :, 0, :Sq] = torch.where(l > 0, m + torch.log2(l), float("inf"))
-    st[:, :, 1, :Sq] = delta
-    st[:, :, 0, Sq:] = float("inf")
-    st[:, :, 1, Sq:] = 0.0
+    Sp = padded_rows(Sq, cfg)
+    st = torch.empty(B, Hq, 2, Sp, dtype=torch.float32, device=m.device)
+    offset, deltas = st.unbind(2)
+    pad = _padding_stats(m.device)
+    torch.where(l > 0, m + torch.log2(l), pad[0, 0], out=offset[..., :Sq])
+    deltas[..., :Sq] = delta
+    if Sp > Sq:  # both padding values in one fill
+        st[..., Sq:] = pad
     return st.view(-1)
+
+
+@functools.lru_cache(maxsize=16)
+def _padding_stats(device: torch.device) -> torch.Tensor:
+    """(2, 1) float32: a padding row's (offset, delta) = (+inf, 0), broadcast over the rows."""
+    return torch.tensor([[float("inf")], [0.0]], dtype=torch.float32, device=device)
 
 
 def _stats_descriptor(stats: torch.Tensor, cfg: GluonBwdConfig):
@@ -458,27 +467,27 @@ def prepare(
             for t in (dq, dk, dv):
                 t.zero_()
         return None
-    with torch.cuda.device(q.device):
-        dq32, finish = dq_buffer(dq, scale=scale, accumulate=accumulate, cfg=cfg)
-        stats = row_stats(m, l, delta, cfg)
-        kernel, grid, args, kwargs = launch_plan(
-            q,
-            k,
-            v,
-            stats,
-            do,
-            dq32,
-            dk,
-            dv,
-            q_start=q_start,
-            k_start=k_start,
-            causal=causal,
-            scale=scale,
-            accumulate=accumulate,
-            cfg=cfg,
-            window=window,
-            bounds=bounds,
-        )
+    # allocations name their device; Prepared.launch runs on q's
+    dq32, finish = dq_buffer(dq, scale=scale, accumulate=accumulate, cfg=cfg)
+    stats = row_stats(m, l, delta, cfg)
+    kernel, grid, args, kwargs = launch_plan(
+        q,
+        k,
+        v,
+        stats,
+        do,
+        dq32,
+        dk,
+        dv,
+        q_start=q_start,
+        k_start=k_start,
+        causal=causal,
+        scale=scale,
+        accumulate=accumulate,
+        cfg=cfg,
+        window=window,
+        bounds=bounds,
+    )
     return Prepared(kernel, grid, args, kwargs, dq32, finish)
 
 

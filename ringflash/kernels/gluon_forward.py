@@ -149,13 +149,19 @@ def _descriptor(t: torch.Tensor, rows: int):
     )
 
 
+@functools.lru_cache(maxsize=16)
+def device_capability(device: torch.device) -> tuple[int, int]:
+    """torch.cuda.get_device_capability, once per device (asked on every launch)."""
+    return torch.cuda.get_device_capability(device)
+
+
 def check_supported(q, k, v, out_o, out_m, out_l, *, normalize, fold, cfg=None) -> None:
     """Raise Unsupported unless the Gluon forward can run these tensors here."""
     if not HAS_GLUON:
         raise Unsupported(f"Gluon is not available: {GLUON_ERROR}")
     if not all(t.is_cuda and t.device == q.device for t in (k, v, out_o, out_m, out_l)) or not q.is_cuda:
         raise Unsupported("the Gluon forward needs all tensors on one CUDA device")
-    cap = torch.cuda.get_device_capability(q.device)
+    cap = device_capability(q.device)
     if cap != (9, 0):
         raise Unsupported(f"the Gluon forward is built for sm_90a (Hopper), this GPU is sm_{cap[0]}{cap[1]}")
     check_shapes(q, k, v, out_o, out_m, out_l, normalize=normalize, fold=fold, cfg=cfg)
