@@ -2,7 +2,8 @@
 --seq-lens (B=1, H=32, D=128, causal, bf16), flash_attn_varlen_func forward+backward over many
 short documents in 16K (benchmarks.packed's "short" mix), and one packed ring rank replayed
 (benchmarks.packed_ring_replay: longtail documents in --ring-total over --ring-world ranks), each
-as wall time per call and a cProfile by self and by cumulative time; the ring rank also under
+as wall time per call, the device's busy time per call and a cProfile by self and by cumulative
+time; the ring rank also under
 torch.profiler: its kernels and how long each kind ran on the device.
 
     python -m benchmarks.profile_host > profile_host.log
@@ -32,8 +33,21 @@ def per_call_us(fn, calls):
     return host_seconds(fn, "cuda", calls=calls, warmup=3) * 1e6
 
 
+def device_us(fn, calls):
+    """Microseconds per call the device spent in kernels and copies (torch.profiler)."""
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as p:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    return sum(e.self_device_time_total for e in p.key_averages()) / calls
+
+
 def report(name, fn, calls, lines):
-    print(f"{name}: {per_call_us(fn, calls):.1f} us per call", flush=True)
+    print(
+        f"{name}: {per_call_us(fn, calls):.1f} us per call, {device_us(fn, calls):.1f} us of it on the device",
+        flush=True,
+    )
     prof = cProfile.Profile()
     prof.enable()
     for _ in range(calls):
