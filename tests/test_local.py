@@ -411,23 +411,42 @@ def test_deterministic_reaches_the_backward(compiled, monkeypatch):
             torch.use_deterministic_algorithms(False)
 
 
-def test_fused_backward_only_where_it_runs():
-    """kernels.fuses_backward: never for float32, a CPU tensor, a key bias, dropout, per-row
-    bounds, a window other than causal, unequal head dims or deterministic=True (checked
-    before any device query, so on any machine)."""
+def test_fused_backward_only_where_it_runs(monkeypatch):
+    """kernels.fuses_backward: never on a CPU tensor, with a key bias, dropout or
+    deterministic=True; its device-independent part (fused_backward_fits, any device): never for
+    float32, unequal or untuned head dims, or a GPU it does not run on (0 SMs); dense blocks need
+    GLUON_BWD_MIN_PROGRAMS_PER_SM programs per SM, per-row bounds also
+    GLUON_BWD_DOCUMENTS_MIN_PAIRS pairs x heads; a gluon_bwd override forces it at any size."""
     from ringflash import kernels
     from ringflash.dropout import Dropout
-    from ringflash.masks import Window
+    from ringflash.kernels import configs
+    from ringflash.masks import RowBounds, Window
 
-    q = torch.empty(1, 8, 2, 128, dtype=torch.bfloat16)
+    monkeypatch.setattr(configs, "INTERPRETING", False)
+    big = torch.empty(1, 16384, 32, 128, dtype=torch.bfloat16)  # 128 key blocks x 32 heads
+    small = torch.empty(1, 1024, 8, 128, dtype=torch.bfloat16)  # 8 x 8
+    fits = kernels.fused_backward_fits
+    assert fits(big, big, big, None, 132) and not fits(small, small, small, None, 132)
+    assert not fits(big, big, big, None, 0)
+    assert not fits(big.float(), big.float(), big.float(), None, 132)
+    assert not fits(big, big, big[..., :64], None, 132)
+    assert not fits(big[..., :96], big[..., :96], big[..., :96], None, 132)
+    with configs.override(gluon_bwd=configs.GLUON_BWD[128]):
+        assert fits(small, small, small, None, 132)
+    with configs.override(gluon_bwd=None):
+        assert not fits(big, big, big, None, 132)
+    rows = torch.zeros(16384, dtype=torch.int32)
+    threshold = configs.GLUON_BWD_DOCUMENTS_MIN_PAIRS / (16384 * 32)  # keys per row at the threshold
+    for keys_per_row, want in ((threshold * 0.9, False), (threshold * 1.1, True), (None, True)):
+        bounds = RowBounds(rows, rows, rows, rows, keys_per_row)
+        assert fits(big, big, big, bounds, 132) == (want and bool(configs.GLUON_BWD_DOCUMENTS)), keys_per_row
+
     kw = dict(window=None, bounds=None)
-    assert not kernels.fuses_backward(q, q, q, **kw)  # on the CPU
-    assert not kernels.fuses_backward(q, q, q, deterministic=True, **kw)
-    assert not kernels.fuses_backward(q, q, q, key_bias=torch.zeros(1, 8), **kw)
-    assert not kernels.fuses_backward(q, q, q, dropout=Dropout(1, 0.1), **kw)
-    assert not kernels.fuses_backward(q, q, q, window=Window(16, 0), bounds=None)
-    assert not kernels.fuses_backward(q, q, q[..., :64], **kw)
-    assert not kernels.fuses_backward(q.float(), q.float(), q.float(), **kw)
+    assert not kernels.fuses_backward(big, big, big, **kw)  # on the CPU
+    assert not kernels.fuses_backward(big, big, big, deterministic=True, **kw)
+    assert not kernels.fuses_backward(big, big, big, key_bias=torch.zeros(1, 16384), **kw)
+    assert not kernels.fuses_backward(big, big, big, dropout=Dropout(1, 0.1), **kw)
+    assert not kernels.fuses_backward(big, big, big, window=Window(16, 0), bounds=None)
 
 
 def test_builtin_configs_match_the_h200_sweep():

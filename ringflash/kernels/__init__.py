@@ -186,20 +186,29 @@ def fuses_backward(q, k, v, *, window, bounds, key_bias=None, dropout=None, dete
     dropout, enough key blocks x kv heads to fill the GPU: configs.GLUON_BWD_MIN_PROGRAMS_PER_SM,
     unless override(gluon_bwd=) forces it). Its dQ is added in float32 by atomics, whose order
     varies: not bitwise reproducible, so deterministic=True says no. A caller that
-    can compute dQ and dK/dV in one call should then do so (the ring's backward)."""
-    if deterministic or key_bias is not None or dropout is not None:
+    can compute dQ and dK/dV in one call should then do so (the ring's backward). Per-row
+    bounds also need configs.GLUON_BWD_DOCUMENTS_MIN_PAIRS visible pairs x query heads."""
+    if deterministic or key_bias is not None or dropout is not None or not q.is_cuda:
         return False
+    return fused_backward_fits(q, k, v, bounds, _fused_backward_sms(q.device))
+
+
+def fused_backward_fits(q, k, v, bounds, sm_count: int) -> bool:
+    """fuses_backward's choice for a block without key bias or dropout on a GPU of sm_count SMs
+    (0: not one the fused kernel runs on), from shapes, dtypes and the bounds alone (any device)."""
     D = q.shape[-1]
-    if not q.is_cuda or q.dtype == torch.float32 or v.shape[-1] != D or _block_d(D) != D:
+    if not sm_count or q.dtype == torch.float32 or v.shape[-1] != D or _block_d(D) != D:
         return False
     variant = configs.gluon_backward_variant(D, documents=bounds is not None)
     if variant is None:
         return False
-    sm_count = _fused_backward_sms(q.device)
-    if not sm_count:
-        return False
     if configs.overridden("gluon_bwd"):  # forced: any size
         return True
+    if bounds is not None and bounds.keys_per_row is not None:
+        # a call this small is faster as two passes: the fused launch's host time shows
+        pairs = q.shape[0] * q.shape[1] * q.shape[2] * bounds.keys_per_row
+        if pairs < configs.GLUON_BWD_DOCUMENTS_MIN_PAIRS:
+            return False
     from . import gluon_backward
 
     # one program per key block and kv head: too few to fill the GPU lose to the two passes

@@ -117,6 +117,14 @@ GLUON_BWD_MIN_PROGRAMS_PER_SM = 2
 # benchmarks.profile_host --sections ring --ring-world 8 --ring-rank 3 --documents-backward ...):
 # 33.1 ms against 36.8 ms.
 GLUON_BWD_DOCUMENTS = dict(GLUON_BWD)
+# ... for calls of at least this many visible (query, key) pairs x query heads (B x Sq x Hq x
+# RowBounds.keys_per_row): below, the fused launch's larger host time (row statistics, dQ
+# scratch, five TMA descriptors) outweighs its faster kernel. One H200, a packed ring rank
+# replayed, S=128K, long-tailed documents: P=4 (4.4e8 per call) fused 39.7 ms against 48.1 ms,
+# P=8 (1.1e8 per call) fused 54.4 ms against 37.0 ms with 30 ms of device time (host-bound;
+# python -m benchmarks.packed_ring_replay --documents-backward fused two-pass, --kernels);
+# locally 27 short documents in 16K (2.8e8) 0.96x, 98 in 64K (1.2e9) 1.04x.
+GLUON_BWD_DOCUMENTS_MIN_PAIRS = 350_000_000
 
 # float32 inputs take twice the shared memory per tile: the 16-bit shapes above overflow an H200's
 # 227 KiB at head dim 128 and 256 (forward 448 KiB, dK/dV 353 KiB at D=128, compiled for sm_90a:
