@@ -53,7 +53,9 @@ def spy_fused_backward(monkeypatch) -> list:
 
 
 def force_fused_backward(monkeypatch) -> None:
-    """The fused backward at any size: no occupancy threshold (configs.GLUON_BWD_MIN_PROGRAMS_PER_SM)."""
+    """The fused backward at any size: no occupancy threshold (configs.GLUON_BWD_MIN_PROGRAMS_PER_SM)
+    and no least work for per-row bounds (configs.GLUON_BWD_DOCUMENTS_MIN_PAIRS)."""
     from ringflash.kernels import configs
 
     monkeypatch.setattr(configs, "GLUON_BWD_MIN_PROGRAMS_PER_SM", 0)
+    monkeypatch.setattr(configs, "GLUON_BWD_DOCUMENTS_MIN_PAIRS", 0)
