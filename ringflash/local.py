@@ -266,10 +266,10 @@ def flash_attn_func(
     the seed from instead.
     deterministic: the backward's mode. False (default): on Hopper, 16-bit inputs with D = Dv =
     64 or 128, dense, causal, windowed or packed documents, no key padding mask or dropout, run
-    one fused backward kernel whose dQ is summed
-    in float32 by atomics in a varying order (gradients equal within rounding, not bitwise, run
-    to run); True, or torch.use_deterministic_algorithms(True): the two-pass backward, bitwise
-    reproducible. Every other case is bitwise reproducible either way.
+    one fused backward kernel whose dQ is summed in float32 by atomics in a varying order
+    (gradients equal within rounding, not bitwise, run to run); True, or
+    torch.use_deterministic_algorithms(True): the two-pass backward, bitwise reproducible. Every
+    other case is bitwise reproducible either way.
     """
     api = "flash_attn_func"
     dims = check_qkv(q, k, v, api)
@@ -310,7 +310,8 @@ def flash_attn_varlen_func(
     Cost follows the visible pairs (about the sum of squared document lengths / 2 for
     causal documents), not total_q x total_k. dropout_p, generator: as flash_attn_func's, query
     and key indices being rows of the packed q and k. deterministic: as flash_attn_func's (packed
-    documents take the fused backward too: D = Dv = 64 or 128, 16-bit, no dropout, on Hopper).
+    documents take the fused backward too: D = Dv = 64 or 128, 16-bit, no dropout, on Hopper,
+    calls of enough work: kernels.fuses_backward).
     """
     api = "flash_attn_varlen_func"
     for name, t in (("q", q), ("k", k), ("v", v)):

@@ -113,9 +113,7 @@ GLUON_BWD_MIN_PROGRAMS_PER_SM = 2
 # (tests/test_gpu_local.py -k documents). One H200, bf16, H=32, D=128, causal documents,
 # forward+backward over the two Triton passes (python -m benchmarks.packed --variants
 # gluon_bwd=ws2_lag gluon_bwd=none): long-tailed mix 1.20x (16K) / 1.11x (64K), short documents
-# 0.96x / 1.04x; a packed ring rank replayed (S=128K, P=8, rank 3, calls back to back: python -m
-# benchmarks.profile_host --sections ring --ring-world 8 --ring-rank 3 --documents-backward ...):
-# 33.1 ms against 36.8 ms.
+# 0.96x / 1.04x.
 GLUON_BWD_DOCUMENTS = dict(GLUON_BWD)
 # ... for calls of at least this many visible (query, key) pairs x query heads (B x Sq x Hq x
 # RowBounds.keys_per_row): below, the fused launch's larger host time (row statistics, dQ
