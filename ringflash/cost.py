@@ -52,6 +52,10 @@ class StepTime:
         return self.compute / self.total
 
 
+# all-to-alls per forward+backward (ringflash.hybrid: one per tensor exchanged)
+A2A_PER_STEP = 8
+
+
 def kv_heads_per_rank(Hq: int, Hkv: int, U: int) -> int:
     """K/V heads a rank holds after the head exchange (ringflash.hybrid.head_plan's rule);
     ValueError when U does not split the heads."""
@@ -86,7 +90,9 @@ def hybrid_step_time(
     Terms. compute = FLOPs / (R U) / rate. all_to_all: per rank, q, k, v in and out back
     (forward), dO in and dQ, dK, dV back (backward): (U - 1) / U of the q-sized tensors and,
     for K/V, what every other rank needs of this rank's tokens (its kv heads, replicated when
-    Hkv < U), over NVLink, plus 4 latencies. ring: R steps forward and R backward; a
+    Hkv < U), over NVLink, plus one latency per exchange the implementation issues: 8 (q, k,
+    v in and out back; dO in and dQ, dK, dV back; one more each for lse and its gradient, or a
+    key padding mask, not counted). ring: R steps forward and R backward; a
     forward hop carries K/V of S / R tokens and the rank's kv heads, a backward hop K/V again
     and the float32 dK/dV; a step costs max(its compute, its hop) after the first, and the
     hop's link is NVLink when the whole ring is in one node, else the network (ring
@@ -105,7 +111,7 @@ def hybrid_step_time(
     q_bytes = tok * Hq * (U - 1) / U
     kv_bytes = tok * kv * (U - 1)  # to each of the U - 1 others: the kv heads it needs
     a2a_bytes = 2 * (2 * q_bytes + 2 * kv_bytes)  # forward (q, k, v, out) and backward (dO, dq, dk, dv)
-    all_to_all = 0.0 if U == 1 else a2a_bytes / (links.intra_gbps * 1e9) + 4 * links.latency_s
+    all_to_all = 0.0 if U == 1 else a2a_bytes / (links.intra_gbps * 1e9) + A2A_PER_STEP * links.latency_s
 
     ring_exposed, link = 0.0, links.intra_gbps
     if R > 1:

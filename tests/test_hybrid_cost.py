@@ -59,3 +59,14 @@ def test_compute_script_smoke(tmp_path):
     rows = json.loads((tmp_path / "h.json").read_text())["rows"]
     assert [(r["U"], r["q_heads"], r["kv_heads"]) for r in rows] == [(1, 4, 2), (2, 2, 1), (4, 1, 1)]
     assert all(r["ms"] > 0 for r in rows)
+
+
+def test_all_to_all_latency_counts_each_exchange():
+    """The all-to-all term carries one latency per exchange the hybrid issues (A2A_PER_STEP), and
+    none when U = 1 (no exchange)."""
+    from ringflash.cost import A2A_PER_STEP
+
+    slow, free = Links(latency_s=1e-3), Links(latency_s=0.0)
+    a, b = (hybrid_step_time(8192, 8, 4, 64, 2, 2, links=lk) for lk in (slow, free))
+    assert a.all_to_all - b.all_to_all == pytest.approx(A2A_PER_STEP * 1e-3)
+    assert hybrid_step_time(8192, 8, 4, 64, 4, 1, links=slow).all_to_all == 0.0
