@@ -4,6 +4,7 @@ exchange with the ring neighbours (RingComm; LocalComm for a single rank)."""
 from __future__ import annotations
 
 import os
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -290,3 +291,48 @@ def agree_across_grid(group, head_group, fields: dict, local_error, api: str, *,
     error = _agree_stage(head_group, {}, error, api, device, show)
     if error is not None:
         raise error
+
+
+def placement_problems(ring_ranks, head_ranks, gpus_per_node: int) -> list[str]:
+    """What a grid's placement costs that another order of the same ranks would not, with node
+    = global rank // gpus_per_node (torchrun numbers ranks node by node): a head group spread
+    over nodes (its all-to-alls leave NVLink), and a ring whose order crosses between nodes more
+    often per turn than its nodes require (each extra crossing puts a hop on the network).
+    ring_ranks: the ring group's global ranks in ring order; head_ranks: the head group's, or
+    None. Pure: returns the problems as sentences, [] when the placement is as good as it gets."""
+    node = [r // gpus_per_node for r in ring_ranks]
+    problems = []
+    if head_ranks is not None and len({r // gpus_per_node for r in head_ranks}) > 1:
+        problems.append(
+            f"head_group ranks {list(head_ranks)} span nodes {sorted({r // gpus_per_node for r in head_ranks})} "
+            f"({gpus_per_node} GPUs per node), so its all-to-alls leave the node; build head groups of one "
+            f"node's ranks (a DeviceMesh of shape (R, U) with U <= {gpus_per_node} does)"
+        )
+    nodes = len(set(node))
+    crossings = sum(node[i] != node[(i + 1) % len(node)] for i in range(len(node))) if len(node) > 1 else 0
+    needed = nodes if nodes > 1 else 0
+    if crossings > needed:
+        problems.append(
+            f"the ring's rank order {list(ring_ranks)} crosses between nodes {crossings} times per turn "
+            f"where {needed} would do; give group its ranks node by node"
+        )
+    return problems
+
+
+_PLACEMENT_CHECKED: set = set()
+
+
+def warn_placement(group, head_group=None) -> None:
+    """Warn once per pair of groups about placement_problems, nodes taken from torchrun's
+    LOCAL_WORLD_SIZE (nothing without it, or without an initialized process group)."""
+    per_node = os.environ.get("LOCAL_WORLD_SIZE")
+    if not per_node or not dist.is_initialized():
+        return
+    key = (resolve_group(group).group_name, None if head_group is None else resolve_group(head_group).group_name)
+    if key in _PLACEMENT_CHECKED:
+        return
+    _PLACEMENT_CHECKED.add(key)
+    ring = dist.get_process_group_ranks(resolve_group(group))
+    heads = None if head_group is None else dist.get_process_group_ranks(resolve_group(head_group))
+    for problem in placement_problems(ring, heads, int(per_node)):
+        warnings.warn(f"ringflash: {problem}", stacklevel=3)

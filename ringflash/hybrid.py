@@ -24,7 +24,14 @@ import torch
 import torch.distributed as dist
 
 from ._checks import AttnDims, check_bool, key_bias_from_mask
-from .comm import check_backend_device, group_rank_world, resolve_group, resolve_groups, validated_across_grid
+from .comm import (
+    check_backend_device,
+    group_rank_world,
+    resolve_group,
+    resolve_groups,
+    validated_across_grid,
+    warn_placement,
+)
 from .dropout import all_dropped, check_dropout, operator_dropout
 from .local import backend_for
 from .merge import state_dtype
@@ -217,7 +224,9 @@ def _validated(group, head_group, api: str, validate, device):
     if torch.compiler.is_compiling():
         fields, result = validate()
         return result, list(fields.values())
-    return validated_across_grid(group, head_group, api, validate, _FIELD_NAMES, device=device, show=_show_field), []
+    result = validated_across_grid(group, head_group, api, validate, _FIELD_NAMES, device=device, show=_show_field)
+    warn_placement(group, head_group)
+    return result, []
 
 
 def _call_operator(

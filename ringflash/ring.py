@@ -25,7 +25,15 @@ from ._checks import (
     resolve_scale,
 )
 from .balance import checked_cu_seqlens, named_layout
-from .comm import check_backend_device, group_rank_world, is_mesh, resolve_group, resolve_groups, validated_across_ranks
+from .comm import (
+    check_backend_device,
+    group_rank_world,
+    is_mesh,
+    resolve_group,
+    resolve_groups,
+    validated_across_ranks,
+    warn_placement,
+)
 from .dropout import Dropout, all_dropped, check_dropout, operator_dropout
 from .empty import empty_attention
 from .local import (
@@ -466,6 +474,7 @@ def ring_flash_attn_func(
         spec, key_bias, p = validated_across_ranks(
             group, api, validate, _FIELD_NAMES, device=getattr(q, "device", None), show=_show_field
         )
+        warn_placement(group)
         agree = []
     if q.shape[0] == 0 or q.shape[1] == 0 or q.shape[2] == 0 or k.shape[1] == 0:  # agreed by every rank
         out, lse = empty_attention(q, k, v)
@@ -613,6 +622,7 @@ def ring_flash_attn_varlen_func(
         spec, p = validated_across_ranks(
             group, api, validate, _FIELD_NAMES, device=getattr(q, "device", None), show=_show_field
         )
+        warn_placement(group)
         agree, cu_check = [], None
     # K/V travel padded to the longest shard; the schedule never reads the padding rows. The
     # ring runs layout.hops steps (schedule.ring_steps): with every document whole, one, and

@@ -155,6 +155,53 @@ def test_errors_raise_on_every_rank(worlds):
     worlds(4, **TORCH).run(_errors)
 
 
+def _placement(rank, world):
+    """With torchrun's LOCAL_WORLD_SIZE saying 2 GPUs per node: the usual grid (head groups of
+    consecutive ranks) warns of nothing; the transposed one (head groups {0, 2} and {1, 3}, each
+    across both nodes) warns once per pair of groups, naming the head group."""
+    import os
+
+    os.environ["LOCAL_WORLD_SIZE"] = "2"  # this worker runs later tests too: restored below
+    try:
+        _placement_cases(rank)
+    finally:
+        del os.environ["LOCAL_WORLD_SIZE"]
+
+
+def _placement_cases(rank):
+    import warnings
+
+    good_ring, good_heads = grid(2, 2)
+    rings = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # the grid with the roles swapped
+    heads = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    bad_ring, bad_heads = rings[rank // 2], heads[rank % 2]
+    q = torch.randn(1, 4, 4, 16, generator=torch.Generator().manual_seed(rank))
+    for ring, heads_, want in ((good_ring, good_heads, 0), (bad_ring, bad_heads, 1), (bad_ring, bad_heads, 0)):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            ring_flash_attn_func(q, q, q, group=ring, head_group=heads_, causal=True)
+        said = [str(w.message) for w in caught if "ringflash:" in str(w.message)]
+        assert len(said) == want, said  # once per pair of groups, not per call
+        assert all("span nodes" in m for m in said), said
+
+
+def test_placement_warns_of_head_groups_across_nodes(worlds):
+    worlds(4, **TORCH).run(_placement)
+
+
+def test_placement_problems():
+    """comm.placement_problems by hand: nodes of 4 GPUs."""
+    from ringflash.comm import placement_problems
+
+    assert placement_problems([0, 4, 8, 12], [0, 1, 2, 3], 4) == []  # one node per head group, one crossing per node
+    assert placement_problems([0, 1, 2, 3], None, 4) == []  # a ring inside one node crosses nothing
+    assert placement_problems([0, 1, 4, 5], None, 4) == []  # two nodes: two crossings per turn, the least
+    (ring,) = placement_problems([0, 4, 1, 5], None, 4)  # alternating: four crossings where two do
+    assert "crosses between nodes 4 times per turn where 2 would do" in ring
+    (heads,) = placement_problems([0, 1], [2, 6], 4)
+    assert "head_group ranks [2, 6] span nodes [0, 1]" in heads
+
+
 def _module(rank, world):
     """RingMultiheadAttention with a head_group: the unsharded output is nn.MultiheadAttention's
     on the whole sequence (float64, causal, padded keys)."""
