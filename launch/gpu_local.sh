@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# One GPU: the GPU tests, the block-shape sweep and the local benchmark, in order.
-#   launch/gpu_local.sh tests tune bench      (any subset, in order)
+# One GPU: the GPU tests, the block-shape sweep, the local benchmark, packed documents (one GPU
+# and the packed ring replayed) and the host time per call, in the order given.
+#   launch/gpu_local.sh tests tune bench packed replay host      (any subset, in order)
 # TESTS_K (a pytest -k expression) and TUNE_ARGS (e.g. "--head-dims 128") narrow a step;
 # STEP_TIMEOUT (seconds, default none) stops a step that runs longer. Logs and JSON go to $OUT
 # (default .device_out/). Registers, spills, shared memory and wgmma waits of the kernels need
@@ -21,7 +22,14 @@ for step in "$@"; do
              | tee "$OUT/tune.log" | grep -E "BEST|error" || status=1 ;;
     bench) limit python3 -m benchmarks.bench_local --json "$OUT/local.json" 2>&1 \
              | tee "$OUT/bench.log" | tail -30 || status=1 ;;
-    *) echo "unknown step $step"; status=2 ;;
+    packed) limit python3 -m benchmarks.packed --json "$OUT/packed.json" 2>&1 \
+             | tee "$OUT/packed.log" | tail -22 || status=1 ;;
+    replay) limit python3 -m benchmarks.packed_ring_replay --totals 131072 --worlds 4 8 --no-inline \
+               --documents-backward default two-pass --json "$OUT/packed_ring_replay.json" 2>&1 \
+             | tee "$OUT/packed_ring_replay.log" | grep "S=" || status=1 ;;
+    host)  limit python3 -m benchmarks.profile_host --sections local ring --ring-world 8 --calls 50 2>&1 \
+             | tee "$OUT/profile_host.log" | grep -E "per call|on the device" || status=1 ;;
+    *) echo "unknown step $step (steps: tests tune bench packed replay host)"; status=2 ;;
   esac
 done
 exit $status

@@ -86,6 +86,22 @@ def test_gpu_ring_script_refuses_without_two_gpus(tmp_path):
     assert res.returncode == 2 and "needs 2 or more GPUs" in res.stderr, res.stderr
 
 
+def test_gpu_local_script_names_its_steps(tmp_path):
+    """launch/gpu_local.sh refuses a step it does not know (status 2), listing the ones it has,
+    and runs nothing for it."""
+    res = subprocess.run(
+        ["bash", "launch/gpu_local.sh", "nosuchstep"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "OUT": str(tmp_path)},
+    )
+    assert res.returncode == 2, res.stdout + res.stderr
+    assert "unknown step nosuchstep (steps: tests tune bench packed replay host)" in res.stdout
+    assert not list(tmp_path.iterdir())
+
+
 def test_plot_scaling_picks_weak_and_strong_rows(tmp_path):
     """Synthetic bench_ring.py files for P = 2, 4, 8: the table lists each weak (S = P x 32K) and
     strong (S = 256K) point once, ignores the others, and the SVG has one ring and one CP line
