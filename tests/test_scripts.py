@@ -17,6 +17,17 @@ def test_bench_local_smoke(tmp_path):
     assert "vs flash" in out
 
 
+def test_packed_ring_tiles_counts(tmp_path):
+    """benchmarks.packed_ring_tiles on a small mix: one line per rank; a ring rank covers at
+    least the pairs it sees, and the one-GPU call's covered / visible is at least 1."""
+    import re
+
+    out = run([sys.executable, "-m", "benchmarks.packed_ring_tiles", "--totals", "16384", "--worlds", "2"], tmp_path)
+    single = float(re.search(r"one GPU: covered / visible ([\d.]+)", out).group(1))
+    ranks = [float(x) for x in re.findall(r"rank \d: covered / visible ([\d.]+)", out)]
+    assert single >= 1.0 and len(ranks) == 2 and all(r >= 1.0 for r in ranks), out
+
+
 def test_bench_ring_smoke_on_gloo(tmp_path):
     out = run(TWO_RANKS + ["-m", "benchmarks.bench_ring", "--smoke", "--json", str(tmp_path / "r.json")], tmp_path)
     data = json.loads((tmp_path / "r.json").read_text())

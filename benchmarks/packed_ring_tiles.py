@@ -1,0 +1,98 @@
+"""Tile work of packed documents on the ring, counted on the host (no GPU, no kernels run).
+
+    python -m benchmarks.packed_ring_tiles                      # S=128K long-tailed, P = 4, 8
+    python -m benchmarks.packed_ring_tiles --totals 16384 --worlds 2 --head-dim 16
+
+For one long-tailed document mix (benchmarks.packed.document_lengths, as packed_ring_replay's),
+each rank's ring schedule over ringflash.balanced_layout is replayed with the kernels replaced by
+a counter: for every block with per-row bounds, the (query, key) pairs the fused backward's
+programs cover (one program per --block-n keys, visiting the --block-m query rows from the
+first to the last row that sees one of its keys) against the visible pairs. Printed per rank:
+covered / visible, and covered / (the one-GPU call's covered / P): how much of a ring rank's
+extra kernel time cutting documents into pieces can explain (per kv head; GQA scales both).
+"""
+
+from __future__ import annotations
+
+import argparse
+from unittest import mock
+
+import numpy as np
+import torch
+
+import ringflash
+import ringflash.ring as ring_module
+from benchmarks.packed import document_lengths
+from benchmarks.packed_ring_replay import replay_rank
+from ringflash.masks import CAUSAL, document_bounds
+
+
+def covered_pairs(q_lo, q_hi, n_q, n_k, q_start, block_m, block_n):
+    """(pairs covered by key-block programs, visible pairs) of a block whose key rows are seen
+    by the query positions [q_lo, q_hi) (RowBounds.q_lo / q_hi, int tensors), query rows
+    starting at position q_start."""
+    lo = (q_lo.long() - q_start).clamp(0, n_q)
+    hi = (q_hi.long() - q_start).clamp(0, n_q)
+    visible = int((hi - lo).clamp(min=0).sum())
+    covered = 0
+    for first in range(0, n_k, block_n):
+        l, h = lo[first : first + block_n], hi[first : first + block_n]
+        seen = h > l
+        if seen.any():
+            m0, m1 = int(l[seen].min()) // block_m, -(-int(h[seen].max()) // block_m)
+            covered += (m1 - m0) * block_m * block_n
+    return covered, visible
+
+
+def rank_pairs(q, k, v, do, cu, layout, rank, world, block_m, block_n):
+    """(covered, visible) over every per-row-bounds block of rank's schedule (the dK/dV calls,
+    one per task and step, at the smallest kv-head chunk: each block counted once)."""
+    totals = [0, 0]
+
+    def count(q_, k_, v_, mask, **kw):
+        if mask.bounds is not None:
+            c, vis = covered_pairs(mask.bounds.q_lo, mask.bounds.q_hi, q_.shape[1], k_.shape[1], mask.q_start,
+                                   block_m, block_n)  # fmt: skip
+            totals[0] += c
+            totals[1] += vis
+        return False
+
+    with (
+        mock.patch.object(ring_module, "fuses_backward", count),
+        mock.patch.object(ring_module, "block_backward", lambda *a, **kw: True),
+        mock.patch.object(ring_module, "block_forward", lambda *a, **kw: True),
+    ):
+        replay_rank(q, k, v, do, cu, layout, rank, world, (-1, -1), overlap=False)()
+    return tuple(totals)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--totals", type=int, nargs="+", default=[131072])
+    ap.add_argument("--worlds", type=int, nargs="+", default=[4, 8])
+    ap.add_argument("--head-dim", type=int, default=16, help="only the schedule's chunking reads it")
+    ap.add_argument("--block-m", type=int, default=64)
+    ap.add_argument("--block-n", type=int, default=128)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    for total in args.totals:
+        lengths = document_lengths("longtail", total, args.seed)
+        cu_list = [0, *np.cumsum(lengths).tolist()]
+        cu = torch.tensor(cu_list, dtype=torch.int32)
+        b = document_bounds(cu, cu, CAUSAL)
+        single, single_vis = covered_pairs(b.q_lo, b.q_hi, total, total, 0, args.block_m, args.block_n)
+        print(f"S={total} docs={len(lengths)} one GPU: covered / visible {single / single_vis:.3f}")
+        q, k, v, do = (torch.zeros(total, 1, args.head_dim) for _ in range(4))
+        for world in args.worlds:
+            layout = ringflash.balanced_layout(cu_list, world, causal=True)
+            for rank in range(world):
+                c, vis = rank_pairs(q, k, v, do, cu, layout, rank, world, args.block_m, args.block_n)
+                print(
+                    f"  P={world} rank {rank}: covered / visible {c / max(vis, 1):.3f}, "
+                    f"covered / (one GPU's / P) {c / (single / world):.3f}",
+                    flush=True,
+                )
+
+
+if __name__ == "__main__":
+    main()
