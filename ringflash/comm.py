@@ -300,7 +300,7 @@ def placement_problems(ring_ranks, head_ranks, gpus_per_node: int) -> list[str]:
     often per turn than its nodes require (each extra crossing puts a hop on the network).
     ring_ranks: the ring group's global ranks in ring order; head_ranks: the head group's, or
     None. Pure: returns the problems as sentences, [] when the placement is as good as it gets."""
-    node = [r // gpus_per_node for r in ring_ranks]
+    ring_nodes = [r // gpus_per_node for r in ring_ranks]
     problems = []
     if head_ranks is not None and len({r // gpus_per_node for r in head_ranks}) > 1:
         problems.append(
@@ -308,9 +308,9 @@ def placement_problems(ring_ranks, head_ranks, gpus_per_node: int) -> list[str]:
             f"({gpus_per_node} GPUs per node), so its all-to-alls leave the node; build head groups of one "
             f"node's ranks (a DeviceMesh of shape (R, U) with U <= {gpus_per_node} does)"
         )
-    nodes = len(set(node))
-    crossings = sum(node[i] != node[(i + 1) % len(node)] for i in range(len(node))) if len(node) > 1 else 0
-    needed = nodes if nodes > 1 else 0
+    n = len(ring_nodes)
+    crossings = sum(ring_nodes[i] != ring_nodes[(i + 1) % n] for i in range(n)) if n > 1 else 0
+    needed = len(set(ring_nodes)) if len(set(ring_nodes)) > 1 else 0
     if crossings > needed:
         problems.append(
             f"the ring's rank order {list(ring_ranks)} crosses between nodes {crossings} times per turn "
@@ -325,8 +325,8 @@ _PLACEMENT_CHECKED: set = set()
 def warn_placement(group, head_group=None) -> None:
     """Warn once per pair of groups about placement_problems, nodes taken from torchrun's
     LOCAL_WORLD_SIZE (nothing without it, or without an initialized process group)."""
-    per_node = os.environ.get("LOCAL_WORLD_SIZE")
-    if not per_node or not dist.is_initialized():
+    per_node = os.environ.get("LOCAL_WORLD_SIZE", "")
+    if not per_node.isdigit() or int(per_node) < 1 or not dist.is_initialized():
         return
     key = (resolve_group(group).group_name, None if head_group is None else resolve_group(head_group).group_name)
     if key in _PLACEMENT_CHECKED:
