@@ -21,7 +21,10 @@ same copies on the compute stream, an upper bound on their cost). Reported per (
              gets kernel calls of its own (--own-call-work-log2 varies it)
   pred       the layout's own prediction of max/mean from its visible pairs (layout.work), in
              total and at its most uneven step
-Times are CUDA-event medians of --repeats runs after a warm-up.
+Times are host-clock medians (benchmarks.common.host_seconds) of --repeats timings of --calls
+calls in a row, the device synchronized before and after each timing, after a warm-up: with
+--calls 1 (default) a host-bound rank's host time shows, and varies with the host; more calls
+in a row let the host run ahead of the device as a training loop's next layers would.
 """
 
 from __future__ import annotations
@@ -44,9 +47,9 @@ from ringflash.ring import _RingAttn, check_packed_call
 from ringflash.testing import ReplayComm
 
 
-def timed(fn, device, repeats):
-    """Median milliseconds of one call, after one warm-up."""
-    return host_seconds(fn, device, repeats=repeats) * 1e3
+def timed(fn, device, repeats, calls=1):
+    """Median milliseconds per call over `repeats` timings of `calls` calls, after one warm-up."""
+    return host_seconds(fn, device, repeats=repeats, calls=calls) * 1e3
 
 
 def replay_rank(q, k, v, do, cu, layout, rank, world, window, overlap, grad_chunks=None):
@@ -123,7 +126,7 @@ def measure_total(args, device, dtype, total, documents_backward):
         qg.grad = kg.grad = vg.grad = None
         ringflash.flash_attn_varlen_func(qg, kg, vg, cu, cu, causal=True, window_size=window).backward(do)
 
-    single_ms = timed(single, device, args.repeats)
+    single_ms = timed(single, device, args.repeats, args.calls)
     variants = itertools.product(args.worlds, args.own_call_work_log2 or [None], args.grad_chunks or [None])
     for world, own_log2, chunks in variants:
         layout = ringflash.balanced_layout(cu_list, world, causal=True, window_size=window)
@@ -131,7 +134,12 @@ def measure_total(args, device, dtype, total, documents_backward):
         with mock.patch("ringflash.balance.OWN_CALL_WORK", own):
             per_rank, inline = (
                 [
-                    timed(replay_rank(q, k, v, do, cu, layout, r, world, window, overlap, chunks), device, args.repeats)
+                    timed(
+                        replay_rank(q, k, v, do, cu, layout, r, world, window, overlap, chunks),
+                        device,
+                        args.repeats,
+                        args.calls,
+                    )
                     for r in range(world)
                 ]
                 if overlap or not args.no_inline
@@ -197,6 +205,7 @@ def main():
     ap.add_argument("--window", type=int, default=None, help="a causal window of this many keys")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--calls", type=int, default=1, help="calls in a row per timing (see the docstring)")
     ap.add_argument(
         "--own-call-work-log2",
         type=float,
