@@ -3,11 +3,13 @@ benchmarks' shape options, process-group start, inputs and result metadata."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import statistics
 import sys
 import time
 from pathlib import Path
+from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -55,6 +57,38 @@ def host_seconds(fn, device, *, calls=1, repeats=1, warmup=1) -> float:
         sync()
         times.append((time.perf_counter() - t0) / calls)
     return statistics.median(times)
+
+
+def kernel_times(fn, device, calls=1) -> list[tuple[str, int, float]]:
+    """`calls` calls of fn() under torch.profiler after a synchronize: [(name, count, ms)] of the
+    kernels and copies by device time, most first (on the CPU: the operators by CPU time)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = torch.device(device).type == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    spent = (lambda e: e.self_device_time_total) if cuda else (lambda e: e.self_cpu_time_total)  # noqa: E731
+    sync()
+    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+        for _ in range(calls):
+            fn()
+        sync()
+    events = sorted((e for e in prof.key_averages() if spent(e) > 0), key=lambda e: -spent(e))
+    return [(e.key, e.count, spent(e) / 1e3) for e in events]
+
+
+DOCUMENTS_BACKWARDS = ("default", "fused", "two-pass")
+
+
+@contextlib.contextmanager
+def documents_backward(name: str):
+    """Inside the block packed documents' backward (configs.GLUON_BWD_DOCUMENTS) is as configured
+    ("default"), the fused Gluon kernel wherever it runs ("fused") or the two Triton passes
+    ("two-pass")."""
+    from ringflash.kernels import configs
+
+    tables = {"default": configs.GLUON_BWD_DOCUMENTS, "fused": configs.GLUON_BWD, "two-pass": {}}
+    with mock.patch.object(configs, "GLUON_BWD_DOCUMENTS", dict(tables[name])):
+        yield
 
 
 def step_fn(call, inputs, do, mode):

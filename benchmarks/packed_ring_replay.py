@@ -40,9 +40,17 @@ import numpy as np
 import torch
 
 import ringflash
-from benchmarks.common import bench_device, device_name, host_seconds, result_meta, write_json
+from benchmarks.common import (
+    DOCUMENTS_BACKWARDS,
+    bench_device,
+    device_name,
+    host_seconds,
+    kernel_times,
+    result_meta,
+    write_json,
+)
+from benchmarks.common import documents_backward as common_documents_backward
 from benchmarks.packed import document_lengths
-from ringflash.kernels import configs
 from ringflash.ring import _RingAttn, check_packed_call
 from ringflash.testing import ReplayComm
 
@@ -78,23 +86,13 @@ def replay_rank(q, k, v, do, cu, layout, rank, world, window, overlap, grad_chun
 def print_kernels(q, k, v, do, cu, layout, world, window, chunks, label):
     """Each rank's replayed forward+backward under torch.profiler: its kernels by device time
     (on the CPU: its operators by CPU time)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    cuda = q.is_cuda
-    sync = torch.cuda.synchronize if cuda else (lambda: None)
-    spent = (lambda e: e.self_device_time_total) if cuda else (lambda e: e.self_cpu_time_total)  # noqa: E731
     for r in range(world):
         run = replay_rank(q, k, v, do, cu, layout, r, world, window, True, chunks)
         run()
-        sync()
-        with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
-            run()
-            sync()
-        kernels = sorted((e for e in prof.key_averages() if spent(e) > 0), key=lambda e: -spent(e))
-        total = sum(spent(e) for e in kernels) / 1e3
+        kernels = kernel_times(run, q.device)
         print(
-            f"  [{label}] rank {r}: {total:.2f} ms: "
-            + ", ".join(f"{e.key[:28]} x{e.count} {spent(e) / 1e3:.2f}" for e in kernels[:6]),
+            f"  [{label}] rank {r}: {sum(ms for _, _, ms in kernels):.2f} ms: "
+            + ", ".join(f"{name[:28]} x{n} {ms:.2f}" for name, n, ms in kernels[:6]),
             flush=True,
         )
 
@@ -102,11 +100,8 @@ def print_kernels(q, k, v, do, cu, layout, world, window, chunks, label):
 def measure(args, device, dtype):
     rows = []
     for documents_backward, total in itertools.product(args.documents_backward, args.totals):
-        # the fused Gluon backward for per-row bounds (packed documents) where it would run, or
-        # the two Triton passes; the single-GPU call takes the same backward
-        tables = {"default": configs.GLUON_BWD_DOCUMENTS, "fused": configs.GLUON_BWD, "two-pass": {}}
-        fused_tables = dict(tables[documents_backward])
-        with mock.patch.object(configs, "GLUON_BWD_DOCUMENTS", fused_tables):
+        # the single-GPU call takes the same backward
+        with common_documents_backward(documents_backward):
             rows += measure_total(args, device, dtype, total, documents_backward)
     return rows
 
@@ -217,7 +212,7 @@ def main():
         "--documents-backward",
         nargs="+",
         default=["default"],
-        choices=["default", "fused", "two-pass"],
+        choices=DOCUMENTS_BACKWARDS,
         help="variants: the packed documents' backward as configured, the fused Gluon kernel where it runs, "
         "or the two Triton passes",
     )

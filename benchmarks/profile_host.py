@@ -16,17 +16,14 @@ import argparse
 import cProfile
 import io
 import pstats
-from unittest import mock
 
 import numpy as np
 import torch
-from torch.profiler import ProfilerActivity, profile
 
 import ringflash
-from benchmarks.common import host_seconds
+from benchmarks.common import DOCUMENTS_BACKWARDS, documents_backward, host_seconds, kernel_times
 from benchmarks.packed import document_lengths
 from benchmarks.packed_ring_replay import replay_rank
-from ringflash.kernels import configs
 
 
 def per_call_us(fn, calls):
@@ -35,12 +32,7 @@ def per_call_us(fn, calls):
 
 def device_us(fn, calls):
     """Microseconds per call the device spent in kernels and copies (torch.profiler)."""
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as p:
-        for _ in range(calls):
-            fn()
-        torch.cuda.synchronize()
-    return sum(e.self_device_time_total for e in p.key_averages()) / calls
+    return sum(ms for _, _, ms in kernel_times(fn, "cuda", calls)) * 1e3 / calls
 
 
 def report(name, fn, calls, lines):
@@ -96,17 +88,10 @@ def ring_rank(total, world, rank):
     layout = ringflash.balanced_layout(cu_list, world, causal=True)
     run = replay_rank(Q, K, V, DO, cu, layout, rank, world, (-1, -1), overlap=True)
     run()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as p:
-        run()
-        torch.cuda.synchronize()
-    kernels = sorted(
-        (e for e in p.key_averages() if e.self_device_time_total > 0), key=lambda e: -e.self_device_time_total
-    )
-    total_ms = sum(e.self_device_time_total for e in kernels) / 1e3
+    kernels = kernel_times(run, "cuda")
     print(
-        f"ring rank {rank} of {world} ({total} tokens): {total_ms:.2f} ms on the device: "
-        + ", ".join(f"{e.key[:40]} x{e.count} {e.self_device_time_total / 1e3:.2f}ms" for e in kernels[:10]),
+        f"ring rank {rank} of {world} ({total} tokens): {sum(ms for _, _, ms in kernels):.2f} ms on the device: "
+        + ", ".join(f"{name[:40]} x{n} {ms:.2f}ms" for name, n, ms in kernels[:10]),
         flush=True,
     )
     yield f"ring rank {rank} of {world} replayed fwd+bwd", run
@@ -122,14 +107,13 @@ def main():
     ap.add_argument(
         "--documents-backward",
         default="default",
-        choices=["default", "fused", "two-pass"],
+        choices=DOCUMENTS_BACKWARDS,
         help="packed documents' backward: as configured, the fused Gluon kernel where it runs, or the two passes",
     )
     ap.add_argument("--calls", type=int, default=100, help="calls per timing and per profile (the ring: a tenth)")
     ap.add_argument("--lines", type=int, default=30, help="cProfile lines per ordering")
     args = ap.parse_args()
-    tables = {"default": configs.GLUON_BWD_DOCUMENTS, "fused": configs.GLUON_BWD, "two-pass": {}}
-    with mock.patch.object(configs, "GLUON_BWD_DOCUMENTS", dict(tables[args.documents_backward])):
+    with documents_backward(args.documents_backward):
         for section in args.sections:
             if section == "local":
                 calls = [(c, args.calls) for c in local_calls(args.seq_lens)]
