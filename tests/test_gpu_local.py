@@ -58,17 +58,18 @@ def test_float32_fits_and_is_exact(D, causal):
     test_forward_backward_vs_float64(torch.float32, causal, (1, 1031, 1031, 4, 2, D))
 
 
+# (causal, window_size, (B, Sq, Sk, Hq, Hkv, D)) of the window tests
+WINDOW_CASES = [
+    (True, (511, 0), (1, 4096, 4096, 4, 2, 128)),
+    (True, (0, 0), (1, 1031, 1031, 2, 1, 64)),
+    (False, (300, 77), (2, 2049, 2049, 4, 4, 128)),
+    (False, (-1, 128), (1, 777, 2048, 4, 1, 64)),
+    (False, (40, 0), (1, 2048, 777, 2, 2, 128)),  # queries before every key's window see nothing
+]
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize(
-    "causal,window_size,case",
-    [
-        (True, (511, 0), (1, 4096, 4096, 4, 2, 128)),
-        (True, (0, 0), (1, 1031, 1031, 2, 1, 64)),
-        (False, (300, 77), (2, 2049, 2049, 4, 4, 128)),
-        (False, (-1, 128), (1, 777, 2048, 4, 1, 64)),
-        (False, (40, 0), (1, 2048, 777, 2, 2, 128)),  # queries before every key's window see nothing
-    ],
-)
+@pytest.mark.parametrize("causal,window_size,case", WINDOW_CASES)
 def test_windows_vs_float64(dtype, causal, window_size, case):
     test_forward_backward_vs_float64(dtype, causal, case, window_size)
 
@@ -119,14 +120,7 @@ def test_fused_backward_vs_float64(dtype, causal, case, monkeypatch):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize(
     "causal,window_size,case",
-    [
-        (True, (511, 0), (1, 4096, 4096, 4, 2, 128)),
-        (True, (0, 0), (1, 1031, 1031, 2, 1, 64)),
-        (False, (300, 77), (2, 2049, 2049, 4, 4, 128)),
-        (False, (-1, 128), (1, 777, 2048, 4, 1, 64)),
-        (False, (40, 0), (1, 2048, 777, 2, 2, 128)),  # queries before every key's window see nothing
-        (False, (130, -1), (1, 1031, 1031, 2, 2, 128)),  # a left reach alone
-    ],
+    [*WINDOW_CASES, (False, (130, -1), (1, 1031, 1031, 2, 2, 128))],  # and a left reach alone
 )
 def test_fused_backward_windows_vs_float64(dtype, causal, window_size, case, monkeypatch):
     """Sliding windows in the fused backward (both edges masked, key blocks visiting only the
@@ -280,18 +274,31 @@ def test_gluon_forward_is_used_and_agrees(causal, window_size, monkeypatch):
     assert not calls
 
 
+# (causal, window_size, extra keys per document) of the packed-documents tests: 37 extra keys
+# give documents whose keys no query sees (37 keys and no query); -40 queries that see no key
+# (bottom-right alignment; documents of 1-40 queries and no key)
+DOCUMENT_CASES = [
+    (True, (-1, -1), 0),
+    (False, (-1, -1), 0),
+    (True, (255, 0), 0),
+    (False, (100, 300), 0),
+    (True, (-1, -1), 37),
+    (True, (-1, -1), -40),
+]
+DOCUMENT_LENGTHS = [1, 0, 700, 3000, 129, 64, 1500, 2, 257, 5, 130]
+
+
+def _documents(len_k_extra):
+    """(query lengths, key lengths, cu_seqlens_q, cu_seqlens_k on the GPU) of DOCUMENT_LENGTHS
+    with len_k_extra keys per document (at least 0)."""
+    len_q = DOCUMENT_LENGTHS
+    len_k = [max(n + len_k_extra, 0) for n in len_q]
+    cu_q, cu_k = (torch.tensor([0, *torch.tensor(x).cumsum(0).tolist()], device="cuda") for x in (len_q, len_k))
+    return len_q, len_k, cu_q, cu_k
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize(
-    "causal,window_size,len_k_extra",
-    [
-        (True, (-1, -1), 0),
-        (False, (-1, -1), 0),
-        (True, (255, 0), 0),
-        (False, (100, 300), 0),
-        (True, (-1, -1), 37),
-        (True, (-1, -1), -40),
-    ],
-)
+@pytest.mark.parametrize("causal,window_size,len_k_extra", DOCUMENT_CASES)
 @pytest.mark.parametrize("D", [128, 64])
 def test_fused_backward_documents_vs_float64(dtype, causal, window_size, len_k_extra, D, monkeypatch):
     """Packed documents (per-row bounds) in the fused backward (configs.GLUON_BWD_DOCUMENTS,
@@ -305,11 +312,7 @@ def test_fused_backward_documents_vs_float64(dtype, causal, window_size, len_k_e
     calls = spy_fused_backward(monkeypatch)
     force_fused_backward(monkeypatch)
     monkeypatch.setattr(configs, "GLUON_BWD_DOCUMENTS", {D: configs.GLUON_BWD[D]})
-    len_q = [1, 0, 700, 3000, 129, 64, 1500, 2, 257, 5, 130]
-    # extra keys: some documents' keys are seen by no query (37 keys and no query); fewer keys:
-    # some queries see none (bottom-right alignment; documents of 1-40 queries and no key)
-    len_k = [max(n + len_k_extra, 0) for n in len_q]
-    cu_q, cu_k = (torch.tensor([0, *torch.tensor(x).cumsum(0).tolist()], device="cuda") for x in (len_q, len_k))
+    len_q, len_k, cu_q, cu_k = _documents(len_k_extra)
     g = torch.Generator(device="cuda").manual_seed(len(len_q) + len_k_extra + D + 40)
     mk = lambda n, H: torch.randn(n, H, D, device="cuda", generator=g, dtype=dtype).requires_grad_()  # noqa: E731
     q, k, v = mk(sum(len_q), 8), mk(sum(len_k), 2), mk(sum(len_k), 2)
@@ -331,17 +334,7 @@ def test_fused_backward_documents_vs_float64(dtype, causal, window_size, len_k_e
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize(
-    "causal,window_size,len_k_extra",
-    [
-        (True, (-1, -1), 0),
-        (False, (-1, -1), 0),
-        (True, (255, 0), 0),
-        (False, (100, 300), 0),
-        (True, (-1, -1), 37),
-        (True, (-1, -1), -40),
-    ],
-)
+@pytest.mark.parametrize("causal,window_size,len_k_extra", DOCUMENT_CASES)
 def test_gluon_forward_documents(dtype, causal, window_size, len_k_extra, monkeypatch):
     """Packed documents (per-row bounds) at D=128 on the Gluon forward (configs.GLUON_FWD_DOCUMENTS,
     forced: these documents are short enough that the built-in rule would take the Triton
@@ -355,9 +348,7 @@ def test_gluon_forward_documents(dtype, causal, window_size, len_k_extra, monkey
     calls = []
     real = gluon_forward.forward
     monkeypatch.setattr(gluon_forward, "forward", lambda *a, **kw: calls.append(1) or real(*a, **kw))
-    len_q = [1, 0, 700, 3000, 129, 64, 1500, 2, 257, 5, 130]
-    len_k = [max(n + len_k_extra, 0) for n in len_q]  # -40: queries that see no key
-    cu_q, cu_k = (torch.tensor([0, *torch.tensor(x).cumsum(0).tolist()], device="cuda") for x in (len_q, len_k))
+    len_q, len_k, cu_q, cu_k = _documents(len_k_extra)
     g = torch.Generator(device="cuda").manual_seed(len(len_q) + len_k_extra + 40)
     mk = lambda n, H: torch.randn(n, H, 128, device="cuda", generator=g, dtype=dtype)  # noqa: E731
     q, k, v, do = mk(sum(len_q), 8), mk(sum(len_k), 2), mk(sum(len_k), 2), mk(sum(len_q), 8)
