@@ -80,34 +80,32 @@ def test_bench_packed_counts_visible_pairs():
     assert causal_pairs([3, 1]) == 6 + 1
 
 
+def _launch_script(name, step, out_dir):
+    """bash launch/<name> <step> with $OUT = out_dir: the finished process (output captured)."""
+    return subprocess.run(
+        ["bash", f"launch/{name}", step],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "OUT": str(out_dir)},
+    )
+
+
 def test_gpu_ring_script_refuses_without_two_gpus(tmp_path):
     import pytest
     import torch
 
     if torch.cuda.device_count() >= 2:
         pytest.skip("on a multi-GPU machine the script is the real thing, run on purpose")
-    res = subprocess.run(
-        ["bash", "launch/gpu_ring.sh", "tests"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env={**os.environ, "OUT": str(tmp_path)},
-    )
+    res = _launch_script("gpu_ring.sh", "tests", tmp_path)
     assert res.returncode == 2 and "needs 2 or more GPUs" in res.stderr, res.stderr
 
 
 def test_gpu_local_script_names_its_steps(tmp_path):
     """launch/gpu_local.sh refuses a step it does not know (status 2), listing the ones it has,
     and runs nothing for it."""
-    res = subprocess.run(
-        ["bash", "launch/gpu_local.sh", "nosuchstep"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env={**os.environ, "OUT": str(tmp_path)},
-    )
+    res = _launch_script("gpu_local.sh", "nosuchstep", tmp_path)
     assert res.returncode == 2, res.stdout + res.stderr
     assert "unknown step nosuchstep (steps: tests tune bench packed replay host)" in res.stdout
     assert not list(tmp_path.iterdir())
