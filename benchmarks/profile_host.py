@@ -13,9 +13,13 @@ torch.profiler: its kernels and how long each kind ran on the device.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
+import functools
+import importlib
 import io
 import pstats
+import time
 
 import numpy as np
 import torch
@@ -35,7 +39,100 @@ def device_us(fn, calls):
     return sum(ms for _, _, ms in kernel_times(fn, "cuda", calls)) * 1e3 / calls
 
 
-def report(name, fn, calls, lines):
+# (module or class path, attribute): the layers of a local call, outermost first
+SPLIT_TARGETS = (
+    ("ringflash.ops", "flash"),
+    ("ringflash.ops", "_flash_mask"),
+    ("ringflash._checks", "cu_values"),
+    ("ringflash.ops", "packed_bounds"),
+    ("torch.autograd", "backward"),
+    ("ringflash.local._FlashAttn", "forward"),
+    ("ringflash.local._FlashAttn", "backward"),
+    ("ringflash.local", "backward_inputs"),
+    ("ringflash.local", "block_forward"),
+    ("ringflash.local", "block_backward"),
+    ("ringflash.kernels", "forward"),
+    ("ringflash.kernels", "backward"),
+    ("ringflash.kernels", "delta"),
+    ("ringflash.kernels", "fuses_backward"),
+    ("ringflash.kernels.gluon_forward", "forward"),
+    ("ringflash.kernels.gluon_forward", "check_supported"),
+    ("ringflash.kernels.gluon_forward", "launch_plan"),
+    ("ringflash.kernels.gluon_backward", "backward"),
+    ("ringflash.kernels.gluon_backward", "check_supported"),
+    ("ringflash.kernels.gluon_backward", "row_stats"),
+    ("ringflash.kernels.gluon_backward", "dq_buffer"),
+    ("ringflash.kernels.gluon_backward", "launch_plan"),
+    ("triton.runtime.jit.JITFunction", "run"),
+    ("triton.backends.nvidia.driver.CudaLauncher", "__call__"),
+)
+
+
+def _owner(path):
+    """The module or class a dotted path names."""
+    parts = path.split(".")
+    for cut in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:cut]))
+        except ImportError:
+            continue
+        for name in parts[cut:]:
+            obj = getattr(obj, name)
+        return obj
+    raise ImportError(path)
+
+
+@contextlib.contextmanager
+def inclusive_timers(targets=SPLIT_TARGETS):
+    """Wrap each (owner path, attribute) in a wall-clock timer; yields {label: [calls, seconds]}
+    (inclusive: a layer's time holds the layers it calls). The originals are restored after."""
+    totals, restore = {}, []
+    for path, attr in targets:
+        owner = _owner(path)
+        raw = owner.__dict__.get(attr) if isinstance(owner, type) else getattr(owner, attr)
+        if raw is None:
+            continue
+        fn = raw.__func__ if isinstance(raw, staticmethod) else raw
+        label = f"{path.rsplit('.', 1)[-1]}.{attr}"
+        slot = totals.setdefault(label, [0, 0.0])
+
+        def timed(*args, _fn=fn, _slot=slot, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return _fn(*args, **kwargs)
+            finally:
+                _slot[0] += 1
+                _slot[1] += time.perf_counter() - t0
+
+        functools.update_wrapper(timed, fn)
+        setattr(owner, attr, staticmethod(timed) if isinstance(raw, staticmethod) else timed)
+        restore.append((owner, attr, raw))
+    try:
+        yield totals
+    finally:
+        for owner, attr, raw in reversed(restore):
+            setattr(owner, attr, raw)
+
+
+def split(name, fn, calls):
+    """Inclusive microseconds per call of each layer SPLIT_TARGETS names, beside the call's
+    wall time (measured without the timers)."""
+    wall = per_call_us(fn, calls)
+    with inclusive_timers() as totals:
+        fn()  # warm the wrapped path
+        for slot in totals.values():
+            slot[:] = [0, 0.0]
+        timed_wall = per_call_us(fn, calls)  # its warmup calls count too: divide by what ran
+        runs = calls + 3
+    print(f"{name}: {wall:.1f} us per call ({timed_wall:.1f} with the timers)", flush=True)
+    for label, (n, seconds) in totals.items():
+        if n:
+            print(f"    {label:40s} {n / runs:5.2f} calls {seconds / runs * 1e6:8.1f} us", flush=True)
+
+
+def report(name, fn, calls, lines, split_only=False):
+    if split_only:
+        return split(name, fn, calls)
     print(
         f"{name}: {per_call_us(fn, calls):.1f} us per call, {device_us(fn, calls):.1f} us of it on the device",
         flush=True,
@@ -97,9 +194,60 @@ def ring_rank(total, world, rank):
     yield f"ring rank {rank} of {world} replayed fwd+bwd", run
 
 
+def launch_layers(S=128):
+    """The Gluon forward's launch taken apart at S tokens (B=1, H=32, D=128, causal, bf16): the
+    public call, the launcher with its checks, Triton's JIT dispatch of a precomputed launch,
+    its argument binder alone, the compiled kernel's own launcher (TMA descriptors encoded
+    there), and floors: one torch op, an empty Triton kernel, SDPA's flash forward."""
+    import triton
+    from triton.runtime.driver import driver
+
+    from ringflash.kernels import gluon_forward
+    from ringflash.merge import SoftmaxState
+
+    @triton.jit
+    def _noop(x):
+        pass
+
+    q, k, v = (torch.randn(1, S, 32, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    state = SoftmaxState.empty(torch.empty_like(q))
+    plan = dict(q_start=0, k_start=0, scale=128**-0.5, out_o=state.o, out_m=state.m, out_l=state.l,
+                normalize=True, fold=False, causal=True)  # fmt: skip
+    cfg = gluon_forward._resolve(128, None)
+    kernel, grid, args, kwargs = gluon_forward.launch_plan(q, k, v, cfg=cfg, **plan)
+    compiled = kernel[grid](*args, **kwargs)
+    device = driver.active.get_current_device()
+    binder = kernel.device_caches[device][-1]
+    bound = tuple(binder(*args, **kwargs)[0].values())
+    stream = driver.active.get_current_stream(device)
+    g = (*grid, 1)[:3]
+
+    def direct():
+        compiled.run(*g, stream, compiled.function, compiled.packed_metadata, None, None, None, *bound)
+
+    with torch.no_grad():
+        yield "flash_attn_func fwd", lambda: ringflash.flash_attn_func(q, k, v, causal=True)
+        yield "gluon_forward.forward", lambda: gluon_forward.forward(q, k, v, config=cfg, **plan)
+        yield "launch_plan alone", lambda: gluon_forward.launch_plan(q, k, v, cfg=cfg, **plan)
+        yield "kernel[grid] (JIT dispatch)", lambda: kernel[grid](*args, **kwargs)
+        yield "binder alone", lambda: binder(*args, **kwargs)
+        yield "compiled.run (launcher)", direct
+        yield "one torch op (q.add(1))", lambda: q.add(1)
+        yield "empty Triton kernel[grid]", lambda: _noop[(1,)](q)
+        qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
+
+        def sdpa():
+            with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.FLASH_ATTENTION):
+                return torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=True)
+
+        yield "sdpa flash fwd", sdpa
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--sections", nargs="+", default=["local", "packed", "ring"], choices=["local", "packed", "ring"])
+    ap.add_argument(
+        "--sections", nargs="+", default=["local", "packed", "ring"], choices=["local", "packed", "ring", "launch"]
+    )
     ap.add_argument("--seq-lens", type=int, nargs="+", default=[1024, 4096])
     ap.add_argument("--ring-total", type=int, default=131072)
     ap.add_argument("--ring-world", type=int, default=4)
@@ -112,9 +260,14 @@ def main():
     )
     ap.add_argument("--calls", type=int, default=100, help="calls per timing and per profile (the ring: a tenth)")
     ap.add_argument("--lines", type=int, default=30, help="cProfile lines per ordering")
+    ap.add_argument("--split", action="store_true", help="inclusive timers per layer instead of cProfile")
     args = ap.parse_args()
     with documents_backward(args.documents_backward):
         for section in args.sections:
+            if section == "launch":
+                for name, fn in launch_layers():
+                    print(f"{name:32s} {per_call_us(fn, args.calls):8.1f} us per call", flush=True)
+                continue
             if section == "local":
                 calls = [(c, args.calls) for c in local_calls(args.seq_lens)]
             elif section == "packed":
@@ -124,7 +277,7 @@ def main():
                     (c, max(args.calls // 10, 1)) for c in ring_rank(args.ring_total, args.ring_world, args.ring_rank)
                 ]
             for (name, fn), n in calls:
-                report(name, fn, n, args.lines)
+                report(name, fn, n, args.lines, args.split)
 
 
 if __name__ == "__main__":
