@@ -157,6 +157,40 @@ def test_bad_varlen_input():
         flash_attn_varlen_func(q[None], q, q, cu, cu)
 
 
+def test_boundaries_read_once_per_tensor_version(monkeypatch):
+    """cu_seqlens on a GPU are read to the host (a wait for the device) once per tensor and
+    version: the layers of a model over one batch reuse the read; a tensor changed in place,
+    or a new one, is read again; a dead tensor's entry never answers for another."""
+    from ringflash import _checks
+
+    reads = []
+    real_read = _checks._read_values
+    monkeypatch.setattr(_checks, "_remembers_values", lambda cu: True)  # as for GPU tensors
+    monkeypatch.setattr(_checks, "_READ_VALUES", {})
+    monkeypatch.setattr(_checks, "_read_values", lambda *a: reads.append(1) or real_read(*a))
+    q, k, v, _ = _packed([5, 3], [5, 3], 2, 1, 16, torch.float32, 0)
+    cu = _cu([5, 3])
+    want = flash_attn_varlen_func(q, k, v, cu, cu, causal=True)
+    for _ in range(3):
+        assert torch.equal(flash_attn_varlen_func(q, k, v, cu, cu, causal=True), want)
+    assert len(reads) == 1
+    cu[1] = 4  # in place: a new version, read again (and checked again)
+    other = flash_attn_varlen_func(q, k, v, cu, cu, causal=True)
+    assert len(reads) == 2 and not torch.equal(other, want)
+    cu[2] = 9
+    with pytest.raises(ValueError, match="must end at the total length 8"):
+        flash_attn_varlen_func(q, k, v, cu, cu, causal=True)
+    fresh = _cu([5, 3])  # equal values, another tensor: read
+    assert torch.equal(flash_attn_varlen_func(q, k, v, fresh, fresh, causal=True), want)
+    assert len(reads) == 4
+    with torch.inference_mode():  # tensors without a version counter are read every call
+        cu_inf = _cu([5, 3])
+        for _ in range(2):
+            flash_attn_varlen_func(q, k, v, cu_inf, cu_inf, causal=True)
+    assert len(reads) == 6
+    assert len(_checks._READ_VALUES) <= _checks._READ_VALUES_KEPT
+
+
 def test_empty_rows_have_zero_gradients():
     """Causal documents with more queries than keys: the first queries see nothing; their
     outputs and gradients are 0 (never NaN)."""
