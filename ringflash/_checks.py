@@ -168,6 +168,9 @@ def _remembers_values(cu) -> bool:
 
 
 def _read_values(cu_q, cu_k) -> tuple[tuple, tuple]:
+    if cu_q is cu_k:
+        values = tuple(cu_q.tolist())
+        return values, values
     both = torch.cat([cu_q.long(), cu_k.long()]).tolist()
     return tuple(both[: cu_q.numel()]), tuple(both[cu_q.numel() :])
 

@@ -311,7 +311,9 @@ def flash_attn_varlen_func(
     causal documents), not total_q x total_k. dropout_p, generator: as flash_attn_func's, query
     and key indices being rows of the packed q and k. deterministic: as flash_attn_func's (packed
     documents take the fused backward too: D = Dv = 64 or 128, 16-bit, no dropout, on Hopper,
-    calls of enough work: kernels.fuses_backward).
+    calls of enough work: kernels.fuses_backward). cu_seqlens on a GPU are read to the host
+    once per tensor and version (_checks.cu_values): pass a new tensor for new boundaries
+    written outside torch (DLPack, raw pointers), which the version counter cannot see.
     """
     api = "flash_attn_varlen_func"
     for name, t in (("q", q), ("k", k), ("v", v)):

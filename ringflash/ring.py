@@ -19,6 +19,7 @@ from ._checks import (
     SUPPORTED_DTYPES,
     check_bool,
     check_qkv,
+    cu_values,
     key_bias_from_mask,
     resolve_deterministic,
     resolve_grad_accum,
@@ -509,7 +510,8 @@ def check_packed_call(
     if layout.world != world:
         raise ValueError(f"{api}: the layout was built for {layout.world} ranks, the group has {world}")
     if not (torch.compiler.is_compiling() and isinstance(cu_seqlens, torch.Tensor)):
-        cu = cu_seqlens.tolist() if isinstance(cu_seqlens, torch.Tensor) else list(cu_seqlens)
+        # a tensor: read once per tensor and version (the layers over one batch wait once)
+        cu = cu_values(cu_seqlens, cu_seqlens)[0] if isinstance(cu_seqlens, torch.Tensor) else list(cu_seqlens)
         if tuple(cu) != layout.cu_seqlens:
             raise ValueError(f"{api}: cu_seqlens {cu[:6]}... is not the one the layout was built from")
     u, U = head_pieces
