@@ -192,10 +192,13 @@ def without_autocast(method):
 
     @functools.wraps(method)
     def wrapper(ctx, *args):
-        tensors = [a for a in args if isinstance(a, torch.Tensor)]
-        if not tensors:  # a backward that received no gradient tensor
-            tensors = list(ctx.saved_tensors)
-        with torch.autocast(tensors[0].device.type, enabled=False):
+        tensor = next((a for a in args if isinstance(a, torch.Tensor)), None)
+        if tensor is None:  # a backward that received no gradient tensor
+            tensor = ctx.saved_tensors[0]
+        device_type = tensor.device.type
+        if not torch.is_autocast_enabled(device_type):  # entering the context costs host time
+            return method(ctx, *args)
+        with torch.autocast(device_type, enabled=False):
             return method(ctx, *args)
 
     return wrapper
@@ -215,7 +218,9 @@ def backward_inputs(out, do, dlse, backend=None):
 class _FlashAttn(torch.autograd.Function):
     @staticmethod
     @without_autocast
-    def forward(ctx, q, k, v, key_bias, mask: BlockMask, scale, dropout=None, deterministic=False):
+    def forward(ctx, q, k, v, key_bias, mask: BlockMask, scale, dropout=None, deterministic=False, want_lse=True):
+        """(out, lse); lse None when not want_lse (its three small ops are host time a short call
+        feels)."""
         backend = backend_for(q.device)
         state = SoftmaxState.empty(q.new_empty(*q.shape[:3], v.shape[3]))  # out: (B, Sq, Hq, Dv)
         block_forward(q, k, v, state, mask, scale=scale, fold=False, normalize=True, key_bias=key_bias,
@@ -224,7 +229,7 @@ class _FlashAttn(torch.autograd.Function):
         ctx.mask, ctx.scale, ctx.backend, ctx.dropout = mask, scale, backend, dropout
         ctx.deterministic = deterministic
         ctx.set_materialize_grads(False)
-        return state.o, state.lse()
+        return state.o, state.lse() if want_lse else None
 
     @staticmethod
     @without_autocast
@@ -235,7 +240,7 @@ class _FlashAttn(torch.autograd.Function):
         block_backward(q, k, v, m, l, do, delta, dq, dk, dv, ctx.mask, scale=ctx.scale, accumulate=False,
                        key_bias=key_bias, backend=ctx.backend, dropout=ctx.dropout,
                        deterministic=ctx.deterministic)  # fmt: skip
-        return dq, dk, dv, None, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None, None
 
 
 def flash_attn_func(
@@ -286,7 +291,7 @@ def flash_attn_func(
     q_start, k_start = local_offsets(dims.seqlen_q, dims.seqlen_k)
     out, lse = ops.flash(
         q, k, v, key_bias, None, None, q_start, k_start, *ops.window_args(window), scale,
-        *operator_dropout(dropout_p, generator), _op_backend(q), deterministic, -1, -1,
+        *operator_dropout(dropout_p, generator), _op_backend(q), deterministic, -1, -1, want_lse=return_lse,
     )  # fmt: skip
     out = all_dropped(out, dropout_p)
     return (out, lse) if return_lse else out
@@ -346,7 +351,7 @@ def flash_attn_varlen_func(
     # kernel: inside the operator when traced, where they are known under torch.compile too
     out, lse = ops.flash(
         q[None], k[None], v[None], None, cu_seqlens_q, cu_seqlens_k, 0, 0, *ops.window_args(window), scale,
-        *operator_dropout(dropout_p, generator), _op_backend(q), deterministic, *hints,
+        *operator_dropout(dropout_p, generator), _op_backend(q), deterministic, *hints, want_lse=return_lse,
     )  # fmt: skip
     out = all_dropped(out, dropout_p)
     return (out[0], lse[0]) if return_lse else out[0]

@@ -145,12 +145,12 @@ def _flash_mask(q, k, cu_q, cu_k, q_start, k_start, left, right, max_q, max_k) -
 
 def flash(
     q, k, v, key_bias, cu_q, cu_k, q_start, k_start, left, right, scale, dropout_p, seed, backend, deterministic, max_q,
-    max_k,
+    max_k, *, want_lse=True,
 ):  # fmt: skip
     """(out, lse) of flash_fwd (same arguments), for the public functions. Traced by
     torch.compile: the operator. Eager: the same forward and backward (local._FlashAttn)
     without the operator's dispatch, whose host time per call matters at short sequences
-    (benchmarks.host_overhead)."""
+    (benchmarks.host_overhead); there lse is None unless want_lse."""
     if torch.compiler.is_compiling():
         out, lse, _, _ = flash_fwd(
             q, k, v, key_bias, cu_q, cu_k, q_start, k_start, left, right, scale, dropout_p, seed, backend,
@@ -159,7 +159,9 @@ def flash(
         return out, lse
     mask = _flash_mask(q, k, cu_q, cu_k, q_start, k_start, left, right, max_q, max_k)
     with local.use_backend(_backend(backend, q.device)):
-        return local._FlashAttn.apply(q, k, v, key_bias, mask, scale, _dropout(dropout_p, seed), deterministic)
+        return local._FlashAttn.apply(
+            q, k, v, key_bias, mask, scale, _dropout(dropout_p, seed), deterministic, want_lse
+        )
 
 
 @flash_fwd.register_fake

@@ -313,6 +313,27 @@ def test_gluon_forward_choice(monkeypatch):
             assert d in gluon_forward.VARIANTS[name]
 
 
+def test_lse_computed_only_when_returned(monkeypatch):
+    """An eager call computes lse (three small ops of host time) only with return_lse=True; the
+    output and its gradients do not depend on it."""
+    from ringflash import local
+    from ringflash.merge import SoftmaxState
+
+    calls = []
+    real = SoftmaxState.lse
+    monkeypatch.setattr(SoftmaxState, "lse", lambda self: calls.append(1) or real(self))
+    q, k, v = (torch.randn(1, 16, 2, 8, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    out = flash_attn_func(q, k, v, causal=True)
+    assert calls == []
+    out2, lse = flash_attn_func(q, k, v, causal=True, return_lse=True)
+    assert calls == [1] and torch.equal(out, out2)
+    grads = torch.autograd.grad(out.sum(), (q, k, v))
+    grads2 = torch.autograd.grad(out2.sum() + 0 * lse.sum(), (q, k, v))
+    assert all(torch.equal(a, b) for a, b in zip(grads, grads2))
+    packed = local.flash_attn_varlen_func(q[0], k[0], v[0], *(torch.tensor([0, 9, 16]),) * 2, causal=True)
+    assert calls == [1] and packed.shape == (16, 2, 8)
+
+
 @pytest.mark.parametrize("Sq", [64, 100, 1])
 def test_gluon_backward_row_stats(Sq):
     """The fused backward's packed row statistics (built by torch ops, on any device): per
