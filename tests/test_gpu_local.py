@@ -394,3 +394,36 @@ def test_dropout_vs_float64_with_the_same_mask(dtype, causal):
         assert_within("out", out, ref, plain)
         for name, got, r, pl in zip(("dq", "dk", "dv"), grads, ref_grads, plain_grads):
             assert_within(name, got, r, pl)
+
+
+@pytest.mark.parametrize("D", [64, 128, 96])  # Gluon forward + fused backward; Triton kernels (96)
+def test_fast_launch_path_matches_triton_dispatch(D, monkeypatch):
+    """launch() calls a compiled kernel directly once Triton's dispatch has found it: the
+    launches it takes over give bitwise the outputs and (deterministic) gradients of Triton's
+    own dispatch, also for arguments of another alignment (a view one row in)."""
+    from ringflash.kernels import launcher
+
+    g = torch.Generator(device="cuda").manual_seed(D)
+    base = torch.randn(3, 1, 1025, 4, D, device="cuda", generator=g, dtype=torch.bfloat16)
+
+    def run():
+        results = []
+        for rows in (slice(0, 1024), slice(1, 1025)):  # the second: another data_ptr alignment
+            for deterministic in (True, False):  # False: the fused backward where it runs
+                q, k, v = (t[:, rows].detach().requires_grad_() for t in base)
+                out = flash_attn_func(q, k, v, causal=True, deterministic=deterministic)
+                dq, dk, dv = torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
+                # the fused dQ is summed by atomics in a varying order: not compared bitwise
+                results += [out, dq, dk, dv] if deterministic else [out, dk, dv]
+        return results
+
+    force_fused_backward(monkeypatch)  # D = 64 / 128: the fused Gluon backward and its stats kernel
+    real = launcher.fast_path_applies
+    monkeypatch.setattr(launcher, "fast_path_applies", lambda kernel: False)
+    want = run()
+    monkeypatch.setattr(launcher, "fast_path_applies", real)
+    monkeypatch.setattr(launcher, "_COMPILED", {})
+    first, second = run(), run()  # the first fills the cache, the second launches from it
+    assert launcher._COMPILED, "no launch went through the fast path"
+    for a, b, c in zip(want, first, second):
+        assert torch.equal(a, b) and torch.equal(a, c)

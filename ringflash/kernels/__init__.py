@@ -16,6 +16,7 @@ from ..merge import LOG2E
 from . import configs
 from .backward import _delta_kernel, _dkdv_kernel, _dq_kernel
 from .forward import _fwd_kernel
+from .launcher import launch
 from .tiles import MASK_NONE, MASK_ROWS, MASK_WINDOW, UNBOUNDED
 
 
@@ -126,7 +127,8 @@ def forward(q, k, v, state, *, q_start, k_start, window, bounds, scale, fold, no
     mask, left, right, left_k, _, (k_lo, k_hi), _ = _mask_args(window, bounds, q)
     use_tma, (k_arg, v_arg) = _maybe_descriptors(cfg, (k, v), cfg.block_n, (block_d, block_dv))
     with _on_device(q):
-        _fwd_kernel[grid](
+        launch(
+            _fwd_kernel, grid,
             q, k_arg, v_arg, state.o, state.m, state.l, bias, k_lo, k_hi,
             *_bsh(q), *_bsh(k), *_bsh(v), *_bsh(state.o), *_stat_strides(state.m, state.l), stride_bias_b,
             Hq, Sq, Sk, q_start, k_start, left, right, scale * LOG2E, *drop_args,
@@ -164,7 +166,8 @@ def delta(o, do):
     out = torch.empty(B, H, S, dtype=torch.float32, device=o.device)
     block_m = 32 if configs.INTERPRETING else 128
     with _on_device(o):
-        _delta_kernel[(triton.cdiv(S, block_m), B * H)](
+        launch(
+            _delta_kernel, (triton.cdiv(S, block_m), B * H),
             o, do, out, *_bsh(o), *_bsh(do), out.stride(0), out.stride(1), H, S,
             HEAD_DIM=D, BLOCK_D=_block_d(D), BLOCK_M=block_m,
         )
@@ -278,7 +281,8 @@ def backward(q, k, v, m, l, do, delta, dq, dk, dv, *, q_start, k_start, window, 
             m_arg, l_arg = (combined_stats(m, l),) * 2 if combined else (m, l)
             assert _stat_strides(m_arg) == stat_strides
             tma, (q_arg, do_arg) = _maybe_descriptors(cfg, (q, do), cfg.block_m, (block_d, block_dv))
-            _dkdv_kernel[(triton.cdiv(Sk, cfg.block_n), B * Hkv)](
+            launch(
+                _dkdv_kernel, (triton.cdiv(Sk, cfg.block_n), B * Hkv),
                 q_arg, k, v, do_arg, m_arg, l_arg, delta, dk, dv, bias, q_lo, q_hi,
                 *_bsh(q), *_bsh(k), *_bsh(v), *_bsh(do), *_bsh(dk), *_bsh(dv),
                 *stat_strides, stride_bias_b, Hkv, *positions,
@@ -288,7 +292,8 @@ def backward(q, k, v, m, l, do, delta, dq, dk, dv, *, q_start, k_start, window, 
         if dq is not None:
             cfg = configs.dq_config(config_d, float32=q.dtype == torch.float32)
             tma, (k_arg, v_arg) = _maybe_descriptors(cfg, (k, v), cfg.block_n, (block_d, block_dv))
-            _dq_kernel[(triton.cdiv(Sq, cfg.block_m), B * Hq)](
+            launch(
+                _dq_kernel, (triton.cdiv(Sq, cfg.block_m), B * Hq),
                 q, k_arg, v_arg, do, m, l, delta, dq, bias, k_lo, k_hi,
                 *_bsh(q), *_bsh(k), *_bsh(v), *_bsh(do), *_bsh(dq),
                 *stat_strides, stride_bias_b, Hq, *positions,

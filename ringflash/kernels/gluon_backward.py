@@ -32,9 +32,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import triton
+import triton.language as tl
 
 from .gluon_forward import HOPPER_SHARED_BYTES, LOG2E, compile_plan, compiled_report, device_capability, timed_compile
 from .gluon_forward import report_problems as forward_report_problems
+from .launcher import launch
 
 try:  # Gluon exists from triton 3.6 on; the rest of the package must not depend on it
     from triton.experimental.gluon import language as _gl
@@ -216,10 +219,63 @@ def padded_rows(Sq: int, cfg: GluonBwdConfig) -> int:
     return -(-Sq // cfg.block_m) * cfg.block_m
 
 
+@triton.jit
+def _row_stats_kernel(
+    M, L, DELTA, STATS, DQ32,
+    stride_mb, stride_mh, stride_lb, stride_lh, stride_db, stride_dh,
+    H, S, SP,
+    HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, ZERO_DQ: tl.constexpr,
+):  # fmt: skip
+    """row_stats in one launch: STATS (B, H, 2, SP) float32 seen flat, [b, h, 0, r] =
+    M + log2(L) (+inf where L = 0 or r >= S) and [b, h, 1, r] = DELTA (0 for r >= S), of
+    M, L, DELTA (B, H, S) float32 with unit row strides; one program per BLOCK rows of a
+    (batch, head). ZERO_DQ: also zero those rows of DQ32 (B, H, SP, HEAD_DIM) float32."""
+    bh = tl.program_id(1)
+    b = (bh // H).to(tl.int64)
+    h = (bh % H).to(tl.int64)
+    rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    inside = rows < S
+    m = tl.load(M + b * stride_mb + h * stride_mh + rows, mask=inside, other=0.0)
+    l = tl.load(L + b * stride_lb + h * stride_lh + rows, mask=inside, other=0.0)
+    delta = tl.load(DELTA + b * stride_db + h * stride_dh + rows, mask=inside, other=0.0)
+    seen = l > 0.0
+    offset = tl.where(seen, m + tl.log2(tl.where(seen, l, 1.0)), float("inf"))
+    out = STATS + bh.to(tl.int64) * 2 * SP + rows
+    tl.store(out, offset)
+    tl.store(out + SP, delta)
+    if ZERO_DQ:
+        cols = tl.arange(0, HEAD_DIM)
+        dq_rows = bh.to(tl.int64) * SP + rows
+        tl.store(DQ32 + dq_rows[:, None] * HEAD_DIM + cols[None, :], tl.zeros((BLOCK, HEAD_DIM), tl.float32))
+
+
+def launch_row_stats(m, l, delta, cfg: GluonBwdConfig, dq32: torch.Tensor | None = None) -> torch.Tensor:
+    """row_stats as one Triton launch (on a GPU, or under the interpreter) instead of five small
+    torch ops, whose host time a short call feels; dq32: a blocked float32 dQ buffer
+    (B, Hq, Sq_pad, D), contiguous, to zero in the same launch (None: none)."""
+    B, Hq, Sq = m.shape
+    Sp = padded_rows(Sq, cfg)
+    stats = torch.empty(B * Hq * 2 * Sp, dtype=torch.float32, device=m.device)
+    D = 16 if dq32 is None else dq32.shape[-1]
+    launch(
+        _row_stats_kernel, (Sp // cfg.block_m, B * Hq),
+        m, l, delta, stats, stats if dq32 is None else dq32,
+        m.stride(0), m.stride(1), l.stride(0), l.stride(1), delta.stride(0), delta.stride(1),
+        Hq, Sq, Sp, HEAD_DIM=D, BLOCK=cfg.block_m, ZERO_DQ=dq32 is not None,
+    )  # fmt: skip
+    return stats
+
+
+def _one_launch_stats(m, l, delta) -> bool:
+    """Whether prepare builds the row statistics with launch_row_stats: on a GPU, rows of unit stride."""
+    return m.is_cuda and m.stride(-1) == 1 and l.stride(-1) == 1 and delta.stride(-1) == 1
+
+
 def row_stats(m, l, delta, cfg: GluonBwdConfig) -> torch.Tensor:
     """The kernel's per-row statistics: (B, Hq, 2, Sq_pad) float32 seen flat, rows (offset, delta) per
     (batch, head), offset = m + log2(l) (+inf where l = 0: those rows' probabilities are 0),
-    padded past Sq with (+inf, 0), the padding rows' exact values."""
+    padded past Sq with (+inf, 0), the padding rows' exact values (torch ops, any device;
+    launch_row_stats is the same in one launch)."""
     B, Hq, Sq = m.shape
     Sp = padded_rows(Sq, cfg)
     st = torch.empty(B, Hq, 2, Sp, dtype=torch.float32, device=m.device)
@@ -257,8 +313,9 @@ def _natural_blocks(dq: torch.Tensor, n: int) -> torch.Tensor:
     return dq[:, : 64 * n].unflatten(1, (n, 4, 2, 8)).unflatten(-1, (2, dq.shape[-1] // 16, 4, 2))
 
 
-def dq_buffer(dq: torch.Tensor, *, scale: float, accumulate: bool, cfg: GluonBwdConfig):
-    """(dq32, finish) of a launch: dq32 the float32 buffer the kernel adds dQ to (zeroed as needed),
+def dq_buffer(dq: torch.Tensor, *, scale: float, accumulate: bool, cfg: GluonBwdConfig, zero_blocked: bool = True):
+    """(dq32, finish) of a launch: dq32 the float32 buffer the kernel adds dQ to (zeroed as needed;
+    the blocked scratch left unzeroed with zero_blocked=False: launch_row_stats zeroes it),
     finish() None or what turns it into dq afterwards:
     - row-major (B, Sq, Hq, D), the kernel's dQ scaled: a float32 dq itself (zeroed unless
       accumulating, then no finish), else a zeroed scratch, cast into dq (or added);
@@ -267,7 +324,9 @@ def dq_buffer(dq: torch.Tensor, *, scale: float, accumulate: bool, cfg: GluonBwd
       last block of Sq % 64 rows)."""
     B, Sq, Hq, D = dq.shape
     if cfg.dq_blocked:
-        acc = torch.zeros(B, Hq, padded_rows(Sq, cfg), D, dtype=torch.float32, device=dq.device)
+        acc = (torch.zeros if zero_blocked else torch.empty)(
+            B, Hq, padded_rows(Sq, cfg), D, dtype=torch.float32, device=dq.device
+        )
 
         def finish():
             nat = dq_natural_view(acc)
@@ -445,7 +504,7 @@ class Prepared:
 
     def launch(self):
         with torch.cuda.device(self.dq32.device):
-            self.kernel[self.grid](*self.args, **self.kwargs)
+            launch(self.kernel, self.grid, *self.args, **self.kwargs)
 
     def __call__(self):
         self.launch()
@@ -468,8 +527,13 @@ def prepare(
                 t.zero_()
         return None
     # allocations name their device; Prepared.launch runs on q's
-    dq32, finish = dq_buffer(dq, scale=scale, accumulate=accumulate, cfg=cfg)
-    stats = row_stats(m, l, delta, cfg)
+    if _one_launch_stats(m, l, delta):
+        blocked = cfg.dq_blocked
+        dq32, finish = dq_buffer(dq, scale=scale, accumulate=accumulate, cfg=cfg, zero_blocked=not blocked)
+        stats = launch_row_stats(m, l, delta, cfg, dq32 if blocked else None)
+    else:
+        dq32, finish = dq_buffer(dq, scale=scale, accumulate=accumulate, cfg=cfg)
+        stats = row_stats(m, l, delta, cfg)
     kernel, grid, args, kwargs = launch_plan(
         q,
         k,

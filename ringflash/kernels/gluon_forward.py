@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 
 from ..masks import CAUSAL
+from .launcher import launch
 
 try:  # Gluon exists from triton 3.6 on; the rest of the package must not depend on it
     from triton.experimental.gluon import language as _gl
@@ -244,7 +245,7 @@ def forward(
         cfg=cfg,
     )
     with torch.cuda.device(q.device):
-        kernel[grid](*args, **kwargs)
+        launch(kernel, grid, *args, **kwargs)
 
 
 def _resolve(head_dim: int, config) -> GluonConfig:
