@@ -6,7 +6,6 @@ Kernels never import distributed code.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 
 import torch
@@ -16,7 +15,7 @@ from ..merge import LOG2E
 from . import configs
 from .backward import _delta_kernel, _dkdv_kernel, _dq_kernel
 from .forward import _fwd_kernel
-from .launcher import launch
+from .launcher import launch, on_device
 from .tiles import MASK_NONE, MASK_ROWS, MASK_WINDOW, UNBOUNDED
 
 
@@ -37,10 +36,6 @@ def _config_d(block_d: int, block_dv: int) -> int:
 def _precision(dtype: torch.dtype) -> str:
     # float32 inputs get true float32 products (torch's own float32 matmul does not use tf32)
     return "ieee" if dtype == torch.float32 else "tf32"
-
-
-def _on_device(t: torch.Tensor):
-    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
 
 
 def _check_dtype(q: torch.Tensor) -> None:
@@ -126,7 +121,7 @@ def forward(q, k, v, state, *, q_start, k_start, window, bounds, scale, fold, no
     bias, stride_bias_b, has_bias = _bias_args(key_bias, q)
     mask, left, right, left_k, _, (k_lo, k_hi), _ = _mask_args(window, bounds, q)
     use_tma, (k_arg, v_arg) = _maybe_descriptors(cfg, (k, v), cfg.block_n, (block_d, block_dv))
-    with _on_device(q):
+    with on_device(q):
         launch(
             _fwd_kernel, grid,
             q, k_arg, v_arg, state.o, state.m, state.l, bias, k_lo, k_hi,
@@ -165,7 +160,7 @@ def delta(o, do):
     B, S, H, D = o.shape
     out = torch.empty(B, H, S, dtype=torch.float32, device=o.device)
     block_m = 32 if configs.INTERPRETING else 128
-    with _on_device(o):
+    with on_device(o):
         launch(
             _delta_kernel, (triton.cdiv(S, block_m), B * H),
             o, do, out, *_bsh(o), *_bsh(do), out.stride(0), out.stride(1), H, S,
@@ -274,7 +269,7 @@ def backward(q, k, v, m, l, do, delta, dq, dk, dv, *, q_start, k_start, window, 
                   SCALE_SIGN=_scale_sign(scale), DROPOUT=has_dropout)
     positions = (Sq, Sk, q_start, k_start, left, right, scale * LOG2E, scale, *drop_args)
     stat_strides = _stat_strides(m, l, delta)
-    with _on_device(q):
+    with on_device(q):
         if dk is not None:
             cfg = configs.dkdv_config(config_d, float32=q.dtype == torch.float32)
             combined = cfg.combined_stats and q.dtype != torch.float32

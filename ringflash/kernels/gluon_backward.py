@@ -37,7 +37,7 @@ import triton.language as tl
 
 from .gluon_forward import HOPPER_SHARED_BYTES, LOG2E, compile_plan, compiled_report, device_capability, timed_compile
 from .gluon_forward import report_problems as forward_report_problems
-from .launcher import launch
+from .launcher import launch, on_device
 
 try:  # Gluon exists from triton 3.6 on; the rest of the package must not depend on it
     from triton.experimental.gluon import language as _gl
@@ -257,12 +257,13 @@ def launch_row_stats(m, l, delta, cfg: GluonBwdConfig, dq32: torch.Tensor | None
     Sp = padded_rows(Sq, cfg)
     stats = torch.empty(B * Hq * 2 * Sp, dtype=torch.float32, device=m.device)
     D = 16 if dq32 is None else dq32.shape[-1]
-    launch(
-        _row_stats_kernel, (Sp // cfg.block_m, B * Hq),
-        m, l, delta, stats, stats if dq32 is None else dq32,
-        m.stride(0), m.stride(1), l.stride(0), l.stride(1), delta.stride(0), delta.stride(1),
-        Hq, Sq, Sp, HEAD_DIM=D, BLOCK=cfg.block_m, ZERO_DQ=dq32 is not None,
-    )  # fmt: skip
+    with on_device(m):
+        launch(
+            _row_stats_kernel, (Sp // cfg.block_m, B * Hq),
+            m, l, delta, stats, stats if dq32 is None else dq32,
+            m.stride(0), m.stride(1), l.stride(0), l.stride(1), delta.stride(0), delta.stride(1),
+            Hq, Sq, Sp, HEAD_DIM=D, BLOCK=cfg.block_m, ZERO_DQ=dq32 is not None,
+        )  # fmt: skip
     return stats
 
 
@@ -503,7 +504,7 @@ class Prepared:
     finish: object = None
 
     def launch(self):
-        with torch.cuda.device(self.dq32.device):
+        with on_device(self.dq32):
             launch(self.kernel, self.grid, *self.args, **self.kwargs)
 
     def __call__(self):

@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 from ..masks import CAUSAL
-from .launcher import launch
+from .launcher import launch, on_device
 
 try:  # Gluon exists from triton 3.6 on; the rest of the package must not depend on it
     from triton.experimental.gluon import language as _gl
@@ -244,7 +244,7 @@ def forward(
         fold=fold,
         cfg=cfg,
     )
-    with torch.cuda.device(q.device):
+    with on_device(q):
         launch(kernel, grid, *args, **kwargs)
 
 

@@ -22,6 +22,8 @@ Anything else, launch hooks installed (a profiler), or the interpreter: Triton's
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from . import configs
@@ -80,8 +82,20 @@ def _constexpr_positions(kernel) -> tuple[bool, ...]:
     return flags
 
 
+_SAME_DEVICE = contextlib.nullcontext()
+
+
+def on_device(t: torch.Tensor):
+    """A context that makes t's GPU the current device for a launch (nothing to do, and no host
+    time spent switching, when it already is, or for a CPU tensor)."""
+    if not t.is_cuda or t.device.index in (None, torch.cuda.current_device()):
+        return _SAME_DEVICE
+    return torch.cuda.device(t.device)
+
+
 def launch(kernel, grid, *args, **kwargs):
-    """kernel[grid](*args, **kwargs), on the current CUDA device and stream."""
+    """kernel[grid](*args, **kwargs), on the current CUDA device and stream (on_device(t) makes
+    a tensor's device the current one)."""
     if not fast_path_applies(kernel):
         return kernel[grid](*args, **kwargs)
     constexpr = _constexpr_positions(kernel)
