@@ -31,7 +31,7 @@ from ._checks import (
 from .dropout import all_dropped, check_dropout, operator_dropout
 from .empty import empty_attention
 from .masks import BlockMask, Visibility, local_offsets, window_from
-from .merge import SoftmaxState, state_dtype
+from .merge import DeltaOf, SoftmaxState, state_dtype
 
 BACKENDS = ("triton", "torch")
 
@@ -155,7 +155,8 @@ def block_backward(
     deterministic=False,
 ):
     """Gradients of the block (`mask` and `dropout` as in block_forward) given the final row statistics m, l
-    (SoftmaxState.m / .l) and delta, (B, Hq, Sq) each, of the query rows: added into
+    (SoftmaxState.m / .l) and delta, (B, Hq, Sq) each, of the query rows (delta a tensor, or a
+    merge.DeltaOf the backend computes it from): added into
     (accumulate=True) or written to dq (B, Sq, Hq, D), dk (B, Sk, Hkv, D) and dv (B, Sk, Hkv, Dv);
     do is (B, Sq, Hq, Dv). dq=None skips
     the dQ pass, dk=dv=None the dK/dV pass. With all three given, a block fuses_backward accepts
@@ -204,15 +205,17 @@ def without_autocast(method):
     return wrapper
 
 
+def output_grad(out, do):
+    """dO for the backward of (out, lse), contiguous: zeros when only lse was used (do None)."""
+    return torch.zeros_like(out) if do is None else do.contiguous()
+
+
 def backward_inputs(out, do, dlse, backend=None):
     """(dO, delta) for the backward of (out, lse): dO may be None (only lse was used);
     delta = rowsum(dO * out), minus dlse when lse was used (d lse_i / d s_ij = p_ij folds into
     ds = p * (dp - delta))."""
-    do = torch.zeros_like(out) if do is None else do.contiguous()
-    delta = attention_delta(out, do, backend)
-    if dlse is not None:
-        delta = delta - dlse.to(delta.dtype)
-    return do, delta
+    do = output_grad(out, do)
+    return do, DeltaOf(out, dlse).value(do, lambda o, d: attention_delta(o, d, backend))
 
 
 class _FlashAttn(torch.autograd.Function):
@@ -235,7 +238,9 @@ class _FlashAttn(torch.autograd.Function):
     @without_autocast
     def backward(ctx, do, dlse):
         q, k, v, out, m, l, key_bias = ctx.saved_tensors
-        do, delta = backward_inputs(out, do, dlse, ctx.backend)
+        do = output_grad(out, do)
+        # delta left to the backend: the fused backward computes it in its statistics launch
+        delta = DeltaOf(out, dlse)
         dq, dk, dv = (torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
         block_backward(q, k, v, m, l, do, delta, dq, dk, dv, ctx.mask, scale=ctx.scale, accumulate=False,
                        key_bias=key_bias, backend=ctx.backend, dropout=ctx.dropout,

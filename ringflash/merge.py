@@ -69,6 +69,21 @@ class SoftmaxState(NamedTuple):
         return self.o.mul_(inv.transpose(1, 2).unsqueeze(-1)).to(dtype)
 
 
+class DeltaOf(NamedTuple):
+    """A backward's delta = rowsum(dO * out) - dlse of the query rows, (B, H, S) in the state
+    dtype, not yet computed: a backend may compute it inside a launch of its own (the fused
+    backward's row statistics) or first, by value(). out: (B, S, H, Dv), the forward's output;
+    dlse: (B, H, S), the gradient of lse, or None."""
+
+    out: torch.Tensor
+    dlse: torch.Tensor | None
+
+    def value(self, do: torch.Tensor, rowsum) -> torch.Tensor:
+        """delta from do (B, S, H, Dv) and rowsum(out, do) -> (B, H, S) (a backend's delta)."""
+        delta = rowsum(self.out, do)
+        return delta if self.dlse is None else delta - self.dlse.to(delta.dtype)
+
+
 def fold(o_a, m_a, l_a, o_b, m_b, l_b, exp=torch.exp2):
     """Merge two states over disjoint key sets: (o, m, l) with o unnormalized, m in the units
     of `exp` (torch.exp2: base-2 scores; torch.exp: natural). A side that saw no key has

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from .masks import FULL, Visibility, block_visibility
-from .merge import LOG2E, SoftmaxState, state_dtype
+from .merge import LOG2E, DeltaOf, SoftmaxState, state_dtype
 from .merge import fold as fold_states
 
 Q_CHUNK = 1024
@@ -125,6 +125,9 @@ def delta(o, do):
     return (do.to(acc) * o.to(acc)).sum(-1).transpose(1, 2).contiguous()
 
 
+_rowsum = delta  # for the backward, whose argument of that name shadows it
+
+
 def fuses_backward(q, k, v, *, window, bounds, key_bias=None, dropout=None, deterministic=False) -> bool:
     """Whether a block's dQ and dK/dV are best computed in one call: never here (the callers'
     separate dQ and dK/dV calls are the ones this backend was measured and tested with)."""
@@ -154,13 +157,15 @@ def backward(
     deterministic=False,
 ):
     """Gradients of one block (positions, window, bounds and dropout as in forward) given the
-    final row statistics m, l and delta (B, Hq, Sq). Always bitwise reproducible
-    (deterministic is accepted for the backends' common signature).
+    final row statistics m, l and delta (B, Hq, Sq), or a merge.DeltaOf to compute it from.
+    Always bitwise reproducible (deterministic is accepted for the backends' common signature).
 
     dq (B, Sq, Hq, D), dk (B, Sk, Hkv, D) and dv (B, Sk, Hkv, Dv) (do: (B, Sq, Hq, Dv)) are added
     to (accumulate=True) or overwritten;
     dq=None skips dQ, dk=dv=None skips dK/dV.
     """
+    if isinstance(delta, DeltaOf):
+        delta = delta.value(do, _rowsum)
     B, Sq, Hq, D = q.shape
     Sk, Hkv, Dv = k.shape[1], k.shape[2], v.shape[3]
     G = Hq // Hkv

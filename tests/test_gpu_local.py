@@ -427,3 +427,27 @@ def test_fast_launch_path_matches_triton_dispatch(D, monkeypatch):
     assert launcher._COMPILED, "no launch went through the fast path"
     for a, b, c in zip(want, first, second):
         assert torch.equal(a, b) and torch.equal(a, c)
+
+
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+def test_fused_backward_through_lse_vs_float64(D, causal, monkeypatch):
+    """A loss of both out and lse on the fused backward, whose statistics launch computes
+    delta = rowsum(dO * out) - dlse itself: gradients against float64 within the plain bound."""
+    calls = spy_fused_backward(monkeypatch)
+    force_fused_backward(monkeypatch)
+    g = torch.Generator(device="cuda").manual_seed(D + causal)
+    mk = lambda S, H: torch.randn(1, S, H, D, device="cuda", generator=g, dtype=torch.bfloat16).requires_grad_()
+    q, k, v = mk(1031, 4), mk(1031, 2), mk(1031, 2)
+    do = torch.randn(1, 1031, 4, D, device="cuda", generator=g, dtype=torch.bfloat16)
+    dlse = torch.randn(1, 4, 1031, device="cuda", generator=g)
+
+    def grads(out, lse):
+        return torch.autograd.grad((out * do.to(out.dtype)).sum() + (lse * dlse.to(lse.dtype)).sum(), (q, k, v))
+
+    got = grads(*flash_attn_func(q, k, v, causal=causal, return_lse=True))
+    want = grads(*naive_attention(q, k, v, causal=causal))
+    plain = grads(*naive_attention(q, k, v, causal=causal, dtype=torch.bfloat16))
+    for name, a, r, p in zip(("dq", "dk", "dv"), got, want, plain):
+        assert_within(name, a, r, p)
+    assert calls, "the fused backward was not used"

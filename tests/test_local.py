@@ -368,6 +368,19 @@ def test_gluon_backward_row_stats(Sq):
     assert bool(((got - want).abs()[finite] <= 2 * ulp[finite]).all())
     assert torch.equal(one[:, :, 1], ref[:, :, 1]) and torch.equal(one[:, :, 0, Sq:], ref[:, :, 0, Sq:])
     assert bool((dq32 == 0).all())
+    # delta computed in the same launch from the output (merge.DeltaOf), with and without dlse:
+    # rowsum(out * do) of 64 float32 products, within 64 roundings of the sum of |products|
+    from ringflash.merge import DeltaOf
+
+    out, do = (torch.randn(2, Sq + 3, 3, 64, generator=g).to(torch.bfloat16)[:, 3:] for _ in range(2))
+    dlse = torch.randn(2, 3, Sq, generator=g)
+    products = out.float() * do.float()
+    bound = 64 * torch.finfo(torch.float32).eps * products.abs().sum(-1).transpose(1, 2)
+    for pending_dlse in (None, dlse):
+        want_delta = products.sum(-1).transpose(1, 2) - (0 if pending_dlse is None else pending_dlse)
+        got = gb.launch_row_stats(m2, l2, DeltaOf(out, pending_dlse), cfg, do=do).view(2, 3, 2, Sp)
+        assert bool(((got[:, :, 1, :Sq] - want_delta).abs() <= bound).all())
+        assert bool((got[:, :, 1, Sq:] == 0).all()) and torch.equal(got[:, :, 0], one[:, :, 0])
 
 
 def test_gluon_backward_choice(monkeypatch):

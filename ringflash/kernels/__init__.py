@@ -11,7 +11,7 @@ import functools
 import torch
 import triton
 
-from ..merge import LOG2E
+from ..merge import LOG2E, DeltaOf
 from . import configs
 from .backward import _delta_kernel, _dkdv_kernel, _dq_kernel
 from .forward import _fwd_kernel
@@ -169,6 +169,9 @@ def delta(o, do):
     return out
 
 
+_rowsum = delta  # for the backward, whose argument of that name shadows it
+
+
 def combined_stats(m, l):
     """m + log2(l) per row, +inf for rows that saw no key: the dK/dV pass's one offset per row
     for 16-bit inputs (configs.KernelConfig.combined_stats). Laid out with m's strides (m is
@@ -244,7 +247,9 @@ def _gluon_backward(q, k, v, m, l, do, delta, dq, dk, dv, q_start, k_start, wind
 
 def backward(q, k, v, m, l, do, delta, dq, dk, dv, *, q_start, k_start, window, bounds, scale, accumulate,
              key_bias=None, dropout=None, deterministic=False):
-    """See ringflash.reference.backward. m, l and delta: (B, Hq, Sq) views with equal strides.
+    """See ringflash.reference.backward. m, l and delta: (B, Hq, Sq) views with equal strides
+    (delta may be a merge.DeltaOf: the fused kernel's statistics launch computes it, else it is
+    computed here first).
     Given dq, dk and dv together, a block fuses_backward accepts runs as one fused kernel
     (dQ not bitwise reproducible); otherwise, or with deterministic=True, the dK/dV and dQ
     passes run (bitwise reproducible)."""
@@ -257,6 +262,8 @@ def backward(q, k, v, m, l, do, delta, dq, dk, dv, *, q_start, k_start, window, 
         and _gluon_backward(q, k, v, m, l, do, delta, dq, dk, dv, q_start, k_start, window, bounds, scale, accumulate)
     ):
         return
+    if isinstance(delta, DeltaOf):
+        delta = delta.value(do, _rowsum)
     B, Sq, Hq, D = q.shape
     Sk, Hkv, Dv = k.shape[1], k.shape[2], v.shape[3]
     block_d, block_dv = _block_d(D), _block_d(Dv)

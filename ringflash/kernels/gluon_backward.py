@@ -35,6 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..merge import DeltaOf
 from .gluon_forward import HOPPER_SHARED_BYTES, LOG2E, compile_plan, compiled_report, device_capability, timed_compile
 from .gluon_forward import report_problems as forward_report_problems
 from .launcher import launch, on_device
@@ -168,7 +169,13 @@ def check_shapes(q, k, v, m, l, do, delta, dq, dk, dv, *, scale, cfg=None) -> No
             raise Unsupported(
                 f"{name} needs a unit head_dim stride, a 16-byte aligned base and 16-byte aligned strides"
             )
-    for name, t in (("m", m), ("l", l), ("delta", delta)):
+    stats = (("m", m), ("l", l), ("delta", delta))
+    if isinstance(delta, DeltaOf):  # computed by the statistics launch from the output
+        stats = (("m", m), ("l", l)) + ((("dlse", delta.dlse),) if delta.dlse is not None else ())
+        out = delta.out
+        if out.shape != q.shape or out.dtype != q.dtype or out.stride(-1) != 1:
+            raise Unsupported(f"out must have q's shape and dtype, unit last stride: {out.dtype} {tuple(out.shape)}")
+    for name, t in stats:
         if tuple(t.shape) != (B, Hq, Sq) or t.dtype != torch.float32:
             raise Unsupported(f"{name} must be float32 (B, Hq, Sq) = {(B, Hq, Sq)}, got {t.dtype} {tuple(t.shape)}")
     if dq is None or dk is None or dv is None:
@@ -189,7 +196,7 @@ def check_supported(q, k, v, m, l, do, delta, dq, dk, dv, *, scale, cfg=None) ->
     """Raise Unsupported unless the Gluon backward can run these tensors here."""
     if not HAS_GLUON:
         raise Unsupported(f"Gluon is not available: {GLUON_ERROR}")
-    tensors = (q, k, v, m, l, do, delta, dq, dk, dv)
+    tensors = (q, k, v, m, l, do, dq, dk, dv) + (tuple(delta) if isinstance(delta, DeltaOf) else (delta,))
     if any(t is not None and (not t.is_cuda or t.device != q.device) for t in tensors):
         raise Unsupported("the Gluon backward needs all tensors on one CUDA device")
     cap = device_capability(q.device)
@@ -221,15 +228,19 @@ def padded_rows(Sq: int, cfg: GluonBwdConfig) -> int:
 
 @triton.jit
 def _row_stats_kernel(
-    M, L, DELTA, STATS, DQ32,
+    M, L, DELTA, O, DO, STATS, DQ32,
     stride_mb, stride_mh, stride_lb, stride_lh, stride_db, stride_dh,
+    stride_ob, stride_os, stride_oh, stride_dob, stride_dos, stride_doh,
     H, S, SP,
-    HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, ZERO_DQ: tl.constexpr,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK: tl.constexpr, ZERO_DQ: tl.constexpr,
+    FROM_OUTPUT: tl.constexpr, HAS_DLSE: tl.constexpr,
 ):  # fmt: skip
     """row_stats in one launch: STATS (B, H, 2, SP) float32 seen flat, [b, h, 0, r] =
     M + log2(L) (+inf where L = 0 or r >= S) and [b, h, 1, r] = DELTA (0 for r >= S), of
     M, L, DELTA (B, H, S) float32 with unit row strides; one program per BLOCK rows of a
-    (batch, head). ZERO_DQ: also zero those rows of DQ32 (B, H, SP, HEAD_DIM) float32."""
+    (batch, head). FROM_OUTPUT: delta computed here as rowsum(O * DO) of O, DO (B, S, H,
+    HEAD_DIM_V), minus DELTA (then dlse, (B, H, S)) with HAS_DLSE. ZERO_DQ: also zero those rows
+    of DQ32 (B, H, SP, HEAD_DIM) float32."""
     bh = tl.program_id(1)
     b = (bh // H).to(tl.int64)
     h = (bh % H).to(tl.int64)
@@ -237,7 +248,18 @@ def _row_stats_kernel(
     inside = rows < S
     m = tl.load(M + b * stride_mb + h * stride_mh + rows, mask=inside, other=0.0)
     l = tl.load(L + b * stride_lb + h * stride_lh + rows, mask=inside, other=0.0)
-    delta = tl.load(DELTA + b * stride_db + h * stride_dh + rows, mask=inside, other=0.0)
+    if FROM_OUTPUT:  # as the delta kernel (kernels.backward._delta_kernel) computes it
+        cols = tl.arange(0, HEAD_DIM_V)
+        rows64 = rows.to(tl.int64)[:, None]
+        o = tl.load(O + b * stride_ob + h * stride_oh + rows64 * stride_os + cols[None, :],
+                    mask=inside[:, None], other=0.0).to(tl.float32)  # fmt: skip
+        do = tl.load(DO + b * stride_dob + h * stride_doh + rows64 * stride_dos + cols[None, :],
+                     mask=inside[:, None], other=0.0).to(tl.float32)  # fmt: skip
+        delta = tl.sum(o * do, 1)
+        if HAS_DLSE:
+            delta -= tl.load(DELTA + b * stride_db + h * stride_dh + rows, mask=inside, other=0.0)
+    else:
+        delta = tl.load(DELTA + b * stride_db + h * stride_dh + rows, mask=inside, other=0.0)
     seen = l > 0.0
     offset = tl.where(seen, m + tl.log2(tl.where(seen, l, 1.0)), float("inf"))
     out = STATS + bh.to(tl.int64) * 2 * SP + rows
@@ -249,27 +271,41 @@ def _row_stats_kernel(
         tl.store(DQ32 + dq_rows[:, None] * HEAD_DIM + cols[None, :], tl.zeros((BLOCK, HEAD_DIM), tl.float32))
 
 
-def launch_row_stats(m, l, delta, cfg: GluonBwdConfig, dq32: torch.Tensor | None = None) -> torch.Tensor:
+def launch_row_stats(m, l, delta, cfg: GluonBwdConfig, dq32: torch.Tensor | None = None, do=None) -> torch.Tensor:
     """row_stats as one Triton launch (on a GPU, or under the interpreter) instead of five small
-    torch ops, whose host time a short call feels; dq32: a blocked float32 dQ buffer
-    (B, Hq, Sq_pad, D), contiguous, to zero in the same launch (None: none)."""
+    torch ops, whose host time a short call feels. delta: a tensor, or a merge.DeltaOf computed
+    in the same launch (then do (B, Sq, Hq, Dv), unit last stride, is needed: no separate delta
+    launch); dq32: a blocked float32 dQ buffer (B, Hq, Sq_pad, D), contiguous, to zero in the same
+    launch (None: none)."""
     B, Hq, Sq = m.shape
     Sp = padded_rows(Sq, cfg)
     stats = torch.empty(B * Hq * 2 * Sp, dtype=torch.float32, device=m.device)
     D = 16 if dq32 is None else dq32.shape[-1]
+    pending = isinstance(delta, DeltaOf)
+    out, dlse = (delta.out, delta.dlse) if pending else (m, delta)  # m: a stand-in never read
+    given = m if dlse is None else dlse  # DELTA: the given delta, or dlse
+    o_strides = (*out.stride()[:3], *do.stride()[:3]) if pending else (0,) * 6
     with on_device(m):
         launch(
             _row_stats_kernel, (Sp // cfg.block_m, B * Hq),
-            m, l, delta, stats, stats if dq32 is None else dq32,
-            m.stride(0), m.stride(1), l.stride(0), l.stride(1), delta.stride(0), delta.stride(1),
-            Hq, Sq, Sp, HEAD_DIM=D, BLOCK=cfg.block_m, ZERO_DQ=dq32 is not None,
+            m, l, given, out, do if pending else m, stats, stats if dq32 is None else dq32,
+            m.stride(0), m.stride(1), l.stride(0), l.stride(1), given.stride(0), given.stride(1), *o_strides,
+            Hq, Sq, Sp, HEAD_DIM=D, HEAD_DIM_V=out.shape[-1] if pending else 16, BLOCK=cfg.block_m,
+            ZERO_DQ=dq32 is not None, FROM_OUTPUT=pending, HAS_DLSE=pending and dlse is not None,
         )  # fmt: skip
     return stats
 
 
 def _one_launch_stats(m, l, delta) -> bool:
-    """Whether prepare builds the row statistics with launch_row_stats: on a GPU, rows of unit stride."""
-    return m.is_cuda and m.stride(-1) == 1 and l.stride(-1) == 1 and delta.stride(-1) == 1
+    """Whether prepare builds the row statistics with launch_row_stats: on a GPU, rows of unit
+    stride (and a pending delta's output and dlse too)."""
+    rows = (m, l, *(t for t in delta if t is not None)) if isinstance(delta, DeltaOf) else (m, l, delta)
+    return m.is_cuda and all(t.stride(-1) == 1 for t in rows)
+
+
+def _rowsum(out, do):
+    """rowsum(out * do) in float32, (B, S, H, D) x2 -> (B, H, S), in torch ops."""
+    return (out.float() * do.float()).sum(-1).transpose(1, 2)
 
 
 def row_stats(m, l, delta, cfg: GluonBwdConfig) -> torch.Tensor:
@@ -531,8 +567,10 @@ def prepare(
     if _one_launch_stats(m, l, delta):
         blocked = cfg.dq_blocked
         dq32, finish = dq_buffer(dq, scale=scale, accumulate=accumulate, cfg=cfg, zero_blocked=not blocked)
-        stats = launch_row_stats(m, l, delta, cfg, dq32 if blocked else None)
+        stats = launch_row_stats(m, l, delta, cfg, dq32 if blocked else None, do=do)
     else:
+        if isinstance(delta, DeltaOf):
+            delta = delta.value(do, _rowsum)
         dq32, finish = dq_buffer(dq, scale=scale, accumulate=accumulate, cfg=cfg)
         stats = row_stats(m, l, delta, cfg)
     kernel, grid, args, kwargs = launch_plan(
