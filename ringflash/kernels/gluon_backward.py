@@ -493,7 +493,8 @@ def backward(
 
     q, do (B, Sq, Hq, D); k, v (B, Sk, Hkv, D): all bfloat16 or all float16, D = 64 or 128, TMA-able
     strides. m, l, delta (B, Hq, Sq) float32: the forward's row max of the base-2 scaled scores,
-    its normalizer sum exp2(s2 - m) (0 for a row that saw no key) and rowsum(dO * O).
+    its normalizer sum exp2(s2 - m) (0 for a row that saw no key) and rowsum(dO * O) (or a
+    merge.DeltaOf: computed in the statistics launch, minus its dlse).
     dq: float32 (accumulated into with atomics; an 8-byte aligned base and even strides) or
     16-bit (through a float32 scratch and a cast at the end). config: a GluonBwdConfig or a
     variant name (default DEFAULT_VARIANT). window: None, or (left, right) reaches (None:
