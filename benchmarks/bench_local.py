@@ -6,7 +6,13 @@ CUDNN_ATTENTION backends, in the same run.
     python -m benchmarks.bench_local --smoke           # tiny CPU run (CI keeps it working)
 
 Prints TFLOP/s (forward 4*B*H*S*S*D, half for causal; forward+backward 3.5x) and the ratio to
-each peer. Medians of triton.testing.do_bench on the GPU.
+each peer. Medians of triton.testing.do_bench on the GPU: each call timed alone, after a cache
+flush, so a call whose host time exceeds its device time shows that host time. --steady N also
+times N calls in a row on the host clock (one synchronize at the end, median of 5), as a
+model's layers run: the host's time then overlaps the device's, and a call costs the larger of
+the two; a second table gives those ratios.
+
+    python -m benchmarks.bench_local --seqlens 4096 --steady 20
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from benchmarks.common import attention_flops, bench_ms, step_fn, write_json
+from benchmarks.common import attention_flops, bench_ms, host_seconds, step_fn, write_json
 from ringflash import flash_attn_func
 from ringflash.kernels import configs
 from ringflash.kernels.configs import KernelConfig
@@ -56,12 +62,20 @@ def runner(impl, tensors, causal, mode):
     return step_fn(call, (q, k, v), do, mode)
 
 
-def measure(impl, tensors, B, H, S, D, causal, mode, device):
+def measure(impl, tensors, B, H, S, D, causal, mode, device, steady=0):
+    """do_bench's median (ms, tflops); with steady=N also steady_ms / steady_tflops: N calls in
+    a row on the host clock, per call (median of 5 repeats)."""
+    flops = attention_flops(B, H, S, D, causal, mode)
     try:
-        ms = bench_ms(runner(impl, tensors, causal, mode), device)
+        step = runner(impl, tensors, causal, mode)
+        ms = bench_ms(step, device)
+        result = {"impl": impl, "ms": ms, "tflops": flops / ms / 1e9}
+        if steady:
+            steady_ms = host_seconds(step, device, calls=steady, repeats=5, warmup=3) * 1e3
+            result.update(steady_ms=steady_ms, steady_tflops=flops / steady_ms / 1e9)
     except Exception as e:  # a peer backend may not support a shape; say so
         return {"impl": impl, "error": f"{type(e).__name__}: {str(e)[:120]}"}
-    return {"impl": impl, "ms": ms, "tflops": attention_flops(B, H, S, D, causal, mode) / ms / 1e9}
+    return result
 
 
 def run_table(args, device, dtype):
@@ -73,9 +87,10 @@ def run_table(args, device, dtype):
             for causal in (False, True):
                 for mode in ("fwd", "fwd+bwd"):
                     res = {"D": D, "S": S, "causal": causal, "mode": mode}
-                    res["ringflash"] = measure("ringflash", qkv, args.batch, args.heads, S, D, causal, mode, device)
+                    shape = (args.batch, args.heads, S, D, causal, mode, device, args.steady)
+                    res["ringflash"] = measure("ringflash", qkv, *shape)
                     for p in peers:
-                        res[p] = measure(p, sdpa, args.batch, args.heads, S, D, causal, mode, device)
+                        res[p] = measure(p, sdpa, *shape)
                     rows.append(res)
                     print(json.dumps(res), flush=True)
             del qkv, sdpa
@@ -171,15 +186,16 @@ def tune(args, device, dtype):
     return rows
 
 
-def print_table(rows):
+def print_table(rows, key="tflops"):
+    """TFLOP/s by `key`: "tflops" (do_bench) or "steady_tflops" (--steady)."""
     print(
         f"\n{'D':>4} {'S':>6} {'causal':>6} {'mode':>8} | {'ringflash':>9} {'flash':>7} {'cudnn':>7} | "
-        f"{'vs flash':>8} {'vs cudnn':>8}"
+        f"{'vs flash':>8} {'vs cudnn':>8}" + ("   (calls in a row)" if key != "tflops" else "")
     )
     for r in rows:
-        rf = r["ringflash"].get("tflops", float("nan"))
-        fl = r.get("sdpa_flash", r.get("sdpa_math", {})).get("tflops", float("nan"))
-        cu = r.get("sdpa_cudnn", {}).get("tflops", float("nan"))
+        rf = r["ringflash"].get(key, float("nan"))
+        fl = r.get("sdpa_flash", r.get("sdpa_math", {})).get(key, float("nan"))
+        cu = r.get("sdpa_cudnn", {}).get(key, float("nan"))
         print(
             f"{r['D']:>4} {r['S']:>6} {str(r['causal']):>6} {r['mode']:>8} | {rf:9.1f} {fl:7.1f} {cu:7.1f} | "
             f"{rf / fl:8.2f} {rf / cu:8.2f}"
@@ -199,6 +215,7 @@ def main():
     ap.add_argument("--tune-seqlen", type=int, default=16384)
     ap.add_argument("--write-configs", type=Path, help="with --tune: save the best configs (JSON)")
     ap.add_argument("--smoke", action="store_true", help="tiny CPU sizes")
+    ap.add_argument("--steady", type=int, default=0, metavar="N", help="also time N calls in a row (host clock)")
     args = ap.parse_args()
     device = "cuda" if torch.cuda.is_available() and not args.smoke else "cpu"
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
@@ -226,6 +243,8 @@ def main():
     write_json(args.json, out)
     if "rows" in out:
         print_table(out["rows"])
+        if args.steady:
+            print_table(out["rows"], "steady_tflops")
 
 
 if __name__ == "__main__":

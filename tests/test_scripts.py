@@ -11,10 +11,13 @@ from commands import ROOT, TWO_RANKS, run
 
 
 def test_bench_local_smoke(tmp_path):
-    out = run([sys.executable, "-m", "benchmarks.bench_local", "--smoke", "--json", str(tmp_path / "l.json")], tmp_path)
+    cmd = [sys.executable, "-m", "benchmarks.bench_local", "--smoke", "--steady", "2"]
+    cmd += ["--json", str(tmp_path / "l.json")]
+    out = run(cmd, tmp_path)
     data = json.loads((tmp_path / "l.json").read_text())
     assert len(data["rows"]) == 4 and all(r["ringflash"]["tflops"] > 0 for r in data["rows"])
-    assert "vs flash" in out
+    assert all(r["ringflash"]["steady_tflops"] > 0 and r["sdpa_math"]["steady_ms"] > 0 for r in data["rows"])
+    assert "vs flash" in out and "(calls in a row)" in out
 
 
 def test_packed_ring_tiles_counts(tmp_path):
