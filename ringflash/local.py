@@ -323,7 +323,8 @@ def flash_attn_varlen_func(
     documents take the fused backward too: D = Dv = 64 or 128, 16-bit, no dropout, on Hopper,
     calls of enough work: kernels.fuses_backward). cu_seqlens on a GPU are read to the host
     once per tensor and version (_checks.cu_values): pass a new tensor for new boundaries
-    written outside torch (DLPack, raw pointers), which the version counter cannot see.
+    written behind torch's back (through .data, DLPack, raw pointers), which the version
+    counter cannot see.
     """
     api = "flash_attn_varlen_func"
     for name, t in (("q", q), ("k", k), ("v", v)):

@@ -189,6 +189,11 @@ def test_boundaries_read_once_per_tensor_version(monkeypatch):
             flash_attn_varlen_func(q, k, v, cu_inf, cu_inf, causal=True)
     assert len(reads) == 6
     assert len(_checks._READ_VALUES) <= _checks._READ_VALUES_KEPT
+    # the documented limit: a write through .data bumps no version, so the old read answers
+    stale = _cu([5, 3])
+    flash_attn_varlen_func(q, k, v, stale, stale, causal=True)
+    stale.data[1] = 4
+    assert torch.equal(flash_attn_varlen_func(q, k, v, stale, stale, causal=True), want)
 
 
 def test_empty_rows_have_zero_gradients():
