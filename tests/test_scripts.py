@@ -366,3 +366,22 @@ def test_packed_ring_replay_smoke(tmp_path):
     run([sys.executable, "-m", "benchmarks.packed_ring_replay", "--smoke", "--json", str(out)], tmp_path)
     row = json.loads(out.read_text())["rows"][0]
     assert row["world"] == 2 and len(row["rank_ms"]) == 2 and sum(row["local_lens"]) == row["total"]
+
+
+def test_profile_host_timers_count_layers_and_restore_them():
+    """profile_host --split's timers: each layer of a call counted once per call (on the CPU
+    backend here), the original functions back in place afterwards."""
+    import torch
+
+    import ringflash
+    from benchmarks.profile_host import inclusive_timers
+    from ringflash import local
+
+    before = (local.block_forward, local._FlashAttn.__dict__["forward"])
+    q, k, v = (torch.randn(1, 32, 2, 16, requires_grad=True) for _ in range(3))
+    with inclusive_timers() as totals:
+        for _ in range(2):
+            ringflash.flash_attn_func(q, k, v, causal=True).sum().backward()
+    for label in ("ops.flash", "_FlashAttn.forward", "local.block_forward", "local.block_backward"):
+        assert totals[label][0] == 2 and totals[label][1] > 0, label
+    assert (local.block_forward, local._FlashAttn.__dict__["forward"]) == before
