@@ -36,6 +36,7 @@ import triton
 import triton.language as tl
 
 from ..merge import DeltaOf
+from ..reference import delta as torch_delta
 from .gluon_forward import HOPPER_SHARED_BYTES, LOG2E, compile_plan, compiled_report, device_capability, timed_compile
 from .gluon_forward import report_problems as forward_report_problems
 from .launcher import launch, on_device
@@ -282,8 +283,9 @@ def launch_row_stats(m, l, delta, cfg: GluonBwdConfig, dq32: torch.Tensor | None
     stats = torch.empty(B * Hq * 2 * Sp, dtype=torch.float32, device=m.device)
     D = 16 if dq32 is None else dq32.shape[-1]
     pending = isinstance(delta, DeltaOf)
-    out, dlse = (delta.out, delta.dlse) if pending else (m, delta)  # m: a stand-in never read
-    given = m if dlse is None else dlse  # DELTA: the given delta, or dlse
+    # DELTA: the delta itself, or a pending delta's dlse; m stands in for pointers never read
+    given = (m if delta.dlse is None else delta.dlse) if pending else delta
+    out = delta.out if pending else m
     o_strides = (*out.stride()[:3], *do.stride()[:3]) if pending else (0,) * 6
     with on_device(m):
         launch(
@@ -291,7 +293,7 @@ def launch_row_stats(m, l, delta, cfg: GluonBwdConfig, dq32: torch.Tensor | None
             m, l, given, out, do if pending else m, stats, stats if dq32 is None else dq32,
             m.stride(0), m.stride(1), l.stride(0), l.stride(1), given.stride(0), given.stride(1), *o_strides,
             Hq, Sq, Sp, HEAD_DIM=D, HEAD_DIM_V=out.shape[-1] if pending else 16, BLOCK=cfg.block_m,
-            ZERO_DQ=dq32 is not None, FROM_OUTPUT=pending, HAS_DLSE=pending and dlse is not None,
+            ZERO_DQ=dq32 is not None, FROM_OUTPUT=pending, HAS_DLSE=pending and delta.dlse is not None,
         )  # fmt: skip
     return stats
 
@@ -301,11 +303,6 @@ def _one_launch_stats(m, l, delta) -> bool:
     stride (and a pending delta's output and dlse too)."""
     rows = (m, l, *(t for t in delta if t is not None)) if isinstance(delta, DeltaOf) else (m, l, delta)
     return m.is_cuda and all(t.stride(-1) == 1 for t in rows)
-
-
-def _rowsum(out, do):
-    """rowsum(out * do) in float32, (B, S, H, D) x2 -> (B, H, S), in torch ops."""
-    return (out.float() * do.float()).sum(-1).transpose(1, 2)
 
 
 def row_stats(m, l, delta, cfg: GluonBwdConfig) -> torch.Tensor:
@@ -571,7 +568,7 @@ def prepare(
         stats = launch_row_stats(m, l, delta, cfg, dq32 if blocked else None, do=do)
     else:
         if isinstance(delta, DeltaOf):
-            delta = delta.value(do, _rowsum)
+            delta = delta.value(do, torch_delta)  # torch ops, any strides
         dq32, finish = dq_buffer(dq, scale=scale, accumulate=accumulate, cfg=cfg)
         stats = row_stats(m, l, delta, cfg)
     kernel, grid, args, kwargs = launch_plan(
