@@ -26,6 +26,8 @@ from __future__ import annotations
 import contextlib
 
 import torch
+from triton import knobs
+from triton.runtime.jit import JITFunction
 
 from . import configs
 
@@ -58,8 +60,6 @@ def _arg_class(x):
 
 
 def _hooks_installed() -> bool:
-    from triton import knobs
-
     hooks = (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook)
     return any(h is not None and getattr(h, "calls", True) for h in hooks)
 
@@ -67,8 +67,6 @@ def _hooks_installed() -> bool:
 def fast_path_applies(kernel) -> bool:
     """Whether launch() may bypass Triton's dispatch for this kernel: a JIT-compiled (not
     interpreted) kernel on a GPU, no launch hooks."""
-    from triton.runtime.jit import JITFunction
-
     return not configs.INTERPRETING and isinstance(kernel, JITFunction) and not _hooks_installed()
 
 
