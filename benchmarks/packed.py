@@ -95,6 +95,20 @@ def parse_variant(text: str) -> dict:
     return out
 
 
+def variant_ms(fn, variant, device) -> float:
+    """bench_ms of fn under the --variants override `variant` (None: the defaults); a variant
+    whose kernel does not compile or launch (a sweep's tiles too large for shared memory) is
+    reported and timed as nan, so one bad shape does not end the sweep."""
+    if variant is None:
+        return bench_ms(fn, device)
+    try:
+        with configs.override(**parse_variant(variant)):
+            return bench_ms(fn, device)
+    except Exception as e:  # triton's OutOfResources and compile errors
+        print(f"variant {variant}: {type(e).__name__}: {str(e)[:300]}", flush=True)
+        return float("nan")
+
+
 def flex_fns(T, H, device, dtype):
     """(compiled flex_attention, create_block_mask), or None where FlexAttention is unavailable."""
     try:
@@ -118,7 +132,7 @@ def measure(args, device, dtype):
         bhsd = [t.detach().permute(1, 0, 2)[None].contiguous().requires_grad_() for t in (q, k, v)]
         do_bhsd = do.permute(1, 0, 2)[None].contiguous()
         if flex is None:
-            flex = not args.no_peers and flex_fns(total, H, device, dtype)
+            flex = not args.no_peers and "flex" in args.peers and flex_fns(total, H, device, dtype)
         dense_pairs = total * (total + 1) // 2
         cases = []
         for mix in args.mixes:
@@ -153,7 +167,7 @@ def measure(args, device, dtype):
                         mode,
                     )
                 }
-                if device.type == "cuda" and not args.no_peers:
+                if device.type == "cuda" and not args.no_peers and "cudnn" in args.peers:
                     impls["cudnn per doc"] = step(
                         lambda cu=cu: per_document_sdpa(bhsd, cu), bhsd, per_document_grads(do_bhsd, cu), mode
                     )
@@ -163,8 +177,7 @@ def measure(args, device, dtype):
                 timed = [(impl, fn, None) for impl, fn in impls.items()]
                 timed += [(f"rf[{v}]", impls["ringflash"], v) for v in args.variants]
                 for impl, fn, variant in timed:
-                    with configs.override(**(parse_variant(variant) if variant else {})):
-                        ms = bench_ms(fn, device)
+                    ms = variant_ms(fn, variant, device)
                     rows.append(
                         dict(
                             case=name,
@@ -199,8 +212,7 @@ def measure(args, device, dtype):
                 timed = [(impl, fn, None) for impl, fn in impls.items()]
                 timed += [(f"rf[{v}]", impls["ringflash"], v) for v in args.variants]
                 for impl, fn, variant in timed:
-                    with configs.override(**(parse_variant(variant) if variant else {})):
-                        ms = bench_ms(fn, device)
+                    ms = variant_ms(fn, variant, device)
                     rows.append(
                         dict(
                             case=f"window:{W}",
@@ -272,6 +284,9 @@ def main():
         "(the backward's two passes / the fused one forced)",
     )
     ap.add_argument("--no-peers", action="store_true", help="ringflash and its --variants only")
+    ap.add_argument(
+        "--peers", nargs="+", default=["flex", "cudnn"], choices=["flex", "cudnn"], help="which peers run beside it"
+    )
     ap.add_argument("--json", type=Path)
     ap.add_argument("--smoke", action="store_true", help="tiny sizes on the CPU")
     args = ap.parse_args()

@@ -2,6 +2,7 @@
 own time (torch.profiler), for many short documents and the long-tailed mix.
 
     python -m benchmarks.profile_packed > profile_packed.txt
+    python -m benchmarks.profile_packed --cases 65536:short --stacks   # where each op is called from
 
 Diagnostic, not a benchmark: the profiler's tables are printed as they come. Wall time well
 above the kernels' time means host work (checks, mask building, launches) decides the speed.
@@ -9,6 +10,7 @@ above the kernels' time means host work (checks, mask building, launches) decide
 
 from __future__ import annotations
 
+import argparse
 import time
 
 import numpy as np
@@ -20,8 +22,13 @@ from benchmarks.packed import document_lengths
 
 
 def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--cases", nargs="+", default=["16384:short", "65536:short", "16384:longtail"], help="TOTAL:MIX")
+    ap.add_argument("--stacks", action="store_true", help="also the device time by Python call site")
+    args = ap.parse_args()
     dev, H, D = "cuda", 32, 128
-    for total, mix in ((16384, "short"), (65536, "short"), (16384, "longtail")):
+    for case in args.cases:
+        total, mix = int(case.split(":")[0]), case.split(":", 1)[1]
         lengths = document_lengths(mix, total, 0)
         cu = torch.tensor([0, *np.cumsum(lengths)], dtype=torch.int32, device=dev)
         g = torch.Generator(device=dev).manual_seed(0)
@@ -45,7 +52,7 @@ def main():
                 run()
             torch.cuda.synchronize()
             wall = (time.perf_counter() - t0) / 20 * 1e3
-            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=args.stacks) as prof:
                 for _ in range(5):
                     run()
                 torch.cuda.synchronize()
@@ -53,6 +60,9 @@ def main():
             print(f"=== total {total} mix {mix} docs {len(lengths)} mode {mode}: wall {wall:.3f} ms per call")
             print(table.table(sort_by="self_device_time_total", row_limit=12, max_name_column_width=60))
             print(table.table(sort_by="self_cpu_time_total", row_limit=12, max_name_column_width=60))
+            if args.stacks:
+                by_site = prof.key_averages(group_by_stack_n=8)
+                print(by_site.table(sort_by="self_device_time_total", row_limit=15, max_name_column_width=40))
 
 
 if __name__ == "__main__":
