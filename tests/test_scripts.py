@@ -163,29 +163,39 @@ def test_gluon_forward_compiles_for_hopper(tmp_path):
 
 def test_gluon_backward_blocked_dq_layout():
     """The blocked float32 dQ of the Gluon backward (cfg.dq_blocked): the launcher's view inverts
-    the kernel's offsets (_gluon_bwd._red_add_blocked), and its finish scales, un-permutes and
-    casts (or adds) into dq, ragged last block included."""
+    the kernel's offsets (_gluon_bwd._red_add_blocked), and its finish (one Triton launch, here
+    interpreted) scales, un-permutes and casts (or adds) into dq of any strides, ragged last
+    block included, at both head dims."""
     import torch
 
     from ringflash.kernels import gluon_backward as gb
 
     cfg = gb.VARIANTS["ws2_blk"][128]
-    B, Sq, Hq, D = 2, 130, 3, 128
-    acc = torch.arange(B * Hq * gb.padded_rows(Sq, cfg) * D, dtype=torch.float32).view(B, Hq, -1, D)
-    nat = gb.dq_natural_view(acc)
-    for b, n, w, h, g, hq, wg, j, t, e in [(0, 0, 0, 0, 0, 0, 0, 0, 0, 0), (1, 2, 3, 1, 5, 2, 1, 7, 2, 1)]:
-        # the kernel: tile (b, hq, 64-row block n, warpgroup wg) at ((b Hq + hq) Sq_pad + 64 n) D + 4096 wg,
-        # element (r = 16 w + 8 h + g, c = 8 j + 2 t + e) at (w * 1024 + g * 16 + h * 2) + (j * 128 + t * 4 + e)
-        flat = ((b * Hq + hq) * acc.shape[2] + 64 * n) * D + 4096 * wg + w * 1024 + g * 16 + h * 2 + j * 128 + t * 4 + e
-        assert nat[b, n, w, h, g, hq, wg, j, t, e].item() == flat
-    natural = nat.reshape(B, -1, Hq, D)[:, :Sq]  # (B, Sq, Hq, D) in row order
-    for dtype, accumulate in [(torch.bfloat16, False), (torch.float32, True)]:
-        dq = torch.ones(B, Sq, Hq, D, dtype=dtype)
-        acc32, finish = gb.dq_buffer(dq, scale=0.5, accumulate=accumulate, cfg=cfg)
-        acc32.copy_(acc)
-        finish()
-        want = natural * 0.5 + (1.0 if accumulate else 0.0)
-        assert torch.equal(dq, want.to(dtype))
+    B, Sq, Hq = 2, 130, 3
+    for D in (128, 64):
+        acc = torch.arange(B * Hq * gb.padded_rows(Sq, cfg) * D, dtype=torch.float32).view(B, Hq, -1, D)
+        nat = gb.dq_natural_view(acc)
+        corners = [(0, 0, 0, 0, 0, 0, 0, 0, 0, 0), (1, 2, 3, 1, 5, 2, 1, D // 16 - 1, 2, 1)]
+        for b, n, w, h, g, hq, wg, j, t, e in corners:
+            # the kernel: tile (b, hq, 64-row block n, warpgroup wg) at ((b Hq + hq) Sq_pad + 64 n) D + 32 D wg,
+            # element (r = 16 w + 8 h + g, c = 8 j + 2 t + e) at (w * 8 D + g * 16 + h * 2) + (j * 128 + t * 4 + e)
+            flat = ((b * Hq + hq) * acc.shape[2] + 64 * n) * D + 32 * D * wg + w * 8 * D + g * 16 + h * 2
+            assert nat[b, n, w, h, g, hq, wg, j, t, e].item() == flat + j * 128 + t * 4 + e
+        natural = nat.reshape(B, -1, Hq, D)[:, :Sq]  # (B, Sq, Hq, D) in row order
+        for dtype, accumulate, layout in [(torch.bfloat16, False, "contiguous"), (torch.float32, True, "contiguous"),
+                                          (torch.float16, True, "heads first")]:  # fmt: skip
+            if layout == "contiguous":
+                dq = torch.ones(B, Sq, Hq, D, dtype=dtype)
+            else:  # (B, Hq, Sq, D) memory seen as (B, Sq, Hq, D)
+                dq = torch.ones(B, Hq, Sq, D, dtype=dtype).transpose(1, 2)
+            # 16-bit: values a 16-bit float holds exactly (the interpreter rounds to bfloat16
+            # toward zero, the GPU to nearest)
+            wrap = 64 if dtype != torch.float32 else acc.numel()
+            acc32, finish = gb.dq_buffer(dq, scale=0.5, accumulate=accumulate, cfg=cfg)
+            acc32.copy_(acc % wrap)
+            finish()
+            want = (natural % wrap) * 0.5 + (1.0 if accumulate else 0.0)
+            assert torch.equal(dq, want.to(dtype)), (D, dtype, layout)
 
 
 def test_gluon_backward_compiles_for_hopper(tmp_path):
