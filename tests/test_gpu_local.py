@@ -300,9 +300,11 @@ def _documents(len_k_extra):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("causal,window_size,len_k_extra", DOCUMENT_CASES)
 @pytest.mark.parametrize("D", [128, 64])
-def test_fused_backward_documents_vs_float64(dtype, causal, window_size, len_k_extra, D, monkeypatch):
+@pytest.mark.parametrize("fused", [True, False])
+def test_documents_backward_vs_float64(dtype, causal, window_size, len_k_extra, D, fused, monkeypatch):
     """Packed documents (per-row bounds) in the fused backward (configs.GLUON_BWD_DOCUMENTS,
-    forced at every size): documents of 0 to 3000 rows,
+    forced at every size) and in the two passes (deterministic=True, on the documents tables'
+    shapes where they have the head dim): documents of 0 to 3000 rows,
     key blocks straddling several, Sq != Sk per document; dq, dk, dv against float64 within
     the plain bound; keys no query sees get dK = dV = 0, queries that see no key dQ = 0."""
     from ringflash.kernels import configs
@@ -310,17 +312,25 @@ def test_fused_backward_documents_vs_float64(dtype, causal, window_size, len_k_e
     from ringflash.testing import varlen_plain_errors, varlen_reference
 
     calls = spy_fused_backward(monkeypatch)
-    force_fused_backward(monkeypatch)
-    monkeypatch.setattr(configs, "GLUON_BWD_DOCUMENTS", {D: configs.GLUON_BWD[D]})
+    if fused:
+        force_fused_backward(monkeypatch)
+        monkeypatch.setattr(configs, "GLUON_BWD_DOCUMENTS", {D: configs.GLUON_BWD[D]})
+    chosen = []
+    real_config = configs.kind_config
+    monkeypatch.setattr(configs, "kind_config", lambda *a, **kw: chosen.append(real_config(*a, **kw)) or chosen[-1])
     len_q, len_k, cu_q, cu_k = _documents(len_k_extra)
     g = torch.Generator(device="cuda").manual_seed(len(len_q) + len_k_extra + D + 40)
     mk = lambda n, H: torch.randn(n, H, D, device="cuda", generator=g, dtype=dtype).requires_grad_()  # noqa: E731
     q, k, v = mk(sum(len_q), 8), mk(sum(len_k), 2), mk(sum(len_k), 2)
     do = torch.randn(q.shape, device="cuda", generator=g, dtype=dtype)
     kw = dict(causal=causal, window_size=window_size)
-    out = flash_attn_varlen_func(q, k, v, cu_q, cu_k, **kw)
+    out = flash_attn_varlen_func(q, k, v, cu_q, cu_k, deterministic=not fused, **kw)
+    chosen.clear()
     grads = torch.autograd.grad(out, (q, k, v), do)
-    assert calls, "the fused backward was not used"
+    assert bool(calls) == fused, "the fused backward was used" if calls else "the fused backward was not used"
+    if not fused:
+        tables = [configs._DOCUMENTS[kind].get(D, configs.pick(kind, D)) for kind in ("dkdv", "dq")]
+        assert chosen == tables
     ref = varlen_reference(q.detach(), k.detach(), v.detach(), do, cu_q, cu_k, **kw)
     plain = varlen_plain_errors(q.detach(), k.detach(), v.detach(), do, cu_q, cu_k, ref, **kw)
     for name, got, r in zip(("dq", "dk", "dv"), grads, ref[2:]):

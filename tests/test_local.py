@@ -287,6 +287,27 @@ def test_kernel_configs_file(tmp_path):
             pass
 
 
+def test_documents_configs(monkeypatch):
+    """Blocks of packed documents (per-row bounds) take each kernel's documents table where it
+    has the head dim, the dense table elsewhere and for float32; override() and the
+    RINGFLASH_KERNEL_CONFIGS file still decide first."""
+    from ringflash.kernels import configs
+
+    monkeypatch.setattr(configs, "INTERPRETING", False)
+    chosen = {"fwd": configs.forward_config, "dkdv": configs.dkdv_config, "dq": configs.dq_config}
+    for kind, config in chosen.items():
+        table = configs._DOCUMENTS[kind]
+        assert config(128, documents=True) == table[128] != config(128), kind
+        assert config(64, documents=True) == config(64) == configs._TABLES[kind][0][64], kind
+        assert config(128, documents=True, float32=True) == configs._FLOAT32[kind][128], kind
+        other = configs.KernelConfig(32, 32, 4, 1)
+        with configs.override(**{kind: other}):
+            assert config(128, documents=True) == other, kind
+        monkeypatch.setattr(configs, "_FILE_CONFIGS", {kind: {128: other}})
+        assert config(128, documents=True) == other, kind
+        monkeypatch.setattr(configs, "_FILE_CONFIGS", {})
+
+
 def test_gluon_forward_choice(monkeypatch):
     """Which Gluon forward variant a block asks for on a GPU: GLUON_FWD by head dim, packed
     documents GLUON_FWD_DOCUMENTS, none for an untuned head dim; override(gluon=) forces one (or

@@ -278,7 +278,7 @@ def backward(q, k, v, m, l, do, delta, dq, dk, dv, *, q_start, k_start, window, 
     stat_strides = _stat_strides(m, l, delta)
     with on_device(q):
         if dk is not None:
-            cfg = configs.dkdv_config(config_d, float32=q.dtype == torch.float32)
+            cfg = configs.dkdv_config(config_d, documents=bounds is not None, float32=q.dtype == torch.float32)
             combined = cfg.combined_stats and q.dtype != torch.float32
             m_arg, l_arg = (combined_stats(m, l),) * 2 if combined else (m, l)
             assert _stat_strides(m_arg) == stat_strides
@@ -292,7 +292,7 @@ def backward(q, k, v, m, l, do, delta, dq, dk, dv, *, q_start, k_start, window, 
                 COMBINED_STATS=combined, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **common,
             )
         if dq is not None:
-            cfg = configs.dq_config(config_d, float32=q.dtype == torch.float32)
+            cfg = configs.dq_config(config_d, documents=bounds is not None, float32=q.dtype == torch.float32)
             tma, (k_arg, v_arg) = _maybe_descriptors(cfg, (k, v), cfg.block_n, (block_d, block_dv))
             launch(
                 _dq_kernel, (triton.cdiv(Sq, cfg.block_m), B * Hq),

@@ -76,6 +76,13 @@ _DQ = {
 # the 128x128 tiles on documents of 64-2K tokens, equal on long-tailed 128-32K at 64K tokens;
 # benchmarks/results/packed_variants_h200.json). Other head dims: the dense table.
 _FWD_DOCUMENTS = {128: KernelConfig(64, 64, 4, 3, tma=True)}
+# The two backward passes on packed documents, the same reason: 32 query rows x 64 keys (dK/dV)
+# and 64 x 32 (dQ). One H200, bf16, H=32, D=128, causal documents of 64-2K tokens, forward +
+# backward 11% faster than the dense tables' shapes at 16K tokens, 3% at 64K (python -m
+# benchmarks.packed --mixes short --variants ...; benchmarks/results/packed_bwd_sweep_h200.log).
+_DKDV_DOCUMENTS = {128: KernelConfig(32, 64, 4, 3, tma=True, combined_stats=True)}
+_DQ_DOCUMENTS = {128: KernelConfig(64, 32, 4, 3, tma=True)}
+_DOCUMENTS = {"fwd": _FWD_DOCUMENTS, "dkdv": _DKDV_DOCUMENTS, "dq": _DQ_DOCUMENTS}
 
 # The Gluon (warp-specialized) forward's variant per padded head dim on Hopper, where it beats
 # the Triton kernel (ringflash.kernels.gluon_forward; one H200, bf16, S=16K, forward: D=64
@@ -116,13 +123,15 @@ GLUON_BWD_MIN_PROGRAMS_PER_SM = 2
 # 0.96x / 1.04x.
 GLUON_BWD_DOCUMENTS = dict(GLUON_BWD)
 # ... for calls of at least this many visible (query, key) pairs x query heads (B x Sq x Hq x
-# RowBounds.keys_per_row): below, the fused launch's larger host time (row statistics, dQ
-# scratch, five TMA descriptors) outweighs its faster kernel. One H200, a packed ring rank
-# replayed, S=128K, long-tailed documents: P=4 (4.4e8 per call) fused 39.7 ms against 48.1 ms,
-# P=8 (1.1e8 per call) fused 54.4 ms against 37.0 ms with 30 ms of device time (host-bound;
-# python -m benchmarks.packed_ring_replay --documents-backward fused two-pass, --kernels);
-# locally 27 short documents in 16K (2.8e8) 0.96x, 98 in 64K (1.2e9) 1.04x.
-GLUON_BWD_DOCUMENTS_MIN_PAIRS = 350_000_000
+# RowBounds.keys_per_row): below, the fused launch's host time (row statistics, dQ scratch, five
+# TMA descriptors) outweighs its faster kernel. One H200, bf16, H=32, D=128, causal documents,
+# fused against the two passes (python -m benchmarks.packed --variants gluon_bwd=none
+# gluon_bwd=ws2_lag; benchmarks/results/packed_h200_docs_bwd.log): 27 short documents in 16K
+# (2.8e8) forward+backward 1.09x, long-tailed 16K (2.3e9) 1.30x; a packed ring rank replayed,
+# S=128K, long-tailed documents (python -m benchmarks.packed_ring_replay --documents-backward
+# default fused two-pass): P=8 (1.1e8 per call) 28.2 ms against 33.8, P=4 (4.4e8) 37.3 against
+# 47.3. Not measured below 1.1e8, so the threshold stays just under it.
+GLUON_BWD_DOCUMENTS_MIN_PAIRS = 100_000_000
 
 # float32 inputs take twice the shared memory per tile: the 16-bit shapes above overflow an H200's
 # 227 KiB at head dim 128 and 256 (forward 448 KiB, dK/dV 353 KiB at D=128, compiled for sm_90a:
@@ -186,8 +195,8 @@ def pick(
     block_d: int,
     *,
     float32: bool = False,
-    interpreting: bool = INTERPRETING,
-    file_configs: dict = _FILE_CONFIGS,
+    interpreting: bool | None = None,
+    file_configs: dict | None = None,
 ) -> KernelConfig:
     """The config kernel `kind` uses for padded head dim block_d (the order in the module
     docstring; float32 inputs: the _FLOAT32 shapes where the 16-bit ones would not fit);
@@ -195,6 +204,8 @@ def pick(
     chosen = _OVERRIDES.get(kind)
     if chosen is not None:
         return chosen
+    interpreting = INTERPRETING if interpreting is None else interpreting
+    file_configs = _FILE_CONFIGS if file_configs is None else file_configs
     table, interp = _TABLES[kind]
     if interpreting:
         return interp
@@ -206,17 +217,25 @@ def pick(
     return table[max(block_d, 32)]
 
 
-def forward_config(block_d: int, documents: bool = False, float32: bool = False) -> KernelConfig:
-    """The forward's config; documents: a block masked by per-row intervals (packed documents)."""
+def kind_config(kind: str, block_d: int, documents: bool = False, float32: bool = False) -> KernelConfig:
+    """pick(kind, ...), or for a block masked by per-row intervals (packed documents, 16-bit)
+    the documents table's shape where it has one and neither override() nor the
+    RINGFLASH_KERNEL_CONFIGS file decides."""
     if (
         documents
         and not float32
         and not INTERPRETING
-        and "fwd" not in _OVERRIDES
-        and block_d not in _FILE_CONFIGS.get("fwd", {})
+        and kind not in _OVERRIDES
+        and block_d not in _FILE_CONFIGS.get(kind, {})
+        and block_d in _DOCUMENTS[kind]
     ):
-        return _FWD_DOCUMENTS.get(block_d) or pick("fwd", block_d)
-    return pick("fwd", block_d, float32=float32)
+        return _DOCUMENTS[kind][block_d]
+    return pick(kind, block_d, float32=float32)
+
+
+def forward_config(block_d: int, documents: bool = False, float32: bool = False) -> KernelConfig:
+    """The forward's config; documents: a block masked by per-row intervals (packed documents)."""
+    return kind_config("fwd", block_d, documents, float32)
 
 
 def gluon_forward_variant(block_d: int, documents: bool = False, keys_per_row: float | None = None) -> str | None:
@@ -257,9 +276,9 @@ def overridden(kind: str) -> bool:
     return kind in _OVERRIDES
 
 
-def dkdv_config(block_d: int, float32: bool = False) -> KernelConfig:
-    return pick("dkdv", block_d, float32=float32)
+def dkdv_config(block_d: int, documents: bool = False, float32: bool = False) -> KernelConfig:
+    return kind_config("dkdv", block_d, documents, float32)
 
 
-def dq_config(block_d: int, float32: bool = False) -> KernelConfig:
-    return pick("dq", block_d, float32=float32)
+def dq_config(block_d: int, documents: bool = False, float32: bool = False) -> KernelConfig:
+    return kind_config("dq", block_d, documents, float32)
