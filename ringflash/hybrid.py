@@ -33,7 +33,7 @@ from .comm import (
     warn_placement,
 )
 from .dropout import all_dropped, check_dropout, operator_dropout
-from .local import backend_for
+from .local import backend_for, packed_outputs
 from .merge import state_dtype
 from .ops import _Saved
 from .schedule import chunks_per_rank, is_balanced
@@ -363,4 +363,4 @@ def hybrid_varlen_attn(
         q[None], k[None], v[None], None, cu_check, group, head_group, spec, p, generator, lens, lens,
         layout.max_local_len, return_lse, agree,
     )  # fmt: skip
-    return (out[0], lse[0]) if return_lse else out[0]
+    return packed_outputs(out, lse, return_lse)

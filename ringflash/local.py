@@ -351,16 +351,23 @@ def flash_attn_varlen_func(
         cu_q, cu_k = check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], q.device, api)
         check_max_seqlen(max_seqlen_q, cu_q, "max_seqlen_q", api)
         check_max_seqlen(max_seqlen_k, cu_k, "max_seqlen_k", api)
-        out, lse = empty_attention(q[None], k[None], v[None])
-        return (out[0], lse[0]) if return_lse else out[0]
+        return packed_outputs(*empty_attention(q[None], k[None], v[None]), return_lse)
     # cu_seqlens' values (and the hints against them) are checked by ops.flash before any
     # kernel: inside the operator when traced, where they are known under torch.compile too
     out, lse = ops.flash(
         q[None], k[None], v[None], None, cu_seqlens_q, cu_seqlens_k, 0, 0, *ops.window_args(window), scale,
         *operator_dropout(dropout_p, generator), _op_backend(q), deterministic, *hints, want_lse=return_lse,
     )  # fmt: skip
-    out = all_dropped(out, dropout_p)
-    return (out[0], lse[0]) if return_lse else out[0]
+    return packed_outputs(all_dropped(out, dropout_p), lse, return_lse)
+
+
+def packed_outputs(out, lse, return_lse: bool):
+    """What the packed APIs return from a batch-of-one call's out (1, T, H, Dv) and lse
+    (1, H, T): out (T, H, Dv), and (out, lse (H, T)) with return_lse. Views by squeeze, whose
+    backward is a view too (indexing [0]'s allocates a zeroed batch and copies the gradient
+    into it: a full-size fill and copy per call)."""
+    out = out.squeeze(0)
+    return (out, lse.squeeze(0)) if return_lse else out
 
 
 def _op_backend(q) -> str:

@@ -44,6 +44,7 @@ from .local import (
     block_backward,
     block_forward,
     fuses_backward,
+    packed_outputs,
     without_autocast,
 )
 from .masks import FULL, BlockMask, Window, window_from
@@ -637,5 +638,4 @@ def ring_flash_attn_varlen_func(
         -1 if spec.grad_chunks is None else spec.grad_chunks, spec.grad_accum,
         "" if compiling else backend_name(q.device), spec.deterministic, agree,
     )  # fmt: skip
-    out = all_dropped(out, p)
-    return (out[0], lse[0]) if return_lse else out[0]
+    return packed_outputs(all_dropped(out, p), lse, return_lse)
