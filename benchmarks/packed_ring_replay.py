@@ -83,18 +83,23 @@ def replay_rank(q, k, v, do, cu, layout, rank, world, window, overlap, grad_chun
     return run
 
 
+def print_kernel_times(run, device, label: str, per: int = 1) -> None:
+    """One line: run()'s kernels by device time under torch.profiler (on the CPU: its operators
+    by CPU time), the total and the six largest, each divided by `per`."""
+    run()
+    kernels = kernel_times(run, device)
+    print(
+        f"  {label}: {sum(ms for _, _, ms in kernels) / per:.2f} ms: "
+        + ", ".join(f"{name[:28]} x{n} {ms / per:.2f}" for name, n, ms in kernels[:6]),
+        flush=True,
+    )
+
+
 def print_kernels(q, k, v, do, cu, layout, world, window, chunks, label):
-    """Each rank's replayed forward+backward under torch.profiler: its kernels by device time
-    (on the CPU: its operators by CPU time)."""
+    """Each rank's replayed forward+backward: print_kernel_times."""
     for r in range(world):
         run = replay_rank(q, k, v, do, cu, layout, r, world, window, True, chunks)
-        run()
-        kernels = kernel_times(run, q.device)
-        print(
-            f"  [{label}] rank {r}: {sum(ms for _, _, ms in kernels):.2f} ms: "
-            + ", ".join(f"{name[:28]} x{n} {ms:.2f}" for name, n, ms in kernels[:6]),
-            flush=True,
-        )
+        print_kernel_times(run, q.device, f"[{label}] rank {r}")
 
 
 def measure(args, device, dtype):
@@ -122,6 +127,9 @@ def measure_total(args, device, dtype, total, documents_backward):
         ringflash.flash_attn_varlen_func(qg, kg, vg, cu, cu, causal=True, window_size=window).backward(do)
 
     single_ms = timed(single, device, args.repeats, args.calls)
+    if args.kernels:  # the one-GPU call's kernels over P, beside each rank's below
+        for world in args.worlds:
+            print_kernel_times(single, device, f"[{documents_backward}] one GPU / {world}", per=world)
     variants = itertools.product(args.worlds, args.own_call_work_log2 or [None], args.grad_chunks or [None])
     for world, own_log2, chunks in variants:
         layout = ringflash.balanced_layout(cu_list, world, causal=True, window_size=window)
