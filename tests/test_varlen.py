@@ -97,6 +97,18 @@ def test_one_document_equals_flash_attn_func(backend, causal):
     assert max_err(a, b) < 1e-6
 
 
+def test_outputs_are_views_whose_backward_copies_nothing():
+    """out and lse come back as squeezed views of the batch-of-one call: their backward is a view
+    too (indexing's, SelectBackward, would allocate a zeroed batch and copy the gradient into it
+    on every call)."""
+    q, k, v, _ = _packed([7, 20], [7, 20], 2, 2, 16, torch.float32, 1)
+    q.requires_grad_()
+    out, lse = flash_attn_varlen_func(q, k, v, _cu([7, 20]), _cu([7, 20]), causal=True, return_lse=True)
+    assert type(out.grad_fn).__name__.startswith("SqueezeBackward"), out.grad_fn
+    assert type(lse.grad_fn).__name__.startswith("SqueezeBackward"), lse.grad_fn
+    assert out.shape == (27, 2, 16) and lse.shape == (2, 27)
+
+
 @pytest.mark.parametrize("backend", ["torch"], indirect=True)
 def test_random_document_mixes(backend):
     """Random lengths (including 0 and 1), random windows, float64 on the torch backend."""
