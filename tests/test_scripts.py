@@ -399,3 +399,19 @@ def test_profile_host_timers_count_layers_and_restore_them():
     for label in ("ops.flash", "_FlashAttn.forward", "local.block_forward", "local.block_backward"):
         assert totals[label][0] == 2 and totals[label][1] > 0, label
     assert (local.block_forward, local._FlashAttn.__dict__["forward"]) == before
+
+
+def test_profile_packed_callers_name_the_autograd_node():
+    """profile_packed --callers: each operator's time with the operators and autograd nodes
+    around it; indexing's backward shows as a zero fill inside SelectBackward0 (on the CPU, by
+    CPU time)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from benchmarks.profile_packed import callers
+
+    x = torch.randn(1, 64, 4, requires_grad=True)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        (x[0] * 2).sum().backward()
+    chains = [chain for chain, us in callers(prof, cuda=False)]
+    assert any(c.startswith("aten::zero_ <") and "SelectBackward0" in c for c in chains), chains
