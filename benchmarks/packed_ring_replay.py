@@ -83,11 +83,15 @@ def replay_rank(q, k, v, do, cu, layout, rank, world, window, overlap, grad_chun
     return run
 
 
-def print_kernel_times(run, device, label: str, per: int = 1) -> None:
-    """One line: run()'s kernels by device time under torch.profiler (on the CPU: its operators
-    by CPU time), the total and the six largest, each divided by `per`."""
+def measured_kernels(run, device) -> list[tuple[str, int, float]]:
+    """run()'s kernels by device time under torch.profiler (on the CPU: its operators by CPU
+    time), after one call outside the profile."""
     run()
-    kernels = kernel_times(run, device)
+    return kernel_times(run, device)
+
+
+def print_kernel_times(kernels, label: str, per: int = 1) -> None:
+    """One line: the total of `kernels` (measured_kernels) and the six largest, each divided by `per`."""
     print(
         f"  {label}: {sum(ms for _, _, ms in kernels) / per:.2f} ms: "
         + ", ".join(f"{name[:28]} x{n} {ms / per:.2f}" for name, n, ms in kernels[:6]),
@@ -96,10 +100,10 @@ def print_kernel_times(run, device, label: str, per: int = 1) -> None:
 
 
 def print_kernels(q, k, v, do, cu, layout, world, window, chunks, label):
-    """Each rank's replayed forward+backward: print_kernel_times."""
+    """Each rank's replayed forward+backward: its kernels (print_kernel_times)."""
     for r in range(world):
         run = replay_rank(q, k, v, do, cu, layout, r, world, window, True, chunks)
-        print_kernel_times(run, q.device, f"[{label}] rank {r}")
+        print_kernel_times(measured_kernels(run, q.device), f"[{label}] rank {r}")
 
 
 def measure(args, device, dtype):
@@ -128,8 +132,9 @@ def measure_total(args, device, dtype, total, documents_backward):
 
     single_ms = timed(single, device, args.repeats, args.calls)
     if args.kernels:  # the one-GPU call's kernels over P, beside each rank's below
+        single_kernels = measured_kernels(single, device)
         for world in args.worlds:
-            print_kernel_times(single, device, f"[{documents_backward}] one GPU / {world}", per=world)
+            print_kernel_times(single_kernels, f"[{documents_backward}] one GPU / {world}", per=world)
     variants = itertools.product(args.worlds, args.own_call_work_log2 or [None], args.grad_chunks or [None])
     for world, own_log2, chunks in variants:
         layout = ringflash.balanced_layout(cu_list, world, causal=True, window_size=window)
