@@ -345,10 +345,11 @@ def test_documents_backward_vs_float64(dtype, causal, window_size, len_k_extra, 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("causal,window_size,len_k_extra", DOCUMENT_CASES)
-def test_gluon_forward_documents(dtype, causal, window_size, len_k_extra, monkeypatch):
-    """Packed documents (per-row bounds) at D=128 on the Gluon forward (configs.GLUON_FWD_DOCUMENTS,
-    forced: these documents are short enough that the built-in rule would take the Triton
-    forward, configs.GLUON_DOCUMENTS_MIN_KEYS_PER_ROW): documents of 0 to 3000 rows, most 128-row
+@pytest.mark.parametrize("D", [128, 64, 256])
+def test_gluon_forward_documents(dtype, causal, window_size, len_k_extra, D, monkeypatch):
+    """Packed documents (per-row bounds) at each head dim on its Gluon forward
+    (configs.GLUON_FWD_DOCUMENTS, forced: these documents are short enough that the built-in rule
+    would take the Triton forward, configs.GLUON_DOCUMENTS_MIN_KEYS_PER_ROW): documents of 0 to 3000 rows, most 128-row
     tiles straddling several; out and lse against float64 within the plain bound and beside the
     Triton kernel's; rows that see no key give out 0 and lse -inf."""
     from ringflash.kernels import configs, gluon_forward
@@ -360,10 +361,10 @@ def test_gluon_forward_documents(dtype, causal, window_size, len_k_extra, monkey
     monkeypatch.setattr(gluon_forward, "forward", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     len_q, len_k, cu_q, cu_k = _documents(len_k_extra)
     g = torch.Generator(device="cuda").manual_seed(len(len_q) + len_k_extra + 40)
-    mk = lambda n, H: torch.randn(n, H, 128, device="cuda", generator=g, dtype=dtype)  # noqa: E731
+    mk = lambda n, H: torch.randn(n, H, D, device="cuda", generator=g, dtype=dtype)  # noqa: E731
     q, k, v, do = mk(sum(len_q), 8), mk(sum(len_k), 2), mk(sum(len_k), 2), mk(sum(len_q), 8)
     kw = dict(causal=causal, window_size=window_size)
-    with configs.override(gluon=configs.GLUON_FWD_DOCUMENTS[128]):
+    with configs.override(gluon=configs.GLUON_FWD_DOCUMENTS[D]):
         out, lse = flash_attn_varlen_func(q, k, v, cu_q, cu_k, return_lse=True, **kw)
     assert calls, "the Gluon forward was not used"
     with configs.override(gluon=None):

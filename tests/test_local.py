@@ -318,9 +318,11 @@ def test_gluon_forward_choice(monkeypatch):
     assert configs.gluon_forward_variant(128) == configs.GLUON_FWD[128]
     assert configs.gluon_forward_variant(128, documents=True) == configs.GLUON_FWD_DOCUMENTS[128]
     assert configs.gluon_forward_variant(32) is None
-    few = configs.GLUON_DOCUMENTS_MIN_KEYS_PER_ROW - 1  # short documents: the Triton forward
-    assert configs.gluon_forward_variant(128, documents=True, keys_per_row=few) is None
-    assert configs.gluon_forward_variant(128, documents=True, keys_per_row=few + 1) == configs.GLUON_FWD_DOCUMENTS[128]
+    for d, least in configs.GLUON_DOCUMENTS_MIN_KEYS_PER_ROW.items():  # short documents: the Triton forward
+        docs = configs.GLUON_FWD_DOCUMENTS[d]
+        assert configs.gluon_forward_variant(d, documents=True, keys_per_row=least) == docs
+        assert configs.gluon_forward_variant(d, documents=True, keys_per_row=least - 0.5) is (None if least else docs)
+    assert set(configs.GLUON_DOCUMENTS_MIN_KEYS_PER_ROW) == set(configs.GLUON_FWD_DOCUMENTS)
     with configs.override(gluon="ws2_n64"):
         assert configs.gluon_forward_variant(128) == "ws2_n64"
     with configs.override(gluon=None):

@@ -145,8 +145,12 @@ def test_gluon_forward_compiles_for_hopper(tmp_path):
     """The Gluon forward variants the package uses (configs.GLUON_FWD, GLUON_FWD_DOCUMENTS)
     compile for sm_90a on this CPU machine: local causal (bf16), a sliding window, a ring step
     (fold, float32 state, fp16) and packed documents (per-row bounds, local and folded),
-    within the shared memory, no spills, a wgmma left in flight (wait_group 1)."""
+    within the shared memory, a wgmma left in flight (wait_group 1), no spills except the few
+    bytes the 128-key variants spill with per-row bounds, which a GPU measured faster than the
+    spill-free 64-key ones (configs.GLUON_FWD_DOCUMENTS): at most ROWS_SPILL_BYTES, as when measured."""
     from ringflash.kernels.configs import GLUON_FWD, GLUON_FWD_DOCUMENTS
+
+    ROWS_SPILL_BYTES = 40
 
     cases = [f"{v}:{D}:1:bf16:1:0" for D, v in GLUON_FWD.items()]  # every head dim, causal
     v = GLUON_FWD[128]
@@ -154,11 +158,14 @@ def test_gluon_forward_compiles_for_hopper(tmp_path):
     cases += [c for D, v in GLUON_FWD_DOCUMENTS.items() for c in (f"{v}:{D}:1:bf16:1:0:rows",
                                                                   f"{v}:{D}:0:fp16:0:1:rows")]  # fmt: skip
     run([sys.executable, "benchmarks/gluon_report.py", "--jobs", "2", "--json", str(tmp_path / "g.json")]
-        + [a for c in cases for a in ("--case", c)], tmp_path)  # fmt: skip
-    rows = json.loads((tmp_path / "g.json").read_text())
+        + [a for c in cases for a in ("--case", c)], tmp_path, expect_ok=False)  # fmt: skip
+    rows = json.loads((tmp_path / "g.json").read_text())  # (the report exits 1 on any spill)
     assert len(rows) == len(cases)
     for r in rows:
-        assert not r["problems"] and r["spill_bytes"] == 0 and r["sass_waits"].get("1", 0) > 0, r
+        assert "error" not in r, r
+        allowed = ROWS_SPILL_BYTES if r["mask"] == "rows" else 0
+        assert r["spill_bytes"] <= allowed and r["sass_waits"].get("1", 0) > 0, r
+        assert all(p.startswith("spills") for p in r["problems"]), r
 
 
 def test_gluon_backward_blocked_dq_layout():

@@ -90,17 +90,21 @@ _DOCUMENTS = {"fwd": _FWD_DOCUMENTS, "dkdv": _DKDV_DOCUMENTS, "dq": _DQ_DOCUMENT
 # without a key bias or dropout, dense, causal or windowed; packed documents (per-row bounds)
 # take GLUON_FWD_DOCUMENTS. Any other block, head dim or GPU takes the Triton kernel.
 GLUON_FWD = {64: "ws2_s3", 128: "ws2_s3", 256: "ws2"}
-# 64-key blocks: the 128-key variant spills at D=128 with per-row bounds (python -m
-# benchmarks.gluon_report --masks rows), and a short document's edge wastes less.
-GLUON_FWD_DOCUMENTS = {128: "ws2_n64"}
-# Below this many keys per query row on average (RowBounds.keys_per_row) packed documents take
-# the Triton forward: its 64-row tiles with few key blocks each beat the Gluon kernel's 128-row
-# tiles there, whose set-up per tile is paid for few blocks. One H200, causal documents of N
-# tokens in 64K (python -m benchmarks.packed --no-peers --mixes fixed:N ..., N / 2 keys per
-# row), Gluon over Triton forward speed: N = 256 / 512 / 1024 / 2048: 0.73 / 0.81 / 0.88 /
-# 0.93-0.98x; N = 4096 / 8192: 1.02-1.08x / 1.03-1.07x (two timings of the Gluon kernel each);
-# the threshold sits between 1024 and 2048 keys per row.
-GLUON_DOCUMENTS_MIN_KEYS_PER_ROW = 1536
+# Packed documents (per-row bounds). The 128-key variants spill with per-row bounds (40 bytes
+# at D=128, 8 at D=256: python benchmarks/gluon_report.py --masks rows) and are still faster
+# than the spill-free 128x64 ws2_n64: one H200, bf16, H=32, long-tailed documents of 16K / 64K
+# tokens, forward (python -m benchmarks.packed --no-peers --mixes longtail --modes fwd
+# --variants gluon=ws2_s3 gluon=ws2_n64 ...): D=128 1.12x / 1.11x; D=64 (no spills) 1.13x / 1.11x.
+GLUON_FWD_DOCUMENTS = {64: "ws2_s3", 128: "ws2_s3", 256: "ws2"}
+# Below this many keys per query row on average (RowBounds.keys_per_row; per head dim) packed
+# documents take the Triton forward: its 64-row tiles with few key blocks each beat the Gluon
+# kernel's 128-row tiles there, whose set-up per tile is paid for few blocks. One H200, bf16,
+# 64K tokens of causal documents of N tokens each (N / 2 keys per row; python -m
+# benchmarks.packed --no-peers --mixes fixed:N ...), Gluon over Triton forward speed for
+# N = 1024 / 2048 / 4096: D=128 0.96 / 0.90 / 1.13; D=64 0.75 / 0.84 / 0.94 (long-tailed
+# documents, 4381 and 6539 keys per row: 1.05 / 1.05); D=256 2.2x already at N = 1024 (its
+# Triton forward is slow).
+GLUON_DOCUMENTS_MIN_KEYS_PER_ROW = {64: 4096, 128: 1536, 256: 0}
 
 # The fused Gluon backward's variant per padded head dim on Hopper (one kernel per key block:
 # dK, dV in registers, dQ added in float32 by atomics, so not bitwise reproducible; callers
@@ -251,7 +255,7 @@ def gluon_forward_variant(block_d: int, documents: bool = False, keys_per_row: f
         return None
     if not documents:
         return GLUON_FWD.get(block_d)
-    if keys_per_row is not None and keys_per_row < GLUON_DOCUMENTS_MIN_KEYS_PER_ROW:
+    if keys_per_row is not None and keys_per_row < GLUON_DOCUMENTS_MIN_KEYS_PER_ROW.get(block_d, 0):
         return None
     return GLUON_FWD_DOCUMENTS.get(block_d)
 
