@@ -28,6 +28,7 @@ from ._checks import (
     resolve_deterministic,
     resolve_scale,
 )
+from .dq_sum import DQPart
 from .dropout import all_dropped, check_dropout, operator_dropout
 from .empty import empty_attention
 from .masks import BlockMask, Visibility, local_offsets, window_from
@@ -157,11 +158,17 @@ def block_backward(
     """Gradients of the block (`mask` and `dropout` as in block_forward) given the final row statistics m, l
     (SoftmaxState.m / .l) and delta, (B, Hq, Sq) each, of the query rows (delta a tensor, or a
     merge.DeltaOf the backend computes it from): added into
-    (accumulate=True) or written to dq (B, Sq, Hq, D), dk (B, Sk, Hkv, D) and dv (B, Sk, Hkv, Dv);
-    do is (B, Sq, Hq, Dv). dq=None skips
+    (accumulate=True) or written to dq (B, Sq, Hq, D) (or a dq_sum.DQPart, only added to),
+    dk (B, Sk, Hkv, D) and dv (B, Sk, Hkv, Dv); do is (B, Sq, Hq, Dv). dq=None skips
     the dQ pass, dk=dv=None the dK/dV pass. With all three given, a block fuses_backward accepts
     runs as one fused kernel whose dQ is not bitwise reproducible; deterministic=True keeps the
     separate passes, which are. Returns whether anything was computed."""
+    backend = backend or backend_for(q.device)
+    if isinstance(dq, DQPart):
+        if not accumulate:
+            raise ValueError("a DQPart is only added to: pass accumulate=True")
+        if not getattr(backend, "TAKES_DQ_PARTS", False):
+            dq = dq.tensor()
     visible, window = _launch_window(mask, q, k)
     if not visible:
         if not accumulate:
@@ -169,7 +176,7 @@ def block_backward(
                 if t is not None:
                     t.zero_()
         return False
-    (backend or backend_for(q.device)).backward(
+    backend.backward(
         _unit_stride(q), _unit_stride(k), _unit_stride(v), m, l, _unit_stride(do), delta, dq, dk, dv,
         q_start=mask.q_start, k_start=mask.k_start, window=window, bounds=mask.bounds, scale=scale,
         accumulate=accumulate, key_bias=key_bias, dropout=dropout, deterministic=deterministic,

@@ -35,6 +35,7 @@ from .comm import (
     validated_across_ranks,
     warn_placement,
 )
+from .dq_sum import DQSum
 from .dropout import Dropout, all_dropped, check_dropout, operator_dropout
 from .empty import empty_attention
 from .local import (
@@ -175,7 +176,8 @@ class _RingAttn(torch.autograd.Function):
         acc = spec.grad_accum or state_dtype(q.dtype)
         chunks = default_grad_chunks(k, acc, v) if spec.grad_chunks is None else spec.grad_chunks
         do, delta = backward_inputs(out, do, dlse, backend)
-        dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+        # one dQ sum per call: the fused kernel adds to one blocked buffer, finished once at the end
+        dq = DQSum(q.shape, acc, q.device, spec.scale)
         steps = ring_steps(spec.layout, comm.world, q.shape[1], k.shape[1], spec.window)
         relay = GradRelay(comm, k, v, acc, chunks, steps)
         G = q.shape[2] // k.shape[2]
@@ -210,7 +212,7 @@ class _RingAttn(torch.autograd.Function):
                     l[:, :, r],
                     do[:, r],
                     delta[:, :, r],
-                    dq[:, r],
+                    dq.part(r),
                     None,
                     None,
                     mask,
@@ -234,7 +236,7 @@ class _RingAttn(torch.autograd.Function):
                         l[:, qh, r],
                         do[:, r, qh],
                         delta[:, qh, r],
-                        dq[:, r, qh] if fuse else None,
+                        dq.part(r, qh) if fuse else None,
                         dk[:, t.kv_rows],
                         dv[:, t.kv_rows],
                         mask,
@@ -250,7 +252,7 @@ class _RingAttn(torch.autograd.Function):
         # kv_grad_dtype: a caller that sums dK/dV further (hybrid's replicated heads) takes them
         # unrounded, in the accumulator dtype
         dk, dv = relay.finish(getattr(ctx, "kv_grad_dtype", None) or k.dtype)
-        return dq.to(q.dtype), dk, dv, None, None, None
+        return dq.result(q.dtype), dk, dv, None, None, None
 
 
 _FIELD_NAMES = (

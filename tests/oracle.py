@@ -43,12 +43,29 @@ def case_dtypes(backend: str, dtypes, case: int) -> list:
 
 
 def spy_fused_backward(monkeypatch) -> list:
-    """Record every call of the fused Gluon backward (the list grows by one per call)."""
+    """Record every call of the fused Gluon backward: the list grows by one per call, "blocked"
+    where its dq was a BlockedDQ (a ring call's one blocked buffer), else "tensor"."""
     from ringflash.kernels import gluon_backward
 
     calls = []
     real = gluon_backward.backward
-    monkeypatch.setattr(gluon_backward, "backward", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+
+    def spy(*a, **kw):
+        calls.append("blocked" if isinstance(a[7], gluon_backward.BlockedDQ) else "tensor")
+        return real(*a, **kw)
+
+    monkeypatch.setattr(gluon_backward, "backward", spy)
+    return calls
+
+
+def spy_dq_unblocks(monkeypatch) -> list:
+    """Record every un-permuting of a blocked float32 dQ (gluon_backward.unblock_dq), one entry
+    per launch."""
+    from ringflash.kernels import gluon_backward
+
+    calls = []
+    real = gluon_backward.unblock_dq
+    monkeypatch.setattr(gluon_backward, "unblock_dq", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     return calls
 
 

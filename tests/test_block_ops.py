@@ -163,3 +163,41 @@ def test_block_backward_16bit_on_row_views(backend):
         grads.append((dq, dk, dv))
     for a, b in zip(*grads):
         assert torch.isfinite(a).all() and torch.equal(a, b)
+
+
+def test_dq_sum_adds_blocked_and_row_major_parts():
+    """A ring call's dQ sum (ringflash.dq_sum.DQSum): the fused kernel's parts view the one
+    blocked float32 buffer (rows from a multiple of 64, any heads; none for a 16-bit
+    accumulator or rows off the blocks), the others the row-major one; result() scales and
+    un-permutes the blocked sum (one Triton launch, here interpreted) and adds the row-major
+    one, or writes the output dtype directly when nothing else was added."""
+    from ringflash.dq_sum import DQSum
+    from ringflash.kernels import gluon_backward as gb
+
+    B, S, Hq, D = 2, 130, 4, 64
+    g = torch.Generator().manual_seed(0)
+    # integers: exact in every dtype and sum below (the interpreter rounds to 16 bits toward zero)
+    x = torch.randint(-64, 64, (B, 192, Hq, D), generator=g).float()
+    y = torch.randint(-64, 64, (B, S, Hq, D), generator=g).float()
+
+    def fill(dq_sum):
+        part = dq_sum.part(slice(64, S), slice(1, 3)).blocked()
+        assert part.acc.shape == (B, 2, 128, D) and part.acc.data_ptr() == dq_sum.blocked()[:, 1, 64].data_ptr()
+        assert dq_sum.part(slice(0, S)).blocked().acc.shape == (B, Hq, 192, D)
+        gb.dq_natural_view(dq_sum.blocked()).copy_(x.view(B, 3, 4, 2, 8, Hq, 2, D // 16, 4, 2))
+
+    both = DQSum((B, S, Hq, D), torch.float32, torch.device("cpu"), scale=0.5)
+    fill(both)
+    assert both.part(slice(10, 20)).blocked() is None  # off the 64-row blocks
+    both.part(slice(0, S)).tensor().add_(y)
+    assert torch.equal(both.result(torch.float32), 0.5 * x[:, :S] + y)
+    assert both._blocked is None  # released
+    alone = DQSum((B, S, Hq, D), torch.float32, torch.device("cpu"), scale=0.5)
+    fill(alone)
+    out = alone.result(torch.bfloat16)
+    assert alone._natural is None and out.dtype == torch.bfloat16
+    assert torch.equal(out, (0.5 * x[:, :S]).bfloat16())
+    narrow = DQSum((B, S, Hq, D), torch.bfloat16, torch.device("cpu"), scale=0.5)
+    assert narrow.part(slice(0, S)).blocked() is None  # a 16-bit accumulator: row-major only
+    narrow.part(slice(0, S), slice(2, 4)).tensor().add_(y[:, :, 2:].bfloat16())
+    assert torch.equal(narrow.result(torch.bfloat16)[:, :, 2:], y[:, :, 2:].bfloat16())

@@ -12,7 +12,7 @@ from ringflash import balanced_layout, flash_attn_func, flash_attn_varlen_func, 
 from ringflash.testing import replay_ring, varlen_reference
 
 from dist_utils import run_world
-from oracle import force_fused_backward, naive_attention, rel_rms, spy_fused_backward
+from oracle import force_fused_backward, naive_attention, rel_rms, spy_dq_unblocks, spy_fused_backward
 
 pytestmark = pytest.mark.gpu
 _rel_rms = rel_rms
@@ -178,19 +178,28 @@ def test_replayed_ring_fused_backward(causal, layout, chunks, accum, monkeypatch
     """With the fused kernel (forced at this size) each step's dense / causal D=128 blocks
     compute dQ with dK/dV in one call, per kv-head chunk as the accumulators arrive: gradients within 1.2x of one GPU's
     error against float64 (1.3 sqrt(P) with 16-bit accumulators, as the two-pass ring's), and
-    within the same bound of the deterministic ring's."""
+    within the same bound of the deterministic ring's. With float32 accumulators every call adds
+    to its ring call's one blocked dQ, un-permuted once per rank's call (not once per launch)."""
 
     calls = spy_fused_backward(monkeypatch)
+    unblocks = spy_dq_unblocks(monkeypatch)
     q, k, v, do = _inputs(1, 4096, 8, 4, 128, torch.bfloat16, seed=7)
     ref = _reference(q, k, v, do, causal)
     single = _single_gpu(q, k, v, do, causal)
     kw = dict(world=4, causal=causal, layout=layout, grad_chunks=chunks, grad_accum_dtype=accum)
     force_fused_backward(monkeypatch)  # at this small size
+    calls.clear()
+    unblocks.clear()
     ring = replay_ring(q, k, v, do, **kw)
     assert calls, "the fused backward was not used"
+    if accum is None:
+        assert set(calls) == {"blocked"} and len(unblocks) == 4, (calls, len(unblocks))
+    else:  # a 16-bit accumulator: a float32 scratch per launch, finished per launch
+        assert set(calls) == {"tensor"} and len(unblocks) == len(calls), (calls, len(unblocks))
     calls.clear()
+    unblocks.clear()
     two_pass = replay_ring(q, k, v, do, deterministic=True, **kw)
-    assert not calls
+    assert not calls and not unblocks
     factor = 1.2 if accum is None else 1.3 * 4**0.5
     for name, r, s, g, t in zip(("out", "dq", "dk", "dv"), ref, single, ring, two_pass):
         e_single = _rel_rms(s, r)
@@ -245,6 +254,7 @@ def test_replayed_packed_ring_fused_backward(world, chunks, causal, window_size,
     L = balanced_layout(cu, world, **kw)
     ring = replay_ring(q[None], k[None], v[None], do[None], world=world, layout=L, grad_chunks=chunks, **kw)
     assert calls, "the fused backward was not used"
+    assert "blocked" in calls  # the per-step call over every row adds to the ring call's blocked dQ
     for name, r, sgl, g in zip(("out", "dq", "dk", "dv"), ref, single, ring):
         e_single, e_ring = _rel_rms(sgl, r), _rel_rms(g[0], r)
         assert torch.isfinite(g).all()

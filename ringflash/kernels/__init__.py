@@ -11,12 +11,15 @@ import functools
 import torch
 import triton
 
+from ..dq_sum import DQPart
 from ..merge import LOG2E, DeltaOf
 from . import configs
 from .backward import _delta_kernel, _dkdv_kernel, _dq_kernel
 from .forward import _fwd_kernel
 from .launcher import launch, on_device
 from .tiles import MASK_NONE, MASK_ROWS, MASK_WINDOW, UNBOUNDED
+
+TAKES_DQ_PARTS = True  # backward() takes a dq_sum.DQPart as dq (the fused kernel adds to its blocked buffer)
 
 
 def _block_d(head_dim: int) -> int:
@@ -231,14 +234,18 @@ def _fused_backward_sms(device: torch.device) -> int:
 def _gluon_backward(q, k, v, m, l, do, delta, dq, dk, dv, q_start, k_start, window, bounds, scale, accumulate) -> bool:
     """Run the block on the fused Gluon backward (the caller checked fuses_backward); False:
     it does not take these tensors (strides, alignment, sizes), nothing written, the caller runs
-    the Triton passes."""
+    the Triton passes. dq: a tensor, or a DQPart, whose call's blocked buffer the kernel adds to
+    where the variant's dQ is blocked (no scratch, zeroing or finish per launch)."""
     from . import gluon_backward
 
     reaches = None if window is None or bounds is not None else (window.left, window.right)  # bounds decide alone
+    variant = configs.gluon_backward_variant(q.shape[-1], documents=bounds is not None)
     try:  # it launches on q's device itself
+        if isinstance(dq, DQPart):
+            blocked = dq.blocked() if gluon_backward.config_for(q.shape[-1], variant).dq_blocked else None
+            dq = dq.tensor() if blocked is None else blocked
         gluon_backward.backward(q, k, v, m, l, do, delta, dq, dk, dv, q_start=q_start, k_start=k_start,
-                                causal=False, scale=scale, accumulate=accumulate,
-                                config=configs.gluon_backward_variant(q.shape[-1], documents=bounds is not None),
+                                causal=False, scale=scale, accumulate=accumulate, config=variant,
                                 window=reaches, bounds=bounds)  # fmt: skip
     except gluon_backward.Unsupported:
         return False
@@ -262,6 +269,8 @@ def backward(q, k, v, m, l, do, delta, dq, dk, dv, *, q_start, k_start, window, 
         and _gluon_backward(q, k, v, m, l, do, delta, dq, dk, dv, q_start, k_start, window, bounds, scale, accumulate)
     ):
         return
+    if isinstance(dq, DQPart):
+        dq = dq.tensor()
     if isinstance(delta, DeltaOf):
         delta = delta.value(do, _rowsum)
     B, Sq, Hq, D = q.shape

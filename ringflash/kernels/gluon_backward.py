@@ -16,7 +16,8 @@ accumulate=True adds the gradients to dq, dk, dv; otherwise they are written.
 
 dq: the kernel adds dQ in float32 with atomics (so dQ is not bitwise reproducible run to run).
 A float32 dq is accumulated into in place (zeroed first when not accumulating); a 16-bit dq goes
-through a float32 scratch buffer and one cast (or add) at the end. dk, dv: any of float32,
+through a float32 scratch buffer and one cast (or add) at the end. A caller that sums dQ over
+many launches (the ring) passes a BlockedDQ instead and finishes it once (unblock_dq). dk, dv: any of float32,
 bfloat16, float16 (stored once per key block, added to when accumulating).
 
 The module imports on any machine; without Gluon (triton < 3.6), without a Hopper GPU, or for
@@ -57,6 +58,18 @@ HAS_GLUON = GLUON_ERROR is None
 
 class Unsupported(ValueError):
     """The Gluon backward cannot run these inputs; use the Triton kernels."""
+
+
+@dataclass
+class BlockedDQ:
+    """A caller's blocked float32 dQ accumulator, given as dq: acc (B, Hq, >= Sq padded to 64
+    rows, D) float32, each 64-row block of a (batch, head) contiguous in dq_natural_view's
+    layout (a view into a larger buffer of such blocks: heads and rows from a multiple of 64
+    sliced), zeroed by the caller. The kernel adds unscaled dQ to it (padded rows: zeros) and
+    finishes nothing; the caller scales and un-permutes it once after its last launch
+    (unblock_dq). Needs a config with dq_blocked."""
+
+    acc: torch.Tensor
 
 
 # ----------------------------------------------------------------------------------------------
@@ -181,23 +194,50 @@ def check_shapes(q, k, v, m, l, do, delta, dq, dk, dv, *, scale, cfg=None) -> No
             raise Unsupported(f"{name} must be float32 (B, Hq, Sq) = {(B, Hq, Sq)}, got {t.dtype} {tuple(t.shape)}")
     if dq is None or dk is None or dv is None:
         raise Unsupported("the fused backward computes dq, dk and dv together")
-    for name, t, shape in (("dq", dq, (B, Sq, Hq, D)), ("dk", dk, (B, Sk, Hkv, D)), ("dv", dv, (B, Sk, Hkv, D))):
+    if isinstance(dq, BlockedDQ):
+        _check_blocked(dq.acc, B, Sq, Hq, D, cfg)
+        dq = None
+    named = (("dq", dq, (B, Sq, Hq, D)),) if dq is not None else ()
+    for name, t, shape in (*named, ("dk", dk, (B, Sk, Hkv, D)), ("dv", dv, (B, Sk, Hkv, D))):
         if tuple(t.shape) != shape or t.stride(-1) != 1:
             raise Unsupported(f"{name} must be {shape} with a unit last stride, got {tuple(t.shape)} {t.stride()}")
         if t.dtype not in (torch.float32, torch.bfloat16, torch.float16):
             raise Unsupported(f"{name} dtype {t.dtype} not supported")
-    if dq.dtype == torch.float32 and (dq.data_ptr() % 8 or any(s % 2 for s in dq.stride()[:-1])):
+    if dq is not None and dq.dtype == torch.float32 and (dq.data_ptr() % 8 or any(s % 2 for s in dq.stride()[:-1])):
         # the atomics add two adjacent float32 per instruction (8-byte aligned pairs)
         raise Unsupported("a float32 dq needs an 8-byte aligned base and even strides")
     if max(Sq, Sk) >= 2**30:
         raise Unsupported("sizes beyond 32-bit row indices")
 
 
+def _check_blocked(acc: torch.Tensor, B: int, Sq: int, Hq: int, D: int, cfg) -> None:
+    if cfg is not None and not cfg.dq_blocked:
+        raise Unsupported(f"a blocked dq needs a config with dq_blocked, got {cfg}")
+    rows = -(-Sq // 64) * 64
+    if (
+        acc.dtype != torch.float32
+        or acc.dim() != 4
+        or acc.shape[0] != B
+        or acc.shape[1] != Hq
+        or acc.shape[2] < rows
+        or acc.shape[3] != D
+        or acc.stride(3) != 1
+        or acc.stride(2) != D
+        or acc.data_ptr() % 16
+        or any(s % (64 * D) for s in (acc.stride(0), acc.stride(1)))
+    ):
+        raise Unsupported(
+            f"a blocked dq must be float32 ({B}, {Hq}, >= {rows}, {D}) of contiguous 64-row blocks, "
+            f"got {acc.dtype} {tuple(acc.shape)} strides {acc.stride()}"
+        )
+
+
 def check_supported(q, k, v, m, l, do, delta, dq, dk, dv, *, scale, cfg=None) -> None:
     """Raise Unsupported unless the Gluon backward can run these tensors here."""
     if not HAS_GLUON:
         raise Unsupported(f"Gluon is not available: {GLUON_ERROR}")
-    tensors = (q, k, v, m, l, do, dq, dk, dv) + (tuple(delta) if isinstance(delta, DeltaOf) else (delta,))
+    dq_tensor = dq.acc if isinstance(dq, BlockedDQ) else dq
+    tensors = (q, k, v, m, l, do, dq_tensor, dk, dv) + (tuple(delta) if isinstance(delta, DeltaOf) else (delta,))
     if any(t is not None and (not t.is_cuda or t.device != q.device) for t in tensors):
         raise Unsupported("the Gluon backward needs all tensors on one CUDA device")
     cap = device_capability(q.device)
@@ -371,6 +411,19 @@ def _dq_unblock_kernel(
     tl.store(out, vals.to(DQ.dtype.element_ty), mask=inside)
 
 
+def unblock_dq(acc: torch.Tensor, dq: torch.Tensor, *, scale: float, accumulate: bool) -> None:
+    """dq (B, Sq, Hq, D), any strides and float dtype, = scale * the blocked float32 dQ acc
+    (B, Hq, Sq padded to 64 rows, D), contiguous (dq_natural_view's layout), or += with
+    accumulate: one Triton launch."""
+    B, Sq, Hq, D = dq.shape
+    Sp = acc.shape[2]
+    with on_device(dq):
+        launch(
+            _dq_unblock_kernel, (Sp // 64, B * Hq),
+            acc, dq, *dq.stride(), Hq, Sq, Sp, float(scale), HEAD_DIM=D, ACCUMULATE=bool(accumulate),
+        )  # fmt: skip
+
+
 def dq_buffer(dq: torch.Tensor, *, scale: float, accumulate: bool, cfg: GluonBwdConfig, zero_blocked: bool = True):
     """(dq32, finish) of a launch: dq32 the float32 buffer the kernel adds dQ to (zeroed as needed;
     the blocked scratch left unzeroed with zero_blocked=False: launch_row_stats zeroes it),
@@ -384,15 +437,7 @@ def dq_buffer(dq: torch.Tensor, *, scale: float, accumulate: bool, cfg: GluonBwd
     if cfg.dq_blocked:
         Sp = padded_rows(Sq, cfg)
         acc = (torch.zeros if zero_blocked else torch.empty)(B, Hq, Sp, D, dtype=torch.float32, device=dq.device)
-
-        def finish():
-            with on_device(dq):
-                launch(
-                    _dq_unblock_kernel, (Sp // 64, B * Hq),
-                    acc, dq, *dq.stride(), Hq, Sq, Sp, float(scale), HEAD_DIM=D, ACCUMULATE=bool(accumulate),
-                )  # fmt: skip
-
-        return acc, finish
+        return acc, lambda: unblock_dq(acc, dq, scale=scale, accumulate=accumulate)
     if dq.dtype == torch.float32:
         if not accumulate:
             dq.zero_()
@@ -506,7 +551,8 @@ def backward(
     its normalizer sum exp2(s2 - m) (0 for a row that saw no key) and rowsum(dO * O) (or a
     merge.DeltaOf: computed in the statistics launch, minus its dlse).
     dq: float32 (accumulated into with atomics; an 8-byte aligned base and even strides) or
-    16-bit (through a float32 scratch and a cast at the end). config: a GluonBwdConfig or a
+    16-bit (through a float32 scratch and a cast at the end), or a BlockedDQ the caller finishes
+    (always added to). config: a GluonBwdConfig or a
     variant name (default DEFAULT_VARIANT). window: None, or (left, right) reaches (None:
     unbounded; masks.Window's meaning) instead of causal: query position qp sees key position kp
     iff qp - left <= kp <= qp + right. bounds: packed documents' masks.RowBounds instead of
@@ -572,17 +618,21 @@ def prepare(
     if Sq == 0 or Sk == 0:  # nothing to add (a TMA descriptor cannot be empty)
         if not accumulate:
             for t in (dq, dk, dv):
-                t.zero_()
+                if not isinstance(t, BlockedDQ):  # (only ever added to)
+                    t.zero_()
         return None
     # allocations name their device; Prepared.launch runs on q's
-    if _one_launch_stats(m, l, delta):
-        blocked = cfg.dq_blocked
-        dq32, finish = dq_buffer(dq, scale=scale, accumulate=accumulate, cfg=cfg, zero_blocked=not blocked)
-        stats = launch_row_stats(m, l, delta, cfg, dq32 if blocked else None, do=do)
+    one_launch = _one_launch_stats(m, l, delta)
+    if isinstance(dq, BlockedDQ):  # the caller's accumulator: zeroed and finished by the caller
+        dq32, finish, zero_in_stats = dq.acc, None, False
+    else:  # a blocked scratch is zeroed by the statistics launch where there is one
+        zero_in_stats = one_launch and cfg.dq_blocked
+        dq32, finish = dq_buffer(dq, scale=scale, accumulate=accumulate, cfg=cfg, zero_blocked=not zero_in_stats)
+    if one_launch:
+        stats = launch_row_stats(m, l, delta, cfg, dq32 if zero_in_stats else None, do=do)
     else:
         if isinstance(delta, DeltaOf):
             delta = delta.value(do, torch_delta)  # torch ops, any strides
-        dq32, finish = dq_buffer(dq, scale=scale, accumulate=accumulate, cfg=cfg)
         stats = row_stats(m, l, delta, cfg)
     kernel, grid, args, kwargs = launch_plan(
         q,
