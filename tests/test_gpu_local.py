@@ -462,3 +462,55 @@ def test_fused_backward_through_lse_vs_float64(D, causal, monkeypatch):
     for name, a, r, p in zip(("dq", "dk", "dv"), got, want, plain):
         assert_within(name, a, r, p)
     assert calls, "the fused backward was not used"
+
+
+def _results(q, k, v, do):
+    """out and the gradients of the distinct tensors among q, k, v."""
+    out = flash_attn_func(q, k, v, causal=True)
+    leaves = [t for i, t in enumerate((q, k, v)) if all(t is not s for s in (q, k, v)[:i])]
+    return (out.detach(), *torch.autograd.grad(out, leaves, do))
+
+
+def test_launch_plans_rebind_exactly(monkeypatch):
+    """The Gluon forward and fused backward keep launch plans by call signature (kernels.plans,
+    from a signature's second call on): a later call with other tensors of that signature gives
+    the results a call with no plan gives (out, dK, dV bitwise; dQ, added by float32 atomics in a
+    varying order, within one bfloat16 rounding), and a plan built for one tensor passed as q, k
+    and v is not used for distinct q, k, v of the same shapes."""
+    from ringflash.kernels import gluon_backward, gluon_forward
+    from ringflash.kernels.plans import Plan
+
+    force_fused_backward(monkeypatch)
+    rebinds = []
+    real = Plan.args_for
+    monkeypatch.setattr(Plan, "args_for", lambda self, t: rebinds.append(1) or real(self, t))
+    g = torch.Generator(device="cuda").manual_seed(3)
+    mk = lambda: torch.randn(1, 1024, 8, 128, device="cuda", dtype=torch.bfloat16, generator=g)  # noqa: E731
+    q, k, v, x, q2, k2, v2, do = (mk().requires_grad_() for _ in range(8))
+    do = do.detach()
+
+    dq64 = reference(q, k, v, do, causal=True)[2]
+    dx64 = sum(reference(x, x, x, do, causal=True)[2:])  # x as q, k and v: the three gradients' sum
+
+    def check(got, want):  # the gradient with dQ in it: within 2x the same computation's error
+        assert len(got) == len(want)
+        for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
+            if name == "dq":
+                assert_within("dq", a, dx64 if len(got) == 2 else dq64, b)
+            else:
+                assert torch.equal(a, b), name
+
+    for plans in (gluon_forward._PLANS, gluon_backward._PLANS):
+        plans.clear()
+    fresh = _results(q, k, v, do)  # first call of the signature: no plan
+    _results(q2, k2, v2, do)  # the second builds its plans
+    rebinds.clear()
+    check(_results(q, k, v, do), fresh)
+    assert len(rebinds) == 2, "the forward and the backward took their plans"
+    for plans in (gluon_forward._PLANS, gluon_backward._PLANS):
+        plans.clear()
+    aliased = _results(x, x, x, do)
+    check(_results(x, x, x, do), aliased)
+    rebinds.clear()
+    check(_results(q, k, v, do), fresh)  # distinct tensors: not the aliased plans
+    assert not rebinds

@@ -67,3 +67,97 @@ def test_launch_falls_back_to_triton_where_it_cannot_key():
     assert launcher.launch(Kernel(), (2, 1), 1, object(), X=3) == "launched"
     assert calls and calls[0][0] == (2, 1) and calls[0][2] == {"X": 3}
     assert launcher._arg_class(object()) is None
+
+
+def _same_argument(a, b) -> bool:
+    """a and b the same launch argument: the same tensor, a descriptor of the same fields over
+    the same tensor, or an equal value."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return a is b
+    if hasattr(a, "block_shape"):
+        return type(a) is type(b) and a.base is b.base and {**vars(a), "base": 0} == {**vars(b), "base": 0}
+    return type(a) is type(b) and a == b
+
+
+def test_plans_rebind_exactly_what_a_fresh_plan_would_build():
+    """A launch plan kept by signature (kernels.plans) gives another call of the same signature
+    the arguments its own launch_plan would build: its tensors, descriptors over its tensors,
+    the same values; a signature differs where the alignment, the strides or which arguments
+    are the same tensor differ. Gluon forward and backward, dense, windowed and packed rows."""
+    from ringflash.kernels import gluon_backward as gb
+    from ringflash.kernels import gluon_forward as gf
+    from ringflash.kernels.plans import Plan, alias_pattern, tensor_key
+    from ringflash.masks import RowBounds, Window
+
+    if not gf.HAS_GLUON:
+        pytest.skip(f"Gluon not importable: {gf.GLUON_ERROR}")
+    B, S, H, D = 1, 256, 4, 128
+
+    def call_tensors():
+        mk = lambda *shape, dt=torch.bfloat16: torch.randn(*shape).to(dt)  # noqa: E731
+        f32 = torch.float32
+        t = dict(q=mk(B, S, H, D), k=mk(B, S, 2, D), v=mk(B, S, 2, D), do=mk(B, S, H, D), dk=mk(B, S, 2, D))
+        t.update(dv=mk(B, S, 2, D), stats=mk(B * H * 2 * S, dt=f32), dq32=mk(B, H, S, D, dt=f32))
+        t.update(o=mk(B, S, H, D, dt=f32), m=mk(B, H, S, dt=f32), l=mk(B, H, S, dt=f32))
+        lo = torch.zeros(S, dtype=torch.int32)
+        t["bounds"] = RowBounds(lo, lo + 7, lo.clone(), lo + 9)
+        return t
+
+    first, second = call_tensors(), call_tensors()
+    bwd_cfg = gb.config_for(D, "ws2_lag")
+    fwd_cfg = gf.config_for(D, gf.DEFAULT_VARIANT)
+    for masks in (dict(causal=True), dict(causal=False, window=(100, 3)), dict(causal=False, bounds="rows")):
+
+        def backward_plan(t, masks=masks):
+            kw = {**masks, "bounds": t["bounds"] if "bounds" in masks else None}
+            b = kw["bounds"]
+            tensors = (t["q"], t["k"], t["v"], t["stats"], t["do"], t["dq32"], t["dk"], t["dv"],
+                       *((None, None) if b is None else (b.q_lo, b.q_hi)))  # fmt: skip
+            built = gb.launch_plan(*tensors[:8], q_start=5, k_start=0, scale=0.1, accumulate=True, cfg=bwd_cfg, **kw)
+            return tensors, built
+
+        def forward_plan(t, masks=masks):
+            b = t["bounds"] if "bounds" in masks else None
+            window = Window(*masks["window"]) if "window" in masks else None
+            rows = (None, None) if b is None else (b.k_lo, b.k_hi)
+            tensors = (t["q"], t["k"], t["v"], t["o"], t["m"], t["l"], *rows)
+            built = gf.launch_plan(*tensors[:3], q_start=5, k_start=0, scale=0.1, out_o=t["o"], out_m=t["m"],
+                                   out_l=t["l"], normalize=False, fold=True, cfg=fwd_cfg, causal=masks["causal"],
+                                   window=window, bounds=b)  # fmt: skip
+            return tensors, built
+
+        for make in (backward_plan, forward_plan):
+            tensors, (kernel, grid, args, kwargs) = make(first)
+            plan = Plan(kernel, grid, args, kwargs, tensors)
+            tensors2, (kernel2, grid2, args2, kwargs2) = make(second)
+            rebound = plan.args_for(tensors2)
+            assert (plan.kernel, plan.grid, plan.kwargs) == (kernel2, grid2, kwargs2)
+            assert len(rebound) == len(args2)
+            for i, (a, b) in enumerate(zip(rebound, args2)):
+                assert _same_argument(a, b), (make.__name__, masks, i, a, b)
+            assert any(hasattr(a, "block_shape") for a in rebound)
+
+    x, y = first["q"], second["q"]
+    assert alias_pattern((x, x, x)) != alias_pattern((x, y, x))
+    assert alias_pattern((x, None, None)) == alias_pattern((y, None, None))
+    assert tensor_key(x) == tensor_key(y)
+    flat = torch.empty(2 * x.numel() + 8, dtype=x.dtype)
+    assert tensor_key(flat[: x.numel()].view(x.shape)) != tensor_key(flat[1 : x.numel() + 1].view(x.shape))
+    assert tensor_key(x) != tensor_key(x.transpose(1, 2).contiguous().transpose(1, 2))
+
+
+def test_plans_are_kept_from_the_second_call_on():
+    """kernels.plans.Plans: a signature met once only marks it (no plan built), the second
+    call builds and keeps the plan, later calls get it; the least recently used go first."""
+    from ringflash.kernels.plans import Plan, Plans
+
+    plans = Plans(kept=2)
+    plan = Plan(None, (1,), (), {}, ())
+    assert plans.get("a") is None and not plans.wants("a")
+    assert plans.get("a") is None and plans.wants("a")
+    plans.put("a", plan)
+    assert plans.get("a") is plan
+    assert not plans.wants("b") and not plans.wants("c")  # "a" is the least recently used: dropped
+    assert plans.get("a") is None and len(plans) == 2
+    with pytest.raises(ValueError, match="no tensor"):
+        Plan(None, (1,), (torch.zeros(1),), {}, (torch.zeros(1),))

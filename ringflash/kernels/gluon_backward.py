@@ -41,6 +41,7 @@ from ..reference import delta as torch_delta
 from .gluon_forward import HOPPER_SHARED_BYTES, LOG2E, compile_plan, compiled_report, device_capability, timed_compile
 from .gluon_forward import report_problems as forward_report_problems
 from .launcher import launch, on_device
+from .plans import Plan, Plans, alias_pattern, tensor_key
 
 try:  # Gluon exists from triton 3.6 on; the rest of the package must not depend on it
     from triton.experimental.gluon import language as _gl
@@ -611,9 +612,16 @@ def prepare(
     bounds=None,
 ):  # fmt: skip
     """backward() up to the launch (its arguments, checks and Unsupported alike): a Prepared, or
-    None when there is nothing to launch (Sq or Sk = 0: the gradients are then already handled)."""
-    cfg = _resolve(q.shape[-1], config)
-    check_supported(q, k, v, m, l, do, delta, dq, dk, dv, scale=scale, cfg=cfg)
+    None when there is nothing to launch (Sq or Sk = 0: the gradients are then already handled).
+    A call of a signature seen before skips the checks and reuses that call's plan (plans.py)."""
+    signature = _signature(q, k, v, m, l, do, delta, dq, dk, dv, q_start, k_start, causal, scale, accumulate, config,
+                           window, bounds)  # fmt: skip
+    plan = _PLANS.get(signature)
+    if plan is None:
+        cfg = _resolve(q.shape[-1], config)
+        check_supported(q, k, v, m, l, do, delta, dq, dk, dv, scale=scale, cfg=cfg)
+    else:
+        cfg = plan.extra
     Sq, Sk = q.shape[1], k.shape[1]
     if Sq == 0 or Sk == 0:  # nothing to add (a TMA descriptor cannot be empty)
         if not accumulate:
@@ -634,6 +642,9 @@ def prepare(
         if isinstance(delta, DeltaOf):
             delta = delta.value(do, torch_delta)  # torch ops, any strides
         stats = row_stats(m, l, delta, cfg)
+    tensors = (q, k, v, stats, do, dq32, dk, dv, *((None, None) if bounds is None else (bounds.q_lo, bounds.q_hi)))
+    if plan is not None:
+        return Prepared(plan.kernel, plan.grid, plan.args_for(tensors), plan.kwargs, dq32, finish)
     kernel, grid, args, kwargs = launch_plan(
         q,
         k,
@@ -652,7 +663,34 @@ def prepare(
         window=window,
         bounds=bounds,
     )
+    if _PLANS.wants(signature):
+        _PLANS.put(signature, Plan(kernel, grid, args, kwargs, tensors, extra=cfg))
     return Prepared(kernel, grid, args, kwargs, dq32, finish)
+
+
+_PLANS = Plans()
+
+
+def _signature(q, k, v, m, l, do, delta, dq, dk, dv, q_start, k_start, causal, scale, accumulate, config, window,
+               bounds):  # fmt: skip
+    """Everything prepare's checks and launch_plan read of a call (plans.py)."""
+    pending = isinstance(delta, DeltaOf)
+    dq_tensor = dq.acc if isinstance(dq, BlockedDQ) else dq
+    q_lo, q_hi = (None, None) if bounds is None else (bounds.q_lo, bounds.q_hi)
+    return (
+        alias_pattern((q, k, v, do, dq_tensor, dk, dv, q_lo, q_hi)),
+        *(tensor_key(t) for t in (q, k, v, m, l, do, dk, dv)),
+        ("pending", tensor_key(delta.out), tensor_key(delta.dlse)) if pending else tensor_key(delta),
+        ("blocked", tensor_key(dq.acc)) if isinstance(dq, BlockedDQ) else tensor_key(dq),
+        None if bounds is None else (tensor_key(bounds.q_lo), tensor_key(bounds.q_hi)),
+        int(q_start),
+        int(k_start),
+        bool(causal),
+        float(scale),
+        bool(accumulate),
+        config,
+        window,
+    )
 
 
 # ----------------------------------------------------------------------------------------------

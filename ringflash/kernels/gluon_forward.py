@@ -33,6 +33,7 @@ import torch
 
 from ..masks import CAUSAL
 from .launcher import launch, on_device
+from .plans import Plan, Plans, alias_pattern, tensor_key
 
 try:  # Gluon exists from triton 3.6 on; the rest of the package must not depend on it
     from triton.experimental.gluon import language as _gl
@@ -213,8 +214,27 @@ def forward(
     causal=True is window=masks.CAUSAL; bounds (RowBounds, its k_lo / k_hi for q's rows)
     decides alone when given. config: a GluonConfig or a variant name (default:
     DEFAULT_VARIANT for this head dim). Raises Unsupported for inputs the kernel does not take
-    (nothing is written then).
+    (nothing is written then). A call of a signature seen before skips the checks and reuses
+    that call's plan (plans.py).
     """
+    k_lo, k_hi = (None, None) if bounds is None else (bounds.k_lo, bounds.k_hi)
+    signature = (
+        alias_pattern((q, k, v, out_o, out_m, out_l, k_lo, k_hi)),
+        *(tensor_key(t) for t in (q, k, v, out_o, out_m, out_l, k_lo, k_hi)),
+        int(q_start),
+        int(k_start),
+        float(scale),
+        bool(normalize),
+        bool(fold),
+        bool(causal),
+        None if window is None else (window.left, window.right),
+        config,
+    )
+    plan = _PLANS.get(signature)
+    if plan is not None:  # checked and planned before: only the tensors differ
+        with on_device(q):
+            launch(plan.kernel, plan.grid, *plan.args_for((q, k, v, out_o, out_m, out_l, k_lo, k_hi)), **plan.kwargs)
+        return
     cfg = _resolve(q.shape[-1], config)
     check_supported(q, k, v, out_o, out_m, out_l, normalize=normalize, fold=fold, cfg=cfg)
     if q.numel() == 0:
@@ -244,8 +264,13 @@ def forward(
         fold=fold,
         cfg=cfg,
     )
+    if _PLANS.wants(signature):
+        _PLANS.put(signature, Plan(kernel, grid, args, kwargs, (q, k, v, out_o, out_m, out_l, k_lo, k_hi)))
     with on_device(q):
         launch(kernel, grid, *args, **kwargs)
+
+
+_PLANS = Plans()
 
 
 def _resolve(head_dim: int, config) -> GluonConfig:
