@@ -54,6 +54,21 @@ def test_launch_key_never_joins_what_triton_specializes_apart():
     # and the key does separate what Triton separates most often: alignment, 1, % 16, width
     assert len(set(keys)) >= len({repr(s) for s in specs})
 
+    # the exact types' shortcut and the general path agree (subclasses take the general one)
+    class Int(int):
+        pass
+
+    class Float(float):
+        pass
+
+    for x in corpus:
+        if type(x) is int:
+            assert launcher._arg_class(Int(x)) == launcher._arg_class(x), x
+        elif type(x) is float:
+            assert launcher._arg_class(Float(x)) == launcher._arg_class(x), x
+        elif type(x) is torch.Tensor:
+            assert launcher._arg_class(torch.nn.Parameter(x, requires_grad=False)) == launcher._arg_class(x)
+
 
 def test_launch_falls_back_to_triton_where_it_cannot_key():
     """Under the interpreter (CPU CI), or with an argument of unknown kind, launch() is

@@ -41,6 +41,13 @@ _KEPT = 256
 
 def _arg_class(x):
     """What of x decides Triton's specialization (see the module docstring); None: unknown."""
+    kind = type(x)  # the common exact types first: this runs for every argument of every launch
+    if kind is int:
+        return (x == 1, x % 16 == 0, 0 if _I32[0] <= x < _I32[1] else 1 if _I64[0] <= x < _I64[1] else 2)
+    if kind is float:
+        return float
+    if kind is torch.Tensor:
+        return (x.dtype, x.data_ptr() % 16 == 0)
     if isinstance(x, torch.Tensor):
         return (x.dtype, x.data_ptr() % 16 == 0)
     if isinstance(x, bool) or x is None:  # bool before int: a bool is an int
@@ -98,7 +105,7 @@ def launch(kernel, grid, *args, **kwargs):
     if not fast_path_applies(kernel):
         return kernel[grid](*args, **kwargs)
     constexpr = _constexpr_positions(kernel)
-    classes = tuple(("c", a) if c else _arg_class(a) for a, c in zip(args, constexpr))
+    classes = tuple([("c", a) if c else _arg_class(a) for a, c in zip(args, constexpr)])
     if len(args) > len(constexpr) or None in classes or any(isinstance(v, torch.Tensor) for v in kwargs.values()):
         return kernel[grid](*args, **kwargs)
     device = torch.cuda.current_device()
