@@ -201,3 +201,29 @@ def test_dq_sum_adds_blocked_and_row_major_parts():
     assert narrow.part(slice(0, S)).blocked() is None  # a 16-bit accumulator: row-major only
     narrow.part(slice(0, S), slice(2, 4)).tensor().add_(y[:, :, 2:].bfloat16())
     assert torch.equal(narrow.result(torch.bfloat16)[:, :, 2:], y[:, :, 2:].bfloat16())
+
+
+def test_block_backward_adds_to_a_dq_part_on_the_torch_backend():
+    """block_backward given a DQPart on a backend that does not take parts (the torch one) adds
+    to the part's row-major view, as it would to that view given directly; a part is only added
+    to (accumulate=False: ValueError)."""
+    from ringflash import reference
+    from ringflash.dq_sum import DQSum
+
+    g = torch.Generator().manual_seed(1)
+    q, k, v, do = (torch.randn(1, 40, 2, 16, generator=g, dtype=torch.float64) for _ in range(4))
+    state = SoftmaxState.zeros((1, 40, 2, 16), torch.float64, q.device)
+    block_forward(q, k, v, state, BlockMask(0, 0, CAUSAL), scale=0.25, fold=True, backend=reference)
+    out = state.normalized(torch.float64)
+    delta = attention_delta(out, do, backend=reference)
+    rows_mask = BlockMask(8, 0, CAUSAL)  # query rows 8.. over every key
+    args = (q[:, 8:], k, v, state.m[:, :, 8:], state.l[:, :, 8:], do[:, 8:], delta[:, :, 8:])
+    want = torch.zeros(1, 40, 2, 16, dtype=torch.float64)
+    block_backward(*args, want[:, 8:], None, None, rows_mask, scale=0.25, accumulate=True, backend=reference)
+    dq = DQSum((1, 40, 2, 16), torch.float64, q.device, scale=0.25)
+    block_backward(*args, dq.part(slice(8, 40)), None, None, rows_mask, scale=0.25, accumulate=True,
+                   backend=reference)  # fmt: skip
+    assert torch.equal(dq.result(torch.float64), want)
+    with pytest.raises(ValueError, match="only added to"):
+        block_backward(*args, dq.part(slice(8, 40)), None, None, rows_mask, scale=0.25, accumulate=False,
+                       backend=reference)  # fmt: skip
