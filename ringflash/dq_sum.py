@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import torch
 
-BLOCK_ROWS = 64  # the blocked layout's rows per block: a part's first row must be a multiple
-
 
 class DQSum:
     """dQ (B, S, Hq, D) of one call, in `acc` dtype (float32, float64 or a 16-bit accumulator
@@ -37,11 +35,12 @@ class DQSum:
         return self._natural
 
     def blocked(self) -> torch.Tensor:
-        """The blocked float32 buffer (B, Hq, S padded to BLOCK_ROWS, D) of unscaled dQ."""
+        """The blocked float32 buffer (B, Hq, S padded to whole blocks, D) of unscaled dQ."""
         if self._blocked is None:
+            from .kernels.gluon_backward import blocked_rows
+
             B, S, Hq, D = self.shape
-            rows = -(-S // BLOCK_ROWS) * BLOCK_ROWS
-            self._blocked = torch.zeros(B, Hq, rows, D, dtype=torch.float32, device=self.device)
+            self._blocked = torch.zeros(B, Hq, blocked_rows(S), D, dtype=torch.float32, device=self.device)
         return self._blocked
 
     def result(self, dtype: torch.dtype) -> torch.Tensor:
@@ -74,9 +73,10 @@ class DQPart:
         """A gluon_backward.BlockedDQ over these rows and heads of the blocked buffer, or None
         where it cannot serve: an accumulator other than float32, or a first row off the
         blocks."""
+        from .kernels.gluon_backward import DQ_BLOCK_ROWS, BlockedDQ
+
         start = self.rows.start or 0
-        if self.sum.acc != torch.float32 or start % BLOCK_ROWS or self.rows.step not in (None, 1):
+        if self.sum.acc != torch.float32 or start % DQ_BLOCK_ROWS or self.rows.step not in (None, 1):
             return None
-        from .kernels.gluon_backward import BlockedDQ
 
         return BlockedDQ(self.sum.blocked()[:, self.heads, start:])

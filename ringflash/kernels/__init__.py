@@ -19,8 +19,6 @@ from .forward import _fwd_kernel
 from .launcher import launch, on_device
 from .tiles import MASK_NONE, MASK_ROWS, MASK_WINDOW, UNBOUNDED
 
-TAKES_DQ_PARTS = True  # backward() takes a dq_sum.DQPart as dq (the fused kernel adds to its blocked buffer)
-
 
 def _block_d(head_dim: int) -> int:
     """A head dim padded for the kernels: a power of two of at least 16 (zero columns)."""
@@ -256,7 +254,8 @@ def backward(q, k, v, m, l, do, delta, dq, dk, dv, *, q_start, k_start, window, 
              key_bias=None, dropout=None, deterministic=False):
     """See ringflash.reference.backward. m, l and delta: (B, Hq, Sq) views with equal strides
     (delta may be a merge.DeltaOf: the fused kernel's statistics launch computes it, else it is
-    computed here first).
+    computed here first; dq may be a dq_sum.DQPart: the fused kernel adds to its blocked buffer,
+    the passes to its row-major view).
     Given dq, dk and dv together, a block fuses_backward accepts runs as one fused kernel
     (dQ not bitwise reproducible); otherwise, or with deterministic=True, the dK/dV and dQ
     passes run (bitwise reproducible)."""

@@ -214,7 +214,7 @@ def check_shapes(q, k, v, m, l, do, delta, dq, dk, dv, *, scale, cfg=None) -> No
 def _check_blocked(acc: torch.Tensor, B: int, Sq: int, Hq: int, D: int, cfg) -> None:
     if cfg is not None and not cfg.dq_blocked:
         raise Unsupported(f"a blocked dq needs a config with dq_blocked, got {cfg}")
-    rows = -(-Sq // 64) * 64
+    rows = blocked_rows(Sq)
     if (
         acc.dtype != torch.float32
         or acc.dim() != 4
@@ -225,7 +225,7 @@ def _check_blocked(acc: torch.Tensor, B: int, Sq: int, Hq: int, D: int, cfg) -> 
         or acc.stride(3) != 1
         or acc.stride(2) != D
         or acc.data_ptr() % 16
-        or any(s % (64 * D) for s in (acc.stride(0), acc.stride(1)))
+        or any(s % (DQ_BLOCK_ROWS * D) for s in (acc.stride(0), acc.stride(1)))
     ):
         raise Unsupported(
             f"a blocked dq must be float32 ({B}, {Hq}, >= {rows}, {D}) of contiguous 64-row blocks, "
@@ -374,6 +374,14 @@ def _stats_descriptor(stats: torch.Tensor, cfg: GluonBwdConfig):
     return _TensorDescriptor(stats, [stats.numel()], [1], [cfg.block_m], layout)
 
 
+DQ_BLOCK_ROWS = 64  # rows per block of the blocked float32 dQ (two warpgroup tiles of 64 x D / 2)
+
+
+def blocked_rows(Sq: int) -> int:
+    """Sq rounded up to whole blocks of the blocked dQ layout."""
+    return -(-Sq // DQ_BLOCK_ROWS) * DQ_BLOCK_ROWS
+
+
 def dq_natural_view(acc: torch.Tensor) -> torch.Tensor:
     """The blocked float32 dQ accumulator (B, Hq, Sq_pad, D) (cfg.dq_blocked) as a view
     (B, Sq_pad / 64, 4, 2, 8, Hq, 2, D / 16, 4, 2) whose element [b, n, w, h, g, hq, wg, j, t, e]
@@ -420,7 +428,7 @@ def unblock_dq(acc: torch.Tensor, dq: torch.Tensor, *, scale: float, accumulate:
     Sp = acc.shape[2]
     with on_device(dq):
         launch(
-            _dq_unblock_kernel, (Sp // 64, B * Hq),
+            _dq_unblock_kernel, (Sp // DQ_BLOCK_ROWS, B * Hq),
             acc, dq, *dq.stride(), Hq, Sq, Sp, float(scale), HEAD_DIM=D, ACCUMULATE=bool(accumulate),
         )  # fmt: skip
 
