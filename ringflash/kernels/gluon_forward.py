@@ -218,9 +218,10 @@ def forward(
     that call's plan (plans.py).
     """
     k_lo, k_hi = (None, None) if bounds is None else (bounds.k_lo, bounds.k_hi)
+    tensors = (q, k, v, out_o, out_m, out_l, k_lo, k_hi)  # every tensor the launch reads
     signature = (
-        alias_pattern((q, k, v, out_o, out_m, out_l, k_lo, k_hi)),
-        *(tensor_key(t) for t in (q, k, v, out_o, out_m, out_l, k_lo, k_hi)),
+        alias_pattern(tensors),
+        *map(tensor_key, tensors),
         int(q_start),
         int(k_start),
         float(scale),
@@ -233,7 +234,7 @@ def forward(
     plan = _PLANS.get(signature)
     if plan is not None:  # checked and planned before: only the tensors differ
         with on_device(q):
-            launch(plan.kernel, plan.grid, *plan.args_for((q, k, v, out_o, out_m, out_l, k_lo, k_hi)), **plan.kwargs)
+            launch(plan.kernel, plan.grid, *plan.args_for(tensors), **plan.kwargs)
         return
     cfg = _resolve(q.shape[-1], config)
     check_supported(q, k, v, out_o, out_m, out_l, normalize=normalize, fold=fold, cfg=cfg)
@@ -265,7 +266,7 @@ def forward(
         cfg=cfg,
     )
     if _PLANS.wants(signature):
-        _PLANS.put(signature, Plan(kernel, grid, args, kwargs, (q, k, v, out_o, out_m, out_l, k_lo, k_hi)))
+        _PLANS.put(signature, Plan(kernel, grid, args, kwargs, tensors))
     with on_device(q):
         launch(kernel, grid, *args, **kwargs)
 

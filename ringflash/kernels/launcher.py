@@ -46,15 +46,12 @@ def _arg_class(x):
         return (x == 1, x % 16 == 0, 0 if _I32[0] <= x < _I32[1] else 1 if _I64[0] <= x < _I64[1] else 2)
     if kind is float:
         return float
-    if kind is torch.Tensor:
-        return (x.dtype, x.data_ptr() % 16 == 0)
-    if isinstance(x, torch.Tensor):
+    if kind is torch.Tensor or isinstance(x, torch.Tensor):
         return (x.dtype, x.data_ptr() % 16 == 0)
     if isinstance(x, bool) or x is None:  # bool before int: a bool is an int
         return ("v", x)
-    if isinstance(x, int):
-        width = 0 if _I32[0] <= x < _I32[1] else 1 if _I64[0] <= x < _I64[1] else 2
-        return (x == 1, x % 16 == 0, width)
+    if isinstance(x, int):  # a subclass: as the int it is
+        return _arg_class(int(x))
     if isinstance(x, float):
         return float
     if isinstance(x, str):

@@ -105,14 +105,11 @@ class Plans:
         otherwise it is remembered as met."""
         if self._plans.get(key) is _SEEN:
             return True
-        self._put(key, _SEEN)
+        self.put(key, _SEEN)
         return False
 
-    def put(self, key, plan: Plan) -> None:
-        self._put(key, plan)
-
-    def _put(self, key, value) -> None:
-        self._plans[key] = value
+    def put(self, key, plan) -> None:
+        self._plans[key] = plan
         self._plans.move_to_end(key)
         if len(self._plans) > self._kept:
             self._plans.popitem(last=False)
