@@ -38,7 +38,16 @@ import triton.language as tl
 
 from ..merge import DeltaOf
 from ..reference import delta as torch_delta
-from .gluon_forward import HOPPER_SHARED_BYTES, LOG2E, compile_plan, compiled_report, device_capability, timed_compile
+from .gluon_forward import (
+    HOPPER_SHARED_BYTES,
+    LOG2E,
+    _descriptor,
+    _tma_ok,
+    compile_plan,
+    compiled_report,
+    device_capability,
+    timed_compile,
+)
 from .gluon_forward import report_problems as forward_report_problems
 from .launcher import launch, on_device
 from .plans import Plan, Plans, alias_pattern, tensor_key
@@ -152,11 +161,6 @@ def _resolve(head_dim: int, config) -> GluonBwdConfig:
 _DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
-def _tma_ok(t: torch.Tensor) -> bool:
-    size = t.element_size()
-    return t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and all((s * size) % 16 == 0 for s in t.stride()[:-1])
-
-
 def check_shapes(q, k, v, m, l, do, delta, dq, dk, dv, *, scale, cfg=None) -> None:
     """Everything check_supported checks that does not need the device: dtypes, shapes,
     strides, alignment, the scale."""
@@ -249,19 +253,6 @@ def check_supported(q, k, v, m, l, do, delta, dq, dk, dv, *, scale, cfg=None) ->
 
 # ----------------------------------------------------------------------------------------------
 # Launcher
-
-
-@functools.lru_cache(maxsize=64)
-def _smem_layout(rows: int, head_dim: int, bf16: bool):
-    return _gl.NVMMASharedLayout.get_default_for([1, rows, 1, head_dim], _gl.bfloat16 if bf16 else _gl.float16)
-
-
-def _descriptor(t: torch.Tensor, rows: int):
-    """4-D TMA descriptor over (B, S, H, D) with blocks of `rows` rows of one head."""
-    block = [1, rows, 1, t.shape[3]]
-    return _TensorDescriptor(
-        t, list(t.shape), list(t.stride()), block, _smem_layout(rows, t.shape[3], t.dtype == torch.bfloat16)
-    )
 
 
 def padded_rows(Sq: int, cfg: GluonBwdConfig) -> int:
