@@ -163,8 +163,12 @@ def block_backward(
     the dQ pass, dk=dv=None the dK/dV pass. With all three given, a block fuses_backward accepts
     runs as one fused kernel whose dQ is not bitwise reproducible; deterministic=True keeps the
     separate passes, which are. Returns whether anything was computed."""
-    if isinstance(dq, DQPart) and not accumulate:
-        raise ValueError("a DQPart is only added to: pass accumulate=True")
+    backend = backend or backend_for(q.device)
+    if isinstance(dq, DQPart):
+        if not accumulate:
+            raise ValueError("a DQPart is only added to: pass accumulate=True")
+        if not getattr(backend, "TAKES_DQ_PARTS", False):
+            dq = dq.tensor()
     visible, window = _launch_window(mask, q, k)
     if not visible:
         if not accumulate:
@@ -172,7 +176,7 @@ def block_backward(
                 if t is not None:
                     t.zero_()
         return False
-    (backend or backend_for(q.device)).backward(
+    backend.backward(
         _unit_stride(q), _unit_stride(k), _unit_stride(v), m, l, _unit_stride(do), delta, dq, dk, dv,
         q_start=mask.q_start, k_start=mask.k_start, window=window, bounds=mask.bounds, scale=scale,
         accumulate=accumulate, key_bias=key_bias, dropout=dropout, deterministic=deterministic,

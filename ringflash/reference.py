@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import torch
 
-from .dq_sum import DQPart
 from .masks import FULL, Visibility, block_visibility
 from .merge import LOG2E, DeltaOf, SoftmaxState, state_dtype
 from .merge import fold as fold_states
@@ -158,8 +157,7 @@ def backward(
     deterministic=False,
 ):
     """Gradients of one block (positions, window, bounds and dropout as in forward) given the
-    final row statistics m, l and delta (B, Hq, Sq), or a merge.DeltaOf to compute it from; dq
-    may be a dq_sum.DQPart (added to its row-major view).
+    final row statistics m, l and delta (B, Hq, Sq), or a merge.DeltaOf to compute it from.
     Always bitwise reproducible (deterministic is accepted for the backends' common signature).
 
     dq (B, Sq, Hq, D), dk (B, Sk, Hkv, D) and dv (B, Sk, Hkv, Dv) (do: (B, Sq, Hq, Dv)) are added
@@ -168,8 +166,6 @@ def backward(
     """
     if isinstance(delta, DeltaOf):
         delta = delta.value(do, _rowsum)
-    if isinstance(dq, DQPart):
-        dq = dq.tensor()
     B, Sq, Hq, D = q.shape
     Sk, Hkv, Dv = k.shape[1], k.shape[2], v.shape[3]
     G = Hq // Hkv

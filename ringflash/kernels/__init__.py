@@ -19,6 +19,8 @@ from .forward import _fwd_kernel
 from .launcher import launch, on_device
 from .tiles import MASK_NONE, MASK_ROWS, MASK_WINDOW, UNBOUNDED
 
+TAKES_DQ_PARTS = True  # backward() takes a dq_sum.DQPart as dq (the fused kernel adds to its blocked buffer)
+
 
 def _block_d(head_dim: int) -> int:
     """A head dim padded for the kernels: a power of two of at least 16 (zero columns)."""
