@@ -48,10 +48,11 @@ _INTERP_DKDV = KernelConfig(32, 16, 4, 1, qk_order=True, combined_stats=True)
 _INTERP_DQ = KernelConfig(32, 16, 4, 1)
 
 # Hopper (H200), keyed by padded head dim (the larger of q/k's and v's when they differ:
-# kernels._config_d; no shape is tuned for unequal dims). D=64 and D=128: the choice of the sweep
-# `bench_local --tune --write-configs` on one H200 (B=1, H=32, S=16K, bf16), committed as
-# benchmarks/results/configs_h200.json (a test keeps the two equal). D=32 and D=256: not tuned,
-# checked for correctness on an H200.
+# kernels._config_d; no shape is tuned for unequal dims). D=64 and D=128, and D=256's backward:
+# the choice of the sweep `bench_local --tune --write-configs` on one H200 (B=1, H=32, S=16K,
+# bf16), committed as benchmarks/results/configs_h200.json (a test keeps the two equal). D=32
+# and D=256's Triton forward (the Gluon one runs there): not tuned, checked for correctness on an
+# H200.
 _FWD = {
     32: KernelConfig(128, 64, 4, 4),
     64: KernelConfig(128, 64, 4, 4, tma=True),
@@ -62,13 +63,14 @@ _DKDV = {
     32: KernelConfig(32, 128, 4, 3, combined_stats=True),
     64: KernelConfig(32, 128, 4, 3, tma=True, combined_stats=True),
     128: KernelConfig(64, 128, 8, 3, tma=True, combined_stats=True),
-    256: KernelConfig(32, 64, 8, 2, combined_stats=True),
+    # spills 152-348 bytes (kernel_report); the spill-free shapes measured slower (benchmarks/NOTES.md)
+    256: KernelConfig(32, 64, 8, 2, tma=True, combined_stats=True),
 }
 _DQ = {
     32: KernelConfig(128, 32, 4, 3),
     64: KernelConfig(128, 64, 4, 3, tma=True),
     128: KernelConfig(128, 64, 8, 3, tma=True),
-    256: KernelConfig(64, 32, 8, 2),
+    256: KernelConfig(64, 64, 8, 2, tma=True),
 }
 
 # Packed documents (MASK_ROWS): most key tiles are a document's edge or diagonal, and smaller
