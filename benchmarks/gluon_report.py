@@ -41,7 +41,7 @@ def one(case: tuple, dump: str | None = None) -> dict:
     mask = mask[0] if mask else ""
     try:
         row = gf.hopper_report(
-            gf.VARIANTS[variant][D],
+            gf.config_for(D, variant),
             D,
             causal=causal,
             dtype=dtype,
@@ -102,7 +102,7 @@ def main():
         (v, D, bool(c), args.dtype, *MODES[m], mask)
         for v in args.variants
         for D in args.head_dims
-        if D in gf.VARIANTS[v]
+        if gf.padded_head_dim(D) in gf.VARIANTS[v]
         for m in args.modes
         for c in args.causal
         for mask in args.masks

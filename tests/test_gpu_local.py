@@ -245,18 +245,20 @@ def test_large_scores_16bit(dtype, causal):
 @pytest.mark.parametrize(
     "causal,window_size", [(False, (-1, -1)), (True, (-1, -1)), (True, (200, 0)), (False, (300, 77))]
 )
-def test_gluon_forward_is_used_and_agrees(causal, window_size, monkeypatch):
-    """D=128 bf16 blocks without a key bias run on the Gluon forward (configs.GLUON_FWD), dense,
-    causal or windowed: its output and lse against float64 within the plain bound, and beside
-    the Triton kernel's (override(gluon=None)) within the same bound; a key padding mask takes
-    the Triton kernel."""
+@pytest.mark.parametrize("D", [128, 96, 192])
+def test_gluon_forward_is_used_and_agrees(causal, window_size, D, monkeypatch):
+    """bf16 blocks without a key bias run on the Gluon forward (configs.GLUON_FWD), dense,
+    causal or windowed, at D=128 and at head dims under their padding (96 and 192 run the 128-
+    and 256-wide tiles with zero columns): its output and lse against float64 within the plain
+    bound, and beside the Triton kernel's (override(gluon=None)) within the same bound; a key
+    padding mask takes the Triton kernel."""
     from ringflash.kernels import configs, gluon_forward
 
     calls = []
     real = gluon_forward.forward
     monkeypatch.setattr(gluon_forward, "forward", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     g = torch.Generator(device="cuda").manual_seed(21)
-    q, k, v = (torch.randn(2, 1031, H, 128, device="cuda", generator=g, dtype=torch.bfloat16) for H in (4, 2, 2))
+    q, k, v = (torch.randn(2, 1031, H, D, device="cuda", generator=g, dtype=torch.bfloat16) for H in (4, 2, 2))
     kw = dict(causal=causal, window_size=window_size)
     out, lse = flash_attn_func(q, k, v, return_lse=True, **kw)
     assert calls, "the Gluon forward was not used"

@@ -161,6 +161,42 @@ def test_plans_rebind_exactly_what_a_fresh_plan_would_build():
     assert tensor_key(x) != tensor_key(x.transpose(1, 2).contiguous().transpose(1, 2))
 
 
+def test_gluon_forward_pads_head_dims_to_its_tiles():
+    """Head dims under a tile width run that width's config with zero columns: 96 -> 128 and
+    192 -> 256 (descriptor blocks and BLOCK_D padded, HEAD_DIM the true width that O is stored
+    to); widths that do not pad to a tuned tile, or rows whose strides TMA cannot take, are
+    Unsupported, naming why (the caller then runs the Triton forward)."""
+    from ringflash.kernels import configs
+    from ringflash.kernels import gluon_forward as gf
+
+    if not gf.HAS_GLUON:
+        pytest.skip(f"Gluon not importable: {gf.GLUON_ERROR}")
+
+    def tensors(D, H=4):
+        q = torch.zeros(1, 130, H, D, dtype=torch.bfloat16)
+        k = torch.zeros(1, 200, 2, D, dtype=torch.bfloat16)
+        m = torch.zeros(1, H, 130)
+        return q, k, k.clone(), torch.zeros(q.shape), m, m.clone()
+
+    for D, block_d in ((96, 128), (192, 256), (128, 128)):
+        q, k, v, o, m, l = tensors(D)
+        cfg = gf.config_for(D, configs.GLUON_FWD[block_d])  # the padded width's
+        assert cfg == gf.config_for(block_d, configs.GLUON_FWD[block_d])
+        gf.check_shapes(q, k, v, o, m, l, normalize=False, fold=True, cfg=cfg)
+        _, _, args, kwargs = gf.launch_plan(q, k, v, q_start=0, k_start=0, scale=0.1, out_o=o, out_m=m, out_l=l,
+                                            normalize=False, fold=True, cfg=cfg)  # fmt: skip
+        assert (kwargs["HEAD_DIM"], kwargs["BLOCK_D"]) == (D, block_d)
+        kv_block = [1, cfg.block_n, 1, block_d]
+        assert [list(a.block_shape) for a in args[:3]] == [[1, cfg.q_rows, 1, block_d], kv_block, kv_block]
+        assert all(list(a.shape) == list(t.shape) for a, t in zip(args[:3], (q, k, v)))  # the true width
+    with pytest.raises(gf.Unsupported, match="head_dim 320 not supported"):
+        gf.check_shapes(*tensors(320), normalize=False, fold=True)
+    with pytest.raises(gf.Unsupported, match="head_dim 12 not supported"):
+        gf.config_for(12)
+    with pytest.raises(gf.Unsupported, match="16-byte aligned strides"):  # 100 x 2 bytes per head
+        gf.check_shapes(*tensors(100), normalize=False, fold=True)
+
+
 def test_plans_are_kept_from_the_second_call_on():
     """kernels.plans.Plans: a signature met once only marks it (no plan built), the second
     call builds and keeps the plan, later calls get it; the least recently used go first."""

@@ -144,7 +144,8 @@ def test_plot_scaling_picks_weak_and_strong_rows(tmp_path):
 def test_gluon_forward_compiles_for_hopper(tmp_path):
     """The Gluon forward variants the package uses (configs.GLUON_FWD, GLUON_FWD_DOCUMENTS)
     compile for sm_90a on this CPU machine: local causal (bf16), a sliding window, a ring step
-    (fold, float32 state, fp16) and packed documents (per-row bounds, local and folded),
+    (fold, float32 state, fp16), head dims 96 and 192 (padded to 128 and 256) and packed
+    documents (per-row bounds, local and folded),
     within the shared memory, a wgmma left in flight (wait_group 1), no spills except the few
     bytes the 128-key variants spill with per-row bounds, which a GPU measured faster than the
     spill-free 64-key ones (configs.GLUON_FWD_DOCUMENTS): at most ROWS_SPILL_BYTES, as when measured."""
@@ -155,6 +156,8 @@ def test_gluon_forward_compiles_for_hopper(tmp_path):
     cases = [f"{v}:{D}:1:bf16:1:0" for D, v in GLUON_FWD.items()]  # every head dim, causal
     v = GLUON_FWD[128]
     cases += [f"{v}:128:0:fp16:0:1", f"{v}:128:1:bf16:1:0:window"]
+    # head dims under their padding (zero columns, O stored to its true width): local, ring step
+    cases += [f"{v}:96:1:bf16:1:0", f"{GLUON_FWD[256]}:192:0:fp16:0:1"]
     cases += [c for D, v in GLUON_FWD_DOCUMENTS.items() for c in (f"{v}:{D}:1:bf16:1:0:rows",
                                                                   f"{v}:{D}:0:fp16:0:1:rows")]  # fmt: skip
     run([sys.executable, "benchmarks/gluon_report.py", "--jobs", "2", "--json", str(tmp_path / "g.json")]

@@ -140,12 +140,13 @@ def forward(q, k, v, state, *, q_start, k_start, window, bounds, scale, fold, no
 
 def _gluon_forward(q, k, v, state, q_start, k_start, window, bounds, scale, fold, normalize, block_d) -> bool:
     """Run the block on the Gluon forward where it is faster and takes these inputs (Hopper,
-    16-bit, v's head dim equal to q/k's, any mask: configs.gluon_forward_variant); False: the
-    caller runs the Triton one."""
+    16-bit, v's head dim equal to q/k's, any mask: configs.gluon_forward_variant by the padded
+    head dim; a head dim under its padding reads zero columns); False: the caller runs the
+    Triton one."""
     variant = configs.gluon_forward_variant(
         block_d, documents=bounds is not None, keys_per_row=None if bounds is None else bounds.keys_per_row
     )
-    if variant is None or q.shape[-1] != block_d or v.shape[-1] != q.shape[-1] or not q.is_cuda:
+    if variant is None or v.shape[-1] != q.shape[-1] or not q.is_cuda:
         return False
     from . import gluon_forward
 

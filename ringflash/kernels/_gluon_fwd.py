@@ -11,7 +11,8 @@ single-partition and one-consumer schedules measured slower on one H200 (450-495
 against 594-602 at D=128, 16K; benchmarks/NOTES.md) and were removed.
 
 Tensors: q (B, Sq, Hq, D), k and v (B, Sk, Hkv, D), bf16 or fp16, as 4-D TMA descriptors with
-blocks [1, BLOCK_M or BLOCK_N, 1, D] (rows past the end read as zeros, never the next batch).
+blocks [1, BLOCK_M or BLOCK_N, 1, BLOCK_D], BLOCK_D the head dim D (HEAD_DIM) padded to a power
+of two (rows past the end and columns past D read as zeros, never the next batch or head).
 O (B, Sq, Hq, D) any dtype (float32 when HAS_STATE), M and L (B, Hq, Sq) float32, by pointers.
 
 State per query row, softmax in base 2 (qk_scale = scale * log2(e)):
@@ -209,9 +210,9 @@ def _rows(x, layout: gl.constexpr):
 
 
 @gluon.jit
-def _empty_state(BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr):
+def _empty_state(BLOCK_M: gl.constexpr, BLOCK_D: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr):
     """(acc, m_i, l_i) of rows that have seen no key."""
-    acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_layout)
+    acc = gl.zeros([BLOCK_M, BLOCK_D], gl.float32, o_layout)
     m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
     l_i = gl.zeros([BLOCK_M], gl.float32, gl.SliceLayout(1, s_layout))
     return acc, m_i, l_i
@@ -242,10 +243,12 @@ def _write_out(
     HAS_STATE: gl.constexpr,
     BLOCK_M: gl.constexpr,
     HEAD_DIM: gl.constexpr,
+    BLOCK_D: gl.constexpr,
     s_layout: gl.constexpr,
     o_layout: gl.constexpr,
 ):
-    """Store O (acc / l, or acc), M and L for the tile's valid rows.
+    """Store O (acc / l, or acc), M and L for the tile's valid rows and O's HEAD_DIM columns
+    (the tile's BLOCK_D columns past them are zero padding).
 
     HAS_STATE: (acc, m_i, l_i) covers this call's keys only; the incoming state in (O, M, L)
     is merged in here, which is the online softmax continued from it (up to rounding).
@@ -257,7 +260,7 @@ def _write_out(
     m_ptrs = M + b.to(gl.int64) * stride_mb + h * stride_mh + rows * stride_ms
     l_ptrs = L + b.to(gl.int64) * stride_lb + h * stride_lh + rows * stride_ls
     rows_o = off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, o_layout))
-    cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+    cols = gl.arange(0, BLOCK_D, layout=gl.SliceLayout(0, o_layout))
     o_ptrs = (
         O
         + b.to(gl.int64) * stride_ob
@@ -266,6 +269,8 @@ def _write_out(
         + cols[None, :]
     )
     o_mask = (rows_o < Sq)[:, None]
+    if HEAD_DIM != BLOCK_D:
+        o_mask = o_mask & (cols < HEAD_DIM)[None, :]
     if HAS_STATE:
         m_in = gl.load(m_ptrs, mask=ok, other=float("-inf"))
         l_in = gl.load(l_ptrs, mask=ok, other=0.0)
@@ -323,9 +328,9 @@ def _alloc_bars(N: gl.constexpr, COUNT: gl.constexpr = 1):
 
 
 @gluon.jit
-def _kv_tile(bufs, i, STAGES: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr):
+def _kv_tile(bufs, i, STAGES: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr):
     # the 4-D TMA block [1, BLOCK_N, 1, D] of stage i % STAGES seen as the 2-D matrix wgmma reads
-    return bufs.index(i % STAGES).reshape([BLOCK_N, HEAD_DIM])
+    return bufs.index(i % STAGES).reshape([BLOCK_N, BLOCK_D])
 
 
 @gluon.jit
@@ -370,7 +375,7 @@ def _overlap_loop(
     POSITIVE_SCALE: gl.constexpr,
     BLOCK_M: gl.constexpr,
     BLOCK_N: gl.constexpr,
-    HEAD_DIM: gl.constexpr,
+    BLOCK_D: gl.constexpr,
     s_layout: gl.constexpr,
     o_layout: gl.constexpr,
 ):
@@ -383,7 +388,7 @@ def _overlap_loop(
     # block 0: scores only
     _wait_stage(k_ready, 0, STAGES)
     s_tok = warpgroup_mma(
-        q2, _kv_tile(k_bufs, 0, STAGES, BLOCK_N, HEAD_DIM).permute((1, 0)), s_zero, use_acc=False, is_async=True
+        q2, _kv_tile(k_bufs, 0, STAGES, BLOCK_N, BLOCK_D).permute((1, 0)), s_zero, use_acc=False, is_async=True
     )
     s = warpgroup_mma_wait(0, deps=(s_tok,))
     mbarrier.arrive(k_empty.index(0))
@@ -395,11 +400,11 @@ def _overlap_loop(
     for j in range(1, n):
         _wait_stage(k_ready, j, STAGES)
         s_tok = warpgroup_mma(
-            q2, _kv_tile(k_bufs, j, STAGES, BLOCK_N, HEAD_DIM).permute((1, 0)), s_zero, use_acc=False, is_async=True
+            q2, _kv_tile(k_bufs, j, STAGES, BLOCK_N, BLOCK_D).permute((1, 0)), s_zero, use_acc=False, is_async=True
         )
         _wait_stage(v_ready, j - 1, STAGES)
         p_op = _p_operand(p, dtype, o_layout)
-        acc_tok = warpgroup_mma(p_op, _kv_tile(v_bufs, j - 1, STAGES, BLOCK_N, HEAD_DIM), acc, is_async=True)
+        acc_tok = warpgroup_mma(p_op, _kv_tile(v_bufs, j - 1, STAGES, BLOCK_N, BLOCK_D), acc, is_async=True)
         # groups complete in order: with one left in flight, QK^T(j) is done, PV(j-1) may not be
         s = warpgroup_mma_wait(1, deps=(s_tok,))
         mbarrier.arrive(k_empty.index(j % STAGES))
@@ -412,7 +417,7 @@ def _overlap_loop(
         # rescale only once PV(j-1) has landed in acc
         acc = acc * _rows(alpha, o_layout)[:, None]
     _wait_stage(v_ready, n - 1, STAGES)
-    acc = warpgroup_mma(_p_operand(p, dtype, o_layout), _kv_tile(v_bufs, n - 1, STAGES, BLOCK_N, HEAD_DIM), acc)
+    acc = warpgroup_mma(_p_operand(p, dtype, o_layout), _kv_tile(v_bufs, n - 1, STAGES, BLOCK_N, BLOCK_D), acc)
     return acc, m_i, l_i
 
 
@@ -511,6 +516,7 @@ def _ws2_consumer(
     win_right,
     qk_scale,
     HEAD_DIM: gl.constexpr,
+    BLOCK_D: gl.constexpr,
     BLOCK_M: gl.constexpr,
     BLOCK_N: gl.constexpr,
     STAGES: gl.constexpr,
@@ -522,11 +528,11 @@ def _ws2_consumer(
 ):
     ROWS: gl.constexpr = BLOCK_M // 2
     s_layout: gl.constexpr = _mma_layout(4, BLOCK_N)
-    o_layout: gl.constexpr = _mma_layout(4, HEAD_DIM)
+    o_layout: gl.constexpr = _mma_layout(4, BLOCK_D)
     # the key blocks [lo, lo + n * BLOCK_N) are the whole tile's, as the producer's: both
     # warpgroups consume every block; the mask is this warpgroup's rows'
     my_m = off_m + WG * ROWS
-    acc, m_i, l_i = _empty_state(ROWS, HEAD_DIM, s_layout, o_layout)
+    acc, m_i, l_i = _empty_state(ROWS, BLOCK_D, s_layout, o_layout)
     if n > 0:
         if WG == 0:
             full_lo, full_hi = full_lo0, full_hi0
@@ -534,7 +540,7 @@ def _ws2_consumer(
             full_lo, full_hi = full_lo1, full_hi1
         mbarrier.wait(q_bar.index(0), 0)
         acc, m_i, l_i = _overlap_loop(
-            q_bufs.index(WG).reshape([ROWS, HEAD_DIM]),
+            q_bufs.index(WG).reshape([ROWS, BLOCK_D]),
             k_bufs,
             v_bufs,
             k_ready,
@@ -564,7 +570,7 @@ def _ws2_consumer(
             POSITIVE_SCALE,
             ROWS,
             BLOCK_N,
-            HEAD_DIM,
+            BLOCK_D,
             s_layout,
             o_layout,
         )
@@ -592,6 +598,7 @@ def _ws2_consumer(
         HAS_STATE,
         ROWS,
         HEAD_DIM,
+        BLOCK_D,
         s_layout,
         o_layout,
     )
@@ -626,6 +633,7 @@ def _fwd_ws2(
     win_right,
     qk_scale,
     HEAD_DIM: gl.constexpr,
+    BLOCK_D: gl.constexpr,
     BLOCK_M: gl.constexpr,
     BLOCK_N: gl.constexpr,
     STAGES: gl.constexpr,
@@ -638,7 +646,9 @@ def _fwd_ws2(
     CONSUMER_REGS: gl.constexpr,
     num_warps: gl.constexpr,
 ):
-    """q_desc blocks are [1, BLOCK_M // 2, 1, D] (one per consumer warpgroup); num_warps = 4.
+    """q_desc blocks are [1, BLOCK_M // 2, 1, BLOCK_D] (one per consumer warpgroup), k_desc and
+    v_desc [1, BLOCK_N, 1, BLOCK_D]; BLOCK_D is the head dim HEAD_DIM padded to a power of two
+    (the descriptors read the padding columns as zeros); num_warps = 4.
     MASK, LEFT, win_left, win_right, KLO, KHI: as the Triton forward's (tiles.MASK_*; KLO / KHI
     (Sq,) int32 global key bounds for MASK_ROWS, any pointer otherwise)."""
     gl.static_assert(num_warps == 4, "ws2: the default partition is one consumer warpgroup")
@@ -700,6 +710,7 @@ def _fwd_ws2(
         win_right,
         qk_scale,
         HEAD_DIM,
+        BLOCK_D,
         BLOCK_M,
         BLOCK_N,
         STAGES,

@@ -115,10 +115,15 @@ HEAD_DIMS = (64, 128, 256)
 
 
 def config_for(head_dim: int, variant: str | None = None) -> GluonConfig:
+    """The variant's config for a head dim (looked up by its padding: padded_head_dim)."""
     by_d = VARIANTS[variant or DEFAULT_VARIANT]
-    if head_dim not in by_d:
-        raise Unsupported(f"head_dim {head_dim} not supported by the Gluon forward (supported: {sorted(by_d)})")
-    return by_d[head_dim]
+    block_d = padded_head_dim(head_dim)
+    if block_d not in by_d:
+        raise Unsupported(
+            f"head_dim {head_dim} not supported by the Gluon forward's {variant or DEFAULT_VARIANT!r} "
+            f"(head dims padded to one of {sorted(by_d)})"
+        )
+    return by_d[block_d]
 
 
 def shared_bytes(cfg: GluonConfig, head_dim: int, elem: int = 2) -> int:
@@ -143,12 +148,21 @@ def _smem_layout(rows: int, head_dim: int, bf16: bool):
     return _gl.NVMMASharedLayout.get_default_for([1, rows, 1, head_dim], _gl.bfloat16 if bf16 else _gl.float16)
 
 
-def _descriptor(t: torch.Tensor, rows: int):
-    """4-D TMA descriptor over (B, S, H, D) with blocks of `rows` rows of one head."""
-    block = [1, rows, 1, t.shape[3]]
+def _descriptor(t: torch.Tensor, rows: int, block_d: int | None = None):
+    """4-D TMA descriptor over (B, S, H, D) with blocks of `rows` rows of one head, block_d
+    columns wide (default D; wider reads the columns past D as zeros)."""
+    block_d = t.shape[3] if block_d is None else block_d
+    block = [1, rows, 1, block_d]
     return _TensorDescriptor(
-        t, list(t.shape), list(t.stride()), block, _smem_layout(rows, t.shape[3], t.dtype == torch.bfloat16)
+        t, list(t.shape), list(t.stride()), block, _smem_layout(rows, block_d, t.dtype == torch.bfloat16)
     )
+
+
+def padded_head_dim(head_dim: int) -> int:
+    """The tile width a head dim runs at: kernels._block_d (a power of two)."""
+    from . import _block_d
+
+    return _block_d(head_dim)
 
 
 @functools.lru_cache(maxsize=16)
@@ -182,9 +196,13 @@ def check_shapes(q, k, v, out_o, out_m, out_l, *, normalize, fold, cfg=None) -> 
     Bk, Sk, Hkv, Dk = k.shape
     if Bk != B or Dk != D or Hq % Hkv:
         raise Unsupported(f"shape mismatch: q {tuple(q.shape)}, k {tuple(k.shape)} (Hq % Hkv must be 0)")
-    if D not in HEAD_DIMS:
-        raise Unsupported(f"head_dim {D} not supported by the Gluon forward (supported: {HEAD_DIMS})")
-    if cfg is not None and shared_bytes(cfg, D) > HOPPER_SHARED_BYTES - 1024:
+    block_d = padded_head_dim(D)
+    if block_d not in HEAD_DIMS:
+        raise Unsupported(
+            f"head_dim {D} not supported by the Gluon forward (supported: up to {max(HEAD_DIMS)}, "
+            f"padded to one of {HEAD_DIMS})"
+        )
+    if cfg is not None and shared_bytes(cfg, block_d) > HOPPER_SHARED_BYTES - 1024:
         raise Unsupported(f"config {cfg} needs too much shared memory at D={D}")
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not _tma_ok(t):
@@ -287,6 +305,7 @@ def launch_plan(
     from . import _mask_args
 
     B, Sq, Hq, D = q.shape
+    block_d = padded_head_dim(D)
     Sk, Hkv = k.shape[1], k.shape[2]
     q_start, k_start = int(q_start), int(k_start)
     # positions as the Triton kernels take them: below 2^30 (tiles.UNBOUNDED), so that a
@@ -298,6 +317,7 @@ def launch_plan(
     mask, win_left, win_right, left, _, (k_lo, k_hi), _ = _mask_args(CAUSAL if causal else window, bounds, out_m)
     kwargs = dict(
         HEAD_DIM=D,
+        BLOCK_D=block_d,
         BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n,
         STAGES=cfg.stages,
@@ -315,9 +335,9 @@ def launch_plan(
     if cfg.maxnreg is not None:
         kwargs["maxnreg"] = cfg.maxnreg
     args = (
-        _descriptor(q, cfg.q_rows),
-        _descriptor(k, cfg.block_n),
-        _descriptor(v, cfg.block_n),
+        _descriptor(q, cfg.q_rows, block_d),
+        _descriptor(k, cfg.block_n, block_d),
+        _descriptor(v, cfg.block_n, block_d),
         out_o,
         out_m,
         out_l,
