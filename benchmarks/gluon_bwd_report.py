@@ -31,7 +31,7 @@ def one(case: tuple, dump: str | None = None) -> dict:
     variant, D, causal, dtype, accumulate, group, window_left, rows = case
     try:
         row = gb.hopper_report(
-            gb.VARIANTS[variant][D],
+            gb.config_for(D, variant),
             D,
             causal=causal,
             dtype=dtype,
@@ -90,7 +90,7 @@ def main():
         (v, D, bool(c), dt, bool(a), args.group, args.window_left, args.rows)
         for v in args.variants
         for D in args.head_dims
-        if D in gb.VARIANTS[v]
+        if gb.padded_head_dim(D) in gb.VARIANTS[v]
         for c in args.causal
         for dt in args.dtypes
         for a in args.accumulate

@@ -35,12 +35,15 @@ class DQSum:
         return self._natural
 
     def blocked(self) -> torch.Tensor:
-        """The blocked float32 buffer (B, Hq, S padded to whole blocks, D) of unscaled dQ."""
+        """The blocked float32 buffer (B, Hq, S padded to whole blocks, D padded to the kernel's
+        tile width) of unscaled dQ."""
         if self._blocked is None:
-            from .kernels.gluon_backward import blocked_rows
+            from .kernels.gluon_backward import blocked_rows, padded_head_dim
 
             B, S, Hq, D = self.shape
-            self._blocked = torch.zeros(B, Hq, blocked_rows(S), D, dtype=torch.float32, device=self.device)
+            self._blocked = torch.zeros(
+                B, Hq, blocked_rows(S), padded_head_dim(D), dtype=torch.float32, device=self.device
+            )
         return self._blocked
 
     def result(self, dtype: torch.dtype) -> torch.Tensor:

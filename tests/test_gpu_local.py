@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from ringflash import flash_attn_func
+from ringflash.kernels import _block_d
 
 from oracle import (
     assert_within,
@@ -114,6 +115,24 @@ def test_fused_backward_vs_float64(dtype, causal, case, monkeypatch):
     calls = spy_fused_backward(monkeypatch)
     force_fused_backward(monkeypatch)
     test_forward_backward_vs_float64(dtype, causal, case)
+    assert calls, "the fused backward was not used"
+
+
+@pytest.mark.parametrize("variant", ["ws2_lag", "ws2"])  # blocked dQ, row-major dQ atomics
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("case", [(2, 1031, 1031, 4, 2, 96), (1, 777, 2048, 4, 1, 48), (1, 2048, 777, 8, 8, 80)],
+                         ids=lambda c: "x".join(map(str, c)))  # fmt: skip
+def test_fused_backward_at_padded_head_dims(variant, causal, case, monkeypatch):
+    """Head dims under their tile width (48 -> 64, 80 and 96 -> 128) in the fused backward:
+    zero columns read, dK / dV stored to their true width, dQ's (zero) padding columns kept out
+    of dq, through the blocked dQ and the row-major atomics; bf16 gradients against float64
+    within the plain bound."""
+    from ringflash.kernels import configs
+
+    calls = spy_fused_backward(monkeypatch)
+    force_fused_backward(monkeypatch)
+    monkeypatch.setattr(configs, "GLUON_BWD", dict.fromkeys(configs.GLUON_BWD, variant))
+    test_forward_backward_vs_float64(torch.bfloat16, causal, case)
     assert calls, "the fused backward was not used"
 
 
@@ -301,22 +320,23 @@ def _documents(len_k_extra):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("causal,window_size,len_k_extra", DOCUMENT_CASES)
-@pytest.mark.parametrize("D", [128, 64])
+@pytest.mark.parametrize("D", [128, 64, 96])
 @pytest.mark.parametrize("fused", [True, False])
 def test_documents_backward_vs_float64(dtype, causal, window_size, len_k_extra, D, fused, monkeypatch):
     """Packed documents (per-row bounds) in the fused backward (configs.GLUON_BWD_DOCUMENTS,
     forced at every size) and in the two passes (deterministic=True, on the documents tables'
-    shapes where they have the head dim): documents of 0 to 3000 rows,
+    shapes where they have the head dim; 96 runs 128 wide): documents of 0 to 3000 rows,
     key blocks straddling several, Sq != Sk per document; dq, dk, dv against float64 within
     the plain bound; keys no query sees get dK = dV = 0, queries that see no key dQ = 0."""
     from ringflash.kernels import configs
     from ringflash.local import flash_attn_varlen_func
     from ringflash.testing import varlen_plain_errors, varlen_reference
 
+    W = _block_d(D)  # the tile width D runs at (96: 128, zero columns)
     calls = spy_fused_backward(monkeypatch)
     if fused:
         force_fused_backward(monkeypatch)
-        monkeypatch.setattr(configs, "GLUON_BWD_DOCUMENTS", {D: configs.GLUON_BWD[D]})
+        monkeypatch.setattr(configs, "GLUON_BWD_DOCUMENTS", {W: configs.GLUON_BWD[W]})
     chosen = []
     real_config = configs.kind_config
     monkeypatch.setattr(configs, "kind_config", lambda *a, **kw: chosen.append(real_config(*a, **kw)) or chosen[-1])
@@ -331,7 +351,7 @@ def test_documents_backward_vs_float64(dtype, causal, window_size, len_k_extra, 
     grads = torch.autograd.grad(out, (q, k, v), do)
     assert bool(calls) == fused, "the fused backward was used" if calls else "the fused backward was not used"
     if not fused:
-        tables = [configs._DOCUMENTS[kind].get(D, configs.pick(kind, D)) for kind in ("dkdv", "dq")]
+        tables = [configs._DOCUMENTS[kind].get(W, configs.pick(kind, W)) for kind in ("dkdv", "dq")]
         assert chosen == tables
     ref = varlen_reference(q.detach(), k.detach(), v.detach(), do, cu_q, cu_k, **kw)
     plain = varlen_plain_errors(q.detach(), k.detach(), v.detach(), do, cu_q, cu_k, ref, **kw)

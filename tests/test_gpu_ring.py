@@ -55,8 +55,9 @@ def test_replayed_ring_matches_single_gpu(dtype, layout, causal, world):
 @pytest.mark.parametrize("causal", [False, True])
 def test_replayed_ring_at_padded_head_dims(D, causal, monkeypatch):
     """Head dims under their padding (96 -> 128, 192 -> 256) fold each step's keys into the
-    float32 state on the Gluon forward (zero columns read, O's true width stored), replayed at
-    world 4: within the error of one GPU's flash_attn_func."""
+    float32 state on the Gluon forward (zero columns read, O's true width stored), and at 96 the
+    steps' gradients come from the fused backward (forced at this size) into the ring's one
+    blocked dQ, replayed at world 4: within the error of one GPU's flash_attn_func."""
     from ringflash.kernels import gluon_forward
 
     calls = []
@@ -66,8 +67,11 @@ def test_replayed_ring_at_padded_head_dims(D, causal, monkeypatch):
     ref = _reference(q, k, v, do, causal)
     single = _single_gpu(q, k, v, do, causal)
     calls.clear()
+    force_fused_backward(monkeypatch)
+    fused = spy_fused_backward(monkeypatch)
     ring = replay_ring(q, k, v, do, world=4, causal=causal, layout="zigzag")
     assert any(calls), "no ring step folded on the Gluon forward"
+    assert set(fused) == ({"blocked"} if D == 96 else set()), fused  # 256 wide: no fused backward
     for name, r, s, g in zip(("out", "dq", "dk", "dv"), ref, single, ring):
         assert torch.isfinite(g).all(), name
         e_single, e_ring = _rel_rms(s, r), _rel_rms(g, r)

@@ -393,18 +393,20 @@ def test_gluon_backward_row_stats(Sq):
     assert torch.equal(one[:, :, 1], ref[:, :, 1]) and torch.equal(one[:, :, 0, Sq:], ref[:, :, 0, Sq:])
     assert bool((dq32 == 0).all())
     # delta computed in the same launch from the output (merge.DeltaOf), with and without dlse:
-    # rowsum(out * do) of 64 float32 products, within 64 roundings of the sum of |products|
+    # rowsum(out * do) of Dv float32 products, within Dv roundings of the sum of |products|;
+    # Dv = 96 is read 128 wide, the columns past it masked
     from ringflash.merge import DeltaOf
 
-    out, do = (torch.randn(2, Sq + 3, 3, 64, generator=g).to(torch.bfloat16)[:, 3:] for _ in range(2))
     dlse = torch.randn(2, 3, Sq, generator=g)
-    products = out.float() * do.float()
-    bound = 64 * torch.finfo(torch.float32).eps * products.abs().sum(-1).transpose(1, 2)
-    for pending_dlse in (None, dlse):
-        want_delta = products.sum(-1).transpose(1, 2) - (0 if pending_dlse is None else pending_dlse)
-        got = gb.launch_row_stats(m2, l2, DeltaOf(out, pending_dlse), cfg, do=do).view(2, 3, 2, Sp)
-        assert bool(((got[:, :, 1, :Sq] - want_delta).abs() <= bound).all())
-        assert bool((got[:, :, 1, Sq:] == 0).all()) and torch.equal(got[:, :, 0], one[:, :, 0])
+    for Dv in (64, 96):
+        out, do = (torch.randn(2, Sq + 3, 3, Dv, generator=g).to(torch.bfloat16)[:, 3:] for _ in range(2))
+        products = out.float() * do.float()
+        bound = Dv * torch.finfo(torch.float32).eps * products.abs().sum(-1).transpose(1, 2)
+        for pending_dlse in (None, dlse):
+            want_delta = products.sum(-1).transpose(1, 2) - (0 if pending_dlse is None else pending_dlse)
+            got = gb.launch_row_stats(m2, l2, DeltaOf(out, pending_dlse), cfg, do=do).view(2, 3, 2, Sp)
+            assert bool(((got[:, :, 1, :Sq] - want_delta).abs() <= bound).all()), Dv
+            assert bool((got[:, :, 1, Sq:] == 0).all()) and torch.equal(got[:, :, 0], one[:, :, 0])
 
 
 def test_gluon_backward_choice(monkeypatch):
@@ -488,7 +490,8 @@ def test_deterministic_reaches_the_backward(compiled, monkeypatch):
 def test_fused_backward_only_where_it_runs(monkeypatch):
     """kernels.fuses_backward: never on a CPU tensor, with a key bias, dropout or
     deterministic=True; its device-independent part (fused_backward_fits, any device): never for
-    float32, unequal or untuned head dims, or a GPU it does not run on (0 SMs); dense blocks need
+    float32, unequal head dims or ones not padded to a tuned width, or a GPU it does not run on
+    (0 SMs); dense blocks need
     GLUON_BWD_MIN_PROGRAMS_PER_SM programs per SM, per-row bounds also
     GLUON_BWD_DOCUMENTS_MIN_PAIRS pairs x heads; a gluon_bwd override forces it at any size."""
     from ringflash import kernels
@@ -504,7 +507,10 @@ def test_fused_backward_only_where_it_runs(monkeypatch):
     assert not fits(big, big, big, None, 0)
     assert not fits(big.float(), big.float(), big.float(), None, 132)
     assert not fits(big, big, big[..., :64], None, 132)
-    assert not fits(big[..., :96], big[..., :96], big[..., :96], None, 132)
+    assert fits(big[..., :96], big[..., :96], big[..., :96], None, 132)  # padded to a tuned 128
+    assert not fits(big[..., :32], big[..., :32], big[..., :32], None, 132)  # 32: none tuned
+    wide = torch.empty(1, 16384, 32, 192, dtype=torch.bfloat16)  # padded to 256: none tuned
+    assert not fits(wide, wide, wide, None, 132)
     with configs.override(gluon_bwd=configs.GLUON_BWD[128]):
         assert fits(small, small, small, None, 132)
     with configs.override(gluon_bwd=None):

@@ -175,23 +175,24 @@ def test_gluon_backward_blocked_dq_layout():
     """The blocked float32 dQ of the Gluon backward (cfg.dq_blocked): the launcher's view inverts
     the kernel's offsets (_gluon_bwd._red_add_blocked), and its finish (one Triton launch, here
     interpreted) scales, un-permutes and casts (or adds) into dq of any strides, ragged last
-    block included, at both head dims."""
+    block included, at both head dims and at one under its padding (96 in a 128-wide buffer)."""
     import torch
 
     from ringflash.kernels import gluon_backward as gb
 
     cfg = gb.VARIANTS["ws2_blk"][128]
     B, Sq, Hq = 2, 130, 3
-    for D in (128, 64):
-        acc = torch.arange(B * Hq * gb.padded_rows(Sq, cfg) * D, dtype=torch.float32).view(B, Hq, -1, D)
+    for D in (128, 64, 96):  # 96: a buffer 128 wide, whose padding columns are not dQ's
+        W = gb.padded_head_dim(D)
+        acc = torch.arange(B * Hq * gb.padded_rows(Sq, cfg) * W, dtype=torch.float32).view(B, Hq, -1, W)
         nat = gb.dq_natural_view(acc)
-        corners = [(0, 0, 0, 0, 0, 0, 0, 0, 0, 0), (1, 2, 3, 1, 5, 2, 1, D // 16 - 1, 2, 1)]
+        corners = [(0, 0, 0, 0, 0, 0, 0, 0, 0, 0), (1, 2, 3, 1, 5, 2, 1, W // 16 - 1, 2, 1)]
         for b, n, w, h, g, hq, wg, j, t, e in corners:
-            # the kernel: tile (b, hq, 64-row block n, warpgroup wg) at ((b Hq + hq) Sq_pad + 64 n) D + 32 D wg,
-            # element (r = 16 w + 8 h + g, c = 8 j + 2 t + e) at (w * 8 D + g * 16 + h * 2) + (j * 128 + t * 4 + e)
-            flat = ((b * Hq + hq) * acc.shape[2] + 64 * n) * D + 32 * D * wg + w * 8 * D + g * 16 + h * 2
+            # the kernel: tile (b, hq, 64-row block n, warpgroup wg) at ((b Hq + hq) Sq_pad + 64 n) W + 32 W wg,
+            # element (r = 16 w + 8 h + g, c = 8 j + 2 t + e) at (w * 8 W + g * 16 + h * 2) + (j * 128 + t * 4 + e)
+            flat = ((b * Hq + hq) * acc.shape[2] + 64 * n) * W + 32 * W * wg + w * 8 * W + g * 16 + h * 2
             assert nat[b, n, w, h, g, hq, wg, j, t, e].item() == flat + j * 128 + t * 4 + e
-        natural = nat.reshape(B, -1, Hq, D)[:, :Sq]  # (B, Sq, Hq, D) in row order
+        natural = nat.reshape(B, -1, Hq, W)[:, :Sq, :, :D]  # (B, Sq, Hq, D) in row order
         for dtype, accumulate, layout in [(torch.bfloat16, False, "contiguous"), (torch.float32, True, "contiguous"),
                                           (torch.float16, True, "heads first")]:  # fmt: skip
             if layout == "contiguous":
@@ -210,14 +211,23 @@ def test_gluon_backward_blocked_dq_layout():
 
 def test_gluon_backward_compiles_for_hopper(tmp_path):
     """The Gluon backward's variants keep compiling for
-    sm_90a on this CPU machine, causal bf16 accumulating into float32 (a ring step): no spills,
-    within the shared memory, S^T and dP^T left in flight (wait_group 1), vectorized dQ adds."""
+    sm_90a on this CPU machine, causal bf16 accumulating into float32 (a ring step), at D=128
+    and at 96 (run 128 wide): no spills, within the shared memory, S^T and dP^T left in flight
+    (wait_group 1), vectorized dQ adds."""
     variants = ["ws2", "ws2_blk", "ws2_lag", "ws2_lagq"]
     run([sys.executable, "benchmarks/gluon_bwd_report.py", "--variants", *variants, "--head-dims", "128", "--causal",
          "1", "--dtypes", "bf16", "--accumulate", "1", "--jobs", "1", "--json", str(tmp_path / "b.json")],
         tmp_path)  # fmt: skip
     rows = json.loads((tmp_path / "b.json").read_text())
     assert len(rows) == len(variants)
+    # a head dim under its tile width (96 in 128: masked stores, clamped dQ columns), blocked dQ
+    # and row-major
+    padded = ["ws2_lag", "ws2"]
+    run([sys.executable, "benchmarks/gluon_bwd_report.py", "--variants", *padded, "--head-dims", "96", "--causal",
+         "1", "--dtypes", "bf16", "--accumulate", "1", "--jobs", "1", "--json", str(tmp_path / "p.json")],
+        tmp_path)  # fmt: skip
+    rows += json.loads((tmp_path / "p.json").read_text())
+    assert len(rows) == len(variants) + len(padded)
     for r in rows:
         assert not r["problems"] and r["spill_bytes"] == 0 and r["sass_waits"].get("1", 0) > 0, r
 

@@ -186,7 +186,8 @@ def combined_stats(m, l):
 
 def fuses_backward(q, k, v, *, window, bounds, key_bias=None, dropout=None, deterministic=False) -> bool:
     """Whether backward() given dq, dk and dv together runs this block as one fused kernel
-    (the Gluon backward on Hopper: 16-bit, head dims equal and tuned (configs.GLUON_BWD), dense,
+    (the Gluon backward on Hopper: 16-bit, head dims equal, padded to a tuned width
+    (configs.GLUON_BWD), dense,
     causal, a sliding window or per-row bounds (configs.GLUON_BWD_DOCUMENTS), no key bias or
     dropout, enough key blocks x kv heads to fill the GPU: configs.GLUON_BWD_MIN_PROGRAMS_PER_SM,
     unless override(gluon_bwd=) forces it). Its dQ is added in float32 by atomics, whose order
@@ -202,9 +203,9 @@ def fused_backward_fits(q, k, v, bounds, sm_count: int) -> bool:
     """fuses_backward's choice for a block without key bias or dropout on a GPU of sm_count SMs
     (0: not one the fused kernel runs on), from shapes, dtypes and the bounds alone (any device)."""
     D = q.shape[-1]
-    if not sm_count or q.dtype == torch.float32 or v.shape[-1] != D or _block_d(D) != D:
+    if not sm_count or q.dtype == torch.float32 or v.shape[-1] != D:
         return False
-    variant = configs.gluon_backward_variant(D, documents=bounds is not None)
+    variant = configs.gluon_backward_variant(_block_d(D), documents=bounds is not None)
     if variant is None:
         return False
     if configs.overridden("gluon_bwd"):  # forced: any size
@@ -240,7 +241,7 @@ def _gluon_backward(q, k, v, m, l, do, delta, dq, dk, dv, q_start, k_start, wind
     from . import gluon_backward
 
     reaches = None if window is None or bounds is not None else (window.left, window.right)  # bounds decide alone
-    variant = configs.gluon_backward_variant(q.shape[-1], documents=bounds is not None)
+    variant = configs.gluon_backward_variant(_block_d(q.shape[-1]), documents=bounds is not None)
     try:  # it launches on q's device itself
         if isinstance(dq, DQPart):
             blocked = dq.blocked() if gluon_backward.config_for(q.shape[-1], variant).dq_blocked else None

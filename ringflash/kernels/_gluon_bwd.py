@@ -36,8 +36,9 @@ Statistics: `offset` = m + log2(l) per query row (+inf for rows that saw no key 
 padding rows past Sq, so their probabilities are exactly 0), `delta` = rowsum(dO * O); both
 float32, in one padded tensor (B * Hq, 2, Sq_pad) that the launcher builds, read flat by TMA.
 Q, K, V, dO: (B, S, H, D) 16-bit tensors through 4-D TMA descriptors (rows past the end read as
-zeros, never the next batch's). Keys past Sk are masked (their zero rows would otherwise meet
-p = exp2(-offset), which can overflow, times 0 in the dQ matmul).
+zeros, never the next batch's; a head dim D under its tile width BLOCK_D reads zero columns).
+Keys past Sk are masked (their zero rows would otherwise meet p = exp2(-offset), which can
+overflow, times 0 in the dQ matmul).
 """
 
 from triton.experimental import gluon
@@ -299,13 +300,16 @@ def _opaque(x):
 
 
 @gluon.jit
-def _store_grad(acc, base, row0, n_rows, stride_s, ACCUMULATE: gl.constexpr, ROWS: gl.constexpr, layout: gl.constexpr):
-    """Store (or add, ACCUMULATE) acc (ROWS, D) float32 at rows row0.. (< n_rows) of a (S, D)
-    slice with row stride stride_s, in base's dtype."""
+def _store_grad(
+    acc, base, row0, n_rows, stride_s, ACCUMULATE: gl.constexpr, ROWS: gl.constexpr, COLS: gl.constexpr,
+    layout: gl.constexpr,
+):  # fmt: skip
+    """Store (or add, ACCUMULATE) the first COLS columns of acc (ROWS, BLOCK_D) float32 at rows
+    row0.. (< n_rows) of a (S, COLS) slice with row stride stride_s, in base's dtype."""
     rows = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
     cols = gl.arange(0, acc.shape[1], layout=gl.SliceLayout(0, layout))
     ptrs = base + rows.to(gl.int64)[:, None] * stride_s + cols[None, :]
-    mask = (rows < n_rows)[:, None] & (cols < acc.shape[1])[None, :]
+    mask = (rows < n_rows)[:, None] & (cols < COLS)[None, :]
     if ACCUMULATE:
         acc = acc + gl.load(ptrs, mask=mask, other=0.0).to(gl.float32)
     gl.store(ptrs, acc.to(base.dtype.element_ty), mask=mask)
@@ -391,6 +395,7 @@ def _consumer(
     qk_scale,
     sm_scale,
     HEAD_DIM: gl.constexpr,
+    BLOCK_D: gl.constexpr,
     BLOCK_M: gl.constexpr,
     BLOCK_N: gl.constexpr,
     STAGES: gl.constexpr,
@@ -404,11 +409,11 @@ def _consumer(
     DQ_FIRST: gl.constexpr,
 ):
     KEYS: gl.constexpr = BLOCK_N // 2  # keys of this warpgroup
-    DQ_COLS: gl.constexpr = HEAD_DIM // 2  # dQ columns of this warpgroup
+    DQ_COLS: gl.constexpr = BLOCK_D // 2  # dQ columns of this warpgroup
     dtype: gl.constexpr = q_bufs.dtype
     s_layout: gl.constexpr = _mma_layout(4, BLOCK_M)  # S^T, dP^T: (KEYS, BLOCK_M)
     dq_layout: gl.constexpr = _mma_layout(4, DQ_COLS)  # dQ_wg: (BLOCK_M, DQ_COLS)
-    kv_layout: gl.constexpr = _mma_layout(4, HEAD_DIM)  # dK, dV: (KEYS, HEAD_DIM)
+    kv_layout: gl.constexpr = _mma_layout(4, BLOCK_D)  # dK, dV: (KEYS, BLOCK_D)
     op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kv_layout, k_width=2)
     gl.static_assert(KEYS == 64, "one warpgroup's wgmma tile is 64 rows")
 
@@ -416,14 +421,18 @@ def _consumer(
         Hkv, Sq, Sk, q_start, k_start, left, rows_first, rows_n, CAUSAL, HAS_LEFT, ROWS, BLOCK_M, BLOCK_N
     )
     n_iter = group * n_m
-    dk = gl.zeros([KEYS, HEAD_DIM], gl.float32, kv_layout)
-    dv = gl.zeros([KEYS, HEAD_DIM], gl.float32, kv_layout)
+    dk = gl.zeros([KEYS, BLOCK_D], gl.float32, kv_layout)
+    dv = gl.zeros([KEYS, BLOCK_D], gl.float32, kv_layout)
     s_zero = gl.zeros([KEYS, BLOCK_M], gl.float32, s_layout)
     dq_zero = gl.zeros([BLOCK_M, DQ_COLS], gl.float32, dq_layout)
     key_idx = n0 + WG * KEYS + gl.arange(0, KEYS, layout=gl.SliceLayout(1, s_layout))
     q_idx = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
     dq_rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, dq_layout))
     dq_cols = WG * DQ_COLS + gl.arange(0, DQ_COLS, layout=gl.SliceLayout(0, dq_layout))
+    if HEAD_DIM != BLOCK_D:
+        # dQ's padding columns are exactly 0 (K's read as zeros): the row-major adds put them on
+        # the last pair of real columns (+0.0) instead of past the row; pairs stay pairs (D even)
+        dq_cols = gl.where(dq_cols < HEAD_DIM, dq_cols, HEAD_DIM - 2 + dq_cols % 2)
     if ROWS:
         # this warpgroup's keys: the local query rows each is seen by, for the whole loop;
         # [full_lo, full_hi): the rows that see all of them
@@ -441,16 +450,16 @@ def _consumer(
         h, off_m = _query_block(i, hk, group, m_first, n_m, BLOCK_M, ROTATE)
         # ready[s]: the (i // STAGES)-th completion of stage s's barrier
         mbarrier.wait(ready.index(s), (i // STAGES) & 1)
-        q_t = q_bufs.index(s).reshape([BLOCK_M, HEAD_DIM])
-        do_t = do_bufs.index(s).reshape([BLOCK_M, HEAD_DIM])
+        q_t = q_bufs.index(s).reshape([BLOCK_M, BLOCK_D])
+        do_t = do_bufs.index(s).reshape([BLOCK_M, BLOCK_D])
         # K and V through an index the compiler cannot prove constant: their wgmma descriptors
         # are then rebuilt per step (a few uniform adds) instead of being kept across the loop,
         # which ran out of uniform registers and spilled
         zero = _opaque(i * 0)
-        k_all = k_smem.index(zero).reshape([BLOCK_N, HEAD_DIM])
+        k_all = k_smem.index(zero).reshape([BLOCK_N, BLOCK_D])
         k_wg = k_all.slice(WG * KEYS, KEYS, dim=0)  # (KEYS, D): A of S^T
         k_cols = k_all.slice(WG * DQ_COLS, DQ_COLS, dim=1)  # (BLOCK_N, DQ_COLS): B of dQ_wg
-        v_wg = v_smem.index(zero).reshape([BLOCK_N, HEAD_DIM]).slice(WG * KEYS, KEYS, dim=0)
+        v_wg = v_smem.index(zero).reshape([BLOCK_N, BLOCK_D]).slice(WG * KEYS, KEYS, dim=0)
         st_tok = warpgroup_mma(k_wg, q_t.permute((1, 0)), s_zero, use_acc=False, is_async=True)
         dpt_tok = warpgroup_mma(v_wg, do_t.permute((1, 0)), s_zero, use_acc=False, is_async=True)
         offset = st_bufs.index(2 * s).load(gl.SliceLayout(0, s_layout))
@@ -567,7 +576,7 @@ def _consumer(
             # the last step's dQ: dS(n_iter - 1) from both warpgroups
             last = n_iter - 1
             mbarrier.wait(ds_bar.index(last % 3), (last // 3) & 1)
-            k_cols = k_smem.index(0).reshape([BLOCK_N, HEAD_DIM]).slice(WG * DQ_COLS, DQ_COLS, dim=1)
+            k_cols = k_smem.index(0).reshape([BLOCK_N, BLOCK_D]).slice(WG * DQ_COLS, DQ_COLS, dim=1)
             dq_tok = warpgroup_mma(
                 ds_bufs.index(last % 3).permute((1, 0)), k_cols, dq_zero, use_acc=False, is_async=True
             )
@@ -589,6 +598,7 @@ def _consumer(
         stride_dks,
         ACCUMULATE,
         KEYS,
+        HEAD_DIM,
         kv_layout,
     )
     _store_grad(
@@ -599,6 +609,7 @@ def _consumer(
         stride_dvs,
         ACCUMULATE,
         KEYS,
+        HEAD_DIM,
         kv_layout,
     )
 
@@ -636,6 +647,7 @@ def _bwd_ws2(
     qk_scale,
     sm_scale,
     HEAD_DIM: gl.constexpr,
+    BLOCK_D: gl.constexpr,
     BLOCK_M: gl.constexpr,
     BLOCK_N: gl.constexpr,
     STAGES: gl.constexpr,
@@ -651,9 +663,12 @@ def _bwd_ws2(
     CONSUMER_REGS: gl.constexpr,
     num_warps: gl.constexpr,
 ):
-    """q_desc, do_desc: blocks [1, BLOCK_M, 1, D]; k_desc, v_desc: [1, BLOCK_N, 1, D]; st_desc:
-    the flat (B * Hq * 2 * Sq_pad,) float32 statistics with blocks [BLOCK_M]. num_warps = 4 (the default partition is
-    consumer warpgroup 0). DQ: float32 (B, Sq, Hq, D), added to atomically."""
+    """q_desc, do_desc: blocks [1, BLOCK_M, 1, BLOCK_D]; k_desc, v_desc: [1, BLOCK_N, 1, BLOCK_D],
+    BLOCK_D the head dim HEAD_DIM padded to a power of two (the padding columns read as zeros);
+    st_desc: the flat (B * Hq * 2 * Sq_pad,) float32 statistics with blocks [BLOCK_M]. num_warps
+    = 4 (the default partition is consumer warpgroup 0). DQ: float32 (B, Sq, Hq, HEAD_DIM) added
+    to atomically, or (DQ_BLOCKED) the blocked (B, Hq, Sq_pad, BLOCK_D); DK, DV (B, Sk, Hkv,
+    HEAD_DIM)."""
     gl.static_assert(num_warps == 4, "the default partition is one consumer warpgroup")
     gl.static_assert(q_desc.block_type.shape[1] == BLOCK_M)
     gl.static_assert(k_desc.block_type.shape[1] == BLOCK_N)
@@ -727,6 +742,7 @@ def _bwd_ws2(
         qk_scale,
         sm_scale,
         HEAD_DIM,
+        BLOCK_D,
         BLOCK_M,
         BLOCK_N,
         STAGES,

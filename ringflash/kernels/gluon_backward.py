@@ -46,6 +46,7 @@ from .gluon_forward import (
     compile_plan,
     compiled_report,
     device_capability,
+    padded_head_dim,
     timed_compile,
 )
 from .gluon_forward import report_problems as forward_report_problems
@@ -137,10 +138,14 @@ DEFAULT_VARIANT = "ws2"
 
 
 def config_for(head_dim: int, variant: str | None = None) -> GluonBwdConfig:
+    """The variant's config for a head dim (looked up by its padding: padded_head_dim)."""
     by_d = VARIANTS[variant or DEFAULT_VARIANT]
-    if head_dim not in by_d:
-        raise Unsupported(f"head_dim {head_dim} not supported by the Gluon backward (supported: {sorted(by_d)})")
-    return by_d[head_dim]
+    block_d = padded_head_dim(head_dim)
+    if block_d not in by_d:
+        raise Unsupported(
+            f"head_dim {head_dim} not supported by the Gluon backward (head dims padded to one of {sorted(by_d)})"
+        )
+    return by_d[block_d]
 
 
 def shared_bytes(cfg: GluonBwdConfig, head_dim: int, elem: int = 2) -> int:
@@ -177,11 +182,14 @@ def check_shapes(q, k, v, m, l, do, delta, dq, dk, dv, *, scale, cfg=None) -> No
     Bk, Sk, Hkv, Dk = k.shape
     if Bk != B or Dk != D or Hq % Hkv:
         raise Unsupported(f"shape mismatch: q {tuple(q.shape)}, k {tuple(k.shape)} (Hq % Hkv must be 0)")
-    if D not in HEAD_DIMS:
-        raise Unsupported(f"head_dim {D} not supported by the Gluon backward (supported: {HEAD_DIMS})")
+    block_d = padded_head_dim(D)
+    if block_d not in HEAD_DIMS:
+        raise Unsupported(f"head_dim {D} not supported by the Gluon backward (head dims padded to one of {HEAD_DIMS})")
+    if D % 2:  # (TMA's 16-byte strides already ask for a multiple of 8)
+        raise Unsupported(f"the Gluon backward adds dQ in column pairs: head_dim {D} must be even")
     if not scale > 0:
         raise Unsupported(f"the Gluon backward takes a positive scale, got {scale}")
-    if cfg is not None and shared_bytes(cfg, D) > HOPPER_SHARED_BYTES - 1024:
+    if cfg is not None and shared_bytes(cfg, block_d) > HOPPER_SHARED_BYTES - 1024:
         raise Unsupported(f"config {cfg} needs too much shared memory at D={D}")
     for name, t in (("q", q), ("k", k), ("v", v), ("do", do)):
         if not _tma_ok(t):
@@ -200,7 +208,7 @@ def check_shapes(q, k, v, m, l, do, delta, dq, dk, dv, *, scale, cfg=None) -> No
     if dq is None or dk is None or dv is None:
         raise Unsupported("the fused backward computes dq, dk and dv together")
     if isinstance(dq, BlockedDQ):
-        _check_blocked(dq.acc, B, Sq, Hq, D, cfg)
+        _check_blocked(dq.acc, B, Sq, Hq, block_d, cfg)
         dq = None
     named = (("dq", dq, (B, Sq, Hq, D)),) if dq is not None else ()
     for name, t, shape in (*named, ("dk", dk, (B, Sk, Hkv, D)), ("dv", dv, (B, Sk, Hkv, D))):
@@ -265,15 +273,16 @@ def _row_stats_kernel(
     stride_mb, stride_mh, stride_lb, stride_lh, stride_db, stride_dh,
     stride_ob, stride_os, stride_oh, stride_dob, stride_dos, stride_doh,
     H, S, SP,
-    HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK: tl.constexpr, ZERO_DQ: tl.constexpr,
-    FROM_OUTPUT: tl.constexpr, HAS_DLSE: tl.constexpr,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK: tl.constexpr,
+    ZERO_DQ: tl.constexpr, FROM_OUTPUT: tl.constexpr, HAS_DLSE: tl.constexpr,
 ):  # fmt: skip
     """row_stats in one launch: STATS (B, H, 2, SP) float32 seen flat, [b, h, 0, r] =
     M + log2(L) (+inf where L = 0 or r >= S) and [b, h, 1, r] = DELTA (0 for r >= S), of
     M, L, DELTA (B, H, S) float32 with unit row strides; one program per BLOCK rows of a
     (batch, head). FROM_OUTPUT: delta computed here as rowsum(O * DO) of O, DO (B, S, H,
-    HEAD_DIM_V), minus DELTA (then dlse, (B, H, S)) with HAS_DLSE. ZERO_DQ: also zero those rows
-    of DQ32 (B, H, SP, HEAD_DIM) float32."""
+    HEAD_DIM_V) (read BLOCK_DV wide, its power of two), minus DELTA (then dlse, (B, H, S)) with
+    HAS_DLSE. ZERO_DQ: also zero those rows of DQ32 (B, H, SP, HEAD_DIM) float32 (HEAD_DIM: the
+    blocked buffer's padded width)."""
     bh = tl.program_id(1)
     b = (bh // H).to(tl.int64)
     h = (bh % H).to(tl.int64)
@@ -282,12 +291,13 @@ def _row_stats_kernel(
     m = tl.load(M + b * stride_mb + h * stride_mh + rows, mask=inside, other=0.0)
     l = tl.load(L + b * stride_lb + h * stride_lh + rows, mask=inside, other=0.0)
     if FROM_OUTPUT:  # as the delta kernel (kernels.backward._delta_kernel) computes it
-        cols = tl.arange(0, HEAD_DIM_V)
+        cols = tl.arange(0, BLOCK_DV)
         rows64 = rows.to(tl.int64)[:, None]
+        ok = inside[:, None] & (cols < HEAD_DIM_V)[None, :]
         o = tl.load(O + b * stride_ob + h * stride_oh + rows64 * stride_os + cols[None, :],
-                    mask=inside[:, None], other=0.0).to(tl.float32)  # fmt: skip
+                    mask=ok, other=0.0).to(tl.float32)  # fmt: skip
         do = tl.load(DO + b * stride_dob + h * stride_doh + rows64 * stride_dos + cols[None, :],
-                     mask=inside[:, None], other=0.0).to(tl.float32)  # fmt: skip
+                     mask=ok, other=0.0).to(tl.float32)  # fmt: skip
         delta = tl.sum(o * do, 1)
         if HAS_DLSE:
             delta -= tl.load(DELTA + b * stride_db + h * stride_dh + rows, mask=inside, other=0.0)
@@ -318,13 +328,14 @@ def launch_row_stats(m, l, delta, cfg: GluonBwdConfig, dq32: torch.Tensor | None
     # DELTA: the delta itself, or a pending delta's dlse; m stands in for pointers never read
     given = (m if delta.dlse is None else delta.dlse) if pending else delta
     out = delta.out if pending else m
+    dv = out.shape[-1] if pending else 16  # the output's head dim (16: unread)
     o_strides = (*out.stride()[:3], *do.stride()[:3]) if pending else (0,) * 6
     with on_device(m):
         launch(
             _row_stats_kernel, (Sp // cfg.block_m, B * Hq),
             m, l, given, out, do if pending else m, stats, stats if dq32 is None else dq32,
             m.stride(0), m.stride(1), l.stride(0), l.stride(1), given.stride(0), given.stride(1), *o_strides,
-            Hq, Sq, Sp, HEAD_DIM=D, HEAD_DIM_V=out.shape[-1] if pending else 16, BLOCK=cfg.block_m,
+            Hq, Sq, Sp, HEAD_DIM=D, HEAD_DIM_V=dv, BLOCK_DV=padded_head_dim(dv), BLOCK=cfg.block_m,
             ZERO_DQ=dq32 is not None, FROM_OUTPUT=pending, HAS_DLSE=pending and delta.dlse is not None,
         )  # fmt: skip
     return stats
@@ -385,27 +396,27 @@ def dq_natural_view(acc: torch.Tensor) -> torch.Tensor:
 @triton.jit
 def _dq_unblock_kernel(
     ACC, DQ, stride_b, stride_s, stride_h, stride_d, H, S, SP, scale,
-    HEAD_DIM: tl.constexpr, ACCUMULATE: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, ACCUMULATE: tl.constexpr,
 ):  # fmt: skip
-    """DQ[b, r, h, :] = scale * dQ (or += with ACCUMULATE) for the 64 rows r of block
+    """DQ[b, r, h, :HEAD_DIM] = scale * dQ (or += with ACCUMULATE) for the 64 rows r of block
     program_id(0) of (b, h) = divmod(program_id(1), H), rows r < S, read from the blocked float32
-    buffer ACC (B, H, SP, HEAD_DIM) (_gluon_bwd._red_add_blocked's layout: each 64-row block is
-    two warpgroup tiles of 64 x HEAD_DIM / 2, element (r = 16 w + 8 h + g, c = 8 j + 2 t + e) of
-    a tile at w * 8 HEAD_DIM + 16 g + 2 h + 128 j + 4 t + e)."""
+    buffer ACC (B, H, SP, BLOCK_D) (_gluon_bwd._red_add_blocked's layout: each 64-row block is
+    two warpgroup tiles of 64 x BLOCK_D / 2, element (r = 16 w + 8 h + g, c = 8 j + 2 t + e) of
+    a tile at w * 8 BLOCK_D + 16 g + 2 h + 128 j + 4 t + e; columns from HEAD_DIM on: padding)."""
     n = tl.program_id(0)
     bh = tl.program_id(1)
     b = (bh // H).to(tl.int64)
     h = (bh % H).to(tl.int64)
     r = tl.arange(0, 64)
-    c = tl.arange(0, HEAD_DIM)
-    half: tl.constexpr = HEAD_DIM // 2
-    r_off = (r // 16) * (8 * HEAD_DIM) + (r % 8) * 16 + ((r // 8) % 2) * 2
-    c_off = (c // half) * (32 * HEAD_DIM) + ((c % half) // 8) * 128 + ((c // 2) % 4) * 4 + (c % 2)
-    block = ACC + (bh.to(tl.int64) * SP + n * 64) * HEAD_DIM
+    c = tl.arange(0, BLOCK_D)
+    half: tl.constexpr = BLOCK_D // 2
+    r_off = (r // 16) * (8 * BLOCK_D) + (r % 8) * 16 + ((r // 8) % 2) * 2
+    c_off = (c // half) * (32 * BLOCK_D) + ((c % half) // 8) * 128 + ((c // 2) % 4) * 4 + (c % 2)
+    block = ACC + (bh.to(tl.int64) * SP + n * 64) * BLOCK_D
     vals = tl.load(block + r_off[:, None] + c_off[None, :]) * scale
     rows = n * 64 + r
     out = DQ + b * stride_b + h * stride_h + rows.to(tl.int64)[:, None] * stride_s + c[None, :] * stride_d
-    inside = (rows < S)[:, None]
+    inside = (rows < S)[:, None] & (c < HEAD_DIM)[None, :]
     if ACCUMULATE:
         vals += tl.load(out, mask=inside, other=0.0).to(tl.float32)
     tl.store(out, vals.to(DQ.dtype.element_ty), mask=inside)
@@ -413,14 +424,15 @@ def _dq_unblock_kernel(
 
 def unblock_dq(acc: torch.Tensor, dq: torch.Tensor, *, scale: float, accumulate: bool) -> None:
     """dq (B, Sq, Hq, D), any strides and float dtype, = scale * the blocked float32 dQ acc
-    (B, Hq, Sq padded to 64 rows, D), contiguous (dq_natural_view's layout), or += with
-    accumulate: one Triton launch."""
+    (B, Hq, Sq padded to 64 rows, D padded: padded_head_dim), contiguous (dq_natural_view's
+    layout), or += with accumulate: one Triton launch."""
     B, Sq, Hq, D = dq.shape
-    Sp = acc.shape[2]
+    Sp, block_d = acc.shape[2], acc.shape[3]
     with on_device(dq):
         launch(
             _dq_unblock_kernel, (Sp // DQ_BLOCK_ROWS, B * Hq),
-            acc, dq, *dq.stride(), Hq, Sq, Sp, float(scale), HEAD_DIM=D, ACCUMULATE=bool(accumulate),
+            acc, dq, *dq.stride(), Hq, Sq, Sp, float(scale), HEAD_DIM=D, BLOCK_D=block_d,
+            ACCUMULATE=bool(accumulate),
         )  # fmt: skip
 
 
@@ -436,7 +448,9 @@ def dq_buffer(dq: torch.Tensor, *, scale: float, accumulate: bool, cfg: GluonBwd
     B, Sq, Hq, D = dq.shape
     if cfg.dq_blocked:
         Sp = padded_rows(Sq, cfg)
-        acc = (torch.zeros if zero_blocked else torch.empty)(B, Hq, Sp, D, dtype=torch.float32, device=dq.device)
+        acc = (torch.zeros if zero_blocked else torch.empty)(
+            B, Hq, Sp, padded_head_dim(D), dtype=torch.float32, device=dq.device
+        )
         return acc, lambda: unblock_dq(acc, dq, scale=scale, accumulate=accumulate)
     if dq.dtype == torch.float32:
         if not accumulate:
@@ -477,6 +491,7 @@ def launch_plan(
     qp' <= kp + left + right). bounds: packed documents' masks.RowBounds (its key rows' q_lo /
     q_hi decide alone), without causal or a window."""
     B, Sq, Hq, D = q.shape
+    block_d = padded_head_dim(D)
     Sk, Hkv = k.shape[1], k.shape[2]
     if bounds is not None:
         if causal or window is not None:
@@ -494,6 +509,7 @@ def launch_plan(
         raise Unsupported("row statistics beyond 32-bit indices")
     kwargs = dict(
         HEAD_DIM=D,
+        BLOCK_D=block_d,
         BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n,
         STAGES=cfg.stages,
@@ -511,10 +527,10 @@ def launch_plan(
         maxnreg=cfg.maxnreg,
     )
     args = (
-        _descriptor(q, cfg.block_m),
-        _descriptor(k, cfg.block_n),
-        _descriptor(v, cfg.block_n),
-        _descriptor(do, cfg.block_m),
+        _descriptor(q, cfg.block_m, block_d),
+        _descriptor(k, cfg.block_n, block_d),
+        _descriptor(v, cfg.block_n, block_d),
+        _descriptor(do, cfg.block_m, block_d),
         _stats_descriptor(stats, cfg),
         dq32,
         dk,
