@@ -590,28 +590,31 @@ def _consumer(
         # loop and kept across it (ptxas spilled them in the accumulating causal case)
         b = _opaque(b)
         hk = _opaque(hk)
-    _store_grad(
-        dk * sm_scale,
-        DK + b.to(gl.int64) * stride_dkb + hk.to(gl.int64) * stride_dkh,
-        row0,
-        Sk,
-        stride_dks,
-        ACCUMULATE,
-        KEYS,
-        HEAD_DIM,
-        kv_layout,
-    )
-    _store_grad(
-        dv,
-        DV + b.to(gl.int64) * stride_dvb + hk.to(gl.int64) * stride_dvh,
-        row0,
-        Sk,
-        stride_dvs,
-        ACCUMULATE,
-        KEYS,
-        HEAD_DIM,
-        kv_layout,
-    )
+    # a key block no query sees adds nothing: accumulating, it is left as it is (a ring step's
+    # idle keys); otherwise its zeros are written
+    if n_iter > (0 if ACCUMULATE else -1):
+        _store_grad(
+            dk * sm_scale,
+            DK + b.to(gl.int64) * stride_dkb + hk.to(gl.int64) * stride_dkh,
+            row0,
+            Sk,
+            stride_dks,
+            ACCUMULATE,
+            KEYS,
+            HEAD_DIM,
+            kv_layout,
+        )
+        _store_grad(
+            dv,
+            DV + b.to(gl.int64) * stride_dvb + hk.to(gl.int64) * stride_dvh,
+            row0,
+            Sk,
+            stride_dvs,
+            ACCUMULATE,
+            KEYS,
+            HEAD_DIM,
+            kv_layout,
+        )
 
 
 @gluon.jit(do_not_specialize=["group", "Sq", "Sk", "Sq_pad", "q_start", "k_start", "left"])

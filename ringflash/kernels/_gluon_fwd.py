@@ -48,15 +48,17 @@ def _rows_range(
     MASK: gl.constexpr, ROWS: gl.constexpr, num_warps: gl.constexpr,
 ):  # fmt: skip
     """Over the valid rows of [first, first + ROWS), each seeing its local keys [lo, hi)
-    (tiles.row_key_bounds): (min lo, max hi), the keys some row sees, and (max lo, min hi),
-    the keys every row sees."""
+    (tiles.row_key_bounds): (min lo, max hi), the keys some row sees (hi <= lo when none
+    does), and (max lo, min hi), the keys every row sees."""
     if MASK == MASK_ROWS:
         rows = first + gl.arange(0, ROWS, layout=gl.BlockedLayout([1], [32], [num_warps], [0]))
         lo, hi = row_key_bounds(rows, Sq, Sk, q_start, k_start, win_left, win_right, KLO, KHI, MASK)
         valid = rows < Sq
+        seen = valid & (lo < hi)  # a row that sees no key widens no key range...
         return (
-            gl.reduce(gl.where(valid, lo, Sk), 0, _min_combine),
-            gl.reduce(gl.where(valid, hi, 0), 0, _max_combine),
+            gl.reduce(gl.where(seen, lo, Sk), 0, _min_combine),
+            gl.reduce(gl.where(seen, hi, 0), 0, _max_combine),
+            # ...but leaves no key seen by every row (its lo >= hi empties the intersection)
             gl.reduce(gl.where(valid, lo, 0), 0, _max_combine),
             gl.reduce(gl.where(valid, hi, Sk), 0, _min_combine),
         )
@@ -230,6 +232,7 @@ def _write_out(
     h,
     off_m,
     Sq,
+    seen,
     stride_ob,
     stride_os,
     stride_oh,
@@ -253,7 +256,10 @@ def _write_out(
     HAS_STATE: (acc, m_i, l_i) covers this call's keys only; the incoming state in (O, M, L)
     is merged in here, which is the online softmax continued from it (up to rounding).
     Merging at the end rather than starting the loop from the state keeps nothing of it live
-    across the key loop, where the consumer warps have no registers to spare.
+    across the key loop, where the consumer warps have no registers to spare. seen: whether the
+    tile saw any key; one that did not folds nothing in, so with HAS_STATE and not NORMALIZE it
+    reads and writes nothing (a ring step's idle rows; masked rather than branched around,
+    which cost registers).
     """
     rows = off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
     ok = rows < Sq
@@ -271,6 +277,9 @@ def _write_out(
     o_mask = (rows_o < Sq)[:, None]
     if HEAD_DIM != BLOCK_D:
         o_mask = o_mask & (cols < HEAD_DIM)[None, :]
+    if HAS_STATE and not NORMALIZE:
+        ok = ok & seen
+        o_mask = o_mask & seen
     if HAS_STATE:
         m_in = gl.load(m_ptrs, mask=ok, other=float("-inf"))
         l_in = gl.load(l_ptrs, mask=ok, other=0.0)
@@ -585,6 +594,7 @@ def _ws2_consumer(
         h,
         my_m,
         Sq,
+        n > 0,
         stride_ob,
         stride_os,
         stride_oh,

@@ -187,6 +187,13 @@ def _dkdv_kernel(
     tile_mask = col_ok[:, None] & d_ok
     tile_mask_v = col_ok[:, None] & dv_ok
     cols64 = offs_n.to(tl.int64)
+    # the query rows that see each key, and the query blocks: masked [start, full_start),
+    # unmasked [full_start, full_end), masked [full_end, end)
+    q_lo, q_hi = key_query_bounds(offs_n, Sq, Sk, q_start, k_start, win_left, win_right, QLO, QHI, MASK)
+    start, full_start, full_end, end = block_ranges(q_lo, q_hi, col_ok, Sq, BLOCK_M, LEFT)
+    if ACCUMULATE:
+        if start >= end:  # no query sees the tile: nothing to add (a ring step's idle keys)
+            return
     k = tl.load(K + b * stride_kb + hk * stride_kh + cols64[:, None] * stride_ks + offs_d[None, :],
                 mask=tile_mask, other=0.0)
     v = tl.load(V + b * stride_vb + hk * stride_vh + cols64[:, None] * stride_vs + offs_dv[None, :],
@@ -198,11 +205,6 @@ def _dkdv_kernel(
         bias2_t = tl.trans(bias2)
     else:
         bias2_t = 0.0
-
-    # the query rows that see each key, and the query blocks: masked [start, full_start),
-    # unmasked [full_start, full_end), masked [full_end, end)
-    q_lo, q_hi = key_query_bounds(offs_n, Sq, Sk, q_start, k_start, win_left, win_right, QLO, QHI, MASK)
-    start, full_start, full_end, end = block_ranges(q_lo, q_hi, col_ok, Sq, BLOCK_M, LEFT)
 
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
@@ -324,6 +326,11 @@ def _dq_kernel(
     row_ok = offs_m < Sq
     tile_mask = row_ok[:, None] & d_ok
     rows64 = offs_m.to(tl.int64)
+    lo_i, hi_i = row_key_bounds(offs_m, Sq, Sk, q_start, k_start, win_left, win_right, KLO, KHI, MASK)
+    start, full_start, full_end, end = block_ranges(lo_i, hi_i, row_ok, Sk, BLOCK_N, LEFT)
+    if ACCUMULATE:
+        if start >= end:  # no row sees a key: nothing to add (a ring step's idle rows)
+            return
     q = tl.load(Q + b * stride_qb + h * stride_qh + rows64[:, None] * stride_qs + offs_d[None, :],
                 mask=tile_mask, other=0.0)
     do = tl.load(DO + b * stride_dob + h * stride_doh + rows64[:, None] * stride_dos + offs_dv[None, :],
@@ -331,9 +338,6 @@ def _dq_kernel(
     stat_offs = b * stride_lb + h * stride_lh + offs_m
     m, inv_l = row_stats(M + stat_offs, L + stat_offs, offs_m, Sq, True)
     delta = tl.load(DELTA + stat_offs, mask=row_ok, other=0.0)
-
-    lo_i, hi_i = row_key_bounds(offs_m, Sq, Sk, q_start, k_start, win_left, win_right, KLO, KHI, MASK)
-    start, full_start, full_end, end = block_ranges(lo_i, hi_i, row_ok, Sk, BLOCK_N, LEFT)
 
     BIAS_ptrs = BIAS + b * stride_bias_b + offs_n
     if TMA:  # rows come from the descriptors; the pointer arguments are unused

@@ -126,6 +126,14 @@ def _fwd_kernel(
     o_mask = row_ok[:, None] & (offs_dv[None, :] < HEAD_DIM_V)
     rows64 = offs_m.to(tl.int64)
 
+    # the keys each row sees, and the key blocks: masked [start, full_start), unmasked
+    # [full_start, full_end), masked [full_end, end)
+    lo_i, hi_i = row_key_bounds(offs_m, Sq, Sk, q_start, k_start, win_left, win_right, KLO, KHI, MASK)
+    start, full_start, full_end, end = block_ranges(lo_i, hi_i, row_ok, Sk, BLOCK_N, LEFT)
+    if HAS_STATE and not NORMALIZE:
+        if start >= end:  # no row sees a key: the state stays as it is (a ring step's idle rows)
+            return
+
     q = tl.load(Q + b * stride_qb + h * stride_qh + rows64[:, None] * stride_qs + offs_d[None, :],
                 mask=tile_mask, other=0.0)
     o_ptrs = O + b * stride_ob + h * stride_oh + rows64[:, None] * stride_os + offs_dv[None, :]
@@ -138,11 +146,6 @@ def _fwd_kernel(
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
-
-    # the keys each row sees, and the key blocks: masked [start, full_start), unmasked
-    # [full_start, full_end), masked [full_end, end)
-    lo_i, hi_i = row_key_bounds(offs_m, Sq, Sk, q_start, k_start, win_left, win_right, KLO, KHI, MASK)
-    start, full_start, full_end, end = block_ranges(lo_i, hi_i, row_ok, Sk, BLOCK_N, LEFT)
 
     BIAS_ptrs = BIAS + b * stride_bias_b + offs_n
     if TMA:  # rows come from the descriptors; the pointer arguments are unused

@@ -137,13 +137,16 @@ def block_ranges(lo, hi, valid, n, BLOCK: tl.constexpr, LEFT: tl.constexpr):
     """The loop over the other side's blocks of BLOCK rows for a tile whose rows see
     [lo, hi) of them (vectors; `valid` rows only): (start, full_start, full_end, end). Blocks in
     [full_start, full_end) are seen whole by every valid row (no mask); [start, full_start) and
-    [full_end, end) need the mask; nothing outside [start, end) is seen. Without LEFT (no row
-    has a lower bound above 0) start = full_start = 0 and the first masked range is empty."""
-    end = tl.max(tl.where(valid, hi, 0), 0)
+    [full_end, end) need the mask; nothing outside [start, end) is seen, and start >= end iff no
+    valid row sees anything (rows with lo >= hi widen nothing). Without LEFT (no row has a lower
+    bound above 0) start = full_start = 0 and the first masked range is empty."""
+    seen = valid & (lo < hi)
+    end = tl.max(tl.where(seen, hi, 0), 0)
+    # an empty row leaves no block seen by every row (its lo >= hi empties the intersection)
     full_lo = tl.max(tl.where(valid, lo, 0), 0)
     full_hi = tl.min(tl.where(valid, hi, n), 0)
     if LEFT:
-        start = (tl.min(tl.where(valid, lo, n), 0) // BLOCK) * BLOCK
+        start = (tl.min(tl.where(seen, lo, n), 0) // BLOCK) * BLOCK
     else:
         start = end * 0
     full_start = tl.maximum((full_lo + BLOCK - 1) // BLOCK * BLOCK, start)
