@@ -3,6 +3,7 @@ own time (torch.profiler), for many short documents and the long-tailed mix.
 
     python -m benchmarks.profile_packed > profile_packed.txt
     python -m benchmarks.profile_packed --cases 65536:short --callers   # which op or autograd node calls each
+    python -m benchmarks.profile_packed --cases 16384:fixed:16384 --head-dim 256   # one causal document
 
 Diagnostic, not a benchmark: the profiler's tables are printed as they come. Wall time well
 above the kernels' time means host work (checks, mask building, launches) decides the speed.
@@ -26,8 +27,9 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cases", nargs="+", default=["16384:short", "65536:short", "16384:longtail"], help="TOTAL:MIX")
     ap.add_argument("--callers", action="store_true", help="also the device time by enclosing operators")
+    ap.add_argument("--head-dim", type=int, default=128)
     args = ap.parse_args()
-    dev, H, D = "cuda", 32, 128
+    dev, H, D = "cuda", 32, args.head_dim
     for case in args.cases:
         total, mix = int(case.split(":")[0]), case.split(":", 1)[1]
         lengths = document_lengths(mix, total, 0)
