@@ -4,7 +4,11 @@ A packing user has one long row of documents (cu_seqlens) to shard over P ranks.
 computed identically on every rank from the global cu_seqlens. Documents are dealt most work
 (visible pairs) first; one that fits on the least loaded rank within BALANCE_SLACK of an equal
 share stays whole there: its pairs are all computed at ring step 0 and none of its keys ever
-needs to travel. Any other document is cut, so that the ring steps stay even:
+needs to travel. Once some document is cut over every rank (every shard then travels around
+the whole ring anyway), whole documents are kept only as far as step 0 stays within
+BALANCE_SLACK of its own mean (balanced_layout deals again, up to STEP0_DEALS times): step 0 is
+about 1/P of the work, so the slack of a share could otherwise leave it up to P x 2% uneven.
+Any other document is cut, so that the ring steps stay even:
 
 - a window with an unbounded side (causal; (-1, w) or (w, -1) without causality): the zigzag
   of the document over all P ranks (2P chunks, rank r holding chunks r and 2P-1-r): every ring
@@ -42,6 +46,7 @@ from .masks import Window, held_bounds, window_from
 from .schedule import Segment, check_divisible, check_layout, segments, step_tasks, steps_needed
 
 BALANCE_SLACK = 0.02  # how far above an equal share of the work a whole document may leave a rank
+STEP0_DEALS = 8  # at most this many deals again for an even step 0 (balanced_layout)
 # A ring step's block tasks over packed documents run as they are (kernel calls of their own)
 # when they average this much work, visible pairs x q heads x head dim, else as one call over
 # per-row bounds (BalancedLayout.step_plan). Measured on one H200 (benchmarks.packed_ring_replay
@@ -395,21 +400,12 @@ def checked_cu_seqlens(cu_seqlens, api: str) -> list[int]:
     return cu
 
 
-def balanced_layout(cu_seqlens, world: int, *, causal: bool = True, window_size=(-1, -1)) -> BalancedLayout:
-    """The balanced layout of packed documents over `world` ranks (module docstring).
-
-    cu_seqlens: the global document boundaries, a 1-D int tensor or a sequence of ints,
-    starting at 0, non-decreasing (empty documents allowed). causal / window_size: the masking
-    the attention will use (flash-attn semantics per document), which decides the balance.
-    Pure and deterministic: every rank computes the same layout from the same arguments.
-    """
-    api = "balanced_layout"
-    cu = checked_cu_seqlens(cu_seqlens, api)
-    if isinstance(world, bool) or not isinstance(world, int) or world < 1:
-        raise ValueError(f"{api}: world must be a positive int, got {world!r}")
-    window = window_from(causal, window_size, api)
-    docs = [(d, a, b - a) for d, (a, b) in enumerate(zip(cu, cu[1:])) if b > a]
-    work = {d: _document_work(n, window) for d, _, n in docs}
+def _deal(docs, work, world: int, window: Window, step0_cap: float | None = None):
+    """Documents (doc, start, n) dealt to the ranks, most work first: (per rank its Segments,
+    load: ring step -> each rank's visible pairs, how many documents were cut). A document
+    stays whole on the rank with the least work if it fits there within BALANCE_SLACK of an
+    equal share of all the work (and, given step0_cap, leaves that rank's step-0 pairs at most
+    step0_cap), else it is cut (_place_cut)."""
     share = sum(work.values()) / world
     per_rank: list[list[Segment]] = [[] for _ in range(world)]
     load: dict[int, list[int]] = {0: [0] * world}  # ring step -> each rank's visible pairs at it
@@ -420,11 +416,10 @@ def balanced_layout(cu_seqlens, world: int, *, causal: bool = True, window_size=
     # may be uneven by whole neighbour pairs, it goes to the rank with the least step-0 work;
     # otherwise (every later step even) to the one with the least work in total
     bounded = window.left is not None and window.right is not None
-    # most work first; a document stays whole on the rank with the least work if it fits there
-    # within BALANCE_SLACK of an equal share, else it is cut (_place_cut)
     for d, start, n in sorted(docs, key=lambda t: (-work[t[0]], t[1])):
         r = min(range(world), key=lambda i: (load[0][i] if bounded else total[i], total[i], tokens[i], i))
-        if world == 1 or total[r] + work[d] <= share * (1 + BALANCE_SLACK):
+        fits = total[r] + work[d] <= share * (1 + BALANCE_SLACK)
+        if world == 1 or (fits and (step0_cap is None or load[0][r] + work[d] <= step0_cap)):
             per_rank[r].append(Segment(0, start, n, d))
             tokens[r] += n
             total[r] += work[d]
@@ -440,6 +435,47 @@ def balanced_layout(cu_seqlens, world: int, *, causal: bool = True, window_size=
             row = load.setdefault(step, [0] * world)
             for i, p in enumerate(pairs):
                 row[i] += p
+    return per_rank, load, turn
+
+
+def balanced_layout(cu_seqlens, world: int, *, causal: bool = True, window_size=(-1, -1)) -> BalancedLayout:
+    """The balanced layout of packed documents over `world` ranks (module docstring).
+
+    cu_seqlens: the global document boundaries, a 1-D int tensor or a sequence of ints,
+    starting at 0, non-decreasing (empty documents allowed). causal / window_size: the masking
+    the attention will use (flash-attn semantics per document), which decides the balance.
+    Pure and deterministic: every rank computes the same layout from the same arguments.
+    """
+    api = "balanced_layout"
+    cu = checked_cu_seqlens(cu_seqlens, api)
+    if isinstance(world, bool) or not isinstance(world, int) or world < 1:
+        raise ValueError(f"{api}: world must be a positive int, got {world!r}")
+    window = window_from(causal, window_size, api)
+    docs = [(d, a, b - a) for d, (a, b) in enumerate(zip(cu, cu[1:])) if b > a]
+    work = {d: _document_work(n, window) for d, _, n in docs}
+    per_rank, load, cut = _deal(docs, work, world, window)
+    bounded = window.left is not None and window.right is not None
+    if cut and not bounded:
+        # A document cut over every rank sends every shard around the whole ring, so cutting
+        # more of them sends nothing more; whole documents put all their work at step 0, where
+        # a few large ones leave some ranks busier than the rest (only BALANCE_SLACK of a share
+        # of all the work, but up to P times that of step 0's). Deal again, a document staying
+        # whole only within BALANCE_SLACK of step 0's mean, a few times; keep the deal whose
+        # step 0 exceeds its mean least (later steps are even: that excess is the ring's
+        # compute time above an even split).
+        def excess(dealt):
+            step0 = dealt[1][0]
+            return max(step0) - sum(step0) / world
+
+        best = dealt = (per_rank, load, cut)
+        for _ in range(STEP0_DEALS):
+            mean0 = sum(dealt[1][0]) / world
+            if max(dealt[1][0]) <= mean0 * (1 + BALANCE_SLACK):
+                break
+            dealt = _deal(docs, work, world, window, step0_cap=mean0 * (1 + BALANCE_SLACK))
+            if excess(dealt) < excess(best):
+                best = dealt
+        per_rank, load, cut = best
     pieces = []
     for segs in per_rank:
         local, placed = 0, []
