@@ -562,10 +562,11 @@ def backward(
 ):  # fmt: skip
     """Gradients of attention over one block (semantics: module docstring) into dq, dk, dv.
 
-    q, do (B, Sq, Hq, D); k, v (B, Sk, Hkv, D): all bfloat16 or all float16, D = 64 or 128, TMA-able
-    strides. m, l, delta (B, Hq, Sq) float32: the forward's row max of the base-2 scaled scores,
-    its normalizer sum exp2(s2 - m) (0 for a row that saw no key) and rowsum(dO * O) (or a
-    merge.DeltaOf: computed in the statistics launch, minus its dlse).
+    q, do (B, Sq, Hq, D); k, v (B, Sk, Hkv, D): all bfloat16 or all float16, D padded to 64 or
+    128 (a multiple of 8), TMA-able strides. m, l, delta (B, Hq, Sq) float32: the forward's row
+    max of the base-2 scaled scores, its normalizer sum exp2(s2 - m) (0 for a row that saw no
+    key) and rowsum(dO * O) (or a merge.DeltaOf: computed in the statistics launch, minus its
+    dlse).
     dq: float32 (accumulated into with atomics; an 8-byte aligned base and even strides) or
     16-bit (through a float32 scratch and a cast at the end), or a BlockedDQ the caller finishes
     (always added to). config: a GluonBwdConfig or a
