@@ -32,6 +32,8 @@ from pathlib import Path
 import torch
 
 from ..masks import CAUSAL
+from . import _block_d as padded_head_dim  # the tile width a head dim runs at (a power of two)
+from . import _tma_ok as _descriptor_aligned
 from .launcher import launch, on_device
 from .plans import Plan, Plans, alias_pattern, tensor_key
 
@@ -138,8 +140,8 @@ _DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
 def _tma_ok(t: torch.Tensor) -> bool:
-    size = t.element_size()
-    return t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and all((s * size) % 16 == 0 for s in t.stride()[:-1])
+    """A unit head-dim stride and the 16-byte alignment every tensor descriptor needs."""
+    return t.stride(-1) == 1 and _descriptor_aligned(t)
 
 
 @functools.lru_cache(maxsize=64)
@@ -148,21 +150,13 @@ def _smem_layout(rows: int, head_dim: int, bf16: bool):
     return _gl.NVMMASharedLayout.get_default_for([1, rows, 1, head_dim], _gl.bfloat16 if bf16 else _gl.float16)
 
 
-def _descriptor(t: torch.Tensor, rows: int, block_d: int | None = None):
+def _descriptor(t: torch.Tensor, rows: int, block_d: int):
     """4-D TMA descriptor over (B, S, H, D) with blocks of `rows` rows of one head, block_d
-    columns wide (default D; wider reads the columns past D as zeros)."""
-    block_d = t.shape[3] if block_d is None else block_d
+    columns wide (block_d > D reads the columns past D as zeros)."""
     block = [1, rows, 1, block_d]
     return _TensorDescriptor(
         t, list(t.shape), list(t.stride()), block, _smem_layout(rows, block_d, t.dtype == torch.bfloat16)
     )
-
-
-def padded_head_dim(head_dim: int) -> int:
-    """The tile width a head dim runs at: kernels._block_d (a power of two)."""
-    from . import _block_d
-
-    return _block_d(head_dim)
 
 
 @functools.lru_cache(maxsize=16)
