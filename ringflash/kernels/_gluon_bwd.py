@@ -51,7 +51,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from ._gluon_fwd import _alloc_bars, _max_combine, _min_combine, _mma_layout
+from ._gluon_fwd import _alloc_bars, _hull_and_core, _mma_layout
 from .tiles import MASK_ROWS, in_bounds, key_query_bounds
 
 # ----------------------------------------------------------------------------------------------
@@ -115,15 +115,7 @@ def _keys_range(first, Sq, Sk, q_start, k_start, QLO, QHI, KEYS: gl.constexpr, n
     and (max lo, min hi), the rows that see every key. The mirror of _gluon_fwd._rows_range."""
     keys = first + gl.arange(0, KEYS, layout=gl.BlockedLayout([1], [32], [num_warps], [0]))
     lo, hi = key_query_bounds(keys, Sq, Sk, q_start, k_start, 0, 0, QLO, QHI, MASK_ROWS)
-    in_range = keys < Sk
-    seen = in_range & (lo < hi)  # a key no row sees widens no query range...
-    return (
-        gl.reduce(gl.where(seen, lo, Sq), 0, _min_combine),
-        gl.reduce(gl.where(seen, hi, 0), 0, _max_combine),
-        # ...but leaves no row seeing every key (its lo == hi empties the intersection)
-        gl.reduce(gl.where(in_range, lo, 0), 0, _max_combine),
-        gl.reduce(gl.where(in_range, hi, Sq), 0, _min_combine),
-    )
+    return _hull_and_core(lo, hi, keys < Sk, Sq)
 
 
 @gluon.jit

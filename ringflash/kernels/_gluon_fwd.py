@@ -43,6 +43,21 @@ from .tiles import MASK_NONE, MASK_ROWS, in_bounds, row_key_bounds
 
 
 @gluon.jit
+def _hull_and_core(lo, hi, valid, n):
+    """Over the `valid` entries of interval vectors [lo, hi) within [0, n): (min lo, max hi) of
+    the nonempty ones (hi <= lo when none is), and (max lo, min hi), the indices every valid
+    interval holds. The key range of a query tile, and the query range of a key tile."""
+    seen = valid & (lo < hi)  # an empty interval widens nothing...
+    return (
+        gl.reduce(gl.where(seen, lo, n), 0, _min_combine),
+        gl.reduce(gl.where(seen, hi, 0), 0, _max_combine),
+        # ...but leaves no index held by every interval (its lo >= hi empties the intersection)
+        gl.reduce(gl.where(valid, lo, 0), 0, _max_combine),
+        gl.reduce(gl.where(valid, hi, n), 0, _min_combine),
+    )
+
+
+@gluon.jit
 def _rows_range(
     first, Sq, Sk, q_start, k_start, win_left, win_right, KLO, KHI,
     MASK: gl.constexpr, ROWS: gl.constexpr, num_warps: gl.constexpr,
@@ -53,15 +68,7 @@ def _rows_range(
     if MASK == MASK_ROWS:
         rows = first + gl.arange(0, ROWS, layout=gl.BlockedLayout([1], [32], [num_warps], [0]))
         lo, hi = row_key_bounds(rows, Sq, Sk, q_start, k_start, win_left, win_right, KLO, KHI, MASK)
-        valid = rows < Sq
-        seen = valid & (lo < hi)  # a row that sees no key widens no key range...
-        return (
-            gl.reduce(gl.where(seen, lo, Sk), 0, _min_combine),
-            gl.reduce(gl.where(seen, hi, 0), 0, _max_combine),
-            # ...but leaves no key seen by every row (its lo >= hi empties the intersection)
-            gl.reduce(gl.where(valid, lo, 0), 0, _max_combine),
-            gl.reduce(gl.where(valid, hi, Sk), 0, _min_combine),
-        )
+        return _hull_and_core(lo, hi, rows < Sq, Sk)
     else:  # a window's bounds grow with the row: the first and last rows decide
         last = gl.minimum(first + ROWS, Sq) - 1
         lo_first, hi_first = row_key_bounds(first, Sq, Sk, q_start, k_start, win_left, win_right, KLO, KHI, MASK)
