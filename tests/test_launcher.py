@@ -151,6 +151,12 @@ def test_plans_rebind_exactly_what_a_fresh_plan_would_build():
             for i, (a, b) in enumerate(zip(rebound, args2)):
                 assert _same_argument(a, b), (make.__name__, masks, i, a, b)
             assert any(hasattr(a, "block_shape") for a in rebound)
+            # the plan holds none of the tensors it was built from: a kept plan must not keep a
+            # long call's inputs and outputs alive
+            held = [a.base if hasattr(a, "block_shape") else a for a in plan.args]
+            assert not any(isinstance(a, torch.Tensor) for a in held), (make.__name__, masks)
+            rebound_again = plan.args_for(tensors2)
+            assert all(_same_argument(a, b) for a, b in zip(rebound_again, args2))
 
     x, y = first["q"], second["q"]
     assert alias_pattern((x, x, x)) != alias_pattern((x, y, x))

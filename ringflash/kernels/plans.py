@@ -44,36 +44,44 @@ def _position(tensors, x) -> int | None:
     return None
 
 
+def _rebased(descriptor, base):
+    """A shallow copy of a TMA descriptor over `base` (or None) without the dataclass's
+    validation: shape, strides and block are the signature's."""
+    d = object.__new__(type(descriptor))
+    d.__dict__.update(descriptor.__dict__)
+    d.base = base
+    return d
+
+
 class Plan:
     """(kernel, grid, args, kwargs) of one launch built from `tensors`, with every positional
     argument that is one of them, or a TMA descriptor over one of them, marked. extra: what
-    else the caller keeps with the plan (its config)."""
+    else the caller keeps with the plan (its config). A plan holds none of the tensors it was
+    built from (their places are empty until args_for fills them): a kept plan must not keep a
+    call's inputs and outputs alive, which can be gigabytes at long sequences."""
 
     __slots__ = ("kernel", "grid", "args", "kwargs", "extra", "_slots")
 
     def __init__(self, kernel, grid, args, kwargs, tensors, extra=None):
-        self.kernel, self.grid, self.args, self.kwargs, self.extra = kernel, grid, tuple(args), kwargs, extra
-        slots = []
-        for i, a in enumerate(self.args):
+        if any(isinstance(v, torch.Tensor) for v in kwargs.values()):
+            raise ValueError("a keyword argument is a tensor: it cannot be replanned")
+        self.kernel, self.grid, self.kwargs, self.extra = kernel, grid, kwargs, extra
+        args, slots = list(args), []
+        for i, a in enumerate(args):
             descriptor = not isinstance(a, torch.Tensor) and isinstance(getattr(a, "base", None), torch.Tensor)
             if isinstance(a, torch.Tensor) or descriptor:
                 j = _position(tensors, a.base if descriptor else a)
                 if j is None:
                     raise ValueError(f"argument {i} comes from no tensor of the signature: it cannot be replanned")
                 slots.append((i, j, descriptor))
-        self._slots = tuple(slots)
+                args[i] = _rebased(a, None) if descriptor else None
+        self.args, self._slots = tuple(args), tuple(slots)
 
     def args_for(self, tensors) -> list:
         """The positional arguments for `tensors` (the same signature, in the same order)."""
         args = list(self.args)
         for i, j, descriptor in self._slots:
-            if descriptor:  # a shallow copy without the dataclass's validation (the signature's)
-                d = object.__new__(type(args[i]))
-                d.__dict__.update(args[i].__dict__)
-                d.base = tensors[j]
-                args[i] = d
-            else:
-                args[i] = tensors[j]
+            args[i] = _rebased(args[i], tensors[j]) if descriptor else tensors[j]
         return args
 
 
