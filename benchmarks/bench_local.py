@@ -116,23 +116,30 @@ CANDIDATES = {  # fwd: the sixth sweep (scale folded into exp2's FMA); dkdv, dq:
         ],
     },
     "dkdv": {
-        64: [KC(32, 128, 4, 3), KC(32, 128, 4, 3, tma=True), KC(64, 128, 8, 3, tma=True), KC(64, 64, 4, 3, tma=True)],
+        64: [
+            KC(32, 128, 4, 3),
+            KC(32, 128, 4, 3, tma=True),
+            KC(64, 128, 8, 3, tma=True),
+            KC(64, 64, 4, 3, tma=True),
+            KC(32, 64, 4, 3, tma=True),
+        ],
         # D=256: the built-in 32x64 spills 348 bytes (causal; 152 not); 16x64 spills 0-16 and
         # keeps wgmma's 64 rows (keys); 32-key tiles spill nothing but run under wgmma's 64 rows
         # (python -m benchmarks.kernel_report --kind dkdv --head-dims 256 --shape ...)
         256: [
-            KC(32, 64, 8, 2, combined_stats=True),
-            KC(32, 64, 8, 2, tma=True, combined_stats=True),
-            KC(16, 64, 8, 2, tma=True, combined_stats=True),
-            KC(16, 64, 8, 3, tma=True, combined_stats=True),
-            KC(32, 32, 8, 2, tma=True, combined_stats=True),
-            KC(64, 32, 8, 2, tma=True, combined_stats=True),
+            KC(32, 64, 8, 2),
+            KC(32, 64, 8, 2, tma=True),
+            KC(16, 64, 8, 2, tma=True),
+            KC(16, 64, 8, 3, tma=True),
+            KC(32, 32, 8, 2, tma=True),
+            KC(64, 32, 8, 2, tma=True),
         ],
         128: [
             KC(64, 128, 8, 3),
             KC(64, 128, 8, 3, tma=True),
             KC(64, 128, 8, 2, tma=True),
             KC(32, 128, 8, 3, tma=True),
+            KC(32, 128, 4, 3, tma=True),
             KC(64, 64, 4, 3, tma=True),
         ],
     },

@@ -79,7 +79,8 @@ def step(call, inputs, do, mode):
 
 def parse_variant(text: str) -> dict:
     """'fwd=128,64,8,3,tma;dq=...' -> {kind: KernelConfig} for configs.override: block_m,
-    block_n, num_warps, num_stages, then flags (tma, combined); 'gluon=ws2_n64' (a Gluon
+    block_n, num_warps, num_stages, then flags (tma; plain: dK/dV without the combined row
+    statistics); 'gluon=ws2_n64' (a Gluon
     forward variant) or 'gluon=none' (the Triton forward); 'gluon_bwd=ws2_lag' (the fused
     backward at any size, packed documents included) or 'gluon_bwd=none' (the two passes)."""
     out = {}
@@ -91,7 +92,7 @@ def parse_variant(text: str) -> dict:
         fields = spec.split(",")
         flags = set(fields[4:])
         out[kind] = configs.KernelConfig(*map(int, fields[:4]), tma="tma" in flags,
-                                         combined_stats="combined" in flags)  # fmt: skip
+                                         combined_stats="plain" not in flags)  # fmt: skip
     return out
 
 
@@ -279,7 +280,7 @@ def main():
         nargs="*",
         default=[],
         help="extra ringflash rows with other block shapes, e.g. "
-        "'fwd=128,64,8,3,tma;dq=128,64,8,3,tma;dkdv=64,128,8,3,tma,combined', or another forward: "
+        "'fwd=128,64,8,3,tma;dq=128,64,8,3,tma;dkdv=64,128,8,3,tma', or another forward: "
         "'gluon=none' (the Triton kernel), 'gluon=ws2_s3' (a Gluon variant), 'gluon_bwd=none' / 'gluon_bwd=ws2_lag' "
         "(the backward's two passes / the fused one forced)",
     )

@@ -285,6 +285,11 @@ def test_kernel_configs_file(tmp_path):
     with pytest.raises(ValueError, match="unknown kernel"):
         with configs.override(bwd=other):
             pass
+    # a dK/dV config that does not mention the combined row statistics keeps them (exact 16-bit
+    # dK/dV at large scores), as every built-in one does
+    path.write_text('{"dkdv": {"128": {"block_m": 32, "block_n": 64, "num_warps": 4, "num_stages": 3}}}')
+    assert configs.pick("dkdv", 128, interpreting=False, file_configs=configs.read_configs(str(path))).combined_stats
+    assert all(c.combined_stats for table in (configs._DKDV, configs._DKDV_DOCUMENTS) for c in table.values())
 
 
 def test_documents_configs(monkeypatch):

@@ -30,8 +30,10 @@ class KernelConfig:
     # depends on its operand order (numpy's BLAS under the interpreter)
     qk_order: bool = False
     # dK/dV pass only, 16-bit inputs: rebuild the probabilities from m + log2(l), one offset per
-    # row, instead of exp2(s2 - m) / l (exact at any |scores|, one more multiply per score)
-    combined_stats: bool = False
+    # row, instead of exp2(s2 - m) / l (exact at any |scores|, one more multiply per score). On
+    # by default, so that a config from a file or a sweep cannot drop it unasked: without it a
+    # 16-bit dK/dV loses accuracy at large scores; False only to measure what it costs
+    combined_stats: bool = True
 
 
 # Triton reads TRITON_INTERPRET once, when it is imported; so do we.
@@ -44,7 +46,7 @@ KINDS = ("fwd", "dkdv", "dq")
 # matmul rounds differently for other shapes or operand orders, and the backward must rebuild
 # the forward's probabilities exactly (at |scores| ~ 1e4 a rounding of s is 1e-3 of a weight).
 _INTERP_FWD = KernelConfig(32, 16, 4, 1)
-_INTERP_DKDV = KernelConfig(32, 16, 4, 1, qk_order=True, combined_stats=True)
+_INTERP_DKDV = KernelConfig(32, 16, 4, 1, qk_order=True)
 _INTERP_DQ = KernelConfig(32, 16, 4, 1)
 
 # Hopper (H200), keyed by padded head dim (the larger of q/k's and v's when they differ:
@@ -60,11 +62,11 @@ _FWD = {
     256: KernelConfig(64, 64, 8, 2),
 }
 _DKDV = {
-    32: KernelConfig(32, 128, 4, 3, combined_stats=True),
-    64: KernelConfig(32, 128, 4, 3, tma=True, combined_stats=True),
-    128: KernelConfig(64, 128, 8, 3, tma=True, combined_stats=True),
+    32: KernelConfig(32, 128, 4, 3),
+    64: KernelConfig(32, 128, 4, 3, tma=True),
+    128: KernelConfig(64, 128, 8, 3, tma=True),
     # spills 152-348 bytes (kernel_report); the spill-free shapes measured slower (benchmarks/NOTES.md)
-    256: KernelConfig(32, 64, 8, 2, tma=True, combined_stats=True),
+    256: KernelConfig(32, 64, 8, 2, tma=True),
 }
 _DQ = {
     32: KernelConfig(128, 32, 4, 3),
@@ -82,7 +84,7 @@ _FWD_DOCUMENTS = {128: KernelConfig(64, 64, 4, 3, tma=True)}
 # and 64 x 32 (dQ). One H200, bf16, H=32, D=128, causal documents of 64-2K tokens, forward +
 # backward 11% faster than the dense tables' shapes at 16K tokens, 3% at 64K (python -m
 # benchmarks.packed --mixes short --variants ...; benchmarks/results/packed_bwd_sweep_h200.log).
-_DKDV_DOCUMENTS = {128: KernelConfig(32, 64, 4, 3, tma=True, combined_stats=True)}
+_DKDV_DOCUMENTS = {128: KernelConfig(32, 64, 4, 3, tma=True)}
 _DQ_DOCUMENTS = {128: KernelConfig(64, 32, 4, 3, tma=True)}
 _DOCUMENTS = {"fwd": _FWD_DOCUMENTS, "dkdv": _DKDV_DOCUMENTS, "dq": _DQ_DOCUMENTS}
 
