@@ -63,7 +63,7 @@ _FWD = {
 }
 _DKDV = {
     32: KernelConfig(32, 128, 4, 3),
-    64: KernelConfig(32, 128, 4, 3, tma=True),
+    64: KernelConfig(64, 64, 4, 3, tma=True),
     128: KernelConfig(64, 128, 8, 3, tma=True),
     # spills 152-348 bytes (kernel_report); the spill-free shapes measured slower (benchmarks/NOTES.md)
     256: KernelConfig(32, 64, 8, 2, tma=True),
