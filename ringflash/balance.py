@@ -49,10 +49,13 @@ BALANCE_SLACK = 0.02  # how far above an equal share of the work a whole documen
 STEP0_DEALS = 8  # at most this many deals again for an even step 0 (balanced_layout)
 # A ring step's block tasks over packed documents run as they are (kernel calls of their own)
 # when they average this much work, visible pairs x q heads x head dim, else as one call over
-# per-row bounds (BalancedLayout.step_plan). Measured on one H200 (benchmarks.packed_ring_replay
-# --own-call-work-log2): own calls won at 33M-58M pairs per task (32 heads of 128), lost at
-# 1.4M-7M, where each call's launches (0.1-0.3 ms of host time each) outweighed its kernels
-OWN_CALL_WORK = 2**36
+# per-row bounds (BalancedLayout.step_plan). Never, since the per-row-bounds call has the Gluon
+# forward and the fused backward: on one H200 (benchmarks.packed_ring_replay
+# --own-call-work-log2 36 inf, long-tailed documents, H=32, D=128), one call per step was faster
+# than own calls from 2^36 at every size measured: 512K, P = 2 / 4 / 8, mean rank -2.3 / -2.3 /
+# -2.1%; a causal window of 4096 with 8 kv heads -10 / -9 / -12%; 128K within +-3%. Own calls
+# had won at 33M-58M pairs per task with the two Triton passes and the Triton forward there.
+OWN_CALL_WORK = float("inf")
 CODE_PREFIX = "balanced:"  # BalancedLayout.code: the layout as the ring operators' layout string
 
 

@@ -6,8 +6,7 @@ import random
 import pytest
 import torch
 
-from ringflash import balanced_layout
-from ringflash.balance import OWN_CALL_WORK
+from ringflash import balance, balanced_layout
 from ringflash.masks import (
     CAUSAL,
     FULL,
@@ -76,11 +75,14 @@ def test_document_bounds_match_brute_force(window):
 
 
 @pytest.mark.parametrize("window", WINDOWS, ids=str)
-def test_ring_step_plan_covers_every_visible_pair_once(window):
+def test_ring_step_plan_covers_every_visible_pair_once(window, monkeypatch):
     """A balanced layout's step_plan at every rank and step: its own tasks (position masks) and
     its per-row intervals of the held block (padded by one row) together cover exactly the
     pairs of one document that the window lets attend, each once, whichever documents are
-    large enough for tasks of their own; padding rows are seen by none."""
+    large enough for tasks of their own (a finite OWN_CALL_WORK, so that both kinds of call
+    occur); padding rows are seen by none."""
+    OWN_WORK = 2**36
+    monkeypatch.setattr(balance, "OWN_CALL_WORK", OWN_WORK)
     rng = random.Random(str(window) + "ring")
     for trial in range(12):
         cu = _random_cu(rng, rng.randint(1, 7), 30)
@@ -88,7 +90,7 @@ def test_ring_step_plan_covers_every_visible_pair_once(window):
         w = [-1 if x is None else x for x in (window.left, window.right)]
         L = balanced_layout(cu, world, causal=w[1] == 0, window_size=tuple(w))
         doc = lambda p: max(d for d in range(len(cu) - 1) if cu[d] <= p < cu[d + 1])  # noqa: E731
-        pair_work = [1, OWN_CALL_WORK // 40, OWN_CALL_WORK][trial % 3]  # none, some, every document
+        pair_work = [1, OWN_WORK // 40, OWN_WORK][trial % 3]  # none, some, every document
         for rank in range(world):
             for step in range(world):
                 q_pos = L.positions(rank).tolist()
