@@ -13,6 +13,7 @@ model's layers run: the host's time then overlaps the device's, and a call costs
 the two; a second table gives those ratios.
 
     python -m benchmarks.bench_local --seqlens 4096 --steady 20
+    python -m benchmarks.bench_local --head-dims 192 --v-head-dim 128 --triton-forward   # MLA's dims
 """
 
 from __future__ import annotations
@@ -32,9 +33,10 @@ from ringflash.kernels import configs
 from ringflash.kernels.configs import KernelConfig
 
 
-def make_inputs(B, S, H, D, dtype, device, seed=0):
+def make_inputs(B, S, H, D, dtype, device, seed=0, Dv=None):
+    """q, k (B, S, H, D) and v (B, S, H, Dv, default D), and SDPA's copies of them."""
     g = torch.Generator(device=device).manual_seed(seed)
-    qkv = [torch.randn(B, S, H, D, device=device, dtype=dtype, generator=g).requires_grad_() for _ in range(3)]
+    qkv = [torch.randn(B, S, H, d, device=device, dtype=dtype, generator=g).requires_grad_() for d in (D, D, Dv or D)]
     # SDPA gets its own (B, H, S, D) contiguous copies
     sdpa = [t.detach().transpose(1, 2).contiguous().requires_grad_() for t in qkv]
     return qkv, sdpa
@@ -42,10 +44,16 @@ def make_inputs(B, S, H, D, dtype, device, seed=0):
 
 def runner(impl, tensors, causal, mode):
     q, k, v = tensors
-    do = torch.randn_like(q)
+    do = q.new_empty(*q.shape[:-1], v.shape[-1]).normal_()  # the output's shape (v's head dim)
 
     if impl == "ringflash":
         call = lambda: flash_attn_func(q, k, v, causal=causal)
+    elif impl == "ringflash_triton_fwd":  # the portable Triton forward in place of the Gluon one
+
+        def call():
+            with configs.override(gluon=None):
+                return flash_attn_func(q, k, v, causal=causal)
+
     else:
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -64,7 +72,8 @@ def runner(impl, tensors, causal, mode):
 
 def measure(impl, tensors, B, H, S, D, causal, mode, device, steady=0):
     """do_bench's median (ms, tflops); with steady=N also steady_ms / steady_tflops: N calls in
-    a row on the host clock, per call (median of 5 repeats)."""
+    a row on the host clock, per call (median of 5 repeats). D: the head dim FLOPs are counted
+    at ((D + Dv) / 2 when v's differs: exact for the forward's two matmuls)."""
     flops = attention_flops(B, H, S, D, causal, mode)
     try:
         step = runner(impl, tensors, causal, mode)
@@ -81,16 +90,19 @@ def measure(impl, tensors, B, H, S, D, causal, mode, device, steady=0):
 def run_table(args, device, dtype):
     rows = []
     peers = ["sdpa_flash", "sdpa_cudnn"] if device == "cuda" else ["sdpa_math"]
+    if args.triton_forward:
+        peers.append("ringflash_triton_fwd")
     for D in args.head_dims:
+        Dv = args.v_head_dim or D
         for S in args.seqlens:
-            qkv, sdpa = make_inputs(args.batch, S, args.heads, D, dtype, device)
+            qkv, sdpa = make_inputs(args.batch, S, args.heads, D, dtype, device, Dv=Dv)
             for causal in (False, True):
                 for mode in ("fwd", "fwd+bwd"):
-                    res = {"D": D, "S": S, "causal": causal, "mode": mode}
-                    shape = (args.batch, args.heads, S, D, causal, mode, device, args.steady)
+                    res = {"D": D, "Dv": Dv, "S": S, "causal": causal, "mode": mode}
+                    shape = (args.batch, args.heads, S, (D + Dv) / 2, causal, mode, device, args.steady)
                     res["ringflash"] = measure("ringflash", qkv, *shape)
                     for p in peers:
-                        res[p] = measure(p, sdpa, *shape)
+                        res[p] = measure(p, qkv if p.startswith("ringflash") else sdpa, *shape)
                     rows.append(res)
                     print(json.dumps(res), flush=True)
             del qkv, sdpa
@@ -196,25 +208,36 @@ def tune(args, device, dtype):
 
 
 def print_table(rows, key="tflops"):
-    """TFLOP/s by `key`: "tflops" (do_bench) or "steady_tflops" (--steady)."""
+    """TFLOP/s by `key`: "tflops" (do_bench) or "steady_tflops" (--steady); D/Dv where v's head
+    dim differs; with --triton-forward, ours with the Triton forward beside."""
+    triton_fwd = any("ringflash_triton_fwd" in r for r in rows)
     print(
-        f"\n{'D':>4} {'S':>6} {'causal':>6} {'mode':>8} | {'ringflash':>9} {'flash':>7} {'cudnn':>7} | "
-        f"{'vs flash':>8} {'vs cudnn':>8}" + ("   (calls in a row)" if key != "tflops" else "")
+        f"\n{'D':>7} {'S':>6} {'causal':>6} {'mode':>8} | {'ringflash':>9} {'flash':>7} {'cudnn':>7} | "
+        f"{'vs flash':>8} {'vs cudnn':>8}"
+        + (f" | {'triton fwd':>10} {'vs it':>6}" if triton_fwd else "")
+        + ("   (calls in a row)" if key != "tflops" else "")
     )
     for r in rows:
         rf = r["ringflash"].get(key, float("nan"))
         fl = r.get("sdpa_flash", r.get("sdpa_math", {})).get(key, float("nan"))
         cu = r.get("sdpa_cudnn", {}).get(key, float("nan"))
-        print(
-            f"{r['D']:>4} {r['S']:>6} {str(r['causal']):>6} {r['mode']:>8} | {rf:9.1f} {fl:7.1f} {cu:7.1f} | "
+        dims = f"{r['D']}" if r.get("Dv", r["D"]) == r["D"] else f"{r['D']}/{r['Dv']}"
+        line = (
+            f"{dims:>7} {r['S']:>6} {str(r['causal']):>6} {r['mode']:>8} | {rf:9.1f} {fl:7.1f} {cu:7.1f} | "
             f"{rf / fl:8.2f} {rf / cu:8.2f}"
         )
+        if triton_fwd:
+            tr = r.get("ringflash_triton_fwd", {}).get(key, float("nan"))
+            line += f" | {tr:10.1f} {rf / tr:6.2f}"
+        print(line)
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seqlens", type=int, nargs="+", default=[4096, 16384, 65536])
     ap.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
+    ap.add_argument("--v-head-dim", type=int, help="v's head dim (default: each --head-dims'), e.g. 128 beside 192")
+    ap.add_argument("--triton-forward", action="store_true", help="also time ours with the Triton forward")
     ap.add_argument("--heads", type=int, default=32)
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp16"])

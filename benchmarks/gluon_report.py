@@ -7,8 +7,9 @@ flight), HGMMA count, ptxas warnings.
     python benchmarks/gluon_report.py --variants ws --head-dims 128 --modes local fold --dump DIR
     python benchmarks/gluon_report.py --case ws:128:1:bf16:1:0 --json rows.json   # one exact case
 
-Cases: variant:D:causal:dtype:normalize:fold[:mask], mask "window" (a sliding window) or "rows"
-(per-row bounds of packed documents); without it, dense or causal by `causal`. Runs with
+Cases: variant:D:causal:dtype:normalize:fold[:mask], D a head dim or "D/Dv" (v's head dim apart
+from q/k's, e.g. 192/128), mask "window" (a sliding window) or "rows" (per-row bounds of packed
+documents); without it, dense or causal by `causal`. Runs with
 TRITON_INTERPRET unset (interpreted kernels patch triton.language in-process, which breaks Gluon
 compilation afterwards).
 """
@@ -33,15 +34,17 @@ MODES = {"local": (True, False), "fold": (False, True), "fold_normalize": (True,
 
 def parse_case(text: str) -> tuple:
     v, d, c, dt, n, f, *mask = text.split(":")
-    return v, int(d), bool(int(c)), dt, bool(int(n)), bool(int(f)), *mask[:1]
+    dims = tuple(int(x) for x in d.split("/"))
+    return v, dims if len(dims) > 1 else dims[0], bool(int(c)), dt, bool(int(n)), bool(int(f)), *mask[:1]
 
 
 def one(case: tuple, dump: str | None = None) -> dict:
     variant, D, causal, dtype, normalize, fold, *mask = case
     mask = mask[0] if mask else ""
+    D, Dv = D if isinstance(D, tuple) else (D, None)
     try:
         row = gf.hopper_report(
-            gf.config_for(D, variant),
+            gf.config_for(max(D, Dv or D), variant),
             D,
             causal=causal,
             dtype=dtype,
@@ -49,6 +52,7 @@ def one(case: tuple, dump: str | None = None) -> dict:
             fold=fold,
             dump=Path(dump) / variant if dump else None,
             mask=mask,
+            head_dim_v=Dv,
         )
         row["problems"] = gf.report_problems(row)
     except Exception as e:  # reported as a row: the caller decides
@@ -66,8 +70,9 @@ def one(case: tuple, dump: str | None = None) -> dict:
 
 
 def line(r: dict) -> str:
+    dims = f"{r['D']}" if r.get("Dv") is None else f"{r['D']}/{r['Dv']}"
     head = (
-        f"{r['name']:9s} D={r['D']:<3d} causal={int(r['causal'])} {r['mask'] or '-':6s} {r['dtype']} "
+        f"{r['name']:9s} D={dims:<7s} causal={int(r['causal'])} {r['mask'] or '-':6s} {r['dtype']} "
         f"norm={int(r['normalize'])} fold={int(r['fold'])}"
     )
     if "error" in r:

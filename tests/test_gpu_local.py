@@ -178,15 +178,15 @@ def test_other_head_dims(D, causal):
 @pytest.mark.parametrize("causal", [False, True])
 def test_v_head_dim_differs(D, Dv, causal, monkeypatch):
     """v's head dim apart from q/k's (MLA: 192 and 128), bf16 against float64, out and
-    gradients within 2x plain bf16 attention. (128, 64) and (64, 128): tensor descriptors with
-    BLOCK_DV != BLOCK_D; the Gluon forward (equal dims only) is not used."""
+    gradients within 2x plain bf16 attention: the Gluon forward with V tiles of their own width
+    (BLOCK_DV != BLOCK_D), the backward's two passes with tensor descriptors of both widths."""
     from ringflash.kernels import gluon_forward
 
     calls = []
     real = gluon_forward.forward
     monkeypatch.setattr(gluon_forward, "forward", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     test_forward_backward_vs_float64(torch.bfloat16, causal, (1, 2049, 2049, 4, 2, D), Dv=Dv)
-    assert not calls
+    assert calls, "the Gluon forward was not used"
 
 
 @pytest.mark.parametrize("variant", ["pointers", "tma", "tma+ws"])
@@ -264,20 +264,22 @@ def test_large_scores_16bit(dtype, causal):
 @pytest.mark.parametrize(
     "causal,window_size", [(False, (-1, -1)), (True, (-1, -1)), (True, (200, 0)), (False, (300, 77))]
 )
-@pytest.mark.parametrize("D", [128, 96, 192])
-def test_gluon_forward_is_used_and_agrees(causal, window_size, D, monkeypatch):
+@pytest.mark.parametrize("D,Dv", [(128, 128), (96, 96), (192, 192), (192, 128), (128, 64), (64, 128)])
+def test_gluon_forward_is_used_and_agrees(causal, window_size, D, Dv, monkeypatch):
     """bf16 blocks without a key bias run on the Gluon forward (configs.GLUON_FWD), dense,
-    causal or windowed, at D=128 and at head dims under their padding (96 and 192 run the 128-
-    and 256-wide tiles with zero columns): its output and lse against float64 within the plain
-    bound, and beside the Triton kernel's (override(gluon=None)) within the same bound; a key
-    padding mask takes the Triton kernel."""
+    causal or windowed, at D=128, at head dims under their padding (96 and 192 run the 128-
+    and 256-wide tiles with zero columns) and with v's head dim apart from q/k's (V and O tiles
+    of their own width): its output and lse against float64 within the plain bound, and beside
+    the Triton kernel's (override(gluon=None)) within the same bound; a key padding mask takes
+    the Triton kernel."""
     from ringflash.kernels import configs, gluon_forward
 
     calls = []
     real = gluon_forward.forward
     monkeypatch.setattr(gluon_forward, "forward", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     g = torch.Generator(device="cuda").manual_seed(21)
-    q, k, v = (torch.randn(2, 1031, H, D, device="cuda", generator=g, dtype=torch.bfloat16) for H in (4, 2, 2))
+    q, k, v = (torch.randn(2, 1031, H, d, device="cuda", generator=g, dtype=torch.bfloat16) for H, d in
+               ((4, D), (2, D), (2, Dv)))  # fmt: skip
     kw = dict(causal=causal, window_size=window_size)
     out, lse = flash_attn_func(q, k, v, return_lse=True, **kw)
     assert calls, "the Gluon forward was not used"

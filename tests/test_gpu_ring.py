@@ -51,19 +51,22 @@ def test_replayed_ring_matches_single_gpu(dtype, layout, causal, world):
         assert e_ring <= 1.2 * e_single + 1e-6, f"{name}: ring {e_ring:.3e} vs single GPU {e_single:.3e}"
 
 
-@pytest.mark.parametrize("D", [96, 192])
+@pytest.mark.parametrize("D,Dv", [(96, 96), (192, 192), (192, 128)])
 @pytest.mark.parametrize("causal", [False, True])
-def test_replayed_ring_at_padded_head_dims(D, causal, monkeypatch):
-    """Head dims under their padding (96 -> 128, 192 -> 256) fold each step's keys into the
-    float32 state on the Gluon forward (zero columns read, O's true width stored), and at 96 the
-    steps' gradients come from the fused backward (forced at this size) into the ring's one
-    blocked dQ, replayed at world 4: within the error of one GPU's flash_attn_func."""
+def test_replayed_ring_at_padded_head_dims(D, Dv, causal, monkeypatch):
+    """Head dims under their padding (96 -> 128, 192 -> 256; MLA's v at 128 beside q/k at 192)
+    fold each step's keys into the float32 state on the Gluon forward (zero columns read, O's
+    true width stored), and at 96 the steps' gradients come from the fused backward (forced at
+    this size) into the ring's one blocked dQ, replayed at world 4: within the error of one
+    GPU's flash_attn_func."""
     from ringflash.kernels import gluon_forward
 
     calls = []
     real = gluon_forward.forward
     monkeypatch.setattr(gluon_forward, "forward", lambda *a, **kw: calls.append(kw["fold"]) or real(*a, **kw))
-    q, k, v, do = _inputs(1, 4096, 4, 2, D, torch.bfloat16, seed=D + causal)
+    q, k, v, do = _inputs(1, 4096, 4, 2, D, torch.bfloat16, seed=D + Dv + causal)
+    if Dv != D:
+        v, do = (t[..., :Dv].contiguous() for t in (v, do))
     ref = _reference(q, k, v, do, causal)
     single = _single_gpu(q, k, v, do, causal)
     calls.clear()

@@ -158,6 +158,12 @@ def test_gluon_forward_compiles_for_hopper(tmp_path):
     cases += [f"{v}:128:0:fp16:0:1", f"{v}:128:1:bf16:1:0:window"]
     # head dims under their padding (zero columns, O stored to its true width): local, ring step
     cases += [f"{v}:96:1:bf16:1:0", f"{GLUON_FWD[256]}:192:0:fp16:0:1"]
+    # v's head dim apart from q/k's (MLA's 192 / 128; V and O tiles of their own width): local, ring step
+    cases += [
+        f"{GLUON_FWD[256]}:192/128:1:bf16:1:0",
+        f"{GLUON_FWD[256]}:192/128:1:bf16:0:1:rows",
+        f"{v}:128/64:0:fp16:0:1",
+    ]
     cases += [c for D, v in GLUON_FWD_DOCUMENTS.items() for c in (f"{v}:{D}:1:bf16:1:0:rows",
                                                                   f"{v}:{D}:0:fp16:0:1:rows")]  # fmt: skip
     run([sys.executable, "benchmarks/gluon_report.py", "--jobs", "2", "--json", str(tmp_path / "g.json")]

@@ -116,9 +116,10 @@ def forward(q, k, v, state, *, q_start, k_start, window, bounds, scale, fold, no
     block_d, block_dv = _block_d(D), _block_d(Dv)
     drop_args, has_dropout = _dropout_args(dropout)
     gluon_ok = key_bias is None and not has_dropout
-    if gluon_ok and _gluon_forward(q, k, v, state, q_start, k_start, window, bounds, scale, fold, normalize, block_d):
+    config_d = _config_d(block_d, block_dv)
+    if gluon_ok and _gluon_forward(q, k, v, state, q_start, k_start, window, bounds, scale, fold, normalize, config_d):
         return
-    cfg = configs.forward_config(_config_d(block_d, block_dv), documents=bounds is not None,
+    cfg = configs.forward_config(config_d, documents=bounds is not None,
                                  float32=q.dtype == torch.float32)
     grid = (triton.cdiv(Sq, cfg.block_m), B * Hq)
     bias, stride_bias_b, has_bias = _bias_args(key_bias, q)
@@ -138,15 +139,15 @@ def forward(q, k, v, state, *, q_start, k_start, window, bounds, scale, fold, no
         )
 
 
-def _gluon_forward(q, k, v, state, q_start, k_start, window, bounds, scale, fold, normalize, block_d) -> bool:
+def _gluon_forward(q, k, v, state, q_start, k_start, window, bounds, scale, fold, normalize, config_d) -> bool:
     """Run the block on the Gluon forward where it is faster and takes these inputs (Hopper,
-    16-bit, v's head dim equal to q/k's, any mask: configs.gluon_forward_variant by the padded
-    head dim; a head dim under its padding reads zero columns); False: the caller runs the
-    Triton one."""
+    16-bit, any mask; v's head dim may differ from q/k's: configs.gluon_forward_variant by the
+    larger padded head dim config_d; a head dim under its padding reads zero columns); False:
+    the caller runs the Triton one."""
     variant = configs.gluon_forward_variant(
-        block_d, documents=bounds is not None, keys_per_row=None if bounds is None else bounds.keys_per_row
+        config_d, documents=bounds is not None, keys_per_row=None if bounds is None else bounds.keys_per_row
     )
-    if variant is None or v.shape[-1] != q.shape[-1] or not q.is_cuda:
+    if variant is None or not q.is_cuda:
         return False
     from . import gluon_forward
 

@@ -10,10 +10,11 @@ PV of block j-1 still in flight (warpgroup_mma_wait(1), _overlap_loop). Earlier
 single-partition and one-consumer schedules measured slower on one H200 (450-495 TFLOP/s
 against 594-602 at D=128, 16K; benchmarks/NOTES.md) and were removed.
 
-Tensors: q (B, Sq, Hq, D), k and v (B, Sk, Hkv, D), bf16 or fp16, as 4-D TMA descriptors with
-blocks [1, BLOCK_M or BLOCK_N, 1, BLOCK_D], BLOCK_D the head dim D (HEAD_DIM) padded to a power
-of two (rows past the end and columns past D read as zeros, never the next batch or head).
-O (B, Sq, Hq, D) any dtype (float32 when HAS_STATE), M and L (B, Hq, Sq) float32, by pointers.
+Tensors: q (B, Sq, Hq, D), k (B, Sk, Hkv, D) and v (B, Sk, Hkv, Dv), bf16 or fp16, as 4-D TMA
+descriptors with blocks [1, BLOCK_M or BLOCK_N, 1, BLOCK_D or BLOCK_DV], BLOCK_D the head dim D
+(HEAD_DIM) padded to a power of two, BLOCK_DV v's Dv (HEAD_DIM_V) likewise (rows past the end
+and columns past D or Dv read as zeros, never the next batch or head). O (B, Sq, Hq, Dv) any
+dtype (float32 when HAS_STATE), M and L (B, Hq, Sq) float32, by pointers.
 
 State per query row, softmax in base 2 (qk_scale = scale * log2(e)):
 m = max_j s2_ij, l = sum_j exp2(s2_ij - m), acc = sum_j exp2(s2_ij - m) v_j; an empty row has
@@ -392,6 +393,7 @@ def _overlap_loop(
     BLOCK_M: gl.constexpr,
     BLOCK_N: gl.constexpr,
     BLOCK_D: gl.constexpr,
+    BLOCK_DV: gl.constexpr,
     s_layout: gl.constexpr,
     o_layout: gl.constexpr,
 ):
@@ -420,7 +422,7 @@ def _overlap_loop(
         )
         _wait_stage(v_ready, j - 1, STAGES)
         p_op = _p_operand(p, dtype, o_layout)
-        acc_tok = warpgroup_mma(p_op, _kv_tile(v_bufs, j - 1, STAGES, BLOCK_N, BLOCK_D), acc, is_async=True)
+        acc_tok = warpgroup_mma(p_op, _kv_tile(v_bufs, j - 1, STAGES, BLOCK_N, BLOCK_DV), acc, is_async=True)
         # groups complete in order: with one left in flight, QK^T(j) is done, PV(j-1) may not be
         s = warpgroup_mma_wait(1, deps=(s_tok,))
         mbarrier.arrive(k_empty.index(j % STAGES))
@@ -433,7 +435,7 @@ def _overlap_loop(
         # rescale only once PV(j-1) has landed in acc
         acc = acc * _rows(alpha, o_layout)[:, None]
     _wait_stage(v_ready, n - 1, STAGES)
-    acc = warpgroup_mma(_p_operand(p, dtype, o_layout), _kv_tile(v_bufs, n - 1, STAGES, BLOCK_N, BLOCK_D), acc)
+    acc = warpgroup_mma(_p_operand(p, dtype, o_layout), _kv_tile(v_bufs, n - 1, STAGES, BLOCK_N, BLOCK_DV), acc)
     return acc, m_i, l_i
 
 
@@ -533,6 +535,8 @@ def _ws2_consumer(
     qk_scale,
     HEAD_DIM: gl.constexpr,
     BLOCK_D: gl.constexpr,
+    HEAD_DIM_V: gl.constexpr,
+    BLOCK_DV: gl.constexpr,
     BLOCK_M: gl.constexpr,
     BLOCK_N: gl.constexpr,
     STAGES: gl.constexpr,
@@ -544,11 +548,11 @@ def _ws2_consumer(
 ):
     ROWS: gl.constexpr = BLOCK_M // 2
     s_layout: gl.constexpr = _mma_layout(4, BLOCK_N)
-    o_layout: gl.constexpr = _mma_layout(4, BLOCK_D)
+    o_layout: gl.constexpr = _mma_layout(4, BLOCK_DV)
     # the key blocks [lo, lo + n * BLOCK_N) are the whole tile's, as the producer's: both
     # warpgroups consume every block; the mask is this warpgroup's rows'
     my_m = off_m + WG * ROWS
-    acc, m_i, l_i = _empty_state(ROWS, BLOCK_D, s_layout, o_layout)
+    acc, m_i, l_i = _empty_state(ROWS, BLOCK_DV, s_layout, o_layout)
     if n > 0:
         if WG == 0:
             full_lo, full_hi = full_lo0, full_hi0
@@ -587,6 +591,7 @@ def _ws2_consumer(
             ROWS,
             BLOCK_N,
             BLOCK_D,
+            BLOCK_DV,
             s_layout,
             o_layout,
         )
@@ -614,8 +619,8 @@ def _ws2_consumer(
         NORMALIZE,
         HAS_STATE,
         ROWS,
-        HEAD_DIM,
-        BLOCK_D,
+        HEAD_DIM_V,
+        BLOCK_DV,
         s_layout,
         o_layout,
     )
@@ -651,6 +656,8 @@ def _fwd_ws2(
     qk_scale,
     HEAD_DIM: gl.constexpr,
     BLOCK_D: gl.constexpr,
+    HEAD_DIM_V: gl.constexpr,
+    BLOCK_DV: gl.constexpr,
     BLOCK_M: gl.constexpr,
     BLOCK_N: gl.constexpr,
     STAGES: gl.constexpr,
@@ -663,13 +670,15 @@ def _fwd_ws2(
     CONSUMER_REGS: gl.constexpr,
     num_warps: gl.constexpr,
 ):
-    """q_desc blocks are [1, BLOCK_M // 2, 1, BLOCK_D] (one per consumer warpgroup), k_desc and
-    v_desc [1, BLOCK_N, 1, BLOCK_D]; BLOCK_D is the head dim HEAD_DIM padded to a power of two
-    (the descriptors read the padding columns as zeros); num_warps = 4.
+    """q_desc blocks are [1, BLOCK_M // 2, 1, BLOCK_D] (one per consumer warpgroup), k_desc
+    [1, BLOCK_N, 1, BLOCK_D], v_desc [1, BLOCK_N, 1, BLOCK_DV]; BLOCK_D is q/k's head dim
+    HEAD_DIM padded to a power of two, BLOCK_DV v's (and O's) head dim HEAD_DIM_V padded (the
+    descriptors read the padding columns as zeros); num_warps = 4.
     MASK, LEFT, win_left, win_right, KLO, KHI: as the Triton forward's (tiles.MASK_*; KLO / KHI
     (Sq,) int32 global key bounds for MASK_ROWS, any pointer otherwise)."""
     gl.static_assert(num_warps == 4, "ws2: the default partition is one consumer warpgroup")
     gl.static_assert(q_desc.block_type.shape[1] * 2 == BLOCK_M)
+    gl.static_assert(v_desc.block_type.shape[3] == BLOCK_DV)
     dtype: gl.constexpr = q_desc.dtype
     b, h, hk, off_m = _tile(Hq, group, MASK != MASK_NONE, BLOCK_M)
     lo, n, full_lo0, full_hi0, full_lo1, full_hi1 = _tile_key_range(
@@ -728,6 +737,8 @@ def _fwd_ws2(
         qk_scale,
         HEAD_DIM,
         BLOCK_D,
+        HEAD_DIM_V,
+        BLOCK_DV,
         BLOCK_M,
         BLOCK_N,
         STAGES,

@@ -128,9 +128,11 @@ def config_for(head_dim: int, variant: str | None = None) -> GluonConfig:
     return by_d[block_d]
 
 
-def shared_bytes(cfg: GluonConfig, head_dim: int, elem: int = 2) -> int:
-    """Shared memory the tiles take (Q + STAGES x (K + V)), barriers excluded."""
-    return elem * head_dim * (cfg.block_m + 2 * cfg.stages * cfg.block_n)
+def shared_bytes(cfg: GluonConfig, head_dim: int, elem: int = 2, head_dim_v: int | None = None) -> int:
+    """Shared memory the tiles take (Q + STAGES x (K + V)) at these padded head dims (v's
+    default: q/k's), barriers excluded."""
+    head_dim_v = head_dim if head_dim_v is None else head_dim_v
+    return elem * (head_dim * (cfg.block_m + cfg.stages * cfg.block_n) + head_dim_v * cfg.stages * cfg.block_n)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -181,30 +183,33 @@ def check_shapes(q, k, v, out_o, out_m, out_l, *, normalize, fold, cfg=None) -> 
     """The device-independent part of check_supported: dtypes, shapes, strides, alignment."""
     if q.dtype not in _DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
         raise Unsupported(f"q, k, v must all be bfloat16 or float16, got {q.dtype}, {k.dtype}, {v.dtype}")
-    if q.dim() != 4 or k.dim() != 4 or k.shape != v.shape:
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4 or k.shape[:3] != v.shape[:3]:
         raise Unsupported(
-            "expected q (B, Sq, Hq, D) and k, v (B, Sk, Hkv, D), "
+            "expected q (B, Sq, Hq, D), k (B, Sk, Hkv, D) and v (B, Sk, Hkv, Dv), "
             f"got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
         )
     B, Sq, Hq, D = q.shape
     Bk, Sk, Hkv, Dk = k.shape
+    Dv = v.shape[3]
     if Bk != B or Dk != D or Hq % Hkv:
         raise Unsupported(f"shape mismatch: q {tuple(q.shape)}, k {tuple(k.shape)} (Hq % Hkv must be 0)")
-    block_d = padded_head_dim(D)
-    if block_d not in HEAD_DIMS:
-        raise Unsupported(
-            f"head_dim {D} not supported by the Gluon forward (supported: up to {max(HEAD_DIMS)}, "
-            f"padded to one of {HEAD_DIMS})"
-        )
-    if cfg is not None and shared_bytes(cfg, block_d) > HOPPER_SHARED_BYTES - 1024:
-        raise Unsupported(f"config {cfg} needs too much shared memory at D={D}")
+    for name, dim in (("head_dim", D), ("v's head_dim", Dv)):
+        if padded_head_dim(dim) not in HEAD_DIMS:
+            raise Unsupported(
+                f"{name} {dim} not supported by the Gluon forward (supported: up to {max(HEAD_DIMS)}, "
+                f"padded to one of {HEAD_DIMS})"
+            )
+    if cfg is not None and shared_bytes(cfg, padded_head_dim(D), head_dim_v=padded_head_dim(Dv)) > (
+        HOPPER_SHARED_BYTES - 1024
+    ):
+        raise Unsupported(f"config {cfg} needs too much shared memory at D={D}, Dv={Dv}")
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not _tma_ok(t):
             raise Unsupported(
                 f"{name} needs a unit head_dim stride, a 16-byte aligned base and 16-byte aligned strides"
             )
-    if tuple(out_o.shape) != (B, Sq, Hq, D) or out_o.stride(-1) != 1:
-        raise Unsupported(f"out_o must be (B, Sq, Hq, D) = {(B, Sq, Hq, D)} with a unit last stride")
+    if tuple(out_o.shape) != (B, Sq, Hq, Dv) or out_o.stride(-1) != 1:
+        raise Unsupported(f"out_o must be (B, Sq, Hq, Dv) = {(B, Sq, Hq, Dv)} with a unit last stride")
     if (fold or not normalize) and out_o.dtype != torch.float32:
         raise Unsupported("out_o holds the unnormalized float32 state when fold or not normalize")
     if out_o.dtype not in (torch.float32, torch.bfloat16, torch.float16):
@@ -220,8 +225,9 @@ def forward(
     q, k, v, *, q_start, k_start, scale, out_o, out_m, out_l, normalize, fold, causal=False, window=None, bounds=None,
     config=None,
 ):  # fmt: skip
-    """Attention of q (B, Sq, Hq, D) over k, v (B, Sk, Hkv, D) by global positions; writes
-    out_o (B, Sq, Hq, D), out_m and out_l (B, Hq, Sq) float32 (semantics: module docstring).
+    """Attention of q (B, Sq, Hq, D) over k (B, Sk, Hkv, D), v (B, Sk, Hkv, Dv) by global
+    positions; writes out_o (B, Sq, Hq, Dv), out_m and out_l (B, Hq, Sq) float32 (semantics:
+    module docstring). The config is the one of the larger padded head dim of D and Dv.
 
     causal=True is window=masks.CAUSAL; bounds (RowBounds, its k_lo / k_hi for q's rows)
     decides alone when given. config: a GluonConfig or a variant name (default:
@@ -248,7 +254,7 @@ def forward(
         with on_device(q):
             launch(plan.kernel, plan.grid, *plan.args_for(tensors), **plan.kwargs)
         return
-    cfg = _resolve(q.shape[-1], config)
+    cfg = _resolve(max(q.shape[-1], v.shape[-1]), config)
     check_supported(q, k, v, out_o, out_m, out_l, normalize=normalize, fold=fold, cfg=cfg)
     if q.numel() == 0:
         return
@@ -299,7 +305,8 @@ def launch_plan(
     from . import _mask_args
 
     B, Sq, Hq, D = q.shape
-    block_d = padded_head_dim(D)
+    Dv = v.shape[3]
+    block_d, block_dv = padded_head_dim(D), padded_head_dim(Dv)
     Sk, Hkv = k.shape[1], k.shape[2]
     q_start, k_start = int(q_start), int(k_start)
     # positions as the Triton kernels take them: below 2^30 (tiles.UNBOUNDED), so that a
@@ -312,6 +319,8 @@ def launch_plan(
     kwargs = dict(
         HEAD_DIM=D,
         BLOCK_D=block_d,
+        HEAD_DIM_V=Dv,
+        BLOCK_DV=block_dv,
         BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n,
         STAGES=cfg.stages,
@@ -331,7 +340,7 @@ def launch_plan(
     args = (
         _descriptor(q, cfg.q_rows, block_d),
         _descriptor(k, cfg.block_n, block_d),
-        _descriptor(v, cfg.block_n, block_d),
+        _descriptor(v, cfg.block_n, block_dv),
         out_o,
         out_m,
         out_l,
@@ -472,7 +481,7 @@ def compile_launch(
     CompiledKernel, or with key_only a string that is equal for launches sharing a kernel."""
     if not HAS_GLUON:
         raise Unsupported(f"Gluon is not available: {GLUON_ERROR}")
-    cfg = _resolve(q.shape[-1], config)
+    cfg = _resolve(max(q.shape[-1], v.shape[-1]), config)
     check_shapes(q, k, v, out_o, out_m, out_l, normalize=normalize, fold=fold, cfg=cfg)
     kernel, _, args, kwargs = launch_plan(
         q,
@@ -527,17 +536,20 @@ def compile_for_hopper(
     Sq: int = 1031,
     Sk: int = 777,
     mask: str = "",
+    head_dim_v: int | None = None,
 ):
-    """compile_launch for contiguous CPU tensors of these sizes (2 kv heads). mask: "" (causal
-    or not, by `causal`), "window" (a sliding window: (300, 0) with causal, else (300, 77)) or
-    "rows" (per-row bounds of packed documents)."""
+    """compile_launch for contiguous CPU tensors of these sizes (2 kv heads; v's head dim
+    head_dim_v, default head_dim). mask: "" (causal or not, by `causal`), "window" (a sliding
+    window: (300, 0) with causal, else (300, 77)) or "rows" (per-row bounds of packed
+    documents)."""
     from ..masks import RowBounds, Window
 
     tdt = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
     hkv = 2
     q = torch.empty(1, Sq, hkv * group, head_dim, dtype=tdt)
     k = torch.empty(1, Sk, hkv, head_dim, dtype=tdt)
-    o = torch.empty(q.shape, dtype=torch.float32 if (fold or not normalize) else tdt)
+    v = k if head_dim_v is None else torch.empty(1, Sk, hkv, head_dim_v, dtype=tdt)
+    o = torch.empty(*q.shape[:3], v.shape[3], dtype=torch.float32 if (fold or not normalize) else tdt)
     m = torch.empty(1, q.shape[2], Sq)
     if mask not in ("", "window", "rows"):
         raise ValueError(f"mask must be '', 'window' or 'rows', got {mask!r}")
@@ -546,7 +558,7 @@ def compile_for_hopper(
     return compile_launch(
         q,
         k,
-        k,
+        v,
         q_start=Sk - Sq,
         k_start=0,
         causal=causal and not mask,
@@ -639,12 +651,18 @@ def hopper_report(
     fold: bool = False,
     dump: Path | None = None,
     mask: str = "",
+    head_dim_v: int | None = None,
 ) -> dict:
-    """compiled_report of one variant compiled by compile_for_hopper (mask: as its)."""
-    kern = compile_for_hopper(cfg, head_dim, causal=causal, dtype=dtype, normalize=normalize, fold=fold, mask=mask)
+    """compiled_report of one variant compiled by compile_for_hopper (mask, head_dim_v: as its)."""
+    kern = compile_for_hopper(
+        cfg, head_dim, causal=causal, dtype=dtype, normalize=normalize, fold=fold, mask=mask, head_dim_v=head_dim_v
+    )
     case = {"D": head_dim, "causal": causal, "mask": mask, "dtype": dtype, "normalize": normalize, "fold": fold}
+    if head_dim_v is not None:
+        case["Dv"] = head_dim_v
+    dv = "" if head_dim_v is None else f"_dv{head_dim_v}"
     stem = (
-        f"{cfg.schedule}_d{head_dim}_c{int(causal)}{mask and '_' + mask}_{cfg.block_m}x{cfg.block_n}"
+        f"{cfg.schedule}_d{head_dim}{dv}_c{int(causal)}{mask and '_' + mask}_{cfg.block_m}x{cfg.block_n}"
         f"_w{cfg.num_warps}_s{cfg.stages}"
     )
     return compiled_report(kern, cfg, case, dump=dump, stem=stem)
