@@ -44,7 +44,7 @@ def one(case: tuple, dump: str | None = None) -> dict:
     D, Dv = D if isinstance(D, tuple) else (D, None)
     try:
         row = gf.hopper_report(
-            gf.config_for(max(D, Dv or D), variant),
+            gf.config_for(D, variant, head_dim_v=Dv),
             D,
             causal=causal,
             dtype=dtype,

@@ -215,7 +215,7 @@ def launch_layers(S=128):
     state = SoftmaxState.empty(torch.empty_like(q))
     plan = dict(q_start=0, k_start=0, scale=128**-0.5, out_o=state.o, out_m=state.m, out_l=state.l,
                 normalize=True, fold=False, causal=True)  # fmt: skip
-    cfg = gluon_forward._resolve(128, None)
+    cfg = gluon_forward.config_for(128)
     kernel, grid, args, kwargs = gluon_forward.launch_plan(q, k, v, cfg=cfg, **plan)
     compiled = kernel[grid](*args, **kwargs)
     device = driver.active.get_current_device()

@@ -116,9 +116,12 @@ DEFAULT_VARIANT = "ws2_s3"
 HEAD_DIMS = (64, 128, 256)
 
 
-def config_for(head_dim: int, variant: str | None = None) -> GluonConfig:
-    """The variant's config for a head dim (looked up by its padding: padded_head_dim)."""
+def config_for(head_dim: int, variant: str | None = None, head_dim_v: int | None = None) -> GluonConfig:
+    """The variant's config for a head dim (looked up by its padding: padded_head_dim); with v's
+    head dim apart, the larger one's (an upper bound on every tile, as the Triton kernels'
+    tables are looked up)."""
     by_d = VARIANTS[variant or DEFAULT_VARIANT]
+    head_dim = max(head_dim, head_dim_v or 0)
     block_d = padded_head_dim(head_dim)
     if block_d not in by_d:
         raise Unsupported(
@@ -227,7 +230,7 @@ def forward(
 ):  # fmt: skip
     """Attention of q (B, Sq, Hq, D) over k (B, Sk, Hkv, D), v (B, Sk, Hkv, Dv) by global
     positions; writes out_o (B, Sq, Hq, Dv), out_m and out_l (B, Hq, Sq) float32 (semantics:
-    module docstring). The config is the one of the larger padded head dim of D and Dv.
+    module docstring).
 
     causal=True is window=masks.CAUSAL; bounds (RowBounds, its k_lo / k_hi for q's rows)
     decides alone when given. config: a GluonConfig or a variant name (default:
@@ -254,7 +257,7 @@ def forward(
         with on_device(q):
             launch(plan.kernel, plan.grid, *plan.args_for(tensors), **plan.kwargs)
         return
-    cfg = _resolve(max(q.shape[-1], v.shape[-1]), config)
+    cfg = _resolve(q, v, config)
     check_supported(q, k, v, out_o, out_m, out_l, normalize=normalize, fold=fold, cfg=cfg)
     if q.numel() == 0:
         return
@@ -292,8 +295,11 @@ def forward(
 _PLANS = Plans()
 
 
-def _resolve(head_dim: int, config) -> GluonConfig:
-    return config_for(head_dim, config) if config is None or isinstance(config, str) else config
+def _resolve(q, v, config) -> GluonConfig:
+    """config as given (a GluonConfig), or config_for q's and v's head dims (a variant name or None)."""
+    if config is None or isinstance(config, str):
+        return config_for(q.shape[-1], config, head_dim_v=v.shape[-1])
+    return config
 
 
 def launch_plan(
@@ -481,7 +487,7 @@ def compile_launch(
     CompiledKernel, or with key_only a string that is equal for launches sharing a kernel."""
     if not HAS_GLUON:
         raise Unsupported(f"Gluon is not available: {GLUON_ERROR}")
-    cfg = _resolve(max(q.shape[-1], v.shape[-1]), config)
+    cfg = _resolve(q, v, config)
     check_shapes(q, k, v, out_o, out_m, out_l, normalize=normalize, fold=fold, cfg=cfg)
     kernel, _, args, kwargs = launch_plan(
         q,
