@@ -16,7 +16,7 @@
    Cases: ragged shapes (1031, 777 x 2048, 2048 x 777 causal bottom-right), GQA 4/1 and 8/2,
    causal and not, bf16 and fp16, float32 and 16-bit dq, accumulation into float32 buffers,
    ring-like blocks (positions ~1e6 with every pair visible, partly visible, none visible).
-2. Timing, only for variants that passed: B=1, H=32 (and GQA 32/8 once), D=128, bf16, causal and
+2. Timing, only for variants that passed: B=1, H=32 (and GQA 32/8 once), D=--head-dim (128), bf16, causal and
    not: the whole backward (delta + row statistics + kernel + the float32 dQ's cast to bf16)
    beside the package's Triton two-pass backward (delta + dK/dV pass + dQ pass) and SDPA's
    cuDNN backward (autograd.grad with retain_graph), triton.testing.do_bench medians;
@@ -64,7 +64,7 @@ DEFAULT_VARIANTS = ["ws2", "ws2_blk", "ws2_lag", "ws2_lagq"]
 # Cases
 
 
-def correctness_cases(variant: str, lite: bool) -> list[dict]:
+def correctness_cases(variant: str, lite: bool, D: int = 128) -> list[dict]:
     from ringflash.kernels import gluon_backward as gb
 
     far = 10**6
@@ -99,8 +99,8 @@ def correctness_cases(variant: str, lite: bool) -> list[dict]:
         ]
     cases = []
     for row, extras in table:
-        c = {**dict(zip(cols, row)), "D": 128, "scale": 128**-0.5, "accumulate": False, "dq": "fp32", **extras}
-        cfg = gb.VARIANTS[variant][128]
+        c = {**dict(zip(cols, row)), "D": D, "scale": D**-0.5, "accumulate": False, "dq": "fp32", **extras}
+        cfg = gb.config_for(D, variant)
         # the family a hang takes down: variants sharing a barrier protocol (lag has its own)
         c.update(kind="correct", variant=variant, schedule=cfg.schedule + ("_lag" if cfg.lag else ""))
         c["id"] = f"{variant}:{len(cases)}"
@@ -108,7 +108,7 @@ def correctness_cases(variant: str, lite: bool) -> list[dict]:
     return cases
 
 
-def timing_tasks(variants, seqlens, heads, gqa_heads) -> list[dict]:
+def timing_tasks(variants, seqlens, heads, gqa_heads, D: int = 128) -> list[dict]:
     tasks = []
     # 16K first, then the shorter ones, the GQA case, the longer ones: a deadline cuts the last
     order = sorted(seqlens, key=lambda S: (S != 16384, S > 16384, S))
@@ -122,7 +122,7 @@ def timing_tasks(variants, seqlens, heads, gqa_heads) -> list[dict]:
                 dict(
                     kind="time",
                     impl=impl,
-                    D=128,
+                    D=D,
                     S=S,
                     causal=causal,
                     B=1,
@@ -145,7 +145,7 @@ def _sync():
 
 
 def _forward_state(q, k, v, *, q_start, k_start, causal, scale):
-    """(o, m, l) of the package's forward (the Gluon forward at D=128 on Hopper)."""
+    """(o, m, l) of the package's forward (the Gluon forward on Hopper)."""
     from ringflash.masks import CAUSAL
     from ringflash.merge import SoftmaxState
 
@@ -230,7 +230,7 @@ def emulate_backward(q, k, v, m, l, do, delta, dq, dk, dv, *, q_start, k_start, 
     and the launcher's dq handling. FAKE=bug leaves the causal diagonal unmasked."""
     from ringflash.kernels import gluon_backward as gb
 
-    cfg = gb._resolve(q.shape[-1], config)
+    cfg = gb._resolve(q, v, config)
     gb.check_shapes(q, k, v, m, l, do, delta, dq, dk, dv, scale=scale, cfg=cfg)
     B, Sq, Hq, D = q.shape
     Sk, Hkv = k.shape[1], k.shape[2]
@@ -527,7 +527,7 @@ class Runner(gc.Runner):
 # Parent side
 
 
-def precompile(cases, variants, seqlens, heads, gqa_heads, jobs) -> dict:
+def precompile(cases, variants, seqlens, heads, gqa_heads, jobs, D: int = 128) -> dict:
     """Compile every Gluon backward the cases and timings launch, on the CPU cores in parallel,
     before the GPU work (the launches then find them in triton's cache)."""
     import multiprocessing
@@ -543,12 +543,12 @@ def precompile(cases, variants, seqlens, heads, gqa_heads, jobs) -> dict:
         for hkv in sorted({heads, gqa_heads} - {0}):
             for causal in (False, True):
                 S = seqlens[0]
-                q = torch.empty(1, S, heads, 128, dtype=torch.bfloat16)
-                k = torch.empty(1, S, hkv, 128, dtype=torch.bfloat16)
+                q = torch.empty(1, S, heads, D, dtype=torch.bfloat16)
+                k = torch.empty(1, S, hkv, D, dtype=torch.bfloat16)
                 m = torch.empty(1, heads, S)
                 specs.append(
                     gb.launch_spec(
-                        q, k, k, m, m, q, m, q, k, k, q_start=0, k_start=0, causal=causal, scale=128**-0.5,
+                        q, k, k, m, m, q, m, q, k, k, q_start=0, k_start=0, causal=causal, scale=D**-0.5,
                         accumulate=False, config=v,
                     )
                 )  # fmt: skip
@@ -593,7 +593,10 @@ def print_summary(out: dict, variants, seqlens):
     by = {(r["impl"], r["S"], r["causal"], r["Hkv"]): r for r in out["timing"]}
     shapes = sorted({(r["S"], r["causal"], r["Hkv"]) for r in out["timing"]}, key=lambda x: (x[2] != 32, x))
     names = [i.replace("gluon:", "") for i in impls]
-    print(f"\n=== backward TFLOP/s (B=1, H={out['meta']['heads']}, D=128, bf16; 2.5 x forward FLOPs) ===")
+    print(
+        f"\n=== backward TFLOP/s (B=1, H={out['meta']['heads']}, D={out['meta']['head_dim']}, bf16; "
+        "2.5 x forward FLOPs) ==="
+    )
     print(
         f"{'S':>6} {'causal':>6} {'Hkv':>4} | "
         + " ".join(f"{n[:10]:>10}" for n in names)
@@ -639,6 +642,7 @@ def main():
     )
     ap.add_argument("--seqlens", type=int, nargs="+", default=[4096, 16384, 65536])
     ap.add_argument("--heads", type=int, default=32)
+    ap.add_argument("--head-dim", type=int, default=128, help="of every case and timing (the variants must take it)")
     ap.add_argument("--gqa-heads", type=int, default=8, help="kv heads of the one GQA timing (0: none)")
     ap.add_argument("--quick", action="store_true", help="S=16K only and the smaller correctness set")
     ap.add_argument("--full-correctness-for", nargs="*", default=["ws2"], help="variants that get the full set")
@@ -698,6 +702,7 @@ def main():
         "gluon_error": gb.GLUON_ERROR,
         "date": time.strftime("%Y-%m-%d %H:%M"),
         "heads": args.heads,
+        "head_dim": args.head_dim,
         "variants": {v: {D: vars(c) for D, c in gb.VARIANTS[v].items()} for v in variants},
         "argv": sys.argv[1:],
         "dry_run": args.cpu_dry_run,
@@ -749,7 +754,10 @@ def main():
     per_variant = (
         []
         if args.skip_correctness
-        else [correctness_cases(v, lite=args.quick or v not in args.full_correctness_for) for v in variants]
+        else [
+            correctness_cases(v, lite=args.quick or v not in args.full_correctness_for, D=args.head_dim)
+            for v in variants
+        ]
     )
     # round robin over the variants: each variant's first cases run early
     cases = [
@@ -762,8 +770,9 @@ def main():
     if args.jobs > 0 and gb.HAS_GLUON and not args.cpu_dry_run:
         try:
             pre = precompile(
-                cases, [] if args.skip_timing else variants, seqlens, args.heads, args.gqa_heads, args.jobs
-            )
+                cases, [] if args.skip_timing else variants, seqlens, args.heads, args.gqa_heads, args.jobs,
+                args.head_dim,
+            )  # fmt: skip
         except Exception as e:  # only a speed-up: the launches compile on their own
             pre = {"launches": 0, "kernels": 0, "seconds": 0.0, "errors": [], "failed": f"{type(e).__name__}: {e}"}
             print(f"precompile failed ({pre['failed'][:300]}); kernels compile at first launch", flush=True)
@@ -786,7 +795,8 @@ def main():
         passing = {v for v in variants if all(r["status"] == "PASS" for r in out["correctness"] if r["variant"] == v)}
     timed = [] if args.skip_timing else variants if args.time_failing else [v for v in variants if v in passing]
     if not args.skip_timing:
-        tasks = timing_tasks(timed, seqlens, args.heads, args.gqa_heads if args.gqa_heads != args.heads else 0)
+        gqa = args.gqa_heads if args.gqa_heads != args.heads else 0
+        tasks = timing_tasks(timed, seqlens, args.heads, gqa, args.head_dim)
         Runner(args.timing_timeout, deadline, sink("timing")).run(tasks)
     meta["elapsed_s"] = time.monotonic() - t0
     save()

@@ -28,7 +28,7 @@ from ringflash.kernels import gluon_backward as gb  # noqa: E402
 
 
 def one(case: tuple, dump: str | None = None) -> dict:
-    variant, D, causal, dtype, accumulate, group, window_left, rows = case
+    variant, D, causal, dtype, accumulate, group, window_left, rows, Dv = case
     try:
         row = gb.hopper_report(
             gb.config_for(D, variant),
@@ -40,17 +40,19 @@ def one(case: tuple, dump: str | None = None) -> dict:
             dump=Path(dump) / variant if dump else None,
             window_left=window_left,
             rows=rows,
+            head_dim_v=Dv,
         )
         row["problems"] = gb.report_problems(row)
     except Exception as e:  # reported as a row: the caller decides
-        row = {"error": f"{type(e).__name__}: {e}"[:4000], "D": D, "causal": causal, "dtype": dtype}
+        row = {"error": f"{type(e).__name__}: {e}"[:4000], "D": D, "Dv": Dv or D, "causal": causal, "dtype": dtype}
         row.update(accumulate=accumulate, group=group, window_left=window_left, rows=rows)
     row["name"] = variant
     return row
 
 
 def line(r: dict) -> str:
-    head = f"{r['name']:7s} D={r['D']:<3d} causal={int(r['causal'])} {r['dtype']} acc={int(r['accumulate'])}"
+    dims = f"{r['D']}" if r.get("Dv", r["D"]) == r["D"] else f"{r['D']}/{r['Dv']}"
+    head = f"{r['name']:7s} D={dims:<3s} causal={int(r['causal'])} {r['dtype']} acc={int(r['accumulate'])}"
     if r.get("window_left") is not None:
         head += f" window_left={r['window_left']}"
     if r.get("rows"):
@@ -72,6 +74,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--variants", nargs="+", default=list(gb.VARIANTS))
     ap.add_argument("--head-dims", type=int, nargs="+", default=list(gb.HEAD_DIMS))
+    ap.add_argument("--v-head-dim", type=int, help="v's head dim (default: each --head-dims'), e.g. 128 beside 192")
     ap.add_argument("--causal", nargs="+", type=int, default=[0, 1], choices=[0, 1])
     ap.add_argument("--dtypes", nargs="+", default=["bf16", "fp16"], choices=["bf16", "fp16"])
     ap.add_argument(
@@ -87,7 +90,7 @@ def main():
     if not gb.HAS_GLUON:
         sys.exit(f"Gluon not importable: {gb.GLUON_ERROR}")
     cases = [
-        (v, D, bool(c), dt, bool(a), args.group, args.window_left, args.rows)
+        (v, D, bool(c), dt, bool(a), args.group, args.window_left, args.rows, args.v_head_dim)
         for v in args.variants
         for D in args.head_dims
         if gb.padded_head_dim(D) in gb.VARIANTS[v]

@@ -136,10 +136,45 @@ def test_fused_backward_at_padded_head_dims(variant, causal, case, monkeypatch):
     assert calls, "the fused backward was not used"
 
 
+@pytest.mark.parametrize("variant", ["split_d_blk", "split_d"])  # blocked dQ, row-major dQ atomics
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize(
+    "dtype,case,Dv",
+    [
+        (torch.bfloat16, (2, 1031, 1031, 4, 2, 256), None),
+        (torch.float16, (1, 777, 2048, 4, 1, 256), None),
+        (torch.bfloat16, (1, 2048, 777, 8, 8, 192), None),  # 192 and 136 run 256 wide
+        (torch.bfloat16, (1, 1031, 1031, 4, 1, 136), None),
+        (torch.bfloat16, (1, 1031, 1031, 4, 2, 192), 128),  # MLA's q/k and v head dims
+        (torch.float16, (1, 777, 2048, 4, 1, 192), 128),
+        (torch.bfloat16, (1, 1031, 777, 4, 4, 128), 256),  # v wider than q/k
+        (torch.bfloat16, (1, 1031, 1031, 2, 1, 256), 72),
+    ],
+    ids=lambda c: "x".join(map(str, c)) if isinstance(c, tuple) else str(c).split(".")[-1],
+)
+def test_fused_backward_split_head_dim(variant, causal, dtype, case, Dv, monkeypatch):
+    """Wide head dims in the fused backward that splits the head-dim columns over its two
+    consumer warpgroups (64-key blocks, P^T and dS^T exchanged through shared memory): dense and
+    causal, Sq != Sk bottom-right, GQA, padded widths, v's head dim apart from q/k's (the tiles
+    of the larger one's config); gradients against float64 within the plain bound."""
+    from ringflash.kernels import configs
+
+    calls = spy_fused_backward(monkeypatch)
+    force_fused_backward(monkeypatch)
+    monkeypatch.setattr(configs, "GLUON_BWD", {**configs.GLUON_BWD, 256: variant})
+    test_forward_backward_vs_float64(dtype, causal, case, Dv=Dv)
+    assert calls, "the fused backward was not used"
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize(
     "causal,window_size,case",
-    [*WINDOW_CASES, (False, (130, -1), (1, 1031, 1031, 2, 2, 128))],  # and a left reach alone
+    [
+        *WINDOW_CASES,
+        (False, (130, -1), (1, 1031, 1031, 2, 2, 128)),  # and a left reach alone
+        (True, (511, 0), (1, 2048, 2048, 4, 2, 256)),  # the head-dim split schedule
+        (False, (40, 0), (1, 2048, 777, 2, 2, 192)),
+    ],
 )
 def test_fused_backward_windows_vs_float64(dtype, causal, window_size, case, monkeypatch):
     """Sliding windows in the fused backward (both edges masked, key blocks visiting only the
@@ -322,7 +357,7 @@ def _documents(len_k_extra):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("causal,window_size,len_k_extra", DOCUMENT_CASES)
-@pytest.mark.parametrize("D", [128, 64, 96])
+@pytest.mark.parametrize("D", [128, 64, 96, 192])
 @pytest.mark.parametrize("fused", [True, False])
 def test_documents_backward_vs_float64(dtype, causal, window_size, len_k_extra, D, fused, monkeypatch):
     """Packed documents (per-row bounds) in the fused backward (configs.GLUON_BWD_DOCUMENTS,

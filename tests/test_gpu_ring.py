@@ -56,9 +56,9 @@ def test_replayed_ring_matches_single_gpu(dtype, layout, causal, world):
 def test_replayed_ring_at_padded_head_dims(D, Dv, causal, monkeypatch):
     """Head dims under their padding (96 -> 128, 192 -> 256; MLA's v at 128 beside q/k at 192)
     fold each step's keys into the float32 state on the Gluon forward (zero columns read, O's
-    true width stored), and at 96 the steps' gradients come from the fused backward (forced at
-    this size) into the ring's one blocked dQ, replayed at world 4: within the error of one
-    GPU's flash_attn_func."""
+    true width stored), and the steps' gradients come from the fused backward (forced at this
+    size; 256 wide: the head-dim split schedule, v's width apart) into the ring's one blocked
+    dQ, replayed at world 4: within the error of one GPU's flash_attn_func."""
     from ringflash.kernels import gluon_forward
 
     calls = []
@@ -74,7 +74,7 @@ def test_replayed_ring_at_padded_head_dims(D, Dv, causal, monkeypatch):
     fused = spy_fused_backward(monkeypatch)
     ring = replay_ring(q, k, v, do, world=4, causal=causal, layout="zigzag")
     assert any(calls), "no ring step folded on the Gluon forward"
-    assert set(fused) == ({"blocked"} if D == 96 else set()), fused  # 256 wide: no fused backward
+    assert set(fused) == {"blocked"}, fused
     for name, r, s, g in zip(("out", "dq", "dk", "dv"), ref, single, ring):
         assert torch.isfinite(g).all(), name
         e_single, e_ring = _rel_rms(s, r), _rel_rms(g, r)

@@ -203,6 +203,38 @@ def test_gluon_forward_pads_head_dims_to_its_tiles():
         gf.check_shapes(*tensors(100), normalize=False, fold=True)
 
 
+def test_gluon_backward_takes_v_head_dim_apart_only_split():
+    """The fused backward's launcher with v's head dim apart from q/k's (MLA: 192 and 128; and
+    the mirror): the head-dim split variant for the larger padded width takes it, with the
+    output-derived delta (merge.DeltaOf: out and do are v's width) and the ring's blocked dQ (q's
+    width); V and dO descriptors take v's padded width, dV's store its true one. A variant that
+    does not split the head dim raises Unsupported naming why."""
+    from ringflash.kernels import configs
+    from ringflash.kernels import gluon_backward as gb
+    from ringflash.merge import DeltaOf
+
+    if not gb.HAS_GLUON:
+        pytest.skip(f"Gluon not importable: {gb.GLUON_ERROR}")
+    B, S, H = 1, 200, 4
+    for D, Dv in ((192, 128), (128, 256), (256, 72)):
+        bf = dict(dtype=torch.bfloat16)
+        q, k, v = torch.zeros(B, S, H, D, **bf), torch.zeros(B, S, 2, D, **bf), torch.zeros(B, S, 2, Dv, **bf)
+        do, out, m = torch.zeros(B, S, H, Dv, **bf), torch.zeros(B, S, H, Dv, **bf), torch.zeros(B, H, S)
+        dk, dv = torch.zeros(k.shape), torch.zeros(v.shape)
+        cfg = gb._resolve(q, v, configs.GLUON_BWD[256])
+        assert cfg.split_d
+        blocked = gb.BlockedDQ(torch.zeros(B, H, gb.blocked_rows(S), gb.padded_head_dim(D)))
+        gb.check_shapes(q, k, v, m, m, do, DeltaOf(out, None), blocked, dk, dv, scale=0.1, cfg=cfg)
+        stats = torch.zeros(B * H * 2 * gb.padded_rows(S, cfg))
+        _, _, args, kwargs = gb.launch_plan(q, k, v, stats, do, blocked.acc, dk, dv, q_start=0, k_start=0, causal=True,
+                                            scale=0.1, accumulate=True, cfg=cfg)  # fmt: skip
+        assert (kwargs["HEAD_DIM"], kwargs["HEAD_DIM_V"]) == (D, Dv) and kwargs["SPLIT_D"]
+        assert [a.block_shape[-1] for a in args[:4]] == [gb.padded_head_dim(x) for x in (D, D, Dv, Dv)]
+        with pytest.raises(gb.Unsupported, match="only the head-dim split schedule"):
+            dq = torch.zeros(q.shape)
+            gb.check_shapes(q, k, v, m, m, do, m, dq, dk, dv, scale=0.1, cfg=gb.config_for(128, "ws2_lag"))
+
+
 def test_plans_are_kept_from_the_second_call_on():
     """kernels.plans.Plans: a signature met once only marks it (no plan built), the second
     call builds and keeps the plan, later calls get it; the least recently used go first."""

@@ -495,8 +495,8 @@ def test_deterministic_reaches_the_backward(compiled, monkeypatch):
 def test_fused_backward_only_where_it_runs(monkeypatch):
     """kernels.fuses_backward: never on a CPU tensor, with a key bias, dropout or
     deterministic=True; its device-independent part (fused_backward_fits, any device): never for
-    float32, unequal head dims or ones not padded to a tuned width, or a GPU it does not run on
-    (0 SMs); dense blocks need
+    float32, head dims not padded to a tuned width, unequal ones unless the larger's variant splits
+    the head dim (256), or a GPU it does not run on (0 SMs); dense blocks need
     GLUON_BWD_MIN_PROGRAMS_PER_SM programs per SM, per-row bounds also
     GLUON_BWD_DOCUMENTS_MIN_PAIRS pairs x heads; a gluon_bwd override forces it at any size."""
     from ringflash import kernels
@@ -514,8 +514,15 @@ def test_fused_backward_only_where_it_runs(monkeypatch):
     assert not fits(big, big, big[..., :64], None, 132)
     assert fits(big[..., :96], big[..., :96], big[..., :96], None, 132)  # padded to a tuned 128
     assert not fits(big[..., :32], big[..., :32], big[..., :32], None, 132)  # 32: none tuned
-    wide = torch.empty(1, 16384, 32, 192, dtype=torch.bfloat16)  # padded to 256: none tuned
-    assert not fits(wide, wide, wide, None, 132)
+    wide = torch.empty(1, 16384, 32, 192, dtype=torch.bfloat16)  # padded to 256: the head-dim split
+    assert fits(wide, wide, wide, None, 132)
+    assert fits(wide, wide, big, None, 132) and fits(big, big, wide, None, 132)  # MLA's 192 / 128 and the mirror
+    with configs.override(gluon_bwd=configs.GLUON_BWD[128]):  # a variant that does not split: equal dims only
+        assert fits(big, big, big, None, 132) and not fits(wide, wide, big, None, 132)
+    monkeypatch.setattr(configs, "GLUON_BWD", {k: v for k, v in configs.GLUON_BWD.items() if k != 256})
+    assert not fits(wide, wide, wide, None, 132)  # no variant for 256
+    monkeypatch.undo()
+    monkeypatch.setattr(configs, "INTERPRETING", False)
     with configs.override(gluon_bwd=configs.GLUON_BWD[128]):
         assert fits(small, small, small, None, 132)
     with configs.override(gluon_bwd=None):

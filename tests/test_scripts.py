@@ -238,6 +238,34 @@ def test_gluon_backward_compiles_for_hopper(tmp_path):
         assert not r["problems"] and r["spill_bytes"] == 0 and r["sass_waits"].get("1", 0) > 0, r
 
 
+def test_gluon_backward_split_head_dim_compiles_for_hopper(tmp_path):
+    """The head-dim split schedule (D=256, and 192 run 256 wide), blocked and row-major dQ,
+    causal bf16 accumulating (a ring step), with a window, with per-row bounds and with v's head
+    dim apart (192 / 128): no spills
+    (its producer warp needs 40 registers: at 24 it spilled), within the shared memory (K, V,
+    two Q / dO stages and four P^T / dS^T tiles: 230,816 of 232,448 bytes), S^T left in flight
+    (wait_group 1)."""
+    rows = []
+    for i, extra in enumerate(
+        [
+            ["--head-dims", "256", "192"],
+            ["--head-dims", "256", "--window-left", "300"],
+            ["--head-dims", "256", "--rows"],
+            ["--head-dims", "192", "--v-head-dim", "128"],  # MLA's: V and dO tiles 128 wide
+        ]
+    ):
+        variants = ["split_d_blk", "split_d"] if i == 0 else ["split_d_blk"]
+        out = tmp_path / f"s{i}.json"
+        run([sys.executable, "benchmarks/gluon_bwd_report.py", "--variants", *variants, "--causal", "1", "--dtypes",
+             "bf16", "--accumulate", "1", "--jobs", "1", "--json", str(out), *extra], tmp_path)  # fmt: skip
+        got = json.loads(out.read_text())
+        assert len(got) == (4 if i == 0 else 1), got
+        rows += got
+    for r in rows:
+        assert not r["problems"] and r["spill_bytes"] == 0 and r["sass_waits"].get("1", 0) > 0, r
+        assert r["shared"] <= 232448, r
+
+
 def test_gluon_backward_window_compiles_for_hopper(tmp_path):
     """The default fused backward with a sliding window (both edges masked), causal and not, D=64
     and 128: no spills, within the shared memory, wait_group 1 kept."""

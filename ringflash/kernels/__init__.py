@@ -187,8 +187,9 @@ def combined_stats(m, l):
 
 def fuses_backward(q, k, v, *, window, bounds, key_bias=None, dropout=None, deterministic=False) -> bool:
     """Whether backward() given dq, dk and dv together runs this block as one fused kernel
-    (the Gluon backward on Hopper: 16-bit, head dims equal, padded to a tuned width
-    (configs.GLUON_BWD), dense,
+    (the Gluon backward on Hopper: 16-bit, the larger head dim padded to a tuned width
+    (configs.GLUON_BWD; v's differing from q/k's only where that variant splits the head dim,
+    i.e. 256), dense,
     causal, a sliding window or per-row bounds (configs.GLUON_BWD_DOCUMENTS), no key bias or
     dropout, enough key blocks x kv heads to fill the GPU: configs.GLUON_BWD_MIN_PROGRAMS_PER_SM,
     unless override(gluon_bwd=) forces it). Its dQ is added in float32 by atomics, whose order
@@ -203,11 +204,17 @@ def fuses_backward(q, k, v, *, window, bounds, key_bias=None, dropout=None, dete
 def fused_backward_fits(q, k, v, bounds, sm_count: int) -> bool:
     """fuses_backward's choice for a block without key bias or dropout on a GPU of sm_count SMs
     (0: not one the fused kernel runs on), from shapes, dtypes and the bounds alone (any device)."""
-    D = q.shape[-1]
-    if not sm_count or q.dtype == torch.float32 or v.shape[-1] != D:
+    D = max(q.shape[-1], v.shape[-1])
+    if not sm_count or q.dtype == torch.float32:
         return False
     variant = configs.gluon_backward_variant(_block_d(D), documents=bounds is not None)
     if variant is None:
+        return False
+    from . import gluon_backward
+
+    # (a forced variant may not have this head dim)
+    cfg = gluon_backward.VARIANTS.get(variant, {}).get(_block_d(D))
+    if cfg is None or (v.shape[-1] != q.shape[-1] and not cfg.split_d):
         return False
     if configs.overridden("gluon_bwd"):  # forced: any size
         return True
@@ -216,10 +223,8 @@ def fused_backward_fits(q, k, v, bounds, sm_count: int) -> bool:
         pairs = q.shape[0] * q.shape[1] * q.shape[2] * bounds.keys_per_row
         if pairs < configs.GLUON_BWD_DOCUMENTS_MIN_PAIRS:
             return False
-    from . import gluon_backward
-
     # one program per key block and kv head: too few to fill the GPU lose to the two passes
-    key_blocks = -(-k.shape[1] // gluon_backward.config_for(D, variant).block_n)
+    key_blocks = -(-k.shape[1] // cfg.block_n)
     return k.shape[0] * k.shape[2] * key_blocks >= configs.GLUON_BWD_MIN_PROGRAMS_PER_SM * sm_count
 
 
@@ -242,10 +247,11 @@ def _gluon_backward(q, k, v, m, l, do, delta, dq, dk, dv, q_start, k_start, wind
     from . import gluon_backward
 
     reaches = None if window is None or bounds is not None else (window.left, window.right)  # bounds decide alone
-    variant = configs.gluon_backward_variant(_block_d(q.shape[-1]), documents=bounds is not None)
+    D = max(q.shape[-1], v.shape[-1])
+    variant = configs.gluon_backward_variant(_block_d(D), documents=bounds is not None)
     try:  # it launches on q's device itself
         if isinstance(dq, DQPart):
-            blocked = dq.blocked() if gluon_backward.config_for(q.shape[-1], variant).dq_blocked else None
+            blocked = dq.blocked() if gluon_backward.config_for(D, variant).dq_blocked else None
             dq = dq.tensor() if blocked is None else blocked
         gluon_backward.backward(q, k, v, m, l, do, delta, dq, dk, dv, q_start=q_start, k_start=k_start,
                                 causal=False, scale=scale, accumulate=accumulate, config=variant,

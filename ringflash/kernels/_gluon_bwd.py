@@ -21,6 +21,12 @@ dK and dV stay in registers (float32) and are stored once at the end. Partitions
   and add dQ_wg * scale to a float32 dQ with vectorized atomics (red.global.add.v2.f32: Gluon
   3.6 has no TMA reduce-add).
 
+SPLIT_D (head dims padded to 256, where dK and dV of 128 keys would need 256 registers a thread
+and K, V and two Q / dO stages 256 KiB): one program per 64-key block; both consumer warpgroups
+hold all 64 keys and split the head-dim columns instead (_consumer_split_d): each computes S^T
+and dP^T for 32 of the 64 query rows, writes P^T and dS^T to shared memory, and after a barrier
+accumulates dK, dV and computes dQ for its 128 columns over all 64 rows.
+
 Options (constexprs; gluon_backward.VARIANTS names the combinations):
 - DQ_BLOCKED: dQ is added unscaled into a float32 scratch in a blocked order (_red_add_blocked):
   eight red.global.add.v4.f32 per thread and step at immediate offsets from one base, each warp
@@ -120,20 +126,26 @@ def _keys_range(first, Sq, Sk, q_start, k_start, QLO, QHI, KEYS: gl.constexpr, n
 
 @gluon.jit
 def _key_tile_query_range(
-    Sq, Sk, q_start, k_start, QLO, QHI, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, num_warps: gl.constexpr
-):
+    Sq, Sk, q_start, k_start, QLO, QHI, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, SPLIT_D: gl.constexpr,
+    num_warps: gl.constexpr,
+):  # fmt: skip
     """Packed documents: the query blocks of this program's key block, computed once by all
     warps before the partitions split, so that the producer and both consumers visit the same
     blocks: (m_first, n_m, full_lo0, full_hi0, full_lo1, full_hi1). The block visits query
     blocks m_first .. m_first + n_m - 1 (those some key sees; n_m == 0: none); every valid key
     of consumer warpgroup w sees the rows [full_lo_w, full_hi_w): a query block inside needs no
-    mask."""
+    mask. SPLIT_D: both warpgroups hold all keys (the ranges of w = 0 and 1 are the same)."""
     n0 = gl.program_id(0) * BLOCK_N
-    half: gl.constexpr = BLOCK_N // 2
-    lo0, hi0, full_lo0, full_hi0 = _keys_range(n0, Sq, Sk, q_start, k_start, QLO, QHI, half, num_warps)
-    lo1, hi1, full_lo1, full_hi1 = _keys_range(n0 + half, Sq, Sk, q_start, k_start, QLO, QHI, half, num_warps)
-    lo = gl.minimum(lo0, lo1)
-    hi = gl.maximum(hi0, hi1)
+    if SPLIT_D:
+        lo, hi, full_lo0, full_hi0 = _keys_range(n0, Sq, Sk, q_start, k_start, QLO, QHI, BLOCK_N, num_warps)
+        full_lo1 = full_lo0
+        full_hi1 = full_hi0
+    else:
+        half: gl.constexpr = BLOCK_N // 2
+        lo0, hi0, full_lo0, full_hi0 = _keys_range(n0, Sq, Sk, q_start, k_start, QLO, QHI, half, num_warps)
+        lo1, hi1, full_lo1, full_hi1 = _keys_range(n0 + half, Sq, Sk, q_start, k_start, QLO, QHI, half, num_warps)
+        lo = gl.minimum(lo0, lo1)
+        hi = gl.maximum(hi0, hi1)
     m_first = lo // BLOCK_M
     n_m = gl.maximum((hi + BLOCK_M - 1) // BLOCK_M - m_first, 0)
     return m_first, n_m, full_lo0, full_hi0, full_lo1, full_hi1
@@ -199,10 +211,10 @@ def _producer(
         # kv_bar: count 1; this expect is its only arrival, completing phase 0 once both
         # tiles have landed. Loaded only when the consumers will wait for it (n_iter > 0):
         # no copy may still be in flight when the program ends.
-        mbarrier.expect(kv_bar.index(0), 2 * k_desc.block_type.nbytes)
+        mbarrier.expect(kv_bar.index(0), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(k_desc, [b, n0, hk, 0], kv_bar.index(0), k_smem.index(0))
         tma.async_copy_global_to_shared(v_desc, [b, n0, hk, 0], kv_bar.index(0), v_smem.index(0))
-    stage_bytes: gl.constexpr = 2 * q_desc.block_type.nbytes + 2 * st_desc.block_type.nbytes
+    stage_bytes: gl.constexpr = q_desc.block_type.nbytes + do_desc.block_type.nbytes + 2 * st_desc.block_type.nbytes
     for i in range(n_iter):
         s = i % STAGES
         # empty[s]: count 2, one arrival per consumer warpgroup when it has finished reading
@@ -388,6 +400,8 @@ def _consumer(
     sm_scale,
     HEAD_DIM: gl.constexpr,
     BLOCK_D: gl.constexpr,
+    HEAD_DIM_V: gl.constexpr,
+    BLOCK_DV: gl.constexpr,
     BLOCK_M: gl.constexpr,
     BLOCK_N: gl.constexpr,
     STAGES: gl.constexpr,
@@ -402,6 +416,7 @@ def _consumer(
 ):
     KEYS: gl.constexpr = BLOCK_N // 2  # keys of this warpgroup
     DQ_COLS: gl.constexpr = BLOCK_D // 2  # dQ columns of this warpgroup
+    gl.static_assert(HEAD_DIM_V == HEAD_DIM, "ws2 takes one head dim for q, k and v")
     dtype: gl.constexpr = q_bufs.dtype
     s_layout: gl.constexpr = _mma_layout(4, BLOCK_M)  # S^T, dP^T: (KEYS, BLOCK_M)
     dq_layout: gl.constexpr = _mma_layout(4, DQ_COLS)  # dQ_wg: (BLOCK_M, DQ_COLS)
@@ -609,6 +624,192 @@ def _consumer(
         )
 
 
+@gluon.jit
+def _consumer_split_d(
+    WG: gl.constexpr,
+    q_bufs,
+    do_bufs,
+    st_bufs,
+    k_smem,
+    v_smem,
+    ds_bufs,
+    kv_bar,
+    ready,
+    empty,
+    ds_bar,
+    DQ,
+    DK,
+    DV,
+    stride_dqb,
+    stride_dqs,
+    stride_dqh,
+    stride_dkb,
+    stride_dks,
+    stride_dkh,
+    stride_dvb,
+    stride_dvs,
+    stride_dvh,
+    Hq,
+    Hkv,
+    group,
+    Sq,
+    Sk,
+    q_start,
+    k_start,
+    left,
+    QLO,
+    QHI,
+    rows_first,
+    rows_n,
+    rows_full_lo0,
+    rows_full_hi0,
+    rows_full_lo1,
+    rows_full_hi1,
+    qk_scale,
+    sm_scale,
+    HEAD_DIM: gl.constexpr,
+    BLOCK_D: gl.constexpr,
+    HEAD_DIM_V: gl.constexpr,
+    BLOCK_DV: gl.constexpr,
+    BLOCK_M: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+    STAGES: gl.constexpr,
+    CAUSAL: gl.constexpr,
+    HAS_LEFT: gl.constexpr,
+    ROWS: gl.constexpr,
+    ACCUMULATE: gl.constexpr,
+    ROTATE: gl.constexpr,
+    DQ_BLOCKED: gl.constexpr,
+    LAG: gl.constexpr,
+    DQ_FIRST: gl.constexpr,
+):
+    """The wide head dims' consumer (SPLIT_D): both warpgroups share the 64 keys of the block and
+    own half of the head-dim columns each (dK, dV of 64 keys x 256 would need 256 registers a
+    thread in one warpgroup). Per step (64 query rows):
+        S^T_wg, dP^T_wg = K Q_wg^T, V dO_wg^T   (64 keys x this warpgroup's 32 rows, full depth)
+        P^T_wg, dS^T_wg -> shared memory (columns 32 WG.. of the step's 64 x 64 P^T and dS^T)
+        both warpgroups meet (ds_bar), then over all 64 rows and this warpgroup's columns c:
+        dV[:, c] += P^T dO[:, c];  dK[:, c] += dS^T Q[:, c];  dQ[:, c] = dS K[:, c]
+    Five matmuls of equal size per warpgroup; the scores' exchange through shared memory is
+    what the split costs. LAG and DQ_FIRST do not apply (unused)."""
+    COLS: gl.constexpr = BLOCK_D // 2  # head-dim columns of dK and dQ this warpgroup owns
+    COLS_V: gl.constexpr = BLOCK_DV // 2  # ... of dV (v's head dim may differ: MLA)
+    QROWS: gl.constexpr = BLOCK_M // 2  # query rows of this warpgroup's S^T, dP^T
+    dtype: gl.constexpr = q_bufs.dtype
+    s_layout: gl.constexpr = _mma_layout(4, QROWS)  # S^T, dP^T: (BLOCK_N, QROWS)
+    acc_layout: gl.constexpr = _mma_layout(4, COLS)  # dK: (BLOCK_N, COLS); dQ: (BLOCK_M, COLS)
+    v_layout: gl.constexpr = _mma_layout(4, COLS_V)  # dV: (BLOCK_N, COLS_V)
+    gl.static_assert(BLOCK_N == 64, "one warpgroup's wgmma tile is 64 rows: the block's keys")
+    gl.static_assert(BLOCK_M == 64, "64 query rows per step, 32 per warpgroup's scores")
+
+    b, hk, n0, m_first, n_m, full_lo, full_hi, key_ragged = _plan(
+        Hkv, Sq, Sk, q_start, k_start, left, rows_first, rows_n, CAUSAL, HAS_LEFT, ROWS, BLOCK_M, BLOCK_N
+    )
+    n_iter = group * n_m
+    dk = gl.zeros([BLOCK_N, COLS], gl.float32, acc_layout)
+    dv = gl.zeros([BLOCK_N, COLS_V], gl.float32, v_layout)
+    s_zero = gl.zeros([BLOCK_N, QROWS], gl.float32, s_layout)
+    dq_zero = gl.zeros([BLOCK_M, COLS], gl.float32, acc_layout)
+    key_idx = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, s_layout))
+    q_idx = WG * QROWS + gl.arange(0, QROWS, layout=gl.SliceLayout(0, s_layout))
+    dq_rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, acc_layout))
+    dq_cols = WG * COLS + gl.arange(0, COLS, layout=gl.SliceLayout(0, acc_layout))
+    if HEAD_DIM != BLOCK_D:
+        # as _consumer: the exact-zero padding columns add onto the last real pair
+        dq_cols = gl.where(dq_cols < HEAD_DIM, dq_cols, HEAD_DIM - 2 + dq_cols % 2)
+    if ROWS:
+        key_q_lo, key_q_hi = key_query_bounds(key_idx, Sq, Sk, q_start, k_start, 0, 0, QLO, QHI, MASK_ROWS)
+        full_lo = rows_full_lo0  # (both halves hold all keys of the block)
+        full_hi = rows_full_hi0
+    if n_iter > 0:
+        mbarrier.wait(kv_bar.index(0), 0)
+    for i in range(n_iter):
+        s = i % STAGES
+        h, off_m = _query_block(i, hk, group, m_first, n_m, BLOCK_M, ROTATE)
+        mbarrier.wait(ready.index(s), (i // STAGES) & 1)
+        q_t = q_bufs.index(s).reshape([BLOCK_M, BLOCK_D])
+        do_t = do_bufs.index(s).reshape([BLOCK_M, BLOCK_DV])
+        zero = _opaque(i * 0)  # (as _consumer: K's and V's descriptors rebuilt per step)
+        k_all = k_smem.index(zero).reshape([BLOCK_N, BLOCK_D])
+        v_all = v_smem.index(zero).reshape([BLOCK_N, BLOCK_DV])
+        q_wg = q_t.slice(WG * QROWS, QROWS, dim=0)
+        do_wg = do_t.slice(WG * QROWS, QROWS, dim=0)
+        st_tok = warpgroup_mma(k_all, q_wg.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        dpt_tok = warpgroup_mma(v_all, do_wg.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        offset = st_bufs.index(2 * s).slice(WG * QROWS, QROWS).load(gl.SliceLayout(0, s_layout))
+        st = warpgroup_mma_wait(1, deps=(st_tok,))
+        if ROWS:
+            masked = key_ragged | (off_m < full_lo) | (off_m + BLOCK_M > full_hi)
+        elif CAUSAL or HAS_LEFT:
+            masked = key_ragged | (off_m < full_lo) | (off_m + BLOCK_M - 1 > full_hi)
+        else:
+            masked = key_ragged
+        if masked:
+            keys = _opaque(key_idx)
+            vis = (keys < Sk)[:, None] & (q_idx < BLOCK_M)[None, :]
+            if ROWS:
+                vis = vis & in_bounds((off_m + _opaque(q_idx))[None, :], key_q_lo[:, None], key_q_hi[:, None], True)
+            elif CAUSAL or HAS_LEFT:
+                q_pos = (q_start + off_m + _opaque(q_idx))[None, :]
+                k_pos = (k_start + keys)[:, None]
+                if CAUSAL:
+                    vis = vis & (q_pos >= k_pos)
+                if HAS_LEFT:
+                    vis = vis & (q_pos <= k_pos + left)
+            st = gl.where(vis, st, float("-inf"))
+        pt = gl.exp2(gl.fma(st, qk_scale, -offset[None, :]))
+        delta = st_bufs.index(2 * s + 1).slice(WG * QROWS, QROWS).load(gl.SliceLayout(0, s_layout))
+        dpt = warpgroup_mma_wait(0, deps=(dpt_tok,))
+        ds = (pt * (dpt - delta[None, :])).to(dtype)
+        # P^T(i) and dS^T(i) in buffers 2 (i % 2) and 2 (i % 2) + 1; ds_bar[i % 2]: count 2, one
+        # arrival per warpgroup, its n-th use (n = i // 2) completes phase n. A buffer is
+        # rewritten at step i + 2, after both warpgroups passed ds_bar at step i + 1, which each
+        # reaches only after its matmuls of step i (wait(0) below) read it.
+        pt_buf = ds_bufs.index(2 * (i % 2))
+        ds_buf = ds_bufs.index(2 * (i % 2) + 1)
+        pt_buf.slice(WG * QROWS, QROWS, dim=1).store(pt.to(dtype))
+        ds_buf.slice(WG * QROWS, QROWS, dim=1).store(ds)
+        fence_async_shared()
+        mbarrier.arrive(ds_bar.index(i % 2))
+        mbarrier.wait(ds_bar.index(i % 2), (i // 2) & 1)
+        dv_tok = warpgroup_mma(pt_buf, do_t.slice(WG * COLS_V, COLS_V, dim=1), dv, is_async=True)
+        dk_tok = warpgroup_mma(ds_buf, q_t.slice(WG * COLS, COLS, dim=1), dk, is_async=True)
+        dq_tok = warpgroup_mma(
+            ds_buf.permute((1, 0)), k_all.slice(WG * COLS, COLS, dim=1), dq_zero, use_acc=False, is_async=True
+        )
+        dv, dk, dq = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok, dq_tok))
+        mbarrier.arrive(empty.index(s))  # stage s read by every matmul of this step
+        _dq_add(dq, DQ, b, h, off_m, Sq, stride_dqb, stride_dqs, stride_dqh, sm_scale, dq_rows, dq_cols, WG,
+                BLOCK_M, COLS, DQ_BLOCKED, acc_layout)  # fmt: skip
+    b = _opaque(b)  # (as _consumer with LAG: the pointers' 64-bit parts computed here, not kept)
+    hk = _opaque(hk)
+    if n_iter > (0 if ACCUMULATE else -1):  # (as _consumer)
+        col0: gl.constexpr = WG * COLS
+        _store_grad(
+            dk * sm_scale,
+            DK + b.to(gl.int64) * stride_dkb + hk.to(gl.int64) * stride_dkh + col0,
+            n0,
+            Sk,
+            stride_dks,
+            ACCUMULATE,
+            BLOCK_N,
+            HEAD_DIM - col0,
+            acc_layout,
+        )
+        col0_v: gl.constexpr = WG * COLS_V
+        _store_grad(
+            dv,
+            DV + b.to(gl.int64) * stride_dvb + hk.to(gl.int64) * stride_dvh + col0_v,
+            n0,
+            Sk,
+            stride_dvs,
+            ACCUMULATE,
+            BLOCK_N,
+            HEAD_DIM_V - col0_v,
+            v_layout,
+        )
+
+
 @gluon.jit(do_not_specialize=["group", "Sq", "Sk", "Sq_pad", "q_start", "k_start", "left"])
 def _bwd_ws2(
     q_desc,
@@ -643,6 +844,8 @@ def _bwd_ws2(
     sm_scale,
     HEAD_DIM: gl.constexpr,
     BLOCK_D: gl.constexpr,
+    HEAD_DIM_V: gl.constexpr,
+    BLOCK_DV: gl.constexpr,
     BLOCK_M: gl.constexpr,
     BLOCK_N: gl.constexpr,
     STAGES: gl.constexpr,
@@ -654,16 +857,18 @@ def _bwd_ws2(
     DQ_BLOCKED: gl.constexpr,
     LAG: gl.constexpr,
     DQ_FIRST: gl.constexpr,
+    SPLIT_D: gl.constexpr,
     PRODUCER_REGS: gl.constexpr,
     CONSUMER_REGS: gl.constexpr,
     num_warps: gl.constexpr,
 ):
-    """q_desc, do_desc: blocks [1, BLOCK_M, 1, BLOCK_D]; k_desc, v_desc: [1, BLOCK_N, 1, BLOCK_D],
-    BLOCK_D the head dim HEAD_DIM padded to a power of two (the padding columns read as zeros);
-    st_desc: the flat (B * Hq * 2 * Sq_pad,) float32 statistics with blocks [BLOCK_M]. num_warps
-    = 4 (the default partition is consumer warpgroup 0). DQ: float32 (B, Sq, Hq, HEAD_DIM) added
-    to atomically, or (DQ_BLOCKED) the blocked (B, Hq, Sq_pad, BLOCK_D); DK, DV (B, Sk, Hkv,
-    HEAD_DIM)."""
+    """q_desc: blocks [1, BLOCK_M, 1, BLOCK_D], k_desc [1, BLOCK_N, 1, BLOCK_D], do_desc [1,
+    BLOCK_M, 1, BLOCK_DV], v_desc [1, BLOCK_N, 1, BLOCK_DV]: BLOCK_D, BLOCK_DV the head dims
+    HEAD_DIM (q, k), HEAD_DIM_V (v, do) padded to powers of two (the padding columns read as
+    zeros; they differ only with SPLIT_D); st_desc: the flat (B * Hq * 2 * Sq_pad,) float32
+    statistics with blocks [BLOCK_M]. num_warps = 4 (the default partition is consumer
+    warpgroup 0). DQ: float32 (B, Sq, Hq, HEAD_DIM) added to atomically, or (DQ_BLOCKED) the
+    blocked (B, Hq, Sq_pad, BLOCK_D); DK (B, Sk, Hkv, HEAD_DIM), DV (B, Sk, Hkv, HEAD_DIM_V)."""
     gl.static_assert(num_warps == 4, "the default partition is one consumer warpgroup")
     gl.static_assert(q_desc.block_type.shape[1] == BLOCK_M)
     gl.static_assert(k_desc.block_type.shape[1] == BLOCK_N)
@@ -675,17 +880,23 @@ def _bwd_ws2(
     # K and V: rings of depth 1, so that the consumers can index them with an opaque zero
     k_smem = gl.allocate_shared_memory(dtype, [1] + k_desc.block_type.shape, k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, [1] + v_desc.block_type.shape, v_desc.layout)
-    ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype)
-    DS_BUFS: gl.constexpr = 3 if LAG else 2  # LAG: dS(i) is read during step i + 1 (_consumer)
+    if SPLIT_D:
+        # P^T and dS^T of two steps; each warpgroup writes 32 of the 64 columns, which a 64-byte
+        # swizzle keeps in whole swizzle blocks (the default 128-byte one would cut them)
+        ds_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=16, rank=2)
+        DS_BUFS: gl.constexpr = 4
+    else:
+        ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype)
+        DS_BUFS: gl.constexpr = 3 if LAG else 2  # LAG: dS(i) is read during step i + 1 (_consumer)
     ds_bufs = gl.allocate_shared_memory(dtype, [DS_BUFS, BLOCK_N, BLOCK_M], ds_layout)
     kv_bar = _alloc_bars(1)
     ready = _alloc_bars(STAGES)
     empty = _alloc_bars(STAGES, 2)  # released when both consumer warpgroups are done with a stage
-    ds_bar = _alloc_bars(DS_BUFS, 2)  # both halves of dS written
+    ds_bar = _alloc_bars(2 if SPLIT_D else DS_BUFS, 2)  # both halves of dS (SPLIT_D: and P^T) written
     fence_async_shared()
     if ROWS:  # packed documents: every partition needs the same query blocks (QLO / QHI: per key)
         rows_first, rows_n, rows_full_lo0, rows_full_hi0, rows_full_lo1, rows_full_hi1 = _key_tile_query_range(
-            Sq, Sk, q_start, k_start, QLO, QHI, BLOCK_M, BLOCK_N, num_warps
+            Sq, Sk, q_start, k_start, QLO, QHI, BLOCK_M, BLOCK_N, SPLIT_D, num_warps
         )
     else:
         rows_first = 0
@@ -738,6 +949,8 @@ def _bwd_ws2(
         sm_scale,
         HEAD_DIM,
         BLOCK_D,
+        HEAD_DIM_V,
+        BLOCK_DV,
         BLOCK_M,
         BLOCK_N,
         STAGES,
@@ -750,50 +963,55 @@ def _bwd_ws2(
         LAG,
         DQ_FIRST,
     )
-    gl.warp_specialize(
-        [
-            (_consumer, (0,) + consumer_args),
-            (_consumer, (1,) + consumer_args),
-            (
-                _producer,
-                (
-                    q_desc,
-                    do_desc,
-                    k_desc,
-                    v_desc,
-                    st_desc,
-                    q_bufs,
-                    do_bufs,
-                    st_bufs,
-                    k_smem,
-                    v_smem,
-                    kv_bar,
-                    ready,
-                    empty,
-                    Hq,
-                    Hkv,
-                    group,
-                    Sq,
-                    Sk,
-                    Sq_pad,
-                    q_start,
-                    k_start,
-                    left,
-                    rows_first,
-                    rows_n,
-                    CAUSAL,
-                    HAS_LEFT,
-                    ROWS,
-                    BLOCK_M,
-                    BLOCK_N,
-                    STAGES,
-                    ROTATE,
-                ),
-            ),
-        ],
-        [4, 1],
-        [CONSUMER_REGS, PRODUCER_REGS],
+    producer_args: gl.constexpr = (
+        q_desc,
+        do_desc,
+        k_desc,
+        v_desc,
+        st_desc,
+        q_bufs,
+        do_bufs,
+        st_bufs,
+        k_smem,
+        v_smem,
+        kv_bar,
+        ready,
+        empty,
+        Hq,
+        Hkv,
+        group,
+        Sq,
+        Sk,
+        Sq_pad,
+        q_start,
+        k_start,
+        left,
+        rows_first,
+        rows_n,
+        CAUSAL,
+        HAS_LEFT,
+        ROWS,
+        BLOCK_M,
+        BLOCK_N,
+        STAGES,
+        ROTATE,
     )
+    if SPLIT_D:
+        gl.warp_specialize(
+            [
+                (_consumer_split_d, (0,) + consumer_args),
+                (_consumer_split_d, (1,) + consumer_args),
+                (_producer, () + producer_args),
+            ],
+            [4, 1],
+            [CONSUMER_REGS, PRODUCER_REGS],
+        )
+    else:
+        gl.warp_specialize(
+            [(_consumer, (0,) + consumer_args), (_consumer, (1,) + consumer_args), (_producer, () + producer_args)],
+            [4, 1],
+            [CONSUMER_REGS, PRODUCER_REGS],
+        )
 
 
-KERNELS = {"ws2": _bwd_ws2}
+KERNELS = {"ws2": _bwd_ws2, "ws2_split_d": _bwd_ws2}  # (the schedule is the SPLIT_D constexpr)

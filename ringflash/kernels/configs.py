@@ -117,7 +117,13 @@ GLUON_DOCUMENTS_MIN_KEYS_PER_ROW = {64: 4096, 128: 1536, 256: 0}
 # (python benchmarks/gluon_bwd_check.py --quick); forward+backward through the package, D=64 and
 # 128, S=16K-64K: 1.00-1.08x cuDNN (python -m benchmarks.bench_local; benchmarks/RESULTS.md).
 # Blocks with a key bias, dropout or per-row bounds take the Triton passes.
-GLUON_BWD = {64: "ws2_lag", 128: "ws2_lag"}
+# D=256 (and 192, run 256 wide): the head-dim split schedule (64-key blocks, each consumer
+# warpgroup owning half of dK, dV and dQ's columns), blocked dQ: one H200, bf16, H=32, S=16K,
+# whole backward 375-396 TFLOP/s against the two Triton passes' 159-180 and cuDNN's 360-385
+# (python benchmarks/gluon_bwd_check.py --quick --head-dim 256 --variants split_d split_d_blk;
+# row-major dQ atomics 298-303); forward+backward through the package D=256 1.02-1.07x cuDNN,
+# D=192 0.91-0.92x (python -m benchmarks.bench_local --seqlens 16384 --head-dims 192 256).
+GLUON_BWD = {64: "ws2_lag", 128: "ws2_lag", 256: "split_d_blk"}
 # A fused launch has one program per (key block of 128, kv head): below this many per SM the
 # two passes (more, smaller programs) win. One H200, a ring rank's calls at 2K-key tasks and 8 kv
 # heads (128 programs on 132 SMs): fused 11.2 ms against 10.3 ms; at 8K-key tasks, 8 kv heads

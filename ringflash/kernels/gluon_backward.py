@@ -21,8 +21,8 @@ many launches (the ring) passes a BlockedDQ instead and finishes it once (unbloc
 bfloat16, float16 (stored once per key block, added to when accumulating).
 
 The module imports on any machine; without Gluon (triton < 3.6), without a Hopper GPU, or for
-inputs the kernel does not take (float32, head dims other than 64 and 128, scale <= 0, strides a TMA
-descriptor cannot express), `backward` raises `Unsupported` before writing anything and the
+inputs the kernel does not take (float32, head dims padding to other than 64, 128 and 256, scale <= 0,
+strides a TMA descriptor cannot express), `backward` raises `Unsupported` before writing anything and the
 caller uses the Triton kernels instead.
 """
 
@@ -89,9 +89,11 @@ class BlockedDQ:
 
 @dataclass(frozen=True)
 class GluonBwdConfig:
-    schedule: str = "ws2"  # producer warp + two consumer warpgroups (the one schedule of _gluon_bwd)
-    block_m: int = 64  # query rows per step (one wgmma N; each warpgroup sees all of them)
-    block_n: int = 128  # keys per program (64 per consumer warpgroup)
+    # producer warp + two consumer warpgroups that split the block's keys ("ws2": 64 each) or its
+    # head-dim columns ("ws2_split_d", for wide head dims: all 64 keys, half the columns each)
+    schedule: str = "ws2"
+    block_m: int = 64  # query rows per step (each warpgroup's dK / dV matmuls see all of them)
+    block_n: int = 128  # keys per program (ws2: 64 per consumer warpgroup)
     stages: int = 2  # depth of the Q / dO / statistics ring
     producer_regs: int = 24  # registers of the producer warp (setmaxnreg)
     maxnreg: int = 168  # register cap at entry: 168 x 12 warps x 32 = 64512 of the SM's 65536
@@ -103,12 +105,21 @@ class GluonBwdConfig:
     dq_first: bool = False  # with lag: dQ issued before dK, its atomics overlap the dK matmul (FA3's order)
 
     def __post_init__(self):
-        if self.schedule != "ws2":
+        if self.schedule not in ("ws2", "ws2_split_d"):
             raise ValueError(f"unknown schedule {self.schedule!r}")
-        if self.block_n != 128 or self.block_m != 64:
-            raise ValueError("ws2 takes 128-key blocks (64 per consumer warpgroup) and 64-row query blocks")
+        if self.block_n != (64 if self.split_d else 128) or self.block_m != 64:
+            raise ValueError(
+                "ws2 takes 128-key blocks (64 per consumer warpgroup), ws2_split_d 64-key blocks; "
+                "both take 64-row query blocks"
+            )
+        if self.split_d and self.lag:
+            raise ValueError("ws2_split_d has no lagged dQ (its P^T and dS^T buffers fill the shared memory)")
         if self.dq_first and not self.lag:
             raise ValueError("dq_first needs lag (without it dQ waits for both halves of dS every step)")
+
+    @property
+    def split_d(self) -> bool:
+        return self.schedule == "ws2_split_d"
 
     @property
     def num_warps(self) -> int:
@@ -121,7 +132,7 @@ class GluonBwdConfig:
         return (self.maxnreg * 12 - self.producer_regs * 4) // 8
 
 
-HEAD_DIMS = (64, 128)
+HEAD_DIMS = (64, 128, 256)
 _CONFIGS = {
     "ws2": GluonBwdConfig(stages=2),
     "ws2_s3": GluonBwdConfig(stages=3),
@@ -131,9 +142,17 @@ _CONFIGS = {
     "ws2_lag": GluonBwdConfig(stages=2, dq_blocked=True, lag=True),
     "ws2_lagq": GluonBwdConfig(stages=2, dq_blocked=True, lag=True, dq_first=True),
 }
-# the same tiles at each head dim (D = 64: half the shared memory; compiles without spills,
-# `python benchmarks/gluon_bwd_report.py`)
-VARIANTS: dict[str, dict[int, GluonBwdConfig]] = {name: dict.fromkeys(HEAD_DIMS, c) for name, c in _CONFIGS.items()}
+# the same tiles at D = 64 and 128 (D = 64: half the shared memory; compiles without spills,
+# `python benchmarks/gluon_bwd_report.py`); D = 256 splits the head dim instead (dK and dV of
+# 128 keys would not fit in registers, nor K, V and two Q / dO stages in shared memory)
+_SPLIT_D = {
+    "split_d": GluonBwdConfig(schedule="ws2_split_d", block_n=64, stages=2, producer_regs=40),
+    "split_d_blk": GluonBwdConfig(schedule="ws2_split_d", block_n=64, stages=2, producer_regs=40, dq_blocked=True),
+}
+VARIANTS: dict[str, dict[int, GluonBwdConfig]] = {
+    **{name: dict.fromkeys((64, 128), c) for name, c in _CONFIGS.items()},
+    **{name: {256: c} for name, c in _SPLIT_D.items()},
+}
 DEFAULT_VARIANT = "ws2"
 
 
@@ -149,15 +168,20 @@ def config_for(head_dim: int, variant: str | None = None) -> GluonBwdConfig:
 
 
 def shared_bytes(cfg: GluonBwdConfig, head_dim: int, elem: int = 2) -> int:
-    """Shared memory of the tiles: K + V, STAGES x (Q + dO + statistics), 2 dS buffers (3 with lag)."""
+    """Shared memory of the tiles: K + V, STAGES x (Q + dO + statistics), 2 dS buffers (3 with lag;
+    split_d: 2 dS and 2 P^T)."""
     kv = 2 * cfg.block_n * head_dim * elem
     ring = cfg.stages * (2 * cfg.block_m * head_dim * elem + 2 * cfg.block_m * 4)
-    ds = (3 if cfg.lag else 2) * cfg.block_n * cfg.block_m * elem
+    ds = (4 if cfg.split_d else 3 if cfg.lag else 2) * cfg.block_n * cfg.block_m * elem
     return kv + ring + ds
 
 
-def _resolve(head_dim: int, config) -> GluonBwdConfig:
-    return config_for(head_dim, config) if config is None or isinstance(config, str) else config
+def _resolve(q, v, config) -> GluonBwdConfig:
+    """The config of a call: given, or the variant's (default DEFAULT_VARIANT) for the larger of
+    q/k's and v's head dims (an upper bound on every tile, as gluon_forward.config_for)."""
+    if config is None or isinstance(config, str):
+        return config_for(max(q.shape[-1], v.shape[-1]), config)
+    return config
 
 
 # ----------------------------------------------------------------------------------------------
@@ -173,23 +197,36 @@ def check_shapes(q, k, v, m, l, do, delta, dq, dk, dv, *, scale, cfg=None) -> No
         raise Unsupported(
             f"q, k, v, do must all be bfloat16 or float16, got {q.dtype}, {k.dtype}, {v.dtype}, {do.dtype}"
         )
-    if q.dim() != 4 or k.dim() != 4 or k.shape != v.shape or do.shape != q.shape:
+    if (
+        q.dim() != 4
+        or k.dim() != 4
+        or v.dim() != 4
+        or do.dim() != 4
+        or k.shape[:3] != v.shape[:3]
+        or do.shape[:3] != q.shape[:3]
+        or do.shape[3] != v.shape[3]
+    ):
         raise Unsupported(
-            "expected q, do (B, Sq, Hq, D) and k, v (B, Sk, Hkv, D), "
+            "expected q (B, Sq, Hq, D), do (B, Sq, Hq, Dv), k (B, Sk, Hkv, D), v (B, Sk, Hkv, Dv), "
             f"got {tuple(q.shape)}, {tuple(do.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
         )
     B, Sq, Hq, D = q.shape
+    Dv = v.shape[3]
+    if Dv != D and (cfg is None or not cfg.split_d):
+        raise Unsupported(f"v's head dim {Dv} differs from q's {D}: only the head-dim split schedule takes that")
     Bk, Sk, Hkv, Dk = k.shape
     if Bk != B or Dk != D or Hq % Hkv:
         raise Unsupported(f"shape mismatch: q {tuple(q.shape)}, k {tuple(k.shape)} (Hq % Hkv must be 0)")
     block_d = padded_head_dim(D)
-    if block_d not in HEAD_DIMS:
-        raise Unsupported(f"head_dim {D} not supported by the Gluon backward (head dims padded to one of {HEAD_DIMS})")
+    if block_d not in HEAD_DIMS or padded_head_dim(Dv) not in HEAD_DIMS:
+        raise Unsupported(
+            f"head dims {D}, {Dv} not supported by the Gluon backward (head dims padded to one of {HEAD_DIMS})"
+        )
     if D % 2:  # (TMA's 16-byte strides already ask for a multiple of 8)
         raise Unsupported(f"the Gluon backward adds dQ in column pairs: head_dim {D} must be even")
     if not scale > 0:
         raise Unsupported(f"the Gluon backward takes a positive scale, got {scale}")
-    if cfg is not None and shared_bytes(cfg, block_d) > HOPPER_SHARED_BYTES - 1024:
+    if cfg is not None and shared_bytes(cfg, max(block_d, padded_head_dim(Dv))) > HOPPER_SHARED_BYTES - 1024:
         raise Unsupported(f"config {cfg} needs too much shared memory at D={D}")
     for name, t in (("q", q), ("k", k), ("v", v), ("do", do)):
         if not _tma_ok(t):
@@ -200,8 +237,8 @@ def check_shapes(q, k, v, m, l, do, delta, dq, dk, dv, *, scale, cfg=None) -> No
     if isinstance(delta, DeltaOf):  # computed by the statistics launch from the output
         stats = (("m", m), ("l", l)) + ((("dlse", delta.dlse),) if delta.dlse is not None else ())
         out = delta.out
-        if out.shape != q.shape or out.dtype != q.dtype or out.stride(-1) != 1:
-            raise Unsupported(f"out must have q's shape and dtype, unit last stride: {out.dtype} {tuple(out.shape)}")
+        if out.shape != do.shape or out.dtype != q.dtype or out.stride(-1) != 1:
+            raise Unsupported(f"out needs do's shape, q's dtype, unit last stride: {out.dtype} {tuple(out.shape)}")
     for name, t in stats:
         if tuple(t.shape) != (B, Hq, Sq) or t.dtype != torch.float32:
             raise Unsupported(f"{name} must be float32 (B, Hq, Sq) = {(B, Hq, Sq)}, got {t.dtype} {tuple(t.shape)}")
@@ -211,7 +248,7 @@ def check_shapes(q, k, v, m, l, do, delta, dq, dk, dv, *, scale, cfg=None) -> No
         _check_blocked(dq.acc, B, Sq, Hq, block_d, cfg)
         dq = None
     named = (("dq", dq, (B, Sq, Hq, D)),) if dq is not None else ()
-    for name, t, shape in (*named, ("dk", dk, (B, Sk, Hkv, D)), ("dv", dv, (B, Sk, Hkv, D))):
+    for name, t, shape in (*named, ("dk", dk, (B, Sk, Hkv, D)), ("dv", dv, (B, Sk, Hkv, Dv))):
         if tuple(t.shape) != shape or t.stride(-1) != 1:
             raise Unsupported(f"{name} must be {shape} with a unit last stride, got {tuple(t.shape)} {t.stride()}")
         if t.dtype not in (torch.float32, torch.bfloat16, torch.float16):
@@ -491,7 +528,8 @@ def launch_plan(
     qp' <= kp + left + right). bounds: packed documents' masks.RowBounds (its key rows' q_lo /
     q_hi decide alone), without causal or a window."""
     B, Sq, Hq, D = q.shape
-    block_d = padded_head_dim(D)
+    Dv = v.shape[3]
+    block_d, block_dv = padded_head_dim(D), padded_head_dim(Dv)
     Sk, Hkv = k.shape[1], k.shape[2]
     if bounds is not None:
         if causal or window is not None:
@@ -510,6 +548,8 @@ def launch_plan(
     kwargs = dict(
         HEAD_DIM=D,
         BLOCK_D=block_d,
+        HEAD_DIM_V=Dv,
+        BLOCK_DV=block_dv,
         BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n,
         STAGES=cfg.stages,
@@ -521,6 +561,7 @@ def launch_plan(
         DQ_BLOCKED=cfg.dq_blocked,
         LAG=cfg.lag,
         DQ_FIRST=cfg.dq_first,
+        SPLIT_D=cfg.split_d,
         PRODUCER_REGS=cfg.producer_regs,
         CONSUMER_REGS=cfg.consumer_regs,
         num_warps=cfg.num_warps,
@@ -529,8 +570,8 @@ def launch_plan(
     args = (
         _descriptor(q, cfg.block_m, block_d),
         _descriptor(k, cfg.block_n, block_d),
-        _descriptor(v, cfg.block_n, block_d),
-        _descriptor(do, cfg.block_m, block_d),
+        _descriptor(v, cfg.block_n, block_dv),
+        _descriptor(do, cfg.block_m, block_dv),
         _stats_descriptor(stats, cfg),
         dq32,
         dk,
@@ -562,9 +603,10 @@ def backward(
 ):  # fmt: skip
     """Gradients of attention over one block (semantics: module docstring) into dq, dk, dv.
 
-    q, do (B, Sq, Hq, D); k, v (B, Sk, Hkv, D): all bfloat16 or all float16, D padded to 64 or
-    128 (a multiple of 8), TMA-able strides. m, l, delta (B, Hq, Sq) float32: the forward's row
-    max of the base-2 scaled scores, its normalizer sum exp2(s2 - m) (0 for a row that saw no
+    q (B, Sq, Hq, D), k (B, Sk, Hkv, D), v (B, Sk, Hkv, Dv), do (B, Sq, Hq, Dv): all bfloat16 or
+    all float16, D and Dv padded to 64, 128 or 256 (multiples of 8; 256 runs the head-dim split
+    schedule, the only one that takes Dv != D), TMA-able strides. m, l, delta (B, Hq, Sq)
+    float32: the forward's row max of the base-2 scaled scores, its normalizer sum exp2(s2 - m) (0 for a row that saw no
     key) and rowsum(dO * O) (or a merge.DeltaOf: computed in the statistics launch, minus its
     dlse).
     dq: float32 (accumulated into with atomics; an 8-byte aligned base and even strides) or
@@ -634,7 +676,7 @@ def prepare(
                            window, bounds)  # fmt: skip
     plan = _PLANS.get(signature)
     if plan is None:
-        cfg = _resolve(q.shape[-1], config)
+        cfg = _resolve(q, v, config)
         check_supported(q, k, v, m, l, do, delta, dq, dk, dv, scale=scale, cfg=cfg)
     else:
         cfg = plan.extra
@@ -725,7 +767,8 @@ def reference(q, k, v, m, l, do, delta, *, q_start, k_start, causal, scale, chun
     qk_scale = scale * LOG2E
     dq = torch.zeros(B, Sq, Hq, D, dtype=f64, device=q.device)
     dkr = torch.zeros(B, Sk, Hq, D, dtype=f64, device=q.device)
-    dvr = torch.zeros(B, Sk, Hq, D, dtype=f64, device=q.device)
+    Dv = v.shape[3]
+    dvr = torch.zeros(B, Sk, Hq, Dv, dtype=f64, device=q.device)
     k_pos = k_start + torch.arange(Sk, device=q.device)
     m, l, delta = m.to(f64), l.to(f64), delta.to(f64)
     for i0 in range(0, Sq, chunk):
@@ -744,7 +787,7 @@ def reference(q, k, v, m, l, do, delta, *, q_start, k_start, causal, scale, chun
         dkr += scale * torch.einsum("bhij,bihd->bjhd", ds, qc)
         dvr += torch.einsum("bhij,bihd->bjhd", p, doc)
     dk = dkr.view(B, Sk, Hkv, G, D).sum(3)
-    dv = dvr.view(B, Sk, Hkv, G, D).sum(3)
+    dv = dvr.view(B, Sk, Hkv, G, Dv).sum(3)
     return dq, dk, dv
 
 
@@ -762,7 +805,7 @@ def compile_launch(
     a string that is equal for launches sharing a kernel."""
     if not HAS_GLUON:
         raise Unsupported(f"Gluon is not available: {GLUON_ERROR}")
-    cfg = _resolve(q.shape[-1], config)
+    cfg = _resolve(q, v, config)
     check_shapes(q, k, v, m, l, do, delta, dq, dk, dv, scale=scale, cfg=cfg)
     B, Sq, Hq, D = q.shape
     if cfg.dq_blocked:
@@ -828,8 +871,10 @@ def compile_for_hopper(
     Sk: int = 777,
     window_left: int | None = None,
     rows: bool = False,
+    head_dim_v: int | None = None,
 ):
-    """compile_launch for contiguous CPU tensors of these sizes (2 kv heads). grad_dtype: that
+    """compile_launch for contiguous CPU tensors of these sizes (2 kv heads; v and do head_dim_v
+    wide, default head_dim). grad_dtype: that
     of dk and dv (default: float32 when accumulating, else the input dtype); dq is float32.
     window_left: a sliding window of that left reach (right: 0 when causal, else unbounded).
     rows: packed documents' per-row bounds instead (causal and window_left unused)."""
@@ -839,18 +884,20 @@ def compile_for_hopper(
     hkv = 2
     q = torch.empty(1, Sq, hkv * group, head_dim, dtype=tdt)
     k = torch.empty(1, Sk, hkv, head_dim, dtype=tdt)
+    v = torch.empty(1, Sk, hkv, head_dim_v or head_dim, dtype=tdt)
+    do = torch.empty(1, Sq, hkv * group, head_dim_v or head_dim, dtype=tdt)
     m = torch.empty(1, q.shape[2], Sq)
     return compile_launch(
         q,
         k,
-        k,
+        v,
         m,
         m,
-        q,
+        do,
         m,
         torch.empty(q.shape, dtype=torch.float32),
         torch.empty(k.shape, dtype=gdt),
-        torch.empty(k.shape, dtype=gdt),
+        torch.empty(v.shape, dtype=gdt),
         q_start=Sk - Sq,
         k_start=0,
         causal=causal and window_left is None and not rows,
@@ -880,22 +927,23 @@ def hopper_report(
     dump: Path | None = None,
     window_left: int | None = None,
     rows: bool = False,
+    head_dim_v: int | None = None,
 ) -> dict:
     """gluon_forward.compiled_report of one case compiled by compile_for_hopper, with the dQ
     atomics counted in the SASS: red_v2 / red_v4 (vectorized float32 adds), red_scalar."""
     kern = compile_for_hopper(
         cfg, head_dim, causal=causal, dtype=dtype, accumulate=accumulate, group=group, window_left=window_left,
-        rows=rows,
+        rows=rows, head_dim_v=head_dim_v,
     )  # fmt: skip
-    case = {"D": head_dim, "causal": causal, "dtype": dtype, "accumulate": accumulate, "group": group,
-            "window_left": window_left, "rows": rows}  # fmt: skip
+    case = {"D": head_dim, "Dv": head_dim_v or head_dim, "causal": causal, "dtype": dtype, "accumulate": accumulate,
+            "group": group, "window_left": window_left, "rows": rows}  # fmt: skip
     return compiled_report(
         kern,
         cfg,
         case,
         dump=dump,
-        stem=f"bwd_{cfg.schedule}_d{head_dim}_c{int(causal)}_w{window_left}_r{int(rows)}_{dtype}_a{int(accumulate)}"
-        f"_s{cfg.stages}",
+        stem=f"bwd_{cfg.schedule}_d{head_dim}_v{head_dim_v or head_dim}_c{int(causal)}_w{window_left}_r{int(rows)}"
+        f"_{dtype}_a{int(accumulate)}_s{cfg.stages}",
         sass_counts={
             "red_v2": r"\bREDG?\.E\.ADD\.F32x2\b",
             "red_v4": r"\bREDG?\.E\.ADD\.F32x4\b",
