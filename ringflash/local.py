@@ -282,7 +282,7 @@ def flash_attn_func(
     mask. lse is that of the weights before dropout. generator: a CPU torch.Generator to draw
     the seed from instead.
     deterministic: the backward's mode. False (default): on Hopper, 16-bit inputs with D = Dv
-    padded to 64 or 128 (a multiple of 8 up to 128), dense, causal, windowed or packed
+    padded to 64 or 128 (a multiple of 8 up to 128) or to 256 (where Dv may differ), dense, causal, windowed or packed
     documents, no key padding mask or dropout, run one fused backward kernel whose dQ is summed
     in float32 by atomics in a varying order (gradients equal within rounding, not bitwise, run
     to run); True, or
@@ -328,7 +328,7 @@ def flash_attn_varlen_func(
     Cost follows the visible pairs (about the sum of squared document lengths / 2 for
     causal documents), not total_q x total_k. dropout_p, generator: as flash_attn_func's, query
     and key indices being rows of the packed q and k. deterministic: as flash_attn_func's (packed
-    documents take the fused backward too: D = Dv padded to 64 or 128, 16-bit, no dropout, on Hopper,
+    documents take the fused backward too: D = Dv padded to 64 or 128, or padded to 256, 16-bit, no dropout, on Hopper,
     calls of enough work: kernels.fuses_backward). cu_seqlens on a GPU are read to the host
     once per tensor and version (_checks.cu_values): pass a new tensor for new boundaries
     written behind torch's back (through .data, DLPack, raw pointers), which the version

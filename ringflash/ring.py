@@ -416,8 +416,9 @@ def ring_flash_attn_func(
     layout; every rank uses the first rank's seed (one more small all_gather per call).
     generator: a CPU torch.Generator to draw the seed from (default: torch's CPU generator).
     deterministic: the backward's mode, as flash_attn_func's: False (default) lets each ring
-    step's blocks that the fused Hopper backward takes (16-bit, D = Dv padded to 64 or 128, dense,
-    causal, windowed or packed documents, no key padding mask or dropout) compute dQ, dK and dV
+    step's blocks that the fused Hopper backward takes (16-bit, D = Dv padded to 64 or 128, or
+    the larger padded to 256 with any Dv, dense, causal, windowed or packed documents, no key
+    padding mask or dropout) compute dQ, dK and dV
     in one kernel, dQ summed by float32 atomics in a varying order; True (or
     torch.use_deterministic_algorithms(True)) keeps the bitwise reproducible two-pass backward.
     """
