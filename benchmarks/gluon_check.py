@@ -755,7 +755,7 @@ def main():
         "gluon_error": gf.GLUON_ERROR,
         "date": time.strftime("%Y-%m-%d %H:%M"),
         "heads": args.heads,
-        "variants": {v: {D: vars(c) for D, c in gf.VARIANTS[v].items()} for v in variants},
+        "variants": {v: {str(D): vars(c) for D, c in gf.VARIANTS[v].items()} for v in variants},
         "argv": sys.argv[1:],
     }
     out = {"meta": meta, "report": [], "correctness": [], "timing": []}

@@ -167,11 +167,32 @@ def test_plans_rebind_exactly_what_a_fresh_plan_would_build():
     assert tensor_key(x) != tensor_key(x.transpose(1, 2).contiguous().transpose(1, 2))
 
 
+def test_head_dim_pieces_cover_each_head_dim_in_fewer_columns():
+    """q/k's head dim as the Gluon forward's QK^T runs it: a power-of-two main piece and a
+    smaller power-of-two tail (or none) that together hold every column, in fewer columns than
+    one padded tile whenever there is a tail."""
+    from ringflash.kernels import _block_d, head_dim_pieces
+
+    def pow2(x):
+        return x & (x - 1) == 0
+
+    for D in range(1, 257):
+        main, tail = head_dim_pieces(D)
+        assert pow2(main) and main >= 16 and main + tail >= D, (D, main, tail)
+        if tail:
+            assert pow2(tail) and 16 <= tail < main and main + tail < _block_d(D), (D, main, tail)
+        else:
+            assert main == _block_d(D), (D, main)
+    assert [head_dim_pieces(D) for D in (64, 96, 128, 192, 256)] == [(64, 0), (64, 32), (128, 0), (128, 64), (256, 0)]
+
+
 def test_gluon_forward_pads_head_dims_to_its_tiles():
-    """Head dims under a tile width run that width's config with zero columns: 96 -> 128 and
-    192 -> 256 (descriptor blocks and BLOCK_D padded, HEAD_DIM the true width that O is stored
-    to); widths that do not pad to a tuned tile, or rows whose strides TMA cannot take, are
-    Unsupported, naming why (the caller then runs the Triton forward)."""
+    """Head dims under a tile width: q/k's in head_dim_pieces (96 -> 64 + 32 and 192 -> 128 + 64:
+    main descriptors and BLOCK_D, tail descriptors at BLOCK_DT; none for 128), v's padded (96 ->
+    128, 192 -> 256), HEAD_DIM the true width that O is stored to; the config is the tile
+    widths' (192 beside 256: a third K/V stage, which a padded 256 would not fit); widths that
+    do not pad to a tuned tile, or rows whose strides TMA cannot take, are Unsupported, naming
+    why (the caller then runs the Triton forward)."""
     from ringflash.kernels import configs
     from ringflash.kernels import gluon_forward as gf
 
@@ -184,17 +205,25 @@ def test_gluon_forward_pads_head_dims_to_its_tiles():
         m = torch.zeros(1, H, 130)
         return q, k, k.clone(), torch.zeros(q.shape), m, m.clone()
 
-    for D, block_d in ((96, 128), (192, 256), (128, 128)):
+    cases = ((96, (64, 32), 128, 3), (192, (128, 64), 256, 3), (128, (128, 0), 128, 3))
+    for D, (main, tail), block_dv, stages in cases:
         q, k, v, o, m, l = tensors(D)
-        cfg = gf.config_for(D, configs.GLUON_FWD[block_d])  # the padded width's
-        assert cfg == gf.config_for(block_d, configs.GLUON_FWD[block_d])
+        cfg = gf.config_for(D, configs.GLUON_FWD[block_dv])
+        assert cfg.stages == stages
+        assert gf.shared_bytes(cfg, main + tail, head_dim_v=block_dv) <= gf.HOPPER_SHARED_BYTES - 1024
         gf.check_shapes(q, k, v, o, m, l, normalize=False, fold=True, cfg=cfg)
         _, _, args, kwargs = gf.launch_plan(q, k, v, q_start=0, k_start=0, scale=0.1, out_o=o, out_m=m, out_l=l,
                                             normalize=False, fold=True, cfg=cfg)  # fmt: skip
-        assert (kwargs["HEAD_DIM"], kwargs["BLOCK_D"]) == (D, block_d)
-        kv_block = [1, cfg.block_n, 1, block_d]
-        assert [list(a.block_shape) for a in args[:3]] == [[1, cfg.q_rows, 1, block_d], kv_block, kv_block]
-        assert all(list(a.shape) == list(t.shape) for a, t in zip(args[:3], (q, k, v)))  # the true width
+        widths = (kwargs["HEAD_DIM"], kwargs["BLOCK_D"], kwargs["BLOCK_DT"], kwargs["BLOCK_DV"])
+        assert widths == (D, main, tail, block_dv)
+        blocks = [[1, cfg.q_rows, 1, main], [1, cfg.block_n, 1, main], [1, cfg.block_n, 1, block_dv]]
+        if tail:
+            blocks += [[1, cfg.q_rows, 1, tail], [1, cfg.block_n, 1, tail]]
+        else:
+            assert args[3:5] == (None, None)
+        assert [list(a.block_shape) for a in args[: len(blocks)]] == blocks
+        descriptors = args[:3] + (args[3:5] if tail else ())
+        assert all(list(a.shape) == list(t.shape) for a, t in zip(descriptors, (q, k, v, q, k)))  # true widths
     with pytest.raises(gf.Unsupported, match="head_dim 320 not supported"):
         gf.check_shapes(*tensors(320), normalize=False, fold=True)
     with pytest.raises(gf.Unsupported, match="head_dim 12 not supported"):

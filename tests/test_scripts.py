@@ -144,14 +144,17 @@ def test_plot_scaling_picks_weak_and_strong_rows(tmp_path):
 def test_gluon_forward_compiles_for_hopper(tmp_path):
     """The Gluon forward variants the package uses (configs.GLUON_FWD, GLUON_FWD_DOCUMENTS)
     compile for sm_90a on this CPU machine: local causal (bf16), a sliding window, a ring step
-    (fold, float32 state, fp16), head dims 96 and 192 (padded to 128 and 256) and packed
-    documents (per-row bounds, local and folded),
+    (fold, float32 state, fp16), head dims 96 and 192 (q/k in two pieces: 64 + 32, 128 + 64)
+    and packed documents (per-row bounds, local and folded),
     within the shared memory, a wgmma left in flight (wait_group 1), no spills except the few
-    bytes the 128-key variants spill with per-row bounds, which a GPU measured faster than the
-    spill-free 64-key ones (configs.GLUON_FWD_DOCUMENTS): at most ROWS_SPILL_BYTES, as when measured."""
+    bytes the 128-key tiles spill where a GPU measured them faster than the spill-free 64-key
+    ones: with per-row bounds (configs.GLUON_FWD_DOCUMENTS) at most ROWS_SPILL_BYTES, and MLA's
+    192 / 128 (one register kept across the key loop, dense and causal: MLA_SPILL_BYTES; with a
+    window, untimed, MLA_WINDOW_SPILL_BYTES), as when measured."""
     from ringflash.kernels.configs import GLUON_FWD, GLUON_FWD_DOCUMENTS
 
     ROWS_SPILL_BYTES = 40
+    MLA_SPILL_BYTES, MLA_WINDOW_SPILL_BYTES = 8, 48
 
     cases = [f"{v}:{D}:1:bf16:1:0" for D, v in GLUON_FWD.items()]  # every head dim, causal
     v = GLUON_FWD[128]
@@ -161,7 +164,8 @@ def test_gluon_forward_compiles_for_hopper(tmp_path):
     # v's head dim apart from q/k's (MLA's 192 / 128; V and O tiles of their own width): local, ring step
     cases += [
         f"{GLUON_FWD[256]}:192/128:1:bf16:1:0",
-        f"{GLUON_FWD[256]}:192/128:1:bf16:0:1:rows",
+        f"{GLUON_FWD[256]}:192/128:0:fp16:0:1:window",
+        f"{GLUON_FWD_DOCUMENTS[256]}:192/128:1:bf16:0:1:rows",
         f"{v}:128/64:0:fp16:0:1",
     ]
     cases += [c for D, v in GLUON_FWD_DOCUMENTS.items() for c in (f"{v}:{D}:1:bf16:1:0:rows",
@@ -172,7 +176,12 @@ def test_gluon_forward_compiles_for_hopper(tmp_path):
     assert len(rows) == len(cases)
     for r in rows:
         assert "error" not in r, r
-        allowed = ROWS_SPILL_BYTES if r["mask"] == "rows" else 0
+        if r["mask"] == "rows":
+            allowed = ROWS_SPILL_BYTES
+        elif (r["D"], r.get("Dv")) == (192, 128):
+            allowed = MLA_WINDOW_SPILL_BYTES if r["mask"] == "window" else MLA_SPILL_BYTES
+        else:
+            allowed = 0
         assert r["spill_bytes"] <= allowed and r["sass_waits"].get("1", 0) > 0, r
         assert all(p.startswith("spills") for p in r["problems"]), r
 

@@ -27,6 +27,17 @@ def _block_d(head_dim: int) -> int:
     return max(16, triton.next_power_of_2(head_dim))
 
 
+def head_dim_pieces(head_dim: int) -> tuple[int, int]:
+    """(main, tail): q/k's head dim as the Gluon forward's QK^T runs it, a power-of-two piece and
+    a smaller power-of-two tail (0: none), when the two cover fewer columns than _block_d's one
+    tile: 192 -> (128, 64), 96 -> (64, 32), 80 -> (64, 16); 128 -> (128, 0), 224 -> (256, 0).
+    Tiles must be powers of two; the tail's columns past head_dim are read as zeros."""
+    padded = _block_d(head_dim)
+    main = padded // 2
+    tail = _block_d(head_dim - main) if head_dim > main else 0
+    return (main, tail) if 0 < tail < main else (padded, 0)
+
+
 def _config_d(block_d: int, block_dv: int) -> int:
     """The padded head dim the block-shape tables are looked up by: the larger of q/k's and v's.
     A config tuned (and checked to fit) for equal dims of that size is then an upper bound on

@@ -13,7 +13,10 @@ against 594-602 at D=128, 16K; benchmarks/NOTES.md) and were removed.
 Tensors: q (B, Sq, Hq, D), k (B, Sk, Hkv, D) and v (B, Sk, Hkv, Dv), bf16 or fp16, as 4-D TMA
 descriptors with blocks [1, BLOCK_M or BLOCK_N, 1, BLOCK_D or BLOCK_DV], BLOCK_D the head dim D
 (HEAD_DIM) padded to a power of two, BLOCK_DV v's Dv (HEAD_DIM_V) likewise (rows past the end
-and columns past D or Dv read as zeros, never the next batch or head). O (B, Sq, Hq, Dv) any
+and columns past D or Dv read as zeros, never the next batch or head). A D between two powers
+of two may run as two pieces instead (kernels.head_dim_pieces: 192 as BLOCK_D = 128 plus
+BLOCK_DT = 64 columns, by descriptors of their own), QK^T one wgmma per piece into the same
+scores: fewer zero columns multiplied, and less shared memory per stage. O (B, Sq, Hq, Dv) any
 dtype (float32 when HAS_STATE), M and L (B, Hq, Sq) float32, by pointers.
 
 State per query row, softmax in base 2 (qk_scale = scale * log2(e)):
@@ -310,17 +313,20 @@ def _write_out(
 
 
 @gluon.jit
-def _load_q(q_desc, q_smem, bar, b, h, off_m):
-    mbarrier.expect(bar, q_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(q_desc, [b, off_m, h, 0], bar, q_smem)
-
-
-@gluon.jit
-def _load_kv(desc, bufs, bars, i, b, hk, lo, STAGES: gl.constexpr, BLOCK_N: gl.constexpr):
-    """TMA of key block i (rows lo + i * BLOCK_N ..) into stage i % STAGES of a ring."""
+def _load_kv(
+    desc, bufs, bars, i, b, hk, lo, STAGES: gl.constexpr, BLOCK_N: gl.constexpr, tail_desc=None, tail_bufs=None,
+    TAIL_COL: gl.constexpr = 0,
+):  # fmt: skip
+    """TMA of key block i (rows lo + i * BLOCK_N ..) into stage i % STAGES of a ring; with
+    TAIL_COL > 0 also the head dim's tail piece (columns TAIL_COL ..) into tail_bufs, on the
+    same barrier."""
     st = i % STAGES
     bar = bars.index(st)
-    mbarrier.expect(bar, desc.block_type.nbytes)
+    if TAIL_COL > 0:
+        mbarrier.expect(bar, desc.block_type.nbytes + tail_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(tail_desc, [b, lo + i * BLOCK_N, hk, TAIL_COL], bar, tail_bufs.index(st))
+    else:
+        mbarrier.expect(bar, desc.block_type.nbytes)
     tma.async_copy_global_to_shared(desc, [b, lo + i * BLOCK_N, hk, 0], bar, bufs.index(st))
 
 
@@ -351,6 +357,24 @@ def _kv_tile(bufs, i, STAGES: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.c
 
 
 @gluon.jit
+def _scores(
+    q2, k_bufs, q2_tail, kt_bufs, j, s_zero, STAGES: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr,
+    BLOCK_DT: gl.constexpr,
+):  # fmt: skip
+    """QK^T of key block j, issued (async, one wgmma group per piece): over the head dim's
+    BLOCK_D-wide main piece and, when BLOCK_DT > 0, its tail piece added into the same scores.
+    A D=192 runs as 128 + 64 columns instead of padded to 256."""
+    s_tok = warpgroup_mma(
+        q2, _kv_tile(k_bufs, j, STAGES, BLOCK_N, BLOCK_D).permute((1, 0)), s_zero, use_acc=False, is_async=True
+    )
+    if BLOCK_DT > 0:
+        s_tok = warpgroup_mma(
+            q2_tail, _kv_tile(kt_bufs, j, STAGES, BLOCK_N, BLOCK_DT).permute((1, 0)), s_tok, is_async=True
+        )
+    return s_tok
+
+
+@gluon.jit
 def _p_operand(p, dtype: gl.constexpr, o_layout: gl.constexpr):
     # P stays in registers as wgmma's A operand (the accumulator's layout already matches)
     return gl.convert_layout(p.to(dtype), gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2))
@@ -364,6 +388,8 @@ def _p_operand(p, dtype: gl.constexpr, o_layout: gl.constexpr):
 def _overlap_loop(
     q2,
     k_bufs,
+    q2_tail,
+    kt_bufs,
     v_bufs,
     k_ready,
     v_ready,
@@ -393,6 +419,7 @@ def _overlap_loop(
     BLOCK_M: gl.constexpr,
     BLOCK_N: gl.constexpr,
     BLOCK_D: gl.constexpr,
+    BLOCK_DT: gl.constexpr,
     BLOCK_DV: gl.constexpr,
     s_layout: gl.constexpr,
     o_layout: gl.constexpr,
@@ -405,9 +432,7 @@ def _overlap_loop(
 
     # block 0: scores only
     _wait_stage(k_ready, 0, STAGES)
-    s_tok = warpgroup_mma(
-        q2, _kv_tile(k_bufs, 0, STAGES, BLOCK_N, BLOCK_D).permute((1, 0)), s_zero, use_acc=False, is_async=True
-    )
+    s_tok = _scores(q2, k_bufs, q2_tail, kt_bufs, 0, s_zero, STAGES, BLOCK_N, BLOCK_D, BLOCK_DT)
     s = warpgroup_mma_wait(0, deps=(s_tok,))
     mbarrier.arrive(k_empty.index(0))
     p, m_i, l_i, alpha = _softmax_step(
@@ -417,13 +442,12 @@ def _overlap_loop(
     acc = acc * _rows(alpha, o_layout)[:, None]
     for j in range(1, n):
         _wait_stage(k_ready, j, STAGES)
-        s_tok = warpgroup_mma(
-            q2, _kv_tile(k_bufs, j, STAGES, BLOCK_N, BLOCK_D).permute((1, 0)), s_zero, use_acc=False, is_async=True
-        )
+        s_tok = _scores(q2, k_bufs, q2_tail, kt_bufs, j, s_zero, STAGES, BLOCK_N, BLOCK_D, BLOCK_DT)
         _wait_stage(v_ready, j - 1, STAGES)
         p_op = _p_operand(p, dtype, o_layout)
         acc_tok = warpgroup_mma(p_op, _kv_tile(v_bufs, j - 1, STAGES, BLOCK_N, BLOCK_DV), acc, is_async=True)
-        # groups complete in order: with one left in flight, QK^T(j) is done, PV(j-1) may not be
+        # groups complete in order: with one left in flight, QK^T(j) is done (both pieces'
+        # groups), PV(j-1) may not be
         s = warpgroup_mma_wait(1, deps=(s_tok,))
         mbarrier.arrive(k_empty.index(j % STAGES))
         p, m_i, l_i, alpha = _softmax_step(
@@ -448,9 +472,13 @@ def _ws_producer(
     q_desc,
     k_desc,
     v_desc,
-    q_smem,
+    qt_desc,
+    kt_desc,
+    q_bufs,
     k_bufs,
     v_bufs,
+    qt_bufs,
+    kt_bufs,
     q_bar,
     k_ready,
     v_ready,
@@ -464,24 +492,28 @@ def _ws_producer(
     n,
     BLOCK_M: gl.constexpr,
     BLOCK_N: gl.constexpr,
+    BLOCK_D: gl.constexpr,
+    BLOCK_DT: gl.constexpr,
     STAGES: gl.constexpr,
-    Q_PARTS: gl.constexpr,
 ):
-    if n > 0:
-        if Q_PARTS == 1:
-            _load_q(q_desc, q_smem, q_bar.index(0), b, h, off_m)
-        else:  # one Q buffer per consumer warpgroup, both on one barrier
-            q_rows: gl.constexpr = BLOCK_M // Q_PARTS
-            mbarrier.expect(q_bar.index(0), Q_PARTS * q_desc.block_type.nbytes)
-            for part in gl.static_range(Q_PARTS):
-                tma.async_copy_global_to_shared(
-                    q_desc, [b, off_m + part * q_rows, h, 0], q_bar.index(0), q_smem.index(part)
-                )
+    # Q's column offset of the head dim's tail piece (0: no tail)
+    TAIL_COL: gl.constexpr = BLOCK_D if BLOCK_DT > 0 else 0
+    if n > 0:  # one Q buffer per consumer warpgroup (and one per tail piece), all on one barrier
+        q_rows: gl.constexpr = BLOCK_M // 2
+        if TAIL_COL > 0:
+            mbarrier.expect(q_bar.index(0), 2 * (q_desc.block_type.nbytes + qt_desc.block_type.nbytes))
+        else:
+            mbarrier.expect(q_bar.index(0), 2 * q_desc.block_type.nbytes)
+        for part in gl.static_range(2):
+            row = off_m + part * q_rows
+            tma.async_copy_global_to_shared(q_desc, [b, row, h, 0], q_bar.index(0), q_bufs.index(part))
+            if TAIL_COL > 0:
+                tma.async_copy_global_to_shared(qt_desc, [b, row, h, TAIL_COL], q_bar.index(0), qt_bufs.index(part))
     for i in range(n):
         # a fresh barrier counts as having completed the phase before 0, so the first
         # STAGES waits (parity 1) pass at once
         mbarrier.wait(k_empty.index(i % STAGES), ((i // STAGES) & 1) ^ 1)
-        _load_kv(k_desc, k_bufs, k_ready, i, b, hk, lo, STAGES, BLOCK_N)
+        _load_kv(k_desc, k_bufs, k_ready, i, b, hk, lo, STAGES, BLOCK_N, kt_desc, kt_bufs, TAIL_COL)
         mbarrier.wait(v_empty.index(i % STAGES), ((i // STAGES) & 1) ^ 1)
         _load_kv(v_desc, v_bufs, v_ready, i, b, hk, lo, STAGES, BLOCK_N)
 
@@ -497,6 +529,8 @@ def _ws2_consumer(
     WG: gl.constexpr,
     q_bufs,
     k_bufs,
+    qt_bufs,
+    kt_bufs,
     v_bufs,
     q_bar,
     k_ready,
@@ -535,6 +569,7 @@ def _ws2_consumer(
     qk_scale,
     HEAD_DIM: gl.constexpr,
     BLOCK_D: gl.constexpr,
+    BLOCK_DT: gl.constexpr,
     HEAD_DIM_V: gl.constexpr,
     BLOCK_DV: gl.constexpr,
     BLOCK_M: gl.constexpr,
@@ -559,9 +594,14 @@ def _ws2_consumer(
         else:
             full_lo, full_hi = full_lo1, full_hi1
         mbarrier.wait(q_bar.index(0), 0)
+        q_tail = None
+        if BLOCK_DT > 0:
+            q_tail = qt_bufs.index(WG).reshape([ROWS, BLOCK_DT])
         acc, m_i, l_i = _overlap_loop(
             q_bufs.index(WG).reshape([ROWS, BLOCK_D]),
             k_bufs,
+            q_tail,
+            kt_bufs,
             v_bufs,
             k_ready,
             v_ready,
@@ -591,6 +631,7 @@ def _ws2_consumer(
             ROWS,
             BLOCK_N,
             BLOCK_D,
+            BLOCK_DT,
             BLOCK_DV,
             s_layout,
             o_layout,
@@ -631,6 +672,8 @@ def _fwd_ws2(
     q_desc,
     k_desc,
     v_desc,
+    qt_desc,
+    kt_desc,
     O,
     M,
     L,
@@ -656,6 +699,7 @@ def _fwd_ws2(
     qk_scale,
     HEAD_DIM: gl.constexpr,
     BLOCK_D: gl.constexpr,
+    BLOCK_DT: gl.constexpr,
     HEAD_DIM_V: gl.constexpr,
     BLOCK_DV: gl.constexpr,
     BLOCK_M: gl.constexpr,
@@ -673,7 +717,10 @@ def _fwd_ws2(
     """q_desc blocks are [1, BLOCK_M // 2, 1, BLOCK_D] (one per consumer warpgroup), k_desc
     [1, BLOCK_N, 1, BLOCK_D], v_desc [1, BLOCK_N, 1, BLOCK_DV]; BLOCK_D is q/k's head dim
     HEAD_DIM padded to a power of two, BLOCK_DV v's (and O's) head dim HEAD_DIM_V padded (the
-    descriptors read the padding columns as zeros); num_warps = 4.
+    descriptors read the padding columns as zeros); num_warps = 4. With BLOCK_DT > 0, q/k's
+    head dim runs in two pieces: BLOCK_D columns by q_desc / k_desc and the BLOCK_DT columns
+    from column BLOCK_D on by qt_desc / kt_desc (blocks [.., BLOCK_DT]; None when
+    BLOCK_DT = 0), e.g. 192 as 128 + 64 (tiles must be powers of two).
     MASK, LEFT, win_left, win_right, KLO, KHI: as the Triton forward's (tiles.MASK_*; KLO / KHI
     (Sq,) int32 global key bounds for MASK_ROWS, any pointer otherwise)."""
     gl.static_assert(num_warps == 4, "ws2: the default partition is one consumer warpgroup")
@@ -687,6 +734,12 @@ def _fwd_ws2(
     q_bufs = gl.allocate_shared_memory(dtype, [2] + q_desc.block_type.shape, q_desc.layout)
     k_bufs = _alloc_ring(k_desc, STAGES)
     v_bufs = _alloc_ring(v_desc, STAGES)
+    if BLOCK_DT > 0:  # the head dim's tail piece of Q and of each K stage
+        qt_bufs = gl.allocate_shared_memory(dtype, [2] + qt_desc.block_type.shape, qt_desc.layout)
+        kt_bufs = _alloc_ring(kt_desc, STAGES)
+    else:  # stand-ins, never read (warp_specialize's arguments cannot be None)
+        qt_bufs = q_bufs
+        kt_bufs = k_bufs
     q_bar = _alloc_bars(1)
     k_ready = _alloc_bars(STAGES)
     v_ready = _alloc_bars(STAGES)
@@ -699,6 +752,8 @@ def _fwd_ws2(
     consumer_args: gl.constexpr = (
         q_bufs,
         k_bufs,
+        qt_bufs,
+        kt_bufs,
         v_bufs,
         q_bar,
         k_ready,
@@ -737,6 +792,7 @@ def _fwd_ws2(
         qk_scale,
         HEAD_DIM,
         BLOCK_D,
+        BLOCK_DT,
         HEAD_DIM_V,
         BLOCK_DV,
         BLOCK_M,
@@ -758,9 +814,13 @@ def _fwd_ws2(
                     q_desc,
                     k_desc,
                     v_desc,
+                    qt_desc,
+                    kt_desc,
                     q_bufs,
                     k_bufs,
                     v_bufs,
+                    qt_bufs,
+                    kt_bufs,
                     q_bar,
                     k_ready,
                     v_ready,
@@ -774,8 +834,9 @@ def _fwd_ws2(
                     n,
                     BLOCK_M,
                     BLOCK_N,
+                    BLOCK_D,
+                    BLOCK_DT,
                     STAGES,
-                    2,
                 ),
             ),
         ],

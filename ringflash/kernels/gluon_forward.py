@@ -34,6 +34,7 @@ import torch
 from ..masks import CAUSAL
 from . import _block_d as padded_head_dim  # the tile width a head dim runs at (a power of two)
 from . import _tma_ok as _descriptor_aligned
+from . import head_dim_pieces
 from .launcher import launch, on_device
 from .plans import Plan, Plans, alias_pattern, tensor_key
 
@@ -101,13 +102,26 @@ class GluonConfig:
 # Variants by name -> {head_dim: config}. "default" is what forward() uses without `config`.
 # D=256 takes 64-key blocks: Q 64 KiB + 2 stages x (K + V) 128 KiB = 192 KiB, O alone 128
 # registers a thread.
-VARIANTS: dict[str, dict[int, GluonConfig]] = {
+VARIANTS: dict[str, dict[int | tuple[int, int], GluonConfig]] = {
     "ws2": {
         64: GluonConfig("ws2", 128, 128, 4, 3, 24, 168),
         128: GluonConfig("ws2", 128, 128, 4, 2, 24, 168),
         256: GluonConfig("ws2", 128, 64, 4, 2, 24, 168),
     },
-    "ws2_s3": {64: GluonConfig("ws2", 128, 128, 4, 4, 24, 168), 128: GluonConfig("ws2", 128, 128, 4, 3, 24, 168)},
+    # the deepest K/V rings that fit: 4 stages at D=64, 3 at 128, 2 at 256 (as ws2)...
+    "ws2_s3": {
+        64: GluonConfig("ws2", 128, 128, 4, 4, 24, 168),
+        128: GluonConfig("ws2", 128, 128, 4, 3, 24, 168),
+        256: GluonConfig("ws2", 128, 64, 4, 2, 24, 168),
+        # ...and where q/k's head dim runs in two pieces (head_dim_pieces), keyed (q/k's width,
+        # v's padded width), what the saved shared memory allows: 192 (and 160) beside v at 256
+        # a third 64-key stage (Q 48 KiB + 3 x (24 + 32) KiB); MLA's 192 beside 128 128-key
+        # blocks, whose registers are D=128's (S 128 keys, O 128 wide), 2 stages
+        # (48 + 2 x (48 + 32) KiB).
+        (192, 256): GluonConfig("ws2", 128, 64, 4, 3, 24, 168),
+        (160, 256): GluonConfig("ws2", 128, 64, 4, 3, 24, 168),
+        (192, 128): GluonConfig("ws2", 128, 128, 4, 2, 24, 168),
+    },
     # 64-key blocks: half the score registers (room for per-row document bounds at D=128) and
     # less of a short document's edge computed and masked
     "ws2_n64": {64: GluonConfig("ws2", 128, 64, 4, 6, 24, 168), 128: GluonConfig("ws2", 128, 64, 4, 5, 24, 168)},
@@ -117,23 +131,32 @@ HEAD_DIMS = (64, 128, 256)
 
 
 def config_for(head_dim: int, variant: str | None = None, head_dim_v: int | None = None) -> GluonConfig:
-    """The variant's config for a head dim (looked up by its padding: padded_head_dim); with v's
-    head dim apart, the larger one's (an upper bound on every tile, as the Triton kernels'
-    tables are looked up)."""
+    """The variant's config for a head dim: the entry for the widths the kernel runs (q/k's
+    pieces summed, v's padded: tile_widths) where the variant has one, else the padded larger
+    head dim's (an upper bound on every tile, as the Triton kernels' tables are looked up)."""
     by_d = VARIANTS[variant or DEFAULT_VARIANT]
+    widths = tile_widths(head_dim, head_dim_v)
+    if widths in by_d:
+        return by_d[widths]
     head_dim = max(head_dim, head_dim_v or 0)
     block_d = padded_head_dim(head_dim)
     if block_d not in by_d:
         raise Unsupported(
             f"head_dim {head_dim} not supported by the Gluon forward's {variant or DEFAULT_VARIANT!r} "
-            f"(head dims padded to one of {sorted(by_d)})"
+            f"(head dims padded to one of {sorted(d for d in by_d if isinstance(d, int))})"
         )
     return by_d[block_d]
 
 
+def tile_widths(head_dim: int, head_dim_v: int | None = None) -> tuple[int, int]:
+    """(q/k's columns, v's columns) as the kernel's tiles hold them: q/k's head dim in its
+    pieces (192: 128 + 64), v's padded to a power of two (v's default: q/k's head dim)."""
+    return sum(head_dim_pieces(head_dim)), padded_head_dim(head_dim if head_dim_v is None else head_dim_v)
+
+
 def shared_bytes(cfg: GluonConfig, head_dim: int, elem: int = 2, head_dim_v: int | None = None) -> int:
-    """Shared memory the tiles take (Q + STAGES x (K + V)) at these padded head dims (v's
-    default: q/k's), barriers excluded."""
+    """Shared memory the tiles take (Q + STAGES x (K + V)) at these tile widths (tile_widths;
+    v's default: q/k's), barriers excluded."""
     head_dim_v = head_dim if head_dim_v is None else head_dim_v
     return elem * (head_dim * (cfg.block_m + cfg.stages * cfg.block_n) + head_dim_v * cfg.stages * cfg.block_n)
 
@@ -202,9 +225,8 @@ def check_shapes(q, k, v, out_o, out_m, out_l, *, normalize, fold, cfg=None) -> 
                 f"{name} {dim} not supported by the Gluon forward (supported: up to {max(HEAD_DIMS)}, "
                 f"padded to one of {HEAD_DIMS})"
             )
-    if cfg is not None and shared_bytes(cfg, padded_head_dim(D), head_dim_v=padded_head_dim(Dv)) > (
-        HOPPER_SHARED_BYTES - 1024
-    ):
+    width, width_v = tile_widths(D, Dv)
+    if cfg is not None and shared_bytes(cfg, width, head_dim_v=width_v) > (HOPPER_SHARED_BYTES - 1024):
         raise Unsupported(f"config {cfg} needs too much shared memory at D={D}, Dv={Dv}")
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not _tma_ok(t):
@@ -312,7 +334,7 @@ def launch_plan(
 
     B, Sq, Hq, D = q.shape
     Dv = v.shape[3]
-    block_d, block_dv = padded_head_dim(D), padded_head_dim(Dv)
+    (block_d, block_dt), block_dv = head_dim_pieces(D), padded_head_dim(Dv)
     Sk, Hkv = k.shape[1], k.shape[2]
     q_start, k_start = int(q_start), int(k_start)
     # positions as the Triton kernels take them: below 2^30 (tiles.UNBOUNDED), so that a
@@ -325,6 +347,7 @@ def launch_plan(
     kwargs = dict(
         HEAD_DIM=D,
         BLOCK_D=block_d,
+        BLOCK_DT=block_dt,
         HEAD_DIM_V=Dv,
         BLOCK_DV=block_dv,
         BLOCK_M=cfg.block_m,
@@ -347,6 +370,8 @@ def launch_plan(
         _descriptor(q, cfg.q_rows, block_d),
         _descriptor(k, cfg.block_n, block_d),
         _descriptor(v, cfg.block_n, block_dv),
+        _descriptor(q, cfg.q_rows, block_dt) if block_dt else None,
+        _descriptor(k, cfg.block_n, block_dt) if block_dt else None,
         out_o,
         out_m,
         out_l,
