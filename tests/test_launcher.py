@@ -187,12 +187,12 @@ def test_head_dim_pieces_cover_each_head_dim_in_fewer_columns():
 
 
 def test_gluon_forward_pads_head_dims_to_its_tiles():
-    """Head dims under a tile width: q/k's in head_dim_pieces (96 -> 64 + 32 and 192 -> 128 + 64:
-    main descriptors and BLOCK_D, tail descriptors at BLOCK_DT; none for 128), v's padded (96 ->
-    128, 192 -> 256), HEAD_DIM the true width that O is stored to; the config is the tile
-    widths' (192 beside 256: a third K/V stage, which a padded 256 would not fit); widths that
-    do not pad to a tuned tile, or rows whose strides TMA cannot take, are Unsupported, naming
-    why (the caller then runs the Triton forward)."""
+    """Head dims under a tile width run in head_dim_pieces, q/k's and v's alike (96 -> 64 + 32,
+    192 -> 128 + 64; 128 whole): main descriptors and BLOCK_D / BLOCK_DV, tail descriptors
+    (None without a tail) and BLOCK_DT / BLOCK_DVT, HEAD_DIM the true width that O is stored to;
+    the config is the tile widths' (192: a third K/V stage, which a padded 256 would not fit);
+    widths that do not pad to a tuned tile, or rows whose strides TMA cannot take, are
+    Unsupported, naming why (the caller then runs the Triton forward)."""
     from ringflash.kernels import configs
     from ringflash.kernels import gluon_forward as gf
 
@@ -205,25 +205,24 @@ def test_gluon_forward_pads_head_dims_to_its_tiles():
         m = torch.zeros(1, H, 130)
         return q, k, k.clone(), torch.zeros(q.shape), m, m.clone()
 
-    cases = ((96, (64, 32), 128, 3), (192, (128, 64), 256, 3), (128, (128, 0), 128, 3))
-    for D, (main, tail), block_dv, stages in cases:
+    for D, (main, tail), stages in ((96, (64, 32), 3), (192, (128, 64), 3), (128, (128, 0), 3)):
         q, k, v, o, m, l = tensors(D)
-        cfg = gf.config_for(D, configs.GLUON_FWD[block_dv])
+        cfg = gf.config_for(D, configs.GLUON_FWD[gf.padded_head_dim(D)])
         assert cfg.stages == stages
-        assert gf.shared_bytes(cfg, main + tail, head_dim_v=block_dv) <= gf.HOPPER_SHARED_BYTES - 1024
+        assert gf.shared_bytes(cfg, main + tail) <= gf.HOPPER_SHARED_BYTES - 1024
         gf.check_shapes(q, k, v, o, m, l, normalize=False, fold=True, cfg=cfg)
         _, _, args, kwargs = gf.launch_plan(q, k, v, q_start=0, k_start=0, scale=0.1, out_o=o, out_m=m, out_l=l,
                                             normalize=False, fold=True, cfg=cfg)  # fmt: skip
-        widths = (kwargs["HEAD_DIM"], kwargs["BLOCK_D"], kwargs["BLOCK_DT"], kwargs["BLOCK_DV"])
-        assert widths == (D, main, tail, block_dv)
-        blocks = [[1, cfg.q_rows, 1, main], [1, cfg.block_n, 1, main], [1, cfg.block_n, 1, block_dv]]
+        widths = [kwargs[x] for x in ("HEAD_DIM", "BLOCK_D", "BLOCK_DT", "HEAD_DIM_V", "BLOCK_DV", "BLOCK_DVT")]
+        assert widths == [D, main, tail, D, main, tail]
+        blocks = [[1, cfg.q_rows, 1, main], [1, cfg.block_n, 1, main], [1, cfg.block_n, 1, main]]
         if tail:
-            blocks += [[1, cfg.q_rows, 1, tail], [1, cfg.block_n, 1, tail]]
+            blocks += [[1, cfg.q_rows, 1, tail], [1, cfg.block_n, 1, tail], [1, cfg.block_n, 1, tail]]
         else:
-            assert args[3:5] == (None, None)
-        assert [list(a.block_shape) for a in args[: len(blocks)]] == blocks
-        descriptors = args[:3] + (args[3:5] if tail else ())
-        assert all(list(a.shape) == list(t.shape) for a, t in zip(descriptors, (q, k, v, q, k)))  # true widths
+            assert args[3:6] == (None, None, None)
+        descriptors = args[: len(blocks)]
+        assert [list(a.block_shape) for a in descriptors] == blocks
+        assert all(list(a.shape) == list(t.shape) for a, t in zip(descriptors, (q, k, v) * 2))  # true widths
     with pytest.raises(gf.Unsupported, match="head_dim 320 not supported"):
         gf.check_shapes(*tensors(320), normalize=False, fold=True)
     with pytest.raises(gf.Unsupported, match="head_dim 12 not supported"):

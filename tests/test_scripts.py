@@ -144,11 +144,11 @@ def test_plot_scaling_picks_weak_and_strong_rows(tmp_path):
 def test_gluon_forward_compiles_for_hopper(tmp_path):
     """The Gluon forward variants the package uses (configs.GLUON_FWD, GLUON_FWD_DOCUMENTS)
     compile for sm_90a on this CPU machine: local causal (bf16), a sliding window, a ring step
-    (fold, float32 state, fp16), head dims 96 and 192 (q/k in two pieces: 64 + 32, 128 + 64)
-    and packed documents (per-row bounds, local and folded),
-    within the shared memory, a wgmma left in flight (wait_group 1), no spills except the few
-    bytes the 128-key tiles spill where a GPU measured them faster than the spill-free 64-key
-    ones: with per-row bounds (configs.GLUON_FWD_DOCUMENTS) at most ROWS_SPILL_BYTES, and MLA's
+    (fold, float32 state, fp16), head dims 96 and 192 (each in two pieces: 64 + 32, 128 + 64)
+    and packed documents (per-row bounds, local and folded), within the shared memory, a wgmma
+    left in flight (wait_group 1, or 2 behind v's two pieces), no spills except the few bytes
+    the 128-key tiles spill where a GPU measured them faster than the spill-free 64-key ones:
+    with per-row bounds (configs.GLUON_FWD_DOCUMENTS) at most ROWS_SPILL_BYTES, and MLA's
     192 / 128 (one register kept across the key loop, dense and causal: MLA_SPILL_BYTES; with a
     window, untimed, MLA_WINDOW_SPILL_BYTES), as when measured."""
     from ringflash.kernels.configs import GLUON_FWD, GLUON_FWD_DOCUMENTS
@@ -182,7 +182,7 @@ def test_gluon_forward_compiles_for_hopper(tmp_path):
             allowed = MLA_WINDOW_SPILL_BYTES if r["mask"] == "window" else MLA_SPILL_BYTES
         else:
             allowed = 0
-        assert r["spill_bytes"] <= allowed and r["sass_waits"].get("1", 0) > 0, r
+        assert r["spill_bytes"] <= allowed and any(int(n) > 0 for n in r["sass_waits"]), r
         assert all(p.startswith("spills") for p in r["problems"]), r
 
 

@@ -234,6 +234,7 @@ def _empty_state(BLOCK_M: gl.constexpr, BLOCK_D: gl.constexpr, s_layout: gl.cons
 @gluon.jit
 def _write_out(
     acc,
+    acc_t,
     m_i,
     l_i,
     O,
@@ -258,11 +259,14 @@ def _write_out(
     BLOCK_M: gl.constexpr,
     HEAD_DIM: gl.constexpr,
     BLOCK_D: gl.constexpr,
+    BLOCK_DT: gl.constexpr,
     s_layout: gl.constexpr,
     o_layout: gl.constexpr,
+    ot_layout: gl.constexpr,
 ):
-    """Store O (acc / l, or acc), M and L for the tile's valid rows and O's HEAD_DIM columns
-    (the tile's BLOCK_D columns past them are zero padding).
+    """Store O (acc / l, or acc), M and L for the tile's valid rows and O's HEAD_DIM columns:
+    acc holds the first BLOCK_D of them, acc_t (when BLOCK_DT > 0) the BLOCK_DT after those
+    (columns past HEAD_DIM are zero padding).
 
     HAS_STATE: (acc, m_i, l_i) covers this call's keys only; the incoming state in (O, M, L)
     is merged in here, which is the online softmax continued from it (up to rounding).
@@ -276,21 +280,10 @@ def _write_out(
     ok = rows < Sq
     m_ptrs = M + b.to(gl.int64) * stride_mb + h * stride_mh + rows * stride_ms
     l_ptrs = L + b.to(gl.int64) * stride_lb + h * stride_lh + rows * stride_ls
-    rows_o = off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, o_layout))
-    cols = gl.arange(0, BLOCK_D, layout=gl.SliceLayout(0, o_layout))
-    o_ptrs = (
-        O
-        + b.to(gl.int64) * stride_ob
-        + h.to(gl.int64) * stride_oh
-        + rows_o.to(gl.int64)[:, None] * stride_os
-        + cols[None, :]
-    )
-    o_mask = (rows_o < Sq)[:, None]
-    if HEAD_DIM != BLOCK_D:
-        o_mask = o_mask & (cols < HEAD_DIM)[None, :]
     if HAS_STATE and not NORMALIZE:
         ok = ok & seen
-        o_mask = o_mask & seen
+    a_in = None
+    a_new = None
     if HAS_STATE:
         m_in = gl.load(m_ptrs, mask=ok, other=float("-inf"))
         l_in = gl.load(l_ptrs, mask=ok, other=0.0)
@@ -300,6 +293,43 @@ def _write_out(
         a_new = gl.exp2(m_i - m_use)
         l_i = l_in * a_in + l_i * a_new
         m_i = m_new
+    _store_o(
+        acc, O, b, h, off_m, Sq, seen, a_in, a_new, l_i, stride_ob, stride_os, stride_oh, 0, NORMALIZE, HAS_STATE,
+        BLOCK_M, HEAD_DIM, BLOCK_D, o_layout,
+    )  # fmt: skip
+    if BLOCK_DT > 0:
+        _store_o(
+            acc_t, O, b, h, off_m, Sq, seen, a_in, a_new, l_i, stride_ob, stride_os, stride_oh, BLOCK_D, NORMALIZE,
+            HAS_STATE, BLOCK_M, HEAD_DIM, BLOCK_DT, ot_layout,
+        )  # fmt: skip
+    gl.store(m_ptrs, m_i, mask=ok)
+    gl.store(l_ptrs, l_i, mask=ok)
+
+
+@gluon.jit
+def _store_o(
+    acc, O, b, h, off_m, Sq, seen, a_in, a_new, l_i, stride_ob, stride_os, stride_oh, COL0: gl.constexpr,
+    NORMALIZE: gl.constexpr, HAS_STATE: gl.constexpr, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr,
+    WIDTH: gl.constexpr, o_layout: gl.constexpr,
+):  # fmt: skip
+    """_write_out's store of O's columns [COL0, COL0 + WIDTH) from acc (those past HEAD_DIM
+    not stored), merged with the incoming state's (a_in, a_new: its row factors) and
+    normalized by l_i as the flags say."""
+    rows_o = off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, o_layout))
+    cols = COL0 + gl.arange(0, WIDTH, layout=gl.SliceLayout(0, o_layout))
+    o_ptrs = (
+        O
+        + b.to(gl.int64) * stride_ob
+        + h.to(gl.int64) * stride_oh
+        + rows_o.to(gl.int64)[:, None] * stride_os
+        + cols[None, :]
+    )
+    o_mask = (rows_o < Sq)[:, None]
+    if COL0 + WIDTH > HEAD_DIM:
+        o_mask = o_mask & (cols < HEAD_DIM)[None, :]
+    if HAS_STATE and not NORMALIZE:
+        o_mask = o_mask & seen
+    if HAS_STATE:
         b_in = _rows(a_in, o_layout)[:, None]
         acc = acc * _rows(a_new, o_layout)[:, None]
         # an empty incoming row adds nothing, whatever its O holds
@@ -308,8 +338,6 @@ def _write_out(
         l_o = _rows(l_i, o_layout)
         acc = acc / gl.where(l_o == 0.0, 1.0, l_o)[:, None]  # empty rows: acc is 0
     gl.store(o_ptrs, acc.to(O.dtype.element_ty), mask=o_mask)
-    gl.store(m_ptrs, m_i, mask=ok)
-    gl.store(l_ptrs, l_i, mask=ok)
 
 
 @gluon.jit
@@ -395,7 +423,9 @@ def _overlap_loop(
     v_ready,
     k_empty,
     v_empty,
+    vt_bufs,
     acc,
+    acc_t,
     m_i,
     l_i,
     first_row,
@@ -421,12 +451,16 @@ def _overlap_loop(
     BLOCK_D: gl.constexpr,
     BLOCK_DT: gl.constexpr,
     BLOCK_DV: gl.constexpr,
+    BLOCK_DVT: gl.constexpr,
     s_layout: gl.constexpr,
     o_layout: gl.constexpr,
+    ot_layout: gl.constexpr,
 ):
     """The overlapped key loop over the n >= 1 blocks from key lo that the producer partition
-    streams into the rings; releases each stage through its empty barrier. Returns
-    (acc, m_i, l_i)."""
+    streams into the rings; releases each stage through its empty barrier. With BLOCK_DVT > 0
+    v's head dim runs in two pieces too (acc: its first BLOCK_DV columns, acc_t the BLOCK_DVT
+    after them, vt_bufs their V ring; else acc_t is None in and acc out). Returns
+    (acc, acc_t, m_i, l_i)."""
     dtype: gl.constexpr = q2.dtype
     s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
 
@@ -440,27 +474,43 @@ def _overlap_loop(
         KHI, MASK, LEFT, POSITIVE_SCALE, BLOCK_N,
     )  # fmt: skip
     acc = acc * _rows(alpha, o_layout)[:, None]
+    if BLOCK_DVT > 0:
+        acc_t = acc_t * _rows(alpha, ot_layout)[:, None]
     for j in range(1, n):
         _wait_stage(k_ready, j, STAGES)
         s_tok = _scores(q2, k_bufs, q2_tail, kt_bufs, j, s_zero, STAGES, BLOCK_N, BLOCK_D, BLOCK_DT)
         _wait_stage(v_ready, j - 1, STAGES)
         p_op = _p_operand(p, dtype, o_layout)
         acc_tok = warpgroup_mma(p_op, _kv_tile(v_bufs, j - 1, STAGES, BLOCK_N, BLOCK_DV), acc, is_async=True)
-        # groups complete in order: with one left in flight, QK^T(j) is done (both pieces'
-        # groups), PV(j-1) may not be
-        s = warpgroup_mma_wait(1, deps=(s_tok,))
+        # groups complete in order: with PV(j-1)'s one or two groups left in flight, QK^T(j)
+        # is done (both pieces' groups), PV(j-1) may not be
+        if BLOCK_DVT > 0:
+            acc_t_tok = warpgroup_mma(p_op, _kv_tile(vt_bufs, j - 1, STAGES, BLOCK_N, BLOCK_DVT), acc_t, is_async=True)
+            s = warpgroup_mma_wait(2, deps=(s_tok,))
+        else:
+            s = warpgroup_mma_wait(1, deps=(s_tok,))
         mbarrier.arrive(k_empty.index(j % STAGES))
         p, m_i, l_i, alpha = _softmax_step(
             s, m_i, l_i, first_row, lo + j * BLOCK_N, full_lo, full_hi, qk_scale, Sq, Sk, q_start, k_start,
             win_left, win_right, KLO, KHI, MASK, LEFT, POSITIVE_SCALE, BLOCK_N,
         )  # fmt: skip
-        acc, p_op = warpgroup_mma_wait(0, deps=(acc_tok, p_op))
+        if BLOCK_DVT > 0:
+            acc, acc_t, p_op = warpgroup_mma_wait(0, deps=(acc_tok, acc_t_tok, p_op))
+        else:
+            acc, p_op = warpgroup_mma_wait(0, deps=(acc_tok, p_op))
         mbarrier.arrive(v_empty.index((j - 1) % STAGES))
         # rescale only once PV(j-1) has landed in acc
         acc = acc * _rows(alpha, o_layout)[:, None]
+        if BLOCK_DVT > 0:
+            acc_t = acc_t * _rows(alpha, ot_layout)[:, None]
     _wait_stage(v_ready, n - 1, STAGES)
-    acc = warpgroup_mma(_p_operand(p, dtype, o_layout), _kv_tile(v_bufs, n - 1, STAGES, BLOCK_N, BLOCK_DV), acc)
-    return acc, m_i, l_i
+    p_op = _p_operand(p, dtype, o_layout)
+    acc = warpgroup_mma(p_op, _kv_tile(v_bufs, n - 1, STAGES, BLOCK_N, BLOCK_DV), acc)
+    if BLOCK_DVT > 0:
+        acc_t = warpgroup_mma(p_op, _kv_tile(vt_bufs, n - 1, STAGES, BLOCK_N, BLOCK_DVT), acc_t)
+    else:  # a jit function returns tensors only: acc stands in
+        acc_t = acc
+    return acc, acc_t, m_i, l_i
 
 
 # ----------------------------------------------------------------------------------------------
@@ -474,11 +524,13 @@ def _ws_producer(
     v_desc,
     qt_desc,
     kt_desc,
+    vt_desc,
     q_bufs,
     k_bufs,
     v_bufs,
     qt_bufs,
     kt_bufs,
+    vt_bufs,
     q_bar,
     k_ready,
     v_ready,
@@ -494,10 +546,13 @@ def _ws_producer(
     BLOCK_N: gl.constexpr,
     BLOCK_D: gl.constexpr,
     BLOCK_DT: gl.constexpr,
+    BLOCK_DV: gl.constexpr,
+    BLOCK_DVT: gl.constexpr,
     STAGES: gl.constexpr,
 ):
-    # Q's column offset of the head dim's tail piece (0: no tail)
+    # the column offsets of q/k's and v's tail pieces (0: no tail)
     TAIL_COL: gl.constexpr = BLOCK_D if BLOCK_DT > 0 else 0
+    TAIL_COL_V: gl.constexpr = BLOCK_DV if BLOCK_DVT > 0 else 0
     if n > 0:  # one Q buffer per consumer warpgroup (and one per tail piece), all on one barrier
         q_rows: gl.constexpr = BLOCK_M // 2
         if TAIL_COL > 0:
@@ -515,7 +570,7 @@ def _ws_producer(
         mbarrier.wait(k_empty.index(i % STAGES), ((i // STAGES) & 1) ^ 1)
         _load_kv(k_desc, k_bufs, k_ready, i, b, hk, lo, STAGES, BLOCK_N, kt_desc, kt_bufs, TAIL_COL)
         mbarrier.wait(v_empty.index(i % STAGES), ((i // STAGES) & 1) ^ 1)
-        _load_kv(v_desc, v_bufs, v_ready, i, b, hk, lo, STAGES, BLOCK_N)
+        _load_kv(v_desc, v_bufs, v_ready, i, b, hk, lo, STAGES, BLOCK_N, vt_desc, vt_bufs, TAIL_COL_V)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -532,6 +587,7 @@ def _ws2_consumer(
     qt_bufs,
     kt_bufs,
     v_bufs,
+    vt_bufs,
     q_bar,
     k_ready,
     v_ready,
@@ -572,6 +628,7 @@ def _ws2_consumer(
     BLOCK_DT: gl.constexpr,
     HEAD_DIM_V: gl.constexpr,
     BLOCK_DV: gl.constexpr,
+    BLOCK_DVT: gl.constexpr,
     BLOCK_M: gl.constexpr,
     BLOCK_N: gl.constexpr,
     STAGES: gl.constexpr,
@@ -584,10 +641,14 @@ def _ws2_consumer(
     ROWS: gl.constexpr = BLOCK_M // 2
     s_layout: gl.constexpr = _mma_layout(4, BLOCK_N)
     o_layout: gl.constexpr = _mma_layout(4, BLOCK_DV)
+    ot_layout: gl.constexpr = _mma_layout(4, BLOCK_DVT if BLOCK_DVT > 0 else BLOCK_DV)  # (unused without a tail)
     # the key blocks [lo, lo + n * BLOCK_N) are the whole tile's, as the producer's: both
     # warpgroups consume every block; the mask is this warpgroup's rows'
     my_m = off_m + WG * ROWS
     acc, m_i, l_i = _empty_state(ROWS, BLOCK_DV, s_layout, o_layout)
+    acc_t = None
+    if BLOCK_DVT > 0:
+        acc_t = gl.zeros([ROWS, BLOCK_DVT], gl.float32, ot_layout)
     if n > 0:
         if WG == 0:
             full_lo, full_hi = full_lo0, full_hi0
@@ -597,7 +658,7 @@ def _ws2_consumer(
         q_tail = None
         if BLOCK_DT > 0:
             q_tail = qt_bufs.index(WG).reshape([ROWS, BLOCK_DT])
-        acc, m_i, l_i = _overlap_loop(
+        acc, acc_loop_t, m_i, l_i = _overlap_loop(
             q_bufs.index(WG).reshape([ROWS, BLOCK_D]),
             k_bufs,
             q_tail,
@@ -607,7 +668,9 @@ def _ws2_consumer(
             v_ready,
             k_empty,
             v_empty,
+            vt_bufs,
             acc,
+            acc_t,
             m_i,
             l_i,
             my_m,
@@ -633,11 +696,16 @@ def _ws2_consumer(
             BLOCK_D,
             BLOCK_DT,
             BLOCK_DV,
+            BLOCK_DVT,
             s_layout,
             o_layout,
+            ot_layout,
         )
+        if BLOCK_DVT > 0:  # (a None acc_t cannot leave this runtime branch)
+            acc_t = acc_loop_t
     _write_out(
         acc,
+        acc_t,
         m_i,
         l_i,
         O,
@@ -662,8 +730,10 @@ def _ws2_consumer(
         ROWS,
         HEAD_DIM_V,
         BLOCK_DV,
+        BLOCK_DVT,
         s_layout,
         o_layout,
+        ot_layout,
     )
 
 
@@ -674,6 +744,7 @@ def _fwd_ws2(
     v_desc,
     qt_desc,
     kt_desc,
+    vt_desc,
     O,
     M,
     L,
@@ -702,6 +773,7 @@ def _fwd_ws2(
     BLOCK_DT: gl.constexpr,
     HEAD_DIM_V: gl.constexpr,
     BLOCK_DV: gl.constexpr,
+    BLOCK_DVT: gl.constexpr,
     BLOCK_M: gl.constexpr,
     BLOCK_N: gl.constexpr,
     STAGES: gl.constexpr,
@@ -740,6 +812,10 @@ def _fwd_ws2(
     else:  # stand-ins, never read (warp_specialize's arguments cannot be None)
         qt_bufs = q_bufs
         kt_bufs = k_bufs
+    if BLOCK_DVT > 0:  # v's tail piece of each V stage
+        vt_bufs = _alloc_ring(vt_desc, STAGES)
+    else:
+        vt_bufs = v_bufs
     q_bar = _alloc_bars(1)
     k_ready = _alloc_bars(STAGES)
     v_ready = _alloc_bars(STAGES)
@@ -755,6 +831,7 @@ def _fwd_ws2(
         qt_bufs,
         kt_bufs,
         v_bufs,
+        vt_bufs,
         q_bar,
         k_ready,
         v_ready,
@@ -795,6 +872,7 @@ def _fwd_ws2(
         BLOCK_DT,
         HEAD_DIM_V,
         BLOCK_DV,
+        BLOCK_DVT,
         BLOCK_M,
         BLOCK_N,
         STAGES,
@@ -816,11 +894,13 @@ def _fwd_ws2(
                     v_desc,
                     qt_desc,
                     kt_desc,
+                    vt_desc,
                     q_bufs,
                     k_bufs,
                     v_bufs,
                     qt_bufs,
                     kt_bufs,
+                    vt_bufs,
                     q_bar,
                     k_ready,
                     v_ready,
@@ -836,6 +916,8 @@ def _fwd_ws2(
                     BLOCK_N,
                     BLOCK_D,
                     BLOCK_DT,
+                    BLOCK_DV,
+                    BLOCK_DVT,
                     STAGES,
                 ),
             ),

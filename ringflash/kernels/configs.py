@@ -93,10 +93,11 @@ _DOCUMENTS = {"fwd": _FWD_DOCUMENTS, "dkdv": _DKDV_DOCUMENTS, "dq": _DQ_DOCUMENT
 # 1.11-1.13x, D=128 1.19-1.23x, D=256 2.7-3.0x; benchmarks/RESULTS.md). Used for blocks
 # without a key bias or dropout, dense, causal or windowed; packed documents (per-row bounds)
 # take GLUON_FWD_DOCUMENTS. Any other block, head dim or GPU takes the Triton kernel.
-# ws2_s3 has entries by tile widths for q/k head dims run in two pieces: forward at S=16K / 64K
-# (python -m benchmarks.bench_local --head-dims 192 [--v-head-dim 128]): MLA's 192 / 128 on
-# 128-key blocks 1.07-1.11x cuDNN (64-key blocks 0.95-1.03x, padded to 256 0.86-0.90x); 192
-# 0.88-0.92x (padded 0.82-0.85x); benchmarks/results/gluon_fwd_qk_pieces_h200.log.
+# ws2_s3 has entries by tile widths for head dims run in two pieces (kernels.head_dim_pieces),
+# forward (python -m benchmarks.bench_local --head-dims 192 96 [--v-head-dim 128]): MLA's 192 /
+# 128 on 128-key blocks 1.05-1.11x cuDNN (64-key blocks 0.95-1.03x, padded to 256 0.86-0.90x);
+# 192 in pieces 0.95-0.98x (padded to 256 0.82-0.85x), 96 1.12-1.21x (padded 1.02-1.05x);
+# benchmarks/results/gluon_fwd_pieces_h200.log, gluon_fwd_qk_pieces_h200.log.
 GLUON_FWD = {64: "ws2_s3", 128: "ws2_s3", 256: "ws2_s3"}
 # Packed documents (per-row bounds). The 128-key variants spill with per-row bounds (40 bytes
 # at D=128, 8 at D=256: python benchmarks/gluon_report.py --masks rows) and are still faster
