@@ -304,6 +304,37 @@ def _opaque(x):
 
 
 @gluon.jit
+def _mask_scores(
+    st, key_ragged, off_m, full_lo, full_hi, key_idx, q_idx, key_q_lo, key_q_hi, Sk, q_start, k_start, left,
+    BLOCK_M: gl.constexpr, CAUSAL: gl.constexpr, HAS_LEFT: gl.constexpr, ROWS: gl.constexpr,
+):  # fmt: skip
+    """S^T (keys key_idx x query rows q_idx of the block from off_m) with the pairs the mask hides
+    at -inf, computed only where the block is not whole: keys past Sk (key_ragged), or query
+    rows off [full_lo, full_hi) (ROWS: the rows every key of the block sees; a window's or
+    causal mask's edges). -inf scores give p = 0 (also against an offset of +inf)."""
+    if ROWS:
+        masked = key_ragged | (off_m < full_lo) | (off_m + BLOCK_M > full_hi)  # [full_lo, full_hi)
+    elif CAUSAL or HAS_LEFT:
+        masked = key_ragged | (off_m < full_lo) | (off_m + BLOCK_M - 1 > full_hi)  # the window's edges
+    else:
+        masked = key_ragged
+    if masked:
+        keys = _opaque(key_idx)
+        vis = (keys < Sk)[:, None] & (q_idx < BLOCK_M)[None, :]
+        if ROWS:
+            vis = vis & in_bounds((off_m + _opaque(q_idx))[None, :], key_q_lo[:, None], key_q_hi[:, None], True)
+        elif CAUSAL or HAS_LEFT:
+            q_pos = (q_start + off_m + _opaque(q_idx))[None, :]
+            k_pos = (k_start + keys)[:, None]
+            if CAUSAL:
+                vis = vis & (q_pos >= k_pos)
+            if HAS_LEFT:
+                vis = vis & (q_pos <= k_pos + left)
+        st = gl.where(vis, st, float("-inf"))
+    return st
+
+
+@gluon.jit
 def _store_grad(
     acc, base, row0, n_rows, stride_s, ACCUMULATE: gl.constexpr, ROWS: gl.constexpr, COLS: gl.constexpr,
     layout: gl.constexpr,
@@ -440,6 +471,8 @@ def _consumer(
         # dQ's padding columns are exactly 0 (K's read as zeros): the row-major adds put them on
         # the last pair of real columns (+0.0) instead of past the row; pairs stay pairs (D even)
         dq_cols = gl.where(dq_cols < HEAD_DIM, dq_cols, HEAD_DIM - 2 + dq_cols % 2)
+    key_q_lo = None  # (per-row bounds only)
+    key_q_hi = None
     if ROWS:
         # this warpgroup's keys: the local query rows each is seen by, for the whole loop;
         # [full_lo, full_hi): the rows that see all of them
@@ -472,26 +505,10 @@ def _consumer(
         offset = st_bufs.index(2 * s).load(gl.SliceLayout(0, s_layout))
         # groups complete in order: one left in flight means S^T is done, dP^T may not be
         st = warpgroup_mma_wait(1, deps=(st_tok,))
-        if ROWS:
-            masked = key_ragged | (off_m < full_lo) | (off_m + BLOCK_M > full_hi)  # [full_lo, full_hi)
-        elif CAUSAL or HAS_LEFT:
-            masked = key_ragged | (off_m < full_lo) | (off_m + BLOCK_M - 1 > full_hi)  # the window's edges
-        else:
-            masked = key_ragged
-        if masked:
-            # -inf scores give p = 0 (also against an offset of +inf); keys past Sk never count
-            keys = _opaque(key_idx)
-            vis = (keys < Sk)[:, None] & (q_idx < BLOCK_M)[None, :]
-            if ROWS:
-                vis = vis & in_bounds((off_m + _opaque(q_idx))[None, :], key_q_lo[:, None], key_q_hi[:, None], True)
-            elif CAUSAL or HAS_LEFT:
-                q_pos = (q_start + off_m + _opaque(q_idx))[None, :]
-                k_pos = (k_start + keys)[:, None]
-                if CAUSAL:
-                    vis = vis & (q_pos >= k_pos)
-                if HAS_LEFT:
-                    vis = vis & (q_pos <= k_pos + left)
-            st = gl.where(vis, st, float("-inf"))
+        st = _mask_scores(
+            st, key_ragged, off_m, full_lo, full_hi, key_idx, q_idx, key_q_lo, key_q_hi, Sk, q_start, k_start, left,
+            BLOCK_M, CAUSAL, HAS_LEFT, ROWS,
+        )  # fmt: skip
         pt = gl.exp2(gl.fma(st, qk_scale, -offset[None, :]))
         pt_op = gl.convert_layout(pt.to(dtype), op_layout)
         dv_tok = warpgroup_mma(pt_op, do_t, dv, is_async=True)
@@ -717,6 +734,8 @@ def _consumer_split_d(
     if HEAD_DIM != BLOCK_D:
         # as _consumer: the exact-zero padding columns add onto the last real pair
         dq_cols = gl.where(dq_cols < HEAD_DIM, dq_cols, HEAD_DIM - 2 + dq_cols % 2)
+    key_q_lo = None  # (per-row bounds only)
+    key_q_hi = None
     if ROWS:
         key_q_lo, key_q_hi = key_query_bounds(key_idx, Sq, Sk, q_start, k_start, 0, 0, QLO, QHI, MASK_ROWS)
         full_lo = rows_full_lo0  # (both halves hold all keys of the block)
@@ -738,25 +757,10 @@ def _consumer_split_d(
         dpt_tok = warpgroup_mma(v_all, do_wg.permute((1, 0)), s_zero, use_acc=False, is_async=True)
         offset = st_bufs.index(2 * s).slice(WG * QROWS, QROWS).load(gl.SliceLayout(0, s_layout))
         st = warpgroup_mma_wait(1, deps=(st_tok,))
-        if ROWS:
-            masked = key_ragged | (off_m < full_lo) | (off_m + BLOCK_M > full_hi)
-        elif CAUSAL or HAS_LEFT:
-            masked = key_ragged | (off_m < full_lo) | (off_m + BLOCK_M - 1 > full_hi)
-        else:
-            masked = key_ragged
-        if masked:
-            keys = _opaque(key_idx)
-            vis = (keys < Sk)[:, None] & (q_idx < BLOCK_M)[None, :]
-            if ROWS:
-                vis = vis & in_bounds((off_m + _opaque(q_idx))[None, :], key_q_lo[:, None], key_q_hi[:, None], True)
-            elif CAUSAL or HAS_LEFT:
-                q_pos = (q_start + off_m + _opaque(q_idx))[None, :]
-                k_pos = (k_start + keys)[:, None]
-                if CAUSAL:
-                    vis = vis & (q_pos >= k_pos)
-                if HAS_LEFT:
-                    vis = vis & (q_pos <= k_pos + left)
-            st = gl.where(vis, st, float("-inf"))
+        st = _mask_scores(
+            st, key_ragged, off_m, full_lo, full_hi, key_idx, q_idx, key_q_lo, key_q_hi, Sk, q_start, k_start, left,
+            BLOCK_M, CAUSAL, HAS_LEFT, ROWS,
+        )  # fmt: skip
         pt = gl.exp2(gl.fma(st, qk_scale, -offset[None, :]))
         delta = st_bufs.index(2 * s + 1).slice(WG * QROWS, QROWS).load(gl.SliceLayout(0, s_layout))
         dpt = warpgroup_mma_wait(0, deps=(dpt_tok,))
