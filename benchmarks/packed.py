@@ -11,8 +11,10 @@ TFLOP/s are counted over the visible (query, key) pairs only: 4 * H * D * pairs 
 last one cut to fit; numpy default_rng(seed)):
   longtail: log-uniform in [128, 32768] tokens;  short: log-uniform in [64, 2048] tokens;
   fixed:N (e.g. --mixes fixed:1024): documents of N tokens each (the last one shorter).
-The sliding-window row is causal with a window of W keys (window_size=(W - 1, 0)); its
-"predicted" time is the visible pairs at the dense causal kernel's rate at the same length.
+--v-head-dim sets v's head dim apart (MLA: --head-dim 192 --v-head-dim 128; FLOPs then count
+QK^T at D and PV at Dv). The sliding-window row is causal with a window of W keys
+(window_size=(W - 1, 0)); its "predicted" time is the visible pairs at the dense causal
+kernel's rate at the same length.
 """
 
 from __future__ import annotations
@@ -123,12 +125,13 @@ def flex_fns(T, H, device, dtype):
 
 def measure(args, device, dtype):
     H, D = args.heads, args.head_dim
+    Dv = args.v_head_dim or D
     rows = []
     flex = None
     for total in args.totals:
         g = torch.Generator(device=device).manual_seed(0)
-        mk = lambda: torch.randn(total, H, D, device=device, dtype=dtype, generator=g)  # noqa: E731
-        q, k, v, do = mk().requires_grad_(), mk().requires_grad_(), mk().requires_grad_(), mk()
+        mk = lambda d: torch.randn(total, H, d, device=device, dtype=dtype, generator=g)  # noqa: E731
+        q, k, v, do = mk(D).requires_grad_(), mk(D).requires_grad_(), mk(Dv).requires_grad_(), mk(Dv)
         # (1, H, T, D) copies for SDPA / Flex, made once outside the timings
         bhsd = [t.detach().permute(1, 0, 2)[None].contiguous().requires_grad_() for t in (q, k, v)]
         do_bhsd = do.permute(1, 0, 2)[None].contiguous()
@@ -142,7 +145,7 @@ def measure(args, device, dtype):
             cases.append((f"docs:{mix}", lengths, cu, causal_pairs(lengths)))
         for mode in args.modes:
             scale = 3.5 if mode == "fwd+bwd" else 1.0
-            flop = lambda pairs: 4 * H * D * pairs * scale  # noqa: E731
+            flop = lambda pairs: 2 * H * (D + Dv) * pairs * scale  # noqa: E731 (QK^T at D, PV at Dv)
             dense = step(
                 lambda: ringflash.flash_attn_func(q[None], k[None], v[None], causal=True), (q, k, v), do[None], mode
             )
@@ -274,6 +277,9 @@ def main():
     ap.add_argument("--window-totals", type=int, nargs="*", default=[65536])
     ap.add_argument("--heads", type=int, default=32)
     ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument(
+        "--v-head-dim", type=int, default=None, help="v's head dim (default: --head-dim), e.g. 128 beside 192"
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument(
         "--variants",
@@ -306,6 +312,7 @@ def main():
                 "torch": torch.__version__,
                 "heads": args.heads,
                 "head_dim": args.head_dim,
+                "v_head_dim": args.v_head_dim or args.head_dim,
                 "dtype": str(dtype),
                 "seed": args.seed,
                 "mixes": {m: MIXES.get(m, m) for m in args.mixes},
@@ -314,7 +321,7 @@ def main():
             "rows": rows,
         },
     )
-    print(f"\nvisible-pair TFLOP/s (H={args.heads}, D={args.head_dim}, {dtype})")
+    print(f"\nvisible-pair TFLOP/s (H={args.heads}, D={args.head_dim}, Dv={args.v_head_dim or args.head_dim}, {dtype})")
     print(
         f"{'case':>14} {'total':>6} {'mode':>8} {'impl':>14} {'ms':>9} {'TFLOP/s':>8} {'vs dense':>8} {'vs pred':>7} "
         f"{'keys/row':>8}"

@@ -61,6 +61,13 @@ def test_bench_packed_smoke(tmp_path):
     rows = json.loads((tmp_path / "p.json").read_text())["rows"]
     assert [r["case"] for r in rows] == ["dense causal", "docs:longtail", "docs:short", "window:32"]
     assert all(r["ms"] > 0 for r in rows) and "visible-pair TFLOP/s" in out
+    # v's head dim apart (MLA-style): FLOPs count PV at Dv, so the rate is (D + Dv) / 2D of the time's
+    out = run([sys.executable, "-m", "benchmarks.packed", "--smoke", "--v-head-dim", "8", "--json",
+               str(tmp_path / "v.json")], tmp_path)  # fmt: skip
+    got = json.loads((tmp_path / "v.json").read_text())
+    assert got["meta"]["v_head_dim"] == 8 and "Dv=8" in out
+    for r in got["rows"]:
+        assert r["tflops"] == pytest.approx(2 * 2 * (16 + 8) * r["pairs"] / r["ms"] / 1e9), r
 
 
 def test_bench_dropout_smoke(tmp_path):
