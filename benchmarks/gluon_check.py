@@ -6,7 +6,8 @@
 
 1. Compile report per variant (CPU side: registers, spills, shared memory, wgmma waits).
 2. Correctness against float64 on fresh random inputs, outputs poisoned with NaN first: ragged
-   shapes (1031, 777x2048, ...), causal and not, GQA 4/1 and 8/2, bf16 and fp16, D=64/128,
+   shapes (1031, 777x2048, ...), causal and not, GQA 4/1 and 8/2, bf16 and fp16, D=64/128 (any
+   head dim a variant runs with --head-dims, e.g. 96 and 192 in two pieces),
    positions far from 0, rows and tiles that see no key, strided views, and the ring-step
    (fold) mode against an unsplit run. PASS needs every error <= 2x the error of the plain
    same-dtype torch attention against float64 (with a floor of a few float32 ulps), no NaN,
@@ -49,6 +50,17 @@ F32_EPS = 2.0**-23
 # Cases
 
 
+def has_config(variant: str, D: int) -> bool:
+    """Whether the variant runs head dim D (its own entry, its tile widths' or its padding's)."""
+    from ringflash.kernels import gluon_forward as gf
+
+    try:
+        gf.config_for(D, variant)
+    except gf.Unsupported:
+        return False
+    return True
+
+
 def correctness_cases(variant: str, lite: bool, head_dims) -> list[dict]:
     """Correctness cases for one variant; `lite` keeps a smaller set (bf16 only)."""
     shapes = [  # (B, Sq, Sk, Hq, Hkv, D)
@@ -61,6 +73,8 @@ def correctness_cases(variant: str, lite: bool, head_dims) -> list[dict]:
         (1, 1, 300, 2, 1, 128),  # one query row
         (1, 1031, 1031, 4, 2, 256),  # D=256: only with --head-dims ... 256
         (1, 777, 2048, 4, 1, 256),
+        (2, 1031, 1031, 4, 1, 96),  # head dims in two pieces (64 + 32, 128 + 64): with --head-dims 96 192
+        (1, 777, 2048, 8, 2, 192),
     ]
     dtypes = ["bf16"] if lite else ["bf16", "fp16"]
     cases = []
@@ -68,16 +82,16 @@ def correctness_cases(variant: str, lite: bool, head_dims) -> list[dict]:
     from ringflash.kernels import gluon_forward as gf
 
     def add(**kw):
-        if kw["D"] in head_dims and kw["D"] in gf.VARIANTS[variant]:
+        if kw["D"] in head_dims and has_config(variant, kw["D"]):
             kw.setdefault("mode", "local")
             kw.setdefault("scale", kw["D"] ** -0.5)
             kw.setdefault("layout", "bshd")
             kw["variant"] = variant
-            kw["schedule"] = gf.VARIANTS[variant][kw["D"]].schedule
+            kw["schedule"] = gf.config_for(kw["D"], variant).schedule
             kw["id"] = f"{variant}:{len(cases)}"
             cases.append(kw)
 
-    for B, Sq, Sk, Hq, Hkv, D in shapes if not lite else shapes[:2] + shapes[3:5] + shapes[7:8]:
+    for B, Sq, Sk, Hq, Hkv, D in shapes if not lite else shapes[:2] + shapes[3:5] + shapes[7:8] + shapes[9:]:
         for causal in (False, True):
             for dt in dtypes:
                 add(
@@ -95,7 +109,7 @@ def correctness_cases(variant: str, lite: bool, head_dims) -> list[dict]:
     # per head dim, one case per property: (B, Sq, Sk, Hq, Hkv, D, causal, dtype, q_start, k_start), extras
     cols = ("B", "Sq", "Sk", "Hq", "Hkv", "D", "causal", "dtype", "q_start", "k_start")
     far = 10**6
-    for D in (64, 128, 256):
+    for D in sorted(set(head_dims)):
         table = [
             # positions far from 0 (bottom-right alignment shifted by 10^6)
             ((1, 777, 2048, 4, 2, D, True, "bf16", far + 2048 - 777, far), {}),
@@ -120,13 +134,12 @@ def correctness_cases(variant: str, lite: bool, head_dims) -> list[dict]:
 
 
 def timing_tasks(variants, head_dims, seqlens, heads, dtype) -> list[dict]:
-    from ringflash.kernels import gluon_forward as gf
 
     tasks = []
     for D in head_dims:
         for S in seqlens:
             for causal in (False, True):
-                gluon = [f"gluon:{v}" for v in variants if D in gf.VARIANTS[v]]
+                gluon = [f"gluon:{v}" for v in variants if has_config(v, D)]
                 for impl in ["sdpa_cudnn", "sdpa_flash", "triton"] + gluon:
                     tasks.append(
                         dict(
@@ -235,7 +248,7 @@ def run_correctness(c: dict, plan: list | None = None) -> dict:
     k = _rand((B, Sk, Hkv, D), dt, g, c["layout"], dev)
     v = _rand((B, Sk, Hkv, D), dt, g, c["layout"], dev)
     pos = dict(q_start=c["q_start"], causal=c["causal"], scale=c["scale"])
-    cfg = gf.VARIANTS[c["variant"]][D]
+    cfg = gf.config_for(D, c["variant"])
     mode = c["mode"]
 
     if plan is not None:
@@ -588,7 +601,7 @@ def precompile(cases, variants, head_dims, seqlens, heads, dtype, jobs) -> dict:
         run_correctness(c, plan=specs)
     contig = lambda shape, dt: (shape, tuple(torch.empty(shape, device="meta").stride()), dt)
     for v in variants:
-        for D in [d for d in head_dims if d in gf.VARIANTS[v]]:
+        for D in [d for d in head_dims if has_config(v, d)]:
             for S in sorted(set(seqlens)):
                 for causal in (False, True):
                     qkv = contig((1, S, heads, D), dtype)
@@ -621,9 +634,9 @@ def compile_reports(variants, head_dims) -> list[dict]:
 
     rows = []
     for v in variants:
-        for D in [d for d in head_dims if d in gf.VARIANTS[v]]:
+        for D in [d for d in head_dims if has_config(v, d)]:
             try:
-                r = gf.hopper_report(gf.VARIANTS[v][D], D, causal=True)
+                r = gf.hopper_report(gf.config_for(D, v), D, causal=True)
                 r["name"] = v
                 r["problems"] = gf.report_problems(r)
             except Exception as e:

@@ -193,6 +193,22 @@ def test_gluon_forward_compiles_for_hopper(tmp_path):
         assert all(p.startswith("spills") for p in r["problems"]), r
 
 
+def test_gluon_check_catches_a_wrong_forward_at_head_dims_in_pieces(tmp_path):
+    """benchmarks/gluon_check.py's correctness harness on the CPU (a float64 stand-in for the
+    kernel, --cpu-dry-run) at head dims the forward runs in two pieces: every case passes with
+    the right stand-in, and a stand-in that ignores the causal mask fails the causal ones."""
+    for mode, want_all in (("ok", True), ("bug", False)):
+        out = tmp_path / f"{mode}.json"
+        run([sys.executable, "benchmarks/gluon_check.py", "--cpu-dry-run", mode, "--quick", "--head-dims", "96", "192",
+             "--variants", "ws2_s3", "--skip-timing", "--jobs", "0", "--json", str(out)], tmp_path)  # fmt: skip
+        rows = json.loads(out.read_text())["correctness"]
+        assert {r["D"] for r in rows} == {96, 192} and len(rows) >= 10, rows
+        if want_all:
+            assert all(r["status"] == "PASS" for r in rows), [r for r in rows if r["status"] != "PASS"]
+        else:
+            assert all(r["status"] == "FAIL" for r in rows if r["causal"]), rows
+
+
 def test_gluon_backward_blocked_dq_layout():
     """The blocked float32 dQ of the Gluon backward (cfg.dq_blocked): the launcher's view inverts
     the kernel's offsets (_gluon_bwd._red_add_blocked), and its finish (one Triton launch, here
