@@ -114,11 +114,11 @@ VARIANTS: dict[str, dict[int | tuple[int, int], GluonConfig]] = {
         128: GluonConfig("ws2", 128, 128, 4, 3, 24, 168),
         256: GluonConfig("ws2", 128, 64, 4, 2, 24, 168),
         # ...and where a head dim runs in two pieces (head_dim_pieces), keyed by the tile widths
-        # (q/k's, v's), what the saved shared memory allows: 192 (and 160) a third 64-key stage
-        # (Q 48 KiB + 3 x (24 + 24) KiB); MLA's 192 beside 128 128-key blocks, whose registers
-        # are D=128's (S 128 keys, O 128 wide), 2 stages (48 + 2 x (48 + 32) KiB).
+        # (q/k's, v's), what the saved shared memory allows: 192 a third 64-key stage (Q 48 KiB
+        # + 3 x (24 + 24) KiB; with v still padded, no faster than two and no slower); MLA's 192 beside 128
+        # 128-key blocks, whose registers are D=128's (S 128 keys, O 128 wide), 2 stages
+        # (48 + 2 x (48 + 32) KiB). Other widths take their padded head dim's entry.
         (192, 192): GluonConfig("ws2", 128, 64, 4, 3, 24, 168),
-        (160, 160): GluonConfig("ws2", 128, 64, 4, 3, 24, 168),
         (192, 128): GluonConfig("ws2", 128, 128, 4, 2, 24, 168),
     },
     # 64-key blocks: half the score registers (room for per-row document bounds at D=128) and
@@ -130,9 +130,9 @@ HEAD_DIMS = (64, 128, 256)
 
 
 def config_for(head_dim: int, variant: str | None = None, head_dim_v: int | None = None) -> GluonConfig:
-    """The variant's config for a head dim: the entry for the widths the kernel runs (q/k's
-    pieces summed, v's padded: tile_widths) where the variant has one, else the padded larger
-    head dim's (an upper bound on every tile, as the Triton kernels' tables are looked up)."""
+    """The variant's config for a head dim: the entry for the widths the kernel's tiles hold
+    (tile_widths) where the variant has one, else the padded larger head dim's (an upper bound
+    on every tile, as the Triton kernels' tables are looked up)."""
     by_d = VARIANTS[variant or DEFAULT_VARIANT]
     widths = tile_widths(head_dim, head_dim_v)
     if widths in by_d:
