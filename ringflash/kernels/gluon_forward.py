@@ -115,9 +115,9 @@ VARIANTS: dict[str, dict[int | tuple[int, int], GluonConfig]] = {
         256: GluonConfig("ws2", 128, 64, 4, 2, 24, 168),
         # ...and where a head dim runs in two pieces (head_dim_pieces), keyed by the tile widths
         # (q/k's, v's), what the saved shared memory allows: 192 a third 64-key stage (Q 48 KiB
-        # + 3 x (24 + 24) KiB; with v still padded, no faster than two and no slower); MLA's 192 beside 128
-        # 128-key blocks, whose registers are D=128's (S 128 keys, O 128 wide), 2 stages
-        # (48 + 2 x (48 + 32) KiB). Other widths take their padded head dim's entry.
+        # + 3 x (24 + 24) KiB; with v still padded, no faster than two and no slower); MLA's 192
+        # beside 128 128-key blocks, whose registers are D=128's (S 128 keys, O 128 wide), 2
+        # stages (48 + 2 x (48 + 32) KiB). Other widths take their padded head dim's entry.
         (192, 192): GluonConfig("ws2", 128, 64, 4, 3, 24, 168),
         (192, 128): GluonConfig("ws2", 128, 128, 4, 2, 24, 168),
     },
