@@ -131,6 +131,28 @@ def timed_on_ranks(fn, *, iters, warmup, device):
     return ms.item()
 
 
+@contextlib.contextmanager
+def cuts_aligned(align: int):
+    """An experiment, not the package's behaviour: inside, balanced_layout cuts a document over
+    the ranks at multiples of `align` tokens from its start (balance._cuts' inner bounds
+    rounded; each piece then off an even split by up to align tokens), so that fewer kernel
+    tiles straddle two pieces. align=1: unchanged."""
+    if align <= 1:
+        yield
+        return
+    from ringflash import balance
+
+    plain = balance._cuts
+
+    def aligned(start, n, parts):
+        runs = plain(start, n, parts)
+        bounds = [start] + [start + min(n, align * round((b - start) / align)) for _, b in runs[:-1]] + [start + n]
+        return list(zip(bounds, bounds[1:]))
+
+    with mock.patch.object(balance, "_cuts", aligned):
+        yield
+
+
 def add_shape_args(ap):
     """The attention-shape options of the ring benchmarks."""
     ap.add_argument("--heads", type=int, default=32)

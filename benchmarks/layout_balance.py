@@ -25,7 +25,7 @@ import random
 import time
 from pathlib import Path
 
-from benchmarks.common import write_json
+from benchmarks.common import cuts_aligned, write_json
 from ringflash import balanced_layout
 
 MASKS = {  # name: (causal, window_size)
@@ -79,7 +79,8 @@ def table(args) -> list[dict]:
             runs = []
             for family in ("tail", "wide"):
                 for seed in range(args.mixes):
-                    L = balanced_layout(cu_of(mix(family, seed)), world, causal=causal, window_size=window_size)
+                    with cuts_aligned(args.align):
+                        L = balanced_layout(cu_of(mix(family, seed)), world, causal=causal, window_size=window_size)
                     runs.append({"family": family, "seed": seed, **measure(L)})
             worst = max(runs, key=lambda x: x["step"])
             rows.append(
@@ -116,6 +117,7 @@ def main(argv=None):
     ap.add_argument("--worlds", type=int, nargs="+", default=list(range(2, 17)))
     ap.add_argument("--masks", nargs="+", default=list(MASKS), choices=list(MASKS))
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--align", type=int, default=1, help="an experiment: cuts at multiples of it (common.cuts_aligned)")
     args = ap.parse_args(argv)
     rows = table(args)
     print(f"worst over {2 * args.mixes} mixes per row (tail and wide, {args.mixes} seeds each)")

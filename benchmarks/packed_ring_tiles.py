@@ -22,6 +22,8 @@ import torch
 
 import ringflash
 import ringflash.ring as ring_module
+from benchmarks.common import cuts_aligned
+from benchmarks.layout_balance import measure as balance_of
 from benchmarks.packed import document_lengths
 from benchmarks.packed_ring_replay import replay_rank
 from ringflash.masks import CAUSAL, document_bounds
@@ -74,6 +76,7 @@ def main():
     ap.add_argument("--block-m", type=int, default=64)
     ap.add_argument("--block-n", type=int, default=128)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--align", type=int, default=1, help="an experiment: cuts at multiples of it (common.cuts_aligned)")
     args = ap.parse_args()
     for total in args.totals:
         lengths = document_lengths("longtail", total, args.seed)
@@ -84,7 +87,13 @@ def main():
         print(f"S={total} docs={len(lengths)} one GPU: covered / visible {single / single_vis:.3f}")
         q, k, v, do = (torch.zeros(total, 1, args.head_dim) for _ in range(4))
         for world in args.worlds:
-            layout = ringflash.balanced_layout(cu_list, world, causal=True)
+            with cuts_aligned(args.align):
+                layout = ringflash.balanced_layout(cu_list, world, causal=True)
+            bal = balance_of(layout)
+            print(
+                f"  P={world} balance: worst step max/mean {bal['step']:.3f}, ring time over an even split "
+                f"{bal['time']:.3f} (visible pairs)"
+            )
             for rank in range(world):
                 c, vis = rank_pairs(q, k, v, do, cu, layout, rank, world, args.block_m, args.block_n)
                 print(

@@ -31,6 +31,35 @@ def test_packed_ring_tiles_counts(tmp_path):
     assert single >= 1.0 and len(ranks) == 2 and all(r >= 1.0 for r in ranks), out
 
 
+def test_cuts_aligned_experiment_keeps_every_token_once():
+    """benchmarks.common.cuts_aligned (the aligned-cuts experiment of packed_ring_tiles /
+    packed_ring_replay / layout_balance --align): inside, a document cut over the ranks is cut
+    at multiples of the alignment from its start, every token is still held by exactly one
+    rank, and balance's own cuts are back afterwards."""
+    import ringflash
+    from benchmarks.common import cuts_aligned
+    from ringflash import balance
+
+    cu, world, align = [0, 300, 20000, 20100, 65536], 4, 128
+    plain = ringflash.balanced_layout(cu, world)
+    before = balance._cuts
+    with cuts_aligned(align):
+        aligned = ringflash.balanced_layout(cu, world)
+    assert balance._cuts is before and ringflash.balanced_layout(cu, world) == plain
+    held = sorted(int(p) for r in range(world) for p in aligned.positions(r))
+    assert held == list(range(cu[-1]))
+    starts = dict(zip(range(len(cu) - 1), cu))
+    cut_docs = {s.doc for r in range(world) for s in aligned.segments(r) if s.length < cu[s.doc + 1] - cu[s.doc]}
+    assert cut_docs, aligned
+    for r in range(world):
+        for s in aligned.segments(r):
+            if s.doc in cut_docs:
+                end = s.global_start + s.length
+                assert (s.global_start - starts[s.doc]) % align == 0 or s.global_start == starts[s.doc]
+                assert (end - starts[s.doc]) % align == 0 or end == cu[s.doc + 1], (s, aligned)
+    assert aligned != plain
+
+
 def test_bench_ring_smoke_on_gloo(tmp_path):
     out = run(TWO_RANKS + ["-m", "benchmarks.bench_ring", "--smoke", "--json", str(tmp_path / "r.json")], tmp_path)
     data = json.loads((tmp_path / "r.json").read_text())
