@@ -28,10 +28,11 @@ def _block_d(head_dim: int) -> int:
 
 
 def head_dim_pieces(head_dim: int) -> tuple[int, int]:
-    """(main, tail): q/k's head dim as the Gluon forward's QK^T runs it, a power-of-two piece and
-    a smaller power-of-two tail (0: none), when the two cover fewer columns than _block_d's one
-    tile: 192 -> (128, 64), 96 -> (64, 32), 80 -> (64, 16); 128 -> (128, 0), 224 -> (256, 0).
-    Tiles must be powers of two; the tail's columns past head_dim are read as zeros."""
+    """(main, tail): a head dim (q/k's or v's) as the Gluon forward's tiles hold it, a
+    power-of-two piece and a smaller power-of-two tail (0: none), when the two cover fewer
+    columns than _block_d's one tile: 192 -> (128, 64), 96 -> (64, 32), 80 -> (64, 16);
+    128 -> (128, 0), 224 -> (256, 0). Tiles must be powers of two; the tail's columns past
+    head_dim are read as zeros."""
     padded = _block_d(head_dim)
     main = padded // 2
     tail = _block_d(head_dim - main) if head_dim > main else 0

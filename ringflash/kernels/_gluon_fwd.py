@@ -13,10 +13,11 @@ against 594-602 at D=128, 16K; benchmarks/NOTES.md) and were removed.
 Tensors: q (B, Sq, Hq, D), k (B, Sk, Hkv, D) and v (B, Sk, Hkv, Dv), bf16 or fp16, as 4-D TMA
 descriptors with blocks [1, BLOCK_M or BLOCK_N, 1, BLOCK_D or BLOCK_DV], BLOCK_D the head dim D
 (HEAD_DIM) padded to a power of two, BLOCK_DV v's Dv (HEAD_DIM_V) likewise (rows past the end
-and columns past D or Dv read as zeros, never the next batch or head). A D between two powers
-of two may run as two pieces instead (kernels.head_dim_pieces: 192 as BLOCK_D = 128 plus
-BLOCK_DT = 64 columns, by descriptors of their own), QK^T one wgmma per piece into the same
-scores: fewer zero columns multiplied, and less shared memory per stage. O (B, Sq, Hq, Dv) any
+and columns past D or Dv read as zeros, never the next batch or head). A D or Dv between two
+powers of two may run as two pieces instead (kernels.head_dim_pieces: 192 as BLOCK_D = 128 plus
+BLOCK_DT = 64 columns, Dv likewise as BLOCK_DV plus BLOCK_DVT, by descriptors of their own):
+QK^T one wgmma per q/k piece into the same scores, PV one per v piece into its own O
+accumulator; fewer zero columns multiplied, and less shared memory per stage. O (B, Sq, Hq, Dv) any
 dtype (float32 when HAS_STATE), M and L (B, Hq, Sq) float32, by pointers.
 
 State per query row, softmax in base 2 (qk_scale = scale * log2(e)):
@@ -792,7 +793,8 @@ def _fwd_ws2(
     descriptors read the padding columns as zeros); num_warps = 4. With BLOCK_DT > 0, q/k's
     head dim runs in two pieces: BLOCK_D columns by q_desc / k_desc and the BLOCK_DT columns
     from column BLOCK_D on by qt_desc / kt_desc (blocks [.., BLOCK_DT]; None when
-    BLOCK_DT = 0), e.g. 192 as 128 + 64 (tiles must be powers of two).
+    BLOCK_DT = 0), e.g. 192 as 128 + 64 (tiles must be powers of two); v's likewise with
+    BLOCK_DVT and vt_desc (from column BLOCK_DV on).
     MASK, LEFT, win_left, win_right, KLO, KHI: as the Triton forward's (tiles.MASK_*; KLO / KHI
     (Sq,) int32 global key bounds for MASK_ROWS, any pointer otherwise)."""
     gl.static_assert(num_warps == 4, "ws2: the default partition is one consumer warpgroup")
