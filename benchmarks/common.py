@@ -132,11 +132,13 @@ def timed_on_ranks(fn, *, iters, warmup, device):
 
 
 @contextlib.contextmanager
-def cuts_aligned(align: int):
+def cuts_aligned(align: int, min_piece: int = 0):
     """An experiment, not the package's behaviour: inside, balanced_layout cuts a document over
     the ranks at multiples of `align` tokens from its start (balance._cuts' inner bounds
     rounded; each piece then off an even split by up to align tokens), so that fewer kernel
-    tiles straddle two pieces. align=1: unchanged."""
+    tiles straddle two pieces. min_piece: only where the even pieces (n / parts: a causal
+    document's zigzag chunk, n / 2P) are at least this many tokens long; shorter ones keep
+    their exact cuts. align=1: unchanged."""
     if align <= 1:
         yield
         return
@@ -146,6 +148,8 @@ def cuts_aligned(align: int):
 
     def aligned(start, n, parts):
         runs = plain(start, n, parts)
+        if n < min_piece * parts:  # short pieces: rounding by up to align would unbalance them
+            return runs
         bounds = [start] + [start + min(n, align * round((b - start) / align)) for _, b in runs[:-1]] + [start + n]
         return list(zip(bounds, bounds[1:]))
 

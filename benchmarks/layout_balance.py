@@ -79,7 +79,7 @@ def table(args) -> list[dict]:
             runs = []
             for family in ("tail", "wide"):
                 for seed in range(args.mixes):
-                    with cuts_aligned(args.align):
+                    with cuts_aligned(args.align, args.align_min_piece):
                         L = balanced_layout(cu_of(mix(family, seed)), world, causal=causal, window_size=window_size)
                     runs.append({"family": family, "seed": seed, **measure(L)})
             worst = max(runs, key=lambda x: x["step"])
@@ -118,6 +118,12 @@ def main(argv=None):
     ap.add_argument("--masks", nargs="+", default=list(MASKS), choices=list(MASKS))
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--align", type=int, default=1, help="an experiment: cuts at multiples of it (common.cuts_aligned)")
+    ap.add_argument(
+        "--align-min-piece",
+        type=int,
+        default=0,
+        help="with --align: round only cuts of documents whose even pieces are at least this many tokens",
+    )
     args = ap.parse_args(argv)
     rows = table(args)
     print(f"worst over {2 * args.mixes} mixes per row (tail and wide, {args.mixes} seeds each)")

@@ -138,7 +138,7 @@ def measure_total(args, device, dtype, total, documents_backward):
             print_kernel_times(single_kernels, f"[{documents_backward}] one GPU / {world}", per=world)
     variants = itertools.product(args.worlds, args.own_call_work_log2 or [None], args.grad_chunks or [None])
     for world, own_log2, chunks in variants:
-        with cuts_aligned(args.align):
+        with cuts_aligned(args.align, args.align_min_piece):
             layout = ringflash.balanced_layout(cu_list, world, causal=True, window_size=window)
         own = ringflash.balance.OWN_CALL_WORK if own_log2 is None else 2.0**own_log2
         with mock.patch("ringflash.balance.OWN_CALL_WORK", own):
@@ -215,6 +215,12 @@ def main():
     ap.add_argument("--window", type=int, default=None, help="a causal window of this many keys")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--align", type=int, default=1, help="an experiment: cuts at multiples of it (common.cuts_aligned)")
+    ap.add_argument(
+        "--align-min-piece",
+        type=int,
+        default=0,
+        help="with --align: round only cuts of documents whose even pieces are at least this many tokens",
+    )
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--calls", type=int, default=1, help="calls in a row per timing (see the docstring)")
     ap.add_argument(

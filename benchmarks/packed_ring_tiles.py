@@ -77,6 +77,12 @@ def main():
     ap.add_argument("--block-n", type=int, default=128)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--align", type=int, default=1, help="an experiment: cuts at multiples of it (common.cuts_aligned)")
+    ap.add_argument(
+        "--align-min-piece",
+        type=int,
+        default=0,
+        help="with --align: round only cuts of documents whose even pieces are at least this many tokens",
+    )
     args = ap.parse_args()
     for total in args.totals:
         lengths = document_lengths("longtail", total, args.seed)
@@ -87,7 +93,7 @@ def main():
         print(f"S={total} docs={len(lengths)} one GPU: covered / visible {single / single_vis:.3f}")
         q, k, v, do = (torch.zeros(total, 1, args.head_dim) for _ in range(4))
         for world in args.worlds:
-            with cuts_aligned(args.align):
+            with cuts_aligned(args.align, args.align_min_piece):
                 layout = ringflash.balanced_layout(cu_list, world, causal=True)
             bal = balance_of(layout)
             print(

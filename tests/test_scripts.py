@@ -60,6 +60,27 @@ def test_cuts_aligned_experiment_keeps_every_token_once():
     assert aligned != plain
 
 
+def test_cuts_aligned_min_piece_keeps_short_documents_exact():
+    """cuts_aligned(align, min_piece): a document whose even pieces (causal: its 2P zigzag
+    chunks) are shorter than min_piece keeps balance's own cuts, a longer one is rounded."""
+    import ringflash
+    from benchmarks.common import cuts_aligned
+
+    cu, world, align = [0, 300, 20000, 20100, 65536], 4, 128  # chunks: doc 1 ~2462, doc 3 ~5679
+    plain = ringflash.balanced_layout(cu, world, causal=True)
+    with cuts_aligned(align, min_piece=4096):
+        mixed = ringflash.balanced_layout(cu, world, causal=True)
+    with cuts_aligned(align, min_piece=8192):  # no piece that long: nothing rounded
+        assert ringflash.balanced_layout(cu, world, causal=True) == plain
+
+    def runs(layout, doc):
+        return sorted((s.global_start, s.length) for r in range(world) for s in layout.segments(r) if s.doc == doc)
+
+    assert runs(mixed, 1) == runs(plain, 1)
+    assert runs(mixed, 3) != runs(plain, 3)
+    assert all((start - cu[3]) % align == 0 for start, _ in runs(mixed, 3))
+
+
 def test_bench_ring_smoke_on_gloo(tmp_path):
     out = run(TWO_RANKS + ["-m", "benchmarks.bench_ring", "--smoke", "--json", str(tmp_path / "r.json")], tmp_path)
     data = json.loads((tmp_path / "r.json").read_text())
