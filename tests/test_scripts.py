@@ -551,3 +551,29 @@ def test_profile_packed_callers_name_the_autograd_node():
         (x[0] * 2).sum().backward()
     chains = [chain for chain, us in callers(prof, cuda=False)]
     assert any(c.startswith("aten::zero_ <") and "SelectBackward0" in c for c in chains), chains
+
+
+def test_kernel_counters_reads_ncu_raw_csv(tmp_path):
+    """kernel_counters' reading of ncu's raw page: units scaled, stall reasons largest first."""
+    from benchmarks.kernel_counters import format_row, read_raw, summarize
+
+    names = [
+        "Kernel Name",
+        "gpu__time_duration.sum",
+        "gpc__cycles_elapsed.avg.per_second",
+        "sm__throughput.avg.pct_of_peak_sustained_elapsed",
+        "sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_elapsed",
+        "smsp__issue_active.avg.pct_of_peak_sustained_active",
+        "smsp__average_warps_issue_stalled_barrier_per_issue_active.ratio",
+        "smsp__average_warps_issue_stalled_wait_per_issue_active.ratio",
+        "smsp__average_warps_issue_stalled_long_scoreboard_per_issue_active.ratio",
+    ]
+    units = ["", "ms", "Ghz", "%", "%", "%", "", "", ""]
+    row = ["_fwd_ws2", "6.5", "1.7", "75", "74.5", "36", "3.2", "1.7", "0.8"]
+    path = tmp_path / "raw.csv"
+    path.write_text("\n".join(",".join(f'"{x}"' for x in r) for r in (names, units, row)) + "\n")
+    ((name, d, u),) = read_raw(path)
+    s = summarize(name, d, u)
+    assert (s["us"], s["mhz"], s["tensor_pct"], s["issue_pct"]) == (6500.0, 1700.0, 74.5, 36.0)
+    assert [k for k, _ in s["stalls"]] == ["barrier", "wait", "long_scoreboard"]
+    assert "6500.0 us" in format_row("t", s)
