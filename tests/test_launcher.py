@@ -231,6 +231,35 @@ def test_gluon_forward_pads_head_dims_to_its_tiles():
         gf.check_shapes(*tensors(100), normalize=False, fold=True)
 
 
+def test_gluon_forward_persistent_plan():
+    """A persistent config launches a 1-D grid of min(tiles, max_programs or one per
+    multiprocessor) programs with PERSISTENT set and the tile count as an argument; packed
+    documents (per-row bounds, reduced before the partitions split) keep one tile a program."""
+    from ringflash.kernels import gluon_forward as gf
+    from ringflash.masks import RowBounds
+
+    if not gf.HAS_GLUON:
+        pytest.skip(f"Gluon not importable: {gf.GLUON_ERROR}")
+    B, S, H = 2, 1031, 4
+    q = torch.zeros(B, S, H, 128, dtype=torch.bfloat16)
+    k = torch.zeros(B, S, 1, 128, dtype=torch.bfloat16)
+    o, m = torch.zeros(q.shape, dtype=torch.bfloat16), torch.zeros(B, H, S)
+    tiles = gf.triton_cdiv(S, 128) * B * H  # 72
+    common = dict(q_start=0, k_start=0, scale=0.1, out_o=o, out_m=m, out_l=m.clone(), normalize=True, fold=False)
+    for variant, programs in (("ws2_s3", None), ("ws2_p", min(tiles, gf.multiprocessors(q.device))), ("ws2_p7", 7)):
+        cfg = gf.config_for(128, variant)
+        _, grid, args, kwargs = gf.launch_plan(q, k, k.clone(), causal=True, cfg=cfg, **common)
+        assert kwargs["PERSISTENT"] == (programs is not None)
+        assert grid == ((programs,) if programs else (gf.triton_cdiv(S, 128), B * H))
+        assert tiles in [a for a in args if type(a) is int]
+    lo = torch.zeros(S, dtype=torch.int32)  # one causal document
+    bounds = RowBounds(lo, torch.arange(1, S + 1, dtype=torch.int32), torch.arange(S, dtype=torch.int32), lo + S)
+    one = {**common, "out_o": o[:1], "out_m": m[:1], "out_l": m[:1].clone()}
+    _, grid, _, kwargs = gf.launch_plan(q[:1], k[:1], k[:1].clone(), cfg=gf.config_for(128, "ws2_p"), bounds=bounds,
+                                        **one)  # fmt: skip
+    assert not kwargs["PERSISTENT"] and grid == (gf.triton_cdiv(S, 128), H)
+
+
 def test_gluon_backward_takes_v_head_dim_apart_only_split():
     """The fused backward's launcher with v's head dim apart from q/k's (MLA: 192 and 128; and
     the mirror): the head-dim split variant for the larger padded width takes it, with the

@@ -108,6 +108,22 @@ def _tile_key_range(
     return lo, n, full_lo0, full_hi0, full_lo1, full_hi1
 
 
+@gluon.jit
+def _tile_plan(
+    t, num_m, Hq, group, Sq, Sk, q_start, k_start, win_left, win_right, KLO, KHI, MASK: gl.constexpr,
+    LEFT: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, num_warps: gl.constexpr,
+):  # fmt: skip
+    """A persistent program's t-th tile (query tile t % num_m of batch-and-head t // num_m):
+    (b, h, hk, off_m) as _tile's, then _tile_key_range's (lo, n, full_lo0, full_hi0,
+    full_lo1, full_hi1). Each partition computes it for itself (windows only: a few scalar
+    operations, no loads)."""
+    b, h, hk, off_m = _tile(t % num_m, t // num_m, num_m, Hq, group, MASK != MASK_NONE, BLOCK_M)
+    lo, n, full_lo0, full_hi0, full_lo1, full_hi1 = _tile_key_range(
+        off_m, Sq, Sk, q_start, k_start, win_left, win_right, KLO, KHI, MASK, LEFT, BLOCK_M, BLOCK_N, num_warps
+    )
+    return b, h, hk, off_m, lo, n, full_lo0, full_hi0, full_lo1, full_hi1
+
+
 # ----------------------------------------------------------------------------------------------
 # Shared pieces. Reductions and cdiv are written here rather than taken from gl.max / gl.sum /
 # gl.cdiv: those wrap triton.language.standard, whose helpers become interpreter objects when
@@ -146,14 +162,12 @@ def _mma_layout(num_warps, n):
 
 
 @gluon.jit
-def _tile(Hq, group, REVERSE: gl.constexpr, BLOCK_M: gl.constexpr):
-    """(b, h, hk, off_m) of this program: batch, q head, kv head, first row of the query tile.
-    REVERSE (masked attention, causal above all): later query tiles see more keys, so they are
-    launched first and the tail is short."""
-    pid_m = gl.program_id(0)
+def _tile(pid_m, pid_bh, num_m, Hq, group, REVERSE: gl.constexpr, BLOCK_M: gl.constexpr):
+    """(b, h, hk, off_m) of query tile pid_m (of num_m) of batch-and-head pid_bh: batch, q head,
+    kv head, first row of the tile. REVERSE (masked attention, causal above all): later query
+    tiles see more keys, so they are taken first and the tail is short."""
     if REVERSE:
-        pid_m = gl.num_programs(0) - 1 - pid_m
-    pid_bh = gl.program_id(1)
+        pid_m = num_m - 1 - pid_m
     b = pid_bh // Hq
     h = pid_bh % Hq
     return b, h, h // group, pid_m * BLOCK_M
@@ -432,6 +446,7 @@ def _overlap_loop(
     first_row,
     lo,
     n,
+    it,
     full_lo,
     full_hi,
     qk_scale,
@@ -458,7 +473,9 @@ def _overlap_loop(
     ot_layout: gl.constexpr,
 ):
     """The overlapped key loop over the n >= 1 blocks from key lo that the producer partition
-    streams into the rings; releases each stage through its empty barrier. With BLOCK_DVT > 0
+    streams into the rings, after the `it` blocks this program took before (a persistent
+    program's earlier tiles: the rings' stages and phases run on); releases each stage through
+    its empty barrier. With BLOCK_DVT > 0
     v's head dim runs in two pieces too (acc: its first BLOCK_DV columns, acc_t the BLOCK_DVT
     after them, vt_bufs their V ring; else acc_t is None in and acc out). Returns
     (acc, acc_t, m_i, l_i)."""
@@ -466,10 +483,10 @@ def _overlap_loop(
     s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
 
     # block 0: scores only
-    _wait_stage(k_ready, 0, STAGES)
-    s_tok = _scores(q2, k_bufs, q2_tail, kt_bufs, 0, s_zero, STAGES, BLOCK_N, BLOCK_D, BLOCK_DT)
+    _wait_stage(k_ready, it, STAGES)
+    s_tok = _scores(q2, k_bufs, q2_tail, kt_bufs, it, s_zero, STAGES, BLOCK_N, BLOCK_D, BLOCK_DT)
     s = warpgroup_mma_wait(0, deps=(s_tok,))
-    mbarrier.arrive(k_empty.index(0))
+    mbarrier.arrive(k_empty.index(it % STAGES))
     p, m_i, l_i, alpha = _softmax_step(
         s, m_i, l_i, first_row, lo, full_lo, full_hi, qk_scale, Sq, Sk, q_start, k_start, win_left, win_right, KLO,
         KHI, MASK, LEFT, POSITIVE_SCALE, BLOCK_N,
@@ -478,19 +495,20 @@ def _overlap_loop(
     if BLOCK_DVT > 0:
         acc_t = acc_t * _rows(alpha, ot_layout)[:, None]
     for j in range(1, n):
-        _wait_stage(k_ready, j, STAGES)
-        s_tok = _scores(q2, k_bufs, q2_tail, kt_bufs, j, s_zero, STAGES, BLOCK_N, BLOCK_D, BLOCK_DT)
-        _wait_stage(v_ready, j - 1, STAGES)
+        _wait_stage(k_ready, it + j, STAGES)
+        s_tok = _scores(q2, k_bufs, q2_tail, kt_bufs, it + j, s_zero, STAGES, BLOCK_N, BLOCK_D, BLOCK_DT)
+        prev = it + j - 1  # the block whose PV is issued now
+        _wait_stage(v_ready, prev, STAGES)
         p_op = _p_operand(p, dtype, o_layout)
-        acc_tok = warpgroup_mma(p_op, _kv_tile(v_bufs, j - 1, STAGES, BLOCK_N, BLOCK_DV), acc, is_async=True)
+        acc_tok = warpgroup_mma(p_op, _kv_tile(v_bufs, prev, STAGES, BLOCK_N, BLOCK_DV), acc, is_async=True)
         # groups complete in order: with PV(j-1)'s one or two groups left in flight, QK^T(j)
         # is done (both pieces' groups), PV(j-1) may not be
         if BLOCK_DVT > 0:
-            acc_t_tok = warpgroup_mma(p_op, _kv_tile(vt_bufs, j - 1, STAGES, BLOCK_N, BLOCK_DVT), acc_t, is_async=True)
+            acc_t_tok = warpgroup_mma(p_op, _kv_tile(vt_bufs, prev, STAGES, BLOCK_N, BLOCK_DVT), acc_t, is_async=True)
             s = warpgroup_mma_wait(2, deps=(s_tok,))
         else:
             s = warpgroup_mma_wait(1, deps=(s_tok,))
-        mbarrier.arrive(k_empty.index(j % STAGES))
+        mbarrier.arrive(k_empty.index((it + j) % STAGES))
         p, m_i, l_i, alpha = _softmax_step(
             s, m_i, l_i, first_row, lo + j * BLOCK_N, full_lo, full_hi, qk_scale, Sq, Sk, q_start, k_start,
             win_left, win_right, KLO, KHI, MASK, LEFT, POSITIVE_SCALE, BLOCK_N,
@@ -499,18 +517,20 @@ def _overlap_loop(
             acc, acc_t, p_op = warpgroup_mma_wait(0, deps=(acc_tok, acc_t_tok, p_op))
         else:
             acc, p_op = warpgroup_mma_wait(0, deps=(acc_tok, p_op))
-        mbarrier.arrive(v_empty.index((j - 1) % STAGES))
+        mbarrier.arrive(v_empty.index(prev % STAGES))
         # rescale only once PV(j-1) has landed in acc
         acc = acc * _rows(alpha, o_layout)[:, None]
         if BLOCK_DVT > 0:
             acc_t = acc_t * _rows(alpha, ot_layout)[:, None]
-    _wait_stage(v_ready, n - 1, STAGES)
+    _wait_stage(v_ready, it + n - 1, STAGES)
     p_op = _p_operand(p, dtype, o_layout)
-    acc = warpgroup_mma(p_op, _kv_tile(v_bufs, n - 1, STAGES, BLOCK_N, BLOCK_DV), acc)
+    acc = warpgroup_mma(p_op, _kv_tile(v_bufs, it + n - 1, STAGES, BLOCK_N, BLOCK_DV), acc)
     if BLOCK_DVT > 0:
-        acc_t = warpgroup_mma(p_op, _kv_tile(vt_bufs, n - 1, STAGES, BLOCK_N, BLOCK_DVT), acc_t)
+        acc_t = warpgroup_mma(p_op, _kv_tile(vt_bufs, it + n - 1, STAGES, BLOCK_N, BLOCK_DVT), acc_t)
     else:  # a jit function returns tensors only: acc stands in
         acc_t = acc
+    # the last V stage too: a persistent program's next tile loads into it
+    mbarrier.arrive(v_empty.index((it + n - 1) % STAGES))
     return acc, acc_t, m_i, l_i
 
 
@@ -519,42 +539,20 @@ def _overlap_loop(
 
 
 @gluon.jit
-def _ws_producer(
-    q_desc,
-    k_desc,
-    v_desc,
-    qt_desc,
-    kt_desc,
-    vt_desc,
-    q_bufs,
-    k_bufs,
-    v_bufs,
-    qt_bufs,
-    kt_bufs,
-    vt_bufs,
-    q_bar,
-    k_ready,
-    v_ready,
-    k_empty,
-    v_empty,
-    b,
-    h,
-    hk,
-    off_m,
-    lo,
-    n,
-    BLOCK_M: gl.constexpr,
-    BLOCK_N: gl.constexpr,
-    BLOCK_D: gl.constexpr,
-    BLOCK_DT: gl.constexpr,
-    BLOCK_DV: gl.constexpr,
-    BLOCK_DVT: gl.constexpr,
-    STAGES: gl.constexpr,
-):
+def _produce_tile(
+    q_desc, k_desc, v_desc, qt_desc, kt_desc, vt_desc, q_bufs, k_bufs, v_bufs, qt_bufs, kt_bufs, vt_bufs, q_bar,
+    k_ready, v_ready, k_empty, v_empty, q_empty, b, h, hk, off_m, lo, n, it, uses, BLOCK_M: gl.constexpr,
+    BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, BLOCK_DT: gl.constexpr, BLOCK_DV: gl.constexpr,
+    BLOCK_DVT: gl.constexpr, STAGES: gl.constexpr, PERSISTENT: gl.constexpr,
+):  # fmt: skip
+    """One query tile's loads: its Q (the program's `uses`-th, when n > 0) and its n K/V blocks
+    into the rings after the `it` this program loaded before."""
     # the column offsets of q/k's and v's tail pieces (0: no tail)
     TAIL_COL: gl.constexpr = BLOCK_D if BLOCK_DT > 0 else 0
     TAIL_COL_V: gl.constexpr = BLOCK_DV if BLOCK_DVT > 0 else 0
     if n > 0:  # one Q buffer per consumer warpgroup (and one per tail piece), all on one barrier
+        if PERSISTENT:  # both consumer warpgroups done with the previous tile's Q
+            mbarrier.wait(q_empty.index(0), (uses & 1) ^ 1)
         q_rows: gl.constexpr = BLOCK_M // 2
         if TAIL_COL > 0:
             mbarrier.expect(q_bar.index(0), 2 * (q_desc.block_type.nbytes + qt_desc.block_type.nbytes))
@@ -565,13 +563,48 @@ def _ws_producer(
             tma.async_copy_global_to_shared(q_desc, [b, row, h, 0], q_bar.index(0), q_bufs.index(part))
             if TAIL_COL > 0:
                 tma.async_copy_global_to_shared(qt_desc, [b, row, h, TAIL_COL], q_bar.index(0), qt_bufs.index(part))
-    for i in range(n):
+    for i in range(it, it + n):
         # a fresh barrier counts as having completed the phase before 0, so the first
         # STAGES waits (parity 1) pass at once
         mbarrier.wait(k_empty.index(i % STAGES), ((i // STAGES) & 1) ^ 1)
-        _load_kv(k_desc, k_bufs, k_ready, i, b, hk, lo, STAGES, BLOCK_N, kt_desc, kt_bufs, TAIL_COL)
+        _load_kv(k_desc, k_bufs, k_ready, i, b, hk, lo - it * BLOCK_N, STAGES, BLOCK_N, kt_desc, kt_bufs, TAIL_COL)
         mbarrier.wait(v_empty.index(i % STAGES), ((i // STAGES) & 1) ^ 1)
-        _load_kv(v_desc, v_bufs, v_ready, i, b, hk, lo, STAGES, BLOCK_N, vt_desc, vt_bufs, TAIL_COL_V)
+        _load_kv(v_desc, v_bufs, v_ready, i, b, hk, lo - it * BLOCK_N, STAGES, BLOCK_N, vt_desc, vt_bufs, TAIL_COL_V)
+
+
+@gluon.jit
+def _ws_producer(
+    q_desc, k_desc, v_desc, qt_desc, kt_desc, vt_desc, q_bufs, k_bufs, v_bufs, qt_bufs, kt_bufs, vt_bufs, q_bar,
+    k_ready, v_ready, k_empty, v_empty, q_empty, b, h, hk, off_m, lo, n, num_tiles, Hq, group, Sq, Sk, q_start,
+    k_start, win_left, win_right, KLO, KHI, MASK: gl.constexpr, LEFT: gl.constexpr, BLOCK_M: gl.constexpr,
+    BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, BLOCK_DT: gl.constexpr, BLOCK_DV: gl.constexpr,
+    BLOCK_DVT: gl.constexpr, STAGES: gl.constexpr, PERSISTENT: gl.constexpr,
+):  # fmt: skip
+    """The TMA producer warp: this program's tile (b, h, hk, off_m, lo, n), or with PERSISTENT
+    every num_programs-th of the num_tiles tiles from program_id on, each planned here as
+    the consumers plan it (_tile_plan)."""
+    if PERSISTENT:
+        num_m = (Sq + BLOCK_M - 1) // BLOCK_M
+        it = 0
+        uses = 0
+        for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+            b, h, hk, off_m, lo, n, _, _, _, _ = _tile_plan(
+                t, num_m, Hq, group, Sq, Sk, q_start, k_start, win_left, win_right, KLO, KHI, MASK, LEFT, BLOCK_M,
+                BLOCK_N, 1,
+            )  # fmt: skip
+            _produce_tile(
+                q_desc, k_desc, v_desc, qt_desc, kt_desc, vt_desc, q_bufs, k_bufs, v_bufs, qt_bufs, kt_bufs, vt_bufs,
+                q_bar, k_ready, v_ready, k_empty, v_empty, q_empty, b, h, hk, off_m, lo, n, it, uses, BLOCK_M,
+                BLOCK_N, BLOCK_D, BLOCK_DT, BLOCK_DV, BLOCK_DVT, STAGES, PERSISTENT,
+            )  # fmt: skip
+            it += n
+            uses += gl.minimum(n, 1)
+    else:
+        _produce_tile(
+            q_desc, k_desc, v_desc, qt_desc, kt_desc, vt_desc, q_bufs, k_bufs, v_bufs, qt_bufs, kt_bufs, vt_bufs,
+            q_bar, k_ready, v_ready, k_empty, v_empty, q_empty, b, h, hk, off_m, lo, n, 0, 0, BLOCK_M, BLOCK_N,
+            BLOCK_D, BLOCK_DT, BLOCK_DV, BLOCK_DVT, STAGES, PERSISTENT,
+        )  # fmt: skip
 
 
 # ----------------------------------------------------------------------------------------------
@@ -581,64 +614,17 @@ def _ws_producer(
 
 
 @gluon.jit
-def _ws2_consumer(
-    WG: gl.constexpr,
-    q_bufs,
-    k_bufs,
-    qt_bufs,
-    kt_bufs,
-    v_bufs,
-    vt_bufs,
-    q_bar,
-    k_ready,
-    v_ready,
-    k_empty,
-    v_empty,
-    O,
-    M,
-    L,
-    KLO,
-    KHI,
-    stride_ob,
-    stride_os,
-    stride_oh,
-    stride_mb,
-    stride_mh,
-    stride_ms,
-    stride_lb,
-    stride_lh,
-    stride_ls,
-    b,
-    h,
-    off_m,
-    lo,
-    n,
-    full_lo0,
-    full_hi0,
-    full_lo1,
-    full_hi1,
-    Sq,
-    Sk,
-    q_start,
-    k_start,
-    win_left,
-    win_right,
-    qk_scale,
-    HEAD_DIM: gl.constexpr,
-    BLOCK_D: gl.constexpr,
-    BLOCK_DT: gl.constexpr,
-    HEAD_DIM_V: gl.constexpr,
-    BLOCK_DV: gl.constexpr,
-    BLOCK_DVT: gl.constexpr,
-    BLOCK_M: gl.constexpr,
-    BLOCK_N: gl.constexpr,
-    STAGES: gl.constexpr,
-    MASK: gl.constexpr,
-    LEFT: gl.constexpr,
-    NORMALIZE: gl.constexpr,
-    HAS_STATE: gl.constexpr,
-    POSITIVE_SCALE: gl.constexpr,
-):
+def _consume_tile(
+    WG: gl.constexpr, q_bufs, k_bufs, qt_bufs, kt_bufs, v_bufs, vt_bufs, q_bar, k_ready, v_ready, k_empty, v_empty,
+    q_empty, O, M, L, KLO, KHI, stride_ob, stride_os, stride_oh, stride_mb, stride_mh, stride_ms, stride_lb,
+    stride_lh, stride_ls, b, h, off_m, lo, n, it, uses, full_lo, full_hi, Sq, Sk, q_start, k_start, win_left,
+    win_right, qk_scale, HEAD_DIM: gl.constexpr, BLOCK_D: gl.constexpr, BLOCK_DT: gl.constexpr,
+    HEAD_DIM_V: gl.constexpr, BLOCK_DV: gl.constexpr, BLOCK_DVT: gl.constexpr, BLOCK_M: gl.constexpr,
+    BLOCK_N: gl.constexpr, STAGES: gl.constexpr, MASK: gl.constexpr, LEFT: gl.constexpr, NORMALIZE: gl.constexpr,
+    HAS_STATE: gl.constexpr, POSITIVE_SCALE: gl.constexpr, PERSISTENT: gl.constexpr,
+):  # fmt: skip
+    """Warpgroup WG's rows of one query tile: its key loop over the tile's n blocks (after the
+    `it` this program took before; its Q the program's `uses`-th), then its output."""
     ROWS: gl.constexpr = BLOCK_M // 2
     s_layout: gl.constexpr = _mma_layout(4, BLOCK_N)
     o_layout: gl.constexpr = _mma_layout(4, BLOCK_DV)
@@ -651,94 +637,76 @@ def _ws2_consumer(
     if BLOCK_DVT > 0:
         acc_t = gl.zeros([ROWS, BLOCK_DVT], gl.float32, ot_layout)
     if n > 0:
-        if WG == 0:
-            full_lo, full_hi = full_lo0, full_hi0
-        else:
-            full_lo, full_hi = full_lo1, full_hi1
-        mbarrier.wait(q_bar.index(0), 0)
+        mbarrier.wait(q_bar.index(0), uses & 1)
         q_tail = None
         if BLOCK_DT > 0:
             q_tail = qt_bufs.index(WG).reshape([ROWS, BLOCK_DT])
         acc, acc_loop_t, m_i, l_i = _overlap_loop(
-            q_bufs.index(WG).reshape([ROWS, BLOCK_D]),
-            k_bufs,
-            q_tail,
-            kt_bufs,
-            v_bufs,
-            k_ready,
-            v_ready,
-            k_empty,
-            v_empty,
-            vt_bufs,
-            acc,
-            acc_t,
-            m_i,
-            l_i,
-            my_m,
-            lo,
-            n,
-            full_lo,
-            full_hi,
-            qk_scale,
-            Sq,
-            Sk,
-            q_start,
-            k_start,
-            win_left,
-            win_right,
-            KLO,
-            KHI,
-            STAGES,
-            MASK,
-            LEFT,
-            POSITIVE_SCALE,
-            ROWS,
-            BLOCK_N,
-            BLOCK_D,
-            BLOCK_DT,
-            BLOCK_DV,
-            BLOCK_DVT,
-            s_layout,
-            o_layout,
-            ot_layout,
-        )
+            q_bufs.index(WG).reshape([ROWS, BLOCK_D]), k_bufs, q_tail, kt_bufs, v_bufs, k_ready, v_ready, k_empty,
+            v_empty, vt_bufs, acc, acc_t, m_i, l_i, my_m, lo, n, it, full_lo, full_hi, qk_scale, Sq, Sk, q_start,
+            k_start, win_left, win_right, KLO, KHI, STAGES, MASK, LEFT, POSITIVE_SCALE, ROWS, BLOCK_N,
+            BLOCK_D, BLOCK_DT, BLOCK_DV, BLOCK_DVT, s_layout, o_layout, ot_layout,
+        )  # fmt: skip
+        if PERSISTENT:  # this warpgroup is done with Q: the producer may load the next tile's
+            mbarrier.arrive(q_empty.index(0))
         if BLOCK_DVT > 0:  # (a None acc_t cannot leave this runtime branch)
             acc_t = acc_loop_t
     _write_out(
-        acc,
-        acc_t,
-        m_i,
-        l_i,
-        O,
-        M,
-        L,
-        b,
-        h,
-        my_m,
-        Sq,
-        n > 0,
-        stride_ob,
-        stride_os,
-        stride_oh,
-        stride_mb,
-        stride_mh,
-        stride_ms,
-        stride_lb,
-        stride_lh,
-        stride_ls,
-        NORMALIZE,
-        HAS_STATE,
-        ROWS,
-        HEAD_DIM_V,
-        BLOCK_DV,
-        BLOCK_DVT,
-        s_layout,
-        o_layout,
-        ot_layout,
-    )
+        acc, acc_t, m_i, l_i, O, M, L, b, h, my_m, Sq, n > 0, stride_ob, stride_os, stride_oh, stride_mb, stride_mh,
+        stride_ms, stride_lb, stride_lh, stride_ls, NORMALIZE, HAS_STATE, ROWS, HEAD_DIM_V, BLOCK_DV, BLOCK_DVT,
+        s_layout, o_layout, ot_layout,
+    )  # fmt: skip
 
 
-@gluon.jit(do_not_specialize=["group", "Sq", "Sk", "q_start", "k_start", "win_left", "win_right"])
+@gluon.jit
+def _ws2_consumer(
+    WG: gl.constexpr, q_bufs, k_bufs, qt_bufs, kt_bufs, v_bufs, vt_bufs, q_bar, k_ready, v_ready, k_empty, v_empty,
+    q_empty, O, M, L, KLO, KHI, stride_ob, stride_os, stride_oh, stride_mb, stride_mh, stride_ms, stride_lb,
+    stride_lh, stride_ls, b, h, off_m, lo, n, full_lo0, full_hi0, full_lo1, full_hi1, num_tiles, Hq, group, Sq, Sk,
+    q_start, k_start, win_left, win_right, qk_scale, HEAD_DIM: gl.constexpr, BLOCK_D: gl.constexpr,
+    BLOCK_DT: gl.constexpr, HEAD_DIM_V: gl.constexpr, BLOCK_DV: gl.constexpr, BLOCK_DVT: gl.constexpr,
+    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, MASK: gl.constexpr, LEFT: gl.constexpr,
+    NORMALIZE: gl.constexpr, HAS_STATE: gl.constexpr, POSITIVE_SCALE: gl.constexpr, PERSISTENT: gl.constexpr,
+):  # fmt: skip
+    """Consumer warpgroup WG: this program's tile, or with PERSISTENT the producer's sequence of
+    tiles, each planned here as the producer plans it (_tile_plan)."""
+    if PERSISTENT:
+        num_m = (Sq + BLOCK_M - 1) // BLOCK_M
+        it = 0
+        uses = 0
+        for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+            b, h, _, off_m, lo, n, full_lo0, full_hi0, full_lo1, full_hi1 = _tile_plan(
+                t, num_m, Hq, group, Sq, Sk, q_start, k_start, win_left, win_right, KLO, KHI, MASK, LEFT, BLOCK_M,
+                BLOCK_N, 4,
+            )  # fmt: skip
+            if WG == 0:
+                full_lo, full_hi = full_lo0, full_hi0
+            else:
+                full_lo, full_hi = full_lo1, full_hi1
+            _consume_tile(
+                WG, q_bufs, k_bufs, qt_bufs, kt_bufs, v_bufs, vt_bufs, q_bar, k_ready, v_ready, k_empty, v_empty,
+                q_empty, O, M, L, KLO, KHI, stride_ob, stride_os, stride_oh, stride_mb, stride_mh, stride_ms,
+                stride_lb, stride_lh, stride_ls, b, h, off_m, lo, n, it, uses, full_lo, full_hi, Sq, Sk, q_start,
+                k_start, win_left, win_right, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_DT, HEAD_DIM_V, BLOCK_DV, BLOCK_DVT,
+                BLOCK_M, BLOCK_N, STAGES, MASK, LEFT, NORMALIZE, HAS_STATE, POSITIVE_SCALE, PERSISTENT,
+            )  # fmt: skip
+            it += n
+            uses += gl.minimum(n, 1)
+    else:
+        if WG == 0:
+            full_lo, full_hi = full_lo0, full_hi0
+        else:
+            full_lo, full_hi = full_lo1, full_hi1
+        _consume_tile(
+            WG, q_bufs, k_bufs, qt_bufs, kt_bufs, v_bufs, vt_bufs, q_bar, k_ready, v_ready, k_empty, v_empty,
+            q_empty, O, M, L, KLO, KHI, stride_ob, stride_os, stride_oh, stride_mb, stride_mh, stride_ms, stride_lb,
+            stride_lh, stride_ls, b, h, off_m, lo, n, 0, 0, full_lo, full_hi, Sq, Sk, q_start, k_start, win_left,
+            win_right, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_DT, HEAD_DIM_V, BLOCK_DV, BLOCK_DVT, BLOCK_M, BLOCK_N,
+            STAGES, MASK, LEFT, NORMALIZE, HAS_STATE, POSITIVE_SCALE, PERSISTENT,
+        )  # fmt: skip
+
+
+@gluon.jit(do_not_specialize=["num_tiles", "group", "Sq", "Sk", "q_start", "k_start", "win_left", "win_right"])
 def _fwd_ws2(
     q_desc,
     k_desc,
@@ -760,6 +728,7 @@ def _fwd_ws2(
     stride_lb,
     stride_lh,
     stride_ls,
+    num_tiles,
     Hq,
     group,
     Sq,
@@ -783,6 +752,7 @@ def _fwd_ws2(
     NORMALIZE: gl.constexpr,
     HAS_STATE: gl.constexpr,
     POSITIVE_SCALE: gl.constexpr,
+    PERSISTENT: gl.constexpr,
     PRODUCER_REGS: gl.constexpr,
     CONSUMER_REGS: gl.constexpr,
     num_warps: gl.constexpr,
@@ -796,15 +766,35 @@ def _fwd_ws2(
     BLOCK_DT = 0), e.g. 192 as 128 + 64 (tiles must be powers of two); v's likewise with
     BLOCK_DVT and vt_desc (from column BLOCK_DV on).
     MASK, LEFT, win_left, win_right, KLO, KHI: as the Triton forward's (tiles.MASK_*; KLO / KHI
-    (Sq,) int32 global key bounds for MASK_ROWS, any pointer otherwise)."""
+    (Sq,) int32 global key bounds for MASK_ROWS, any pointer otherwise).
+    Grid (cdiv(Sq, BLOCK_M), B * Hq), one query tile a program; or with PERSISTENT (windows,
+    not MASK_ROWS, whose per-row reductions stay before the split; the launcher takes it for
+    dense and causal blocks) a 1-D grid of at most one
+    program per multiprocessor, program p taking tiles p, p + programs, .. of the num_tiles =
+    cdiv(Sq, BLOCK_M) * B * Hq: the producer loads the next tile's Q and first K/V blocks while
+    the consumers write the last tile's output."""
     gl.static_assert(num_warps == 4, "ws2: the default partition is one consumer warpgroup")
     gl.static_assert(q_desc.block_type.shape[1] * 2 == BLOCK_M)
     gl.static_assert(v_desc.block_type.shape[3] == BLOCK_DV)
+    gl.static_assert(not (PERSISTENT and MASK == MASK_ROWS), "persistent programs plan windows only")
     dtype: gl.constexpr = q_desc.dtype
-    b, h, hk, off_m = _tile(Hq, group, MASK != MASK_NONE, BLOCK_M)
-    lo, n, full_lo0, full_hi0, full_lo1, full_hi1 = _tile_key_range(
-        off_m, Sq, Sk, q_start, k_start, win_left, win_right, KLO, KHI, MASK, LEFT, BLOCK_M, BLOCK_N, num_warps
-    )
+    if PERSISTENT:  # each partition plans its tiles (_tile_plan); stand-ins here
+        b = 0
+        h = 0
+        hk = 0
+        off_m = 0
+        lo = 0
+        n = 0
+        full_lo0 = 0
+        full_hi0 = 0
+        full_lo1 = 0
+        full_hi1 = 0
+    else:
+        b, h, hk, off_m = _tile(gl.program_id(0), gl.program_id(1), gl.num_programs(0), Hq, group, MASK != MASK_NONE,
+                                BLOCK_M)  # fmt: skip
+        lo, n, full_lo0, full_hi0, full_lo1, full_hi1 = _tile_key_range(
+            off_m, Sq, Sk, q_start, k_start, win_left, win_right, KLO, KHI, MASK, LEFT, BLOCK_M, BLOCK_N, num_warps
+        )
     q_bufs = gl.allocate_shared_memory(dtype, [2] + q_desc.block_type.shape, q_desc.layout)
     k_bufs = _alloc_ring(k_desc, STAGES)
     v_bufs = _alloc_ring(v_desc, STAGES)
@@ -819,6 +809,10 @@ def _fwd_ws2(
     else:
         vt_bufs = v_bufs
     q_bar = _alloc_bars(1)
+    if PERSISTENT:
+        q_empty = _alloc_bars(1, 2)  # both consumer warpgroups done with Q
+    else:
+        q_empty = q_bar  # a stand-in, never used
     k_ready = _alloc_bars(STAGES)
     v_ready = _alloc_bars(STAGES)
     k_empty = _alloc_bars(STAGES, 2)  # released when both consumer warpgroups are done
@@ -839,6 +833,7 @@ def _fwd_ws2(
         v_ready,
         k_empty,
         v_empty,
+        q_empty,
         O,
         M,
         L,
@@ -862,6 +857,9 @@ def _fwd_ws2(
         full_hi0,
         full_lo1,
         full_hi1,
+        num_tiles,
+        Hq,
+        group,
         Sq,
         Sk,
         q_start,
@@ -883,6 +881,7 @@ def _fwd_ws2(
         NORMALIZE,
         HAS_STATE,
         POSITIVE_SCALE,
+        PERSISTENT,
     )
     gl.warp_specialize(
         [
@@ -908,12 +907,26 @@ def _fwd_ws2(
                     v_ready,
                     k_empty,
                     v_empty,
+                    q_empty,
                     b,
                     h,
                     hk,
                     off_m,
                     lo,
                     n,
+                    num_tiles,
+                    Hq,
+                    group,
+                    Sq,
+                    Sk,
+                    q_start,
+                    k_start,
+                    win_left,
+                    win_right,
+                    KLO,
+                    KHI,
+                    MASK,
+                    LEFT,
                     BLOCK_M,
                     BLOCK_N,
                     BLOCK_D,
@@ -921,6 +934,7 @@ def _fwd_ws2(
                     BLOCK_DV,
                     BLOCK_DVT,
                     STAGES,
+                    PERSISTENT,
                 ),
             ),
         ],

@@ -26,7 +26,7 @@ import functools
 import re
 import subprocess
 import tempfile
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -37,6 +37,7 @@ from . import _tma_ok as _descriptor_aligned
 from . import head_dim_pieces
 from .launcher import launch, on_device
 from .plans import Plan, Plans, alias_pattern, tensor_key
+from .tiles import MASK_ROWS
 
 try:  # Gluon exists from triton 3.6 on; the rest of the package must not depend on it
     from triton.experimental.gluon import language as _gl
@@ -71,6 +72,10 @@ class GluonConfig:
     stages: int = 2  # depth of the K and V rings
     producer_regs: int = 24  # ws, ws2: registers of the producer warp (setmaxnreg)
     maxnreg: int | None = None  # ws, ws2: register cap at entry; the default partition gets what is left
+    # one program per multiprocessor looping over the query tiles (windows and dense; packed
+    # documents keep one tile a program): the next tile's loads overlap the last one's output
+    persistent: bool = False
+    max_programs: int | None = None  # persistent: at most this many programs (None: one per multiprocessor)
 
     def __post_init__(self):
         if self.schedule != "ws2":
@@ -125,6 +130,10 @@ VARIANTS: dict[str, dict[int | tuple[int, int], GluonConfig]] = {
     # less of a short document's edge computed and masked
     "ws2_n64": {64: GluonConfig("ws2", 128, 64, 4, 6, 24, 168), 128: GluonConfig("ws2", 128, 64, 4, 5, 24, 168)},
 }
+# ws2_s3's tiles in persistent programs; ws2_p7 only checks them: seven programs, so that each
+# takes many tiles (their number rarely a multiple of seven)
+VARIANTS["ws2_p"] = {d: replace(cfg, persistent=True) for d, cfg in VARIANTS["ws2_s3"].items()}
+VARIANTS["ws2_p7"] = {d: replace(cfg, max_programs=7) for d, cfg in VARIANTS["ws2_p"].items()}
 DEFAULT_VARIANT = "ws2_s3"
 HEAD_DIMS = (64, 128, 256)
 
@@ -184,6 +193,13 @@ def _descriptor(t: torch.Tensor, rows: int, block_d: int):
     return _TensorDescriptor(
         t, list(t.shape), list(t.stride()), block, _smem_layout(rows, block_d, t.dtype == torch.bfloat16)
     )
+
+
+@functools.lru_cache(maxsize=16)
+def multiprocessors(device: torch.device) -> int:
+    """The device's multiprocessor count (a CPU stand-in, as for the compile check: an H100 /
+    H200's 132)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
 
 
 @functools.lru_cache(maxsize=16)
@@ -343,6 +359,9 @@ def launch_plan(
     if causal and window is not None:
         raise ValueError("give causal=True or a window, not both")
     mask, win_left, win_right, left, _, (k_lo, k_hi), _ = _mask_args(CAUSAL if causal else window, bounds, out_m)
+    # dense and causal only (no left bound): what was measured; sliding windows spill more
+    persistent = cfg.persistent and mask != MASK_ROWS and not left
+    num_tiles = triton_cdiv(Sq, cfg.block_m) * B * Hq
     kwargs = dict(
         HEAD_DIM=D,
         BLOCK_D=block_d,
@@ -358,6 +377,7 @@ def launch_plan(
         NORMALIZE=bool(normalize),
         HAS_STATE=bool(fold),
         POSITIVE_SCALE=bool(scale > 0),
+        PERSISTENT=persistent,
         num_warps=cfg.num_warps,
     )
     if cfg.warp_specialized:
@@ -387,6 +407,7 @@ def launch_plan(
         out_l.stride(0),
         out_l.stride(1),
         out_l.stride(2),
+        num_tiles,
         Hq,
         Hq // Hkv,
         Sq,
@@ -397,7 +418,10 @@ def launch_plan(
         win_right,
         float(scale) * LOG2E,
     )
-    grid = (triton_cdiv(Sq, cfg.block_m), B * Hq)
+    if persistent:
+        grid = (min(num_tiles, cfg.max_programs or multiprocessors(q.device)),)
+    else:
+        grid = (triton_cdiv(Sq, cfg.block_m), B * Hq)
     return _k.KERNELS[cfg.schedule], grid, args, kwargs
 
 
