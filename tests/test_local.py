@@ -314,8 +314,9 @@ def test_documents_configs(monkeypatch):
 
 
 def test_gluon_forward_choice(monkeypatch):
-    """Which Gluon forward variant a block asks for on a GPU: GLUON_FWD by head dim, packed
-    documents GLUON_FWD_DOCUMENTS, none for an untuned head dim; override(gluon=) forces one (or
+    """Which Gluon forward variant a block asks for on a GPU: GLUON_FWD by head dim (up to
+    GLUON_PERSISTENT_MAX_KEYS keys GLUON_FWD_SHORT's persistent programs), packed documents
+    GLUON_FWD_DOCUMENTS, none for an untuned head dim; override(gluon=) forces one (or
     none), a Triton forward override turns it off. Every variant named exists for its head dim."""
     from ringflash.kernels import configs, gluon_forward
 
@@ -337,9 +338,18 @@ def test_gluon_forward_choice(monkeypatch):
         assert configs.gluon_forward_variant(128) is None
     with configs.override(dq=configs.KernelConfig(64, 64, 4, 2), gluon_bwd=None):  # the backward's alone
         assert configs.gluon_forward_variant(128) == configs.GLUON_FWD[128]
-    for table in (configs.GLUON_FWD, configs.GLUON_FWD_DOCUMENTS):
+    for table in (configs.GLUON_FWD, configs.GLUON_FWD_DOCUMENTS, configs.GLUON_FWD_SHORT):
         for d, name in table.items():
             assert d in gluon_forward.VARIANTS[name]
+    # short key ranges take persistent programs; longer ones and packed documents do not
+    most = configs.GLUON_PERSISTENT_MAX_KEYS
+    for d, name in configs.GLUON_FWD_SHORT.items():
+        assert configs.gluon_forward_variant(d, keys=most) == name and gluon_forward.config_for(d, name).persistent
+        assert configs.gluon_forward_variant(d, keys=most + 1) == configs.GLUON_FWD[d]
+        assert (
+            configs.gluon_forward_variant(d, documents=True, keys_per_row=1e9, keys=1) == configs.GLUON_FWD_DOCUMENTS[d]
+        )
+    assert configs.gluon_forward_variant(256, keys=1) == configs.GLUON_FWD[256]
 
 
 def test_lse_computed_only_when_returned(monkeypatch):

@@ -207,11 +207,15 @@ def test_gluon_forward_compiles_for_hopper(tmp_path):
     the 128-key tiles spill where a GPU measured them faster than the spill-free 64-key ones:
     with per-row bounds (configs.GLUON_FWD_DOCUMENTS) at most ROWS_SPILL_BYTES, and MLA's
     192 / 128 (one register kept across the key loop, dense and causal: MLA_SPILL_BYTES; with a
-    window, untimed, MLA_WINDOW_SPILL_BYTES), as when measured."""
-    from ringflash.kernels.configs import GLUON_FWD, GLUON_FWD_DOCUMENTS
+    window, untimed, MLA_WINDOW_SPILL_BYTES), as when measured; and the persistent programs of
+    short key ranges (configs.GLUON_FWD_SHORT, dense and causal, local and folded), which spill
+    at most PERSISTENT_SPILL_BYTES per tile (a few tile scalars kept across the key loop,
+    stored before it and loaded after it: SASS), as when measured."""
+    from ringflash.kernels.configs import GLUON_FWD, GLUON_FWD_DOCUMENTS, GLUON_FWD_SHORT
 
     ROWS_SPILL_BYTES = 40
     MLA_SPILL_BYTES, MLA_WINDOW_SPILL_BYTES = 8, 48
+    PERSISTENT_SPILL_BYTES = 32
 
     cases = [f"{v}:{D}:1:bf16:1:0" for D, v in GLUON_FWD.items()]  # every head dim, causal
     v = GLUON_FWD[128]
@@ -227,6 +231,7 @@ def test_gluon_forward_compiles_for_hopper(tmp_path):
     ]
     cases += [c for D, v in GLUON_FWD_DOCUMENTS.items() for c in (f"{v}:{D}:1:bf16:1:0:rows",
                                                                   f"{v}:{D}:0:fp16:0:1:rows")]  # fmt: skip
+    cases += [c for D, v in GLUON_FWD_SHORT.items() for c in (f"{v}:{D}:1:bf16:1:0", f"{v}:{D}:0:fp16:0:1")]
     run([sys.executable, "benchmarks/gluon_report.py", "--jobs", "2", "--json", str(tmp_path / "g.json")]
         + [a for c in cases for a in ("--case", c)], tmp_path, expect_ok=False)  # fmt: skip
     rows = json.loads((tmp_path / "g.json").read_text())  # (the report exits 1 on any spill)
@@ -235,6 +240,8 @@ def test_gluon_forward_compiles_for_hopper(tmp_path):
         assert "error" not in r, r
         if r["mask"] == "rows":
             allowed = ROWS_SPILL_BYTES
+        elif r["config"]["persistent"]:
+            allowed = PERSISTENT_SPILL_BYTES
         elif (r["D"], r.get("Dv")) == (192, 128):
             allowed = MLA_WINDOW_SPILL_BYTES if r["mask"] == "window" else MLA_SPILL_BYTES
         else:

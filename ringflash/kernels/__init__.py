@@ -157,7 +157,10 @@ def _gluon_forward(q, k, v, state, q_start, k_start, window, bounds, scale, fold
     larger padded head dim config_d; a head dim under its padding reads zero columns); False:
     the caller runs the Triton one."""
     variant = configs.gluon_forward_variant(
-        config_d, documents=bounds is not None, keys_per_row=None if bounds is None else bounds.keys_per_row
+        config_d,
+        documents=bounds is not None,
+        keys_per_row=None if bounds is None else bounds.keys_per_row,
+        keys=k.shape[1],
     )
     if variant is None or not q.is_cuda:
         return False

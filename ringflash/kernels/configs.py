@@ -99,6 +99,16 @@ _DOCUMENTS = {"fwd": _FWD_DOCUMENTS, "dkdv": _DKDV_DOCUMENTS, "dq": _DQ_DOCUMENT
 # 192 in pieces 0.95-0.98x (padded to 256 0.82-0.85x), 96 1.12-1.21x (padded 1.02-1.05x);
 # benchmarks/results/gluon_fwd_pieces_h200.log, gluon_fwd_qk_pieces_h200.log.
 GLUON_FWD = {64: "ws2_s3", 128: "ws2_s3", 256: "ws2_s3"}
+# Up to GLUON_PERSISTENT_MAX_KEYS keys (dense or causal blocks, not packed documents): persistent
+# programs (ws2_p: the next tile's loads overlap the last one's output). One H200, bf16, B=1,
+# H=32, forward, ws2_p over ws2_s3 (python3 benchmarks/gluon_check.py --head-dims 64 128
+# --seqlens 4096 16384 --variants ws2_s3 ws2_p --skip-correctness; results/gluon_persistent_timing_h200.*):
+# 4K keys D=64 1.05 / 1.08, D=128 1.03 / 1.03 (non-causal / causal); 16K keys 0.92 / 0.88 at
+# D=128 (D=64 1.01 / 0.94), so not there. Not profiled; a likely cause: static tile order, the
+# programs drift apart over more heads than the L2 cache holds K and V of (the hardware's
+# dispatch of one-tile programs keeps neighbouring tiles together).
+GLUON_FWD_SHORT = {64: "ws2_p", 128: "ws2_p"}
+GLUON_PERSISTENT_MAX_KEYS = 4096
 # Packed documents (per-row bounds). The 128-key variants spill with per-row bounds (40 bytes
 # at D=128, 8 at D=256: python benchmarks/gluon_report.py --masks rows) and are still faster
 # than the spill-free 128x64 ws2_n64: one H200, bf16, H=32, long-tailed documents of 16K / 64K
@@ -257,11 +267,14 @@ def forward_config(block_d: int, documents: bool = False, float32: bool = False)
     return kind_config("fwd", block_d, documents, float32)
 
 
-def gluon_forward_variant(block_d: int, documents: bool = False, keys_per_row: float | None = None) -> str | None:
+def gluon_forward_variant(
+    block_d: int, documents: bool = False, keys_per_row: float | None = None, keys: int | None = None
+) -> str | None:
     """The Gluon forward variant for this head dim (documents: a block masked by per-row
-    bounds whose rows see keys_per_row keys on average, where known), or None: none is tuned
-    for it, the documents are short (GLUON_DOCUMENTS_MIN_KEYS_PER_ROW), a Triton config is
-    forced by override() or the RINGFLASH_KERNEL_CONFIGS file, or the kernels are
+    bounds whose rows see keys_per_row keys on average, where known; keys: the block's key
+    count, where known: GLUON_FWD_SHORT up to GLUON_PERSISTENT_MAX_KEYS), or None: none is
+    tuned for it, the documents are short (GLUON_DOCUMENTS_MIN_KEYS_PER_ROW), a Triton config
+    is forced by override() or the RINGFLASH_KERNEL_CONFIGS file, or the kernels are
     interpreted. override(gluon=name) forces a variant (None: the Triton forward)."""
     overrides = _OVERRIDES
     if "gluon" in overrides:
@@ -269,6 +282,8 @@ def gluon_forward_variant(block_d: int, documents: bool = False, keys_per_row: f
     if INTERPRETING or "fwd" in overrides or block_d in _FILE_CONFIGS.get("fwd", {}):
         return None
     if not documents:
+        if keys is not None and keys <= GLUON_PERSISTENT_MAX_KEYS and block_d in GLUON_FWD_SHORT:
+            return GLUON_FWD_SHORT[block_d]
         return GLUON_FWD.get(block_d)
     if keys_per_row is not None and keys_per_row < GLUON_DOCUMENTS_MIN_KEYS_PER_ROW.get(block_d, 0):
         return None
