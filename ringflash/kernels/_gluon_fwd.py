@@ -8,7 +8,10 @@ registers) feeds STAGES-deep K and V rings through ready/empty mbarriers; two co
 warpgroups, each its own partition with 64 query rows of the tile, issue QK^T of block j with
 PV of block j-1 still in flight (warpgroup_mma_wait(1), _overlap_loop). Earlier
 single-partition and one-consumer schedules measured slower on one H200 (450-495 TFLOP/s
-against 594-602 at D=128, 16K; benchmarks/NOTES.md) and were removed.
+against 594-602 at D=128, 16K; benchmarks/NOTES.md) and were removed. One query tile a
+program, or (PERSISTENT) at most one program per multiprocessor taking every programs-th tile,
+the rings running on across its tiles, so that the next tile's loads overlap the last one's
+output (faster on short key ranges only: configs.GLUON_FWD_SHORT).
 
 Tensors: q (B, Sq, Hq, D), k (B, Sk, Hkv, D) and v (B, Sk, Hkv, Dv), bf16 or fp16, as 4-D TMA
 descriptors with blocks [1, BLOCK_M or BLOCK_N, 1, BLOCK_D or BLOCK_DV], BLOCK_D the head dim D
