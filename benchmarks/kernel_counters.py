@@ -3,6 +3,7 @@ Compute (ncu): where a kernel's time goes when the timing alone cannot say (tens
 share, issue slots, warp stall reasons).
 
     python -m benchmarks.kernel_counters --out DIR --head-dims 64 128 --seqlen 16384 --modes fwd bwd
+    python -m benchmarks.kernel_counters --out DIR --seqlen 4096 --modes fwd --impls gluon=ws2_s3 gluon=ws2_p
 
 runs `ncu` once per (implementation, head dim, causal, mode) on this script's --call mode (one
 warmed-up call between cudaProfilerStart and Stop; for "bwd" only the backward of a forward made
@@ -21,13 +22,20 @@ import subprocess
 import sys
 from pathlib import Path
 
-IMPLS = ("ringflash", "sdpa_cudnn")
+IMPLS = ("ringflash", "sdpa_cudnn")  # and gluon=VARIANT: ours with that Gluon forward variant
 SECTIONS = ("SpeedOfLight", "ComputeWorkloadAnalysis", "SchedulerStats", "WarpStateStats", "Occupancy", "LaunchStats")
 STALL = re.compile(r"smsp__average_warps?_issue_stalled_(\w+?)_per_issue_active\.ratio$")
 
 
 def one_call(impl, D, S, causal, mode, heads, batch):
-    """Warm up, then run one call (fwd) or one backward (bwd) inside the profiler's range."""
+    """Warm up, then run one call (fwd) or one backward (bwd) inside the profiler's range;
+    impl gluon=VARIANT: ours with that Gluon forward variant."""
+    from ringflash.kernels import configs
+
+    if impl.startswith("gluon="):
+        with configs.override(gluon=impl.split("=", 1)[1]):
+            return one_call("ringflash", D, S, causal, mode, heads, batch)
+
     import torch
 
     from benchmarks.bench_local import make_inputs, runner
@@ -136,8 +144,8 @@ def run_all(args):
     for D in args.head_dims:
         for causal in (False, True) if args.causal == "both" else (args.causal == "yes",):
             for mode in args.modes:
-                for impl in IMPLS:
-                    tag = f"{impl}_d{D}_s{args.seqlen}_{'causal' if causal else 'full'}_{mode}"
+                for impl in args.impls:
+                    tag = f"{impl.replace('=', '-')}_d{D}_s{args.seqlen}_{'causal' if causal else 'full'}_{mode}"
                     rep = out / tag
                     cmd = ["ncu", "--profile-from-start", "off", "--clock-control", "none", "-f", "-o", str(rep)]
                     for s in SECTIONS:
@@ -172,6 +180,7 @@ def main():
     ap.add_argument("--heads", type=int, default=32)
     ap.add_argument("--causal", choices=["yes", "no", "both"], default="both")
     ap.add_argument("--modes", nargs="+", choices=["fwd", "bwd"], default=["fwd", "bwd"])
+    ap.add_argument("--impls", nargs="+", default=list(IMPLS), help=f"{' '.join(IMPLS)} or gluon=VARIANT")
     ap.add_argument("--call", nargs=5, metavar=("IMPL", "D", "S", "CAUSAL", "MODE"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.call:
@@ -180,6 +189,9 @@ def main():
         return
     if args.out is None:
         ap.error("--out is required (the folder for the reports)")
+    bad = [i for i in args.impls if i not in IMPLS and not i.startswith("gluon=")]
+    if bad:
+        ap.error(f"--impls: unknown {bad}; take {' '.join(IMPLS)} or gluon=VARIANT")
     run_all(args)
 
 

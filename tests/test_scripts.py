@@ -584,3 +584,11 @@ def test_kernel_counters_reads_ncu_raw_csv(tmp_path):
     assert (s["us"], s["mhz"], s["tensor_pct"], s["issue_pct"]) == (6500.0, 1700.0, 74.5, 36.0)
     assert [k for k, _ in s["stalls"]] == ["barrier", "wait", "long_scoreboard"]
     assert "6500.0 us" in format_row("t", s)
+
+
+def test_kernel_counters_names_an_unknown_implementation(tmp_path):
+    """--impls takes ours, cuDNN or ours with a named Gluon forward variant; anything else is
+    refused by name before ncu is started."""
+    out = subprocess.run([sys.executable, "-m", "benchmarks.kernel_counters", "--out", str(tmp_path), "--impls",
+                          "gluon=ws2_p", "sdpa_flash"], capture_output=True, text=True, cwd=ROOT)  # fmt: skip
+    assert out.returncode == 2 and "unknown ['sdpa_flash']" in out.stderr, out.stderr
