@@ -72,8 +72,9 @@ class GluonConfig:
     stages: int = 2  # depth of the K and V rings
     producer_regs: int = 24  # ws, ws2: registers of the producer warp (setmaxnreg)
     maxnreg: int | None = None  # ws, ws2: register cap at entry; the default partition gets what is left
-    # one program per multiprocessor looping over the query tiles (windows and dense; packed
-    # documents keep one tile a program): the next tile's loads overlap the last one's output
+    # one program per multiprocessor looping over the query tiles (dense and causal blocks;
+    # sliding windows and packed documents keep one tile a program): the next tile's loads
+    # overlap the last one's output
     persistent: bool = False
     max_programs: int | None = None  # persistent: at most this many programs (None: one per multiprocessor)
 
