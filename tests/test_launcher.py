@@ -292,6 +292,39 @@ def test_gluon_backward_takes_v_head_dim_apart_only_split():
             gb.check_shapes(q, k, v, m, m, do, m, dq, dk, dv, scale=0.1, cfg=gb.config_for(128, "ws2_lag"))
 
 
+def test_gluon_backward_head_dim_in_pieces_plan():
+    """split_d_pieces runs q/k's head dim as a main piece twice its tail (192 = 128 + 64: BLOCK_D
+    128, BLOCK_DT 64, tail descriptors from column 128 on) beside v's own padded width; other
+    head dims (256 whole, 160 = 128 + 32 unbalanced) run padded as split_d_blk, without tail
+    descriptors. Any other schedule refuses pieces."""
+    from ringflash.kernels import gluon_backward as gb
+
+    if not gb.HAS_GLUON:
+        pytest.skip(f"Gluon not importable: {gb.GLUON_ERROR}")
+    B, S, H = 1, 200, 4
+    cfg = gb.config_for(192, "split_d_pieces")
+    assert cfg.pieces and cfg.split_d and cfg.dq_blocked
+    for D, Dv, want in ((192, 128, (128, 64)), (192, 192, (128, 64)), (256, 256, (256, 0)), (160, 160, (256, 0))):
+        bf = dict(dtype=torch.bfloat16)
+        q, k, v = torch.zeros(B, S, H, D, **bf), torch.zeros(B, S, 2, D, **bf), torch.zeros(B, S, 2, Dv, **bf)
+        do = torch.zeros(B, S, H, Dv, **bf)
+        dk, dv = torch.zeros(k.shape), torch.zeros(v.shape)
+        acc = torch.zeros(B, H, gb.blocked_rows(S), gb.padded_head_dim(D))
+        stats = torch.zeros(B * H * 2 * gb.padded_rows(S, cfg))
+        _, _, args, kwargs = gb.launch_plan(q, k, v, stats, do, acc, dk, dv, q_start=0, k_start=0, causal=True,
+                                            scale=0.1, accumulate=True, cfg=cfg)  # fmt: skip
+        assert (kwargs["BLOCK_D"], kwargs["BLOCK_DT"]) == want and kwargs["SPLIT_D"]
+        pv = gb.padded_head_dim(Dv)
+        assert [a.block_shape[-1] for a in args[:4]] == [want[0], want[0], pv, pv]  # q, k, v, do
+        tails = args[5:7]
+        if want[1]:
+            assert [list(t.block_shape) for t in tails] == [[1, cfg.block_m, 1, 64], [1, cfg.block_n, 1, 64]]
+        else:
+            assert tails == (None, None)
+    with pytest.raises(ValueError, match="head-dim split schedule"):
+        gb.GluonBwdConfig(pieces=True)
+
+
 def test_plans_are_kept_from_the_second_call_on():
     """kernels.plans.Plans: a signature met once only marks it (no plan built), the second
     call builds and keeps the plan, later calls get it; the least recently used go first."""

@@ -202,7 +202,15 @@ def _producer(
     BLOCK_N: gl.constexpr,
     STAGES: gl.constexpr,
     ROTATE: gl.constexpr,
+    qt_desc,
+    kt_desc,
+    qt_bufs,
+    kt_smem,
+    BLOCK_D: gl.constexpr,
+    BLOCK_DT: gl.constexpr,
 ):
+    """The TMA producer warp. With BLOCK_DT > 0 (q/k's head dim in two pieces) also the tail
+    pieces of K (columns BLOCK_D ..) and of every Q block, on the same barriers."""
     b, hk, n0, m_first, n_m, _, _, _ = _plan(
         Hkv, Sq, Sk, q_start, k_start, left, rows_first, rows_n, CAUSAL, HAS_LEFT, ROWS, BLOCK_M, BLOCK_N
     )
@@ -211,10 +219,19 @@ def _producer(
         # kv_bar: count 1; this expect is its only arrival, completing phase 0 once both
         # tiles have landed. Loaded only when the consumers will wait for it (n_iter > 0):
         # no copy may still be in flight when the program ends.
-        mbarrier.expect(kv_bar.index(0), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+        if BLOCK_DT > 0:
+            mbarrier.expect(
+                kv_bar.index(0), k_desc.block_type.nbytes + kt_desc.block_type.nbytes + v_desc.block_type.nbytes
+            )
+            tma.async_copy_global_to_shared(kt_desc, [b, n0, hk, BLOCK_D], kv_bar.index(0), kt_smem.index(0))
+        else:
+            mbarrier.expect(kv_bar.index(0), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(k_desc, [b, n0, hk, 0], kv_bar.index(0), k_smem.index(0))
         tma.async_copy_global_to_shared(v_desc, [b, n0, hk, 0], kv_bar.index(0), v_smem.index(0))
-    stage_bytes: gl.constexpr = q_desc.block_type.nbytes + do_desc.block_type.nbytes + 2 * st_desc.block_type.nbytes
+    tail_bytes: gl.constexpr = qt_desc.block_type.nbytes if BLOCK_DT > 0 else 0
+    stage_bytes: gl.constexpr = (
+        q_desc.block_type.nbytes + tail_bytes + do_desc.block_type.nbytes + 2 * st_desc.block_type.nbytes
+    )
     for i in range(n_iter):
         s = i % STAGES
         # empty[s]: count 2, one arrival per consumer warpgroup when it has finished reading
@@ -227,6 +244,8 @@ def _producer(
         bar = ready.index(s)
         mbarrier.expect(bar, stage_bytes)
         tma.async_copy_global_to_shared(q_desc, [b, off_m, h, 0], bar, q_bufs.index(s))
+        if BLOCK_DT > 0:
+            tma.async_copy_global_to_shared(qt_desc, [b, off_m, h, BLOCK_D], bar, qt_bufs.index(s))
         tma.async_copy_global_to_shared(do_desc, [b, off_m, h, 0], bar, do_bufs.index(s))
         # the (offset, delta) rows of (b, h) in the flat statistics: two 1-D copies
         st_at = (b * Hq + h) * 2 * Sq_pad + off_m
@@ -258,9 +277,13 @@ def _red_add_pairs(ptrs, vals, ROWS: gl.constexpr, COLS: gl.constexpr):
 
 
 @gluon.jit
-def _red_add_blocked(base, vals, ROWS: gl.constexpr, COLS: gl.constexpr, layout: gl.constexpr):
+def _red_add_blocked(
+    base, vals, ROWS: gl.constexpr, COLS: gl.constexpr, layout: gl.constexpr, TILE_COLS: gl.constexpr = 0
+):  # fmt: skip
     """Atomically add vals (ROWS = 64, COLS) float32 into the blocked tile at base (ROWS * COLS
-    float32, layout below), four values per instruction (red.global.add.v4.f32, sm_90).
+    float32, layout below), four values per instruction (red.global.add.v4.f32, sm_90). With
+    TILE_COLS > COLS, into the first COLS columns of a blocked tile TILE_COLS wide (the same
+    layout with COLS = TILE_COLS, columns j < COLS / 8).
 
     Blocked tile: element (r, c), with r = 16 w + 8 h + g (w < 4, h < 2, g < 8) and
     c = 8 j + 2 t + e (j < COLS / 8, t < 4, e < 2), sits at ((w * COLS / 8 + j) * 32 + 4 g + t) * 4
@@ -273,9 +296,10 @@ def _red_add_blocked(base, vals, ROWS: gl.constexpr, COLS: gl.constexpr, layout:
     logical (r, c) and reshape / permute / split are logical operations (another layout would
     cost shuffles, not results)."""
     gl.static_assert(ROWS == 64, "one warpgroup's accumulator: 4 warps x 16 rows")
+    WIDTH: gl.constexpr = TILE_COLS if TILE_COLS > 0 else COLS
     r = gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
     c = gl.arange(0, COLS, layout=gl.SliceLayout(0, layout))
-    r_off = (r // 16) * (COLS * 16) + (r % 8) * 16 + ((r // 8) % 2) * 2
+    r_off = (r // 16) * (WIDTH * 16) + (r % 8) * 16 + ((r // 8) % 2) * 2
     c_off = (c // 8) * 128 + ((c // 2) % 4) * 4 + (c % 2)
     # (r, c) -> (w, h, g, c2, e) -> (w, g, c2, h, e): the last two dimensions are the 16 bytes
     offs = r_off[:, None] + c_off[None, :]
@@ -369,14 +393,20 @@ def _dq_add(
     DQ_COLS: gl.constexpr,
     DQ_BLOCKED: gl.constexpr,
     dq_layout: gl.constexpr,
+    TILE: gl.constexpr = -1,
+    TILE_COLS: gl.constexpr = 0,
 ):
-    """Add this warpgroup's dQ (BLOCK_M rows from off_m, DQ_COLS columns from WG * DQ_COLS) of
-    head h to the float32 dQ: row-major (B, Sq, Hq, D) with sm_scale applied, or (DQ_BLOCKED)
-    unscaled into the blocked (B, Hq, Sq_pad, D) accumulator (_red_add_blocked's tile of 64 x
-    DQ_COLS at [b, h, off_m: off_m + 64] seen flat, warpgroup WG's half after the other's)."""
+    """Add this warpgroup's dQ (BLOCK_M rows from off_m, DQ_COLS columns dq_cols, from WG *
+    DQ_COLS unless the caller says otherwise) of head h to the float32 dQ: row-major (B, Sq, Hq,
+    D) with sm_scale applied, or (DQ_BLOCKED) unscaled into the blocked (B, Hq, Sq_pad, D)
+    accumulator (_red_add_blocked's tiles of 64 x TILE_COLS (default DQ_COLS) at [b, h, off_m:
+    off_m + 64] seen flat, tile TILE (default WG) after the tiles before it; a narrower dQ
+    fills the tile's first DQ_COLS columns)."""
     if DQ_BLOCKED:
+        tile: gl.constexpr = WG if TILE < 0 else TILE
+        width: gl.constexpr = DQ_COLS if TILE_COLS == 0 else TILE_COLS
         base = DQ + b.to(gl.int64) * stride_dqb + h.to(gl.int64) * stride_dqh + off_m.to(gl.int64) * stride_dqs
-        _red_add_blocked(base + WG * (BLOCK_M * DQ_COLS), dq, BLOCK_M, DQ_COLS, dq_layout)
+        _red_add_blocked(base + tile * (BLOCK_M * width), dq, BLOCK_M, DQ_COLS, dq_layout, width)
     else:
         # Rows past Sq (the zero-filled end of the last query block) have p = 0, so ds = 0 and
         # their dQ rows are exactly 0: they add +0.0 to row Sq - 1 instead of being masked
@@ -444,8 +474,12 @@ def _consumer(
     DQ_BLOCKED: gl.constexpr,
     LAG: gl.constexpr,
     DQ_FIRST: gl.constexpr,
+    qt_bufs,
+    kt_smem,
+    BLOCK_DT: gl.constexpr,
 ):
     KEYS: gl.constexpr = BLOCK_N // 2  # keys of this warpgroup
+    gl.static_assert(BLOCK_DT == 0, "ws2 runs q/k's head dim whole")
     DQ_COLS: gl.constexpr = BLOCK_D // 2  # dQ columns of this warpgroup
     gl.static_assert(HEAD_DIM_V == HEAD_DIM, "ws2 takes one head dim for q, k and v")
     dtype: gl.constexpr = q_bufs.dtype
@@ -699,6 +733,9 @@ def _consumer_split_d(
     DQ_BLOCKED: gl.constexpr,
     LAG: gl.constexpr,
     DQ_FIRST: gl.constexpr,
+    qt_bufs,
+    kt_smem,
+    BLOCK_DT: gl.constexpr,
 ):
     """The wide head dims' consumer (SPLIT_D): both warpgroups share the 64 keys of the block and
     own half of the head-dim columns each (dK, dV of 64 keys x 256 would need 256 registers a
@@ -708,13 +745,31 @@ def _consumer_split_d(
         both warpgroups meet (ds_bar), then over all 64 rows and this warpgroup's columns c:
         dV[:, c] += P^T dO[:, c];  dK[:, c] += dS^T Q[:, c];  dQ[:, c] = dS K[:, c]
     Five matmuls of equal size per warpgroup; the scores' exchange through shared memory is
-    what the split costs. LAG and DQ_FIRST do not apply (unused)."""
-    COLS: gl.constexpr = BLOCK_D // 2  # head-dim columns of dK and dQ this warpgroup owns
+    what the split costs. LAG and DQ_FIRST do not apply (unused).
+
+    BLOCK_DT > 0: q/k's head dim in two pieces, BLOCK_D columns (Q's q_bufs, K's k_smem) and
+    BLOCK_DT after them (qt_bufs, kt_smem; BLOCK_D = 2 BLOCK_DT, e.g. 192 = 128 + 64), which do
+    not halve into powers of two: S^T takes one wgmma per piece, and the pieces cross between
+    the gradients: warpgroup 0 holds dK's main piece and computes dQ's tail, warpgroup 1 dK's
+    tail and dQ's main piece (each 3 x BLOCK_DT columns of dK and dQ); dV halves as before."""
+    TAIL: gl.constexpr = BLOCK_DT > 0
+    if TAIL:
+        gl.static_assert(BLOCK_D == 2 * BLOCK_DT, "the crossed pieces balance at main = 2 x tail")
+        DK_COLS: gl.constexpr = BLOCK_D if WG == 0 else BLOCK_DT  # dK columns this warpgroup owns
+        DK_COL0: gl.constexpr = 0 if WG == 0 else BLOCK_D
+        DQ_COLS: gl.constexpr = BLOCK_DT if WG == 0 else BLOCK_D  # dQ columns it computes
+        DQ_COL0: gl.constexpr = BLOCK_D if WG == 0 else 0
+    else:
+        DK_COLS: gl.constexpr = BLOCK_D // 2  # head-dim columns of dK and dQ this warpgroup owns
+        DK_COL0: gl.constexpr = WG * DK_COLS
+        DQ_COLS: gl.constexpr = DK_COLS
+        DQ_COL0: gl.constexpr = DK_COL0
     COLS_V: gl.constexpr = BLOCK_DV // 2  # ... of dV (v's head dim may differ: MLA)
     QROWS: gl.constexpr = BLOCK_M // 2  # query rows of this warpgroup's S^T, dP^T
     dtype: gl.constexpr = q_bufs.dtype
     s_layout: gl.constexpr = _mma_layout(4, QROWS)  # S^T, dP^T: (BLOCK_N, QROWS)
-    acc_layout: gl.constexpr = _mma_layout(4, COLS)  # dK: (BLOCK_N, COLS); dQ: (BLOCK_M, COLS)
+    acc_layout: gl.constexpr = _mma_layout(4, DK_COLS)  # dK: (BLOCK_N, DK_COLS)
+    dq_layout: gl.constexpr = _mma_layout(4, DQ_COLS)  # dQ: (BLOCK_M, DQ_COLS)
     v_layout: gl.constexpr = _mma_layout(4, COLS_V)  # dV: (BLOCK_N, COLS_V)
     gl.static_assert(BLOCK_N == 64, "one warpgroup's wgmma tile is 64 rows: the block's keys")
     gl.static_assert(BLOCK_M == 64, "64 query rows per step, 32 per warpgroup's scores")
@@ -723,15 +778,15 @@ def _consumer_split_d(
         Hkv, Sq, Sk, q_start, k_start, left, rows_first, rows_n, CAUSAL, HAS_LEFT, ROWS, BLOCK_M, BLOCK_N
     )
     n_iter = group * n_m
-    dk = gl.zeros([BLOCK_N, COLS], gl.float32, acc_layout)
+    dk = gl.zeros([BLOCK_N, DK_COLS], gl.float32, acc_layout)
     dv = gl.zeros([BLOCK_N, COLS_V], gl.float32, v_layout)
     s_zero = gl.zeros([BLOCK_N, QROWS], gl.float32, s_layout)
-    dq_zero = gl.zeros([BLOCK_M, COLS], gl.float32, acc_layout)
+    dq_zero = gl.zeros([BLOCK_M, DQ_COLS], gl.float32, dq_layout)
     key_idx = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, s_layout))
     q_idx = WG * QROWS + gl.arange(0, QROWS, layout=gl.SliceLayout(0, s_layout))
-    dq_rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, acc_layout))
-    dq_cols = WG * COLS + gl.arange(0, COLS, layout=gl.SliceLayout(0, acc_layout))
-    if HEAD_DIM != BLOCK_D:
+    dq_rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, dq_layout))
+    dq_cols = DQ_COL0 + gl.arange(0, DQ_COLS, layout=gl.SliceLayout(0, dq_layout))
+    if HEAD_DIM != BLOCK_D + BLOCK_DT:
         # as _consumer: the exact-zero padding columns add onto the last real pair
         dq_cols = gl.where(dq_cols < HEAD_DIM, dq_cols, HEAD_DIM - 2 + dq_cols % 2)
     key_q_lo = None  # (per-row bounds only)
@@ -754,6 +809,10 @@ def _consumer_split_d(
         q_wg = q_t.slice(WG * QROWS, QROWS, dim=0)
         do_wg = do_t.slice(WG * QROWS, QROWS, dim=0)
         st_tok = warpgroup_mma(k_all, q_wg.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        if TAIL:  # the tail piece's columns into the same scores
+            qt_t = qt_bufs.index(s).reshape([BLOCK_M, BLOCK_DT])
+            kt_all = kt_smem.index(zero).reshape([BLOCK_N, BLOCK_DT])
+            st_tok = warpgroup_mma(kt_all, qt_t.slice(WG * QROWS, QROWS, dim=0).permute((1, 0)), st_tok, is_async=True)
         dpt_tok = warpgroup_mma(v_all, do_wg.permute((1, 0)), s_zero, use_acc=False, is_async=True)
         offset = st_bufs.index(2 * s).slice(WG * QROWS, QROWS).load(gl.SliceLayout(0, s_layout))
         st = warpgroup_mma_wait(1, deps=(st_tok,))
@@ -777,18 +836,29 @@ def _consumer_split_d(
         mbarrier.arrive(ds_bar.index(i % 2))
         mbarrier.wait(ds_bar.index(i % 2), (i // 2) & 1)
         dv_tok = warpgroup_mma(pt_buf, do_t.slice(WG * COLS_V, COLS_V, dim=1), dv, is_async=True)
-        dk_tok = warpgroup_mma(ds_buf, q_t.slice(WG * COLS, COLS, dim=1), dk, is_async=True)
-        dq_tok = warpgroup_mma(
-            ds_buf.permute((1, 0)), k_all.slice(WG * COLS, COLS, dim=1), dq_zero, use_acc=False, is_async=True
-        )
+        if TAIL:  # warpgroup 0: dK's main piece and dQ's tail; 1: dK's tail and dQ's main piece
+            if WG == 0:
+                q_cols = q_t
+                k_cols = kt_all
+            else:
+                q_cols = qt_t
+                k_cols = k_all
+        else:
+            q_cols = q_t.slice(DK_COL0, DK_COLS, dim=1)
+            k_cols = k_all.slice(DQ_COL0, DQ_COLS, dim=1)
+        dk_tok = warpgroup_mma(ds_buf, q_cols, dk, is_async=True)
+        dq_tok = warpgroup_mma(ds_buf.permute((1, 0)), k_cols, dq_zero, use_acc=False, is_async=True)
         dv, dk, dq = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok, dq_tok))
         mbarrier.arrive(empty.index(s))  # stage s read by every matmul of this step
+        # the blocked dQ's two tiles are half the padded width each (BLOCK_D with pieces): dQ's
+        # main piece fills tile 0, its tail the first columns of tile 1
         _dq_add(dq, DQ, b, h, off_m, Sq, stride_dqb, stride_dqs, stride_dqh, sm_scale, dq_rows, dq_cols, WG,
-                BLOCK_M, COLS, DQ_BLOCKED, acc_layout)  # fmt: skip
+                BLOCK_M, DQ_COLS, DQ_BLOCKED, dq_layout, DQ_COL0 // DK_COLS if not TAIL else (1 if WG == 0 else 0),
+                BLOCK_D // 2 if not TAIL else BLOCK_D)  # fmt: skip
     b = _opaque(b)  # (as _consumer with LAG: the pointers' 64-bit parts computed here, not kept)
     hk = _opaque(hk)
     if n_iter > (0 if ACCUMULATE else -1):  # (as _consumer)
-        col0: gl.constexpr = WG * COLS
+        col0: gl.constexpr = DK_COL0
         _store_grad(
             dk * sm_scale,
             DK + b.to(gl.int64) * stride_dkb + hk.to(gl.int64) * stride_dkh + col0,
@@ -821,6 +891,8 @@ def _bwd_ws2(
     v_desc,
     do_desc,
     st_desc,
+    qt_desc,
+    kt_desc,
     DQ,
     DK,
     DV,
@@ -848,6 +920,7 @@ def _bwd_ws2(
     sm_scale,
     HEAD_DIM: gl.constexpr,
     BLOCK_D: gl.constexpr,
+    BLOCK_DT: gl.constexpr,
     HEAD_DIM_V: gl.constexpr,
     BLOCK_DV: gl.constexpr,
     BLOCK_M: gl.constexpr,
@@ -870,7 +943,9 @@ def _bwd_ws2(
     BLOCK_M, 1, BLOCK_DV], v_desc [1, BLOCK_N, 1, BLOCK_DV]: BLOCK_D, BLOCK_DV the head dims
     HEAD_DIM (q, k), HEAD_DIM_V (v, do) padded to powers of two (the padding columns read as
     zeros; they differ only with SPLIT_D); st_desc: the flat (B * Hq * 2 * Sq_pad,) float32
-    statistics with blocks [BLOCK_M]. num_warps = 4 (the default partition is consumer
+    statistics with blocks [BLOCK_M]. BLOCK_DT > 0 (SPLIT_D only): q/k's head dim in two pieces,
+    BLOCK_D columns by q_desc / k_desc and BLOCK_DT from column BLOCK_D on by qt_desc / kt_desc
+    (blocks [.., BLOCK_DT]; None without a tail). num_warps = 4 (the default partition is consumer
     warpgroup 0). DQ: float32 (B, Sq, Hq, HEAD_DIM) added to atomically, or (DQ_BLOCKED) the
     blocked (B, Hq, Sq_pad, BLOCK_D); DK (B, Sk, Hkv, HEAD_DIM), DV (B, Sk, Hkv, HEAD_DIM_V)."""
     gl.static_assert(num_warps == 4, "the default partition is one consumer warpgroup")
@@ -884,6 +959,13 @@ def _bwd_ws2(
     # K and V: rings of depth 1, so that the consumers can index them with an opaque zero
     k_smem = gl.allocate_shared_memory(dtype, [1] + k_desc.block_type.shape, k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, [1] + v_desc.block_type.shape, v_desc.layout)
+    if BLOCK_DT > 0:  # the tail pieces of every Q stage and of K
+        gl.static_assert(SPLIT_D, "head dims in pieces run the head-dim split schedule")
+        qt_bufs = gl.allocate_shared_memory(dtype, [STAGES] + qt_desc.block_type.shape, qt_desc.layout)
+        kt_smem = gl.allocate_shared_memory(dtype, [1] + kt_desc.block_type.shape, kt_desc.layout)
+    else:  # stand-ins, never read (warp_specialize's arguments cannot be None)
+        qt_bufs = q_bufs
+        kt_smem = k_smem
     if SPLIT_D:
         # P^T and dS^T of two steps; each warpgroup writes 32 of the 64 columns, which a 64-byte
         # swizzle keeps in whole swizzle blocks (the default 128-byte one would cut them)
@@ -966,6 +1048,9 @@ def _bwd_ws2(
         DQ_BLOCKED,
         LAG,
         DQ_FIRST,
+        qt_bufs,
+        kt_smem,
+        BLOCK_DT,
     )
     producer_args: gl.constexpr = (
         q_desc,
@@ -999,6 +1084,12 @@ def _bwd_ws2(
         BLOCK_N,
         STAGES,
         ROTATE,
+        qt_desc,
+        kt_desc,
+        qt_bufs,
+        kt_smem,
+        BLOCK_D,
+        BLOCK_DT,
     )
     if SPLIT_D:
         gl.warp_specialize(

@@ -38,6 +38,7 @@ import triton.language as tl
 
 from ..merge import DeltaOf
 from ..reference import delta as torch_delta
+from . import head_dim_pieces
 from .gluon_forward import (
     HOPPER_SHARED_BYTES,
     LOG2E,
@@ -103,6 +104,9 @@ class GluonBwdConfig:
     dq_blocked: bool = False
     lag: bool = False  # dQ one step late, 3 dS buffers: the warpgroups meet one step apart, not every step
     dq_first: bool = False  # with lag: dQ issued before dK, its atomics overlap the dK matmul (FA3's order)
+    # ws2_split_d: q/k's head dim in kernels.head_dim_pieces where it has a tail (192 = 128 + 64)
+    # rather than padded; dK's and dQ's pieces cross between the warpgroups (_consumer_split_d)
+    pieces: bool = False
 
     def __post_init__(self):
         if self.schedule not in ("ws2", "ws2_split_d"):
@@ -116,6 +120,8 @@ class GluonBwdConfig:
             raise ValueError("ws2_split_d has no lagged dQ (its P^T and dS^T buffers fill the shared memory)")
         if self.dq_first and not self.lag:
             raise ValueError("dq_first needs lag (without it dQ waits for both halves of dS every step)")
+        if self.pieces and not self.split_d:
+            raise ValueError("head dims in pieces run the head-dim split schedule (ws2_split_d)")
 
     @property
     def split_d(self) -> bool:
@@ -148,6 +154,10 @@ _CONFIGS = {
 _SPLIT_D = {
     "split_d": GluonBwdConfig(schedule="ws2_split_d", block_n=64, stages=2, producer_regs=40),
     "split_d_blk": GluonBwdConfig(schedule="ws2_split_d", block_n=64, stages=2, producer_regs=40, dq_blocked=True),
+    # q/k = 192 as 128 + 64 (MLA's 192 / 128): compile-checked on CPU only, not yet run on a GPU
+    "split_d_pieces": GluonBwdConfig(
+        schedule="ws2_split_d", block_n=64, stages=2, producer_regs=40, dq_blocked=True, pieces=True
+    ),
 }
 VARIANTS: dict[str, dict[int, GluonBwdConfig]] = {
     **{name: dict.fromkeys((64, 128), c) for name, c in _CONFIGS.items()},
@@ -530,6 +540,11 @@ def launch_plan(
     B, Sq, Hq, D = q.shape
     Dv = v.shape[3]
     block_d, block_dv = padded_head_dim(D), padded_head_dim(Dv)
+    block_dt = 0
+    if cfg.pieces:
+        main, tail = head_dim_pieces(D)
+        if tail and main == 2 * tail:  # (the crossed pieces balance at main = 2 x tail)
+            block_d, block_dt = main, tail
     Sk, Hkv = k.shape[1], k.shape[2]
     if bounds is not None:
         if causal or window is not None:
@@ -548,6 +563,7 @@ def launch_plan(
     kwargs = dict(
         HEAD_DIM=D,
         BLOCK_D=block_d,
+        BLOCK_DT=block_dt,
         HEAD_DIM_V=Dv,
         BLOCK_DV=block_dv,
         BLOCK_M=cfg.block_m,
@@ -573,6 +589,8 @@ def launch_plan(
         _descriptor(v, cfg.block_n, block_dv),
         _descriptor(do, cfg.block_m, block_dv),
         _stats_descriptor(stats, cfg),
+        _descriptor(q, cfg.block_m, block_dt) if block_dt else None,
+        _descriptor(k, cfg.block_n, block_dt) if block_dt else None,
         dq32,
         dk,
         dv,
