@@ -304,6 +304,28 @@ def test_gluon_backward_blocked_dq_layout():
             assert torch.equal(dq, want.to(dtype)), (D, dtype, layout)
 
 
+def test_gluon_backward_blocked_dq_narrow_tile():
+    """A dQ piece narrower than the blocked buffer's tiles (split_d_pieces' tail: 64 columns into
+    the second 128-wide tile of a 256-wide buffer, _red_add_blocked with TILE_COLS = 128) lands,
+    through the launcher's view, at dQ columns 128 .. 191 and nowhere else."""
+    import torch
+
+    from ringflash.kernels import gluon_backward as gb
+
+    W, tile_cols, cols = 256, 128, 64
+    acc = torch.zeros(1, 1, 64, W)
+    r = torch.arange(64)[:, None]
+    c = torch.arange(cols)[None, :]
+    # the kernel's offsets (_red_add_blocked, WIDTH = TILE_COLS) within tile 1 of the 64-row block
+    offs = 1 * 64 * tile_cols + (r // 16) * (tile_cols * 16) + (r % 8) * 16 + ((r // 8) % 2) * 2
+    offs = offs + (c // 8) * 128 + ((c // 2) % 4) * 4 + (c % 2)
+    vals = (r * 1000 + c).float()  # row r, piece column c
+    acc.view(-1)[offs.reshape(-1)] = vals.reshape(-1)
+    dq = gb.dq_natural_view(acc).reshape(1, 64, 1, W)[0, :, 0]  # (rows, W) in dQ's order
+    assert torch.equal(dq[:, 128:192], vals)
+    assert not dq[:, :128].any() and not dq[:, 192:].any()
+
+
 def test_gluon_backward_compiles_for_hopper(tmp_path):
     """The Gluon backward's variants keep compiling for
     sm_90a on this CPU machine, causal bf16 accumulating into float32 (a ring step), at D=128
