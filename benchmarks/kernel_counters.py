@@ -23,7 +23,10 @@ import sys
 from pathlib import Path
 
 IMPLS = ("ringflash", "sdpa_cudnn")  # and gluon=VARIANT: ours with that Gluon forward variant
-SECTIONS = ("SpeedOfLight", "ComputeWorkloadAnalysis", "SchedulerStats", "WarpStateStats", "Occupancy", "LaunchStats")
+SECTIONS = (
+    "SpeedOfLight", "ComputeWorkloadAnalysis", "MemoryWorkloadAnalysis", "SchedulerStats", "WarpStateStats",
+    "Occupancy", "LaunchStats",
+)  # fmt: skip
 STALL = re.compile(r"smsp__average_warps?_issue_stalled_(\w+?)_per_issue_active\.ratio$")
 
 
@@ -109,8 +112,8 @@ CLOCK_UNITS_MHZ = {"ghz": 1e3, "mhz": 1.0, "khz": 1e-3, "hz": 1e-6, "cycle/nseco
 
 def summarize(name, d, units):
     """A kernel's duration (us), SM clock (MHz), SM busy %, tensor pipe busy % of the elapsed
-    cycles (the tail where SMs idle included), issue slots busy %, and the five largest stall
-    reasons (warps stalled per issued instruction)."""
+    cycles (the tail where SMs idle included), issue slots busy %, DRAM busy %, L2 hit rate %,
+    and the five largest stall reasons (warps stalled per issued instruction)."""
     dur, scale = _num(d.get("gpu__time_duration.sum")), TIME_UNITS_US.get(units.get("gpu__time_duration.sum"))
     clock = _num(d.get("gpc__cycles_elapsed.avg.per_second"))
     clock_scale = CLOCK_UNITS_MHZ.get(units.get("gpc__cycles_elapsed.avg.per_second", "").lower())
@@ -125,6 +128,9 @@ def summarize(name, d, units):
         "sm_pct": _num(d.get("sm__throughput.avg.pct_of_peak_sustained_elapsed")),
         "tensor_pct": _num(d.get("sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_elapsed")),
         "issue_pct": _num(d.get("smsp__issue_active.avg.pct_of_peak_sustained_active")),
+        # memory: DRAM busy, and the L2 hit rate (K / V tiles that several programs share)
+        "dram_pct": _num(d.get("gpu__dram_throughput.avg.pct_of_peak_sustained_elapsed")),
+        "l2_hit_pct": _num(d.get("lts__t_sector_hit_rate.pct")),
         "stalls": stalls,
     }
 
@@ -133,7 +139,8 @@ def format_row(tag, s):
     stalls = " ".join(f"{k}={v:.2f}" for k, v in s["stalls"])
     return (
         f"{tag:36s} {s['kernel'][:28]:28s} {s['us']:9.1f} us {s['mhz'] or 0:5.0f} MHz  sm {s['sm_pct'] or 0:5.1f}%  "
-        f"tensor {s['tensor_pct'] or 0:5.1f}%  issue {s['issue_pct'] or 0:5.1f}%  stalls: {stalls}"
+        f"tensor {s['tensor_pct'] or 0:5.1f}%  issue {s['issue_pct'] or 0:5.1f}%  dram {s['dram_pct'] or 0:4.1f}%  "
+        f"L2 hit {s['l2_hit_pct'] or 0:5.1f}%  stalls: {stalls}"
     )
 
 

@@ -616,14 +616,17 @@ def test_kernel_counters_reads_ncu_raw_csv(tmp_path):
         "smsp__average_warps_issue_stalled_barrier_per_issue_active.ratio",
         "smsp__average_warps_issue_stalled_wait_per_issue_active.ratio",
         "smsp__average_warps_issue_stalled_long_scoreboard_per_issue_active.ratio",
+        "gpu__dram_throughput.avg.pct_of_peak_sustained_elapsed",
+        "lts__t_sector_hit_rate.pct",
     ]
-    units = ["", "ms", "Ghz", "%", "%", "%", "", "", ""]
-    row = ["_fwd_ws2", "6.5", "1.7", "75", "74.5", "36", "3.2", "1.7", "0.8"]
+    units = ["", "ms", "Ghz", "%", "%", "%", "", "", "", "%", "%"]
+    row = ["_fwd_ws2", "6.5", "1.7", "75", "74.5", "36", "3.2", "1.7", "0.8", "1.8", "97.5"]
     path = tmp_path / "raw.csv"
     path.write_text("\n".join(",".join(f'"{x}"' for x in r) for r in (names, units, row)) + "\n")
     ((name, d, u),) = read_raw(path)
     s = summarize(name, d, u)
     assert (s["us"], s["mhz"], s["tensor_pct"], s["issue_pct"]) == (6500.0, 1700.0, 74.5, 36.0)
+    assert (s["dram_pct"], s["l2_hit_pct"]) == (1.8, 97.5)
     assert [k for k, _ in s["stalls"]] == ["barrier", "wait", "long_scoreboard"]
     assert "6500.0 us" in format_row("t", s)
 
