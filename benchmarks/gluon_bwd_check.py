@@ -64,7 +64,7 @@ DEFAULT_VARIANTS = ["ws2", "ws2_blk", "ws2_lag", "ws2_lagq"]
 # Cases
 
 
-def correctness_cases(variant: str, lite: bool, D: int = 128) -> list[dict]:
+def correctness_cases(variant: str, lite: bool, D: int = 128, Dv: int | None = None) -> list[dict]:
     from ringflash.kernels import gluon_backward as gb
 
     far = 10**6
@@ -99,8 +99,9 @@ def correctness_cases(variant: str, lite: bool, D: int = 128) -> list[dict]:
         ]
     cases = []
     for row, extras in table:
-        c = {**dict(zip(cols, row)), "D": D, "scale": D**-0.5, "accumulate": False, "dq": "fp32", **extras}
-        cfg = gb.config_for(D, variant)
+        c = {**dict(zip(cols, row)), "D": D, "Dv": Dv or D, "scale": D**-0.5, "accumulate": False, "dq": "fp32"}
+        c.update(extras)
+        cfg = gb.config_for(max(D, Dv or D), variant)
         # the family a hang takes down: variants sharing a barrier protocol (lag has its own)
         c.update(kind="correct", variant=variant, schedule=cfg.schedule + ("_lag" if cfg.lag else ""))
         c["id"] = f"{variant}:{len(cases)}"
@@ -108,7 +109,7 @@ def correctness_cases(variant: str, lite: bool, D: int = 128) -> list[dict]:
     return cases
 
 
-def timing_tasks(variants, seqlens, heads, gqa_heads, D: int = 128) -> list[dict]:
+def timing_tasks(variants, seqlens, heads, gqa_heads, D: int = 128, Dv: int | None = None) -> list[dict]:
     tasks = []
     # 16K first, then the shorter ones, the GQA case, the longer ones: a deadline cuts the last
     order = sorted(seqlens, key=lambda S: (S != 16384, S > 16384, S))
@@ -123,6 +124,7 @@ def timing_tasks(variants, seqlens, heads, gqa_heads, D: int = 128) -> list[dict
                     kind="time",
                     impl=impl,
                     D=D,
+                    Dv=Dv or D,
                     S=S,
                     causal=causal,
                     B=1,
@@ -153,7 +155,7 @@ def _forward_state(q, k, v, *, q_start, k_start, causal, scale):
         from ringflash import reference as backend
     else:
         from ringflash import kernels as backend
-    state = SoftmaxState.empty(torch.empty_like(q))
+    state = SoftmaxState.empty(q.new_empty(*q.shape[:-1], v.shape[-1]))  # the output: v's head dim
     backend.forward(
         q,
         k,
@@ -204,7 +206,7 @@ def plain_backward(q, k, v, m, l, do, delta, *, q_start, k_start, causal, scale)
     The error yardstick. Returns (dq, dk, dv) in q's dtype."""
     dt = q.dtype
     B, Sq, Hq, D = q.shape
-    Sk, Hkv = k.shape[1], k.shape[2]
+    Sk, Hkv, Dv = k.shape[1], k.shape[2], v.shape[3]
     G = Hq // Hkv
     kk, vv = k.repeat_interleave(G, dim=2), v.repeat_interleave(G, dim=2)
     s = torch.einsum("bihd,bjhd->bhij", q, kk)
@@ -219,7 +221,7 @@ def plain_backward(q, k, v, m, l, do, delta, *, q_start, k_start, causal, scale)
     ds = (p.float() * (dp.float() - delta[..., None])).to(dt)
     dq = torch.einsum("bhij,bjhd->bihd", ds, kk) * scale
     dk = (torch.einsum("bhij,bihd->bjhd", ds, q).float() * scale).view(B, Sk, Hkv, G, D).sum(3).to(dt)
-    dv = torch.einsum("bhij,bihd->bjhd", p, do).float().view(B, Sk, Hkv, G, D).sum(3).to(dt)
+    dv = torch.einsum("bhij,bihd->bjhd", p, do).float().view(B, Sk, Hkv, G, Dv).sum(3).to(dt)
     return dq, dk, dv
 
 
@@ -233,7 +235,7 @@ def emulate_backward(q, k, v, m, l, do, delta, dq, dk, dv, *, q_start, k_start, 
     cfg = gb._resolve(q, v, config)
     gb.check_shapes(q, k, v, m, l, do, delta, dq, dk, dv, scale=scale, cfg=cfg)
     B, Sq, Hq, D = q.shape
-    Sk, Hkv = k.shape[1], k.shape[2]
+    Sk, Hkv, Dv = k.shape[1], k.shape[2], v.shape[3]
     G = Hq // Hkv
     BM, BN = cfg.block_m, cfg.block_n
     dt = q.dtype
@@ -264,7 +266,7 @@ def emulate_backward(q, k, v, m, l, do, delta, dq, dk, dv, *, q_start, k_start, 
             for hk in range(Hkv):
                 kt, vt = kp[b, n0 : n0 + BN, hk], vp[b, n0 : n0 + BN, hk]
                 dk_acc = torch.zeros(BN, D)
-                dv_acc = torch.zeros(BN, D)
+                dv_acc = torch.zeros(BN, Dv)
                 n_m = n_mblocks - m_first
 
                 def query_block(i):  # _gluon_bwd._query_block: (q head, query block) of step i
@@ -282,8 +284,10 @@ def emulate_backward(q, k, v, m, l, do, delta, dq, dk, dv, *, q_start, k_start, 
                     # the kernel adds the padding rows' dQ (exactly 0) to row Sq - 1 (or, blocked,
                     # to the padding rows of the scratch)
                     assert bool((dq_part[n_ok:] == 0).all()), "padding rows must give dQ = 0"
-                    if nat is not None:
-                        nat[b, mb, :, :, :, h] += dq_part.view(4, 2, 8, 2, D // 16, 4, 2)
+                    if nat is not None:  # (the buffer's width: D padded)
+                        W = dq32.shape[-1]
+                        dq_part = torch.nn.functional.pad(dq_part, (0, W - D))
+                        nat[b, mb, :, :, :, h] += dq_part.view(4, 2, 8, 2, W // 16, 4, 2)
                     else:
                         dq32[b, off_m : off_m + n_ok, h] += dq_part[:n_ok] * scale
 
@@ -341,13 +345,14 @@ def run_correctness(c: dict, plan: list | None = None) -> dict:
     dev = "cpu" if plan is not None else DEV
     dt = _DT[c["dtype"]]
     B, Sq, Sk, Hq, Hkv, D = (c[x] for x in ("B", "Sq", "Sk", "Hq", "Hkv", "D"))
+    Dv = c.get("Dv", D)
     seed = (time.time_ns() ^ hash(c["id"])) % 2**31  # fresh inputs every run; recorded to reproduce
     g = torch.Generator(device=dev).manual_seed(seed)
     rnd = lambda *shape: torch.randn(*shape, device=dev, generator=g, dtype=torch.float32)
     # scores q.k * scale ~ N(0, 1.5^2): |s| up to ~5-7 at these sizes
     q = (rnd(B, Sq, Hq, D) * 1.5).to(dt)
-    k, v = rnd(B, Sk, Hkv, D).to(dt), rnd(B, Sk, Hkv, D).to(dt)
-    do = rnd(B, Sq, Hq, D).to(dt)
+    k, v = rnd(B, Sk, Hkv, D).to(dt), rnd(B, Sk, Hkv, Dv).to(dt)
+    do = rnd(B, Sq, Hq, Dv).to(dt)
     pos = dict(q_start=c["q_start"], k_start=c["k_start"], causal=c["causal"], scale=c["scale"])
     acc = c["accumulate"]
     dq_dt = torch.float32 if c["dq"] == "fp32" else dt
@@ -355,9 +360,9 @@ def run_correctness(c: dict, plan: list | None = None) -> dict:
 
     def outputs():
         if acc:  # float32 buffers holding random values, added to
-            return rnd(B, Sq, Hq, D).to(dq_dt), rnd(B, Sk, Hkv, D).to(g_dt), rnd(B, Sk, Hkv, D).to(g_dt)
+            return rnd(B, Sq, Hq, D).to(dq_dt), rnd(B, Sk, Hkv, D).to(g_dt), rnd(B, Sk, Hkv, Dv).to(g_dt)
         nan = lambda shape, t: torch.full(shape, float("nan"), device=dev, dtype=t)
-        return nan((B, Sq, Hq, D), dq_dt), nan((B, Sk, Hkv, D), g_dt), nan((B, Sk, Hkv, D), g_dt)
+        return nan((B, Sq, Hq, D), dq_dt), nan((B, Sk, Hkv, D), g_dt), nan((B, Sk, Hkv, Dv), g_dt)
 
     if plan is not None:
         m = torch.empty(B, Hq, Sq)
@@ -411,17 +416,18 @@ _CACHE: dict = {}
 
 def _timing_inputs(t):
     """Inputs and the forward state for a timed shape, shared by the implementations."""
-    key = (t["S"], t["H"], t["Hkv"], t["causal"])
+    key = (t["S"], t["H"], t["Hkv"], t["causal"], t.get("Dv", t["D"]))
     if _CACHE.get("key") != key:
         _CACHE.clear()
         torch.cuda.empty_cache()
         g = torch.Generator(device="cuda").manual_seed(0)
         B, S, H, Hkv, D = t["B"], t["S"], t["H"], t["Hkv"], t["D"]
+        Dv = t.get("Dv", D)
         dt = _DT[t["dtype"]]
         q = torch.randn(B, S, H, D, device="cuda", dtype=dt, generator=g)
         k = torch.randn(B, S, Hkv, D, device="cuda", dtype=dt, generator=g)
-        v = torch.randn(B, S, Hkv, D, device="cuda", dtype=dt, generator=g)
-        do = torch.randn(B, S, H, D, device="cuda", dtype=dt, generator=g)
+        v = torch.randn(B, S, Hkv, Dv, device="cuda", dtype=dt, generator=g)
+        do = torch.randn(B, S, H, Dv, device="cuda", dtype=dt, generator=g)
         o, m, l, _ = _forward_state(q, k, v, q_start=0, k_start=0, causal=t["causal"], scale=D**-0.5)
         _CACHE.update(key=key, q=q, k=k, v=v, do=do, o=o, m=m, l=l)
     return _CACHE
@@ -469,7 +475,8 @@ def run_timing(t: dict) -> dict:
     fn()
     torch.cuda.synchronize()
     ms = triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
-    flops = 2.5 * 4 * B * H * S * S * D * (0.5 if causal else 1.0)
+    # QK^T and dQ, dK at D; PV, dP and dV at Dv (the two equal: 2.5 x 4 B H S^2 D)
+    flops = 2.5 * 4 * B * H * S * S * (D + t.get("Dv", D)) / 2 * (0.5 if causal else 1.0)
     res = {"status": "OK", "ms": ms, "tflops": flops / ms / 1e9}
     if impl.startswith("gluon:"):
         # the parts of the same call: the kernel launch alone (its inputs prepared outside the
@@ -527,7 +534,7 @@ class Runner(gc.Runner):
 # Parent side
 
 
-def precompile(cases, variants, seqlens, heads, gqa_heads, jobs, D: int = 128) -> dict:
+def precompile(cases, variants, seqlens, heads, gqa_heads, jobs, D: int = 128, Dv: int | None = None) -> dict:
     """Compile every Gluon backward the cases and timings launch, on the CPU cores in parallel,
     before the GPU work (the launches then find them in triton's cache)."""
     import multiprocessing
@@ -545,10 +552,12 @@ def precompile(cases, variants, seqlens, heads, gqa_heads, jobs, D: int = 128) -
                 S = seqlens[0]
                 q = torch.empty(1, S, heads, D, dtype=torch.bfloat16)
                 k = torch.empty(1, S, hkv, D, dtype=torch.bfloat16)
+                v_ = torch.empty(1, S, hkv, Dv or D, dtype=torch.bfloat16)
+                do = torch.empty(1, S, heads, Dv or D, dtype=torch.bfloat16)
                 m = torch.empty(1, heads, S)
                 specs.append(
                     gb.launch_spec(
-                        q, k, k, m, m, q, m, q, k, k, q_start=0, k_start=0, causal=causal, scale=D**-0.5,
+                        q, k, v_, m, m, do, m, q, k, v_, q_start=0, k_start=0, causal=causal, scale=D**-0.5,
                         accumulate=False, config=v,
                     )
                 )  # fmt: skip
@@ -643,6 +652,7 @@ def main():
     ap.add_argument("--seqlens", type=int, nargs="+", default=[4096, 16384, 65536])
     ap.add_argument("--heads", type=int, default=32)
     ap.add_argument("--head-dim", type=int, default=128, help="of every case and timing (the variants must take it)")
+    ap.add_argument("--v-head-dim", type=int, default=None, help="v's head dim apart (default: --head-dim), e.g. 128")
     ap.add_argument("--gqa-heads", type=int, default=8, help="kv heads of the one GQA timing (0: none)")
     ap.add_argument("--quick", action="store_true", help="S=16K only and the smaller correctness set")
     ap.add_argument("--full-correctness-for", nargs="*", default=["ws2"], help="variants that get the full set")
@@ -703,6 +713,7 @@ def main():
         "date": time.strftime("%Y-%m-%d %H:%M"),
         "heads": args.heads,
         "head_dim": args.head_dim,
+        "v_head_dim": args.v_head_dim or args.head_dim,
         "variants": {v: {D: vars(c) for D, c in gb.VARIANTS[v].items()} for v in variants},
         "argv": sys.argv[1:],
         "dry_run": args.cpu_dry_run,
@@ -755,7 +766,9 @@ def main():
         []
         if args.skip_correctness
         else [
-            correctness_cases(v, lite=args.quick or v not in args.full_correctness_for, D=args.head_dim)
+            correctness_cases(
+                v, lite=args.quick or v not in args.full_correctness_for, D=args.head_dim, Dv=args.v_head_dim
+            )  # fmt: skip
             for v in variants
         ]
     )
@@ -771,7 +784,7 @@ def main():
         try:
             pre = precompile(
                 cases, [] if args.skip_timing else variants, seqlens, args.heads, args.gqa_heads, args.jobs,
-                args.head_dim,
+                args.head_dim, args.v_head_dim,
             )  # fmt: skip
         except Exception as e:  # only a speed-up: the launches compile on their own
             pre = {"launches": 0, "kernels": 0, "seconds": 0.0, "errors": [], "failed": f"{type(e).__name__}: {e}"}
@@ -796,7 +809,7 @@ def main():
     timed = [] if args.skip_timing else variants if args.time_failing else [v for v in variants if v in passing]
     if not args.skip_timing:
         gqa = args.gqa_heads if args.gqa_heads != args.heads else 0
-        tasks = timing_tasks(timed, seqlens, args.heads, gqa, args.head_dim)
+        tasks = timing_tasks(timed, seqlens, args.heads, gqa, args.head_dim, args.v_head_dim)
         Runner(args.timing_timeout, deadline, sink("timing")).run(tasks)
     meta["elapsed_s"] = time.monotonic() - t0
     save()

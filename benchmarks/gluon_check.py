@@ -526,7 +526,11 @@ class Runner:
     def _child(self, path: Path, todo: list[int], err_path: Path) -> None:
         """Run the tasks `todo` (indices, in order) in one child until it ends, hangs or dies."""
         env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-        env.pop("TRITON_INTERPRET", None)
+        if env.get("GLUON_CHECK_FAKE") or env.get("GLUON_BWD_CHECK_FAKE"):
+            # a CPU dry run compiles no Gluon kernel; its Triton ones (the blocked dQ's finish) interpret
+            env["TRITON_INTERPRET"] = "1"
+        else:  # interpreted kernels patch triton.language in-process, which breaks Gluon compilation
+            env.pop("TRITON_INTERPRET", None)
         with open(err_path, "w") as err:  # a file, not a pipe: a chatty child must never block
             proc = subprocess.Popen(
                 [sys.executable, str(self.script), "--worker", str(path)],

@@ -266,6 +266,24 @@ def test_gluon_check_catches_a_wrong_forward_at_head_dims_in_pieces(tmp_path):
             assert all(r["status"] == "FAIL" for r in rows if r["causal"]), rows
 
 
+def test_gluon_bwd_check_catches_a_wrong_backward_with_v_head_dim_apart(tmp_path):
+    """benchmarks/gluon_bwd_check.py's harness on the CPU (--cpu-dry-run: a float32 emulation of
+    the kernel's blocking, the blocked dQ's finish interpreted) at MLA's head dims (192 / 128)
+    for the pieces variant and the padded one: every case passes with the right emulation, and
+    one without the causal diagonal mask fails every causal case."""
+    for mode, variants in (("emulate", ["split_d_pieces", "split_d_blk"]), ("bug", ["split_d_pieces"])):
+        out = tmp_path / f"{mode}.json"
+        run([sys.executable, "benchmarks/gluon_bwd_check.py", "--cpu-dry-run", mode, "--quick", "--head-dim", "192",
+             "--v-head-dim", "128", "--variants", *variants, "--skip-timing", "--jobs", "0", "--json", str(out)],
+            tmp_path)  # fmt: skip
+        rows = json.loads(out.read_text())["correctness"]
+        assert {r["variant"] for r in rows} == set(variants) and len(rows) >= 7 * len(variants), rows
+        if mode == "emulate":
+            assert all(r["status"] == "PASS" for r in rows), [r for r in rows if r["status"] != "PASS"]
+        else:
+            assert all(r["status"] == "FAIL" for r in rows if r["causal"]), rows
+
+
 def test_gluon_backward_blocked_dq_layout():
     """The blocked float32 dQ of the Gluon backward (cfg.dq_blocked): the launcher's view inverts
     the kernel's offsets (_gluon_bwd._red_add_blocked), and its finish (one Triton launch, here
