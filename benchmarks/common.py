@@ -157,6 +157,17 @@ def cuts_aligned(align: int, min_piece: int = 0):
         yield
 
 
+def add_align_args(ap):
+    """The aligned-cuts experiment's options (cuts_aligned): --align and --align-min-piece."""
+    ap.add_argument("--align", type=int, default=1, help="an experiment: cuts at multiples of it (common.cuts_aligned)")
+    ap.add_argument(
+        "--align-min-piece",
+        type=int,
+        default=0,
+        help="with --align: round only cuts of documents whose even pieces are at least this many tokens",
+    )
+
+
 def add_shape_args(ap):
     """The attention-shape options of the ring benchmarks."""
     ap.add_argument("--heads", type=int, default=32)

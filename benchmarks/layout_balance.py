@@ -25,7 +25,7 @@ import random
 import time
 from pathlib import Path
 
-from benchmarks.common import cuts_aligned, write_json
+from benchmarks.common import add_align_args, cuts_aligned, write_json
 from ringflash import balanced_layout
 
 MASKS = {  # name: (causal, window_size)
@@ -117,13 +117,7 @@ def main(argv=None):
     ap.add_argument("--worlds", type=int, nargs="+", default=list(range(2, 17)))
     ap.add_argument("--masks", nargs="+", default=list(MASKS), choices=list(MASKS))
     ap.add_argument("--json", type=Path, default=None)
-    ap.add_argument("--align", type=int, default=1, help="an experiment: cuts at multiples of it (common.cuts_aligned)")
-    ap.add_argument(
-        "--align-min-piece",
-        type=int,
-        default=0,
-        help="with --align: round only cuts of documents whose even pieces are at least this many tokens",
-    )
+    add_align_args(ap)
     args = ap.parse_args(argv)
     rows = table(args)
     print(f"worst over {2 * args.mixes} mixes per row (tail and wide, {args.mixes} seeds each)")

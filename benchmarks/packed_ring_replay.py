@@ -42,6 +42,7 @@ import torch
 import ringflash
 from benchmarks.common import (
     DOCUMENTS_BACKWARDS,
+    add_align_args,
     bench_device,
     cuts_aligned,
     device_name,
@@ -214,13 +215,7 @@ def main():
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--window", type=int, default=None, help="a causal window of this many keys")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--align", type=int, default=1, help="an experiment: cuts at multiples of it (common.cuts_aligned)")
-    ap.add_argument(
-        "--align-min-piece",
-        type=int,
-        default=0,
-        help="with --align: round only cuts of documents whose even pieces are at least this many tokens",
-    )
+    add_align_args(ap)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--calls", type=int, default=1, help="calls in a row per timing (see the docstring)")
     ap.add_argument(

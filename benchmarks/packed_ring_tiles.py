@@ -22,7 +22,7 @@ import torch
 
 import ringflash
 import ringflash.ring as ring_module
-from benchmarks.common import cuts_aligned
+from benchmarks.common import add_align_args, cuts_aligned
 from benchmarks.layout_balance import measure as balance_of
 from benchmarks.packed import document_lengths
 from benchmarks.packed_ring_replay import replay_rank
@@ -76,13 +76,7 @@ def main():
     ap.add_argument("--block-m", type=int, default=64)
     ap.add_argument("--block-n", type=int, default=128)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--align", type=int, default=1, help="an experiment: cuts at multiples of it (common.cuts_aligned)")
-    ap.add_argument(
-        "--align-min-piece",
-        type=int,
-        default=0,
-        help="with --align: round only cuts of documents whose even pieces are at least this many tokens",
-    )
+    add_align_args(ap)
     args = ap.parse_args()
     for total in args.totals:
         lengths = document_lengths("longtail", total, args.seed)
