@@ -765,6 +765,7 @@ def _consumer_split_d(
         DQ_COLS: gl.constexpr = DK_COLS
         DQ_COL0: gl.constexpr = DK_COL0
     COLS_V: gl.constexpr = BLOCK_DV // 2  # ... of dV (v's head dim may differ: MLA)
+    DQ_TILE: gl.constexpr = BLOCK_D if TAIL else BLOCK_D // 2  # the blocked dQ's tiles: half the padded width
     QROWS: gl.constexpr = BLOCK_M // 2  # query rows of this warpgroup's S^T, dP^T
     dtype: gl.constexpr = q_bufs.dtype
     s_layout: gl.constexpr = _mma_layout(4, QROWS)  # S^T, dP^T: (BLOCK_N, QROWS)
@@ -853,8 +854,7 @@ def _consumer_split_d(
         # the blocked dQ's two tiles are half the padded width each (BLOCK_D with pieces): dQ's
         # main piece fills tile 0, its tail the first columns of tile 1
         _dq_add(dq, DQ, b, h, off_m, Sq, stride_dqb, stride_dqs, stride_dqh, sm_scale, dq_rows, dq_cols, WG,
-                BLOCK_M, DQ_COLS, DQ_BLOCKED, dq_layout, DQ_COL0 // DK_COLS if not TAIL else (1 if WG == 0 else 0),
-                BLOCK_D // 2 if not TAIL else BLOCK_D)  # fmt: skip
+                BLOCK_M, DQ_COLS, DQ_BLOCKED, dq_layout, DQ_COL0 // DQ_TILE, DQ_TILE)  # fmt: skip
     b = _opaque(b)  # (as _consumer with LAG: the pointers' 64-bit parts computed here, not kept)
     hk = _opaque(hk)
     if n_iter > (0 if ACCUMULATE else -1):  # (as _consumer)
