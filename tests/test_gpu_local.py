@@ -224,19 +224,20 @@ def test_v_head_dim_differs(D, Dv, causal, monkeypatch):
     assert calls, "the Gluon forward was not used"
 
 
-@pytest.mark.parametrize("Dv", [128, 192])
+@pytest.mark.parametrize("D,Dv", [(192, 128), (192, 192), (168, 128)])
 @pytest.mark.parametrize("causal", [False, True])
-def test_fused_backward_head_dim_in_pieces(Dv, causal, monkeypatch):
-    """q/k's head dim 192 in pieces (128 + 64) in the fused backward (split_d_pieces: dK's and
-    dQ's pieces crossed between the two warpgroups), v's 128 (MLA) or 192: out and gradients
-    against float64 within 2x plain bf16 attention, and the fused kernel ran with the tail piece."""
+def test_fused_backward_head_dim_in_pieces(D, Dv, causal, monkeypatch):
+    """q/k's head dim in pieces (128 + 64; 168's tail columns past the head dim read as zeros)
+    in the fused backward (split_d_pieces: dK's and dQ's pieces crossed between the two
+    warpgroups), v's 128 (MLA) or 192: out and gradients against float64 within 2x plain bf16
+    attention, and the fused kernel ran with the tail piece."""
     from ringflash.kernels import configs, gluon_backward
 
     plans = []
     real = gluon_backward.launch_plan
     monkeypatch.setattr(gluon_backward, "launch_plan", lambda *a, **kw: plans.append(real(*a, **kw)) or plans[-1])
     with configs.override(gluon_bwd="split_d_pieces"):
-        test_forward_backward_vs_float64(torch.bfloat16, causal, (1, 2049, 2049, 4, 2, 192), Dv=Dv)
+        test_forward_backward_vs_float64(torch.bfloat16, causal, (1, 2049, 2049, 4, 2, D), Dv=Dv)
     assert plans and all(kwargs["BLOCK_DT"] == 64 for _, _, _, kwargs in plans), [p[3] for p in plans]
 
 

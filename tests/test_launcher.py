@@ -286,7 +286,9 @@ def test_gluon_backward_takes_v_head_dim_apart_only_split():
         _, _, args, kwargs = gb.launch_plan(q, k, v, stats, do, blocked.acc, dk, dv, q_start=0, k_start=0, causal=True,
                                             scale=0.1, accumulate=True, cfg=cfg)  # fmt: skip
         assert (kwargs["HEAD_DIM"], kwargs["HEAD_DIM_V"]) == (D, Dv) and kwargs["SPLIT_D"]
-        assert [a.block_shape[-1] for a in args[:4]] == [gb.padded_head_dim(x) for x in (D, D, Dv, Dv)]
+        qk_width = 128 if D == 192 else gb.padded_head_dim(D)  # the default runs 192 in pieces: 128 + 64
+        assert [a.block_shape[-1] for a in args[:4]] == [qk_width, qk_width] + [gb.padded_head_dim(Dv)] * 2
+        assert kwargs["BLOCK_DT"] == (64 if D == 192 else 0)
         with pytest.raises(gb.Unsupported, match="only the head-dim split schedule"):
             dq = torch.zeros(q.shape)
             gb.check_shapes(q, k, v, m, m, do, m, dq, dk, dv, scale=0.1, cfg=gb.config_for(128, "ws2_lag"))

@@ -138,7 +138,12 @@ GLUON_DOCUMENTS_MIN_KEYS_PER_ROW = {64: 4096, 128: 1536, 256: 0}
 # (python benchmarks/gluon_bwd_check.py --quick --head-dim 256 --variants split_d split_d_blk;
 # row-major dQ atomics 298-303); forward+backward through the package D=256 1.02-1.07x cuDNN,
 # D=192 0.91-0.92x (python -m benchmarks.bench_local --seqlens 16384 --head-dims 192 256).
-GLUON_BWD = {64: "ws2_lag", 128: "ws2_lag", 256: "split_d_blk"}
+# q/k = 192 runs in pieces (128 + 64, split_d_pieces; other head dims padded to 256 run as
+# split_d_blk): one H200, bf16, H=32, v = 128, S=16K, whole backward 345-352 TFLOP/s against
+# split_d_blk's 288-291 and cuDNN's 306 (non-causal) / 462 (causal) (python
+# benchmarks/gluon_bwd_check.py --quick --seqlens 16384 --head-dim 192 --v-head-dim 128
+# --variants split_d_blk split_d_pieces).
+GLUON_BWD = {64: "ws2_lag", 128: "ws2_lag", 256: "split_d_pieces"}
 # A fused launch has one program per (key block of 128, kv head): below this many per SM the
 # two passes (more, smaller programs) win. One H200, a ring rank's calls at 2K-key tasks and 8 kv
 # heads (128 programs on 132 SMs): fused 11.2 ms against 10.3 ms; at 8K-key tasks, 8 kv heads

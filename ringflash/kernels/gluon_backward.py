@@ -154,7 +154,7 @@ _CONFIGS = {
 _SPLIT_D = {
     "split_d": GluonBwdConfig(schedule="ws2_split_d", block_n=64, stages=2, producer_regs=40),
     "split_d_blk": GluonBwdConfig(schedule="ws2_split_d", block_n=64, stages=2, producer_regs=40, dq_blocked=True),
-    # q/k = 192 as 128 + 64 (MLA's 192 / 128): compile-checked on CPU only, not yet run on a GPU
+    # q/k = 192 as 128 + 64 (MLA's 192 / 128); other head dims padded to 256 run as split_d_blk
     "split_d_pieces": GluonBwdConfig(
         schedule="ws2_split_d", block_n=64, stages=2, producer_regs=40, dq_blocked=True, pieces=True
     ),
