@@ -62,9 +62,9 @@ def timed(fn, device, repeats, calls=1):
     return host_seconds(fn, device, repeats=repeats, calls=calls) * 1e3
 
 
-def replay_rank(q, k, v, do, cu, layout, rank, world, window, overlap, grad_chunks=None):
+def replay_rank(q, k, v, do, cu, layout, rank, world, window, overlap, grad_chunks=None, grad_accum_dtype=None):
     """One forward+backward of `rank`'s ring schedule; returns a callable. overlap: as
-    ReplayComm's; grad_chunks: as ring_flash_attn_varlen_func's."""
+    ReplayComm's; grad_chunks, grad_accum_dtype: as ring_flash_attn_varlen_func's."""
     idx = [layout.positions(r, device=q.device) for r in range(world)]
     pad = lambda t: torch.nn.functional.pad(t, (0, 0, 0, 0, 0, layout.max_local_len - t.shape[0]))  # noqa: E731
     blocks = [(pad(k[i])[None], pad(v[i])[None]) for i in idx]
@@ -72,7 +72,7 @@ def replay_rank(q, k, v, do, cu, layout, rank, world, window, overlap, grad_chun
     kl, vl = blocks[rank][0].detach().requires_grad_(), blocks[rank][1].detach().requires_grad_()
     dol = do[idx[rank]][None]
     _, spec = check_packed_call(
-        ql, k[idx[rank]], v[idx[rank]], cu, layout, True, None, window, False, None, grad_chunks, 0.0, None,
+        ql, k[idx[rank]], v[idx[rank]], cu, layout, True, None, window, False, grad_accum_dtype, grad_chunks, 0.0, None,
         "ring_flash_attn_varlen_func", world, rank,
     )  # fmt: skip
 
@@ -137,8 +137,11 @@ def measure_total(args, device, dtype, total, documents_backward):
         single_kernels = measured_kernels(single, device)
         for world in args.worlds:
             print_kernel_times(single_kernels, f"[{documents_backward}] one GPU / {world}", per=world)
-    variants = itertools.product(args.worlds, args.own_call_work_log2 or [None], args.grad_chunks or [None])
-    for world, own_log2, chunks in variants:
+    variants = itertools.product(
+        args.worlds, args.own_call_work_log2 or [None], args.grad_chunks or [None], args.grad_accum_dtypes or [None]
+    )
+    for world, own_log2, chunks, accum_name in variants:
+        accum = {None: None, "float32": torch.float32, "input": dtype}[accum_name]
         with cuts_aligned(args.align, args.align_min_piece):
             layout = ringflash.balanced_layout(cu_list, world, causal=True, window_size=window)
         own = ringflash.balance.OWN_CALL_WORK if own_log2 is None else 2.0**own_log2
@@ -146,7 +149,7 @@ def measure_total(args, device, dtype, total, documents_backward):
             per_rank, inline = (
                 [
                     timed(
-                        replay_rank(q, k, v, do, cu, layout, r, world, window, overlap, chunks),
+                        replay_rank(q, k, v, do, cu, layout, r, world, window, overlap, chunks, accum),
                         device,
                         args.repeats,
                         args.calls,
@@ -178,6 +181,7 @@ def measure_total(args, device, dtype, total, documents_backward):
             efficiency=single_ms / world / max(per_rank),
             own_call_work=own,
             grad_chunks=chunks,
+            grad_accum_dtype=accum_name,
             documents_backward=documents_backward,
             rank_ms_inline_copies=inline,
             efficiency_inline_copies=inline and single_ms / world / max(inline),
@@ -197,6 +201,7 @@ def measure_total(args, device, dtype, total, documents_backward):
             + (f" (inline {row['efficiency_inline_copies']:.3f}); " if inline else "; ")
             + f"own calls from 2^{math.log2(own):.0f}"
             + ("" if chunks is None else f", grad_chunks {chunks}")
+            + ("" if accum_name is None else f", grad_accum_dtype {accum_name}")
             + f"; documents backward {documents_backward}"
             + f"; hops {hops}, "
             f"{row['bytes_sent_per_rank'] / 2**20:.1f} MiB sent per rank (zigzag per document "
@@ -225,6 +230,13 @@ def main():
         help="variants of ringflash.balance.OWN_CALL_WORK (log2; inf: every document in the per-row-bounds call)",
     )
     ap.add_argument("--grad-chunks", type=int, nargs="+", help="variants of grad_chunks (default: the ring's own)")
+    ap.add_argument(
+        "--grad-accum-dtypes",
+        nargs="+",
+        choices=["float32", "input"],
+        help="variants of grad_accum_dtype (default: the ring's own, float32); input: the inputs' "
+        "16-bit dtype, which halves the travelling dK/dV's bytes at a precision cost",
+    )
     ap.add_argument(
         "--documents-backward",
         nargs="+",

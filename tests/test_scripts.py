@@ -575,11 +575,14 @@ def test_host_overhead_smoke(tmp_path):
 
 
 def test_packed_ring_replay_smoke(tmp_path):
-    """The replay runs (with --kernels: each rank's split and the one-GPU call's over P)."""
+    """The replay runs (with --kernels: each rank's split and the one-GPU call's over P), once
+    per --grad-accum-dtypes variant."""
     out = tmp_path / "r.json"
-    printed = run([sys.executable, "-m", "benchmarks.packed_ring_replay", "--smoke", "--kernels", "--json", str(out)],
-                  tmp_path)  # fmt: skip
-    row = json.loads(out.read_text())["rows"][0]
+    printed = run([sys.executable, "-m", "benchmarks.packed_ring_replay", "--smoke", "--kernels", "--json", str(out),
+                   "--grad-accum-dtypes", "float32", "input"], tmp_path)  # fmt: skip
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["grad_accum_dtype"] for r in rows] == ["float32", "input"]
+    row = rows[0]
     assert row["world"] == 2 and len(row["rank_ms"]) == 2 and sum(row["local_lens"]) == row["total"]
     for label in ("[default] one GPU / 2: ", "[default] rank 0: ", "[default] rank 1: "):
         assert label in printed, printed
