@@ -546,7 +546,7 @@ def _produce_tile(
     q_desc, k_desc, v_desc, qt_desc, kt_desc, vt_desc, q_bufs, k_bufs, v_bufs, qt_bufs, kt_bufs, vt_bufs, q_bar,
     k_ready, v_ready, k_empty, v_empty, q_empty, b, h, hk, off_m, lo, n, it, uses, BLOCK_M: gl.constexpr,
     BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, BLOCK_DT: gl.constexpr, BLOCK_DV: gl.constexpr,
-    BLOCK_DVT: gl.constexpr, STAGES: gl.constexpr, PERSISTENT: gl.constexpr, CONSUMERS: gl.constexpr,
+    BLOCK_DVT: gl.constexpr, STAGES: gl.constexpr, PERSISTENT: gl.constexpr,
 ):  # fmt: skip
     """One query tile's loads: its Q (the program's `uses`-th, when n > 0) and its n K/V blocks
     into the rings after the `it` this program loaded before."""
@@ -554,14 +554,14 @@ def _produce_tile(
     TAIL_COL: gl.constexpr = BLOCK_D if BLOCK_DT > 0 else 0
     TAIL_COL_V: gl.constexpr = BLOCK_DV if BLOCK_DVT > 0 else 0
     if n > 0:  # one Q buffer per consumer warpgroup (and one per tail piece), all on one barrier
-        if PERSISTENT:  # every consumer warpgroup done with the previous tile's Q
+        if PERSISTENT:  # both consumer warpgroups done with the previous tile's Q
             mbarrier.wait(q_empty.index(0), (uses & 1) ^ 1)
-        q_rows: gl.constexpr = BLOCK_M // CONSUMERS
+        q_rows: gl.constexpr = BLOCK_M // 2
         if TAIL_COL > 0:
-            mbarrier.expect(q_bar.index(0), CONSUMERS * (q_desc.block_type.nbytes + qt_desc.block_type.nbytes))
+            mbarrier.expect(q_bar.index(0), 2 * (q_desc.block_type.nbytes + qt_desc.block_type.nbytes))
         else:
-            mbarrier.expect(q_bar.index(0), CONSUMERS * q_desc.block_type.nbytes)
-        for part in gl.static_range(CONSUMERS):
+            mbarrier.expect(q_bar.index(0), 2 * q_desc.block_type.nbytes)
+        for part in gl.static_range(2):
             row = off_m + part * q_rows
             tma.async_copy_global_to_shared(q_desc, [b, row, h, 0], q_bar.index(0), q_bufs.index(part))
             if TAIL_COL > 0:
@@ -581,7 +581,7 @@ def _ws_producer(
     k_ready, v_ready, k_empty, v_empty, q_empty, b, h, hk, off_m, lo, n, num_tiles, Hq, group, Sq, Sk, q_start,
     k_start, win_left, win_right, KLO, KHI, MASK: gl.constexpr, LEFT: gl.constexpr, BLOCK_M: gl.constexpr,
     BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, BLOCK_DT: gl.constexpr, BLOCK_DV: gl.constexpr,
-    BLOCK_DVT: gl.constexpr, STAGES: gl.constexpr, PERSISTENT: gl.constexpr, CONSUMERS: gl.constexpr,
+    BLOCK_DVT: gl.constexpr, STAGES: gl.constexpr, PERSISTENT: gl.constexpr,
 ):  # fmt: skip
     """The TMA producer warp: this program's tile (b, h, hk, off_m, lo, n), or with PERSISTENT
     every num_programs-th of the num_tiles tiles from program_id on, each planned here as
@@ -598,7 +598,7 @@ def _ws_producer(
             _produce_tile(
                 q_desc, k_desc, v_desc, qt_desc, kt_desc, vt_desc, q_bufs, k_bufs, v_bufs, qt_bufs, kt_bufs, vt_bufs,
                 q_bar, k_ready, v_ready, k_empty, v_empty, q_empty, b, h, hk, off_m, lo, n, it, uses, BLOCK_M,
-                BLOCK_N, BLOCK_D, BLOCK_DT, BLOCK_DV, BLOCK_DVT, STAGES, PERSISTENT, CONSUMERS,
+                BLOCK_N, BLOCK_D, BLOCK_DT, BLOCK_DV, BLOCK_DVT, STAGES, PERSISTENT,
             )  # fmt: skip
             it += n
             uses += gl.minimum(n, 1)
@@ -606,7 +606,7 @@ def _ws_producer(
         _produce_tile(
             q_desc, k_desc, v_desc, qt_desc, kt_desc, vt_desc, q_bufs, k_bufs, v_bufs, qt_bufs, kt_bufs, vt_bufs,
             q_bar, k_ready, v_ready, k_empty, v_empty, q_empty, b, h, hk, off_m, lo, n, 0, 0, BLOCK_M, BLOCK_N,
-            BLOCK_D, BLOCK_DT, BLOCK_DV, BLOCK_DVT, STAGES, PERSISTENT, CONSUMERS,
+            BLOCK_D, BLOCK_DT, BLOCK_DV, BLOCK_DVT, STAGES, PERSISTENT,
         )  # fmt: skip
 
 
@@ -624,11 +624,11 @@ def _consume_tile(
     win_right, qk_scale, HEAD_DIM: gl.constexpr, BLOCK_D: gl.constexpr, BLOCK_DT: gl.constexpr,
     HEAD_DIM_V: gl.constexpr, BLOCK_DV: gl.constexpr, BLOCK_DVT: gl.constexpr, BLOCK_M: gl.constexpr,
     BLOCK_N: gl.constexpr, STAGES: gl.constexpr, MASK: gl.constexpr, LEFT: gl.constexpr, NORMALIZE: gl.constexpr,
-    HAS_STATE: gl.constexpr, POSITIVE_SCALE: gl.constexpr, PERSISTENT: gl.constexpr, CONSUMERS: gl.constexpr,
+    HAS_STATE: gl.constexpr, POSITIVE_SCALE: gl.constexpr, PERSISTENT: gl.constexpr,
 ):  # fmt: skip
     """Warpgroup WG's rows of one query tile: its key loop over the tile's n blocks (after the
     `it` this program took before; its Q the program's `uses`-th), then its output."""
-    ROWS: gl.constexpr = BLOCK_M // CONSUMERS
+    ROWS: gl.constexpr = BLOCK_M // 2
     s_layout: gl.constexpr = _mma_layout(4, BLOCK_N)
     o_layout: gl.constexpr = _mma_layout(4, BLOCK_DV)
     ot_layout: gl.constexpr = _mma_layout(4, BLOCK_DVT if BLOCK_DVT > 0 else BLOCK_DV)  # (unused without a tail)
@@ -670,12 +670,9 @@ def _ws2_consumer(
     BLOCK_DT: gl.constexpr, HEAD_DIM_V: gl.constexpr, BLOCK_DV: gl.constexpr, BLOCK_DVT: gl.constexpr,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, MASK: gl.constexpr, LEFT: gl.constexpr,
     NORMALIZE: gl.constexpr, HAS_STATE: gl.constexpr, POSITIVE_SCALE: gl.constexpr, PERSISTENT: gl.constexpr,
-    CONSUMERS: gl.constexpr,
 ):  # fmt: skip
     """Consumer warpgroup WG: this program's tile, or with PERSISTENT the producer's sequence of
-    tiles, each planned here as the producer plans it (_tile_plan). With three consumers the
-    keys all of WG's rows see are found here (the plans give two warpgroups' halves)."""
-    ROWS: gl.constexpr = BLOCK_M // CONSUMERS
+    tiles, each planned here as the producer plans it (_tile_plan)."""
     if PERSISTENT:
         num_m = (Sq + BLOCK_M - 1) // BLOCK_M
         it = 0
@@ -685,10 +682,7 @@ def _ws2_consumer(
                 t, num_m, Hq, group, Sq, Sk, q_start, k_start, win_left, win_right, KLO, KHI, MASK, LEFT, BLOCK_M,
                 BLOCK_N, 4,
             )  # fmt: skip
-            if CONSUMERS == 3:
-                _, _, full_lo, full_hi = _rows_range(off_m + WG * ROWS, Sq, Sk, q_start, k_start, win_left, win_right,
-                                                     KLO, KHI, MASK, ROWS, 4)  # fmt: skip
-            elif WG == 0:
+            if WG == 0:
                 full_lo, full_hi = full_lo0, full_hi0
             else:
                 full_lo, full_hi = full_lo1, full_hi1
@@ -697,15 +691,12 @@ def _ws2_consumer(
                 q_empty, O, M, L, KLO, KHI, stride_ob, stride_os, stride_oh, stride_mb, stride_mh, stride_ms,
                 stride_lb, stride_lh, stride_ls, b, h, off_m, lo, n, it, uses, full_lo, full_hi, Sq, Sk, q_start,
                 k_start, win_left, win_right, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_DT, HEAD_DIM_V, BLOCK_DV, BLOCK_DVT,
-                BLOCK_M, BLOCK_N, STAGES, MASK, LEFT, NORMALIZE, HAS_STATE, POSITIVE_SCALE, PERSISTENT, CONSUMERS,
+                BLOCK_M, BLOCK_N, STAGES, MASK, LEFT, NORMALIZE, HAS_STATE, POSITIVE_SCALE, PERSISTENT,
             )  # fmt: skip
             it += n
             uses += gl.minimum(n, 1)
     else:
-        if CONSUMERS == 3:
-            _, _, full_lo, full_hi = _rows_range(off_m + WG * ROWS, Sq, Sk, q_start, k_start, win_left, win_right,
-                                                 KLO, KHI, MASK, ROWS, 4)  # fmt: skip
-        elif WG == 0:
+        if WG == 0:
             full_lo, full_hi = full_lo0, full_hi0
         else:
             full_lo, full_hi = full_lo1, full_hi1
@@ -714,7 +705,7 @@ def _ws2_consumer(
             q_empty, O, M, L, KLO, KHI, stride_ob, stride_os, stride_oh, stride_mb, stride_mh, stride_ms, stride_lb,
             stride_lh, stride_ls, b, h, off_m, lo, n, 0, 0, full_lo, full_hi, Sq, Sk, q_start, k_start, win_left,
             win_right, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_DT, HEAD_DIM_V, BLOCK_DV, BLOCK_DVT, BLOCK_M, BLOCK_N,
-            STAGES, MASK, LEFT, NORMALIZE, HAS_STATE, POSITIVE_SCALE, PERSISTENT, CONSUMERS,
+            STAGES, MASK, LEFT, NORMALIZE, HAS_STATE, POSITIVE_SCALE, PERSISTENT,
         )  # fmt: skip
 
 
@@ -765,13 +756,11 @@ def _fwd_ws2(
     HAS_STATE: gl.constexpr,
     POSITIVE_SCALE: gl.constexpr,
     PERSISTENT: gl.constexpr,
-    CONSUMERS: gl.constexpr,
     PRODUCER_REGS: gl.constexpr,
     CONSUMER_REGS: gl.constexpr,
     num_warps: gl.constexpr,
 ):
-    """q_desc blocks are [1, BLOCK_M // CONSUMERS, 1, BLOCK_D] (one per consumer warpgroup: two
-    or three of 64 rows each), k_desc
+    """q_desc blocks are [1, BLOCK_M // 2, 1, BLOCK_D] (one per consumer warpgroup), k_desc
     [1, BLOCK_N, 1, BLOCK_D], v_desc [1, BLOCK_N, 1, BLOCK_DV]; BLOCK_D is q/k's head dim
     HEAD_DIM padded to a power of two, BLOCK_DV v's (and O's) head dim HEAD_DIM_V padded (the
     descriptors read the padding columns as zeros); num_warps = 4. With BLOCK_DT > 0, q/k's
@@ -788,7 +777,7 @@ def _fwd_ws2(
     cdiv(Sq, BLOCK_M) * B * Hq: the producer loads the next tile's Q and first K/V blocks while
     the consumers write the last tile's output."""
     gl.static_assert(num_warps == 4, "ws2: the default partition is one consumer warpgroup")
-    gl.static_assert(q_desc.block_type.shape[1] * CONSUMERS == BLOCK_M)
+    gl.static_assert(q_desc.block_type.shape[1] * 2 == BLOCK_M)
     gl.static_assert(v_desc.block_type.shape[3] == BLOCK_DV)
     gl.static_assert(not (PERSISTENT and MASK == MASK_ROWS), "persistent programs plan windows only")
     dtype: gl.constexpr = q_desc.dtype
@@ -809,11 +798,11 @@ def _fwd_ws2(
         lo, n, full_lo0, full_hi0, full_lo1, full_hi1 = _tile_key_range(
             off_m, Sq, Sk, q_start, k_start, win_left, win_right, KLO, KHI, MASK, LEFT, BLOCK_M, BLOCK_N, num_warps
         )
-    q_bufs = gl.allocate_shared_memory(dtype, [CONSUMERS] + q_desc.block_type.shape, q_desc.layout)
+    q_bufs = gl.allocate_shared_memory(dtype, [2] + q_desc.block_type.shape, q_desc.layout)
     k_bufs = _alloc_ring(k_desc, STAGES)
     v_bufs = _alloc_ring(v_desc, STAGES)
     if BLOCK_DT > 0:  # the head dim's tail piece of Q and of each K stage
-        qt_bufs = gl.allocate_shared_memory(dtype, [CONSUMERS] + qt_desc.block_type.shape, qt_desc.layout)
+        qt_bufs = gl.allocate_shared_memory(dtype, [2] + qt_desc.block_type.shape, qt_desc.layout)
         kt_bufs = _alloc_ring(kt_desc, STAGES)
     else:  # stand-ins, never read (warp_specialize's arguments cannot be None)
         qt_bufs = q_bufs
@@ -824,15 +813,15 @@ def _fwd_ws2(
         vt_bufs = v_bufs
     q_bar = _alloc_bars(1)
     if PERSISTENT:
-        q_empty = _alloc_bars(1, CONSUMERS)  # every consumer warpgroup done with Q
+        q_empty = _alloc_bars(1, 2)  # both consumer warpgroups done with Q
     else:
         q_empty = q_bar  # a stand-in, never used
     k_ready = _alloc_bars(STAGES)
     v_ready = _alloc_bars(STAGES)
-    k_empty = _alloc_bars(STAGES, CONSUMERS)  # released when every consumer warpgroup is done
-    v_empty = _alloc_bars(STAGES, CONSUMERS)
+    k_empty = _alloc_bars(STAGES, 2)  # released when both consumer warpgroups are done
+    v_empty = _alloc_bars(STAGES, 2)
     fence_async_shared()
-    # The consumer warpgroups take the same arguments after their index WG. Annotated
+    # The two consumer warpgroups take the same arguments after their index WG. Annotated
     # constexpr only so that the assignment keeps the tuple as built: a plain one turns its
     # constexpr members into tensors. Used only unpacked into the tuples below.
     consumer_args: gl.constexpr = (
@@ -896,79 +885,65 @@ def _fwd_ws2(
         HAS_STATE,
         POSITIVE_SCALE,
         PERSISTENT,
-        CONSUMERS,
     )
-    # The producer's arguments, likewise (a constexpr tuple; Gluon takes no comprehensions, so
-    # each consumer count spells its partition list out).
-    producer_args: gl.constexpr = (
-        q_desc,
-        k_desc,
-        v_desc,
-        qt_desc,
-        kt_desc,
-        vt_desc,
-        q_bufs,
-        k_bufs,
-        v_bufs,
-        qt_bufs,
-        kt_bufs,
-        vt_bufs,
-        q_bar,
-        k_ready,
-        v_ready,
-        k_empty,
-        v_empty,
-        q_empty,
-        b,
-        h,
-        hk,
-        off_m,
-        lo,
-        n,
-        num_tiles,
-        Hq,
-        group,
-        Sq,
-        Sk,
-        q_start,
-        k_start,
-        win_left,
-        win_right,
-        KLO,
-        KHI,
-        MASK,
-        LEFT,
-        BLOCK_M,
-        BLOCK_N,
-        BLOCK_D,
-        BLOCK_DT,
-        BLOCK_DV,
-        BLOCK_DVT,
-        STAGES,
-        PERSISTENT,
-        CONSUMERS,
+    gl.warp_specialize(
+        [
+            (_ws2_consumer, (0,) + consumer_args),
+            (_ws2_consumer, (1,) + consumer_args),
+            (
+                _ws_producer,
+                (
+                    q_desc,
+                    k_desc,
+                    v_desc,
+                    qt_desc,
+                    kt_desc,
+                    vt_desc,
+                    q_bufs,
+                    k_bufs,
+                    v_bufs,
+                    qt_bufs,
+                    kt_bufs,
+                    vt_bufs,
+                    q_bar,
+                    k_ready,
+                    v_ready,
+                    k_empty,
+                    v_empty,
+                    q_empty,
+                    b,
+                    h,
+                    hk,
+                    off_m,
+                    lo,
+                    n,
+                    num_tiles,
+                    Hq,
+                    group,
+                    Sq,
+                    Sk,
+                    q_start,
+                    k_start,
+                    win_left,
+                    win_right,
+                    KLO,
+                    KHI,
+                    MASK,
+                    LEFT,
+                    BLOCK_M,
+                    BLOCK_N,
+                    BLOCK_D,
+                    BLOCK_DT,
+                    BLOCK_DV,
+                    BLOCK_DVT,
+                    STAGES,
+                    PERSISTENT,
+                ),
+            ),
+        ],
+        [4, 1],
+        [CONSUMER_REGS, PRODUCER_REGS],
     )
-    if CONSUMERS == 3:
-        gl.warp_specialize(
-            [
-                (_ws2_consumer, (0,) + consumer_args),
-                (_ws2_consumer, (1,) + consumer_args),
-                (_ws2_consumer, (2,) + consumer_args),
-                (_ws_producer, () + producer_args),
-            ],
-            [4, 4, 1],
-            [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS],
-        )
-    else:
-        gl.warp_specialize(
-            [
-                (_ws2_consumer, (0,) + consumer_args),
-                (_ws2_consumer, (1,) + consumer_args),
-                (_ws_producer, () + producer_args),
-            ],
-            [4, 1],
-            [CONSUMER_REGS, PRODUCER_REGS],
-        )
 
 
 KERNELS = {"ws2": _fwd_ws2}
