@@ -260,6 +260,38 @@ def test_gluon_forward_persistent_plan():
     assert not kwargs["PERSISTENT"] and grid == (gf.triton_cdiv(S, 128), H)
 
 
+def test_gluon_forward_three_consumers_plan():
+    """ws3 runs three 64-row consumer warpgroups on 192-row tiles: grid cdiv(S, 192) tiles, Q's
+    descriptor 64 rows, CONSUMERS=3 and 160 registers a consumer thread (the entry cap 128 over
+    16 warps, less the producer's warpgroup, down to a multiple of 8); per-row bounds (whose
+    reductions take 128-row tiles) raise Unsupported; configs whose rows do not match their
+    consumers are refused. Its 128-key blocks make P 16-bit early (P_EARLY)."""
+    from ringflash.kernels import gluon_forward as gf
+    from ringflash.masks import RowBounds
+
+    if not gf.HAS_GLUON:
+        pytest.skip(f"Gluon not importable: {gf.GLUON_ERROR}")
+    B, S, H = 1, 1031, 4
+    q = torch.zeros(B, S, H, 64, dtype=torch.bfloat16)
+    k = torch.zeros(B, S, 2, 64, dtype=torch.bfloat16)
+    o, m = torch.zeros(q.shape, dtype=torch.bfloat16), torch.zeros(B, H, S)
+    common = dict(q_start=0, k_start=0, scale=0.1, out_o=o, out_m=m, out_l=m.clone(), normalize=True, fold=False)
+    cfg = gf.config_for(64, "ws3")
+    assert (cfg.consumers, cfg.block_m, cfg.q_rows, cfg.consumer_regs) == (3, 192, 64, 160)
+    assert gf.config_for(64, "ws2_s3").consumer_regs == 240  # (two consumers: unchanged)
+    _, grid, args, kwargs = gf.launch_plan(q, k, k.clone(), causal=True, cfg=cfg, **common)
+    assert grid == (gf.triton_cdiv(S, 192), B * H) and kwargs["CONSUMERS"] == 3 and kwargs["CONSUMER_REGS"] == 160
+    assert kwargs["P_EARLY"] and cfg.block_n == 128
+    assert args[0].block_shape == [1, 64, 1, 64]
+    lo = torch.zeros(S, dtype=torch.int32)
+    bounds = RowBounds(lo, torch.arange(1, S + 1, dtype=torch.int32), torch.arange(S, dtype=torch.int32), lo + S)
+    with pytest.raises(gf.Unsupported, match="per-row bounds need 128-row tiles"):
+        gf.launch_plan(q, k, k.clone(), cfg=cfg, bounds=bounds, **common)
+    for bad in (dict(consumers=4, block_m=256), dict(consumers=3, block_m=128)):
+        with pytest.raises(ValueError, match="two or three 4-warp consumer partitions"):
+            gf.GluonConfig("ws2", block_n=64, **bad)
+
+
 def test_gluon_backward_takes_v_head_dim_apart_only_split():
     """The fused backward's launcher with v's head dim apart from q/k's (MLA: 192 and 128; and
     the mirror): the head-dim split variant for the larger padded width takes it, with the

@@ -250,6 +250,27 @@ def test_gluon_forward_compiles_for_hopper(tmp_path):
         assert all(p.startswith("spills") for p in r["problems"]), r
 
 
+def test_gluon_forward_early_p_frees_registers(tmp_path):
+    """P made the 16-bit PV operand early (GluonConfig.p_early) keeps half as many registers of
+    it live across the key loop: three consumer warpgroups on 192 x 128 tiles (ws3, 160
+    registers a thread) compile without spills at D=64 (with float32 P live they spilled 4 KB),
+    and ws2_s3's tiles with it (ws2_pe) use fewer registers than without, at D=64 and 128."""
+    cases = ["ws3:64:1:bf16:1:0", "ws3:64:0:fp16:0:1"]
+    cases += [f"{v}:{D}:1:bf16:1:0" for v in ("ws2_s3", "ws2_pe") for D in (64, 128)]
+    run([sys.executable, "benchmarks/gluon_report.py", "--jobs", "2", "--json", str(tmp_path / "g.json")]
+        + [a for c in cases for a in ("--case", c)], tmp_path)  # fmt: skip
+    rows = json.loads((tmp_path / "g.json").read_text())
+    assert len(rows) == len(cases) and not any("error" in r for r in rows), rows
+    by = {(r["name"], r["D"], r["fold"]): r for r in rows}
+    for fold in (0, 1):
+        r = by["ws3", 64, fold]
+        assert r["spill_bytes"] == 0 and r["problems"] == [] and any(int(n) > 0 for n in r["sass_waits"]), r
+    for D in (64, 128):
+        early, late = by["ws2_pe", D, 0], by["ws2_s3", D, 0]
+        assert early["spill_bytes"] == late["spill_bytes"] == 0
+        assert early["sass_regs"] < late["sass_regs"], (early["sass_regs"], late["sass_regs"])
+
+
 def test_gluon_check_catches_a_wrong_forward_at_head_dims_in_pieces(tmp_path):
     """benchmarks/gluon_check.py's correctness harness on the CPU (a float64 stand-in for the
     kernel, --cpu-dry-run) at head dims the forward runs in two pieces: every case passes with

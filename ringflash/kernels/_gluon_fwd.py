@@ -474,14 +474,17 @@ def _overlap_loop(
     s_layout: gl.constexpr,
     o_layout: gl.constexpr,
     ot_layout: gl.constexpr,
+    P_EARLY: gl.constexpr = False,
 ):
     """The overlapped key loop over the n >= 1 blocks from key lo that the producer partition
     streams into the rings, after the `it` blocks this program took before (a persistent
     program's earlier tiles: the rings' stages and phases run on); releases each stage through
     its empty barrier. With BLOCK_DVT > 0
     v's head dim runs in two pieces too (acc: its first BLOCK_DV columns, acc_t the BLOCK_DVT
-    after them, vt_bufs their V ring; else acc_t is None in and acc out). Returns
-    (acc, acc_t, m_i, l_i)."""
+    after them, vt_bufs their V ring; else acc_t is None in and acc out). P_EARLY: each block's
+    probabilities become the 16-bit PV operand as soon as the previous PV has landed, so that
+    half as many registers (P in 16 bits, not float32) stay live across the loop's back edge
+    beside the next block's scores. Returns (acc, acc_t, m_i, l_i)."""
     dtype: gl.constexpr = q2.dtype
     s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
 
@@ -497,12 +500,17 @@ def _overlap_loop(
     acc = acc * _rows(alpha, o_layout)[:, None]
     if BLOCK_DVT > 0:
         acc_t = acc_t * _rows(alpha, ot_layout)[:, None]
+    if P_EARLY:
+        p = _p_operand(p, dtype, o_layout)
     for j in range(1, n):
         _wait_stage(k_ready, it + j, STAGES)
         s_tok = _scores(q2, k_bufs, q2_tail, kt_bufs, it + j, s_zero, STAGES, BLOCK_N, BLOCK_D, BLOCK_DT)
         prev = it + j - 1  # the block whose PV is issued now
         _wait_stage(v_ready, prev, STAGES)
-        p_op = _p_operand(p, dtype, o_layout)
+        if P_EARLY:
+            p_op = p
+        else:
+            p_op = _p_operand(p, dtype, o_layout)
         acc_tok = warpgroup_mma(p_op, _kv_tile(v_bufs, prev, STAGES, BLOCK_N, BLOCK_DV), acc, is_async=True)
         # groups complete in order: with PV(j-1)'s one or two groups left in flight, QK^T(j)
         # is done (both pieces' groups), PV(j-1) may not be
@@ -520,13 +528,18 @@ def _overlap_loop(
             acc, acc_t, p_op = warpgroup_mma_wait(0, deps=(acc_tok, acc_t_tok, p_op))
         else:
             acc, p_op = warpgroup_mma_wait(0, deps=(acc_tok, p_op))
+        if P_EARLY:  # (only now: the landed PV read the previous operand's registers)
+            p = _p_operand(p, dtype, o_layout)
         mbarrier.arrive(v_empty.index(prev % STAGES))
         # rescale only once PV(j-1) has landed in acc
         acc = acc * _rows(alpha, o_layout)[:, None]
         if BLOCK_DVT > 0:
             acc_t = acc_t * _rows(alpha, ot_layout)[:, None]
     _wait_stage(v_ready, it + n - 1, STAGES)
-    p_op = _p_operand(p, dtype, o_layout)
+    if P_EARLY:
+        p_op = p
+    else:
+        p_op = _p_operand(p, dtype, o_layout)
     acc = warpgroup_mma(p_op, _kv_tile(v_bufs, it + n - 1, STAGES, BLOCK_N, BLOCK_DV), acc)
     if BLOCK_DVT > 0:
         acc_t = warpgroup_mma(p_op, _kv_tile(vt_bufs, it + n - 1, STAGES, BLOCK_N, BLOCK_DVT), acc_t)
@@ -546,7 +559,7 @@ def _produce_tile(
     q_desc, k_desc, v_desc, qt_desc, kt_desc, vt_desc, q_bufs, k_bufs, v_bufs, qt_bufs, kt_bufs, vt_bufs, q_bar,
     k_ready, v_ready, k_empty, v_empty, q_empty, b, h, hk, off_m, lo, n, it, uses, BLOCK_M: gl.constexpr,
     BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, BLOCK_DT: gl.constexpr, BLOCK_DV: gl.constexpr,
-    BLOCK_DVT: gl.constexpr, STAGES: gl.constexpr, PERSISTENT: gl.constexpr,
+    BLOCK_DVT: gl.constexpr, STAGES: gl.constexpr, PERSISTENT: gl.constexpr, CONSUMERS: gl.constexpr,
 ):  # fmt: skip
     """One query tile's loads: its Q (the program's `uses`-th, when n > 0) and its n K/V blocks
     into the rings after the `it` this program loaded before."""
@@ -554,14 +567,14 @@ def _produce_tile(
     TAIL_COL: gl.constexpr = BLOCK_D if BLOCK_DT > 0 else 0
     TAIL_COL_V: gl.constexpr = BLOCK_DV if BLOCK_DVT > 0 else 0
     if n > 0:  # one Q buffer per consumer warpgroup (and one per tail piece), all on one barrier
-        if PERSISTENT:  # both consumer warpgroups done with the previous tile's Q
+        if PERSISTENT:  # every consumer warpgroup done with the previous tile's Q
             mbarrier.wait(q_empty.index(0), (uses & 1) ^ 1)
-        q_rows: gl.constexpr = BLOCK_M // 2
+        q_rows: gl.constexpr = BLOCK_M // CONSUMERS
         if TAIL_COL > 0:
-            mbarrier.expect(q_bar.index(0), 2 * (q_desc.block_type.nbytes + qt_desc.block_type.nbytes))
+            mbarrier.expect(q_bar.index(0), CONSUMERS * (q_desc.block_type.nbytes + qt_desc.block_type.nbytes))
         else:
-            mbarrier.expect(q_bar.index(0), 2 * q_desc.block_type.nbytes)
-        for part in gl.static_range(2):
+            mbarrier.expect(q_bar.index(0), CONSUMERS * q_desc.block_type.nbytes)
+        for part in gl.static_range(CONSUMERS):
             row = off_m + part * q_rows
             tma.async_copy_global_to_shared(q_desc, [b, row, h, 0], q_bar.index(0), q_bufs.index(part))
             if TAIL_COL > 0:
@@ -581,7 +594,7 @@ def _ws_producer(
     k_ready, v_ready, k_empty, v_empty, q_empty, b, h, hk, off_m, lo, n, num_tiles, Hq, group, Sq, Sk, q_start,
     k_start, win_left, win_right, KLO, KHI, MASK: gl.constexpr, LEFT: gl.constexpr, BLOCK_M: gl.constexpr,
     BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, BLOCK_DT: gl.constexpr, BLOCK_DV: gl.constexpr,
-    BLOCK_DVT: gl.constexpr, STAGES: gl.constexpr, PERSISTENT: gl.constexpr,
+    BLOCK_DVT: gl.constexpr, STAGES: gl.constexpr, PERSISTENT: gl.constexpr, CONSUMERS: gl.constexpr,
 ):  # fmt: skip
     """The TMA producer warp: this program's tile (b, h, hk, off_m, lo, n), or with PERSISTENT
     every num_programs-th of the num_tiles tiles from program_id on, each planned here as
@@ -598,7 +611,7 @@ def _ws_producer(
             _produce_tile(
                 q_desc, k_desc, v_desc, qt_desc, kt_desc, vt_desc, q_bufs, k_bufs, v_bufs, qt_bufs, kt_bufs, vt_bufs,
                 q_bar, k_ready, v_ready, k_empty, v_empty, q_empty, b, h, hk, off_m, lo, n, it, uses, BLOCK_M,
-                BLOCK_N, BLOCK_D, BLOCK_DT, BLOCK_DV, BLOCK_DVT, STAGES, PERSISTENT,
+                BLOCK_N, BLOCK_D, BLOCK_DT, BLOCK_DV, BLOCK_DVT, STAGES, PERSISTENT, CONSUMERS,
             )  # fmt: skip
             it += n
             uses += gl.minimum(n, 1)
@@ -606,7 +619,7 @@ def _ws_producer(
         _produce_tile(
             q_desc, k_desc, v_desc, qt_desc, kt_desc, vt_desc, q_bufs, k_bufs, v_bufs, qt_bufs, kt_bufs, vt_bufs,
             q_bar, k_ready, v_ready, k_empty, v_empty, q_empty, b, h, hk, off_m, lo, n, 0, 0, BLOCK_M, BLOCK_N,
-            BLOCK_D, BLOCK_DT, BLOCK_DV, BLOCK_DVT, STAGES, PERSISTENT,
+            BLOCK_D, BLOCK_DT, BLOCK_DV, BLOCK_DVT, STAGES, PERSISTENT, CONSUMERS,
         )  # fmt: skip
 
 
@@ -624,11 +637,12 @@ def _consume_tile(
     win_right, qk_scale, HEAD_DIM: gl.constexpr, BLOCK_D: gl.constexpr, BLOCK_DT: gl.constexpr,
     HEAD_DIM_V: gl.constexpr, BLOCK_DV: gl.constexpr, BLOCK_DVT: gl.constexpr, BLOCK_M: gl.constexpr,
     BLOCK_N: gl.constexpr, STAGES: gl.constexpr, MASK: gl.constexpr, LEFT: gl.constexpr, NORMALIZE: gl.constexpr,
-    HAS_STATE: gl.constexpr, POSITIVE_SCALE: gl.constexpr, PERSISTENT: gl.constexpr,
+    HAS_STATE: gl.constexpr, POSITIVE_SCALE: gl.constexpr, PERSISTENT: gl.constexpr, CONSUMERS: gl.constexpr,
+    P_EARLY: gl.constexpr,
 ):  # fmt: skip
     """Warpgroup WG's rows of one query tile: its key loop over the tile's n blocks (after the
     `it` this program took before; its Q the program's `uses`-th), then its output."""
-    ROWS: gl.constexpr = BLOCK_M // 2
+    ROWS: gl.constexpr = BLOCK_M // CONSUMERS
     s_layout: gl.constexpr = _mma_layout(4, BLOCK_N)
     o_layout: gl.constexpr = _mma_layout(4, BLOCK_DV)
     ot_layout: gl.constexpr = _mma_layout(4, BLOCK_DVT if BLOCK_DVT > 0 else BLOCK_DV)  # (unused without a tail)
@@ -648,7 +662,7 @@ def _consume_tile(
             q_bufs.index(WG).reshape([ROWS, BLOCK_D]), k_bufs, q_tail, kt_bufs, v_bufs, k_ready, v_ready, k_empty,
             v_empty, vt_bufs, acc, acc_t, m_i, l_i, my_m, lo, n, it, full_lo, full_hi, qk_scale, Sq, Sk, q_start,
             k_start, win_left, win_right, KLO, KHI, STAGES, MASK, LEFT, POSITIVE_SCALE, ROWS, BLOCK_N,
-            BLOCK_D, BLOCK_DT, BLOCK_DV, BLOCK_DVT, s_layout, o_layout, ot_layout,
+            BLOCK_D, BLOCK_DT, BLOCK_DV, BLOCK_DVT, s_layout, o_layout, ot_layout, P_EARLY,
         )  # fmt: skip
         if PERSISTENT:  # this warpgroup is done with Q: the producer may load the next tile's
             mbarrier.arrive(q_empty.index(0))
@@ -670,9 +684,12 @@ def _ws2_consumer(
     BLOCK_DT: gl.constexpr, HEAD_DIM_V: gl.constexpr, BLOCK_DV: gl.constexpr, BLOCK_DVT: gl.constexpr,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, MASK: gl.constexpr, LEFT: gl.constexpr,
     NORMALIZE: gl.constexpr, HAS_STATE: gl.constexpr, POSITIVE_SCALE: gl.constexpr, PERSISTENT: gl.constexpr,
+    CONSUMERS: gl.constexpr, P_EARLY: gl.constexpr,
 ):  # fmt: skip
     """Consumer warpgroup WG: this program's tile, or with PERSISTENT the producer's sequence of
-    tiles, each planned here as the producer plans it (_tile_plan)."""
+    tiles, each planned here as the producer plans it (_tile_plan). With three consumers the
+    keys all of WG's rows see are found here (the plans give two warpgroups' halves)."""
+    ROWS: gl.constexpr = BLOCK_M // CONSUMERS
     if PERSISTENT:
         num_m = (Sq + BLOCK_M - 1) // BLOCK_M
         it = 0
@@ -682,7 +699,10 @@ def _ws2_consumer(
                 t, num_m, Hq, group, Sq, Sk, q_start, k_start, win_left, win_right, KLO, KHI, MASK, LEFT, BLOCK_M,
                 BLOCK_N, 4,
             )  # fmt: skip
-            if WG == 0:
+            if CONSUMERS == 3:
+                _, _, full_lo, full_hi = _rows_range(off_m + WG * ROWS, Sq, Sk, q_start, k_start, win_left, win_right,
+                                                     KLO, KHI, MASK, ROWS, 4)  # fmt: skip
+            elif WG == 0:
                 full_lo, full_hi = full_lo0, full_hi0
             else:
                 full_lo, full_hi = full_lo1, full_hi1
@@ -691,12 +711,16 @@ def _ws2_consumer(
                 q_empty, O, M, L, KLO, KHI, stride_ob, stride_os, stride_oh, stride_mb, stride_mh, stride_ms,
                 stride_lb, stride_lh, stride_ls, b, h, off_m, lo, n, it, uses, full_lo, full_hi, Sq, Sk, q_start,
                 k_start, win_left, win_right, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_DT, HEAD_DIM_V, BLOCK_DV, BLOCK_DVT,
-                BLOCK_M, BLOCK_N, STAGES, MASK, LEFT, NORMALIZE, HAS_STATE, POSITIVE_SCALE, PERSISTENT,
+                BLOCK_M, BLOCK_N, STAGES, MASK, LEFT, NORMALIZE, HAS_STATE, POSITIVE_SCALE, PERSISTENT, CONSUMERS,
+                P_EARLY,
             )  # fmt: skip
             it += n
             uses += gl.minimum(n, 1)
     else:
-        if WG == 0:
+        if CONSUMERS == 3:
+            _, _, full_lo, full_hi = _rows_range(off_m + WG * ROWS, Sq, Sk, q_start, k_start, win_left, win_right,
+                                                 KLO, KHI, MASK, ROWS, 4)  # fmt: skip
+        elif WG == 0:
             full_lo, full_hi = full_lo0, full_hi0
         else:
             full_lo, full_hi = full_lo1, full_hi1
@@ -705,7 +729,7 @@ def _ws2_consumer(
             q_empty, O, M, L, KLO, KHI, stride_ob, stride_os, stride_oh, stride_mb, stride_mh, stride_ms, stride_lb,
             stride_lh, stride_ls, b, h, off_m, lo, n, 0, 0, full_lo, full_hi, Sq, Sk, q_start, k_start, win_left,
             win_right, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_DT, HEAD_DIM_V, BLOCK_DV, BLOCK_DVT, BLOCK_M, BLOCK_N,
-            STAGES, MASK, LEFT, NORMALIZE, HAS_STATE, POSITIVE_SCALE, PERSISTENT,
+            STAGES, MASK, LEFT, NORMALIZE, HAS_STATE, POSITIVE_SCALE, PERSISTENT, CONSUMERS, P_EARLY,
         )  # fmt: skip
 
 
@@ -756,11 +780,14 @@ def _fwd_ws2(
     HAS_STATE: gl.constexpr,
     POSITIVE_SCALE: gl.constexpr,
     PERSISTENT: gl.constexpr,
+    CONSUMERS: gl.constexpr,
+    P_EARLY: gl.constexpr,
     PRODUCER_REGS: gl.constexpr,
     CONSUMER_REGS: gl.constexpr,
     num_warps: gl.constexpr,
 ):
-    """q_desc blocks are [1, BLOCK_M // 2, 1, BLOCK_D] (one per consumer warpgroup), k_desc
+    """q_desc blocks are [1, BLOCK_M // CONSUMERS, 1, BLOCK_D] (one per consumer warpgroup: two
+    or three of 64 rows each), k_desc
     [1, BLOCK_N, 1, BLOCK_D], v_desc [1, BLOCK_N, 1, BLOCK_DV]; BLOCK_D is q/k's head dim
     HEAD_DIM padded to a power of two, BLOCK_DV v's (and O's) head dim HEAD_DIM_V padded (the
     descriptors read the padding columns as zeros); num_warps = 4. With BLOCK_DT > 0, q/k's
@@ -777,7 +804,7 @@ def _fwd_ws2(
     cdiv(Sq, BLOCK_M) * B * Hq: the producer loads the next tile's Q and first K/V blocks while
     the consumers write the last tile's output."""
     gl.static_assert(num_warps == 4, "ws2: the default partition is one consumer warpgroup")
-    gl.static_assert(q_desc.block_type.shape[1] * 2 == BLOCK_M)
+    gl.static_assert(q_desc.block_type.shape[1] * CONSUMERS == BLOCK_M)
     gl.static_assert(v_desc.block_type.shape[3] == BLOCK_DV)
     gl.static_assert(not (PERSISTENT and MASK == MASK_ROWS), "persistent programs plan windows only")
     dtype: gl.constexpr = q_desc.dtype
@@ -798,11 +825,11 @@ def _fwd_ws2(
         lo, n, full_lo0, full_hi0, full_lo1, full_hi1 = _tile_key_range(
             off_m, Sq, Sk, q_start, k_start, win_left, win_right, KLO, KHI, MASK, LEFT, BLOCK_M, BLOCK_N, num_warps
         )
-    q_bufs = gl.allocate_shared_memory(dtype, [2] + q_desc.block_type.shape, q_desc.layout)
+    q_bufs = gl.allocate_shared_memory(dtype, [CONSUMERS] + q_desc.block_type.shape, q_desc.layout)
     k_bufs = _alloc_ring(k_desc, STAGES)
     v_bufs = _alloc_ring(v_desc, STAGES)
     if BLOCK_DT > 0:  # the head dim's tail piece of Q and of each K stage
-        qt_bufs = gl.allocate_shared_memory(dtype, [2] + qt_desc.block_type.shape, qt_desc.layout)
+        qt_bufs = gl.allocate_shared_memory(dtype, [CONSUMERS] + qt_desc.block_type.shape, qt_desc.layout)
         kt_bufs = _alloc_ring(kt_desc, STAGES)
     else:  # stand-ins, never read (warp_specialize's arguments cannot be None)
         qt_bufs = q_bufs
@@ -813,15 +840,15 @@ def _fwd_ws2(
         vt_bufs = v_bufs
     q_bar = _alloc_bars(1)
     if PERSISTENT:
-        q_empty = _alloc_bars(1, 2)  # both consumer warpgroups done with Q
+        q_empty = _alloc_bars(1, CONSUMERS)  # every consumer warpgroup done with Q
     else:
         q_empty = q_bar  # a stand-in, never used
     k_ready = _alloc_bars(STAGES)
     v_ready = _alloc_bars(STAGES)
-    k_empty = _alloc_bars(STAGES, 2)  # released when both consumer warpgroups are done
-    v_empty = _alloc_bars(STAGES, 2)
+    k_empty = _alloc_bars(STAGES, CONSUMERS)  # released when every consumer warpgroup is done
+    v_empty = _alloc_bars(STAGES, CONSUMERS)
     fence_async_shared()
-    # The two consumer warpgroups take the same arguments after their index WG. Annotated
+    # The consumer warpgroups take the same arguments after their index WG. Annotated
     # constexpr only so that the assignment keeps the tuple as built: a plain one turns its
     # constexpr members into tensors. Used only unpacked into the tuples below.
     consumer_args: gl.constexpr = (
@@ -885,65 +912,80 @@ def _fwd_ws2(
         HAS_STATE,
         POSITIVE_SCALE,
         PERSISTENT,
+        CONSUMERS,
+        P_EARLY,
     )
-    gl.warp_specialize(
-        [
-            (_ws2_consumer, (0,) + consumer_args),
-            (_ws2_consumer, (1,) + consumer_args),
-            (
-                _ws_producer,
-                (
-                    q_desc,
-                    k_desc,
-                    v_desc,
-                    qt_desc,
-                    kt_desc,
-                    vt_desc,
-                    q_bufs,
-                    k_bufs,
-                    v_bufs,
-                    qt_bufs,
-                    kt_bufs,
-                    vt_bufs,
-                    q_bar,
-                    k_ready,
-                    v_ready,
-                    k_empty,
-                    v_empty,
-                    q_empty,
-                    b,
-                    h,
-                    hk,
-                    off_m,
-                    lo,
-                    n,
-                    num_tiles,
-                    Hq,
-                    group,
-                    Sq,
-                    Sk,
-                    q_start,
-                    k_start,
-                    win_left,
-                    win_right,
-                    KLO,
-                    KHI,
-                    MASK,
-                    LEFT,
-                    BLOCK_M,
-                    BLOCK_N,
-                    BLOCK_D,
-                    BLOCK_DT,
-                    BLOCK_DV,
-                    BLOCK_DVT,
-                    STAGES,
-                    PERSISTENT,
-                ),
-            ),
-        ],
-        [4, 1],
-        [CONSUMER_REGS, PRODUCER_REGS],
+    # The producer's arguments, likewise (a constexpr tuple; Gluon takes no comprehensions, so
+    # each consumer count spells its partition list out).
+    producer_args: gl.constexpr = (
+        q_desc,
+        k_desc,
+        v_desc,
+        qt_desc,
+        kt_desc,
+        vt_desc,
+        q_bufs,
+        k_bufs,
+        v_bufs,
+        qt_bufs,
+        kt_bufs,
+        vt_bufs,
+        q_bar,
+        k_ready,
+        v_ready,
+        k_empty,
+        v_empty,
+        q_empty,
+        b,
+        h,
+        hk,
+        off_m,
+        lo,
+        n,
+        num_tiles,
+        Hq,
+        group,
+        Sq,
+        Sk,
+        q_start,
+        k_start,
+        win_left,
+        win_right,
+        KLO,
+        KHI,
+        MASK,
+        LEFT,
+        BLOCK_M,
+        BLOCK_N,
+        BLOCK_D,
+        BLOCK_DT,
+        BLOCK_DV,
+        BLOCK_DVT,
+        STAGES,
+        PERSISTENT,
+        CONSUMERS,
     )
+    if CONSUMERS == 3:
+        gl.warp_specialize(
+            [
+                (_ws2_consumer, (0,) + consumer_args),
+                (_ws2_consumer, (1,) + consumer_args),
+                (_ws2_consumer, (2,) + consumer_args),
+                (_ws_producer, () + producer_args),
+            ],
+            [4, 4, 1],
+            [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS],
+        )
+    else:
+        gl.warp_specialize(
+            [
+                (_ws2_consumer, (0,) + consumer_args),
+                (_ws2_consumer, (1,) + consumer_args),
+                (_ws_producer, () + producer_args),
+            ],
+            [4, 1],
+            [CONSUMER_REGS, PRODUCER_REGS],
+        )
 
 
 KERNELS = {"ws2": _fwd_ws2}

@@ -77,12 +77,16 @@ class GluonConfig:
     # overlap the last one's output
     persistent: bool = False
     max_programs: int | None = None  # persistent: at most this many programs (None: one per multiprocessor)
+    consumers: int = 2  # consumer warpgroups of 64 query rows each (block_m = 64 x consumers)
+    # each block's P made the 16-bit PV operand right after the previous PV lands rather than
+    # before the next PV: 16-bit P (not float32) live across the key loop's back edge
+    p_early: bool = False
 
     def __post_init__(self):
         if self.schedule != "ws2":
             raise ValueError(f"unknown schedule {self.schedule!r}")
-        if self.schedule == "ws2" and (self.num_warps != 4 or self.block_m != 128):
-            raise ValueError("ws2 runs two 4-warp consumer partitions of 64 rows each")
+        if self.consumers not in (2, 3) or self.num_warps != 4 or self.block_m != 64 * self.consumers:
+            raise ValueError("ws2 runs two or three 4-warp consumer partitions of 64 rows each")
 
     @property
     def warp_specialized(self) -> bool:
@@ -91,18 +95,18 @@ class GluonConfig:
     @property
     def q_rows(self) -> int:
         """Rows of one Q TMA block (ws2: one per consumer warpgroup)."""
-        return self.block_m // 2 if self.schedule == "ws2" else self.block_m
+        return self.block_m // self.consumers
 
     @property
     def consumer_regs(self) -> int | None:
         """Registers per consumer thread after reallocation: the entry cap times all warps
         (rounded up to warpgroups) less the producer's warpgroup, spread over the consumer
-        warps (ws: the 8-warp default partition; ws2: each 4-warp consumer partition)."""
+        warps (each 4-warp consumer partition), down to setmaxnreg's multiple of 8."""
         if not self.warp_specialized or self.maxnreg is None:
             return None
-        consumer_warps = 8 if self.schedule == "ws2" else self.num_warps
+        consumer_warps = 4 * self.consumers
         total = (consumer_warps // 4 + 1) * 4
-        return (self.maxnreg * total - self.producer_regs * 4) // consumer_warps
+        return (self.maxnreg * total - self.producer_regs * 4) // consumer_warps // 8 * 8
 
 
 # Variants by name -> {head_dim: config}. "default" is what forward() uses without `config`.
@@ -135,6 +139,13 @@ VARIANTS: dict[str, dict[int | tuple[int, int], GluonConfig]] = {
 # takes many tiles (their number rarely a multiple of seven)
 VARIANTS["ws2_p"] = {d: replace(cfg, persistent=True) for d, cfg in VARIANTS["ws2_s3"].items()}
 VARIANTS["ws2_p7"] = {d: replace(cfg, max_programs=7) for d, cfg in VARIANTS["ws2_p"].items()}
+# three consumer warpgroups (192-row tiles, FA3's D=64 shape): more matmuls in flight per
+# softmax at D=64, where the softmax is as long as at 128 and the matmuls half; 160 registers
+# a consumer thread (the entry cap 128 over 16 warps). 128-key blocks fit those only with P
+# made 16-bit early (float32 P spilled 4 KB); on 64-key blocks (measured: 0.87-0.98x ws2_s3)
+# the barriers a FLOP double. ws2_pe: ws2_s3 with P made 16-bit early, to time that alone.
+VARIANTS["ws3"] = {64: GluonConfig("ws2", 192, 128, 4, 4, 24, 128, consumers=3, p_early=True)}
+VARIANTS["ws2_pe"] = {d: replace(cfg, p_early=True) for d, cfg in VARIANTS["ws2_s3"].items()}
 DEFAULT_VARIANT = "ws2_s3"
 HEAD_DIMS = (64, 128, 256)
 
@@ -360,6 +371,8 @@ def launch_plan(
     if causal and window is not None:
         raise ValueError("give causal=True or a window, not both")
     mask, win_left, win_right, left, _, (k_lo, k_hi), _ = _mask_args(CAUSAL if causal else window, bounds, out_m)
+    if mask == MASK_ROWS and cfg.consumers != 2:  # (the tile's per-row reductions take powers of two)
+        raise Unsupported("per-row bounds need 128-row tiles: two consumer warpgroups")
     # dense and causal only (no left bound): what was measured; sliding windows spill more
     persistent = cfg.persistent and mask != MASK_ROWS and not left
     num_tiles = triton_cdiv(Sq, cfg.block_m) * B * Hq
@@ -379,6 +392,8 @@ def launch_plan(
         HAS_STATE=bool(fold),
         POSITIVE_SCALE=bool(scale > 0),
         PERSISTENT=persistent,
+        CONSUMERS=cfg.consumers,
+        P_EARLY=cfg.p_early,
         num_warps=cfg.num_warps,
     )
     if cfg.warp_specialized:
