@@ -426,6 +426,15 @@ def _p_operand(p, dtype: gl.constexpr, o_layout: gl.constexpr):
     return gl.convert_layout(p.to(dtype), gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2))
 
 
+@gluon.jit
+def _pv_operand(p, dtype: gl.constexpr, o_layout: gl.constexpr, P_EARLY: gl.constexpr):
+    # the PV matmul's A operand: p itself when it was made one early (P_EARLY), else p converted
+    if P_EARLY:
+        return p
+    else:
+        return _p_operand(p, dtype, o_layout)
+
+
 # ----------------------------------------------------------------------------------------------
 # Overlapped: QK^T(j) and PV(j-1) in flight together.
 
@@ -474,7 +483,7 @@ def _overlap_loop(
     s_layout: gl.constexpr,
     o_layout: gl.constexpr,
     ot_layout: gl.constexpr,
-    P_EARLY: gl.constexpr = False,
+    P_EARLY: gl.constexpr,
 ):
     """The overlapped key loop over the n >= 1 blocks from key lo that the producer partition
     streams into the rings, after the `it` blocks this program took before (a persistent
@@ -507,10 +516,7 @@ def _overlap_loop(
         s_tok = _scores(q2, k_bufs, q2_tail, kt_bufs, it + j, s_zero, STAGES, BLOCK_N, BLOCK_D, BLOCK_DT)
         prev = it + j - 1  # the block whose PV is issued now
         _wait_stage(v_ready, prev, STAGES)
-        if P_EARLY:
-            p_op = p
-        else:
-            p_op = _p_operand(p, dtype, o_layout)
+        p_op = _pv_operand(p, dtype, o_layout, P_EARLY)
         acc_tok = warpgroup_mma(p_op, _kv_tile(v_bufs, prev, STAGES, BLOCK_N, BLOCK_DV), acc, is_async=True)
         # groups complete in order: with PV(j-1)'s one or two groups left in flight, QK^T(j)
         # is done (both pieces' groups), PV(j-1) may not be
@@ -536,10 +542,7 @@ def _overlap_loop(
         if BLOCK_DVT > 0:
             acc_t = acc_t * _rows(alpha, ot_layout)[:, None]
     _wait_stage(v_ready, it + n - 1, STAGES)
-    if P_EARLY:
-        p_op = p
-    else:
-        p_op = _p_operand(p, dtype, o_layout)
+    p_op = _pv_operand(p, dtype, o_layout, P_EARLY)
     acc = warpgroup_mma(p_op, _kv_tile(v_bufs, it + n - 1, STAGES, BLOCK_N, BLOCK_DV), acc)
     if BLOCK_DVT > 0:
         acc_t = warpgroup_mma(p_op, _kv_tile(vt_bufs, it + n - 1, STAGES, BLOCK_N, BLOCK_DVT), acc_t)
@@ -676,6 +679,23 @@ def _consume_tile(
 
 
 @gluon.jit
+def _wg_key_core(
+    WG: gl.constexpr, off_m, full_lo0, full_hi0, full_lo1, full_hi1, Sq, Sk, q_start, k_start, win_left, win_right,
+    KLO, KHI, MASK: gl.constexpr, ROWS: gl.constexpr, CONSUMERS: gl.constexpr,
+):  # fmt: skip
+    """(full_lo, full_hi): the keys every valid row of consumer warpgroup WG sees. Two consumers
+    take their half from the tile's plan (_tile_key_range); each of three finds its own."""
+    if CONSUMERS == 3:
+        _, _, full_lo, full_hi = _rows_range(off_m + WG * ROWS, Sq, Sk, q_start, k_start, win_left, win_right, KLO,
+                                             KHI, MASK, ROWS, 4)  # fmt: skip
+    elif WG == 0:
+        full_lo, full_hi = full_lo0, full_hi0
+    else:
+        full_lo, full_hi = full_lo1, full_hi1
+    return full_lo, full_hi
+
+
+@gluon.jit
 def _ws2_consumer(
     WG: gl.constexpr, q_bufs, k_bufs, qt_bufs, kt_bufs, v_bufs, vt_bufs, q_bar, k_ready, v_ready, k_empty, v_empty,
     q_empty, O, M, L, KLO, KHI, stride_ob, stride_os, stride_oh, stride_mb, stride_mh, stride_ms, stride_lb,
@@ -687,8 +707,7 @@ def _ws2_consumer(
     CONSUMERS: gl.constexpr, P_EARLY: gl.constexpr,
 ):  # fmt: skip
     """Consumer warpgroup WG: this program's tile, or with PERSISTENT the producer's sequence of
-    tiles, each planned here as the producer plans it (_tile_plan). With three consumers the
-    keys all of WG's rows see are found here (the plans give two warpgroups' halves)."""
+    tiles, each planned here as the producer plans it (_tile_plan)."""
     ROWS: gl.constexpr = BLOCK_M // CONSUMERS
     if PERSISTENT:
         num_m = (Sq + BLOCK_M - 1) // BLOCK_M
@@ -699,13 +718,8 @@ def _ws2_consumer(
                 t, num_m, Hq, group, Sq, Sk, q_start, k_start, win_left, win_right, KLO, KHI, MASK, LEFT, BLOCK_M,
                 BLOCK_N, 4,
             )  # fmt: skip
-            if CONSUMERS == 3:
-                _, _, full_lo, full_hi = _rows_range(off_m + WG * ROWS, Sq, Sk, q_start, k_start, win_left, win_right,
-                                                     KLO, KHI, MASK, ROWS, 4)  # fmt: skip
-            elif WG == 0:
-                full_lo, full_hi = full_lo0, full_hi0
-            else:
-                full_lo, full_hi = full_lo1, full_hi1
+            full_lo, full_hi = _wg_key_core(WG, off_m, full_lo0, full_hi0, full_lo1, full_hi1, Sq, Sk, q_start,
+                                            k_start, win_left, win_right, KLO, KHI, MASK, ROWS, CONSUMERS)  # fmt: skip
             _consume_tile(
                 WG, q_bufs, k_bufs, qt_bufs, kt_bufs, v_bufs, vt_bufs, q_bar, k_ready, v_ready, k_empty, v_empty,
                 q_empty, O, M, L, KLO, KHI, stride_ob, stride_os, stride_oh, stride_mb, stride_mh, stride_ms,
@@ -717,13 +731,8 @@ def _ws2_consumer(
             it += n
             uses += gl.minimum(n, 1)
     else:
-        if CONSUMERS == 3:
-            _, _, full_lo, full_hi = _rows_range(off_m + WG * ROWS, Sq, Sk, q_start, k_start, win_left, win_right,
-                                                 KLO, KHI, MASK, ROWS, 4)  # fmt: skip
-        elif WG == 0:
-            full_lo, full_hi = full_lo0, full_hi0
-        else:
-            full_lo, full_hi = full_lo1, full_hi1
+        full_lo, full_hi = _wg_key_core(WG, off_m, full_lo0, full_hi0, full_lo1, full_hi1, Sq, Sk, q_start, k_start,
+                                        win_left, win_right, KLO, KHI, MASK, ROWS, CONSUMERS)  # fmt: skip
         _consume_tile(
             WG, q_bufs, k_bufs, qt_bufs, kt_bufs, v_bufs, vt_bufs, q_bar, k_ready, v_ready, k_empty, v_empty,
             q_empty, O, M, L, KLO, KHI, stride_ob, stride_os, stride_oh, stride_mb, stride_mh, stride_ms, stride_lb,
