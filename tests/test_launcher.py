@@ -231,29 +231,38 @@ def test_gluon_forward_pads_head_dims_to_its_tiles():
         gf.check_shapes(*tensors(100), normalize=False, fold=True)
 
 
+def _forward_plan_inputs(B, S, H, Hkv, D):
+    """q, k (zeros, bf16) and launch_plan's other arguments for a forward of these shapes, and
+    per-row bounds of one causal document over the S rows."""
+    from ringflash.masks import RowBounds
+
+    q = torch.zeros(B, S, H, D, dtype=torch.bfloat16)
+    k = torch.zeros(B, S, Hkv, D, dtype=torch.bfloat16)
+    o, m = torch.zeros(q.shape, dtype=torch.bfloat16), torch.zeros(B, H, S)
+    common = dict(q_start=0, k_start=0, scale=0.1, out_o=o, out_m=m, out_l=m.clone(), normalize=True, fold=False)
+    lo = torch.zeros(S, dtype=torch.int32)
+    bounds = RowBounds(lo, torch.arange(1, S + 1, dtype=torch.int32), torch.arange(S, dtype=torch.int32), lo + S)
+    return q, k, common, bounds
+
+
 def test_gluon_forward_persistent_plan():
     """A persistent config launches a 1-D grid of min(tiles, max_programs or one per
     multiprocessor) programs with PERSISTENT set and the tile count as an argument; packed
     documents (per-row bounds, reduced before the partitions split) keep one tile a program."""
     from ringflash.kernels import gluon_forward as gf
-    from ringflash.masks import RowBounds
 
     if not gf.HAS_GLUON:
         pytest.skip(f"Gluon not importable: {gf.GLUON_ERROR}")
     B, S, H = 2, 1031, 4
-    q = torch.zeros(B, S, H, 128, dtype=torch.bfloat16)
-    k = torch.zeros(B, S, 1, 128, dtype=torch.bfloat16)
-    o, m = torch.zeros(q.shape, dtype=torch.bfloat16), torch.zeros(B, H, S)
+    q, k, common, bounds = _forward_plan_inputs(B, S, H, 1, 128)
     tiles = gf.triton_cdiv(S, 128) * B * H  # 72
-    common = dict(q_start=0, k_start=0, scale=0.1, out_o=o, out_m=m, out_l=m.clone(), normalize=True, fold=False)
     for variant, programs in (("ws2_s3", None), ("ws2_p", min(tiles, gf.multiprocessors(q.device))), ("ws2_p7", 7)):
         cfg = gf.config_for(128, variant)
         _, grid, args, kwargs = gf.launch_plan(q, k, k.clone(), causal=True, cfg=cfg, **common)
         assert kwargs["PERSISTENT"] == (programs is not None)
         assert grid == ((programs,) if programs else (gf.triton_cdiv(S, 128), B * H))
         assert tiles in [a for a in args if type(a) is int]
-    lo = torch.zeros(S, dtype=torch.int32)  # one causal document
-    bounds = RowBounds(lo, torch.arange(1, S + 1, dtype=torch.int32), torch.arange(S, dtype=torch.int32), lo + S)
+    o, m = common["out_o"], common["out_m"]
     one = {**common, "out_o": o[:1], "out_m": m[:1], "out_l": m[:1].clone()}
     _, grid, _, kwargs = gf.launch_plan(q[:1], k[:1], k[:1].clone(), cfg=gf.config_for(128, "ws2_p"), bounds=bounds,
                                         **one)  # fmt: skip
@@ -267,15 +276,11 @@ def test_gluon_forward_three_consumers_plan():
     reductions take 128-row tiles) raise Unsupported; configs whose rows do not match their
     consumers are refused. Its 128-key blocks make P 16-bit early (P_EARLY)."""
     from ringflash.kernels import gluon_forward as gf
-    from ringflash.masks import RowBounds
 
     if not gf.HAS_GLUON:
         pytest.skip(f"Gluon not importable: {gf.GLUON_ERROR}")
     B, S, H = 1, 1031, 4
-    q = torch.zeros(B, S, H, 64, dtype=torch.bfloat16)
-    k = torch.zeros(B, S, 2, 64, dtype=torch.bfloat16)
-    o, m = torch.zeros(q.shape, dtype=torch.bfloat16), torch.zeros(B, H, S)
-    common = dict(q_start=0, k_start=0, scale=0.1, out_o=o, out_m=m, out_l=m.clone(), normalize=True, fold=False)
+    q, k, common, bounds = _forward_plan_inputs(B, S, H, 2, 64)
     cfg = gf.config_for(64, "ws3")
     assert (cfg.consumers, cfg.block_m, cfg.q_rows, cfg.consumer_regs) == (3, 192, 64, 160)
     assert gf.config_for(64, "ws2_s3").consumer_regs == 240  # (two consumers: unchanged)
@@ -283,8 +288,6 @@ def test_gluon_forward_three_consumers_plan():
     assert grid == (gf.triton_cdiv(S, 192), B * H) and kwargs["CONSUMERS"] == 3 and kwargs["CONSUMER_REGS"] == 160
     assert kwargs["P_EARLY"] and cfg.block_n == 128
     assert args[0].block_shape == [1, 64, 1, 64]
-    lo = torch.zeros(S, dtype=torch.int32)
-    bounds = RowBounds(lo, torch.arange(1, S + 1, dtype=torch.int32), torch.arange(S, dtype=torch.int32), lo + S)
     with pytest.raises(gf.Unsupported, match="per-row bounds need 128-row tiles"):
         gf.launch_plan(q, k, k.clone(), cfg=cfg, bounds=bounds, **common)
     for bad in (dict(consumers=4, block_m=256), dict(consumers=3, block_m=128)):
