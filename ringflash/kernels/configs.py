@@ -104,9 +104,10 @@ GLUON_FWD = {64: "ws2_s3", 128: "ws2_s3", 256: "ws2_s3"}
 # H=32, forward, ws2_p over ws2_s3 (python3 benchmarks/gluon_check.py --head-dims 64 128
 # --seqlens 4096 16384 --variants ws2_s3 ws2_p --skip-correctness; results/gluon_persistent_timing_h200.*):
 # 4K keys D=64 1.05 / 1.08, D=128 1.03 / 1.03 (non-causal / causal); 16K keys 0.92 / 0.88 at
-# D=128 (D=64 1.01 / 0.94), so not there. Not profiled; a likely cause: static tile order, the
-# programs drift apart over more heads than the L2 cache holds K and V of (the hardware's
-# dispatch of one-tile programs keeps neighbouring tiles together).
+# D=128 (D=64 1.01 / 0.94), so not there. Unexplained: under Nsight Compute (one call, D=128,
+# 16K, non-causal) the two took the same time with L2 hit rates alike (97.7 / 98.7%;
+# python -m benchmarks.kernel_counters --seqlen 16384 --head-dims 128 --causal no --modes fwd
+# --impls gluon=ws2_s3 gluon=ws2_p; results/kernel_counters_persistent_16k_h200.txt).
 GLUON_FWD_SHORT = {64: "ws2_p", 128: "ws2_p"}
 GLUON_PERSISTENT_MAX_KEYS = 4096
 # Packed documents (per-row bounds). The 128-key variants spill with per-row bounds (40 bytes
