@@ -4,6 +4,7 @@ share, issue slots, warp stall reasons).
 
     python -m benchmarks.kernel_counters --out DIR --head-dims 64 128 --seqlen 16384 --modes fwd bwd
     python -m benchmarks.kernel_counters --out DIR --seqlen 4096 --modes fwd --impls gluon=ws2_s3 gluon=ws2_p
+    python -m benchmarks.kernel_counters --out DIR --head-dims 192 --v-head-dim 128 --modes bwd   # MLA's dims
 
 runs `ncu` once per (implementation, head dim, causal, mode) on this script's --call mode (one
 warmed-up call between cudaProfilerStart and Stop; for "bwd" only the backward of a forward made
@@ -30,20 +31,20 @@ SECTIONS = (
 STALL = re.compile(r"smsp__average_warps?_issue_stalled_(\w+?)_per_issue_active\.ratio$")
 
 
-def one_call(impl, D, S, causal, mode, heads, batch):
+def one_call(impl, D, S, causal, mode, heads, batch, Dv=None):
     """Warm up, then run one call (fwd) or one backward (bwd) inside the profiler's range;
-    impl gluon=VARIANT: ours with that Gluon forward variant."""
+    impl gluon=VARIANT: ours with that Gluon forward variant; Dv: v's head dim (default D)."""
     from ringflash.kernels import configs
 
     if impl.startswith("gluon="):
         with configs.override(gluon=impl.split("=", 1)[1]):
-            return one_call("ringflash", D, S, causal, mode, heads, batch)
+            return one_call("ringflash", D, S, causal, mode, heads, batch, Dv)
 
     import torch
 
     from benchmarks.bench_local import make_inputs, runner
 
-    qkv, sdpa = make_inputs(batch, S, heads, D, torch.bfloat16, "cuda")
+    qkv, sdpa = make_inputs(batch, S, heads, D, torch.bfloat16, "cuda", Dv=Dv)
     tensors = qkv if impl == "ringflash" else sdpa
     fwd_bwd = runner(impl, tensors, causal, "fwd+bwd")
     for _ in range(3):
@@ -152,13 +153,16 @@ def run_all(args):
         for causal in (False, True) if args.causal == "both" else (args.causal == "yes",):
             for mode in args.modes:
                 for impl in args.impls:
-                    tag = f"{impl.replace('=', '-')}_d{D}_s{args.seqlen}_{'causal' if causal else 'full'}_{mode}"
+                    dims = f"d{D}" if args.v_head_dim is None else f"d{D}v{args.v_head_dim}"
+                    tag = f"{impl.replace('=', '-')}_{dims}_s{args.seqlen}_{'causal' if causal else 'full'}_{mode}"
                     rep = out / tag
                     cmd = ["ncu", "--profile-from-start", "off", "--clock-control", "none", "-f", "-o", str(rep)]
                     for s in SECTIONS:
                         cmd += ["--section", s]
                     call = [impl, str(D), str(args.seqlen), "causal" if causal else "full", mode]
                     cmd += [sys.executable, "-m", "benchmarks.kernel_counters", "--heads", str(args.heads)]
+                    if args.v_head_dim is not None:
+                        cmd += ["--v-head-dim", str(args.v_head_dim)]
                     cmd += ["--call", *call]
                     log = subprocess.run(cmd, capture_output=True, text=True)
                     (out / f"{tag}.log").write_text(log.stdout + log.stderr)
@@ -183,6 +187,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, help="folder for the reports and the table")
     ap.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
+    ap.add_argument("--v-head-dim", type=int, help="v's head dim (default: each --head-dims'), e.g. 128 beside 192")
     ap.add_argument("--seqlen", type=int, default=16384)
     ap.add_argument("--heads", type=int, default=32)
     ap.add_argument("--causal", choices=["yes", "no", "both"], default="both")
@@ -192,7 +197,7 @@ def main():
     args = ap.parse_args()
     if args.call:
         impl, D, S, causal, mode = args.call
-        one_call(impl, int(D), int(S), causal == "causal", mode, args.heads, 1)
+        one_call(impl, int(D), int(S), causal == "causal", mode, args.heads, 1, args.v_head_dim)
         return
     if args.out is None:
         ap.error("--out is required (the folder for the reports)")
