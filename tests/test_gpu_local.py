@@ -349,6 +349,46 @@ def test_gluon_forward_is_used_and_agrees(causal, window_size, D, Dv, monkeypatc
     assert not calls
 
 
+# the key-count thresholds that put a 1031-key block in each tier of the Gluon forward's choice:
+# (GLUON_PERSISTENT_MAX_KEYS, GLUON_LONG_MIN_KEYS)
+KEY_TIERS = {"short": (10**9, 10**9 + 1), "middle": (0, 10**9), "long": (0, 1)}
+
+
+@pytest.mark.parametrize(
+    "causal,window_size", [(False, (-1, -1)), (True, (-1, -1)), (False, (-1, 77)), (True, (200, 0))]
+)
+@pytest.mark.parametrize("tier", list(KEY_TIERS))
+@pytest.mark.parametrize("D", [64, 128])
+def test_gluon_forward_by_key_count(tier, D, causal, window_size, monkeypatch):
+    """Dense, causal and one-sided windowed blocks take configs.GLUON_FWD_SHORT up to
+    GLUON_PERSISTENT_MAX_KEYS keys, GLUON_FWD_LONG from GLUON_LONG_MIN_KEYS, else GLUON_FWD
+    (a head dim missing from a tier's table: GLUON_FWD); a sliding window (a left bound) takes
+    GLUON_FWD at any key count. The thresholds moved so that a 1031-key block (GQA 4/2) falls in
+    each tier: the variant launched is the tier's, and its output and lse agree with float64
+    within the plain bound."""
+    from ringflash.kernels import configs, gluon_forward
+
+    most, least = KEY_TIERS[tier]
+    monkeypatch.setattr(configs, "GLUON_PERSISTENT_MAX_KEYS", most)
+    monkeypatch.setattr(configs, "GLUON_LONG_MIN_KEYS", least)
+    table = {"short": configs.GLUON_FWD_SHORT, "middle": configs.GLUON_FWD, "long": configs.GLUON_FWD_LONG}[tier]
+    sliding = window_size[0] != -1
+    expected = configs.GLUON_FWD[D] if sliding else table.get(D, configs.GLUON_FWD[D])
+    launched = []
+    real = gluon_forward.forward
+    monkeypatch.setattr(gluon_forward, "forward", lambda *a, **kw: launched.append(kw["config"]) or real(*a, **kw))
+    g = torch.Generator(device="cuda").manual_seed(D + len(tier))
+    q, k, v = (torch.randn(2, 1031, H, D, device="cuda", generator=g, dtype=torch.bfloat16) for H in (4, 2, 2))
+    kw = dict(causal=causal, window_size=window_size)
+    out, lse = flash_attn_func(q, k, v, return_lse=True, **kw)
+    assert launched == [expected]
+    ref, ref_lse = naive_attention(q, k, v, **kw)
+    plain, plain_lse = naive_attention(q, k, v, dtype=torch.bfloat16, **kw)
+    assert_within("out", out, ref, plain)
+    assert_within("lse", lse, ref_lse, plain_lse, sum_len=1)
+    assert torch.equal(torch.isneginf(lse), torch.isneginf(ref_lse))
+
+
 # (causal, window_size, extra keys per document) of the packed-documents tests: 37 extra keys
 # give documents whose keys no query sees (37 keys and no query); -40 queries that see no key
 # (bottom-right alignment; documents of 1-40 queries and no key)

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from ringflash import flash_attn_func
+from ringflash.masks import Window
 
 from oracle import assert_within, case_dtypes, max_err, naive_attention, plain_errors, reference
 
@@ -338,7 +339,7 @@ def test_gluon_forward_choice(monkeypatch):
         assert configs.gluon_forward_variant(128) is None
     with configs.override(dq=configs.KernelConfig(64, 64, 4, 2), gluon_bwd=None):  # the backward's alone
         assert configs.gluon_forward_variant(128) == configs.GLUON_FWD[128]
-    for table in (configs.GLUON_FWD, configs.GLUON_FWD_DOCUMENTS, configs.GLUON_FWD_SHORT):
+    for table in (configs.GLUON_FWD, configs.GLUON_FWD_DOCUMENTS, configs.GLUON_FWD_SHORT, configs.GLUON_FWD_LONG):
         for d, name in table.items():
             assert d in gluon_forward.VARIANTS[name]
     # short key ranges take persistent programs; longer ones and packed documents do not
@@ -350,6 +351,35 @@ def test_gluon_forward_choice(monkeypatch):
             configs.gluon_forward_variant(d, documents=True, keys_per_row=1e9, keys=1) == configs.GLUON_FWD_DOCUMENTS[d]
         )
     assert configs.gluon_forward_variant(256, keys=1) == configs.GLUON_FWD[256]
+    # long key ranges take GLUON_FWD_LONG where it has the head dim; packed documents and an
+    # unknown key count (sliding windows) do not
+    least = configs.GLUON_LONG_MIN_KEYS
+    assert least > most and configs.GLUON_FWD_LONG
+    for d in (64, 128, 256):
+        long = configs.GLUON_FWD_LONG.get(d, configs.GLUON_FWD[d])
+        assert configs.gluon_forward_variant(d, keys=least) == long
+        assert configs.gluon_forward_variant(d, keys=least - 1) == configs.GLUON_FWD[d]
+        assert configs.gluon_forward_variant(d) == configs.GLUON_FWD[d]
+        docs = configs.gluon_forward_variant(d, documents=True, keys_per_row=1e9, keys=least)
+        assert docs == configs.GLUON_FWD_DOCUMENTS[d]
+
+
+@pytest.mark.parametrize(
+    "window,counted", [(None, True), (Window(None, 0), True), (Window(None, 5), True), (Window(7, 0), False),
+                       (Window(3, 4), False)]
+)  # fmt: skip
+def test_gluon_forward_choice_sees_the_key_count(window, counted, monkeypatch):
+    """A block's forward asks for its Gluon variant with its key count (GLUON_FWD_SHORT /
+    GLUON_FWD_LONG go by it), except under a sliding window (a left bound), which asks with
+    none: the persistent and three-consumer variants were measured on dense and causal blocks."""
+    from ringflash import kernels
+    from ringflash.kernels import configs
+
+    asked = []
+    monkeypatch.setattr(configs, "gluon_forward_variant", lambda *a, **kw: asked.append(kw["keys"]))
+    q, k, v = (torch.randn(1, n, 2, 16) for n in (5, 11, 11))
+    ran = kernels._gluon_forward(q, k, v, None, 0, 0, window, None, 0.25, False, True, 16)
+    assert ran is False and asked == [11 if counted else None]
 
 
 def test_lse_computed_only_when_returned(monkeypatch):

@@ -210,8 +210,9 @@ def test_gluon_forward_compiles_for_hopper(tmp_path):
     window, untimed, MLA_WINDOW_SPILL_BYTES), as when measured; and the persistent programs of
     short key ranges (configs.GLUON_FWD_SHORT, dense and causal, local and folded), which spill
     at most PERSISTENT_SPILL_BYTES per tile (a few tile scalars kept across the key loop,
-    stored before it and loaded after it: SASS), as when measured."""
-    from ringflash.kernels.configs import GLUON_FWD, GLUON_FWD_DOCUMENTS, GLUON_FWD_SHORT
+    stored before it and loaded after it: SASS), as when measured; and the long key ranges'
+    variants (configs.GLUON_FWD_LONG, dense and causal, local and folded) without spills."""
+    from ringflash.kernels.configs import GLUON_FWD, GLUON_FWD_DOCUMENTS, GLUON_FWD_LONG, GLUON_FWD_SHORT
 
     ROWS_SPILL_BYTES = 40
     MLA_SPILL_BYTES, MLA_WINDOW_SPILL_BYTES = 8, 48
@@ -232,6 +233,7 @@ def test_gluon_forward_compiles_for_hopper(tmp_path):
     cases += [c for D, v in GLUON_FWD_DOCUMENTS.items() for c in (f"{v}:{D}:1:bf16:1:0:rows",
                                                                   f"{v}:{D}:0:fp16:0:1:rows")]  # fmt: skip
     cases += [c for D, v in GLUON_FWD_SHORT.items() for c in (f"{v}:{D}:1:bf16:1:0", f"{v}:{D}:0:fp16:0:1")]
+    cases += [c for D, v in GLUON_FWD_LONG.items() for c in (f"{v}:{D}:1:bf16:1:0", f"{v}:{D}:0:fp16:0:1")]
     run([sys.executable, "benchmarks/gluon_report.py", "--jobs", "2", "--json", str(tmp_path / "g.json")]
         + [a for c in cases for a in ("--case", c)], tmp_path, expect_ok=False)  # fmt: skip
     rows = json.loads((tmp_path / "g.json").read_text())  # (the report exits 1 on any spill)

@@ -110,6 +110,16 @@ GLUON_FWD = {64: "ws2_s3", 128: "ws2_s3", 256: "ws2_s3"}
 # --impls gluon=ws2_s3 gluon=ws2_p; results/kernel_counters_persistent_16k_h200.txt).
 GLUON_FWD_SHORT = {64: "ws2_p", 128: "ws2_p"}
 GLUON_PERSISTENT_MAX_KEYS = 4096
+# From GLUON_LONG_MIN_KEYS keys (dense or causal blocks, not sliding windows or packed documents):
+# three consumer warpgroups on 192-row tiles with P made 16-bit early (ws3, FA3's D=64 shape):
+# more matmuls in flight per softmax, where D=64's matmuls are half D=128's and the softmax is
+# not. One H200, bf16, B=1, H=32, forward, ws3 over ws2_s3, non-causal / causal (python3
+# benchmarks/gluon_check.py --head-dims 64 --seqlens 8192 16384 32768 65536 --variants ws2_s3
+# ws3 --skip-correctness; two machine starts, results/gluon_early_p_h200.*,
+# gluon_ws3_keys_h200.*): 4K 0.98 / 0.95 (so not there), 8K 1.07 / 1.03, 16K 0.98-1.00 /
+# 1.02-1.05, 32K 1.13 / 1.05, 64K 1.10-1.11 / 1.06-1.09.
+GLUON_FWD_LONG = {64: "ws3"}
+GLUON_LONG_MIN_KEYS = 8192
 # Packed documents (per-row bounds). The 128-key variants spill with per-row bounds (40 bytes
 # at D=128, 8 at D=256: python benchmarks/gluon_report.py --masks rows) and are still faster
 # than the spill-free 128x64 ws2_n64: one H200, bf16, H=32, long-tailed documents of 16K / 64K
@@ -278,7 +288,8 @@ def gluon_forward_variant(
 ) -> str | None:
     """The Gluon forward variant for this head dim (documents: a block masked by per-row
     bounds whose rows see keys_per_row keys on average, where known; keys: the block's key
-    count, where known: GLUON_FWD_SHORT up to GLUON_PERSISTENT_MAX_KEYS), or None: none is
+    count, where known (None for sliding windows): GLUON_FWD_SHORT up to
+    GLUON_PERSISTENT_MAX_KEYS, GLUON_FWD_LONG from GLUON_LONG_MIN_KEYS), or None: none is
     tuned for it, the documents are short (GLUON_DOCUMENTS_MIN_KEYS_PER_ROW), a Triton config
     is forced by override() or the RINGFLASH_KERNEL_CONFIGS file, or the kernels are
     interpreted. override(gluon=name) forces a variant (None: the Triton forward)."""
@@ -290,6 +301,8 @@ def gluon_forward_variant(
     if not documents:
         if keys is not None and keys <= GLUON_PERSISTENT_MAX_KEYS and block_d in GLUON_FWD_SHORT:
             return GLUON_FWD_SHORT[block_d]
+        if keys is not None and keys >= GLUON_LONG_MIN_KEYS and block_d in GLUON_FWD_LONG:
+            return GLUON_FWD_LONG[block_d]
         return GLUON_FWD.get(block_d)
     if keys_per_row is not None and keys_per_row < GLUON_DOCUMENTS_MIN_KEYS_PER_ROW.get(block_d, 0):
         return None

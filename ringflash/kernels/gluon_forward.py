@@ -143,7 +143,8 @@ VARIANTS["ws2_p7"] = {d: replace(cfg, max_programs=7) for d, cfg in VARIANTS["ws
 # softmax at D=64, where the softmax is as long as at 128 and the matmuls half; 160 registers
 # a consumer thread (the entry cap 128 over 16 warps). 128-key blocks fit those only with P
 # made 16-bit early (float32 P spilled 4 KB); on 64-key blocks (measured: 0.87-0.98x ws2_s3)
-# the barriers a FLOP double. ws2_pe: ws2_s3 with P made 16-bit early, to time that alone.
+# the barriers a FLOP double. This one is D=64's from 8K keys on (configs.GLUON_FWD_LONG).
+# ws2_pe: ws2_s3 with P made 16-bit early, which alone measured within noise of ws2_s3.
 VARIANTS["ws3"] = {64: GluonConfig("ws2", 192, 128, 4, 4, 24, 128, consumers=3, p_early=True)}
 VARIANTS["ws2_pe"] = {d: replace(cfg, p_early=True) for d, cfg in VARIANTS["ws2_s3"].items()}
 DEFAULT_VARIANT = "ws2_s3"
