@@ -389,6 +389,38 @@ def test_gluon_forward_by_key_count(tier, D, causal, window_size, monkeypatch):
     assert torch.equal(torch.isneginf(lse), torch.isneginf(ref_lse))
 
 
+@pytest.mark.parametrize("D,variant", [(64, "ws3"), (128, "ws2_s3")])
+@pytest.mark.parametrize("causal,window_size", [(True, (-1, -1)), (False, (300, 77))])
+def test_gluon_forward_tile_order(D, variant, causal, window_size, monkeypatch):
+    """The one-tile Gluon forward's launch order (heads_per_group heads together, heaviest
+    tiles first: _gluon_fwd._launch_order) visits every tile once: with 1, 3 (of 8: groups of
+    3, 3 and 2) and all 8 heads a group the output and lse are bitwise identical, and within
+    the plain bound of float64."""
+    from ringflash.kernels import configs, gluon_forward
+    from ringflash.kernels.plans import Plans
+
+    g = torch.Generator(device="cuda").manual_seed(D + 3)
+    q, k, v = (torch.randn(2, 1031, H, D, device="cuda", generator=g, dtype=torch.bfloat16) for H in (4, 2, 2))
+    kw = dict(causal=causal, window_size=window_size)
+    per_head = 1031 * 2 * (D + D)  # keys x (q/k's + v's head dim) x 2 bytes
+    real = gluon_forward.heads_per_group
+    results = []
+    for heads in (1, 3, 8):
+        monkeypatch.setattr(gluon_forward, "TILE_ORDER_L2_BYTES", heads * per_head)
+        monkeypatch.setattr(gluon_forward, "_PLANS", Plans())  # plans keep their launch's arguments
+        grouped = []
+        monkeypatch.setattr(gluon_forward, "heads_per_group", lambda *a: grouped.append(real(*a)) or grouped[-1])
+        with configs.override(gluon=variant):
+            results.append(flash_attn_func(q, k, v, return_lse=True, **kw))
+        assert grouped == [heads]
+    for out, lse in results[1:]:
+        assert torch.equal(out, results[0][0]) and torch.equal(lse, results[0][1])
+    ref, ref_lse = naive_attention(q, k, v, **kw)
+    plain, plain_lse = naive_attention(q, k, v, dtype=torch.bfloat16, **kw)
+    assert_within("out", results[0][0], ref, plain)
+    assert_within("lse", results[0][1], ref_lse, plain_lse, sum_len=1)
+
+
 # (causal, window_size, extra keys per document) of the packed-documents tests: 37 extra keys
 # give documents whose keys no query sees (37 keys and no query); -40 queries that see no key
 # (bottom-right alignment; documents of 1-40 queries and no key)

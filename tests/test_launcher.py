@@ -7,6 +7,8 @@ import itertools
 import pytest
 import torch
 
+from ringflash.masks import Window
+
 triton = pytest.importorskip("triton")
 
 from ringflash.kernels import launcher  # noqa: E402
@@ -293,6 +295,37 @@ def test_gluon_forward_three_consumers_plan():
     for bad in (dict(consumers=4, block_m=256), dict(consumers=3, block_m=128)):
         with pytest.raises(ValueError, match="two or three 4-warp consumer partitions"):
             gf.GluonConfig("ws2", block_n=64, **bad)
+
+
+def test_gluon_forward_tile_order_plan(monkeypatch):
+    """A one-tile causal or windowed launch takes as many heads together (heads_per_group, the
+    kernel's launch order) as keep their K and V within TILE_ORDER_L2_BYTES, at most all B x Hq
+    and at least one; dense blocks, packed documents (per-row bounds), persistent programs and a
+    config with group_heads off go head by head (1)."""
+    from ringflash.kernels import gluon_forward as gf
+
+    if not gf.HAS_GLUON:
+        pytest.skip(f"Gluon not importable: {gf.GLUON_ERROR}")
+    B, S, H, D = 2, 1031, 4, 64
+    q, k, common, bounds = _forward_plan_inputs(B, S, H, 2, D)
+    per_head = S * 2 * (D + D)  # keys x (q/k's + v's head dim) x 2 bytes
+    ws3, flat = gf.config_for(D, "ws3"), gf.config_for(D, "ws3_by_head")
+
+    def grouped(cfg, **kw):
+        kernel, _, args, _ = gf.launch_plan(q, k, k.clone(), cfg=cfg, **{**common, **kw})
+        return dict(zip(kernel.arg_names, args))["heads_per_group"]
+
+    for l2, heads in ((3 * per_head + 1, 3), (per_head - 1, 1), (1 << 40, B * H)):
+        monkeypatch.setattr(gf, "TILE_ORDER_L2_BYTES", l2)
+        assert grouped(ws3, causal=True) == heads
+        assert grouped(ws3, window=Window(300, 77)) == heads
+        assert grouped(ws3) == grouped(flat, causal=True) == 1
+        assert grouped(gf.config_for(D, "ws2_p"), causal=True) == 1
+    o, m = common["out_o"], common["out_m"]
+    one = {**common, "out_o": o[:1], "out_m": m[:1], "out_l": m[:1].clone()}
+    kernel, _, args, _ = gf.launch_plan(q[:1], k[:1], k[:1].clone(), cfg=gf.config_for(D, "ws2_s3"), bounds=bounds,
+                                        **one)  # fmt: skip
+    assert dict(zip(kernel.arg_names, args))["heads_per_group"] == 1
 
 
 def test_gluon_backward_takes_v_head_dim_apart_only_split():

@@ -44,7 +44,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from .tiles import MASK_NONE, MASK_ROWS, in_bounds, row_key_bounds
+from .tiles import MASK_NONE, MASK_ROWS, MASK_WINDOW, in_bounds, row_key_bounds
 
 # ----------------------------------------------------------------------------------------------
 # Which keys a query tile visits: the one place that reads the mask; everything else asks it.
@@ -162,6 +162,24 @@ def _row_sum(x):
 def _mma_layout(num_warps, n):
     # 16 rows per warp; 8 warps split a 128-row tile into two warpgroups of 64 rows each
     return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, n, 16])
+
+
+@gluon.jit
+def _launch_order(heads_per_group):
+    """(pid_m, pid_bh) of this program of the (num_m, B * Hq) grid, taken in launch order
+    (program_id(0) fastest) group by group of heads_per_group heads, within a group query tile
+    by query tile, each over the group's heads. With _tile's REVERSE the heaviest causal tiles
+    of every head in the group start first, and the launch ends on light tiles rather than on
+    the last head's heaviest (heads_per_group = 1: head by head, the plain grid order)."""
+    num_m = gl.num_programs(0)
+    num_bh = gl.num_programs(1)
+    linear = gl.program_id(1) * num_m + gl.program_id(0)
+    per_group = heads_per_group * num_m
+    first_bh = linear // per_group * heads_per_group
+    rest = linear - first_bh * num_m
+    heads = gl.minimum(heads_per_group, num_bh - first_bh)  # the last group may hold fewer
+    pid_m = rest // heads
+    return pid_m, first_bh + rest - pid_m * heads
 
 
 @gluon.jit
@@ -742,7 +760,8 @@ def _ws2_consumer(
         )  # fmt: skip
 
 
-@gluon.jit(do_not_specialize=["num_tiles", "group", "Sq", "Sk", "q_start", "k_start", "win_left", "win_right"])
+@gluon.jit(do_not_specialize=["num_tiles", "heads_per_group", "group", "Sq", "Sk", "q_start", "k_start", "win_left",
+                               "win_right"])  # fmt: skip
 def _fwd_ws2(
     q_desc,
     k_desc,
@@ -765,6 +784,7 @@ def _fwd_ws2(
     stride_lh,
     stride_ls,
     num_tiles,
+    heads_per_group,
     Hq,
     group,
     Sq,
@@ -829,8 +849,12 @@ def _fwd_ws2(
         full_lo1 = 0
         full_hi1 = 0
     else:
-        b, h, hk, off_m = _tile(gl.program_id(0), gl.program_id(1), gl.num_programs(0), Hq, group, MASK != MASK_NONE,
-                                BLOCK_M)  # fmt: skip
+        if MASK == MASK_WINDOW:  # causal and windows: heads_per_group heads together
+            pid_m, pid_bh = _launch_order(heads_per_group)
+        else:  # (as the grid lists them; no registers spent on the order)
+            pid_m = gl.program_id(0)
+            pid_bh = gl.program_id(1)
+        b, h, hk, off_m = _tile(pid_m, pid_bh, gl.num_programs(0), Hq, group, MASK != MASK_NONE, BLOCK_M)
         lo, n, full_lo0, full_hi0, full_lo1, full_hi1 = _tile_key_range(
             off_m, Sq, Sk, q_start, k_start, win_left, win_right, KLO, KHI, MASK, LEFT, BLOCK_M, BLOCK_N, num_warps
         )

@@ -37,7 +37,7 @@ from . import _tma_ok as _descriptor_aligned
 from . import head_dim_pieces
 from .launcher import launch, on_device
 from .plans import Plan, Plans, alias_pattern, tensor_key
-from .tiles import MASK_ROWS
+from .tiles import MASK_ROWS, MASK_WINDOW
 
 try:  # Gluon exists from triton 3.6 on; the rest of the package must not depend on it
     from triton.experimental.gluon import language as _gl
@@ -81,6 +81,9 @@ class GluonConfig:
     # each block's P made the 16-bit PV operand right after the previous PV lands rather than
     # before the next PV: 16-bit P (not float32) live across the key loop's back edge
     p_early: bool = False
+    # one-tile causal and windowed launches take the tiles of a few heads together, heaviest
+    # first (heads_per_group); False: head by head, as the grid lists them
+    group_heads: bool = True
 
     def __post_init__(self):
         if self.schedule != "ws2":
@@ -147,6 +150,9 @@ VARIANTS["ws2_p7"] = {d: replace(cfg, max_programs=7) for d, cfg in VARIANTS["ws
 # ws2_pe: ws2_s3 with P made 16-bit early, which alone measured within noise of ws2_s3.
 VARIANTS["ws3"] = {64: GluonConfig("ws2", 192, 128, 4, 4, 24, 128, consumers=3, p_early=True)}
 VARIANTS["ws2_pe"] = {d: replace(cfg, p_early=True) for d, cfg in VARIANTS["ws2_s3"].items()}
+# the one-tile launches' tiles head by head (the grid's own order), to time the grouped order
+VARIANTS["ws2_s3_by_head"] = {d: replace(cfg, group_heads=False) for d, cfg in VARIANTS["ws2_s3"].items()}
+VARIANTS["ws3_by_head"] = {d: replace(cfg, group_heads=False) for d, cfg in VARIANTS["ws3"].items()}
 DEFAULT_VARIANT = "ws2_s3"
 HEAD_DIMS = (64, 128, 256)
 
@@ -425,6 +431,7 @@ def launch_plan(
         out_l.stride(1),
         out_l.stride(2),
         num_tiles,
+        heads_per_group(cfg, mask, persistent, B * Hq, Sk, k.element_size() * (D + Dv)),
         Hq,
         Hq // Hkv,
         Sq,
@@ -440,6 +447,21 @@ def launch_plan(
     else:
         grid = (triton_cdiv(Sq, cfg.block_m), B * Hq)
     return _k.KERNELS[cfg.schedule], grid, args, kwargs
+
+
+# The L2 share that the K and V of the heads whose causal tiles run side by side may take
+# (one H200 reports 60 MB of L2), so that each head's K/V is read from memory about once.
+TILE_ORDER_L2_BYTES = 24 << 20
+
+
+def heads_per_group(cfg: GluonConfig, mask: int, persistent: bool, heads: int, keys: int, kv_row_bytes: int) -> int:
+    """How many of the B x Hq heads a one-tile launch takes tile by tile together
+    (_gluon_fwd._launch_order): causal and windowed blocks (whose later query tiles see more
+    keys and so start first) as many as keep their K and V (keys x kv_row_bytes each) within
+    TILE_ORDER_L2_BYTES, so that the launch ends on light tiles; 1 (head by head) otherwise."""
+    if mask != MASK_WINDOW or persistent or not cfg.group_heads:
+        return 1
+    return max(1, min(heads, TILE_ORDER_L2_BYTES // max(keys * kv_row_bytes, 1)))
 
 
 def triton_cdiv(a: int, b: int) -> int:
