@@ -681,3 +681,18 @@ def test_kernel_counters_names_an_unknown_implementation(tmp_path):
     out = subprocess.run([sys.executable, "-m", "benchmarks.kernel_counters", "--out", str(tmp_path), "--impls",
                           "gluon=ws2_p", "sdpa_flash"], capture_output=True, text=True, cwd=ROOT)  # fmt: skip
     assert out.returncode == 2 and "unknown ['sdpa_flash']" in out.stderr, out.stderr
+
+
+def test_tile_order_model():
+    """benchmarks.tile_order_model: list scheduling in launch order (a long cost last waits
+    for a free processor), tile costs heaviest first per group of heads, and the figures it
+    prints for the causal forward: head by head leaves a tail that taking every head's tile i
+    first removes."""
+    from benchmarks.tile_order_model import finish_time, launch_costs, main, tail
+
+    assert finish_time([1, 1, 3], 2) == 4 and finish_time([3, 1, 1], 2) == 3
+    assert launch_costs(3, 2, 1, 0.5) == [3.5, 2.5, 1.5, 3.5, 2.5, 1.5]
+    assert launch_costs(3, 3, 2, 0.0) == [3, 3, 2, 2, 1, 1, 3, 2, 1]
+    by_head, every = (tail(8192, 192, 32, g, 132, 0.3) for g in (1, 32))
+    assert by_head > 1.05 and 1.0 <= every < 1.01
+    main(["--seqlens", "8192", "--rows", "192", "--head-dim", "64"])

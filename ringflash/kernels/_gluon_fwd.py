@@ -826,7 +826,8 @@ def _fwd_ws2(
     BLOCK_DVT and vt_desc (from column BLOCK_DV on).
     MASK, LEFT, win_left, win_right, KLO, KHI: as the Triton forward's (tiles.MASK_*; KLO / KHI
     (Sq,) int32 global key bounds for MASK_ROWS, any pointer otherwise).
-    Grid (cdiv(Sq, BLOCK_M), B * Hq), one query tile a program; or with PERSISTENT (windows,
+    Grid (cdiv(Sq, BLOCK_M), B * Hq), one query tile a program (MASK_WINDOW: taken in
+    _launch_order, heads_per_group heads together); or with PERSISTENT (windows,
     not MASK_ROWS, whose per-row reductions stay before the split; the launcher takes it for
     dense and causal blocks) a 1-D grid of at most one
     program per multiprocessor, program p taking tiles p, p + programs, .. of the num_tiles =
