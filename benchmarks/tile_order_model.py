@@ -13,6 +13,7 @@ time, as the warp-specialized kernels run. Orders:
   grouped   every head of a group's tile i before any of its tile i + 1, groups of
             gluon_forward.heads_per_group's count for bf16 K / V of --head-dim (the group's
             K/V within gluon_forward.TILE_ORDER_L2_BYTES);
+  short 1st grouped, the group of the heads left over first rather than last;
   all       every head's tile i before any head's tile i + 1 (longest first).
 Reported: each order's finish time over the even share (sum of costs / multiprocessors).
 """
@@ -31,19 +32,20 @@ def finish_time(costs, processors: int) -> float:
     return max(free)
 
 
-def launch_costs(tiles: int, heads: int, heads_per_group: int, fixed: float) -> list[float]:
-    """Tile costs in launch order: groups of heads_per_group heads, within a group tile by tile
-    (heaviest first), each over the group's heads."""
-    costs = []
-    for first in range(0, heads, heads_per_group):
-        group = min(heads_per_group, heads - first)
-        costs += [tiles - i + fixed for i in range(tiles) for _ in range(group)]
-    return costs
+def launch_costs(tiles: int, heads: int, heads_per_group: int, fixed: float, short_first: bool = False) -> list[float]:
+    """Tile costs in launch order: groups of heads_per_group heads (the heads left over a group
+    of their own, last or with short_first first), within a group tile by tile (heaviest
+    first), each over the group's heads."""
+    groups = [heads_per_group] * (heads // heads_per_group)
+    if heads % heads_per_group:
+        groups.insert(0 if short_first else len(groups), heads % heads_per_group)
+    return [tiles - i + fixed for group in groups for i in range(tiles) for _ in range(group)]
 
 
-def tail(seqlen: int, rows: int, heads: int, heads_per_group: int, processors: int, fixed: float) -> float:
+def tail(seqlen: int, rows: int, heads: int, heads_per_group: int, processors: int, fixed: float,
+         short_first: bool = False) -> float:  # fmt: skip
     """Finish time over the even share for a causal launch of seqlen keys and queries."""
-    costs = launch_costs(-(-seqlen // rows), heads, heads_per_group, fixed)
+    costs = launch_costs(-(-seqlen // rows), heads, heads_per_group, fixed, short_first)
     return finish_time(costs, processors) / (sum(costs) / processors)
 
 
@@ -60,15 +62,16 @@ def main(argv=None):
     from ringflash.kernels.tiles import MASK_WINDOW
 
     causal_one_tile = gf.config_for(64, "ws2_s3")  # (any config that groups heads)
-    print(f"{'S':>6} {'rows':>4} {'D':>4} {'group':>5} | {'by head':>8} {'grouped':>8} {'all':>8}")
+    print(f"{'S':>6} {'rows':>4} {'D':>4} {'group':>5} | {'by head':>8} {'grouped':>8} {'short 1st':>9} {'all':>8}")
     for seqlen in args.seqlens:
         for rows in args.rows:
             for d in args.head_dim:
                 # the launcher's count for bf16 K and V of head dim d
                 group = gf.heads_per_group(causal_one_tile, MASK_WINDOW.value, False, args.heads, seqlen, 2 * (d + d))
-                orders = (1, group, args.heads)
-                figures = [tail(seqlen, rows, args.heads, g, args.processors, args.fixed) for g in orders]
-                print(f"{seqlen:6d} {rows:4d} {d:4d} {group:5d} | " + " ".join(f"{f:8.3f}" for f in figures))
+                orders = ((1, False), (group, False), (group, True), (args.heads, False))
+                figures = [tail(seqlen, rows, args.heads, g, args.processors, args.fixed, first) for g, first in orders]
+                print(f"{seqlen:6d} {rows:4d} {d:4d} {group:5d} | " + " ".join(f"{f:8.3f}" for f in figures[:2])
+                      + f" {figures[2]:9.3f} {figures[3]:8.3f}")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -273,6 +273,20 @@ def test_gluon_forward_early_p_frees_registers(tmp_path):
         assert early["sass_regs"] < late["sass_regs"], (early["sass_regs"], late["sass_regs"])
 
 
+def test_gluon_forward_short_group_first_compiles(tmp_path):
+    """The launch order with the short group of heads first (GluonConfig.short_group_first, a
+    constexpr) compiles for sm_90a without spills and with a wgmma left in flight, causal, local
+    and folded."""
+    cases = ["ws3_short_first:64:1:bf16:1:0", "ws2_s3_short_first:128:1:fp16:0:1"]
+    run([sys.executable, "benchmarks/gluon_report.py", "--jobs", "2", "--json", str(tmp_path / "g.json")]
+        + [a for c in cases for a in ("--case", c)], tmp_path)  # fmt: skip
+    rows = json.loads((tmp_path / "g.json").read_text())
+    assert len(rows) == len(cases)
+    for r in rows:
+        assert "error" not in r and r["spill_bytes"] == 0 and r["problems"] == [], r
+        assert r["config"]["short_group_first"] and any(int(n) > 0 for n in r["sass_waits"]), r
+
+
 def test_gluon_check_catches_a_wrong_forward_at_head_dims_in_pieces(tmp_path):
     """benchmarks/gluon_check.py's correctness harness on the CPU (a float64 stand-in for the
     kernel, --cpu-dry-run) at head dims the forward runs in two pieces: every case passes with
@@ -693,6 +707,8 @@ def test_tile_order_model():
     assert finish_time([1, 1, 3], 2) == 4 and finish_time([3, 1, 1], 2) == 3
     assert launch_costs(3, 2, 1, 0.5) == [3.5, 2.5, 1.5, 3.5, 2.5, 1.5]
     assert launch_costs(3, 3, 2, 0.0) == [3, 3, 2, 2, 1, 1, 3, 2, 1]
+    assert launch_costs(3, 3, 2, 0.0, short_first=True) == [3, 2, 1, 3, 3, 2, 2, 1, 1]
     by_head, every = (tail(8192, 192, 32, g, 132, 0.3) for g in (1, 32))
     assert by_head > 1.05 and 1.0 <= every < 1.01
+    assert tail(16384, 192, 32, 6, 132, 0.3, short_first=True) < tail(16384, 192, 32, 6, 132, 0.3) - 0.01
     main(["--seqlens", "8192", "--rows", "192", "--head-dim", "64"])

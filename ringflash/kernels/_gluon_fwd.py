@@ -165,19 +165,30 @@ def _mma_layout(num_warps, n):
 
 
 @gluon.jit
-def _launch_order(heads_per_group):
+def _launch_order(heads_per_group, SHORT_GROUP_FIRST: gl.constexpr):
     """(pid_m, pid_bh) of this program of the (num_m, B * Hq) grid, taken in launch order
     (program_id(0) fastest) group by group of heads_per_group heads, within a group query tile
     by query tile, each over the group's heads. With _tile's REVERSE the heaviest causal tiles
     of every head in the group start first, and the launch ends on light tiles rather than on
-    the last head's heaviest (heads_per_group = 1: head by head, the plain grid order)."""
+    the last head's heaviest (heads_per_group = 1: head by head, the plain grid order). The
+    group of the B * Hq % heads_per_group heads left over comes last, or with
+    SHORT_GROUP_FIRST first (a short last group's heaviest tiles start late)."""
     num_m = gl.num_programs(0)
     num_bh = gl.num_programs(1)
     linear = gl.program_id(1) * num_m + gl.program_id(0)
     per_group = heads_per_group * num_m
-    first_bh = linear // per_group * heads_per_group
-    rest = linear - first_bh * num_m
-    heads = gl.minimum(heads_per_group, num_bh - first_bh)  # the last group may hold fewer
+    if SHORT_GROUP_FIRST:
+        short = num_bh % heads_per_group  # (0: every group full)
+        in_short = linear < short * num_m
+        after = linear - short * num_m
+        full_groups = after // per_group
+        first_bh = gl.where(in_short, 0, short + full_groups * heads_per_group)
+        rest = gl.where(in_short, linear, after - full_groups * per_group)
+        heads = gl.where(in_short, short, heads_per_group)
+    else:
+        first_bh = linear // per_group * heads_per_group
+        rest = linear - first_bh * num_m
+        heads = gl.minimum(heads_per_group, num_bh - first_bh)  # the last group may hold fewer
     pid_m = rest // heads
     return pid_m, first_bh + rest - pid_m * heads
 
@@ -811,6 +822,7 @@ def _fwd_ws2(
     PERSISTENT: gl.constexpr,
     CONSUMERS: gl.constexpr,
     P_EARLY: gl.constexpr,
+    SHORT_GROUP_FIRST: gl.constexpr,
     PRODUCER_REGS: gl.constexpr,
     CONSUMER_REGS: gl.constexpr,
     num_warps: gl.constexpr,
@@ -851,7 +863,7 @@ def _fwd_ws2(
         full_hi1 = 0
     else:
         if MASK == MASK_WINDOW:  # causal and windows: heads_per_group heads together
-            pid_m, pid_bh = _launch_order(heads_per_group)
+            pid_m, pid_bh = _launch_order(heads_per_group, SHORT_GROUP_FIRST)
         else:  # (as the grid lists them; no registers spent on the order)
             pid_m = gl.program_id(0)
             pid_bh = gl.program_id(1)

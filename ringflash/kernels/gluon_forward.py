@@ -84,6 +84,9 @@ class GluonConfig:
     # one-tile causal and windowed launches take the tiles of a few heads together, heaviest
     # first (heads_per_group); False: head by head, as the grid lists them
     group_heads: bool = True
+    # ... the group of the heads left over first rather than last (its heaviest tiles then
+    # start early; benchmarks.tile_order_model)
+    short_group_first: bool = False
 
     def __post_init__(self):
         if self.schedule != "ws2":
@@ -153,6 +156,8 @@ VARIANTS["ws2_pe"] = {d: replace(cfg, p_early=True) for d, cfg in VARIANTS["ws2_
 # the one-tile launches' tiles head by head (the grid's own order), to time the grouped order
 VARIANTS["ws2_s3_by_head"] = {d: replace(cfg, group_heads=False) for d, cfg in VARIANTS["ws2_s3"].items()}
 VARIANTS["ws3_by_head"] = {d: replace(cfg, group_heads=False) for d, cfg in VARIANTS["ws3"].items()}
+VARIANTS["ws2_s3_short_first"] = {d: replace(cfg, short_group_first=True) for d, cfg in VARIANTS["ws2_s3"].items()}
+VARIANTS["ws3_short_first"] = {d: replace(cfg, short_group_first=True) for d, cfg in VARIANTS["ws3"].items()}
 DEFAULT_VARIANT = "ws2_s3"
 HEAD_DIMS = (64, 128, 256)
 
@@ -401,6 +406,7 @@ def launch_plan(
         PERSISTENT=persistent,
         CONSUMERS=cfg.consumers,
         P_EARLY=cfg.p_early,
+        SHORT_GROUP_FIRST=cfg.short_group_first,
         num_warps=cfg.num_warps,
     )
     if cfg.warp_specialized:
