@@ -241,6 +241,45 @@ def test_fused_backward_head_dim_in_pieces(D, Dv, causal, monkeypatch):
     assert plans and all(kwargs["BLOCK_DT"] == 64 for _, _, _, kwargs in plans), [p[3] for p in plans]
 
 
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("causal,window_size", [(True, (-1, -1)), (True, (300, 0)), (False, (-1, -1))])
+def test_fused_backward_grouped_heads(D, causal, window_size, monkeypatch):
+    """The fused backward with causal key blocks taken a few kv heads at a time (ws2_lag_grouped:
+    a 3-D grid, 2 of 4 heads a group here): dK and dV bitwise equal to the plain grid order's
+    (each key block's are one program's sums), dQ (float32 atomics in another order) and all
+    against float64 within the plain bound; a non-causal block keeps the 2-D grid."""
+    from ringflash.kernels import configs, gluon_backward, gluon_forward
+
+    force_fused_backward(monkeypatch)
+    monkeypatch.setattr(gluon_backward, "_PLANS", gluon_backward.Plans())
+    plans = []
+    real = gluon_backward.launch_plan
+    monkeypatch.setattr(gluon_backward, "launch_plan", lambda *a, **kw: plans.append(real(*a, **kw)) or plans[-1])
+    g = torch.Generator(device="cuda").manual_seed(D + 11)
+    mk = lambda H: torch.randn(2, 1031, H, D, device="cuda", generator=g, dtype=torch.bfloat16).requires_grad_()  # noqa: E731
+    q, k, v = mk(4), mk(2), mk(2)
+    do = torch.randn(q.shape, device="cuda", generator=g, dtype=torch.bfloat16)
+    kw = dict(causal=causal, window_size=window_size)
+    # per kv head: Sq x (q heads a kv head) x ((D + Dv) x 2 bytes + D x 4): room for 2 of the 4
+    monkeypatch.setattr(gluon_forward, "TILE_ORDER_L2_BYTES", 2 * 1031 * 2 * (2 * D * 2 + D * 4))
+    grads = {}
+    for variant in ("ws2_lag", "ws2_lag_grouped"):
+        with configs.override(gluon_bwd=variant):
+            out = flash_attn_func(q, k, v, **kw)
+            grads[variant] = torch.autograd.grad(out, (q, k, v), do)
+    (_, grid, _, kwargs), (_, grid_g, _, kwargs_g) = plans[-2:]
+    assert not kwargs["GROUPED_HEADS"] and len(grid) == 2
+    assert kwargs_g["GROUPED_HEADS"] == causal and grid_g == ((2, grid[0], 2) if causal else grid)
+    assert torch.equal(grads["ws2_lag"][1], grads["ws2_lag_grouped"][1])
+    assert torch.equal(grads["ws2_lag"][2], grads["ws2_lag_grouped"][2])
+    ref = naive_attention(q, k, v, **kw)[0]
+    ref_grads = torch.autograd.grad(ref, (q, k, v), do.double())
+    plain = naive_attention(q, k, v, dtype=torch.bfloat16, **kw)[0]
+    plain_grads = torch.autograd.grad(plain, (q, k, v), do)
+    for name, got, r, p in zip(("dq", "dk", "dv"), grads["ws2_lag_grouped"], ref_grads, plain_grads):
+        assert_within(name, got, r, p)
+
+
 @pytest.mark.parametrize("variant", ["pointers", "tma", "tma+ws"])
 @pytest.mark.parametrize("causal", [False, True])
 def test_forward_variants_and_key_padding(variant, causal):

@@ -332,6 +332,40 @@ def test_gluon_forward_tile_order_plan(monkeypatch):
         assert kwargs["SHORT_GROUP_FIRST"] is first
 
 
+def test_gluon_backward_grouped_heads_plan(monkeypatch):
+    """ws2_lag_grouped launches causal blocks on a 3-D grid (heads a group, key blocks, groups)
+    with GROUPED_HEADS set, the group the largest divisor of B x Hkv whose streamed Q, dO and dQ
+    fit TILE_ORDER_L2_BYTES; non-causal blocks, packed documents and the default keep the 2-D
+    grid."""
+    from ringflash.kernels import gluon_backward as gb
+    from ringflash.kernels import gluon_forward as gf
+
+    if not gf.HAS_GLUON:
+        pytest.skip(f"Gluon not importable: {gf.GLUON_ERROR}")
+    for heads, streamed, budget, expected in ((32, 1, 6, 4), (32, 1, 12, 8), (32, 1, 99, 32), (6, 1, 4, 3),
+                                              (7, 1, 6, 1), (32, 10, 9, 1)):  # fmt: skip
+        monkeypatch.setattr(gf, "TILE_ORDER_L2_BYTES", budget)
+        assert gb.heads_per_group(heads, streamed) == expected, (heads, streamed, budget)
+    monkeypatch.setattr(gf, "TILE_ORDER_L2_BYTES", 1 << 40)
+    B, S, H, Hkv, D = 2, 1031, 8, 4, 64
+    q, k = torch.zeros(B, S, H, D, dtype=torch.bfloat16), torch.zeros(B, S, Hkv, D, dtype=torch.bfloat16)
+    stats = torch.zeros(B, H, 2, S)
+    grads = (torch.zeros(q.shape), torch.zeros(k.shape), torch.zeros(k.shape))
+    blocks = gf.triton_cdiv(S, 128)
+
+    def plan(variant, **kw):
+        cfg = gb.config_for(D, variant)
+        args = dict(q_start=0, k_start=0, scale=0.1, accumulate=False, cfg=cfg, causal=False)
+        _, grid, _, kwargs = gb.launch_plan(q, k, k.clone(), stats, q.clone(), *grads, **{**args, **kw})
+        return grid, kwargs["GROUPED_HEADS"]
+
+    assert plan("ws2_lag_grouped", causal=True) == ((B * Hkv, blocks, 1), True)
+    assert plan("ws2_lag_grouped") == ((blocks, B * Hkv), False)
+    assert plan("ws2_lag", causal=True) == ((blocks, B * Hkv), False)
+    monkeypatch.setattr(gf, "TILE_ORDER_L2_BYTES", 2 * S * (H // Hkv) * (2 * D * 2 + D * 4))
+    assert plan("ws2_lag_grouped", causal=True) == ((2, blocks, B * Hkv // 2), True)
+
+
 def test_gluon_backward_takes_v_head_dim_apart_only_split():
     """The fused backward's launcher with v's head dim apart from q/k's (MLA: 192 and 128; and
     the mirror): the head-dim split variant for the larger padded width takes it, with the

@@ -80,6 +80,7 @@ def _plan(
     ROWS: gl.constexpr,
     BLOCK_M: gl.constexpr,
     BLOCK_N: gl.constexpr,
+    GROUPED_HEADS: gl.constexpr,
 ):
     """(b, hk, n0, m_first, n_m, full_lo, full_hi, key_ragged) of this program: batch, kv head,
     first key of the block; the query blocks m_first .. m_first + n_m - 1 see the block
@@ -88,9 +89,16 @@ def _plan(
     k_start + j <= q_start + i (CAUSAL: the launcher folds a window's right reach into q_start)
     and q_start + i <= k_start + j + left (HAS_LEFT). ROWS (packed documents): the query blocks
     rows_first .. rows_first + rows_n - 1 (_key_tile_query_range, before the partitions split);
-    full_lo / full_hi then unused (each consumer has its own keys' range)."""
-    n0 = gl.program_id(0) * BLOCK_N
-    pid_bh = gl.program_id(1)
+    full_lo / full_hi then unused (each consumer has its own keys' range). GROUPED_HEADS: the
+    grid is (heads a group, key blocks, groups), so that every head of a group takes its key
+    block j (heaviest first when causal) before any takes block j + 1; else (key blocks,
+    B * Hkv), head by head."""
+    if GROUPED_HEADS:
+        n0 = gl.program_id(1) * BLOCK_N
+        pid_bh = gl.program_id(2) * gl.num_programs(0) + gl.program_id(0)
+    else:
+        n0 = gl.program_id(0) * BLOCK_N
+        pid_bh = gl.program_id(1)
     b = pid_bh // Hkv
     hk = pid_bh % Hkv
     n_last = gl.minimum(n0 + BLOCK_N, Sk) - 1  # last valid key of the block
@@ -157,7 +165,8 @@ def _query_block(i, hk, group, m_first, n_m, BLOCK_M: gl.constexpr, ROTATE: gl.c
 
     ROTATE: each key block starts its walk over the query blocks at its own one (and wraps):
     programs running side by side (neighbouring key blocks of one head) then add their dQ into
-    different rows at any moment, instead of all into the same rows at once."""
+    different rows at any moment, instead of all into the same rows at once. (With _plan's
+    GROUPED_HEADS program_id(0) is the head within its group: any offset is a whole walk.)"""
     g = i // n_m
     j = i - g * n_m
     if ROTATE:
@@ -208,11 +217,12 @@ def _producer(
     kt_smem,
     BLOCK_D: gl.constexpr,
     BLOCK_DT: gl.constexpr,
+    GROUPED_HEADS: gl.constexpr,
 ):
     """The TMA producer warp. With BLOCK_DT > 0 (q/k's head dim in two pieces) also the tail
     pieces of K (columns BLOCK_D ..) and of every Q block, on the same barriers."""
     b, hk, n0, m_first, n_m, _, _, _ = _plan(
-        Hkv, Sq, Sk, q_start, k_start, left, rows_first, rows_n, CAUSAL, HAS_LEFT, ROWS, BLOCK_M, BLOCK_N
+        Hkv, Sq, Sk, q_start, k_start, left, rows_first, rows_n, CAUSAL, HAS_LEFT, ROWS, BLOCK_M, BLOCK_N, GROUPED_HEADS
     )
     n_iter = group * n_m
     if n_iter > 0:
@@ -477,6 +487,7 @@ def _consumer(
     qt_bufs,
     kt_smem,
     BLOCK_DT: gl.constexpr,
+    GROUPED_HEADS: gl.constexpr,
 ):
     KEYS: gl.constexpr = BLOCK_N // 2  # keys of this warpgroup
     gl.static_assert(BLOCK_DT == 0, "ws2 runs q/k's head dim whole")
@@ -490,7 +501,7 @@ def _consumer(
     gl.static_assert(KEYS == 64, "one warpgroup's wgmma tile is 64 rows")
 
     b, hk, n0, m_first, n_m, full_lo, full_hi, key_ragged = _plan(
-        Hkv, Sq, Sk, q_start, k_start, left, rows_first, rows_n, CAUSAL, HAS_LEFT, ROWS, BLOCK_M, BLOCK_N
+        Hkv, Sq, Sk, q_start, k_start, left, rows_first, rows_n, CAUSAL, HAS_LEFT, ROWS, BLOCK_M, BLOCK_N, GROUPED_HEADS
     )
     n_iter = group * n_m
     dk = gl.zeros([KEYS, BLOCK_D], gl.float32, kv_layout)
@@ -736,6 +747,7 @@ def _consumer_split_d(
     qt_bufs,
     kt_smem,
     BLOCK_DT: gl.constexpr,
+    GROUPED_HEADS: gl.constexpr,
 ):
     """The wide head dims' consumer (SPLIT_D): both warpgroups share the 64 keys of the block and
     own half of the head-dim columns each (dK, dV of 64 keys x 256 would need 256 registers a
@@ -776,7 +788,7 @@ def _consumer_split_d(
     gl.static_assert(BLOCK_M == 64, "64 query rows per step, 32 per warpgroup's scores")
 
     b, hk, n0, m_first, n_m, full_lo, full_hi, key_ragged = _plan(
-        Hkv, Sq, Sk, q_start, k_start, left, rows_first, rows_n, CAUSAL, HAS_LEFT, ROWS, BLOCK_M, BLOCK_N
+        Hkv, Sq, Sk, q_start, k_start, left, rows_first, rows_n, CAUSAL, HAS_LEFT, ROWS, BLOCK_M, BLOCK_N, GROUPED_HEADS
     )
     n_iter = group * n_m
     dk = gl.zeros([BLOCK_N, DK_COLS], gl.float32, acc_layout)
@@ -935,6 +947,7 @@ def _bwd_ws2(
     LAG: gl.constexpr,
     DQ_FIRST: gl.constexpr,
     SPLIT_D: gl.constexpr,
+    GROUPED_HEADS: gl.constexpr,
     PRODUCER_REGS: gl.constexpr,
     CONSUMER_REGS: gl.constexpr,
     num_warps: gl.constexpr,
@@ -951,6 +964,7 @@ def _bwd_ws2(
     gl.static_assert(num_warps == 4, "the default partition is one consumer warpgroup")
     gl.static_assert(q_desc.block_type.shape[1] == BLOCK_M)
     gl.static_assert(k_desc.block_type.shape[1] == BLOCK_N)
+    gl.static_assert(not (ROWS and GROUPED_HEADS), "packed documents keep the grid's order")
     dtype: gl.constexpr = q_desc.dtype
     q_bufs = gl.allocate_shared_memory(dtype, [STAGES] + q_desc.block_type.shape, q_desc.layout)
     do_bufs = gl.allocate_shared_memory(dtype, [STAGES] + do_desc.block_type.shape, do_desc.layout)
@@ -1051,6 +1065,7 @@ def _bwd_ws2(
         qt_bufs,
         kt_smem,
         BLOCK_DT,
+        GROUPED_HEADS,
     )
     producer_args: gl.constexpr = (
         q_desc,
@@ -1090,6 +1105,7 @@ def _bwd_ws2(
         kt_smem,
         BLOCK_D,
         BLOCK_DT,
+        GROUPED_HEADS,
     )
     if SPLIT_D:
         gl.warp_specialize(

@@ -107,6 +107,10 @@ class GluonBwdConfig:
     # ws2_split_d: q/k's head dim in kernels.head_dim_pieces where it has a tail (192 = 128 + 64)
     # rather than padded; dK's and dQ's pieces cross between the warpgroups (_consumer_split_d)
     pieces: bool = False
+    # causal blocks: a 3-D grid takes key block j of a few kv heads (as many as keep their
+    # streamed Q, dO and dQ within gluon_forward.TILE_ORDER_L2_BYTES) before any key block j + 1,
+    # so that the launch does not end on one head's heaviest key blocks (heads_per_group)
+    group_heads: bool = False
 
     def __post_init__(self):
         if self.schedule not in ("ws2", "ws2_split_d"):
@@ -147,6 +151,8 @@ _CONFIGS = {
     "ws2_blk": GluonBwdConfig(stages=2, dq_blocked=True),
     "ws2_lag": GluonBwdConfig(stages=2, dq_blocked=True, lag=True),
     "ws2_lagq": GluonBwdConfig(stages=2, dq_blocked=True, lag=True, dq_first=True),
+    # the default's tiles, causal launches a few heads' key block j at a time (not yet timed)
+    "ws2_lag_grouped": GluonBwdConfig(stages=2, dq_blocked=True, lag=True, group_heads=True),
 }
 # the same tiles at D = 64 and 128 (D = 64: half the shared memory; compiles without spills,
 # `python benchmarks/gluon_bwd_report.py`); D = 256 splits the head dim instead (dK and dV of
@@ -578,6 +584,7 @@ def launch_plan(
         LAG=cfg.lag,
         DQ_FIRST=cfg.dq_first,
         SPLIT_D=cfg.split_d,
+        GROUPED_HEADS=False,
         PRODUCER_REGS=cfg.producer_regs,
         CONSUMER_REGS=cfg.consumer_regs,
         num_warps=cfg.num_warps,
@@ -612,7 +619,23 @@ def launch_plan(
         float(scale),
     )
     grid = (-(-Sk // cfg.block_n), B * Hkv)
+    if cfg.group_heads and kwargs["CAUSAL"] and bounds is None:
+        # per kv head: its q heads' Q and dO read, dQ added in float32, by every key block
+        streamed = Sq * (Hq // Hkv) * ((D + Dv) * q.element_size() + D * 4)
+        heads = heads_per_group(B * Hkv, streamed)
+        if heads > 1:
+            grid = (heads, grid[0], B * Hkv // heads)
+            kwargs["GROUPED_HEADS"] = True
     return _k.KERNELS[cfg.schedule], grid, args, kwargs
+
+
+def heads_per_group(heads: int, streamed_bytes: int) -> int:
+    """The largest divisor of heads (B x Hkv) whose heads' streamed bytes (each streamed_bytes)
+    fit in gluon_forward.TILE_ORDER_L2_BYTES: a divisor, so that every group is whole."""
+    from .gluon_forward import TILE_ORDER_L2_BYTES  # (read when called: one budget for both)
+
+    most = max(1, TILE_ORDER_L2_BYTES // max(streamed_bytes, 1))
+    return max(g for g in range(1, min(heads, most) + 1) if heads % g == 0)
 
 
 def backward(
