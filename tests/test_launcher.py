@@ -301,7 +301,7 @@ def test_gluon_forward_tile_order_plan(monkeypatch):
     """A one-tile causal or windowed launch takes as many heads together (heads_per_group, the
     kernel's launch order) as keep their K and V within TILE_ORDER_L2_BYTES, at most all B x Hq
     and at least one; dense blocks, packed documents (per-row bounds), persistent programs and a
-    config with group_heads off go head by head (1)."""
+    config with tile_order "by_head" go head by head (1)."""
     from ringflash.kernels import gluon_forward as gf
 
     if not gf.HAS_GLUON:

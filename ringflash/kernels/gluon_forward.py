@@ -81,16 +81,17 @@ class GluonConfig:
     # each block's P made the 16-bit PV operand right after the previous PV lands rather than
     # before the next PV: 16-bit P (not float32) live across the key loop's back edge
     p_early: bool = False
-    # one-tile causal and windowed launches take the tiles of a few heads together, heaviest
-    # first (heads_per_group); False: head by head, as the grid lists them
-    group_heads: bool = True
-    # ... the group of the heads left over first rather than last (its heaviest tiles then
-    # start early; benchmarks.tile_order_model)
-    short_group_first: bool = False
+    # the order of a one-tile causal or windowed launch's tiles (benchmarks.tile_order_model):
+    # "grouped", a few heads' tiles together, heaviest first (heads_per_group), the heads left
+    # over a last group; "short_first", that group first (its heaviest tiles then start early);
+    # "by_head", head by head as the grid lists them
+    tile_order: str = "grouped"
 
     def __post_init__(self):
         if self.schedule != "ws2":
             raise ValueError(f"unknown schedule {self.schedule!r}")
+        if self.tile_order not in ("grouped", "short_first", "by_head"):
+            raise ValueError(f"unknown tile_order {self.tile_order!r}")
         if self.consumers not in (2, 3) or self.num_warps != 4 or self.block_m != 64 * self.consumers:
             raise ValueError("ws2 runs two or three 4-warp consumer partitions of 64 rows each")
 
@@ -154,10 +155,9 @@ VARIANTS["ws2_p7"] = {d: replace(cfg, max_programs=7) for d, cfg in VARIANTS["ws
 VARIANTS["ws3"] = {64: GluonConfig("ws2", 192, 128, 4, 4, 24, 128, consumers=3, p_early=True)}
 VARIANTS["ws2_pe"] = {d: replace(cfg, p_early=True) for d, cfg in VARIANTS["ws2_s3"].items()}
 # the one-tile launches' tiles head by head (the grid's own order), to time the grouped order
-VARIANTS["ws2_s3_by_head"] = {d: replace(cfg, group_heads=False) for d, cfg in VARIANTS["ws2_s3"].items()}
-VARIANTS["ws3_by_head"] = {d: replace(cfg, group_heads=False) for d, cfg in VARIANTS["ws3"].items()}
-VARIANTS["ws2_s3_short_first"] = {d: replace(cfg, short_group_first=True) for d, cfg in VARIANTS["ws2_s3"].items()}
-VARIANTS["ws3_short_first"] = {d: replace(cfg, short_group_first=True) for d, cfg in VARIANTS["ws3"].items()}
+for _order in ("by_head", "short_first"):
+    for _name in ("ws2_s3", "ws3"):
+        VARIANTS[f"{_name}_{_order}"] = {d: replace(cfg, tile_order=_order) for d, cfg in VARIANTS[_name].items()}
 DEFAULT_VARIANT = "ws2_s3"
 HEAD_DIMS = (64, 128, 256)
 
@@ -406,7 +406,7 @@ def launch_plan(
         PERSISTENT=persistent,
         CONSUMERS=cfg.consumers,
         P_EARLY=cfg.p_early,
-        SHORT_GROUP_FIRST=cfg.short_group_first,
+        SHORT_GROUP_FIRST=cfg.tile_order == "short_first",
         num_warps=cfg.num_warps,
     )
     if cfg.warp_specialized:
@@ -465,7 +465,7 @@ def heads_per_group(cfg: GluonConfig, mask: int, persistent: bool, heads: int, k
     (_gluon_fwd._launch_order): causal and windowed blocks (whose later query tiles see more
     keys and so start first) as many as keep their K and V (keys x kv_row_bytes each) within
     TILE_ORDER_L2_BYTES, so that the launch ends on light tiles; 1 (head by head) otherwise."""
-    if mask != MASK_WINDOW or persistent or not cfg.group_heads:
+    if mask != MASK_WINDOW or persistent or cfg.tile_order == "by_head":
         return 1
     return max(1, min(heads, TILE_ORDER_L2_BYTES // max(keys * kv_row_bytes, 1)))
 
