@@ -21,6 +21,8 @@ same copies on the compute stream, an upper bound on their cost). Reported per (
              gets kernel calls of its own (--own-call-work-log2 varies it)
   pred       the layout's own prediction of max/mean from its visible pairs (layout.work), in
              total and at its most uneven step
+  by device time (--kernels) max/mean and eff again from each rank's kernels' summed device
+             time under torch.profiler (no host time: the host clock's spread left out)
 Times are host-clock medians (benchmarks.common.host_seconds) of --repeats timings of --calls
 calls in a row, the device synchronized before and after each timing, after a warm-up: with
 --calls 1 (default) a host-bound rank's host time shows, and varies with the host; more calls
@@ -101,11 +103,16 @@ def print_kernel_times(kernels, label: str, per: int = 1) -> None:
     )
 
 
-def print_kernels(q, k, v, do, cu, layout, world, window, chunks, label):
-    """Each rank's replayed forward+backward: its kernels (print_kernel_times)."""
+def print_kernels(q, k, v, do, cu, layout, world, window, chunks, label) -> list[float]:
+    """Each rank's replayed forward+backward: its kernels (print_kernel_times); returns each
+    rank's kernels' summed device time, ms."""
+    totals = []
     for r in range(world):
         run = replay_rank(q, k, v, do, cu, layout, r, world, window, True, chunks)
-        print_kernel_times(measured_kernels(run, q.device), f"[{label}] rank {r}")
+        kernels = measured_kernels(run, q.device)
+        print_kernel_times(kernels, f"[{label}] rank {r}")
+        totals.append(sum(ms for _, _, ms in kernels))
+    return totals
 
 
 def measure(args, device, dtype):
@@ -133,8 +140,10 @@ def measure_total(args, device, dtype, total, documents_backward):
         ringflash.flash_attn_varlen_func(qg, kg, vg, cu, cu, causal=True, window_size=window).backward(do)
 
     single_ms = timed(single, device, args.repeats, args.calls)
+    single_device_ms = None
     if args.kernels:  # the one-GPU call's kernels over P, beside each rank's below
         single_kernels = measured_kernels(single, device)
+        single_device_ms = sum(ms for _, _, ms in single_kernels)
         for world in args.worlds:
             print_kernel_times(single_kernels, f"[{documents_backward}] one GPU / {world}", per=world)
     variants = itertools.product(
@@ -160,8 +169,9 @@ def measure_total(args, device, dtype, total, documents_backward):
                 else None
                 for overlap in (True, False)
             )
+        rank_device = None
         if args.kernels:
-            print_kernels(q, k, v, do, cu, layout, world, window, chunks, documents_backward)
+            rank_device = print_kernels(q, k, v, do, cu, layout, world, window, chunks, documents_backward)
         work = [sum(layout.work(r, s) for s in range(world)) for r in range(world)]
         step_work = [[layout.work(r, s) for r in range(world)] for s in range(world)]
         step_uneven = max(max(w) / statistics.mean(w) for w in step_work if any(w))
@@ -191,6 +201,10 @@ def measure_total(args, device, dtype, total, documents_backward):
             bytes_sent_per_rank=hops * kv_bytes,
             zigzag_per_doc_bytes_per_rank=zigzag_bytes,
             local_lens=[layout.local_len(r) for r in range(world)],
+            # --kernels: the same by the kernels' summed device time (no host time, no gaps)
+            rank_device_ms=rank_device,
+            device_max_over_mean=rank_device and max(rank_device) / statistics.mean(rank_device),
+            device_efficiency=rank_device and single_device_ms / world / max(rank_device),
         )
         rows.append(row)
         print(
@@ -203,6 +217,11 @@ def measure_total(args, device, dtype, total, documents_backward):
             + ("" if chunks is None else f", grad_chunks {chunks}")
             + ("" if accum_name is None else f", grad_accum_dtype {accum_name}")
             + f"; documents backward {documents_backward}"
+            + (
+                ""
+                if rank_device is None
+                else f"; by device time max/mean {row['device_max_over_mean']:.3f}, eff {row['device_efficiency']:.3f}"
+            )
             + f"; hops {hops}, "
             f"{row['bytes_sent_per_rank'] / 2**20:.1f} MiB sent per rank (zigzag per document "
             f"{zigzag_bytes / 2**20:.1f})",

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -623,6 +624,12 @@ def test_packed_ring_replay_smoke(tmp_path):
     assert row["world"] == 2 and len(row["rank_ms"]) == 2 and sum(row["local_lens"]) == row["total"]
     for label in ("[default] one GPU / 2: ", "[default] rank 0: ", "[default] rank 1: "):
         assert label in printed, printed
+    # --kernels: each rank's summed kernel time (the printed totals) and the balance from it
+    totals = [float(re.search(rf"\[default\] rank {r}: ([0-9.]+) ms", printed).group(1)) for r in range(2)]
+    device = row["rank_device_ms"]
+    assert device == pytest.approx(totals, abs=0.0051)  # (printed to 0.01 ms)
+    assert row["device_max_over_mean"] == pytest.approx(max(device) / (sum(device) / 2))
+    assert 0 < row["device_efficiency"] and "by device time max/mean" in printed
 
 
 def test_profile_host_timers_count_layers_and_restore_them():
