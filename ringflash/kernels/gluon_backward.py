@@ -47,6 +47,7 @@ from .gluon_forward import (
     compile_plan,
     compiled_report,
     device_capability,
+    heads_within_l2,
     padded_head_dim,
     timed_compile,
 )
@@ -631,11 +632,10 @@ def launch_plan(
 
 def heads_per_group(heads: int, streamed_bytes: int) -> int:
     """The largest divisor of heads (B x Hkv) whose heads' streamed bytes (each streamed_bytes)
-    fit in gluon_forward.TILE_ORDER_L2_BYTES: a divisor, so that every group is whole."""
-    from .gluon_forward import TILE_ORDER_L2_BYTES  # (read when called: one budget for both)
-
-    most = max(1, TILE_ORDER_L2_BYTES // max(streamed_bytes, 1))
-    return max(g for g in range(1, min(heads, most) + 1) if heads % g == 0)
+    fit the forward's L2 budget (gluon_forward.heads_within_l2): a divisor, so that every group
+    is whole."""
+    most = heads_within_l2(heads, streamed_bytes)
+    return max(g for g in range(1, most + 1) if heads % g == 0)
 
 
 def backward(

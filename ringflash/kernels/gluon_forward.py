@@ -154,7 +154,8 @@ VARIANTS["ws2_p7"] = {d: replace(cfg, max_programs=7) for d, cfg in VARIANTS["ws
 # ws2_pe: ws2_s3 with P made 16-bit early, which alone measured within noise of ws2_s3.
 VARIANTS["ws3"] = {64: GluonConfig("ws2", 192, 128, 4, 4, 24, 128, consumers=3, p_early=True)}
 VARIANTS["ws2_pe"] = {d: replace(cfg, p_early=True) for d, cfg in VARIANTS["ws2_s3"].items()}
-# the one-tile launches' tiles head by head (the grid's own order), to time the grouped order
+# the one-tile launches' tiles head by head (the grid's own order) or with the short group of
+# heads first, to time either beside the grouped order
 for _order in ("by_head", "short_first"):
     for _name in ("ws2_s3", "ws3"):
         VARIANTS[f"{_name}_{_order}"] = {d: replace(cfg, tile_order=_order) for d, cfg in VARIANTS[_name].items()}
@@ -467,7 +468,13 @@ def heads_per_group(cfg: GluonConfig, mask: int, persistent: bool, heads: int, k
     TILE_ORDER_L2_BYTES, so that the launch ends on light tiles; 1 (head by head) otherwise."""
     if mask != MASK_WINDOW or persistent or cfg.tile_order == "by_head":
         return 1
-    return max(1, min(heads, TILE_ORDER_L2_BYTES // max(keys * kv_row_bytes, 1)))
+    return heads_within_l2(heads, keys * kv_row_bytes)
+
+
+def heads_within_l2(heads: int, bytes_per_head: int) -> int:
+    """How many of `heads` (at least one) keep their bytes_per_head each within
+    TILE_ORDER_L2_BYTES: the L2 budget of the forward's and the backward's tile orders."""
+    return max(1, min(heads, TILE_ORDER_L2_BYTES // max(bytes_per_head, 1)))
 
 
 def triton_cdiv(a: int, b: int) -> int:
