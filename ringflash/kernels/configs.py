@@ -154,7 +154,13 @@ GLUON_DOCUMENTS_MIN_KEYS_PER_ROW = {64: 4096, 128: 1536, 256: 0}
 # split_d_blk's 288-291 and cuDNN's 306 (non-causal) / 462 (causal) (python
 # benchmarks/gluon_bwd_check.py --quick --seqlens 16384 --head-dim 192 --v-head-dim 128
 # --variants split_d_blk split_d_pieces).
-GLUON_BWD = {64: "ws2_lag", 128: "ws2_lag", 256: "split_d_pieces"}
+# Causal blocks at D = 64 and 128 take key block j of a few kv heads before any key block j + 1
+# (ws2_lag_grouped: the launch does not end on one head's heaviest key blocks; packed documents
+# keep the grid's order). One H200, bf16, B=1, H=32, whole backward, causal, over ws2_lag (python3
+# benchmarks/gluon_bwd_check.py --variants ws2_lag ws2_lag_grouped --seqlens 4096 8192 16384
+# --head-dim 64 / 128; results/gluon_bwd_grouped_d{64,128}_h200.*): 4K 1.09 / 1.10, 8K 1.04 /
+# 1.02, 16K 0.99 / 0.99 (D=64 / 128; non-causal blocks launch the same kernel as before).
+GLUON_BWD = {64: "ws2_lag_grouped", 128: "ws2_lag_grouped", 256: "split_d_pieces"}
 # A fused launch has one program per (key block of 128, kv head): below this many per SM the
 # two passes (more, smaller programs) win. One H200, a ring rank's calls at 2K-key tasks and 8 kv
 # heads (128 programs on 132 SMs): fused 11.2 ms against 10.3 ms; at 8K-key tasks, 8 kv heads

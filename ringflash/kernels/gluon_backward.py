@@ -152,7 +152,7 @@ _CONFIGS = {
     "ws2_blk": GluonBwdConfig(stages=2, dq_blocked=True),
     "ws2_lag": GluonBwdConfig(stages=2, dq_blocked=True, lag=True),
     "ws2_lagq": GluonBwdConfig(stages=2, dq_blocked=True, lag=True, dq_first=True),
-    # the default's tiles, causal launches a few heads' key block j at a time (not yet timed)
+    # ws2_lag's tiles, causal launches a few heads' key block j at a time (configs.GLUON_BWD)
     "ws2_lag_grouped": GluonBwdConfig(stages=2, dq_blocked=True, lag=True, group_heads=True),
 }
 # the same tiles at D = 64 and 128 (D = 64: half the shared memory; compiles without spills,
