@@ -429,13 +429,13 @@ def test_gluon_forward_by_key_count(tier, D, causal, window_size, monkeypatch):
 
 
 @pytest.mark.parametrize(
-    "D,variant", [(64, "ws3"), (128, "ws2_s3"), (64, "ws3_short_first"), (128, "ws2_s3_short_first")]
+    "D,variant", [(64, "ws3"), (128, "ws2_s3"), (64, "ws3_short_last"), (128, "ws2_s3_short_last")]
 )
 @pytest.mark.parametrize("causal,window_size", [(True, (-1, -1)), (False, (300, 77))])
 def test_gluon_forward_tile_order(D, variant, causal, window_size, monkeypatch):
     """The one-tile Gluon forward's launch order (heads_per_group heads together, heaviest
     tiles first: _gluon_fwd._launch_order) visits every tile once: with 1, 3 (of 8: groups of
-    3, 3 and 2, or with the short group first 2, 3 and 3) and all 8 heads a group the output
+    2, 3 and 3 with the short group first, 3, 3 and 2 with it last) and all 8 heads a group the output
     and lse are bitwise identical, and within the plain bound of float64."""
     from ringflash.kernels import configs, gluon_forward
     from ringflash.kernels.plans import Plans

@@ -326,8 +326,8 @@ def test_gluon_forward_tile_order_plan(monkeypatch):
     kernel, _, args, _ = gf.launch_plan(q[:1], k[:1], k[:1].clone(), cfg=gf.config_for(D, "ws2_s3"), bounds=bounds,
                                         **one)  # fmt: skip
     assert dict(zip(kernel.arg_names, args))["heads_per_group"] == 1
-    # the short group first: a constexpr, off in the package's variants
-    for variant, first in (("ws3", False), ("ws3_short_first", True)):
+    # the short group first: a constexpr, on in the package's variants, off in the short_last ones
+    for variant, first in (("ws3", True), ("ws3_short_last", False)):
         _, _, _, kwargs = gf.launch_plan(q, k, k.clone(), cfg=gf.config_for(D, variant), causal=True, **common)
         assert kwargs["SHORT_GROUP_FIRST"] is first
 

@@ -81,16 +81,16 @@ class GluonConfig:
     # each block's P made the 16-bit PV operand right after the previous PV lands rather than
     # before the next PV: 16-bit P (not float32) live across the key loop's back edge
     p_early: bool = False
-    # the order of a one-tile causal or windowed launch's tiles (benchmarks.tile_order_model):
-    # "grouped", a few heads' tiles together, heaviest first (heads_per_group), the heads left
-    # over a last group; "short_first", that group first (its heaviest tiles then start early);
-    # "by_head", head by head as the grid lists them
-    tile_order: str = "grouped"
+    # the order of a one-tile causal or windowed launch's tiles (benchmarks.tile_order_model): a
+    # few heads' tiles together, heaviest first (heads_per_group), the heads left over a short
+    # group of their own: "short_first" that group first (its heaviest tiles then start early),
+    # "short_last" last; "by_head", head by head as the grid lists them
+    tile_order: str = "short_first"
 
     def __post_init__(self):
         if self.schedule != "ws2":
             raise ValueError(f"unknown schedule {self.schedule!r}")
-        if self.tile_order not in ("grouped", "short_first", "by_head"):
+        if self.tile_order not in ("short_first", "short_last", "by_head"):
             raise ValueError(f"unknown tile_order {self.tile_order!r}")
         if self.consumers not in (2, 3) or self.num_warps != 4 or self.block_m != 64 * self.consumers:
             raise ValueError("ws2 runs two or three 4-warp consumer partitions of 64 rows each")
@@ -155,8 +155,13 @@ VARIANTS["ws2_p7"] = {d: replace(cfg, max_programs=7) for d, cfg in VARIANTS["ws
 VARIANTS["ws3"] = {64: GluonConfig("ws2", 192, 128, 4, 4, 24, 128, consumers=3, p_early=True)}
 VARIANTS["ws2_pe"] = {d: replace(cfg, p_early=True) for d, cfg in VARIANTS["ws2_s3"].items()}
 # the one-tile launches' tiles head by head (the grid's own order) or with the short group of
-# heads first, to time either beside the grouped order
-for _order in ("by_head", "short_first"):
+# heads last, to time either beside the default (short group first). One H200, bf16, B=1, H=32,
+# causal, short first over short last, four runs on two machine starts (python3
+# benchmarks/gluon_check.py --variants ws2_s3 ws2_s3_short_last ws3 ws3_short_last --head-dims 64
+# 128 --seqlens 8192 16384 --skip-correctness, the order swapped every other run;
+# results/gluon_short_first_h200.txt): D=128 8K 1.027-1.030, 16K 0.985-1.012; ws3 (D=64) 8K
+# 0.992-1.010, 16K 0.979-1.083 (mean 1.033).
+for _order in ("by_head", "short_last"):
     for _name in ("ws2_s3", "ws3"):
         VARIANTS[f"{_name}_{_order}"] = {d: replace(cfg, tile_order=_order) for d, cfg in VARIANTS[_name].items()}
 DEFAULT_VARIANT = "ws2_s3"
