@@ -91,6 +91,25 @@ def documents_backward(name: str):
         yield
 
 
+DOCUMENTS_FORWARDS = ("default", "gluon", "triton")
+
+
+@contextlib.contextmanager
+def documents_forward(name: str):
+    """Inside the block packed documents' forward (configs.GLUON_FWD_DOCUMENTS and its
+    GLUON_DOCUMENTS_MIN_KEYS_PER_ROW) is as configured ("default"), the Gluon kernel wherever
+    it runs, whatever the keys per row ("gluon"), or the Triton kernel ("triton")."""
+    from ringflash.kernels import configs
+
+    tables = {"default": configs.GLUON_FWD_DOCUMENTS, "gluon": configs.GLUON_FWD_DOCUMENTS, "triton": {}}
+    least = {} if name == "gluon" else configs.GLUON_DOCUMENTS_MIN_KEYS_PER_ROW
+    with (
+        mock.patch.object(configs, "GLUON_FWD_DOCUMENTS", dict(tables[name])),
+        mock.patch.object(configs, "GLUON_DOCUMENTS_MIN_KEYS_PER_ROW", dict(least)),
+    ):
+        yield
+
+
 def step_fn(call, inputs, do, mode):
     """fn() running call() without gradients (mode "fwd") or forward + backward with dO = do."""
 

@@ -44,6 +44,7 @@ import torch
 import ringflash
 from benchmarks.common import (
     DOCUMENTS_BACKWARDS,
+    DOCUMENTS_FORWARDS,
     add_align_args,
     bench_device,
     cuts_aligned,
@@ -54,6 +55,7 @@ from benchmarks.common import (
     write_json,
 )
 from benchmarks.common import documents_backward as common_documents_backward
+from benchmarks.common import documents_forward as common_documents_forward
 from benchmarks.packed import document_lengths
 from ringflash.ring import _RingAttn, check_packed_call
 from ringflash.testing import ReplayComm
@@ -117,15 +119,17 @@ def print_kernels(q, k, v, do, cu, layout, world, window, chunks, label) -> list
 
 def measure(args, device, dtype):
     rows = []
-    for documents_backward, total in itertools.product(args.documents_backward, args.totals):
-        # the single-GPU call takes the same backward
-        with common_documents_backward(documents_backward):
-            rows += measure_total(args, device, dtype, total, documents_backward)
+    kernels = itertools.product(args.documents_forward, args.documents_backward, args.totals)
+    for documents_forward, documents_backward, total in kernels:
+        # the single-GPU call takes the same kernels
+        with common_documents_forward(documents_forward), common_documents_backward(documents_backward):
+            rows += measure_total(args, device, dtype, total, documents_forward, documents_backward)
     return rows
 
 
-def measure_total(args, device, dtype, total, documents_backward):
+def measure_total(args, device, dtype, total, documents_forward, documents_backward):
     rows = []
+    label = f"{documents_forward} fwd, {documents_backward} bwd"
     lengths = document_lengths("longtail", total, args.seed)
     cu_list = [0, *np.cumsum(lengths).tolist()]
     cu = torch.tensor(cu_list, dtype=torch.int32, device=device)
@@ -145,7 +149,7 @@ def measure_total(args, device, dtype, total, documents_backward):
         single_kernels = measured_kernels(single, device)
         single_device_ms = sum(ms for _, _, ms in single_kernels)
         for world in args.worlds:
-            print_kernel_times(single_kernels, f"[{documents_backward}] one GPU / {world}", per=world)
+            print_kernel_times(single_kernels, f"[{label}] one GPU / {world}", per=world)
     variants = itertools.product(
         args.worlds, args.own_call_work_log2 or [None], args.grad_chunks or [None], args.grad_accum_dtypes or [None]
     )
@@ -171,7 +175,7 @@ def measure_total(args, device, dtype, total, documents_backward):
             )
         rank_device = None
         if args.kernels:
-            rank_device = print_kernels(q, k, v, do, cu, layout, world, window, chunks, documents_backward)
+            rank_device = print_kernels(q, k, v, do, cu, layout, world, window, chunks, label)
         work = [sum(layout.work(r, s) for s in range(world)) for r in range(world)]
         step_work = [[layout.work(r, s) for r in range(world)] for s in range(world)]
         step_uneven = max(max(w) / statistics.mean(w) for w in step_work if any(w))
@@ -192,6 +196,7 @@ def measure_total(args, device, dtype, total, documents_backward):
             own_call_work=own,
             grad_chunks=chunks,
             grad_accum_dtype=accum_name,
+            documents_forward=documents_forward,
             documents_backward=documents_backward,
             rank_ms_inline_copies=inline,
             efficiency_inline_copies=inline and single_ms / world / max(inline),
@@ -216,7 +221,7 @@ def measure_total(args, device, dtype, total, documents_backward):
             + f"own calls from 2^{math.log2(own):.0f}"
             + ("" if chunks is None else f", grad_chunks {chunks}")
             + ("" if accum_name is None else f", grad_accum_dtype {accum_name}")
-            + f"; documents backward {documents_backward}"
+            + f"; documents {label}"
             + (
                 ""
                 if rank_device is None
@@ -263,6 +268,14 @@ def main():
         choices=DOCUMENTS_BACKWARDS,
         help="variants: the packed documents' backward as configured, the fused Gluon kernel where it runs, "
         "or the two Triton passes",
+    )
+    ap.add_argument(
+        "--documents-forward",
+        nargs="+",
+        default=["default"],
+        choices=DOCUMENTS_FORWARDS,
+        help="variants: the packed documents' forward as configured, the Gluon kernel wherever it runs (any keys "
+        "per row), or the Triton kernel",
     )
     ap.add_argument("--kernels", action="store_true", help="print each rank's kernels by device time (CUDA)")
     ap.add_argument("--no-inline", action="store_true", help="skip the inline-copies timing")

@@ -615,18 +615,23 @@ def test_host_overhead_smoke(tmp_path):
 
 def test_packed_ring_replay_smoke(tmp_path):
     """The replay runs (with --kernels: each rank's split and the one-GPU call's over P), once
-    per --grad-accum-dtypes variant."""
+    per --documents-forward and --grad-accum-dtypes variant."""
     out = tmp_path / "r.json"
     printed = run([sys.executable, "-m", "benchmarks.packed_ring_replay", "--smoke", "--kernels", "--json", str(out),
-                   "--grad-accum-dtypes", "float32", "input"], tmp_path)  # fmt: skip
+                   "--grad-accum-dtypes", "float32", "input", "--documents-forward", "default", "triton"],
+                  tmp_path)  # fmt: skip
     rows = json.loads(out.read_text())["rows"]
-    assert [r["grad_accum_dtype"] for r in rows] == ["float32", "input"]
+    assert [(r["documents_forward"], r["grad_accum_dtype"]) for r in rows] == [
+        ("default", "float32"), ("default", "input"), ("triton", "float32"), ("triton", "input")
+    ]  # fmt: skip
     row = rows[0]
     assert row["world"] == 2 and len(row["rank_ms"]) == 2 and sum(row["local_lens"]) == row["total"]
-    for label in ("[default] one GPU / 2: ", "[default] rank 0: ", "[default] rank 1: "):
-        assert label in printed, printed
+    for label in ("one GPU / 2: ", "rank 0: ", "rank 1: "):
+        for kernels in ("[default fwd, default bwd] ", "[triton fwd, default bwd] "):
+            assert kernels + label in printed, printed
     # --kernels: each rank's summed kernel time (the printed totals) and the balance from it
-    totals = [float(re.search(rf"\[default\] rank {r}: ([0-9.]+) ms", printed).group(1)) for r in range(2)]
+    totals = [float(re.search(rf"\[default fwd, default bwd\] rank {r}: ([0-9.]+) ms", printed).group(1))
+              for r in range(2)]  # fmt: skip
     device = row["rank_device_ms"]
     assert device == pytest.approx(totals, abs=0.0051)  # (printed to 0.01 ms)
     assert row["device_max_over_mean"] == pytest.approx(max(device) / (sum(device) / 2))
