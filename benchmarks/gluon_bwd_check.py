@@ -274,6 +274,8 @@ def emulate_backward(q, k, v, m, l, do, delta, dq, dk, dv, *, q_start, k_start, 
                     j = i - g * n_m
                     if cfg.rotate:
                         j = (j + kb) % n_m
+                    elif cfg.walk_down:
+                        j = n_m - 1 - j
                     return hk * G + g, m_first + j
 
                 def add_dq(i, ds):  # step i's dQ from its dS (kernel: _dq_add)

@@ -247,7 +247,9 @@ def test_fused_backward_grouped_heads(D, causal, window_size, monkeypatch):
     """The fused backward with causal key blocks taken a few kv heads at a time (ws2_lag_grouped:
     a 3-D grid, 2 of 4 heads a group here): dK and dV bitwise equal to the plain grid order's
     (each key block's are one program's sums), dQ (float32 atomics in another order) and all
-    against float64 within the plain bound; a non-causal block keeps the 2-D grid."""
+    against float64 within the plain bound; a non-causal block keeps the 2-D grid. The same
+    with each key block walking its query blocks down (ws2_lag_grouped_down: dK, dV summed in
+    another order, so within the bound only)."""
     from ringflash.kernels import configs, gluon_backward, gluon_forward
 
     force_fused_backward(monkeypatch)
@@ -263,21 +265,23 @@ def test_fused_backward_grouped_heads(D, causal, window_size, monkeypatch):
     # per kv head: Sq x (q heads a kv head) x ((D + Dv) x 2 bytes + D x 4): room for 2 of the 4
     monkeypatch.setattr(gluon_forward, "TILE_ORDER_L2_BYTES", 2 * 1031 * 2 * (2 * D * 2 + D * 4))
     grads = {}
-    for variant in ("ws2_lag", "ws2_lag_grouped"):
+    for variant in ("ws2_lag", "ws2_lag_grouped", "ws2_lag_grouped_down"):
         with configs.override(gluon_bwd=variant):
             out = flash_attn_func(q, k, v, **kw)
             grads[variant] = torch.autograd.grad(out, (q, k, v), do)
-    (_, grid, _, kwargs), (_, grid_g, _, kwargs_g) = plans[-2:]
+    (_, grid, _, kwargs), (_, grid_g, _, kwargs_g), (_, grid_d, _, kwargs_d) = plans[-3:]
     assert not kwargs["GROUPED_HEADS"] and len(grid) == 2
-    assert kwargs_g["GROUPED_HEADS"] == causal and grid_g == ((2, grid[0], 2) if causal else grid)
+    assert kwargs_g["GROUPED_HEADS"] == causal and grid_g == grid_d == ((2, grid[0], 2) if causal else grid)
+    assert (kwargs["WALK"], kwargs_g["WALK"], kwargs_d["WALK"]) == (0, 0, 2)
     assert torch.equal(grads["ws2_lag"][1], grads["ws2_lag_grouped"][1])
     assert torch.equal(grads["ws2_lag"][2], grads["ws2_lag_grouped"][2])
     ref = naive_attention(q, k, v, **kw)[0]
     ref_grads = torch.autograd.grad(ref, (q, k, v), do.double())
     plain = naive_attention(q, k, v, dtype=torch.bfloat16, **kw)[0]
     plain_grads = torch.autograd.grad(plain, (q, k, v), do)
-    for name, got, r, p in zip(("dq", "dk", "dv"), grads["ws2_lag_grouped"], ref_grads, plain_grads):
-        assert_within(name, got, r, p)
+    for variant in ("ws2_lag_grouped", "ws2_lag_grouped_down"):
+        for name, got, r, p in zip(("dq", "dk", "dv"), grads[variant], ref_grads, plain_grads):
+            assert_within(f"{variant} {name}", got, r, p)
 
 
 @pytest.mark.parametrize("variant", ["pointers", "tma", "tma+ws"])
@@ -503,7 +507,7 @@ def test_documents_backward_vs_float64(dtype, causal, window_size, len_k_extra, 
     calls = spy_fused_backward(monkeypatch)
     if fused:
         force_fused_backward(monkeypatch)
-        monkeypatch.setattr(configs, "GLUON_BWD_DOCUMENTS", {W: configs.GLUON_BWD[W]})
+        monkeypatch.setattr(configs, "GLUON_BWD_DOCUMENTS", {W: configs.GLUON_BWD_DOCUMENTS[W]})
     chosen = []
     real_config = configs.kind_config
     monkeypatch.setattr(configs, "kind_config", lambda *a, **kw: chosen.append(real_config(*a, **kw)) or chosen[-1])

@@ -364,6 +364,14 @@ def test_gluon_backward_grouped_heads_plan(monkeypatch):
     assert plan("ws2_lag", causal=True) == ((blocks, B * Hkv), False)
     monkeypatch.setattr(gf, "TILE_ORDER_L2_BYTES", 2 * S * (H // Hkv) * (2 * D * 2 + D * 4))
     assert plan("ws2_lag_grouped", causal=True) == ((2, blocks, B * Hkv // 2), True)
+    # the query blocks' walk: a constexpr of its own, up unless a config says otherwise
+    walks = {v: gb.launch_plan(q, k, k.clone(), stats, q.clone(), *grads, q_start=0, k_start=0, scale=0.1,
+                               accumulate=False, cfg=gb.config_for(D, v), causal=True)[3]["WALK"]
+             for v in ("ws2_lag", "ws2_lag_grouped", "ws2_rot", "ws2_lag_grouped_down")}  # fmt: skip
+    assert walks == {"ws2_lag": gb.WALK_UP, "ws2_lag_grouped": gb.WALK_UP, "ws2_rot": gb.WALK_ROTATED,
+                     "ws2_lag_grouped_down": gb.WALK_DOWN}  # fmt: skip
+    with pytest.raises(ValueError, match="rotate and walk_down"):
+        gb.GluonBwdConfig(rotate=True, walk_down=True)
 
 
 def test_gluon_backward_takes_v_head_dim_apart_only_split():

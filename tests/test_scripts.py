@@ -387,8 +387,11 @@ def test_gluon_backward_compiles_for_hopper(tmp_path):
     """The Gluon backward's variants keep compiling for
     sm_90a on this CPU machine, causal bf16 accumulating into float32 (a ring step), at D=128
     and at 96 (run 128 wide): no spills, within the shared memory, S^T and dP^T left in flight
-    (wait_group 1), vectorized dQ adds."""
-    variants = ["ws2", "ws2_blk", "ws2_lag", "ws2_lagq"]
+    (wait_group 1), vectorized dQ adds. The default among them (its grouped heads and downward
+    walk)."""
+    from ringflash.kernels import configs
+
+    variants = ["ws2", "ws2_blk", "ws2_lag", "ws2_lagq", configs.GLUON_BWD[128]]
     run([sys.executable, "benchmarks/gluon_bwd_report.py", "--variants", *variants, "--head-dims", "128", "--causal",
          "1", "--dtypes", "bf16", "--accumulate", "1", "--jobs", "1", "--json", str(tmp_path / "b.json")],
         tmp_path)  # fmt: skip
@@ -474,8 +477,8 @@ def test_gluon_backward_documents_compile_for_hopper(tmp_path):
     shared memory, wait_group 1 kept."""
     from ringflash.kernels import configs
 
-    run([sys.executable, "benchmarks/gluon_bwd_report.py", "--variants", configs.GLUON_BWD[128], "--causal", "0",
-         "--dtypes", "bf16", "--accumulate", "1", "--rows", "--jobs", "1", "--json", str(tmp_path / "r.json")],
+    run([sys.executable, "benchmarks/gluon_bwd_report.py", "--variants", configs.GLUON_BWD_DOCUMENTS[128], "--causal",
+         "0", "--dtypes", "bf16", "--accumulate", "1", "--rows", "--jobs", "1", "--json", str(tmp_path / "r.json")],
         tmp_path)  # fmt: skip
     rows = json.loads((tmp_path / "r.json").read_text())
     assert len(rows) == 2 and all(r["rows"] for r in rows)

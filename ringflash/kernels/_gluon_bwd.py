@@ -160,17 +160,22 @@ def _key_tile_query_range(
 
 
 @gluon.jit
-def _query_block(i, hk, group, m_first, n_m, BLOCK_M: gl.constexpr, ROTATE: gl.constexpr):
+def _query_block(i, hk, group, m_first, n_m, BLOCK_M: gl.constexpr, WALK: gl.constexpr):
     """(q head, first row) of iteration i: heads of the group outer, query blocks inner.
 
-    ROTATE: each key block starts its walk over the query blocks at its own one (and wraps):
-    programs running side by side (neighbouring key blocks of one head) then add their dQ into
-    different rows at any moment, instead of all into the same rows at once. (With _plan's
-    GROUPED_HEADS program_id(0) is the head within its group: any offset is a whole walk.)"""
+    WALK (gluon_backward.WALK_*): 0, each key block walks its query blocks from the first up;
+    1, from its own one (and wraps): programs running side by side (neighbouring key blocks of
+    one head) then add their dQ into different rows at any moment, instead of all into the same
+    rows at once (with _plan's GROUPED_HEADS program_id(0) is the head within its group: any
+    offset is a whole walk); 2, from the last one down: causal key blocks side by side, whose
+    first query blocks differ, then read and add the same rows at once, as non-causal ones do
+    walking up."""
     g = i // n_m
     j = i - g * n_m
-    if ROTATE:
+    if WALK == 1:
         j = (j + gl.program_id(0)) % n_m
+    elif WALK == 2:
+        j = n_m - 1 - j
     return hk * group + g, (m_first + j) * BLOCK_M
 
 
@@ -210,7 +215,7 @@ def _producer(
     BLOCK_M: gl.constexpr,
     BLOCK_N: gl.constexpr,
     STAGES: gl.constexpr,
-    ROTATE: gl.constexpr,
+    WALK: gl.constexpr,
     qt_desc,
     kt_desc,
     qt_bufs,
@@ -249,7 +254,7 @@ def _producer(
         # phase u-1 completed: parity (u & 1) ^ 1. A fresh barrier counts as having completed
         # the phase before phase 0, so the first STAGES waits (u = 0, parity 1) pass at once.
         mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)
-        h, off_m = _query_block(i, hk, group, m_first, n_m, BLOCK_M, ROTATE)
+        h, off_m = _query_block(i, hk, group, m_first, n_m, BLOCK_M, WALK)
         # ready[s]: count 1 (this expect), completes when all stage_bytes have landed
         bar = ready.index(s)
         mbarrier.expect(bar, stage_bytes)
@@ -480,7 +485,7 @@ def _consumer(
     HAS_LEFT: gl.constexpr,
     ROWS: gl.constexpr,
     ACCUMULATE: gl.constexpr,
-    ROTATE: gl.constexpr,
+    WALK: gl.constexpr,
     DQ_BLOCKED: gl.constexpr,
     LAG: gl.constexpr,
     DQ_FIRST: gl.constexpr,
@@ -532,7 +537,7 @@ def _consumer(
         mbarrier.wait(kv_bar.index(0), 0)  # phase 0: K and V landed (the producer's one expect)
     for i in range(n_iter):
         s = i % STAGES
-        h, off_m = _query_block(i, hk, group, m_first, n_m, BLOCK_M, ROTATE)
+        h, off_m = _query_block(i, hk, group, m_first, n_m, BLOCK_M, WALK)
         # ready[s]: the (i // STAGES)-th completion of stage s's barrier
         mbarrier.wait(ready.index(s), (i // STAGES) & 1)
         q_t = q_bufs.index(s).reshape([BLOCK_M, BLOCK_D])
@@ -596,7 +601,7 @@ def _consumer(
                 # in flight: dV, dQ(i - 1), dK; one left: dV and dQ are done
                 dv, dq, pt_op = warpgroup_mma_wait(1, deps=(dv_tok, dq_tok, pt_op))
                 if i > 0:
-                    hp, off_mp = _query_block(i - 1, hk, group, m_first, n_m, BLOCK_M, ROTATE)
+                    hp, off_mp = _query_block(i - 1, hk, group, m_first, n_m, BLOCK_M, WALK)
                     _dq_add(dq, DQ, b, hp, off_mp, Sq, stride_dqb, stride_dqs, stride_dqh, sm_scale, dq_rows,
                             dq_cols, WG, BLOCK_M, DQ_COLS, DQ_BLOCKED, dq_layout)  # fmt: skip
                 dk, ds_op = warpgroup_mma_wait(0, deps=(dk_tok, ds_op))
@@ -614,7 +619,7 @@ def _consumer(
                 dv, dk, dq, pt_op, ds_op = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok, dq_tok, pt_op, ds_op))
                 mbarrier.arrive(empty.index(s))
                 if i > 0:
-                    hp, off_mp = _query_block(i - 1, hk, group, m_first, n_m, BLOCK_M, ROTATE)
+                    hp, off_mp = _query_block(i - 1, hk, group, m_first, n_m, BLOCK_M, WALK)
                     _dq_add(dq, DQ, b, hp, off_mp, Sq, stride_dqb, stride_dqs, stride_dqh, sm_scale, dq_rows,
                             dq_cols, WG, BLOCK_M, DQ_COLS, DQ_BLOCKED, dq_layout)  # fmt: skip
         else:
@@ -650,7 +655,7 @@ def _consumer(
                 ds_bufs.index(last % 3).permute((1, 0)), k_cols, dq_zero, use_acc=False, is_async=True
             )
             dq = warpgroup_mma_wait(0, deps=(dq_tok,))
-            hp, off_mp = _query_block(last, hk, group, m_first, n_m, BLOCK_M, ROTATE)
+            hp, off_mp = _query_block(last, hk, group, m_first, n_m, BLOCK_M, WALK)
             _dq_add(dq, DQ, b, hp, off_mp, Sq, stride_dqb, stride_dqs, stride_dqh, sm_scale, dq_rows, dq_cols, WG,
                     BLOCK_M, DQ_COLS, DQ_BLOCKED, dq_layout)  # fmt: skip
     row0 = n0 + WG * KEYS
@@ -740,7 +745,7 @@ def _consumer_split_d(
     HAS_LEFT: gl.constexpr,
     ROWS: gl.constexpr,
     ACCUMULATE: gl.constexpr,
-    ROTATE: gl.constexpr,
+    WALK: gl.constexpr,
     DQ_BLOCKED: gl.constexpr,
     LAG: gl.constexpr,
     DQ_FIRST: gl.constexpr,
@@ -812,7 +817,7 @@ def _consumer_split_d(
         mbarrier.wait(kv_bar.index(0), 0)
     for i in range(n_iter):
         s = i % STAGES
-        h, off_m = _query_block(i, hk, group, m_first, n_m, BLOCK_M, ROTATE)
+        h, off_m = _query_block(i, hk, group, m_first, n_m, BLOCK_M, WALK)
         mbarrier.wait(ready.index(s), (i // STAGES) & 1)
         q_t = q_bufs.index(s).reshape([BLOCK_M, BLOCK_D])
         do_t = do_bufs.index(s).reshape([BLOCK_M, BLOCK_DV])
@@ -942,7 +947,7 @@ def _bwd_ws2(
     HAS_LEFT: gl.constexpr,
     ROWS: gl.constexpr,
     ACCUMULATE: gl.constexpr,
-    ROTATE: gl.constexpr,
+    WALK: gl.constexpr,
     DQ_BLOCKED: gl.constexpr,
     LAG: gl.constexpr,
     DQ_FIRST: gl.constexpr,
@@ -1058,7 +1063,7 @@ def _bwd_ws2(
         HAS_LEFT,
         ROWS,
         ACCUMULATE,
-        ROTATE,
+        WALK,
         DQ_BLOCKED,
         LAG,
         DQ_FIRST,
@@ -1098,7 +1103,7 @@ def _bwd_ws2(
         BLOCK_M,
         BLOCK_N,
         STAGES,
-        ROTATE,
+        WALK,
         qt_desc,
         kt_desc,
         qt_bufs,

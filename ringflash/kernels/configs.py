@@ -160,7 +160,15 @@ GLUON_DOCUMENTS_MIN_KEYS_PER_ROW = {64: 4096, 128: 1536, 256: 0}
 # benchmarks/gluon_bwd_check.py --variants ws2_lag ws2_lag_grouped --seqlens 4096 8192 16384
 # --head-dim 64 / 128; results/gluon_bwd_grouped_d{64,128}_h200.*): 4K 1.09 / 1.10, 8K 1.04 /
 # 1.02, 16K 0.99 / 0.99 (D=64 / 128; non-causal blocks launch the same kernel as before).
-GLUON_BWD = {64: "ws2_lag_grouped", 128: "ws2_lag_grouped", 256: "split_d_pieces"}
+# And each key block walks its query blocks from the last one down (ws2_lag_grouped_down): causal
+# key blocks side by side, whose first query blocks differ, then stream the same Q, dO and dQ
+# rows at once (as non-causal ones do walking up), which D=64's half-size matmuls feel. Same
+# machine, whole backward over ws2_lag_grouped, two runs, the order swapped (python3
+# benchmarks/gluon_bwd_check.py --variants ws2_lag_grouped ws2_lag_grouped_down --seqlens 4096
+# 8192 16384 --head-dim 64 / 128; results/gluon_bwd_walk_down_*): D=64 causal 4K
+# 1.02-1.03, 8K 1.05, 16K 1.05-1.10, GQA 32/8 16K 1.02-1.04, non-causal 0.99-1.02; D=128
+# 0.99-1.01 (one run), kept for one variant at both.
+GLUON_BWD = {64: "ws2_lag_grouped_down", 128: "ws2_lag_grouped_down", 256: "split_d_pieces"}
 # A fused launch has one program per (key block of 128, kv head): below this many per SM the
 # two passes (more, smaller programs) win. One H200, a ring rank's calls at 2K-key tasks and 8 kv
 # heads (128 programs on 132 SMs): fused 11.2 ms against 10.3 ms; at 8K-key tasks, 8 kv heads
@@ -171,8 +179,8 @@ GLUON_BWD_MIN_PROGRAMS_PER_SM = 2
 # (tests/test_gpu_local.py -k documents). One H200, bf16, H=32, D=128, causal documents,
 # forward+backward over the two Triton passes (python -m benchmarks.packed --variants
 # gluon_bwd=ws2_lag gluon_bwd=none): long-tailed mix 1.20x (16K) / 1.11x (64K), short documents
-# 0.96x / 1.04x.
-GLUON_BWD_DOCUMENTS = dict(GLUON_BWD)
+# 0.96x / 1.04x. (The head-by-head grid order and the upward walk: what was measured here.)
+GLUON_BWD_DOCUMENTS = {64: "ws2_lag", 128: "ws2_lag", 256: GLUON_BWD[256]}
 # ... for calls of at least this many visible (query, key) pairs x query heads (B x Sq x Hq x
 # RowBounds.keys_per_row): below, the fused launch's host time (row statistics, dQ scratch, five
 # TMA descriptors) outweighs its faster kernel. One H200, bf16, H=32, D=128, causal documents,
