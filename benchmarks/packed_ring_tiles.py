@@ -10,6 +10,15 @@ programs cover (one program per --block-n keys, visiting the --block-m query row
 first to the last row that sees one of its keys) against the visible pairs. Printed per rank:
 covered / visible, and covered / (the one-GPU call's covered / P): how much of a ring rank's
 extra kernel time cutting documents into pieces can explain (per kv head; GQA scales both).
+
+Beside it a time model that also charges each program that runs (a key block some query
+sees) a fixed cost of --fixed-steps query-block steps (its K/V loads, pipeline fill and drain,
+dK/dV stores): model = sum over programs of (steps + F), over the one-GPU call's / P. F from
+the fused backward's kernel-alone speed at 4K and 16K keys, non-causal, B=1, H=32 (64 and 256
+steps a program): speed ratio r = (1 + F / 64) / (1 + F / 256), so F = (r - 1) / (1/64 - r/256);
+one H200 (results/gluon_bwd_grouped_d128_h200.txt, D=128: 518-520 and 563-566 TFLOP/s, r = 1.087,
+F = 7.6; the d64 file: r = 1.049, F = 4.3). A ring step's programs walk few query blocks, so
+this fixed cost weighs on them more than on the one-GPU call's.
 """
 
 from __future__ import annotations
@@ -30,33 +39,39 @@ from ringflash.masks import CAUSAL, document_bounds
 
 
 def covered_pairs(q_lo, q_hi, n_q, n_k, q_start, block_m, block_n):
-    """(pairs covered by key-block programs, visible pairs) of a block whose key rows are seen
-    by the query positions [q_lo, q_hi) (RowBounds.q_lo / q_hi, int tensors), query rows
-    starting at position q_start."""
+    """(pairs covered by key-block programs, visible pairs, programs that run) of a block whose
+    key rows are seen by the query positions [q_lo, q_hi) (RowBounds.q_lo / q_hi, int tensors),
+    query rows starting at position q_start."""
     lo = (q_lo.long() - q_start).clamp(0, n_q)
     hi = (q_hi.long() - q_start).clamp(0, n_q)
     visible = int((hi - lo).clamp(min=0).sum())
-    covered = 0
+    covered = programs = 0
     for first in range(0, n_k, block_n):
         l, h = lo[first : first + block_n], hi[first : first + block_n]
         seen = h > l
         if seen.any():
             m0, m1 = int(l[seen].min()) // block_m, -(-int(h[seen].max()) // block_m)
             covered += (m1 - m0) * block_m * block_n
-    return covered, visible
+            programs += 1
+    return covered, visible, programs
+
+
+def model_steps(covered, programs, block_m, block_n, fixed_steps):
+    """The time model's cost in query-block steps: every covered step plus fixed_steps a program."""
+    return covered / (block_m * block_n) + fixed_steps * programs
 
 
 def rank_pairs(q, k, v, do, cu, layout, rank, world, block_m, block_n):
-    """(covered, visible) over every per-row-bounds block of rank's schedule (the dK/dV calls,
-    one per task and step, at the smallest kv-head chunk: each block counted once)."""
-    totals = [0, 0]
+    """(covered, visible, programs) over every per-row-bounds block of rank's schedule (the dK/dV
+    calls, one per task and step, at the smallest kv-head chunk: each block counted once)."""
+    totals = [0, 0, 0]
 
     def count(q_, k_, v_, mask, **kw):
         if mask.bounds is not None:
-            c, vis = covered_pairs(mask.bounds.q_lo, mask.bounds.q_hi, q_.shape[1], k_.shape[1], mask.q_start,
-                                   block_m, block_n)  # fmt: skip
-            totals[0] += c
-            totals[1] += vis
+            counted = covered_pairs(mask.bounds.q_lo, mask.bounds.q_hi, q_.shape[1], k_.shape[1], mask.q_start,
+                                    block_m, block_n)  # fmt: skip
+            for i, n in enumerate(counted):
+                totals[i] += n
         return False
 
     with (
@@ -76,6 +91,8 @@ def main():
     ap.add_argument("--block-m", type=int, default=64)
     ap.add_argument("--block-n", type=int, default=128)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--fixed-steps", type=float, default=7.6,
+                    help="the time model's fixed cost of a program, in query-block steps (docstring)")  # fmt: skip
     add_align_args(ap)
     args = ap.parse_args()
     for total in args.totals:
@@ -83,8 +100,11 @@ def main():
         cu_list = [0, *np.cumsum(lengths).tolist()]
         cu = torch.tensor(cu_list, dtype=torch.int32)
         b = document_bounds(cu, cu, CAUSAL)
-        single, single_vis = covered_pairs(b.q_lo, b.q_hi, total, total, 0, args.block_m, args.block_n)
-        print(f"S={total} docs={len(lengths)} one GPU: covered / visible {single / single_vis:.3f}")
+        single, single_vis, single_programs = covered_pairs(b.q_lo, b.q_hi, total, total, 0, args.block_m,
+                                                            args.block_n)  # fmt: skip
+        single_model = model_steps(single, single_programs, args.block_m, args.block_n, args.fixed_steps)
+        print(f"S={total} docs={len(lengths)} one GPU: covered / visible {single / single_vis:.3f}, "
+              f"{single_programs} programs")  # fmt: skip
         q, k, v, do = (torch.zeros(total, 1, args.head_dim) for _ in range(4))
         for world in args.worlds:
             with cuts_aligned(args.align, args.align_min_piece):
@@ -95,10 +115,12 @@ def main():
                 f"{bal['time']:.3f} (visible pairs)"
             )
             for rank in range(world):
-                c, vis = rank_pairs(q, k, v, do, cu, layout, rank, world, args.block_m, args.block_n)
+                c, vis, programs = rank_pairs(q, k, v, do, cu, layout, rank, world, args.block_m, args.block_n)
+                model = model_steps(c, programs, args.block_m, args.block_n, args.fixed_steps)
                 print(
                     f"  P={world} rank {rank}: covered / visible {c / max(vis, 1):.3f}, "
-                    f"covered / (one GPU's / P) {c / (single / world):.3f}",
+                    f"covered / (one GPU's / P) {c / (single / world):.3f}, {programs} programs, "
+                    f"model (F={args.fixed_steps:g}) / (one GPU's / P) {model / (single_model / world):.3f}",
                     flush=True,
                 )
 

@@ -23,13 +23,29 @@ def test_bench_local_smoke(tmp_path):
 
 def test_packed_ring_tiles_counts(tmp_path):
     """benchmarks.packed_ring_tiles on a small mix: one line per rank; a ring rank covers at
-    least the pairs it sees, and the one-GPU call's covered / visible is at least 1."""
+    least the pairs it sees, and the one-GPU call's covered / visible is at least 1; the time
+    model adds the fixed cost once per program that runs."""
     import re
 
-    out = run([sys.executable, "-m", "benchmarks.packed_ring_tiles", "--totals", "16384", "--worlds", "2"], tmp_path)
+    import torch
+
+    out = run([sys.executable, "-m", "benchmarks.packed_ring_tiles", "--totals", "16384", "--worlds", "2",
+               "--fixed-steps", "0"], tmp_path)  # fmt: skip
     single = float(re.search(r"one GPU: covered / visible ([\d.]+)", out).group(1))
     ranks = [float(x) for x in re.findall(r"rank \d: covered / visible ([\d.]+)", out)]
     assert single >= 1.0 and len(ranks) == 2 and all(r >= 1.0 for r in ranks), out
+    # with no fixed cost a program the time model is the covered pairs alone
+    ratio = r"\(one GPU's / P\) ([\d.]+)"
+    pairs = re.findall(rf"covered / {ratio}, (\d+) programs, model \(F=0\) / {ratio}", out)
+    assert len(pairs) == 2 and all(c == m and int(n) > 0 for c, n, m in pairs), out
+    # one program per key block some query sees, each charged the fixed cost once
+    from benchmarks.packed_ring_tiles import covered_pairs, model_steps
+
+    q_lo = torch.tensor([0] * 128 + [5] * 128)  # keys 0..127 seen by rows [0, 70); 128..255 by none
+    q_hi = torch.tensor([70] * 128 + [5] * 128)
+    covered, visible, programs = covered_pairs(q_lo, q_hi, 256, 256, 0, 64, 128)
+    assert (covered, visible, programs) == (2 * 64 * 128, 70 * 128, 1)
+    assert model_steps(covered, programs, 64, 128, 3.0) == 2 + 3.0
 
 
 def test_cuts_aligned_experiment_keeps_every_token_once():
