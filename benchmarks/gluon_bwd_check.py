@@ -272,9 +272,9 @@ def emulate_backward(q, k, v, m, l, do, delta, dq, dk, dv, *, q_start, k_start, 
                 def query_block(i):  # _gluon_bwd._query_block: (q head, query block) of step i
                     g = i // n_m
                     j = i - g * n_m
-                    if cfg.rotate:
+                    if cfg.walk == "rotated":
                         j = (j + kb) % n_m
-                    elif cfg.walk_down:
+                    elif cfg.walk == "down":
                         j = n_m - 1 - j
                     return hk * G + g, m_first + j
 

@@ -368,10 +368,10 @@ def test_gluon_backward_grouped_heads_plan(monkeypatch):
     walks = {v: gb.launch_plan(q, k, k.clone(), stats, q.clone(), *grads, q_start=0, k_start=0, scale=0.1,
                                accumulate=False, cfg=gb.config_for(D, v), causal=True)[3]["WALK"]
              for v in ("ws2_lag", "ws2_lag_grouped", "ws2_rot", "ws2_lag_grouped_down")}  # fmt: skip
-    assert walks == {"ws2_lag": gb.WALK_UP, "ws2_lag_grouped": gb.WALK_UP, "ws2_rot": gb.WALK_ROTATED,
-                     "ws2_lag_grouped_down": gb.WALK_DOWN}  # fmt: skip
-    with pytest.raises(ValueError, match="rotate and walk_down"):
-        gb.GluonBwdConfig(rotate=True, walk_down=True)
+    assert walks == {"ws2_lag": 0, "ws2_lag_grouped": 0, "ws2_rot": 1, "ws2_lag_grouped_down": 2}
+    assert gb.WALKS == ("up", "rotated", "down")  # the kernel's WALK is the index
+    with pytest.raises(ValueError, match="unknown walk 'sideways'"):
+        gb.GluonBwdConfig(walk="sideways")
 
 
 def test_gluon_backward_takes_v_head_dim_apart_only_split():

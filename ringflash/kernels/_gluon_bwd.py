@@ -163,7 +163,7 @@ def _key_tile_query_range(
 def _query_block(i, hk, group, m_first, n_m, BLOCK_M: gl.constexpr, WALK: gl.constexpr):
     """(q head, first row) of iteration i: heads of the group outer, query blocks inner.
 
-    WALK (gluon_backward.WALK_*): 0, each key block walks its query blocks from the first up;
+    WALK (the index in gluon_backward.WALKS): 0, each key block walks its query blocks from the first up;
     1, from its own one (and wraps): programs running side by side (neighbouring key blocks of
     one head) then add their dQ into different rows at any moment, instead of all into the same
     rows at once (with _plan's GROUPED_HEADS program_id(0) is the head within its group: any

@@ -89,8 +89,9 @@ class BlockedDQ:
 # Configurations
 
 
-# the order in which a key block's program visits its query blocks (_gluon_bwd._query_block)
-WALK_UP, WALK_ROTATED, WALK_DOWN = 0, 1, 2
+# the orders in which a key block's program may visit its query blocks; the kernel's WALK
+# constexpr is the index (_gluon_bwd._query_block)
+WALKS = ("up", "rotated", "down")
 
 
 @dataclass(frozen=True)
@@ -103,10 +104,10 @@ class GluonBwdConfig:
     stages: int = 2  # depth of the Q / dO / statistics ring
     producer_regs: int = 24  # registers of the producer warp (setmaxnreg)
     maxnreg: int = 168  # register cap at entry: 168 x 12 warps x 32 = 64512 of the SM's 65536
-    rotate: bool = False  # each key block walks the query blocks from its own one (spreads the dQ atomics)
-    # each key block walks its query blocks from the last one down (causal blocks side by side
+    # the order of each key block's query blocks: "up" from the first; "rotated" from its own
+    # one, wrapping (spreads the dQ atomics); "down" from the last (causal blocks side by side
     # then stream the same query rows at once, as non-causal ones do walking up)
-    walk_down: bool = False
+    walk: str = "up"
     # dQ added unscaled into a float32 scratch in a blocked order (each warp's atomic covers 512
     # contiguous bytes, red.v4 at immediate offsets), scaled and un-permuted into dq at the end
     dq_blocked: bool = False
@@ -134,13 +135,8 @@ class GluonBwdConfig:
             raise ValueError("dq_first needs lag (without it dQ waits for both halves of dS every step)")
         if self.pieces and not self.split_d:
             raise ValueError("head dims in pieces run the head-dim split schedule (ws2_split_d)")
-        if self.rotate and self.walk_down:
-            raise ValueError("rotate and walk_down are two walks: give one")
-
-    @property
-    def walk(self) -> int:
-        """The kernel's WALK constexpr (_gluon_bwd._query_block)."""
-        return WALK_ROTATED if self.rotate else WALK_DOWN if self.walk_down else WALK_UP
+        if self.walk not in WALKS:
+            raise ValueError(f"unknown walk {self.walk!r} (one of {WALKS})")
 
     @property
     def split_d(self) -> bool:
@@ -161,7 +157,7 @@ HEAD_DIMS = (64, 128, 256)
 _CONFIGS = {
     "ws2": GluonBwdConfig(stages=2),
     "ws2_s3": GluonBwdConfig(stages=3),
-    "ws2_rot": GluonBwdConfig(stages=2, rotate=True),
+    "ws2_rot": GluonBwdConfig(stages=2, walk="rotated"),
     # 2026-12-02, second round (benchmarks/NOTES.md): one limit each
     "ws2_blk": GluonBwdConfig(stages=2, dq_blocked=True),
     "ws2_lag": GluonBwdConfig(stages=2, dq_blocked=True, lag=True),
@@ -169,7 +165,7 @@ _CONFIGS = {
     # ws2_lag's tiles, causal launches a few heads' key block j at a time
     "ws2_lag_grouped": GluonBwdConfig(stages=2, dq_blocked=True, lag=True, group_heads=True),
     # the same, each key block walking its query blocks from the last one down (configs.GLUON_BWD)
-    "ws2_lag_grouped_down": GluonBwdConfig(stages=2, dq_blocked=True, lag=True, group_heads=True, walk_down=True),
+    "ws2_lag_grouped_down": GluonBwdConfig(stages=2, dq_blocked=True, lag=True, group_heads=True, walk="down"),
 }
 # the same tiles at D = 64 and 128 (D = 64: half the shared memory; compiles without spills,
 # `python benchmarks/gluon_bwd_report.py`); D = 256 splits the head dim instead (dK and dV of
@@ -596,7 +592,7 @@ def launch_plan(
         HAS_LEFT=has_left,
         ROWS=bounds is not None,
         ACCUMULATE=bool(accumulate),
-        WALK=cfg.walk,
+        WALK=WALKS.index(cfg.walk),
         DQ_BLOCKED=cfg.dq_blocked,
         LAG=cfg.lag,
         DQ_FIRST=cfg.dq_first,
