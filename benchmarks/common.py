@@ -101,10 +101,10 @@ def documents_forward(name: str):
     it runs, whatever the keys per row ("gluon"), or the Triton kernel ("triton")."""
     from ringflash.kernels import configs
 
-    tables = {"default": configs.GLUON_FWD_DOCUMENTS, "gluon": configs.GLUON_FWD_DOCUMENTS, "triton": {}}
+    variants = {} if name == "triton" else configs.GLUON_FWD_DOCUMENTS
     least = {} if name == "gluon" else configs.GLUON_DOCUMENTS_MIN_KEYS_PER_ROW
     with (
-        mock.patch.object(configs, "GLUON_FWD_DOCUMENTS", dict(tables[name])),
+        mock.patch.object(configs, "GLUON_FWD_DOCUMENTS", dict(variants)),
         mock.patch.object(configs, "GLUON_DOCUMENTS_MIN_KEYS_PER_ROW", dict(least)),
     ):
         yield
