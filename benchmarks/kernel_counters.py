@@ -23,7 +23,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-IMPLS = ("ringflash", "sdpa_cudnn")  # and gluon=VARIANT: ours with that Gluon forward variant
+IMPLS = ("ringflash", "sdpa_cudnn")  # and gluon=VARIANT / gluon_bwd=VARIANT: ours with that Gluon kernel variant
 SECTIONS = (
     "SpeedOfLight", "ComputeWorkloadAnalysis", "MemoryWorkloadAnalysis", "SchedulerStats", "WarpStateStats",
     "Occupancy", "LaunchStats",
@@ -33,12 +33,14 @@ STALL = re.compile(r"smsp__average_warps?_issue_stalled_(\w+?)_per_issue_active\
 
 def one_call(impl, D, S, causal, mode, heads, batch, Dv=None):
     """Warm up, then run one call (fwd) or one backward (bwd) inside the profiler's range;
-    impl gluon=VARIANT: ours with that Gluon forward variant; Dv: v's head dim (default D)."""
+    impl gluon=VARIANT / gluon_bwd=VARIANT: ours with that Gluon forward / backward variant; Dv:
+    v's head dim (default D)."""
     from ringflash.kernels import configs
 
-    if impl.startswith("gluon="):
-        with configs.override(gluon=impl.split("=", 1)[1]):
-            return one_call("ringflash", D, S, causal, mode, heads, batch, Dv)
+    for kind in ("gluon", "gluon_bwd"):
+        if impl.startswith(kind + "="):
+            with configs.override(**{kind: impl.split("=", 1)[1]}):
+                return one_call("ringflash", D, S, causal, mode, heads, batch, Dv)
 
     import torch
 
@@ -192,7 +194,9 @@ def main():
     ap.add_argument("--heads", type=int, default=32)
     ap.add_argument("--causal", choices=["yes", "no", "both"], default="both")
     ap.add_argument("--modes", nargs="+", choices=["fwd", "bwd"], default=["fwd", "bwd"])
-    ap.add_argument("--impls", nargs="+", default=list(IMPLS), help=f"{' '.join(IMPLS)} or gluon=VARIANT")
+    ap.add_argument(
+        "--impls", nargs="+", default=list(IMPLS), help=f"{' '.join(IMPLS)}, gluon=VARIANT or gluon_bwd=VARIANT"
+    )
     ap.add_argument("--call", nargs=5, metavar=("IMPL", "D", "S", "CAUSAL", "MODE"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.call:
@@ -201,9 +205,9 @@ def main():
         return
     if args.out is None:
         ap.error("--out is required (the folder for the reports)")
-    bad = [i for i in args.impls if i not in IMPLS and not i.startswith("gluon=")]
+    bad = [i for i in args.impls if i not in IMPLS and not i.startswith(("gluon=", "gluon_bwd="))]
     if bad:
-        ap.error(f"--impls: unknown {bad}; take {' '.join(IMPLS)} or gluon=VARIANT")
+        ap.error(f"--impls: unknown {bad}; take {' '.join(IMPLS)}, gluon=VARIANT or gluon_bwd=VARIANT")
     run_all(args)
 
 

@@ -284,6 +284,50 @@ def test_fused_backward_grouped_heads(D, causal, window_size, monkeypatch):
             assert_within(f"{variant} {name}", got, r, p)
 
 
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize(
+    "causal,window_size,Sq,Sk",
+    [(True, (-1, -1), 1031, 1031), (False, (-1, -1), 1031, 1031), (True, (300, 0), 1031, 1031),
+     (True, (300, 0), 257, 2049)],
+)  # fmt: skip
+def test_fused_backward_persistent(D, causal, window_size, Sq, Sk, monkeypatch):
+    """The fused backward's key blocks in persistent programs (ws2_lag_grouped_down_p), here
+    three programs for 36 or 68 key blocks: many rounds in snake order, the last one partial,
+    and (257 queries under a 300-key window at the end of 2049 keys) blocks that no query sees
+    between blocks with steps. dK and dV bitwise equal to one block a program's (each block's
+    sums are one program's, in the same order), dQ (float32 atomics in another order) and all
+    against float64 within the plain bound; the launch was one-dimensional, three programs."""
+    from ringflash.kernels import configs, gluon_backward
+
+    force_fused_backward(monkeypatch)
+    monkeypatch.setattr(gluon_backward, "_PLANS", gluon_backward.Plans())
+    monkeypatch.setattr(gluon_backward, "multiprocessors", lambda device: 3)
+    plans = []
+    real = gluon_backward.launch_plan
+    monkeypatch.setattr(gluon_backward, "launch_plan", lambda *a, **kw: plans.append(real(*a, **kw)) or plans[-1])
+    g = torch.Generator(device="cuda").manual_seed(D + Sk)
+    mk = lambda S, H: torch.randn(2, S, H, D, device="cuda", generator=g, dtype=torch.bfloat16).requires_grad_()  # noqa: E731
+    q, k, v = mk(Sq, 4), mk(Sk, 2), mk(Sk, 2)
+    do = torch.randn(q.shape, device="cuda", generator=g, dtype=torch.bfloat16)
+    kw = dict(causal=causal, window_size=window_size)
+    grads = {}
+    for variant in ("ws2_lag_grouped_down", "ws2_lag_grouped_down_p"):
+        with configs.override(gluon_bwd=variant):
+            out = flash_attn_func(q, k, v, **kw)
+            grads[variant] = torch.autograd.grad(out, (q, k, v), do)
+    (_, grid, _, kwargs), (_, grid_p, _, kwargs_p) = plans[-2:]
+    assert not kwargs["PERSISTENT"] and kwargs_p["PERSISTENT"] and grid_p == (3,), (grid, grid_p)
+    assert kwargs_p["GROUPED_HEADS"] == kwargs["GROUPED_HEADS"]
+    for i in (1, 2):
+        assert torch.equal(grads["ws2_lag_grouped_down"][i], grads["ws2_lag_grouped_down_p"][i])
+    ref = naive_attention(q, k, v, **kw)[0]
+    ref_grads = torch.autograd.grad(ref, (q, k, v), do.double())
+    plain = naive_attention(q, k, v, dtype=torch.bfloat16, **kw)[0]
+    plain_grads = torch.autograd.grad(plain, (q, k, v), do)
+    for name, got, r, p in zip(("dq", "dk", "dv"), grads["ws2_lag_grouped_down_p"], ref_grads, plain_grads):
+        assert_within(f"persistent {name}", got, r, p)
+
+
 @pytest.mark.parametrize("variant", ["pointers", "tma", "tma+ws"])
 @pytest.mark.parametrize("causal", [False, True])
 def test_forward_variants_and_key_padding(variant, causal):

@@ -374,6 +374,49 @@ def test_gluon_backward_grouped_heads_plan(monkeypatch):
         gb.GluonBwdConfig(walk="sideways")
 
 
+def test_gluon_backward_persistent_plan(monkeypatch):
+    """A persistent config launches at most one program per multiprocessor on a 1-D grid, with
+    PERSISTENT set and the grid it stands for (blocks in all, its first two dimensions) among
+    the arguments; packed documents (per-row bounds) keep one block a program; the head-dim
+    split schedule has no persistent form."""
+    from ringflash.kernels import gluon_backward as gb
+    from ringflash.kernels import gluon_forward as gf
+    from ringflash.masks import RowBounds
+
+    if not gf.HAS_GLUON:
+        pytest.skip(f"Gluon not importable: {gf.GLUON_ERROR}")
+    monkeypatch.setattr(gf, "TILE_ORDER_L2_BYTES", 1 << 40)
+    B, S, H, Hkv, D = 2, 1031, 8, 4, 64
+    q, k = torch.zeros(B, S, H, D, dtype=torch.bfloat16), torch.zeros(B, S, Hkv, D, dtype=torch.bfloat16)
+    stats = torch.zeros(B, H, 2, S)
+    grads = (torch.zeros(q.shape), torch.zeros(k.shape), torch.zeros(k.shape))
+    blocks = gf.triton_cdiv(S, 128)
+
+    def plan(variant, sms=132, **kw):
+        monkeypatch.setattr(gb, "multiprocessors", lambda device: sms)
+        cfg = gb.config_for(D, variant)
+        args = dict(q_start=0, k_start=0, scale=0.1, accumulate=False, cfg=cfg, causal=False)
+        kernel, grid, args, kwargs = gb.launch_plan(q, k, k.clone(), stats, q.clone(), *grads, **{**args, **kw})
+        named = dict(zip(kernel.arg_names, args))
+        return grid, kwargs["PERSISTENT"], kwargs["GROUPED_HEADS"], (named["num_tiles"], named["grid0"], named["grid1"])
+
+    tiles = blocks * B * Hkv
+    assert plan("ws2_lag_grouped_down") == ((blocks, B * Hkv), False, False, (tiles, blocks, B * Hkv))
+    assert plan("ws2_lag_grouped_down_p") == ((tiles,), True, False, (tiles, blocks, B * Hkv))
+    assert plan("ws2_lag_grouped_down_p", sms=5) == ((5,), True, False, (tiles, blocks, B * Hkv))
+    # causal: the grouped grid (heads a group, key blocks, groups) is the one taken in turn, with
+    # every head in one group (heaviest first over the whole launch) whatever the L2 budget
+    assert plan("ws2_lag_grouped_down_p", sms=5, causal=True) == ((5,), True, True, (tiles, B * Hkv, blocks))
+    monkeypatch.setattr(gf, "TILE_ORDER_L2_BYTES", 2 * S * (H // Hkv) * (2 * D * 2 + D * 4))
+    assert plan("ws2_lag_grouped_down", causal=True)[0] == (2, blocks, B * Hkv // 2)
+    assert plan("ws2_lag_grouped_down_p", sms=5, causal=True) == ((5,), True, True, (tiles, B * Hkv, blocks))
+    whole = torch.zeros(S, dtype=torch.int32), torch.full((S,), S, dtype=torch.int32)
+    bounds = RowBounds(*whole, *whole)
+    assert plan("ws2_lag_grouped_down_p", sms=5, bounds=bounds)[:2] == ((blocks, B * Hkv), False)
+    with pytest.raises(ValueError, match="persistent programs run the ws2 schedule"):
+        gb.GluonBwdConfig(schedule="ws2_split_d", block_n=64, persistent=True)
+
+
 def test_gluon_backward_takes_v_head_dim_apart_only_split():
     """The fused backward's launcher with v's head dim apart from q/k's (MLA: 192 and 128; and
     the mirror): the head-dim split variant for the larger padded width takes it, with the

@@ -37,6 +37,9 @@ Options (constexprs; gluon_backward.VARIANTS names the combinations):
   follows the loop.
 - DQ_FIRST (with LAG): FlashAttention-3's order, dQ(i - 1) issued before dK(i); the dQ atomics
   then run while dK is in the tensor cores.
+- PERSISTENT (ws2, dense blocks): at most one program per multiprocessor, each taking key
+  blocks in fixed turns (_tile_coords); the barriers' phases run on from block to block and
+  kv_empty holds the next block's K / V load until both consumers are done with the last.
 
 Statistics: `offset` = m + log2(l) per query row (+inf for rows that saw no key and for the
 padding rows past Sq, so their probabilities are exactly 0), `delta` = rowsum(dO * O); both
@@ -67,6 +70,10 @@ from .tiles import MASK_ROWS, in_bounds, key_query_bounds
 
 @gluon.jit
 def _plan(
+    p0,
+    p1,
+    p2,
+    dim0,
     Hkv,
     Sq,
     Sk,
@@ -82,7 +89,8 @@ def _plan(
     BLOCK_N: gl.constexpr,
     GROUPED_HEADS: gl.constexpr,
 ):
-    """(b, hk, n0, m_first, n_m, full_lo, full_hi, key_ragged) of this program: batch, kv head,
+    """(b, hk, n0, m_first, n_m, full_lo, full_hi, key_ragged) of the key block at grid
+    coordinates (p0, p1, p2) of a grid dim0 wide (_tile_coords): batch, kv head,
     first key of the block; the query blocks m_first .. m_first + n_m - 1 see the block
     (n_m >= 0), the rows full_lo .. full_hi see every valid key of it (a query block reaching
     outside is masked); key_ragged: the block runs past Sk. Query row i sees local key j iff
@@ -94,11 +102,11 @@ def _plan(
     block j (heaviest first when causal) before any takes block j + 1; else (key blocks,
     B * Hkv), head by head."""
     if GROUPED_HEADS:
-        n0 = gl.program_id(1) * BLOCK_N
-        pid_bh = gl.program_id(2) * gl.num_programs(0) + gl.program_id(0)
+        n0 = p1 * BLOCK_N
+        pid_bh = p2 * dim0 + p0
     else:
-        n0 = gl.program_id(0) * BLOCK_N
-        pid_bh = gl.program_id(1)
+        n0 = p0 * BLOCK_N
+        pid_bh = p1
     b = pid_bh // Hkv
     hk = pid_bh % Hkv
     n_last = gl.minimum(n0 + BLOCK_N, Sk) - 1  # last valid key of the block
@@ -160,27 +168,117 @@ def _key_tile_query_range(
 
 
 @gluon.jit
-def _query_block(i, hk, group, m_first, n_m, BLOCK_M: gl.constexpr, WALK: gl.constexpr):
+def _query_block(i, hk, group, m_first, n_m, p0, BLOCK_M: gl.constexpr, WALK: gl.constexpr):
     """(q head, first row) of iteration i: heads of the group outer, query blocks inner.
 
     WALK (the index in gluon_backward.WALKS): 0, each key block walks its query blocks from the first up;
-    1, from its own one (and wraps): programs running side by side (neighbouring key blocks of
-    one head) then add their dQ into different rows at any moment, instead of all into the same
-    rows at once (with _plan's GROUPED_HEADS program_id(0) is the head within its group: any
-    offset is a whole walk); 2, from the last one down: causal key blocks side by side, whose
-    first query blocks differ, then read and add the same rows at once, as non-causal ones do
-    walking up."""
+    1, from its own one (and wraps; p0: the key block's first grid coordinate): programs running
+    side by side (neighbouring key blocks of one head) then add their dQ into different rows at
+    any moment, instead of all into the same rows at once (with _plan's GROUPED_HEADS p0 is the
+    head within its group: any offset is a whole walk); 2, from the last one down: causal key
+    blocks side by side, whose first query blocks differ, then read and add the same rows at
+    once, as non-causal ones do walking up."""
     g = i // n_m
     j = i - g * n_m
     if WALK == 1:
-        j = (j + gl.program_id(0)) % n_m
+        j = (j + p0) % n_m
     elif WALK == 2:
         j = n_m - 1 - j
     return hk * group + g, (m_first + j) * BLOCK_M
 
 
+@gluon.jit
+def _rounds(num_tiles, PERSISTENT: gl.constexpr):
+    """The rounds of _tile_coords this program runs: one, or (PERSISTENT) one per num_programs
+    tiles."""
+    if PERSISTENT:
+        n = _program_count()
+        return (num_tiles + n - 1) // n
+    else:
+        return 1
+
+
+@gluon.jit
+def _program_count():
+    """gl.num_programs(0), read where it is used: LLVM hoists num_programs to the kernel's entry,
+    before the partitions split, and the partitions then kept it across their loops (spilled)."""
+    return gl.inline_asm_elementwise(
+        "mov.u32 $0, %nctaid.x;", "=r,r", [gl.program_id(0)], gl.int32, is_pure=False, pack=1
+    )
+
+
+@gluon.jit
+def _tile_coords(r, num_tiles, grid0, grid1, PERSISTENT: gl.constexpr):
+    """(p0, p1, p2, dim0, valid) of this program's key block in round r: its coordinates in the
+    launch grid (dim0 x grid1 x ..) that _plan reads, and whether there is one. Without
+    PERSISTENT the program's own (one round). PERSISTENT: a 1-D grid of at most one program per
+    multiprocessor stands for a grid grid0 x grid1 x .. of num_tiles blocks, taken in its launch
+    order (p0 fastest) num_programs at a time; the programs take each round's blocks in snake
+    order (program p the p-th of an even round, the p-th from the end of an odd one), so that the
+    program that took the heaviest block of one round (causal: the launch order is heaviest
+    first) takes the lightest of the next."""
+    if PERSISTENT:
+        n = _program_count()
+        p = gl.program_id(0)
+        t = r * n + p + (r % 2) * (n - 1 - 2 * p)
+        p0 = t % grid0
+        rest = t // grid0
+        return p0, rest % grid1, rest // grid1, grid0, t < num_tiles
+    else:
+        return gl.program_id(0), gl.program_id(1), gl.program_id(2), gl.num_programs(0), True
+
+
 # ----------------------------------------------------------------------------------------------
 # Producer: one warp issuing TMA copies.
+
+
+@gluon.jit
+def _produce_stage(
+    g, i, b, hk, group, m_first, n_m, p0, q_desc, do_desc, st_desc, qt_desc, q_bufs, do_bufs, st_bufs, qt_bufs,
+    ready, empty, Hq, Sq_pad, BLOCK_M: gl.constexpr, BLOCK_D: gl.constexpr, BLOCK_DT: gl.constexpr,
+    STAGES: gl.constexpr, WALK: gl.constexpr,
+):  # fmt: skip
+    """Q, dO and the statistics of the key block's step i, the program's step g (its earlier key
+    blocks' steps before it), into stage g % STAGES."""
+    s = g % STAGES
+    # empty[s]: count 2, one arrival per consumer warpgroup when it has finished reading
+    # stage s. The g-th fill of stage s (g // STAGES = u) needs the (u-1)-th release, i.e.
+    # phase u-1 completed: parity (u & 1) ^ 1. A fresh barrier counts as having completed
+    # the phase before phase 0, so the first STAGES waits (u = 0, parity 1) pass at once.
+    mbarrier.wait(empty.index(s), ((g // STAGES) & 1) ^ 1)
+    h, off_m = _query_block(i, hk, group, m_first, n_m, p0, BLOCK_M, WALK)
+    tail_bytes: gl.constexpr = qt_desc.block_type.nbytes if BLOCK_DT > 0 else 0
+    stage_bytes: gl.constexpr = (
+        q_desc.block_type.nbytes + tail_bytes + do_desc.block_type.nbytes + 2 * st_desc.block_type.nbytes
+    )
+    # ready[s]: count 1 (this expect), completes when all stage_bytes have landed
+    bar = ready.index(s)
+    mbarrier.expect(bar, stage_bytes)
+    tma.async_copy_global_to_shared(q_desc, [b, off_m, h, 0], bar, q_bufs.index(s))
+    if BLOCK_DT > 0:
+        tma.async_copy_global_to_shared(qt_desc, [b, off_m, h, BLOCK_D], bar, qt_bufs.index(s))
+    tma.async_copy_global_to_shared(do_desc, [b, off_m, h, 0], bar, do_bufs.index(s))
+    # the (offset, delta) rows of (b, h) in the flat statistics: two 1-D copies
+    st_at = (b * Hq + h) * 2 * Sq_pad + off_m
+    tma.async_copy_global_to_shared(st_desc, [st_at], bar, st_bufs.index(2 * s))
+    tma.async_copy_global_to_shared(st_desc, [st_at + Sq_pad], bar, st_bufs.index(2 * s + 1))
+
+
+@gluon.jit
+def _produce_kv(
+    b, hk, n0, k_desc, v_desc, kt_desc, k_smem, v_smem, kt_smem, kv_bar, BLOCK_D: gl.constexpr, BLOCK_DT: gl.constexpr
+):  # fmt: skip
+    """K and V of the key block (and K's tail piece) into their one buffer. kv_bar: count 1;
+    this expect is the arrival that completes its phase once the tiles have landed."""
+    if BLOCK_DT > 0:
+        mbarrier.expect(
+            kv_bar.index(0), k_desc.block_type.nbytes + kt_desc.block_type.nbytes + v_desc.block_type.nbytes
+        )
+        tma.async_copy_global_to_shared(kt_desc, [b, n0, hk, BLOCK_D], kv_bar.index(0), kt_smem.index(0))
+    else:
+        mbarrier.expect(kv_bar.index(0), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(k_desc, [b, n0, hk, 0], kv_bar.index(0), k_smem.index(0))
+    tma.async_copy_global_to_shared(v_desc, [b, n0, hk, 0], kv_bar.index(0), v_smem.index(0))
 
 
 @gluon.jit
@@ -196,6 +294,7 @@ def _producer(
     k_smem,
     v_smem,
     kv_bar,
+    kv_empty,
     ready,
     empty,
     Hq,
@@ -209,6 +308,9 @@ def _producer(
     left,
     rows_first,
     rows_n,
+    num_tiles,
+    grid0,
+    grid1,
     CAUSAL: gl.constexpr,
     HAS_LEFT: gl.constexpr,
     ROWS: gl.constexpr,
@@ -223,49 +325,49 @@ def _producer(
     BLOCK_D: gl.constexpr,
     BLOCK_DT: gl.constexpr,
     GROUPED_HEADS: gl.constexpr,
+    PERSISTENT: gl.constexpr,
 ):
-    """The TMA producer warp. With BLOCK_DT > 0 (q/k's head dim in two pieces) also the tail
-    pieces of K (columns BLOCK_D ..) and of every Q block, on the same barriers."""
-    b, hk, n0, m_first, n_m, _, _, _ = _plan(
-        Hkv, Sq, Sk, q_start, k_start, left, rows_first, rows_n, CAUSAL, HAS_LEFT, ROWS, BLOCK_M, BLOCK_N, GROUPED_HEADS
-    )
-    n_iter = group * n_m
-    if n_iter > 0:
-        # kv_bar: count 1; this expect is its only arrival, completing phase 0 once both
-        # tiles have landed. Loaded only when the consumers will wait for it (n_iter > 0):
-        # no copy may still be in flight when the program ends.
-        if BLOCK_DT > 0:
-            mbarrier.expect(
-                kv_bar.index(0), k_desc.block_type.nbytes + kt_desc.block_type.nbytes + v_desc.block_type.nbytes
-            )
-            tma.async_copy_global_to_shared(kt_desc, [b, n0, hk, BLOCK_D], kv_bar.index(0), kt_smem.index(0))
-        else:
-            mbarrier.expect(kv_bar.index(0), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(k_desc, [b, n0, hk, 0], kv_bar.index(0), k_smem.index(0))
-        tma.async_copy_global_to_shared(v_desc, [b, n0, hk, 0], kv_bar.index(0), v_smem.index(0))
-    tail_bytes: gl.constexpr = qt_desc.block_type.nbytes if BLOCK_DT > 0 else 0
-    stage_bytes: gl.constexpr = (
-        q_desc.block_type.nbytes + tail_bytes + do_desc.block_type.nbytes + 2 * st_desc.block_type.nbytes
-    )
-    for i in range(n_iter):
-        s = i % STAGES
-        # empty[s]: count 2, one arrival per consumer warpgroup when it has finished reading
-        # stage s. The i-th fill of stage s (i // STAGES = u) needs the (u-1)-th release, i.e.
-        # phase u-1 completed: parity (u & 1) ^ 1. A fresh barrier counts as having completed
-        # the phase before phase 0, so the first STAGES waits (u = 0, parity 1) pass at once.
-        mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)
-        h, off_m = _query_block(i, hk, group, m_first, n_m, BLOCK_M, WALK)
-        # ready[s]: count 1 (this expect), completes when all stage_bytes have landed
-        bar = ready.index(s)
-        mbarrier.expect(bar, stage_bytes)
-        tma.async_copy_global_to_shared(q_desc, [b, off_m, h, 0], bar, q_bufs.index(s))
-        if BLOCK_DT > 0:
-            tma.async_copy_global_to_shared(qt_desc, [b, off_m, h, BLOCK_D], bar, qt_bufs.index(s))
-        tma.async_copy_global_to_shared(do_desc, [b, off_m, h, 0], bar, do_bufs.index(s))
-        # the (offset, delta) rows of (b, h) in the flat statistics: two 1-D copies
-        st_at = (b * Hq + h) * 2 * Sq_pad + off_m
-        tma.async_copy_global_to_shared(st_desc, [st_at], bar, st_bufs.index(2 * s))
-        tma.async_copy_global_to_shared(st_desc, [st_at + Sq_pad], bar, st_bufs.index(2 * s + 1))
+    """The TMA producer warp: the key blocks of _tile_coords' rounds, each its K and V once,
+    then Q, dO and the two per-row statistics of every query block through a STAGES-deep ring
+    (ready / empty mbarriers) whose stages and phases run on from block to block. With
+    BLOCK_DT > 0 (q/k's head dim in two pieces) also the tail pieces of K (columns BLOCK_D ..)
+    and of every Q block, on the same barriers."""
+    it = 0  # the steps of this program's earlier key blocks
+    uses = 0  # ... its earlier key blocks with steps (K and V loaded)
+    for r in range(_rounds(num_tiles, PERSISTENT)):
+        p0, p1, p2, dim0, valid = _tile_coords(r, num_tiles, grid0, grid1, PERSISTENT)
+        if valid:
+            b, hk, n0, m_first, n_m, _, _, _ = _plan(
+                p0, p1, p2, dim0, Hkv, Sq, Sk, q_start, k_start, left, rows_first, rows_n, CAUSAL, HAS_LEFT, ROWS,
+                BLOCK_M, BLOCK_N, GROUPED_HEADS,
+            )  # fmt: skip
+            n_iter = group * n_m
+            # K and V are loaded only when the consumers will wait for them (n_iter > 0): no copy
+            # may still be in flight when the program ends
+            if PERSISTENT:
+                # the first stages before K and V: their slots free up as the previous block's
+                # last steps end, K's and V's buffer only once both consumers are done with it
+                # (kv_empty: count 2, its use-th phase; a fresh barrier passes parity 1)
+                first = gl.minimum(n_iter, STAGES)
+                for i in range(first):
+                    _produce_stage(
+                        it + i, i, b, hk, group, m_first, n_m, p0, q_desc, do_desc, st_desc, qt_desc, q_bufs,
+                        do_bufs, st_bufs, qt_bufs, ready, empty, Hq, Sq_pad, BLOCK_M, BLOCK_D, BLOCK_DT, STAGES, WALK,
+                    )  # fmt: skip
+                if n_iter > 0:
+                    mbarrier.wait(kv_empty.index(0), (uses & 1) ^ 1)
+                    _produce_kv(b, hk, n0, k_desc, v_desc, kt_desc, k_smem, v_smem, kt_smem, kv_bar, BLOCK_D, BLOCK_DT)
+            else:
+                first = 0
+                if n_iter > 0:
+                    _produce_kv(b, hk, n0, k_desc, v_desc, kt_desc, k_smem, v_smem, kt_smem, kv_bar, BLOCK_D, BLOCK_DT)
+            for i in range(first, n_iter):
+                _produce_stage(
+                    it + i, i, b, hk, group, m_first, n_m, p0, q_desc, do_desc, st_desc, qt_desc, q_bufs, do_bufs,
+                    st_bufs, qt_bufs, ready, empty, Hq, Sq_pad, BLOCK_M, BLOCK_D, BLOCK_DT, STAGES, WALK,
+                )  # fmt: skip
+            it += n_iter
+            uses += gl.minimum(n_iter, 1)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -432,6 +534,295 @@ def _dq_add(
 
 
 @gluon.jit
+def _consume_key_block(
+    WG: gl.constexpr,
+    q_bufs,
+    do_bufs,
+    st_bufs,
+    k_smem,
+    v_smem,
+    ds_bufs,
+    kv_bar,
+    ready,
+    empty,
+    ds_bar,
+    DQ,
+    DK,
+    DV,
+    stride_dqb,
+    stride_dqs,
+    stride_dqh,
+    stride_dkb,
+    stride_dks,
+    stride_dkh,
+    stride_dvb,
+    stride_dvs,
+    stride_dvh,
+    Hq,
+    Hkv,
+    group,
+    Sq,
+    Sk,
+    q_start,
+    k_start,
+    left,
+    QLO,
+    QHI,
+    rows_first,
+    rows_n,
+    rows_full_lo0,
+    rows_full_hi0,
+    rows_full_lo1,
+    rows_full_hi1,
+    qk_scale,
+    sm_scale,
+    HEAD_DIM: gl.constexpr,
+    BLOCK_D: gl.constexpr,
+    HEAD_DIM_V: gl.constexpr,
+    BLOCK_DV: gl.constexpr,
+    BLOCK_M: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+    STAGES: gl.constexpr,
+    CAUSAL: gl.constexpr,
+    HAS_LEFT: gl.constexpr,
+    ROWS: gl.constexpr,
+    ACCUMULATE: gl.constexpr,
+    WALK: gl.constexpr,
+    DQ_BLOCKED: gl.constexpr,
+    LAG: gl.constexpr,
+    DQ_FIRST: gl.constexpr,
+    qt_bufs,
+    kt_smem,
+    BLOCK_DT: gl.constexpr,
+    GROUPED_HEADS: gl.constexpr,
+    p0,
+    p1,
+    p2,
+    dim0,
+    it,
+    uses,
+    kv_empty,
+    PERSISTENT: gl.constexpr,
+):
+    KEYS: gl.constexpr = BLOCK_N // 2  # keys of this warpgroup
+    gl.static_assert(BLOCK_DT == 0, "ws2 runs q/k's head dim whole")
+    DQ_COLS: gl.constexpr = BLOCK_D // 2  # dQ columns of this warpgroup
+    gl.static_assert(HEAD_DIM_V == HEAD_DIM, "ws2 takes one head dim for q, k and v")
+    dtype: gl.constexpr = q_bufs.dtype
+    s_layout: gl.constexpr = _mma_layout(4, BLOCK_M)  # S^T, dP^T: (KEYS, BLOCK_M)
+    dq_layout: gl.constexpr = _mma_layout(4, DQ_COLS)  # dQ_wg: (BLOCK_M, DQ_COLS)
+    kv_layout: gl.constexpr = _mma_layout(4, BLOCK_D)  # dK, dV: (KEYS, BLOCK_D)
+    op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kv_layout, k_width=2)
+    gl.static_assert(KEYS == 64, "one warpgroup's wgmma tile is 64 rows")
+
+    b, hk, n0, m_first, n_m, full_lo, full_hi, key_ragged = _plan(
+        p0, p1, p2, dim0, Hkv, Sq, Sk, q_start, k_start, left, rows_first, rows_n, CAUSAL, HAS_LEFT, ROWS, BLOCK_M,
+        BLOCK_N, GROUPED_HEADS,
+    )  # fmt: skip
+    n_iter = group * n_m
+    dk = gl.zeros([KEYS, BLOCK_D], gl.float32, kv_layout)
+    dv = gl.zeros([KEYS, BLOCK_D], gl.float32, kv_layout)
+    s_zero = gl.zeros([KEYS, BLOCK_M], gl.float32, s_layout)
+    dq_zero = gl.zeros([BLOCK_M, DQ_COLS], gl.float32, dq_layout)
+    key_idx = n0 + WG * KEYS + gl.arange(0, KEYS, layout=gl.SliceLayout(1, s_layout))
+    q_idx = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
+    dq_rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, dq_layout))
+    dq_cols = WG * DQ_COLS + gl.arange(0, DQ_COLS, layout=gl.SliceLayout(0, dq_layout))
+    if HEAD_DIM != BLOCK_D:
+        # dQ's padding columns are exactly 0 (K's read as zeros): the row-major adds put them on
+        # the last pair of real columns (+0.0) instead of past the row; pairs stay pairs (D even)
+        dq_cols = gl.where(dq_cols < HEAD_DIM, dq_cols, HEAD_DIM - 2 + dq_cols % 2)
+    key_q_lo = None  # (per-row bounds only)
+    key_q_hi = None
+    if ROWS:
+        # this warpgroup's keys: the local query rows each is seen by, for the whole loop;
+        # [full_lo, full_hi): the rows that see all of them
+        key_q_lo, key_q_hi = key_query_bounds(key_idx, Sq, Sk, q_start, k_start, 0, 0, QLO, QHI, MASK_ROWS)
+        if WG == 0:
+            full_lo = rows_full_lo0
+            full_hi = rows_full_hi0
+        else:
+            full_lo = rows_full_lo1
+            full_hi = rows_full_hi1
+    if n_iter > 0:
+        # K and V landed: the uses-th phase (the producer's one expect per key block with steps)
+        mbarrier.wait(kv_bar.index(0), uses & 1)
+    for i in range(n_iter):
+        g = it + i  # the program's step (its earlier key blocks' steps before it)
+        s = g % STAGES
+        if PERSISTENT:  # dQ's strides extended to 64 bits here, not once for all blocks and kept (spilled)
+            stride_dqb = _opaque(stride_dqb)
+            stride_dqs = _opaque(stride_dqs)
+            stride_dqh = _opaque(stride_dqh)
+        h, off_m = _query_block(i, hk, group, m_first, n_m, p0, BLOCK_M, WALK)
+        # ready[s]: the (g // STAGES)-th completion of stage s's barrier
+        mbarrier.wait(ready.index(s), (g // STAGES) & 1)
+        q_t = q_bufs.index(s).reshape([BLOCK_M, BLOCK_D])
+        do_t = do_bufs.index(s).reshape([BLOCK_M, BLOCK_D])
+        # K and V through an index the compiler cannot prove constant: their wgmma descriptors
+        # are then rebuilt per step (a few uniform adds) instead of being kept across the loop,
+        # which ran out of uniform registers and spilled
+        zero = _opaque(i * 0)
+        k_all = k_smem.index(zero).reshape([BLOCK_N, BLOCK_D])
+        k_wg = k_all.slice(WG * KEYS, KEYS, dim=0)  # (KEYS, D): A of S^T
+        k_cols = k_all.slice(WG * DQ_COLS, DQ_COLS, dim=1)  # (BLOCK_N, DQ_COLS): B of dQ_wg
+        v_wg = v_smem.index(zero).reshape([BLOCK_N, BLOCK_D]).slice(WG * KEYS, KEYS, dim=0)
+        st_tok = warpgroup_mma(k_wg, q_t.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        dpt_tok = warpgroup_mma(v_wg, do_t.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        offset = st_bufs.index(2 * s).load(gl.SliceLayout(0, s_layout))
+        # groups complete in order: one left in flight means S^T is done, dP^T may not be
+        st = warpgroup_mma_wait(1, deps=(st_tok,))
+        st = _mask_scores(
+            st, key_ragged, off_m, full_lo, full_hi, key_idx, q_idx, key_q_lo, key_q_hi, Sk, q_start, k_start, left,
+            BLOCK_M, CAUSAL, HAS_LEFT, ROWS,
+        )  # fmt: skip
+        pt = gl.exp2(gl.fma(st, qk_scale, -offset[None, :]))
+        pt_op = gl.convert_layout(pt.to(dtype), op_layout)
+        dv_tok = warpgroup_mma(pt_op, do_t, dv, is_async=True)
+        delta = st_bufs.index(2 * s + 1).load(gl.SliceLayout(0, s_layout))
+        # in flight: dP^T, dV; one left means dP^T is done
+        dpt = warpgroup_mma_wait(1, deps=(dpt_tok,))
+        ds = (pt * (dpt - delta[None, :])).to(dtype)
+        if LAG:
+            ds_op = gl.convert_layout(ds, op_layout)
+            # dQ one step late: dQ(i - 1) from dS(i - 1), which both warpgroups wrote during step
+            # i - 1, so the barrier below is normally passed at once and the warpgroups may
+            # drift up to one step apart instead of meeting every step (module docstring).
+            # Three dS buffers, dS(i) in buffer g % 3 (g: the program's step); ds_bar[g % 3]:
+            # count 2, one arrival per warpgroup at step g; its n-th use (n = g // 3) completes
+            # phase n. Below, i stands for g: the program's key blocks run one after the other,
+            # and a block's last dQ (after the loop) waits as step i + 1 would.
+            #  - wait for dS(i - 1), parity ((i - 1) // 3) & 1: the barrier cannot be two phases
+            #    ahead, its next arrivals (step i + 2) need this warpgroup's, which come later.
+            #  - no phase skipped: a warpgroup arrives for step i (use n) after passing the wait
+            #    for step i - 1 (below, before its arrival), so the other warpgroup had arrived
+            #    for step i - 1, hence for step i - 3 (use n - 1): phase n - 1 was complete.
+            #  - buffer reuse: dS(i) overwrites dS(i - 3), which this warpgroup read at step
+            #    i - 2 (finished by that step's wait(0)) and the other one at its step i - 2;
+            #    this warpgroup's store comes after its wait for dS(i - 1), so the other
+            #    warpgroup had arrived at step i - 1, which follows its step i - 2's wait(0).
+            # At i = 0 there is no dS(-1): the matmul reads buffer 2 (not written before step 2,
+            # which neither warpgroup reaches before both arrived for step 1) and its result is
+            # dropped; the barrier wait and the atomics are skipped.
+            ip = g + 2  # g - 1 modulo 3 without a negative operand
+            if DQ_FIRST:
+                # FlashAttention-3's order: dQ before dK, then the dQ atomics run while dK is in
+                # the tensor cores (wait(1) below leaves dK in flight)
+                if i > 0:
+                    mbarrier.wait(ds_bar.index(ip % 3), ((g - 1) // 3) & 1)
+                dq_tok = warpgroup_mma(
+                    ds_bufs.index(ip % 3).permute((1, 0)), k_cols, dq_zero, use_acc=False, is_async=True
+                )
+                dk_tok = warpgroup_mma(ds_op, q_t, dk, is_async=True)
+                ds_bufs.index(_opaque(g % 3)).slice(WG * KEYS, KEYS, dim=0).store(ds)
+                fence_async_shared()
+                mbarrier.arrive(ds_bar.index(g % 3))
+                # in flight: dV, dQ(i - 1), dK; one left: dV and dQ are done
+                dv, dq, pt_op = warpgroup_mma_wait(1, deps=(dv_tok, dq_tok, pt_op))
+                if i > 0:
+                    hp, off_mp = _query_block(i - 1, hk, group, m_first, n_m, p0, BLOCK_M, WALK)
+                    _dq_add(dq, DQ, b, hp, off_mp, Sq, stride_dqb, stride_dqs, stride_dqh, sm_scale, dq_rows,
+                            dq_cols, WG, BLOCK_M, DQ_COLS, DQ_BLOCKED, dq_layout)  # fmt: skip
+                dk, ds_op = warpgroup_mma_wait(0, deps=(dk_tok, ds_op))
+                mbarrier.arrive(empty.index(s))
+            else:
+                dk_tok = warpgroup_mma(ds_op, q_t, dk, is_async=True)
+                if i > 0:
+                    mbarrier.wait(ds_bar.index(ip % 3), ((g - 1) // 3) & 1)
+                dq_tok = warpgroup_mma(
+                    ds_bufs.index(ip % 3).permute((1, 0)), k_cols, dq_zero, use_acc=False, is_async=True
+                )
+                ds_bufs.index(_opaque(g % 3)).slice(WG * KEYS, KEYS, dim=0).store(ds)
+                fence_async_shared()
+                mbarrier.arrive(ds_bar.index(g % 3))
+                dv, dk, dq, pt_op, ds_op = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok, dq_tok, pt_op, ds_op))
+                mbarrier.arrive(empty.index(s))
+                if i > 0:
+                    hp, off_mp = _query_block(i - 1, hk, group, m_first, n_m, p0, BLOCK_M, WALK)
+                    _dq_add(dq, DQ, b, hp, off_mp, Sq, stride_dqb, stride_dqs, stride_dqh, sm_scale, dq_rows,
+                            dq_cols, WG, BLOCK_M, DQ_COLS, DQ_BLOCKED, dq_layout)  # fmt: skip
+        else:
+            # dS^T of this warpgroup's keys into rows WG * KEYS.. of buffer g % 2
+            ds_buf = ds_bufs.index(g % 2)
+            ds_buf.slice(WG * KEYS, KEYS, dim=0).store(ds)
+            ds_op = gl.convert_layout(ds, op_layout)
+            dk_tok = warpgroup_mma(ds_op, q_t, dk, is_async=True)
+            # Both halves of dS must be in shared memory before either warpgroup reads it.
+            # ds_bar[g % 2]: count 2, one arrival per warpgroup (mbarrier.arrive syncs the
+            # warpgroup's 128 threads, then one thread arrives); its n-th use (n = g // 2)
+            # completes phase n, so wait for parity n & 1. A warpgroup arrives for use n + 1 only
+            # after its own wait for use n has passed, so no phase is skipped. The fence makes
+            # the generic stores above visible to the wgmma (async proxy) reads.
+            fence_async_shared()
+            mbarrier.arrive(ds_bar.index(g % 2))
+            mbarrier.wait(ds_bar.index(g % 2), (g // 2) & 1)
+            dq_tok = warpgroup_mma(ds_buf.permute((1, 0)), k_cols, dq_zero, use_acc=False, is_async=True)
+            dv, dk, dq, pt_op, ds_op = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok, dq_tok, pt_op, ds_op))
+            # Stage s fully read (S^T, dP^T, dV, dK are done): release it. empty[s] has count 2.
+            # Buffer g % 2 of dS is rewritten at step g + 2, after both warpgroups have
+            # passed ds_bar at i + 1, which each reaches only after this wait: its dQ read is done.
+            mbarrier.arrive(empty.index(s))
+            _dq_add(dq, DQ, b, h, off_m, Sq, stride_dqb, stride_dqs, stride_dqh, sm_scale, dq_rows, dq_cols, WG,
+                    BLOCK_M, DQ_COLS, DQ_BLOCKED, dq_layout)  # fmt: skip
+    if LAG:
+        if n_iter > 0:
+            # the last step's dQ: dS(n_iter - 1) from both warpgroups
+            last = n_iter - 1
+            g_last = it + last
+            mbarrier.wait(ds_bar.index(g_last % 3), (g_last // 3) & 1)
+            k_cols = k_smem.index(0).reshape([BLOCK_N, BLOCK_D]).slice(WG * DQ_COLS, DQ_COLS, dim=1)
+            dq_tok = warpgroup_mma(
+                ds_bufs.index(g_last % 3).permute((1, 0)), k_cols, dq_zero, use_acc=False, is_async=True
+            )
+            dq = warpgroup_mma_wait(0, deps=(dq_tok,))
+            hp, off_mp = _query_block(last, hk, group, m_first, n_m, p0, BLOCK_M, WALK)
+            _dq_add(dq, DQ, b, hp, off_mp, Sq, stride_dqb, stride_dqs, stride_dqh, sm_scale, dq_rows, dq_cols, WG,
+                    BLOCK_M, DQ_COLS, DQ_BLOCKED, dq_layout)  # fmt: skip
+    if PERSISTENT:
+        if n_iter > 0:  # done with K and V (the last dQ matmul read K): the next block may load
+            mbarrier.arrive(kv_empty.index(0))
+    row0 = n0 + WG * KEYS
+    if LAG:
+        # through opaque moves: the pointers' 64-bit parts are then computed here, not before the
+        # loop and kept across it (ptxas spilled them in the accumulating causal case)
+        b = _opaque(b)
+        hk = _opaque(hk)
+    if PERSISTENT:  # likewise the strides' 64-bit extensions: else computed once for all blocks and kept
+        stride_dkb = _opaque(stride_dkb)
+        stride_dks = _opaque(stride_dks)
+        stride_dkh = _opaque(stride_dkh)
+        stride_dvb = _opaque(stride_dvb)
+        stride_dvs = _opaque(stride_dvs)
+        stride_dvh = _opaque(stride_dvh)
+    # a key block no query sees adds nothing: accumulating, it is left as it is (a ring step's
+    # idle keys); otherwise its zeros are written
+    if n_iter > (0 if ACCUMULATE else -1):
+        _store_grad(
+            dk * sm_scale,
+            DK + b.to(gl.int64) * stride_dkb + hk.to(gl.int64) * stride_dkh,
+            row0,
+            Sk,
+            stride_dks,
+            ACCUMULATE,
+            KEYS,
+            HEAD_DIM,
+            kv_layout,
+        )
+        _store_grad(
+            dv,
+            DV + b.to(gl.int64) * stride_dvb + hk.to(gl.int64) * stride_dvh,
+            row0,
+            Sk,
+            stride_dvs,
+            ACCUMULATE,
+            KEYS,
+            HEAD_DIM,
+            kv_layout,
+        )
+    return n_iter
+
+
+@gluon.jit
 def _consumer(
     WG: gl.constexpr,
     q_bufs,
@@ -493,202 +884,37 @@ def _consumer(
     kt_smem,
     BLOCK_DT: gl.constexpr,
     GROUPED_HEADS: gl.constexpr,
+    kv_empty,
+    num_tiles,
+    grid0,
+    grid1,
+    PERSISTENT: gl.constexpr,
 ):
-    KEYS: gl.constexpr = BLOCK_N // 2  # keys of this warpgroup
-    gl.static_assert(BLOCK_DT == 0, "ws2 runs q/k's head dim whole")
-    DQ_COLS: gl.constexpr = BLOCK_D // 2  # dQ columns of this warpgroup
-    gl.static_assert(HEAD_DIM_V == HEAD_DIM, "ws2 takes one head dim for q, k and v")
-    dtype: gl.constexpr = q_bufs.dtype
-    s_layout: gl.constexpr = _mma_layout(4, BLOCK_M)  # S^T, dP^T: (KEYS, BLOCK_M)
-    dq_layout: gl.constexpr = _mma_layout(4, DQ_COLS)  # dQ_wg: (BLOCK_M, DQ_COLS)
-    kv_layout: gl.constexpr = _mma_layout(4, BLOCK_D)  # dK, dV: (KEYS, BLOCK_D)
-    op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kv_layout, k_width=2)
-    gl.static_assert(KEYS == 64, "one warpgroup's wgmma tile is 64 rows")
-
-    b, hk, n0, m_first, n_m, full_lo, full_hi, key_ragged = _plan(
-        Hkv, Sq, Sk, q_start, k_start, left, rows_first, rows_n, CAUSAL, HAS_LEFT, ROWS, BLOCK_M, BLOCK_N, GROUPED_HEADS
-    )
-    n_iter = group * n_m
-    dk = gl.zeros([KEYS, BLOCK_D], gl.float32, kv_layout)
-    dv = gl.zeros([KEYS, BLOCK_D], gl.float32, kv_layout)
-    s_zero = gl.zeros([KEYS, BLOCK_M], gl.float32, s_layout)
-    dq_zero = gl.zeros([BLOCK_M, DQ_COLS], gl.float32, dq_layout)
-    key_idx = n0 + WG * KEYS + gl.arange(0, KEYS, layout=gl.SliceLayout(1, s_layout))
-    q_idx = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
-    dq_rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, dq_layout))
-    dq_cols = WG * DQ_COLS + gl.arange(0, DQ_COLS, layout=gl.SliceLayout(0, dq_layout))
-    if HEAD_DIM != BLOCK_D:
-        # dQ's padding columns are exactly 0 (K's read as zeros): the row-major adds put them on
-        # the last pair of real columns (+0.0) instead of past the row; pairs stay pairs (D even)
-        dq_cols = gl.where(dq_cols < HEAD_DIM, dq_cols, HEAD_DIM - 2 + dq_cols % 2)
-    key_q_lo = None  # (per-row bounds only)
-    key_q_hi = None
-    if ROWS:
-        # this warpgroup's keys: the local query rows each is seen by, for the whole loop;
-        # [full_lo, full_hi): the rows that see all of them
-        key_q_lo, key_q_hi = key_query_bounds(key_idx, Sq, Sk, q_start, k_start, 0, 0, QLO, QHI, MASK_ROWS)
-        if WG == 0:
-            full_lo = rows_full_lo0
-            full_hi = rows_full_hi0
-        else:
-            full_lo = rows_full_lo1
-            full_hi = rows_full_hi1
-    if n_iter > 0:
-        mbarrier.wait(kv_bar.index(0), 0)  # phase 0: K and V landed (the producer's one expect)
-    for i in range(n_iter):
-        s = i % STAGES
-        h, off_m = _query_block(i, hk, group, m_first, n_m, BLOCK_M, WALK)
-        # ready[s]: the (i // STAGES)-th completion of stage s's barrier
-        mbarrier.wait(ready.index(s), (i // STAGES) & 1)
-        q_t = q_bufs.index(s).reshape([BLOCK_M, BLOCK_D])
-        do_t = do_bufs.index(s).reshape([BLOCK_M, BLOCK_D])
-        # K and V through an index the compiler cannot prove constant: their wgmma descriptors
-        # are then rebuilt per step (a few uniform adds) instead of being kept across the loop,
-        # which ran out of uniform registers and spilled
-        zero = _opaque(i * 0)
-        k_all = k_smem.index(zero).reshape([BLOCK_N, BLOCK_D])
-        k_wg = k_all.slice(WG * KEYS, KEYS, dim=0)  # (KEYS, D): A of S^T
-        k_cols = k_all.slice(WG * DQ_COLS, DQ_COLS, dim=1)  # (BLOCK_N, DQ_COLS): B of dQ_wg
-        v_wg = v_smem.index(zero).reshape([BLOCK_N, BLOCK_D]).slice(WG * KEYS, KEYS, dim=0)
-        st_tok = warpgroup_mma(k_wg, q_t.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        dpt_tok = warpgroup_mma(v_wg, do_t.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        offset = st_bufs.index(2 * s).load(gl.SliceLayout(0, s_layout))
-        # groups complete in order: one left in flight means S^T is done, dP^T may not be
-        st = warpgroup_mma_wait(1, deps=(st_tok,))
-        st = _mask_scores(
-            st, key_ragged, off_m, full_lo, full_hi, key_idx, q_idx, key_q_lo, key_q_hi, Sk, q_start, k_start, left,
-            BLOCK_M, CAUSAL, HAS_LEFT, ROWS,
-        )  # fmt: skip
-        pt = gl.exp2(gl.fma(st, qk_scale, -offset[None, :]))
-        pt_op = gl.convert_layout(pt.to(dtype), op_layout)
-        dv_tok = warpgroup_mma(pt_op, do_t, dv, is_async=True)
-        delta = st_bufs.index(2 * s + 1).load(gl.SliceLayout(0, s_layout))
-        # in flight: dP^T, dV; one left means dP^T is done
-        dpt = warpgroup_mma_wait(1, deps=(dpt_tok,))
-        ds = (pt * (dpt - delta[None, :])).to(dtype)
-        if LAG:
-            ds_op = gl.convert_layout(ds, op_layout)
-            # dQ one step late: dQ(i - 1) from dS(i - 1), which both warpgroups wrote during step
-            # i - 1, so the barrier below is normally passed at once and the warpgroups may
-            # drift up to one step apart instead of meeting every step (module docstring).
-            # Three dS buffers, dS(i) in buffer i % 3; ds_bar[i % 3]: count 2, one
-            # arrival per warpgroup at step i; its n-th use (n = i // 3) completes phase n.
-            #  - wait for dS(i - 1), parity ((i - 1) // 3) & 1: the barrier cannot be two phases
-            #    ahead, its next arrivals (step i + 2) need this warpgroup's, which come later.
-            #  - no phase skipped: a warpgroup arrives for step i (use n) after passing the wait
-            #    for step i - 1 (below, before its arrival), so the other warpgroup had arrived
-            #    for step i - 1, hence for step i - 3 (use n - 1): phase n - 1 was complete.
-            #  - buffer reuse: dS(i) overwrites dS(i - 3), which this warpgroup read at step
-            #    i - 2 (finished by that step's wait(0)) and the other one at its step i - 2;
-            #    this warpgroup's store comes after its wait for dS(i - 1), so the other
-            #    warpgroup had arrived at step i - 1, which follows its step i - 2's wait(0).
-            # At i = 0 there is no dS(-1): the matmul reads buffer 2 (not written before step 2,
-            # which neither warpgroup reaches before both arrived for step 1) and its result is
-            # dropped; the barrier wait and the atomics are skipped.
-            ip = i + 2  # i - 1 modulo 3 without a negative operand
-            if DQ_FIRST:
-                # FlashAttention-3's order: dQ before dK, then the dQ atomics run while dK is in
-                # the tensor cores (wait(1) below leaves dK in flight)
-                if i > 0:
-                    mbarrier.wait(ds_bar.index(ip % 3), ((i - 1) // 3) & 1)
-                dq_tok = warpgroup_mma(
-                    ds_bufs.index(ip % 3).permute((1, 0)), k_cols, dq_zero, use_acc=False, is_async=True
-                )
-                dk_tok = warpgroup_mma(ds_op, q_t, dk, is_async=True)
-                ds_bufs.index(_opaque(i % 3)).slice(WG * KEYS, KEYS, dim=0).store(ds)
-                fence_async_shared()
-                mbarrier.arrive(ds_bar.index(i % 3))
-                # in flight: dV, dQ(i - 1), dK; one left: dV and dQ are done
-                dv, dq, pt_op = warpgroup_mma_wait(1, deps=(dv_tok, dq_tok, pt_op))
-                if i > 0:
-                    hp, off_mp = _query_block(i - 1, hk, group, m_first, n_m, BLOCK_M, WALK)
-                    _dq_add(dq, DQ, b, hp, off_mp, Sq, stride_dqb, stride_dqs, stride_dqh, sm_scale, dq_rows,
-                            dq_cols, WG, BLOCK_M, DQ_COLS, DQ_BLOCKED, dq_layout)  # fmt: skip
-                dk, ds_op = warpgroup_mma_wait(0, deps=(dk_tok, ds_op))
-                mbarrier.arrive(empty.index(s))
-            else:
-                dk_tok = warpgroup_mma(ds_op, q_t, dk, is_async=True)
-                if i > 0:
-                    mbarrier.wait(ds_bar.index(ip % 3), ((i - 1) // 3) & 1)
-                dq_tok = warpgroup_mma(
-                    ds_bufs.index(ip % 3).permute((1, 0)), k_cols, dq_zero, use_acc=False, is_async=True
-                )
-                ds_bufs.index(_opaque(i % 3)).slice(WG * KEYS, KEYS, dim=0).store(ds)
-                fence_async_shared()
-                mbarrier.arrive(ds_bar.index(i % 3))
-                dv, dk, dq, pt_op, ds_op = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok, dq_tok, pt_op, ds_op))
-                mbarrier.arrive(empty.index(s))
-                if i > 0:
-                    hp, off_mp = _query_block(i - 1, hk, group, m_first, n_m, BLOCK_M, WALK)
-                    _dq_add(dq, DQ, b, hp, off_mp, Sq, stride_dqb, stride_dqs, stride_dqh, sm_scale, dq_rows,
-                            dq_cols, WG, BLOCK_M, DQ_COLS, DQ_BLOCKED, dq_layout)  # fmt: skip
-        else:
-            # dS^T of this warpgroup's keys into rows WG * KEYS.. of buffer i % 2
-            ds_buf = ds_bufs.index(i % 2)
-            ds_buf.slice(WG * KEYS, KEYS, dim=0).store(ds)
-            ds_op = gl.convert_layout(ds, op_layout)
-            dk_tok = warpgroup_mma(ds_op, q_t, dk, is_async=True)
-            # Both halves of dS must be in shared memory before either warpgroup reads it.
-            # ds_bar[i % 2]: count 2, one arrival per warpgroup (mbarrier.arrive syncs the
-            # warpgroup's 128 threads, then one thread arrives); its n-th use (n = i // 2)
-            # completes phase n, so wait for parity n & 1. A warpgroup arrives for use n + 1 only
-            # after its own wait for use n has passed, so no phase is skipped. The fence makes
-            # the generic stores above visible to the wgmma (async proxy) reads.
-            fence_async_shared()
-            mbarrier.arrive(ds_bar.index(i % 2))
-            mbarrier.wait(ds_bar.index(i % 2), (i // 2) & 1)
-            dq_tok = warpgroup_mma(ds_buf.permute((1, 0)), k_cols, dq_zero, use_acc=False, is_async=True)
-            dv, dk, dq, pt_op, ds_op = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok, dq_tok, pt_op, ds_op))
-            # Stage s fully read (S^T, dP^T, dV, dK are done): release it. empty[s] has count 2.
-            # Buffer i % 2 of dS is rewritten at iteration i + 2, after both warpgroups have
-            # passed ds_bar at i + 1, which each reaches only after this wait: its dQ read is done.
-            mbarrier.arrive(empty.index(s))
-            _dq_add(dq, DQ, b, h, off_m, Sq, stride_dqb, stride_dqs, stride_dqh, sm_scale, dq_rows, dq_cols, WG,
-                    BLOCK_M, DQ_COLS, DQ_BLOCKED, dq_layout)  # fmt: skip
-    if LAG:
-        if n_iter > 0:
-            # the last step's dQ: dS(n_iter - 1) from both warpgroups
-            last = n_iter - 1
-            mbarrier.wait(ds_bar.index(last % 3), (last // 3) & 1)
-            k_cols = k_smem.index(0).reshape([BLOCK_N, BLOCK_D]).slice(WG * DQ_COLS, DQ_COLS, dim=1)
-            dq_tok = warpgroup_mma(
-                ds_bufs.index(last % 3).permute((1, 0)), k_cols, dq_zero, use_acc=False, is_async=True
-            )
-            dq = warpgroup_mma_wait(0, deps=(dq_tok,))
-            hp, off_mp = _query_block(last, hk, group, m_first, n_m, BLOCK_M, WALK)
-            _dq_add(dq, DQ, b, hp, off_mp, Sq, stride_dqb, stride_dqs, stride_dqh, sm_scale, dq_rows, dq_cols, WG,
-                    BLOCK_M, DQ_COLS, DQ_BLOCKED, dq_layout)  # fmt: skip
-    row0 = n0 + WG * KEYS
-    if LAG:
-        # through opaque moves: the pointers' 64-bit parts are then computed here, not before the
-        # loop and kept across it (ptxas spilled them in the accumulating causal case)
-        b = _opaque(b)
-        hk = _opaque(hk)
-    # a key block no query sees adds nothing: accumulating, it is left as it is (a ring step's
-    # idle keys); otherwise its zeros are written
-    if n_iter > (0 if ACCUMULATE else -1):
-        _store_grad(
-            dk * sm_scale,
-            DK + b.to(gl.int64) * stride_dkb + hk.to(gl.int64) * stride_dkh,
-            row0,
-            Sk,
-            stride_dks,
-            ACCUMULATE,
-            KEYS,
-            HEAD_DIM,
-            kv_layout,
-        )
-        _store_grad(
-            dv,
-            DV + b.to(gl.int64) * stride_dvb + hk.to(gl.int64) * stride_dvh,
-            row0,
-            Sk,
-            stride_dvs,
-            ACCUMULATE,
-            KEYS,
-            HEAD_DIM,
-            kv_layout,
-        )
+    """Consumer warpgroup WG: the key blocks of _tile_coords' rounds, each planned here as the
+    producer plans it (_consume_key_block)."""
+    it = 0  # (as _producer)
+    uses = 0
+    for r in range(_rounds(num_tiles, PERSISTENT)):
+        p0, p1, p2, dim0, valid = _tile_coords(r, num_tiles, grid0, grid1, PERSISTENT)
+        if valid:
+            Sq_b = Sq
+            q_start_b = q_start
+            k_start_b = k_start
+            if PERSISTENT:  # per block: else values derived from them once for all blocks are kept (spilled)
+                Sq_b = _opaque(Sq)
+                q_start_b = _opaque(q_start)
+                k_start_b = _opaque(k_start)
+            n_iter = _consume_key_block(
+                WG, q_bufs, do_bufs, st_bufs, k_smem, v_smem, ds_bufs, kv_bar, ready, empty, ds_bar, DQ,
+                DK, DV, stride_dqb, stride_dqs, stride_dqh, stride_dkb, stride_dks, stride_dkh,
+                stride_dvb, stride_dvs, stride_dvh, Hq, Hkv, group, Sq_b, Sk, q_start_b, k_start_b, left, QLO,
+                QHI, rows_first, rows_n, rows_full_lo0, rows_full_hi0, rows_full_lo1, rows_full_hi1,
+                qk_scale, sm_scale, HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_M, BLOCK_N, STAGES,
+                CAUSAL, HAS_LEFT, ROWS, ACCUMULATE, WALK, DQ_BLOCKED, LAG, DQ_FIRST, qt_bufs, kt_smem,
+                BLOCK_DT, GROUPED_HEADS, p0, p1, p2, dim0, it, uses, kv_empty, PERSISTENT
+            )  # fmt: skip
+            it += n_iter
+            uses += gl.minimum(n_iter, 1)
 
 
 @gluon.jit
@@ -792,9 +1018,11 @@ def _consumer_split_d(
     gl.static_assert(BLOCK_N == 64, "one warpgroup's wgmma tile is 64 rows: the block's keys")
     gl.static_assert(BLOCK_M == 64, "64 query rows per step, 32 per warpgroup's scores")
 
+    p0 = gl.program_id(0)  # (one key block a program: no persistent schedule here)
     b, hk, n0, m_first, n_m, full_lo, full_hi, key_ragged = _plan(
-        Hkv, Sq, Sk, q_start, k_start, left, rows_first, rows_n, CAUSAL, HAS_LEFT, ROWS, BLOCK_M, BLOCK_N, GROUPED_HEADS
-    )
+        p0, gl.program_id(1), gl.program_id(2), gl.num_programs(0), Hkv, Sq, Sk, q_start, k_start, left, rows_first,
+        rows_n, CAUSAL, HAS_LEFT, ROWS, BLOCK_M, BLOCK_N, GROUPED_HEADS,
+    )  # fmt: skip
     n_iter = group * n_m
     dk = gl.zeros([BLOCK_N, DK_COLS], gl.float32, acc_layout)
     dv = gl.zeros([BLOCK_N, COLS_V], gl.float32, v_layout)
@@ -817,7 +1045,7 @@ def _consumer_split_d(
         mbarrier.wait(kv_bar.index(0), 0)
     for i in range(n_iter):
         s = i % STAGES
-        h, off_m = _query_block(i, hk, group, m_first, n_m, BLOCK_M, WALK)
+        h, off_m = _query_block(i, hk, group, m_first, n_m, p0, BLOCK_M, WALK)
         mbarrier.wait(ready.index(s), (i // STAGES) & 1)
         q_t = q_bufs.index(s).reshape([BLOCK_M, BLOCK_D])
         do_t = do_bufs.index(s).reshape([BLOCK_M, BLOCK_DV])
@@ -901,7 +1129,9 @@ def _consumer_split_d(
         )
 
 
-@gluon.jit(do_not_specialize=["group", "Sq", "Sk", "Sq_pad", "q_start", "k_start", "left"])
+@gluon.jit(
+    do_not_specialize=["group", "Sq", "Sk", "Sq_pad", "q_start", "k_start", "left", "num_tiles", "grid0", "grid1"]
+)
 def _bwd_ws2(
     q_desc,
     k_desc,
@@ -935,6 +1165,9 @@ def _bwd_ws2(
     QHI,
     qk_scale,
     sm_scale,
+    num_tiles,
+    grid0,
+    grid1,
     HEAD_DIM: gl.constexpr,
     BLOCK_D: gl.constexpr,
     BLOCK_DT: gl.constexpr,
@@ -953,6 +1186,7 @@ def _bwd_ws2(
     DQ_FIRST: gl.constexpr,
     SPLIT_D: gl.constexpr,
     GROUPED_HEADS: gl.constexpr,
+    PERSISTENT: gl.constexpr,
     PRODUCER_REGS: gl.constexpr,
     CONSUMER_REGS: gl.constexpr,
     num_warps: gl.constexpr,
@@ -965,11 +1199,15 @@ def _bwd_ws2(
     BLOCK_D columns by q_desc / k_desc and BLOCK_DT from column BLOCK_D on by qt_desc / kt_desc
     (blocks [.., BLOCK_DT]; None without a tail). num_warps = 4 (the default partition is consumer
     warpgroup 0). DQ: float32 (B, Sq, Hq, HEAD_DIM) added to atomically, or (DQ_BLOCKED) the
-    blocked (B, Hq, Sq_pad, BLOCK_D); DK (B, Sk, Hkv, HEAD_DIM), DV (B, Sk, Hkv, HEAD_DIM_V)."""
+    blocked (B, Hq, Sq_pad, BLOCK_D); DK (B, Sk, Hkv, HEAD_DIM), DV (B, Sk, Hkv, HEAD_DIM_V).
+    PERSISTENT (ws2, dense blocks): a 1-D grid of programs that each take several of the
+    num_tiles key blocks of a grid0 x grid1 x .. launch (_tile_coords); without it num_tiles,
+    grid0 and grid1 are unused."""
     gl.static_assert(num_warps == 4, "the default partition is one consumer warpgroup")
     gl.static_assert(q_desc.block_type.shape[1] == BLOCK_M)
     gl.static_assert(k_desc.block_type.shape[1] == BLOCK_N)
     gl.static_assert(not (ROWS and GROUPED_HEADS), "packed documents keep the grid's order")
+    gl.static_assert(not (PERSISTENT and (ROWS or SPLIT_D)), "persistent programs: ws2, dense blocks")
     dtype: gl.constexpr = q_desc.dtype
     q_bufs = gl.allocate_shared_memory(dtype, [STAGES] + q_desc.block_type.shape, q_desc.layout)
     do_bufs = gl.allocate_shared_memory(dtype, [STAGES] + do_desc.block_type.shape, do_desc.layout)
@@ -995,6 +1233,10 @@ def _bwd_ws2(
         DS_BUFS: gl.constexpr = 3 if LAG else 2  # LAG: dS(i) is read during step i + 1 (_consumer)
     ds_bufs = gl.allocate_shared_memory(dtype, [DS_BUFS, BLOCK_N, BLOCK_M], ds_layout)
     kv_bar = _alloc_bars(1)
+    if PERSISTENT:  # both consumer warpgroups done with a key block's K and V: the next may load
+        kv_empty = _alloc_bars(1, 2)
+    else:  # (a stand-in, never used)
+        kv_empty = kv_bar
     ready = _alloc_bars(STAGES)
     empty = _alloc_bars(STAGES, 2)  # released when both consumer warpgroups are done with a stage
     ds_bar = _alloc_bars(2 if SPLIT_D else DS_BUFS, 2)  # both halves of dS (SPLIT_D: and P^T) written
@@ -1084,6 +1326,7 @@ def _bwd_ws2(
         k_smem,
         v_smem,
         kv_bar,
+        kv_empty,
         ready,
         empty,
         Hq,
@@ -1097,6 +1340,9 @@ def _bwd_ws2(
         left,
         rows_first,
         rows_n,
+        num_tiles,
+        grid0,
+        grid1,
         CAUSAL,
         HAS_LEFT,
         ROWS,
@@ -1111,7 +1357,9 @@ def _bwd_ws2(
         BLOCK_D,
         BLOCK_DT,
         GROUPED_HEADS,
+        PERSISTENT,
     )
+    persistent_args: gl.constexpr = (kv_empty, num_tiles, grid0, grid1, PERSISTENT)
     if SPLIT_D:
         gl.warp_specialize(
             [
@@ -1124,7 +1372,11 @@ def _bwd_ws2(
         )
     else:
         gl.warp_specialize(
-            [(_consumer, (0,) + consumer_args), (_consumer, (1,) + consumer_args), (_producer, () + producer_args)],
+            [
+                (_consumer, (0,) + consumer_args + persistent_args),
+                (_consumer, (1,) + consumer_args + persistent_args),
+                (_producer, () + producer_args),
+            ],
             [4, 1],
             [CONSUMER_REGS, PRODUCER_REGS],
         )

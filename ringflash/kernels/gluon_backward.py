@@ -29,6 +29,7 @@ caller uses the Triton kernels instead.
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -48,6 +49,7 @@ from .gluon_forward import (
     compiled_report,
     device_capability,
     heads_within_l2,
+    multiprocessors,
     padded_head_dim,
     timed_compile,
 )
@@ -120,6 +122,11 @@ class GluonBwdConfig:
     # streamed Q, dO and dQ within gluon_forward.TILE_ORDER_L2_BYTES) before any key block j + 1,
     # so that the launch does not end on one head's heaviest key blocks (heads_per_group)
     group_heads: bool = False
+    # ws2, dense blocks: at most one program per multiprocessor, each taking several key blocks
+    # in turn (_gluon_bwd._tile_coords), the next block's first Q / dO stages and its K / V loaded
+    # while the last block's final steps and dK / dV stores run; packed documents keep one block
+    # a program
+    persistent: bool = False
 
     def __post_init__(self):
         if self.schedule not in ("ws2", "ws2_split_d"):
@@ -135,6 +142,8 @@ class GluonBwdConfig:
             raise ValueError("dq_first needs lag (without it dQ waits for both halves of dS every step)")
         if self.pieces and not self.split_d:
             raise ValueError("head dims in pieces run the head-dim split schedule (ws2_split_d)")
+        if self.persistent and self.split_d:
+            raise ValueError("persistent programs run the ws2 schedule (ws2_split_d keeps one key block a program)")
         if self.walk not in WALKS:
             raise ValueError(f"unknown walk {self.walk!r} (one of {WALKS})")
 
@@ -166,6 +175,10 @@ _CONFIGS = {
     "ws2_lag_grouped": GluonBwdConfig(stages=2, dq_blocked=True, lag=True, group_heads=True),
     # the same, each key block walking its query blocks from the last one down (configs.GLUON_BWD)
     "ws2_lag_grouped_down": GluonBwdConfig(stages=2, dq_blocked=True, lag=True, group_heads=True, walk="down"),
+    # the same in persistent programs
+    "ws2_lag_grouped_down_p": GluonBwdConfig(
+        stages=2, dq_blocked=True, lag=True, group_heads=True, walk="down", persistent=True
+    ),
 }
 # the same tiles at D = 64 and 128 (D = 64: half the shared memory; compiles without spills,
 # `python benchmarks/gluon_bwd_report.py`); D = 256 splits the head dim instead (dK and dV of
@@ -598,6 +611,7 @@ def launch_plan(
         DQ_FIRST=cfg.dq_first,
         SPLIT_D=cfg.split_d,
         GROUPED_HEADS=False,
+        PERSISTENT=False,
         PRODUCER_REGS=cfg.producer_regs,
         CONSUMER_REGS=cfg.consumer_regs,
         num_warps=cfg.num_warps,
@@ -635,10 +649,19 @@ def launch_plan(
     if cfg.group_heads and kwargs["CAUSAL"] and bounds is None:
         # per kv head: its q heads' Q and dO read, dQ added in float32, by every key block
         streamed = Sq * (Hq // Hkv) * ((D + Dv) * q.element_size() + D * 4)
-        heads = heads_per_group(B * Hkv, streamed)
+        # persistent programs take the blocks in a fixed order (_gluon_bwd._tile_coords): only
+        # one group of all heads makes that order heaviest first over the whole launch, which
+        # the snake then balances (groups of a few heads repeat heavy to light: modelled in
+        # steps a block, the busiest program 1.3-1.6x the mean at 4K-16K keys, against 1.01)
+        heads = B * Hkv if cfg.persistent else heads_per_group(B * Hkv, streamed)
         if heads > 1:
             grid = (heads, grid[0], B * Hkv // heads)
             kwargs["GROUPED_HEADS"] = True
+    num_tiles = math.prod(grid)
+    args += (num_tiles, grid[0], grid[1])  # (read only by persistent programs)
+    if cfg.persistent and bounds is None:
+        kwargs["PERSISTENT"] = True
+        grid = (min(num_tiles, multiprocessors(q.device)),)
     return _k.KERNELS[cfg.schedule], grid, args, kwargs
 
 
