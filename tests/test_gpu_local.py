@@ -291,12 +291,14 @@ def test_fused_backward_grouped_heads(D, causal, window_size, monkeypatch):
      (True, (300, 0), 257, 2049)],
 )  # fmt: skip
 def test_fused_backward_persistent(D, causal, window_size, Sq, Sk, monkeypatch):
-    """The fused backward's key blocks in persistent programs (ws2_lag_grouped_down_p), here
-    three programs for 36 or 68 key blocks: many rounds in snake order, the last one partial,
-    and (257 queries under a 300-key window at the end of 2049 keys) blocks that no query sees
-    between blocks with steps. dK and dV bitwise equal to one block a program's (each block's
-    sums are one program's, in the same order), dQ (float32 atomics in another order) and all
-    against float64 within the plain bound; the launch was one-dimensional, three programs."""
+    """The fused backward's key blocks in persistent programs, here three programs for 36 or 68
+    key blocks: in fixed snake turns (ws2_lag_grouped_down_p: many rounds, the last one partial)
+    and handed out by a counter (ws2_lag_grouped_down_pc), and (257 queries under a 300-key window
+    at the end of 2049 keys) blocks that no query sees between blocks with steps. dK and dV
+    bitwise equal to one block a program's (each block's sums are one program's, in the same
+    order), dQ (float32 atomics in another order) and all against float64 within the plain
+    bound; the launches were one-dimensional, three programs, and the counter's last call ran
+    on a kept plan (with its own counter)."""
     from ringflash.kernels import configs, gluon_backward
 
     force_fused_backward(monkeypatch)
@@ -311,21 +313,24 @@ def test_fused_backward_persistent(D, causal, window_size, Sq, Sk, monkeypatch):
     do = torch.randn(q.shape, device="cuda", generator=g, dtype=torch.bfloat16)
     kw = dict(causal=causal, window_size=window_size)
     grads = {}
-    for variant in ("ws2_lag_grouped_down", "ws2_lag_grouped_down_p"):
+    variants = ("ws2_lag_grouped_down", "ws2_lag_grouped_down_p", "ws2_lag_grouped_down_pc")
+    # the counter's variant three times: its plan is built on the second call, kept for the third
+    for variant in variants + variants[-1:] * 2:
         with configs.override(gluon_bwd=variant):
             out = flash_attn_func(q, k, v, **kw)
             grads[variant] = torch.autograd.grad(out, (q, k, v), do)
-    (_, grid, _, kwargs), (_, grid_p, _, kwargs_p) = plans[-2:]
-    assert not kwargs["PERSISTENT"] and kwargs_p["PERSISTENT"] and grid_p == (3,), (grid, grid_p)
-    assert kwargs_p["GROUPED_HEADS"] == kwargs["GROUPED_HEADS"]
-    for i in (1, 2):
-        assert torch.equal(grads["ws2_lag_grouped_down"][i], grads["ws2_lag_grouped_down_p"][i])
+    assert [p[3]["PERSISTENT"] for p in plans] == [0, 1, 2, 2], [p[3] for p in plans]
+    assert [p[1] for p in plans[1:]] == [(3,)] * 3
+    for variant in variants[1:]:
+        for i in (1, 2):
+            assert torch.equal(grads["ws2_lag_grouped_down"][i], grads[variant][i]), variant
     ref = naive_attention(q, k, v, **kw)[0]
     ref_grads = torch.autograd.grad(ref, (q, k, v), do.double())
     plain = naive_attention(q, k, v, dtype=torch.bfloat16, **kw)[0]
     plain_grads = torch.autograd.grad(plain, (q, k, v), do)
-    for name, got, r, p in zip(("dq", "dk", "dv"), grads["ws2_lag_grouped_down_p"], ref_grads, plain_grads):
-        assert_within(f"persistent {name}", got, r, p)
+    for variant in variants[1:]:
+        for name, got, r, p in zip(("dq", "dk", "dv"), grads[variant], ref_grads, plain_grads):
+            assert_within(f"{variant} {name}", got, r, p)
 
 
 @pytest.mark.parametrize("variant", ["pointers", "tma", "tma+ws"])

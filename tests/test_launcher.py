@@ -376,9 +376,9 @@ def test_gluon_backward_grouped_heads_plan(monkeypatch):
 
 def test_gluon_backward_persistent_plan(monkeypatch):
     """A persistent config launches at most one program per multiprocessor on a 1-D grid, with
-    PERSISTENT set and the grid it stands for (blocks in all, its first two dimensions) among
-    the arguments; packed documents (per-row bounds) keep one block a program; the head-dim
-    split schedule has no persistent form."""
+    PERSISTENT set (1: fixed turns, 2: blocks from a counter) and the grid it stands for (blocks
+    in all, its first two dimensions) among the arguments; packed documents (per-row bounds) keep
+    one block a program; the head-dim split schedule has no persistent form."""
     from ringflash.kernels import gluon_backward as gb
     from ringflash.kernels import gluon_forward as gf
     from ringflash.masks import RowBounds
@@ -413,8 +413,26 @@ def test_gluon_backward_persistent_plan(monkeypatch):
     whole = torch.zeros(S, dtype=torch.int32), torch.full((S,), S, dtype=torch.int32)
     bounds = RowBounds(*whole, *whole)
     assert plan("ws2_lag_grouped_down_p", sms=5, bounds=bounds)[:2] == ((blocks, B * Hkv), False)
+    # handed out at run time: the same 1-D grid, the default's head groups kept (here two of the
+    # four), and a zeroed int32 counter of this launch's own among the arguments
+    monkeypatch.setattr(gb, "multiprocessors", lambda device: 132)
+    cfg = gb.config_for(D, "ws2_lag_grouped_down_pc")
+    kernel, grid, args, kwargs = gb.launch_plan(q, k, k.clone(), stats, q.clone(), *grads, q_start=0, k_start=0,
+                                                scale=0.1, accumulate=False, cfg=cfg, causal=True)  # fmt: skip
+    named = dict(zip(kernel.arg_names, args))
+    assert grid == (tiles,) and kwargs["PERSISTENT"] == 2 and kwargs["GROUPED_HEADS"]
+    assert (named["num_tiles"], named["grid0"], named["grid1"]) == (tiles, 2, blocks)
+    counter = named["TILE_COUNTER"]
+    assert counter.dtype == torch.int32 and counter.shape == (1,) and int(counter) == 0
+    assert plan("ws2_lag_grouped_down_p")[1] == 1 and gb.PERSISTENT_TURNS == ("snake", "counter")
+    # persistent for causal launches only: a non-causal one keeps one block a program, no counter
+    assert plan("ws2_lag_grouped_down_pcc", causal=True)[:2] == ((tiles,), 2)
+    assert plan("ws2_lag_grouped_down_pcc", window=(None, 5))[:2] == ((tiles,), 2)
+    assert plan("ws2_lag_grouped_down_pcc")[:2] == ((blocks, B * Hkv), 0)
     with pytest.raises(ValueError, match="persistent programs run the ws2 schedule"):
-        gb.GluonBwdConfig(schedule="ws2_split_d", block_n=64, persistent=True)
+        gb.GluonBwdConfig(schedule="ws2_split_d", block_n=64, persistent="snake")
+    with pytest.raises(ValueError, match="unknown persistent turns 'sometimes'"):
+        gb.GluonBwdConfig(persistent="sometimes")
 
 
 def test_gluon_backward_takes_v_head_dim_apart_only_split():

@@ -38,8 +38,10 @@ Options (constexprs; gluon_backward.VARIANTS names the combinations):
 - DQ_FIRST (with LAG): FlashAttention-3's order, dQ(i - 1) issued before dK(i); the dQ atomics
   then run while dK is in the tensor cores.
 - PERSISTENT (ws2, dense blocks): at most one program per multiprocessor, each taking key
-  blocks in fixed turns (_tile_coords); the barriers' phases run on from block to block and
-  kv_empty holds the next block's K / V load until both consumers are done with the last.
+  blocks in fixed turns (1: _tile_coords) or from a counter that the producer reads and passes
+  to the consumers (2: _fetch_tile, _publish_tile, _receive_tile); the barriers' phases run on
+  from block to block and kv_empty holds the next block's K / V load until both consumers are
+  done with the last.
 
 Statistics: `offset` = m + log2(l) per query row (+inf for rows that saw no key and for the
 padding rows past Sq, so their probabilities are exactly 0), `delta` = rowsum(dO * O); both
@@ -60,7 +62,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from ._gluon_fwd import _alloc_bars, _hull_and_core, _mma_layout
+from ._gluon_fwd import _alloc_bars, _hull_and_core, _max_combine, _mma_layout
 from .tiles import MASK_ROWS, in_bounds, key_query_bounds
 
 # ----------------------------------------------------------------------------------------------
@@ -221,11 +223,60 @@ def _tile_coords(r, num_tiles, grid0, grid1, PERSISTENT: gl.constexpr):
         n = _program_count()
         p = gl.program_id(0)
         t = r * n + p + (r % 2) * (n - 1 - 2 * p)
-        p0 = t % grid0
-        rest = t // grid0
-        return p0, rest % grid1, rest // grid1, grid0, t < num_tiles
+        p0, p1, p2 = _grid_coords(t, grid0, grid1)
+        return p0, p1, p2, grid0, t < num_tiles
     else:
         return gl.program_id(0), gl.program_id(1), gl.program_id(2), gl.num_programs(0), True
+
+
+@gluon.jit
+def _grid_coords(t, grid0, grid1):
+    """(p0, p1, p2): the coordinates of the t-th program of a grid0 x grid1 x .. launch (p0 fastest)."""
+    rest = t // grid0
+    return t % grid0, rest % grid1, rest // grid1
+
+
+# Handed out at run time (PERSISTENT == 2): the producer takes the program's next key block from
+# a counter in global memory and passes it to both consumers through one of two shared slots.
+
+
+@gluon.jit
+def _fetch_tile(counter):
+    """The next key block of the launch: the counter's value before adding 1, read by lane 0 of the
+    producer warp and passed to every lane (one atomic a warp, not 32)."""
+    return gl.inline_asm_elementwise(
+        "{ .reg .pred p; .reg .b32 r, l; mov.b32 r, 0; mov.u32 l, %laneid; setp.eq.u32 p, l, 0;"
+        " @p atom.global.relaxed.gpu.add.u32 r, [$1], 1; shfl.sync.idx.b32 $0, r, 0, 0x1f, 0xffffffff; }",
+        "=r,l",
+        [counter.to(gl.int64, bitcast=True)],
+        gl.int32,
+        is_pure=False,
+        pack=1,
+    )
+
+
+@gluon.jit
+def _publish_tile(tile_ids, tile_full, tile_empty, k, t):
+    """The producer: key block t as the program's k-th into slot k % 2, once both consumers have
+    read what the slot held (tile_empty: count 2; a fresh barrier passes parity 1); tile_full
+    (count 1) completes its (k // 2)-th phase with it."""
+    slot = k % 2
+    mbarrier.wait(tile_empty.index(slot), ((k // 2) & 1) ^ 1)
+    one: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
+    tile_ids.index(slot).store(gl.full([1], t, gl.int32, one))
+    mbarrier.arrive(tile_full.index(slot))
+
+
+@gluon.jit
+def _receive_tile(tile_ids, tile_full, tile_empty, k):
+    """A consumer warpgroup: the program's k-th key block from slot k % 2 (_publish_tile), then
+    the slot released."""
+    slot = k % 2
+    mbarrier.wait(tile_full.index(slot), (k // 2) & 1)
+    four: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+    t = gl.reduce(tile_ids.index(slot).load(four), 0, _max_combine)
+    mbarrier.arrive(tile_empty.index(slot))
+    return t
 
 
 # ----------------------------------------------------------------------------------------------
@@ -311,6 +362,10 @@ def _producer(
     num_tiles,
     grid0,
     grid1,
+    TILE_COUNTER,
+    tile_ids,
+    tile_full,
+    tile_empty,
     CAUSAL: gl.constexpr,
     HAS_LEFT: gl.constexpr,
     ROWS: gl.constexpr,
@@ -334,40 +389,79 @@ def _producer(
     and of every Q block, on the same barriers."""
     it = 0  # the steps of this program's earlier key blocks
     uses = 0  # ... its earlier key blocks with steps (K and V loaded)
-    for r in range(_rounds(num_tiles, PERSISTENT)):
-        p0, p1, p2, dim0, valid = _tile_coords(r, num_tiles, grid0, grid1, PERSISTENT)
-        if valid:
-            b, hk, n0, m_first, n_m, _, _, _ = _plan(
-                p0, p1, p2, dim0, Hkv, Sq, Sk, q_start, k_start, left, rows_first, rows_n, CAUSAL, HAS_LEFT, ROWS,
-                BLOCK_M, BLOCK_N, GROUPED_HEADS,
+    if PERSISTENT == 2:
+        k = 0  # key blocks taken
+        t = _fetch_tile(TILE_COUNTER)
+        while t < num_tiles:
+            _publish_tile(tile_ids, tile_full, tile_empty, k, t)
+            p0, p1, p2 = _grid_coords(t, grid0, grid1)
+            n_iter = _produce_key_block(
+                p0, p1, p2, grid0, it, uses, Hq, Hkv, group, Sq, Sk, Sq_pad, q_start, k_start, left, rows_first,
+                rows_n, q_desc, do_desc, k_desc, v_desc, st_desc, qt_desc, kt_desc, q_bufs, do_bufs, st_bufs, qt_bufs,
+                k_smem, v_smem, kt_smem, kv_bar, kv_empty, ready, empty, CAUSAL, HAS_LEFT, ROWS, BLOCK_M, BLOCK_N,
+                BLOCK_D, BLOCK_DT, STAGES, WALK, GROUPED_HEADS, PERSISTENT,
             )  # fmt: skip
-            n_iter = group * n_m
-            # K and V are loaded only when the consumers will wait for them (n_iter > 0): no copy
-            # may still be in flight when the program ends
-            if PERSISTENT:
-                # the first stages before K and V: their slots free up as the previous block's
-                # last steps end, K's and V's buffer only once both consumers are done with it
-                # (kv_empty: count 2, its use-th phase; a fresh barrier passes parity 1)
-                first = gl.minimum(n_iter, STAGES)
-                for i in range(first):
-                    _produce_stage(
-                        it + i, i, b, hk, group, m_first, n_m, p0, q_desc, do_desc, st_desc, qt_desc, q_bufs,
-                        do_bufs, st_bufs, qt_bufs, ready, empty, Hq, Sq_pad, BLOCK_M, BLOCK_D, BLOCK_DT, STAGES, WALK,
-                    )  # fmt: skip
-                if n_iter > 0:
-                    mbarrier.wait(kv_empty.index(0), (uses & 1) ^ 1)
-                    _produce_kv(b, hk, n0, k_desc, v_desc, kt_desc, k_smem, v_smem, kt_smem, kv_bar, BLOCK_D, BLOCK_DT)
-            else:
-                first = 0
-                if n_iter > 0:
-                    _produce_kv(b, hk, n0, k_desc, v_desc, kt_desc, k_smem, v_smem, kt_smem, kv_bar, BLOCK_D, BLOCK_DT)
-            for i in range(first, n_iter):
-                _produce_stage(
-                    it + i, i, b, hk, group, m_first, n_m, p0, q_desc, do_desc, st_desc, qt_desc, q_bufs, do_bufs,
-                    st_bufs, qt_bufs, ready, empty, Hq, Sq_pad, BLOCK_M, BLOCK_D, BLOCK_DT, STAGES, WALK,
-                )  # fmt: skip
+            # the next block taken only now: the consumers have about STAGES steps of this one
+            # left, and a block taken earlier would be held back from a program that is free
+            t = _fetch_tile(TILE_COUNTER)
             it += n_iter
             uses += gl.minimum(n_iter, 1)
+            k += 1
+        _publish_tile(tile_ids, tile_full, tile_empty, k, t)  # past the last block: the consumers stop
+    else:
+        for r in range(_rounds(num_tiles, PERSISTENT)):
+            p0, p1, p2, dim0, valid = _tile_coords(r, num_tiles, grid0, grid1, PERSISTENT)
+            if valid:
+                n_iter = _produce_key_block(
+                    p0, p1, p2, dim0, it, uses, Hq, Hkv, group, Sq, Sk, Sq_pad, q_start, k_start, left, rows_first,
+                    rows_n, q_desc, do_desc, k_desc, v_desc, st_desc, qt_desc, kt_desc, q_bufs, do_bufs, st_bufs,
+                    qt_bufs, k_smem, v_smem, kt_smem, kv_bar, kv_empty, ready, empty, CAUSAL, HAS_LEFT, ROWS, BLOCK_M,
+                    BLOCK_N, BLOCK_D, BLOCK_DT, STAGES, WALK, GROUPED_HEADS, PERSISTENT,
+                )  # fmt: skip
+                it += n_iter
+                uses += gl.minimum(n_iter, 1)
+
+
+@gluon.jit
+def _produce_key_block(
+    p0, p1, p2, dim0, it, uses, Hq, Hkv, group, Sq, Sk, Sq_pad, q_start, k_start, left, rows_first, rows_n, q_desc,
+    do_desc, k_desc, v_desc, st_desc, qt_desc, kt_desc, q_bufs, do_bufs, st_bufs, qt_bufs, k_smem, v_smem, kt_smem,
+    kv_bar, kv_empty, ready, empty, CAUSAL: gl.constexpr, HAS_LEFT: gl.constexpr, ROWS: gl.constexpr,
+    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, BLOCK_DT: gl.constexpr,
+    STAGES: gl.constexpr, WALK: gl.constexpr, GROUPED_HEADS: gl.constexpr, PERSISTENT: gl.constexpr,
+):  # fmt: skip
+    """The loads of the key block at grid coordinates (p0, p1, p2) (_plan), after the `it` steps
+    and `uses` K / V loads of the program's earlier blocks; returns its steps."""
+    b, hk, n0, m_first, n_m, _, _, _ = _plan(
+        p0, p1, p2, dim0, Hkv, Sq, Sk, q_start, k_start, left, rows_first, rows_n, CAUSAL, HAS_LEFT, ROWS, BLOCK_M,
+        BLOCK_N, GROUPED_HEADS,
+    )  # fmt: skip
+    n_iter = group * n_m
+    # K and V are loaded only when the consumers will wait for them (n_iter > 0): no copy may
+    # still be in flight when the program ends
+    if PERSISTENT:
+        # the first stages before K and V: their slots free up as the previous block's last
+        # steps end, K's and V's buffer only once both consumers are done with it (kv_empty:
+        # count 2, its use-th phase; a fresh barrier passes parity 1)
+        first = gl.minimum(n_iter, STAGES)
+        for i in range(first):
+            _produce_stage(
+                it + i, i, b, hk, group, m_first, n_m, p0, q_desc, do_desc, st_desc, qt_desc, q_bufs, do_bufs,
+                st_bufs, qt_bufs, ready, empty, Hq, Sq_pad, BLOCK_M, BLOCK_D, BLOCK_DT, STAGES, WALK,
+            )  # fmt: skip
+        if n_iter > 0:
+            mbarrier.wait(kv_empty.index(0), (uses & 1) ^ 1)
+            _produce_kv(b, hk, n0, k_desc, v_desc, kt_desc, k_smem, v_smem, kt_smem, kv_bar, BLOCK_D, BLOCK_DT)
+    else:
+        first = 0
+        if n_iter > 0:
+            _produce_kv(b, hk, n0, k_desc, v_desc, kt_desc, k_smem, v_smem, kt_smem, kv_bar, BLOCK_D, BLOCK_DT)
+    for i in range(first, n_iter):
+        _produce_stage(
+            it + i, i, b, hk, group, m_first, n_m, p0, q_desc, do_desc, st_desc, qt_desc, q_bufs, do_bufs, st_bufs,
+            qt_bufs, ready, empty, Hq, Sq_pad, BLOCK_M, BLOCK_D, BLOCK_DT, STAGES, WALK,
+        )  # fmt: skip
+    return n_iter
 
 
 # ----------------------------------------------------------------------------------------------
@@ -888,22 +982,24 @@ def _consumer(
     num_tiles,
     grid0,
     grid1,
+    tile_ids,
+    tile_full,
+    tile_empty,
     PERSISTENT: gl.constexpr,
 ):
-    """Consumer warpgroup WG: the key blocks of _tile_coords' rounds, each planned here as the
-    producer plans it (_consume_key_block)."""
+    """Consumer warpgroup WG: the key blocks the producer takes (_tile_coords' rounds, or with
+    PERSISTENT == 2 those it passes through tile_ids), each planned here as the producer plans
+    it (_consume_key_block)."""
     it = 0  # (as _producer)
     uses = 0
-    for r in range(_rounds(num_tiles, PERSISTENT)):
-        p0, p1, p2, dim0, valid = _tile_coords(r, num_tiles, grid0, grid1, PERSISTENT)
-        if valid:
-            Sq_b = Sq
-            q_start_b = q_start
-            k_start_b = k_start
-            if PERSISTENT:  # per block: else values derived from them once for all blocks are kept (spilled)
-                Sq_b = _opaque(Sq)
-                q_start_b = _opaque(q_start)
-                k_start_b = _opaque(k_start)
+    if PERSISTENT == 2:
+        k = 0
+        t = _receive_tile(tile_ids, tile_full, tile_empty, k)
+        while t < num_tiles:
+            p0, p1, p2 = _grid_coords(t, grid0, grid1)
+            Sq_b = _opaque(Sq)  # (per block, as below)
+            q_start_b = _opaque(q_start)
+            k_start_b = _opaque(k_start)
             n_iter = _consume_key_block(
                 WG, q_bufs, do_bufs, st_bufs, k_smem, v_smem, ds_bufs, kv_bar, ready, empty, ds_bar, DQ,
                 DK, DV, stride_dqb, stride_dqs, stride_dqh, stride_dkb, stride_dks, stride_dkh,
@@ -911,10 +1007,34 @@ def _consumer(
                 QHI, rows_first, rows_n, rows_full_lo0, rows_full_hi0, rows_full_lo1, rows_full_hi1,
                 qk_scale, sm_scale, HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_M, BLOCK_N, STAGES,
                 CAUSAL, HAS_LEFT, ROWS, ACCUMULATE, WALK, DQ_BLOCKED, LAG, DQ_FIRST, qt_bufs, kt_smem,
-                BLOCK_DT, GROUPED_HEADS, p0, p1, p2, dim0, it, uses, kv_empty, PERSISTENT
+                BLOCK_DT, GROUPED_HEADS, p0, p1, p2, grid0, it, uses, kv_empty, PERSISTENT
             )  # fmt: skip
             it += n_iter
             uses += gl.minimum(n_iter, 1)
+            k += 1
+            t = _receive_tile(tile_ids, tile_full, tile_empty, k)
+    else:
+        for r in range(_rounds(num_tiles, PERSISTENT)):
+            p0, p1, p2, dim0, valid = _tile_coords(r, num_tiles, grid0, grid1, PERSISTENT)
+            if valid:
+                Sq_b = Sq
+                q_start_b = q_start
+                k_start_b = k_start
+                if PERSISTENT:  # per block: else values derived from them once for all blocks are kept (spilled)
+                    Sq_b = _opaque(Sq)
+                    q_start_b = _opaque(q_start)
+                    k_start_b = _opaque(k_start)
+                n_iter = _consume_key_block(
+                    WG, q_bufs, do_bufs, st_bufs, k_smem, v_smem, ds_bufs, kv_bar, ready, empty, ds_bar, DQ,
+                    DK, DV, stride_dqb, stride_dqs, stride_dqh, stride_dkb, stride_dks, stride_dkh,
+                    stride_dvb, stride_dvs, stride_dvh, Hq, Hkv, group, Sq_b, Sk, q_start_b, k_start_b, left, QLO,
+                    QHI, rows_first, rows_n, rows_full_lo0, rows_full_hi0, rows_full_lo1, rows_full_hi1,
+                    qk_scale, sm_scale, HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_M, BLOCK_N, STAGES,
+                    CAUSAL, HAS_LEFT, ROWS, ACCUMULATE, WALK, DQ_BLOCKED, LAG, DQ_FIRST, qt_bufs, kt_smem,
+                    BLOCK_DT, GROUPED_HEADS, p0, p1, p2, dim0, it, uses, kv_empty, PERSISTENT
+                )  # fmt: skip
+                it += n_iter
+                uses += gl.minimum(n_iter, 1)
 
 
 @gluon.jit
@@ -1168,6 +1288,7 @@ def _bwd_ws2(
     num_tiles,
     grid0,
     grid1,
+    TILE_COUNTER,
     HEAD_DIM: gl.constexpr,
     BLOCK_D: gl.constexpr,
     BLOCK_DT: gl.constexpr,
@@ -1201,8 +1322,9 @@ def _bwd_ws2(
     warpgroup 0). DQ: float32 (B, Sq, Hq, HEAD_DIM) added to atomically, or (DQ_BLOCKED) the
     blocked (B, Hq, Sq_pad, BLOCK_D); DK (B, Sk, Hkv, HEAD_DIM), DV (B, Sk, Hkv, HEAD_DIM_V).
     PERSISTENT (ws2, dense blocks): a 1-D grid of programs that each take several of the
-    num_tiles key blocks of a grid0 x grid1 x .. launch (_tile_coords); without it num_tiles,
-    grid0 and grid1 are unused."""
+    num_tiles key blocks of a grid0 x grid1 x .. launch: 1, in fixed turns (_tile_coords); 2,
+    handed out at run time from TILE_COUNTER (int32, zero at the launch); without it num_tiles,
+    grid0, grid1 and TILE_COUNTER are unused."""
     gl.static_assert(num_warps == 4, "the default partition is one consumer warpgroup")
     gl.static_assert(q_desc.block_type.shape[1] == BLOCK_M)
     gl.static_assert(k_desc.block_type.shape[1] == BLOCK_N)
@@ -1237,6 +1359,14 @@ def _bwd_ws2(
         kv_empty = _alloc_bars(1, 2)
     else:  # (a stand-in, never used)
         kv_empty = kv_bar
+    if PERSISTENT == 2:  # the producer's key blocks passed to the consumers (_publish_tile)
+        tile_ids = gl.allocate_shared_memory(gl.int32, [2, 1], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
+        tile_full = _alloc_bars(2)
+        tile_empty = _alloc_bars(2, 2)
+    else:  # (stand-ins, never used)
+        tile_ids = kv_bar
+        tile_full = kv_bar
+        tile_empty = kv_bar
     ready = _alloc_bars(STAGES)
     empty = _alloc_bars(STAGES, 2)  # released when both consumer warpgroups are done with a stage
     ds_bar = _alloc_bars(2 if SPLIT_D else DS_BUFS, 2)  # both halves of dS (SPLIT_D: and P^T) written
@@ -1343,6 +1473,10 @@ def _bwd_ws2(
         num_tiles,
         grid0,
         grid1,
+        TILE_COUNTER,
+        tile_ids,
+        tile_full,
+        tile_empty,
         CAUSAL,
         HAS_LEFT,
         ROWS,
@@ -1359,7 +1493,7 @@ def _bwd_ws2(
         GROUPED_HEADS,
         PERSISTENT,
     )
-    persistent_args: gl.constexpr = (kv_empty, num_tiles, grid0, grid1, PERSISTENT)
+    persistent_args: gl.constexpr = (kv_empty, num_tiles, grid0, grid1, tile_ids, tile_full, tile_empty, PERSISTENT)
     if SPLIT_D:
         gl.warp_specialize(
             [

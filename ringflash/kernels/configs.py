@@ -168,7 +168,14 @@ GLUON_DOCUMENTS_MIN_KEYS_PER_ROW = {64: 4096, 128: 1536, 256: 0}
 # 8192 16384 --head-dim 64 / 128; results/gluon_bwd_walk_down_*): D=64 causal 4K
 # 1.02-1.03, 8K 1.05, 16K 1.05-1.10, GQA 32/8 16K 1.02-1.04, non-causal 0.99-1.02; D=128
 # 0.99-1.01 (one run), kept for one variant at both.
-GLUON_BWD = {64: "ws2_lag_grouped_down", 128: "ws2_lag_grouped_down", 256: "split_d_pieces"}
+# At D=64 causal launches run persistent programs that take their key blocks from a counter
+# (ws2_lag_grouped_down_pcc: the same blocks in the same order, the next one's first loads under
+# the last one's final steps). Same machine, whole backward over ws2_lag_grouped_down, causal
+# (python3 benchmarks/gluon_bwd_check.py --variants ws2_lag_grouped_down_pc ws2_lag_grouped_down
+# --seqlens 4096 8192 16384 --head-dim 64; results/gluon_bwd_persistent_counter_*; two runs):
+# 4K 1.09-1.10, 8K 1.10, 16K 1.08-1.10, GQA 32/8 1.13-1.17; non-causal 0.88-0.95 and D=128 causal
+# 0.88-1.00, so neither takes it (benchmarks/NOTES.md "Persistent backward programs").
+GLUON_BWD = {64: "ws2_lag_grouped_down_pcc", 128: "ws2_lag_grouped_down", 256: "split_d_pieces"}
 # A fused launch has one program per (key block of 128, kv head): below this many per SM the
 # two passes (more, smaller programs) win. One H200, a ring rank's calls at 2K-key tasks and 8 kv
 # heads (128 programs on 132 SMs): fused 11.2 ms against 10.3 ms; at 8K-key tasks, 8 kv heads

@@ -94,6 +94,9 @@ class BlockedDQ:
 # the orders in which a key block's program may visit its query blocks; the kernel's WALK
 # constexpr is the index (_gluon_bwd._query_block)
 WALKS = ("up", "rotated", "down")
+# how persistent programs take their key blocks: in fixed snake turns, or handed out at run time
+# by a counter; the kernel's PERSISTENT constexpr is 1 + the index (0: one block a program)
+PERSISTENT_TURNS = ("snake", "counter")
 
 
 @dataclass(frozen=True)
@@ -123,10 +126,12 @@ class GluonBwdConfig:
     # so that the launch does not end on one head's heaviest key blocks (heads_per_group)
     group_heads: bool = False
     # ws2, dense blocks: at most one program per multiprocessor, each taking several key blocks
-    # in turn (_gluon_bwd._tile_coords), the next block's first Q / dO stages and its K / V loaded
-    # while the last block's final steps and dK / dV stores run; packed documents keep one block
-    # a program
-    persistent: bool = False
+    # in turn (PERSISTENT_TURNS; None: one block a program), the next block's first Q / dO stages
+    # and its K / V loaded while the last block's final steps and dK / dV stores run; packed
+    # documents keep one block a program
+    persistent: str | None = None
+    # ... for causal launches only (non-causal ones keep one block a program)
+    persistent_causal: bool = False
 
     def __post_init__(self):
         if self.schedule not in ("ws2", "ws2_split_d"):
@@ -142,6 +147,8 @@ class GluonBwdConfig:
             raise ValueError("dq_first needs lag (without it dQ waits for both halves of dS every step)")
         if self.pieces and not self.split_d:
             raise ValueError("head dims in pieces run the head-dim split schedule (ws2_split_d)")
+        if self.persistent is not None and self.persistent not in PERSISTENT_TURNS:
+            raise ValueError(f"unknown persistent turns {self.persistent!r} (one of {PERSISTENT_TURNS})")
         if self.persistent and self.split_d:
             raise ValueError("persistent programs run the ws2 schedule (ws2_split_d keeps one key block a program)")
         if self.walk not in WALKS:
@@ -177,7 +184,15 @@ _CONFIGS = {
     "ws2_lag_grouped_down": GluonBwdConfig(stages=2, dq_blocked=True, lag=True, group_heads=True, walk="down"),
     # the same in persistent programs
     "ws2_lag_grouped_down_p": GluonBwdConfig(
-        stages=2, dq_blocked=True, lag=True, group_heads=True, walk="down", persistent=True
+        stages=2, dq_blocked=True, lag=True, group_heads=True, walk="down", persistent="snake"
+    ),
+    # ... its key blocks handed out at run time (the default's grouped order kept)
+    "ws2_lag_grouped_down_pc": GluonBwdConfig(
+        stages=2, dq_blocked=True, lag=True, group_heads=True, walk="down", persistent="counter"
+    ),
+    # ... the causal launches only (configs.GLUON_BWD)
+    "ws2_lag_grouped_down_pcc": GluonBwdConfig(
+        stages=2, dq_blocked=True, lag=True, group_heads=True, walk="down", persistent="counter", persistent_causal=True
     ),
 }
 # the same tiles at D = 64 and 128 (D = 64: half the shared memory; compiles without spills,
@@ -560,15 +575,23 @@ def window_bounds(causal: bool, window) -> tuple[int | None, int | None]:
     return left, right
 
 
+def persistent_launch(cfg: GluonBwdConfig, causal: bool, bounds) -> bool:
+    """Whether a launch of cfg runs persistent programs: a persistent config, dense blocks (no
+    per-row bounds), and causal (a bounded right reach) where the config says so."""
+    return cfg.persistent is not None and bounds is None and (causal or not cfg.persistent_causal)
+
+
 def launch_plan(
-    q, k, v, stats, do, dq32, dk, dv, *, q_start, k_start, causal, scale, accumulate, cfg, window=None, bounds=None
-):
+    q, k, v, stats, do, dq32, dk, dv, *, q_start, k_start, causal, scale, accumulate, cfg, window=None, bounds=None,
+    tile_counter=None,
+):  # fmt: skip
     """(kernel, grid, args, kwargs) of one launch for checked inputs; dq32: the float32 buffer
     the kernel adds dQ to; stats: row_stats(). Any device (the CPU compile binds CPU tensors).
     The kernel takes a right reach as q_start moved by it (key kp <= query qp + right iff
     kp <= qp' = qp + right) and the left one relative to that (qp <= kp + left iff
     qp' <= kp + left + right). bounds: packed documents' masks.RowBounds (its key rows' q_lo /
-    q_hi decide alone), without causal or a window."""
+    q_hi decide alone), without causal or a window. tile_counter: a zeroed int32 (1,) tensor that
+    a config whose persistent programs take blocks from a counter counts with (None: a new one)."""
     B, Sq, Hq, D = q.shape
     Dv = v.shape[3]
     block_d, block_dv = padded_head_dim(D), padded_head_dim(Dv)
@@ -611,7 +634,7 @@ def launch_plan(
         DQ_FIRST=cfg.dq_first,
         SPLIT_D=cfg.split_d,
         GROUPED_HEADS=False,
-        PERSISTENT=False,
+        PERSISTENT=0,
         PRODUCER_REGS=cfg.producer_regs,
         CONSUMER_REGS=cfg.consumer_regs,
         num_warps=cfg.num_warps,
@@ -653,14 +676,18 @@ def launch_plan(
         # one group of all heads makes that order heaviest first over the whole launch, which
         # the snake then balances (groups of a few heads repeat heavy to light: modelled in
         # steps a block, the busiest program 1.3-1.6x the mean at 4K-16K keys, against 1.01)
-        heads = B * Hkv if cfg.persistent else heads_per_group(B * Hkv, streamed)
+        heads = B * Hkv if cfg.persistent == "snake" else heads_per_group(B * Hkv, streamed)
         if heads > 1:
             grid = (heads, grid[0], B * Hkv // heads)
             kwargs["GROUPED_HEADS"] = True
     num_tiles = math.prod(grid)
-    args += (num_tiles, grid[0], grid[1])  # (read only by persistent programs)
-    if cfg.persistent and bounds is None:
-        kwargs["PERSISTENT"] = True
+    persistent = persistent_launch(cfg, kwargs["CAUSAL"], bounds)
+    if persistent and cfg.persistent == "counter" and tile_counter is None:
+        tile_counter = torch.zeros(1, dtype=torch.int32, device=q.device)
+    # (read only by persistent programs; the counter only by those it hands blocks to)
+    args += (num_tiles, grid[0], grid[1], tile_counter if tile_counter is not None else dq32)
+    if persistent:
+        kwargs["PERSISTENT"] = 1 + PERSISTENT_TURNS.index(cfg.persistent)
         grid = (min(num_tiles, multiprocessors(q.device)),)
     return _k.KERNELS[cfg.schedule], grid, args, kwargs
 
@@ -722,7 +749,8 @@ def backward(
 class Prepared:
     """One backward() call split in its parts: launch() the kernel (adds into dq32), finish()
     (None, or dq32 into dq: cast / un-permute), prepared before them: the float32 dQ buffer
-    zeroed, the row statistics. Calling it runs launch then finish."""
+    zeroed, the row statistics. Calling it runs launch then finish. tile_counter: the counter
+    that persistent programs take key blocks from, zeroed by every launch()."""
 
     kernel: object
     grid: tuple
@@ -730,9 +758,12 @@ class Prepared:
     kwargs: dict
     dq32: torch.Tensor
     finish: object = None
+    tile_counter: torch.Tensor | None = None
 
     def launch(self):
         with on_device(self.dq32):
+            if self.tile_counter is not None:
+                self.tile_counter.zero_()
             launch(self.kernel, self.grid, *self.args, **self.kwargs)
 
     def __call__(self):
@@ -776,9 +807,15 @@ def prepare(
         if isinstance(delta, DeltaOf):
             delta = delta.value(do, torch_delta)  # torch ops, any strides
         stats = row_stats(m, l, delta, cfg)
-    tensors = (q, k, v, stats, do, dq32, dk, dv, *((None, None) if bounds is None else (bounds.q_lo, bounds.q_hi)))
+    # blocks handed out at run time: a counter of this call's (a kept plan takes it), zeroed by
+    # each launch (Prepared.launch)
+    counter = None
+    if cfg.persistent == "counter" and persistent_launch(cfg, window_bounds(causal, window)[1] is not None, bounds):
+        counter = torch.empty(1, dtype=torch.int32, device=q.device)
+    tensors = (q, k, v, stats, do, dq32, dk, dv, *((None, None) if bounds is None else (bounds.q_lo, bounds.q_hi)),
+               counter)  # fmt: skip
     if plan is not None:
-        return Prepared(plan.kernel, plan.grid, plan.args_for(tensors), plan.kwargs, dq32, finish)
+        return Prepared(plan.kernel, plan.grid, plan.args_for(tensors), plan.kwargs, dq32, finish, counter)
     kernel, grid, args, kwargs = launch_plan(
         q,
         k,
@@ -796,10 +833,11 @@ def prepare(
         cfg=cfg,
         window=window,
         bounds=bounds,
+        tile_counter=counter,
     )
     if _PLANS.wants(signature):
         _PLANS.put(signature, Plan(kernel, grid, args, kwargs, tensors, extra=cfg))
-    return Prepared(kernel, grid, args, kwargs, dq32, finish)
+    return Prepared(kernel, grid, args, kwargs, dq32, finish, counter)
 
 
 _PLANS = Plans()
