@@ -291,14 +291,13 @@ def test_fused_backward_grouped_heads(D, causal, window_size, monkeypatch):
      (True, (300, 0), 257, 2049)],
 )  # fmt: skip
 def test_fused_backward_persistent(D, causal, window_size, Sq, Sk, monkeypatch):
-    """The fused backward's key blocks in persistent programs, here three programs for 36 or 68
-    key blocks: in fixed snake turns (ws2_lag_grouped_down_p: many rounds, the last one partial)
-    and handed out by a counter (ws2_lag_grouped_down_pc), and (257 queries under a 300-key window
-    at the end of 2049 keys) blocks that no query sees between blocks with steps. dK and dV
-    bitwise equal to one block a program's (each block's sums are one program's, in the same
-    order), dQ (float32 atomics in another order) and all against float64 within the plain
-    bound; the launches were one-dimensional, three programs, and the counter's last call ran
-    on a kept plan (with its own counter)."""
+    """The fused backward's key blocks in persistent programs that take them from a counter
+    (ws2_lag_grouped_down_pc), here three programs for 36 or 68 key blocks, and (257 queries
+    under a 300-key window at the end of 2049 keys) blocks that no query sees between blocks with
+    steps. dK and dV bitwise equal to one block a program's (each block's sums are one program's,
+    in the same order), dQ (float32 atomics in another order) and all against float64 within the
+    plain bound; the launches were one-dimensional, three programs, and the last call ran on a
+    kept plan (with its own counter)."""
     from ringflash.kernels import configs, gluon_backward
 
     force_fused_backward(monkeypatch)
@@ -313,14 +312,14 @@ def test_fused_backward_persistent(D, causal, window_size, Sq, Sk, monkeypatch):
     do = torch.randn(q.shape, device="cuda", generator=g, dtype=torch.bfloat16)
     kw = dict(causal=causal, window_size=window_size)
     grads = {}
-    variants = ("ws2_lag_grouped_down", "ws2_lag_grouped_down_p", "ws2_lag_grouped_down_pc")
-    # the counter's variant three times: its plan is built on the second call, kept for the third
+    variants = ("ws2_lag_grouped_down", "ws2_lag_grouped_down_pc")
+    # the persistent variant three times: its plan is built on the second call, kept for the third
     for variant in variants + variants[-1:] * 2:
         with configs.override(gluon_bwd=variant):
             out = flash_attn_func(q, k, v, **kw)
             grads[variant] = torch.autograd.grad(out, (q, k, v), do)
-    assert [p[3]["PERSISTENT"] for p in plans] == [0, 1, 2, 2], [p[3] for p in plans]
-    assert [p[1] for p in plans[1:]] == [(3,)] * 3
+    assert [p[3]["PERSISTENT"] for p in plans] == [False, True, True], [p[3] for p in plans]
+    assert [p[1] for p in plans[1:]] == [(3,)] * 2
     for variant in variants[1:]:
         for i in (1, 2):
             assert torch.equal(grads["ws2_lag_grouped_down"][i], grads[variant][i]), variant

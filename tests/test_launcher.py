@@ -375,10 +375,11 @@ def test_gluon_backward_grouped_heads_plan(monkeypatch):
 
 
 def test_gluon_backward_persistent_plan(monkeypatch):
-    """A persistent config launches at most one program per multiprocessor on a 1-D grid, with
-    PERSISTENT set (1: fixed turns, 2: blocks from a counter) and the grid it stands for (blocks
-    in all, its first two dimensions) among the arguments; packed documents (per-row bounds) keep
-    one block a program; the head-dim split schedule has no persistent form."""
+    """A persistent launch runs at most one program per multiprocessor on a 1-D grid, with
+    PERSISTENT set, the grid it stands for (blocks in all, its first two dimensions: the same
+    order, the causal head groups kept) and a zeroed int32 counter among the arguments; "causal"
+    configs run only causal launches (a bounded right reach) so; packed documents (per-row
+    bounds) keep one block a program; the head-dim split schedule has no persistent form."""
     from ringflash.kernels import gluon_backward as gb
     from ringflash.kernels import gluon_forward as gf
     from ringflash.masks import RowBounds
@@ -391,6 +392,7 @@ def test_gluon_backward_persistent_plan(monkeypatch):
     stats = torch.zeros(B, H, 2, S)
     grads = (torch.zeros(q.shape), torch.zeros(k.shape), torch.zeros(k.shape))
     blocks = gf.triton_cdiv(S, 128)
+    tiles = blocks * B * Hkv
 
     def plan(variant, sms=132, **kw):
         monkeypatch.setattr(gb, "multiprocessors", lambda device: sms)
@@ -398,40 +400,31 @@ def test_gluon_backward_persistent_plan(monkeypatch):
         args = dict(q_start=0, k_start=0, scale=0.1, accumulate=False, cfg=cfg, causal=False)
         kernel, grid, args, kwargs = gb.launch_plan(q, k, k.clone(), stats, q.clone(), *grads, **{**args, **kw})
         named = dict(zip(kernel.arg_names, args))
+        counter = named["TILE_COUNTER"]
+        if kwargs["PERSISTENT"]:
+            assert counter.dtype == torch.int32 and counter.shape == (1,) and int(counter) == 0
+        else:
+            assert counter is named["DQ"]  # (a stand-in, never read)
         return grid, kwargs["PERSISTENT"], kwargs["GROUPED_HEADS"], (named["num_tiles"], named["grid0"], named["grid1"])
 
-    tiles = blocks * B * Hkv
     assert plan("ws2_lag_grouped_down") == ((blocks, B * Hkv), False, False, (tiles, blocks, B * Hkv))
-    assert plan("ws2_lag_grouped_down_p") == ((tiles,), True, False, (tiles, blocks, B * Hkv))
-    assert plan("ws2_lag_grouped_down_p", sms=5) == ((5,), True, False, (tiles, blocks, B * Hkv))
-    # causal: the grouped grid (heads a group, key blocks, groups) is the one taken in turn, with
-    # every head in one group (heaviest first over the whole launch) whatever the L2 budget
-    assert plan("ws2_lag_grouped_down_p", sms=5, causal=True) == ((5,), True, True, (tiles, B * Hkv, blocks))
+    assert plan("ws2_lag_grouped_down_pc") == ((tiles,), True, False, (tiles, blocks, B * Hkv))
+    assert plan("ws2_lag_grouped_down_pc", sms=5) == ((5,), True, False, (tiles, blocks, B * Hkv))
+    # causal: the grouped grid (heads a group, key blocks, groups), here all heads, then two
+    assert plan("ws2_lag_grouped_down_pc", sms=5, causal=True) == ((5,), True, True, (tiles, B * Hkv, blocks))
     monkeypatch.setattr(gf, "TILE_ORDER_L2_BYTES", 2 * S * (H // Hkv) * (2 * D * 2 + D * 4))
     assert plan("ws2_lag_grouped_down", causal=True)[0] == (2, blocks, B * Hkv // 2)
-    assert plan("ws2_lag_grouped_down_p", sms=5, causal=True) == ((5,), True, True, (tiles, B * Hkv, blocks))
+    assert plan("ws2_lag_grouped_down_pc", sms=5, causal=True) == ((5,), True, True, (tiles, 2, blocks))
+    # persistent for causal launches only: a non-causal one keeps one block a program
+    assert plan("ws2_lag_grouped_down_pcc", causal=True)[:2] == ((tiles,), True)
+    assert plan("ws2_lag_grouped_down_pcc", window=(None, 5))[:2] == ((tiles,), True)
+    assert plan("ws2_lag_grouped_down_pcc")[:2] == ((blocks, B * Hkv), False)
     whole = torch.zeros(S, dtype=torch.int32), torch.full((S,), S, dtype=torch.int32)
     bounds = RowBounds(*whole, *whole)
-    assert plan("ws2_lag_grouped_down_p", sms=5, bounds=bounds)[:2] == ((blocks, B * Hkv), False)
-    # handed out at run time: the same 1-D grid, the default's head groups kept (here two of the
-    # four), and a zeroed int32 counter of this launch's own among the arguments
-    monkeypatch.setattr(gb, "multiprocessors", lambda device: 132)
-    cfg = gb.config_for(D, "ws2_lag_grouped_down_pc")
-    kernel, grid, args, kwargs = gb.launch_plan(q, k, k.clone(), stats, q.clone(), *grads, q_start=0, k_start=0,
-                                                scale=0.1, accumulate=False, cfg=cfg, causal=True)  # fmt: skip
-    named = dict(zip(kernel.arg_names, args))
-    assert grid == (tiles,) and kwargs["PERSISTENT"] == 2 and kwargs["GROUPED_HEADS"]
-    assert (named["num_tiles"], named["grid0"], named["grid1"]) == (tiles, 2, blocks)
-    counter = named["TILE_COUNTER"]
-    assert counter.dtype == torch.int32 and counter.shape == (1,) and int(counter) == 0
-    assert plan("ws2_lag_grouped_down_p")[1] == 1 and gb.PERSISTENT_TURNS == ("snake", "counter")
-    # persistent for causal launches only: a non-causal one keeps one block a program, no counter
-    assert plan("ws2_lag_grouped_down_pcc", causal=True)[:2] == ((tiles,), 2)
-    assert plan("ws2_lag_grouped_down_pcc", window=(None, 5))[:2] == ((tiles,), 2)
-    assert plan("ws2_lag_grouped_down_pcc")[:2] == ((blocks, B * Hkv), 0)
+    assert plan("ws2_lag_grouped_down_pc", sms=5, bounds=bounds)[:2] == ((blocks, B * Hkv), False)
     with pytest.raises(ValueError, match="persistent programs run the ws2 schedule"):
-        gb.GluonBwdConfig(schedule="ws2_split_d", block_n=64, persistent="snake")
-    with pytest.raises(ValueError, match="unknown persistent turns 'sometimes'"):
+        gb.GluonBwdConfig(schedule="ws2_split_d", block_n=64, persistent="all")
+    with pytest.raises(ValueError, match="persistent must be None, 'all' or 'causal', got 'sometimes'"):
         gb.GluonBwdConfig(persistent="sometimes")
 
 

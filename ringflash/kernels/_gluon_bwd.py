@@ -38,10 +38,9 @@ Options (constexprs; gluon_backward.VARIANTS names the combinations):
 - DQ_FIRST (with LAG): FlashAttention-3's order, dQ(i - 1) issued before dK(i); the dQ atomics
   then run while dK is in the tensor cores.
 - PERSISTENT (ws2, dense blocks): at most one program per multiprocessor, each taking key
-  blocks in fixed turns (1: _tile_coords) or from a counter that the producer reads and passes
-  to the consumers (2: _fetch_tile, _publish_tile, _receive_tile); the barriers' phases run on
-  from block to block and kv_empty holds the next block's K / V load until both consumers are
-  done with the last.
+  blocks from a counter that the producer reads and passes to the consumers (_fetch_tile,
+  _publish_tile, _receive_tile); the barriers' phases run on from block to block and kv_empty
+  holds the next block's K / V load until both consumers are done with the last.
 
 Statistics: `offset` = m + log2(l) per query row (+inf for rows that saw no key and for the
 padding rows past Sq, so their probabilities are exactly 0), `delta` = rowsum(dO * O); both
@@ -92,7 +91,7 @@ def _plan(
     GROUPED_HEADS: gl.constexpr,
 ):
     """(b, hk, n0, m_first, n_m, full_lo, full_hi, key_ragged) of the key block at grid
-    coordinates (p0, p1, p2) of a grid dim0 wide (_tile_coords): batch, kv head,
+    coordinates (p0, p1, p2) of a grid dim0 wide (_grid_coords): batch, kv head,
     first key of the block; the query blocks m_first .. m_first + n_m - 1 see the block
     (n_m >= 0), the rows full_lo .. full_hi see every valid key of it (a query block reaching
     outside is masked); key_ragged: the block runs past Sk. Query row i sees local key j iff
@@ -190,53 +189,13 @@ def _query_block(i, hk, group, m_first, n_m, p0, BLOCK_M: gl.constexpr, WALK: gl
 
 
 @gluon.jit
-def _rounds(num_tiles, PERSISTENT: gl.constexpr):
-    """The rounds of _tile_coords this program runs: one, or (PERSISTENT) one per num_programs
-    tiles."""
-    if PERSISTENT:
-        n = _program_count()
-        return (num_tiles + n - 1) // n
-    else:
-        return 1
-
-
-@gluon.jit
-def _program_count():
-    """gl.num_programs(0), read where it is used: LLVM hoists num_programs to the kernel's entry,
-    before the partitions split, and the partitions then kept it across their loops (spilled)."""
-    return gl.inline_asm_elementwise(
-        "mov.u32 $0, %nctaid.x;", "=r,r", [gl.program_id(0)], gl.int32, is_pure=False, pack=1
-    )
-
-
-@gluon.jit
-def _tile_coords(r, num_tiles, grid0, grid1, PERSISTENT: gl.constexpr):
-    """(p0, p1, p2, dim0, valid) of this program's key block in round r: its coordinates in the
-    launch grid (dim0 x grid1 x ..) that _plan reads, and whether there is one. Without
-    PERSISTENT the program's own (one round). PERSISTENT: a 1-D grid of at most one program per
-    multiprocessor stands for a grid grid0 x grid1 x .. of num_tiles blocks, taken in its launch
-    order (p0 fastest) num_programs at a time; the programs take each round's blocks in snake
-    order (program p the p-th of an even round, the p-th from the end of an odd one), so that the
-    program that took the heaviest block of one round (causal: the launch order is heaviest
-    first) takes the lightest of the next."""
-    if PERSISTENT:
-        n = _program_count()
-        p = gl.program_id(0)
-        t = r * n + p + (r % 2) * (n - 1 - 2 * p)
-        p0, p1, p2 = _grid_coords(t, grid0, grid1)
-        return p0, p1, p2, grid0, t < num_tiles
-    else:
-        return gl.program_id(0), gl.program_id(1), gl.program_id(2), gl.num_programs(0), True
-
-
-@gluon.jit
 def _grid_coords(t, grid0, grid1):
     """(p0, p1, p2): the coordinates of the t-th program of a grid0 x grid1 x .. launch (p0 fastest)."""
     rest = t // grid0
     return t % grid0, rest % grid1, rest // grid1
 
 
-# Handed out at run time (PERSISTENT == 2): the producer takes the program's next key block from
+# Persistent programs: the producer takes the program's next key block from
 # a counter in global memory and passes it to both consumers through one of two shared slots.
 
 
@@ -382,14 +341,15 @@ def _producer(
     GROUPED_HEADS: gl.constexpr,
     PERSISTENT: gl.constexpr,
 ):
-    """The TMA producer warp: the key blocks of _tile_coords' rounds, each its K and V once,
+    """The TMA producer warp: the program's key block (PERSISTENT: each key block it takes from
+    the counter, passed on to the consumers), each its K and V once,
     then Q, dO and the two per-row statistics of every query block through a STAGES-deep ring
     (ready / empty mbarriers) whose stages and phases run on from block to block. With
     BLOCK_DT > 0 (q/k's head dim in two pieces) also the tail pieces of K (columns BLOCK_D ..)
     and of every Q block, on the same barriers."""
     it = 0  # the steps of this program's earlier key blocks
     uses = 0  # ... its earlier key blocks with steps (K and V loaded)
-    if PERSISTENT == 2:
+    if PERSISTENT:
         k = 0  # key blocks taken
         t = _fetch_tile(TILE_COUNTER)
         while t < num_tiles:
@@ -409,17 +369,12 @@ def _producer(
             k += 1
         _publish_tile(tile_ids, tile_full, tile_empty, k, t)  # past the last block: the consumers stop
     else:
-        for r in range(_rounds(num_tiles, PERSISTENT)):
-            p0, p1, p2, dim0, valid = _tile_coords(r, num_tiles, grid0, grid1, PERSISTENT)
-            if valid:
-                n_iter = _produce_key_block(
-                    p0, p1, p2, dim0, it, uses, Hq, Hkv, group, Sq, Sk, Sq_pad, q_start, k_start, left, rows_first,
-                    rows_n, q_desc, do_desc, k_desc, v_desc, st_desc, qt_desc, kt_desc, q_bufs, do_bufs, st_bufs,
-                    qt_bufs, k_smem, v_smem, kt_smem, kv_bar, kv_empty, ready, empty, CAUSAL, HAS_LEFT, ROWS, BLOCK_M,
-                    BLOCK_N, BLOCK_D, BLOCK_DT, STAGES, WALK, GROUPED_HEADS, PERSISTENT,
-                )  # fmt: skip
-                it += n_iter
-                uses += gl.minimum(n_iter, 1)
+        _produce_key_block(
+            gl.program_id(0), gl.program_id(1), gl.program_id(2), gl.num_programs(0), 0, 0, Hq, Hkv, group, Sq, Sk,
+            Sq_pad, q_start, k_start, left, rows_first, rows_n, q_desc, do_desc, k_desc, v_desc, st_desc, qt_desc,
+            kt_desc, q_bufs, do_bufs, st_bufs, qt_bufs, k_smem, v_smem, kt_smem, kv_bar, kv_empty, ready, empty,
+            CAUSAL, HAS_LEFT, ROWS, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DT, STAGES, WALK, GROUPED_HEADS, PERSISTENT,
+        )  # fmt: skip
 
 
 @gluon.jit
@@ -987,17 +942,17 @@ def _consumer(
     tile_empty,
     PERSISTENT: gl.constexpr,
 ):
-    """Consumer warpgroup WG: the key blocks the producer takes (_tile_coords' rounds, or with
-    PERSISTENT == 2 those it passes through tile_ids), each planned here as the producer plans
-    it (_consume_key_block)."""
+    """Consumer warpgroup WG: the program's key block (PERSISTENT: those the producer passes
+    through tile_ids), planned here as the producer plans it (_consume_key_block)."""
     it = 0  # (as _producer)
     uses = 0
-    if PERSISTENT == 2:
+    if PERSISTENT:
         k = 0
         t = _receive_tile(tile_ids, tile_full, tile_empty, k)
         while t < num_tiles:
             p0, p1, p2 = _grid_coords(t, grid0, grid1)
-            Sq_b = _opaque(Sq)  # (per block, as below)
+            # per block: else values derived from them once for all blocks are kept (spilled)
+            Sq_b = _opaque(Sq)
             q_start_b = _opaque(q_start)
             k_start_b = _opaque(k_start)
             n_iter = _consume_key_block(
@@ -1014,27 +969,16 @@ def _consumer(
             k += 1
             t = _receive_tile(tile_ids, tile_full, tile_empty, k)
     else:
-        for r in range(_rounds(num_tiles, PERSISTENT)):
-            p0, p1, p2, dim0, valid = _tile_coords(r, num_tiles, grid0, grid1, PERSISTENT)
-            if valid:
-                Sq_b = Sq
-                q_start_b = q_start
-                k_start_b = k_start
-                if PERSISTENT:  # per block: else values derived from them once for all blocks are kept (spilled)
-                    Sq_b = _opaque(Sq)
-                    q_start_b = _opaque(q_start)
-                    k_start_b = _opaque(k_start)
-                n_iter = _consume_key_block(
-                    WG, q_bufs, do_bufs, st_bufs, k_smem, v_smem, ds_bufs, kv_bar, ready, empty, ds_bar, DQ,
-                    DK, DV, stride_dqb, stride_dqs, stride_dqh, stride_dkb, stride_dks, stride_dkh,
-                    stride_dvb, stride_dvs, stride_dvh, Hq, Hkv, group, Sq_b, Sk, q_start_b, k_start_b, left, QLO,
-                    QHI, rows_first, rows_n, rows_full_lo0, rows_full_hi0, rows_full_lo1, rows_full_hi1,
-                    qk_scale, sm_scale, HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_M, BLOCK_N, STAGES,
-                    CAUSAL, HAS_LEFT, ROWS, ACCUMULATE, WALK, DQ_BLOCKED, LAG, DQ_FIRST, qt_bufs, kt_smem,
-                    BLOCK_DT, GROUPED_HEADS, p0, p1, p2, dim0, it, uses, kv_empty, PERSISTENT
-                )  # fmt: skip
-                it += n_iter
-                uses += gl.minimum(n_iter, 1)
+        _consume_key_block(
+            WG, q_bufs, do_bufs, st_bufs, k_smem, v_smem, ds_bufs, kv_bar, ready, empty, ds_bar, DQ,
+            DK, DV, stride_dqb, stride_dqs, stride_dqh, stride_dkb, stride_dks, stride_dkh,
+            stride_dvb, stride_dvs, stride_dvh, Hq, Hkv, group, Sq, Sk, q_start, k_start, left, QLO,
+            QHI, rows_first, rows_n, rows_full_lo0, rows_full_hi0, rows_full_lo1, rows_full_hi1,
+            qk_scale, sm_scale, HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_M, BLOCK_N, STAGES,
+            CAUSAL, HAS_LEFT, ROWS, ACCUMULATE, WALK, DQ_BLOCKED, LAG, DQ_FIRST, qt_bufs, kt_smem,
+            BLOCK_DT, GROUPED_HEADS, gl.program_id(0), gl.program_id(1), gl.program_id(2), gl.num_programs(0), 0,
+            0, kv_empty, PERSISTENT,
+        )  # fmt: skip
 
 
 @gluon.jit
@@ -1322,8 +1266,8 @@ def _bwd_ws2(
     warpgroup 0). DQ: float32 (B, Sq, Hq, HEAD_DIM) added to atomically, or (DQ_BLOCKED) the
     blocked (B, Hq, Sq_pad, BLOCK_D); DK (B, Sk, Hkv, HEAD_DIM), DV (B, Sk, Hkv, HEAD_DIM_V).
     PERSISTENT (ws2, dense blocks): a 1-D grid of programs that each take several of the
-    num_tiles key blocks of a grid0 x grid1 x .. launch: 1, in fixed turns (_tile_coords); 2,
-    handed out at run time from TILE_COUNTER (int32, zero at the launch); without it num_tiles,
+    num_tiles key blocks of a grid0 x grid1 x .. launch, handed out at run time from
+    TILE_COUNTER (int32, zero at the launch); without it num_tiles,
     grid0, grid1 and TILE_COUNTER are unused."""
     gl.static_assert(num_warps == 4, "the default partition is one consumer warpgroup")
     gl.static_assert(q_desc.block_type.shape[1] == BLOCK_M)
@@ -1359,7 +1303,7 @@ def _bwd_ws2(
         kv_empty = _alloc_bars(1, 2)
     else:  # (a stand-in, never used)
         kv_empty = kv_bar
-    if PERSISTENT == 2:  # the producer's key blocks passed to the consumers (_publish_tile)
+    if PERSISTENT:  # the producer's key blocks passed to the consumers (_publish_tile)
         tile_ids = gl.allocate_shared_memory(gl.int32, [2, 1], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
         tile_full = _alloc_bars(2)
         tile_empty = _alloc_bars(2, 2)

@@ -94,9 +94,6 @@ class BlockedDQ:
 # the orders in which a key block's program may visit its query blocks; the kernel's WALK
 # constexpr is the index (_gluon_bwd._query_block)
 WALKS = ("up", "rotated", "down")
-# how persistent programs take their key blocks: in fixed snake turns, or handed out at run time
-# by a counter; the kernel's PERSISTENT constexpr is 1 + the index (0: one block a program)
-PERSISTENT_TURNS = ("snake", "counter")
 
 
 @dataclass(frozen=True)
@@ -125,13 +122,12 @@ class GluonBwdConfig:
     # streamed Q, dO and dQ within gluon_forward.TILE_ORDER_L2_BYTES) before any key block j + 1,
     # so that the launch does not end on one head's heaviest key blocks (heads_per_group)
     group_heads: bool = False
-    # ws2, dense blocks: at most one program per multiprocessor, each taking several key blocks
-    # in turn (PERSISTENT_TURNS; None: one block a program), the next block's first Q / dO stages
-    # and its K / V loaded while the last block's final steps and dK / dV stores run; packed
-    # documents keep one block a program
+    # ws2, dense blocks: the launches ("all", or only the "causal" ones; None: none) that run at
+    # most one program per multiprocessor, each taking key blocks from a counter in the launch's
+    # order (_gluon_bwd._fetch_tile), the next block's first Q / dO stages and its K / V loaded
+    # while the last one's final steps and dK / dV stores run; packed documents keep one block a
+    # program
     persistent: str | None = None
-    # ... for causal launches only (non-causal ones keep one block a program)
-    persistent_causal: bool = False
 
     def __post_init__(self):
         if self.schedule not in ("ws2", "ws2_split_d"):
@@ -147,8 +143,8 @@ class GluonBwdConfig:
             raise ValueError("dq_first needs lag (without it dQ waits for both halves of dS every step)")
         if self.pieces and not self.split_d:
             raise ValueError("head dims in pieces run the head-dim split schedule (ws2_split_d)")
-        if self.persistent is not None and self.persistent not in PERSISTENT_TURNS:
-            raise ValueError(f"unknown persistent turns {self.persistent!r} (one of {PERSISTENT_TURNS})")
+        if self.persistent not in (None, "all", "causal"):
+            raise ValueError(f"persistent must be None, 'all' or 'causal', got {self.persistent!r}")
         if self.persistent and self.split_d:
             raise ValueError("persistent programs run the ws2 schedule (ws2_split_d keeps one key block a program)")
         if self.walk not in WALKS:
@@ -183,16 +179,13 @@ _CONFIGS = {
     # the same, each key block walking its query blocks from the last one down (configs.GLUON_BWD)
     "ws2_lag_grouped_down": GluonBwdConfig(stages=2, dq_blocked=True, lag=True, group_heads=True, walk="down"),
     # the same in persistent programs
-    "ws2_lag_grouped_down_p": GluonBwdConfig(
-        stages=2, dq_blocked=True, lag=True, group_heads=True, walk="down", persistent="snake"
-    ),
-    # ... its key blocks handed out at run time (the default's grouped order kept)
+    # ... in persistent programs that take key blocks from a counter (the same blocks in the same
+    # order), every launch; and the causal launches only (configs.GLUON_BWD)
     "ws2_lag_grouped_down_pc": GluonBwdConfig(
-        stages=2, dq_blocked=True, lag=True, group_heads=True, walk="down", persistent="counter"
+        stages=2, dq_blocked=True, lag=True, group_heads=True, walk="down", persistent="all"
     ),
-    # ... the causal launches only (configs.GLUON_BWD)
     "ws2_lag_grouped_down_pcc": GluonBwdConfig(
-        stages=2, dq_blocked=True, lag=True, group_heads=True, walk="down", persistent="counter", persistent_causal=True
+        stages=2, dq_blocked=True, lag=True, group_heads=True, walk="down", persistent="causal"
     ),
 }
 # the same tiles at D = 64 and 128 (D = 64: half the shared memory; compiles without spills,
@@ -578,7 +571,7 @@ def window_bounds(causal: bool, window) -> tuple[int | None, int | None]:
 def persistent_launch(cfg: GluonBwdConfig, causal: bool, bounds) -> bool:
     """Whether a launch of cfg runs persistent programs: a persistent config, dense blocks (no
     per-row bounds), and causal (a bounded right reach) where the config says so."""
-    return cfg.persistent is not None and bounds is None and (causal or not cfg.persistent_causal)
+    return cfg.persistent is not None and bounds is None and (causal or cfg.persistent == "all")
 
 
 def launch_plan(
@@ -591,7 +584,7 @@ def launch_plan(
     kp <= qp' = qp + right) and the left one relative to that (qp <= kp + left iff
     qp' <= kp + left + right). bounds: packed documents' masks.RowBounds (its key rows' q_lo /
     q_hi decide alone), without causal or a window. tile_counter: a zeroed int32 (1,) tensor that
-    a config whose persistent programs take blocks from a counter counts with (None: a new one)."""
+    a persistent launch takes its key blocks from (None: a new one)."""
     B, Sq, Hq, D = q.shape
     Dv = v.shape[3]
     block_d, block_dv = padded_head_dim(D), padded_head_dim(Dv)
@@ -634,7 +627,7 @@ def launch_plan(
         DQ_FIRST=cfg.dq_first,
         SPLIT_D=cfg.split_d,
         GROUPED_HEADS=False,
-        PERSISTENT=0,
+        PERSISTENT=False,
         PRODUCER_REGS=cfg.producer_regs,
         CONSUMER_REGS=cfg.consumer_regs,
         num_warps=cfg.num_warps,
@@ -672,22 +665,18 @@ def launch_plan(
     if cfg.group_heads and kwargs["CAUSAL"] and bounds is None:
         # per kv head: its q heads' Q and dO read, dQ added in float32, by every key block
         streamed = Sq * (Hq // Hkv) * ((D + Dv) * q.element_size() + D * 4)
-        # persistent programs take the blocks in a fixed order (_gluon_bwd._tile_coords): only
-        # one group of all heads makes that order heaviest first over the whole launch, which
-        # the snake then balances (groups of a few heads repeat heavy to light: modelled in
-        # steps a block, the busiest program 1.3-1.6x the mean at 4K-16K keys, against 1.01)
-        heads = B * Hkv if cfg.persistent == "snake" else heads_per_group(B * Hkv, streamed)
+        heads = heads_per_group(B * Hkv, streamed)
         if heads > 1:
             grid = (heads, grid[0], B * Hkv // heads)
             kwargs["GROUPED_HEADS"] = True
     num_tiles = math.prod(grid)
     persistent = persistent_launch(cfg, kwargs["CAUSAL"], bounds)
-    if persistent and cfg.persistent == "counter" and tile_counter is None:
+    if persistent and tile_counter is None:
         tile_counter = torch.zeros(1, dtype=torch.int32, device=q.device)
-    # (read only by persistent programs; the counter only by those it hands blocks to)
-    args += (num_tiles, grid[0], grid[1], tile_counter if tile_counter is not None else dq32)
+    # (read only by persistent programs)
+    args += (num_tiles, grid[0], grid[1], tile_counter if persistent else dq32)
     if persistent:
-        kwargs["PERSISTENT"] = 1 + PERSISTENT_TURNS.index(cfg.persistent)
+        kwargs["PERSISTENT"] = True
         grid = (min(num_tiles, multiprocessors(q.device)),)
     return _k.KERNELS[cfg.schedule], grid, args, kwargs
 
@@ -810,7 +799,7 @@ def prepare(
     # blocks handed out at run time: a counter of this call's (a kept plan takes it), zeroed by
     # each launch (Prepared.launch)
     counter = None
-    if cfg.persistent == "counter" and persistent_launch(cfg, window_bounds(causal, window)[1] is not None, bounds):
+    if persistent_launch(cfg, window_bounds(causal, window)[1] is not None, bounds):
         counter = torch.empty(1, dtype=torch.int32, device=q.device)
     tensors = (q, k, v, stats, do, dq32, dk, dv, *((None, None) if bounds is None else (bounds.q_lo, bounds.q_hi)),
                counter)  # fmt: skip
