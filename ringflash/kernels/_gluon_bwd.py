@@ -293,74 +293,23 @@ def _produce_kv(
 
 @gluon.jit
 def _producer(
-    q_desc,
-    do_desc,
-    k_desc,
-    v_desc,
-    st_desc,
-    q_bufs,
-    do_bufs,
-    st_bufs,
-    k_smem,
-    v_smem,
-    kv_bar,
-    kv_empty,
-    ready,
-    empty,
-    Hq,
-    Hkv,
-    group,
-    Sq,
-    Sk,
-    Sq_pad,
-    q_start,
-    k_start,
-    left,
-    rows_first,
-    rows_n,
-    num_tiles,
-    grid0,
-    grid1,
-    TILE_COUNTER,
-    tile_ids,
-    tile_full,
-    tile_empty,
-    CAUSAL: gl.constexpr,
-    HAS_LEFT: gl.constexpr,
-    ROWS: gl.constexpr,
-    BLOCK_M: gl.constexpr,
-    BLOCK_N: gl.constexpr,
-    STAGES: gl.constexpr,
-    WALK: gl.constexpr,
-    qt_desc,
-    kt_desc,
-    qt_bufs,
-    kt_smem,
-    BLOCK_D: gl.constexpr,
-    BLOCK_DT: gl.constexpr,
-    GROUPED_HEADS: gl.constexpr,
-    PERSISTENT: gl.constexpr,
-):
+    block_args, TILE_COUNTER, num_tiles, grid0, grid1, tile_ids, tile_full, tile_empty, PERSISTENT: gl.constexpr
+):  # fmt: skip
     """The TMA producer warp: the program's key block (PERSISTENT: each key block it takes from
-    the counter, passed on to the consumers), each its K and V once,
-    then Q, dO and the two per-row statistics of every query block through a STAGES-deep ring
-    (ready / empty mbarriers) whose stages and phases run on from block to block. With
-    BLOCK_DT > 0 (q/k's head dim in two pieces) also the tail pieces of K (columns BLOCK_D ..)
-    and of every Q block, on the same barriers."""
-    it = 0  # the steps of this program's earlier key blocks
-    uses = 0  # ... its earlier key blocks with steps (K and V loaded)
+    the counter, passed on to the consumers), each its K and V once, then Q, dO and the two
+    per-row statistics of every query block through a STAGES-deep ring (ready / empty mbarriers)
+    whose stages and phases run on from block to block (_produce_key_block). block_args:
+    _produce_key_block's arguments between the block's `uses` and PERSISTENT (the kernel's
+    producer_args)."""
     if PERSISTENT:
+        it = 0  # the steps of this program's earlier key blocks
+        uses = 0  # ... its earlier key blocks with steps (K and V loaded)
         k = 0  # key blocks taken
         t = _fetch_tile(TILE_COUNTER)
         while t < num_tiles:
             _publish_tile(tile_ids, tile_full, tile_empty, k, t)
             p0, p1, p2 = _grid_coords(t, grid0, grid1)
-            n_iter = _produce_key_block(
-                p0, p1, p2, grid0, it, uses, Hq, Hkv, group, Sq, Sk, Sq_pad, q_start, k_start, left, rows_first,
-                rows_n, q_desc, do_desc, k_desc, v_desc, st_desc, qt_desc, kt_desc, q_bufs, do_bufs, st_bufs, qt_bufs,
-                k_smem, v_smem, kt_smem, kv_bar, kv_empty, ready, empty, CAUSAL, HAS_LEFT, ROWS, BLOCK_M, BLOCK_N,
-                BLOCK_D, BLOCK_DT, STAGES, WALK, GROUPED_HEADS, PERSISTENT,
-            )  # fmt: skip
+            n_iter = _produce_key_block(p0, p1, p2, grid0, it, uses, *block_args, PERSISTENT)
             # the next block taken only now: the consumers have about STAGES steps of this one
             # left, and a block taken earlier would be held back from a program that is free
             t = _fetch_tile(TILE_COUNTER)
@@ -370,11 +319,8 @@ def _producer(
         _publish_tile(tile_ids, tile_full, tile_empty, k, t)  # past the last block: the consumers stop
     else:
         _produce_key_block(
-            gl.program_id(0), gl.program_id(1), gl.program_id(2), gl.num_programs(0), 0, 0, Hq, Hkv, group, Sq, Sk,
-            Sq_pad, q_start, k_start, left, rows_first, rows_n, q_desc, do_desc, k_desc, v_desc, st_desc, qt_desc,
-            kt_desc, q_bufs, do_bufs, st_bufs, qt_bufs, k_smem, v_smem, kt_smem, kv_bar, kv_empty, ready, empty,
-            CAUSAL, HAS_LEFT, ROWS, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DT, STAGES, WALK, GROUPED_HEADS, PERSISTENT,
-        )  # fmt: skip
+            gl.program_id(0), gl.program_id(1), gl.program_id(2), gl.num_programs(0), 0, 0, *block_args, PERSISTENT
+        )
 
 
 @gluon.jit
@@ -386,7 +332,9 @@ def _produce_key_block(
     STAGES: gl.constexpr, WALK: gl.constexpr, GROUPED_HEADS: gl.constexpr, PERSISTENT: gl.constexpr,
 ):  # fmt: skip
     """The loads of the key block at grid coordinates (p0, p1, p2) (_plan), after the `it` steps
-    and `uses` K / V loads of the program's earlier blocks; returns its steps."""
+    and `uses` K / V loads of the program's earlier blocks; returns its steps. With BLOCK_DT > 0
+    (q/k's head dim in two pieces) also the tail pieces of K (columns BLOCK_D ..) and of every Q
+    block, on the same barriers."""
     b, hk, n0, m_first, n_m, _, _, _ = _plan(
         p0, p1, p2, dim0, Hkv, Sq, Sk, q_start, k_start, left, rows_first, rows_n, CAUSAL, HAS_LEFT, ROWS, BLOCK_M,
         BLOCK_N, GROUPED_HEADS,
@@ -653,6 +601,13 @@ def _consume_key_block(
     kv_empty,
     PERSISTENT: gl.constexpr,
 ):
+    """Consumer warpgroup WG's part of the key block at grid coordinates (p0, p1, p2) (_plan),
+    after the `it` steps and `uses` K / V loads of the program's earlier blocks (PERSISTENT);
+    returns its steps."""
+    if PERSISTENT:  # per block: else values derived from them once for all blocks are kept (spilled)
+        Sq = _opaque(Sq)
+        q_start = _opaque(q_start)
+        k_start = _opaque(k_start)
     KEYS: gl.constexpr = BLOCK_N // 2  # keys of this warpgroup
     gl.static_assert(BLOCK_DT == 0, "ws2 runs q/k's head dim whole")
     DQ_COLS: gl.constexpr = BLOCK_D // 2  # dQ columns of this warpgroup
@@ -874,65 +829,7 @@ def _consume_key_block(
 @gluon.jit
 def _consumer(
     WG: gl.constexpr,
-    q_bufs,
-    do_bufs,
-    st_bufs,
-    k_smem,
-    v_smem,
-    ds_bufs,
-    kv_bar,
-    ready,
-    empty,
-    ds_bar,
-    DQ,
-    DK,
-    DV,
-    stride_dqb,
-    stride_dqs,
-    stride_dqh,
-    stride_dkb,
-    stride_dks,
-    stride_dkh,
-    stride_dvb,
-    stride_dvs,
-    stride_dvh,
-    Hq,
-    Hkv,
-    group,
-    Sq,
-    Sk,
-    q_start,
-    k_start,
-    left,
-    QLO,
-    QHI,
-    rows_first,
-    rows_n,
-    rows_full_lo0,
-    rows_full_hi0,
-    rows_full_lo1,
-    rows_full_hi1,
-    qk_scale,
-    sm_scale,
-    HEAD_DIM: gl.constexpr,
-    BLOCK_D: gl.constexpr,
-    HEAD_DIM_V: gl.constexpr,
-    BLOCK_DV: gl.constexpr,
-    BLOCK_M: gl.constexpr,
-    BLOCK_N: gl.constexpr,
-    STAGES: gl.constexpr,
-    CAUSAL: gl.constexpr,
-    HAS_LEFT: gl.constexpr,
-    ROWS: gl.constexpr,
-    ACCUMULATE: gl.constexpr,
-    WALK: gl.constexpr,
-    DQ_BLOCKED: gl.constexpr,
-    LAG: gl.constexpr,
-    DQ_FIRST: gl.constexpr,
-    qt_bufs,
-    kt_smem,
-    BLOCK_DT: gl.constexpr,
-    GROUPED_HEADS: gl.constexpr,
+    block_args,
     kv_empty,
     num_tiles,
     grid0,
@@ -943,41 +840,24 @@ def _consumer(
     PERSISTENT: gl.constexpr,
 ):
     """Consumer warpgroup WG: the program's key block (PERSISTENT: those the producer passes
-    through tile_ids), planned here as the producer plans it (_consume_key_block)."""
-    it = 0  # (as _producer)
-    uses = 0
+    through tile_ids), planned here as the producer plans it. block_args: _consume_key_block's
+    arguments up to the block's coordinates (the kernel's consumer_args)."""
     if PERSISTENT:
+        it = 0  # (as _producer)
+        uses = 0
         k = 0
         t = _receive_tile(tile_ids, tile_full, tile_empty, k)
         while t < num_tiles:
             p0, p1, p2 = _grid_coords(t, grid0, grid1)
-            # per block: else values derived from them once for all blocks are kept (spilled)
-            Sq_b = _opaque(Sq)
-            q_start_b = _opaque(q_start)
-            k_start_b = _opaque(k_start)
-            n_iter = _consume_key_block(
-                WG, q_bufs, do_bufs, st_bufs, k_smem, v_smem, ds_bufs, kv_bar, ready, empty, ds_bar, DQ,
-                DK, DV, stride_dqb, stride_dqs, stride_dqh, stride_dkb, stride_dks, stride_dkh,
-                stride_dvb, stride_dvs, stride_dvh, Hq, Hkv, group, Sq_b, Sk, q_start_b, k_start_b, left, QLO,
-                QHI, rows_first, rows_n, rows_full_lo0, rows_full_hi0, rows_full_lo1, rows_full_hi1,
-                qk_scale, sm_scale, HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_M, BLOCK_N, STAGES,
-                CAUSAL, HAS_LEFT, ROWS, ACCUMULATE, WALK, DQ_BLOCKED, LAG, DQ_FIRST, qt_bufs, kt_smem,
-                BLOCK_DT, GROUPED_HEADS, p0, p1, p2, grid0, it, uses, kv_empty, PERSISTENT
-            )  # fmt: skip
+            n_iter = _consume_key_block(WG, *block_args, p0, p1, p2, grid0, it, uses, kv_empty, PERSISTENT)
             it += n_iter
             uses += gl.minimum(n_iter, 1)
             k += 1
             t = _receive_tile(tile_ids, tile_full, tile_empty, k)
     else:
         _consume_key_block(
-            WG, q_bufs, do_bufs, st_bufs, k_smem, v_smem, ds_bufs, kv_bar, ready, empty, ds_bar, DQ,
-            DK, DV, stride_dqb, stride_dqs, stride_dqh, stride_dkb, stride_dks, stride_dkh,
-            stride_dvb, stride_dvs, stride_dvh, Hq, Hkv, group, Sq, Sk, q_start, k_start, left, QLO,
-            QHI, rows_first, rows_n, rows_full_lo0, rows_full_hi0, rows_full_lo1, rows_full_hi1,
-            qk_scale, sm_scale, HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_M, BLOCK_N, STAGES,
-            CAUSAL, HAS_LEFT, ROWS, ACCUMULATE, WALK, DQ_BLOCKED, LAG, DQ_FIRST, qt_bufs, kt_smem,
-            BLOCK_DT, GROUPED_HEADS, gl.program_id(0), gl.program_id(1), gl.program_id(2), gl.num_programs(0), 0,
-            0, kv_empty, PERSISTENT,
+            WG, *block_args, gl.program_id(0), gl.program_id(1), gl.program_id(2), gl.num_programs(0), 0, 0, kv_empty,
+            PERSISTENT,
         )  # fmt: skip
 
 
@@ -1388,62 +1268,20 @@ def _bwd_ws2(
         BLOCK_DT,
         GROUPED_HEADS,
     )
+    # _produce_key_block's arguments between the block's `uses` and PERSISTENT
     producer_args: gl.constexpr = (
-        q_desc,
-        do_desc,
-        k_desc,
-        v_desc,
-        st_desc,
-        q_bufs,
-        do_bufs,
-        st_bufs,
-        k_smem,
-        v_smem,
-        kv_bar,
-        kv_empty,
-        ready,
-        empty,
-        Hq,
-        Hkv,
-        group,
-        Sq,
-        Sk,
-        Sq_pad,
-        q_start,
-        k_start,
-        left,
-        rows_first,
-        rows_n,
-        num_tiles,
-        grid0,
-        grid1,
-        TILE_COUNTER,
-        tile_ids,
-        tile_full,
-        tile_empty,
-        CAUSAL,
-        HAS_LEFT,
-        ROWS,
-        BLOCK_M,
-        BLOCK_N,
-        STAGES,
-        WALK,
-        qt_desc,
-        kt_desc,
-        qt_bufs,
-        kt_smem,
-        BLOCK_D,
-        BLOCK_DT,
-        GROUPED_HEADS,
-        PERSISTENT,
-    )
+        Hq, Hkv, group, Sq, Sk, Sq_pad, q_start, k_start, left, rows_first, rows_n, q_desc, do_desc, k_desc, v_desc,
+        st_desc, qt_desc, kt_desc, q_bufs, do_bufs, st_bufs, qt_bufs, k_smem, v_smem, kt_smem, kv_bar, kv_empty, ready,
+        empty, CAUSAL, HAS_LEFT, ROWS, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DT, STAGES, WALK, GROUPED_HEADS,
+    )  # fmt: skip
+    producer_rest: gl.constexpr = (TILE_COUNTER, num_tiles, grid0, grid1, tile_ids, tile_full, tile_empty, PERSISTENT)
     persistent_args: gl.constexpr = (kv_empty, num_tiles, grid0, grid1, tile_ids, tile_full, tile_empty, PERSISTENT)
     if SPLIT_D:
         gl.warp_specialize(
             [
                 (_consumer_split_d, (0,) + consumer_args),
                 (_consumer_split_d, (1,) + consumer_args),
-                (_producer, () + producer_args),
+                (_producer, (gl.tuple(producer_args),) + producer_rest),
             ],
             [4, 1],
             [CONSUMER_REGS, PRODUCER_REGS],
@@ -1451,9 +1289,9 @@ def _bwd_ws2(
     else:
         gl.warp_specialize(
             [
-                (_consumer, (0,) + consumer_args + persistent_args),
-                (_consumer, (1,) + consumer_args + persistent_args),
-                (_producer, () + producer_args),
+                (_consumer, (0, gl.tuple(consumer_args)) + persistent_args),
+                (_consumer, (1, gl.tuple(consumer_args)) + persistent_args),
+                (_producer, (gl.tuple(producer_args),) + producer_rest),
             ],
             [4, 1],
             [CONSUMER_REGS, PRODUCER_REGS],
