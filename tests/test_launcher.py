@@ -332,6 +332,22 @@ def test_gluon_forward_tile_order_plan(monkeypatch):
         assert kwargs["SHORT_GROUP_FIRST"] is first
 
 
+_BWD_PLAN_SHAPE = (2, 1031, 8, 4, 64)  # B, S, Hq, Hkv, D of _backward_plan's inputs
+
+
+def _backward_plan(variant, **kw):
+    """gluon_backward.launch_plan's (kernel, grid, args, kwargs) for zero CPU inputs of
+    _BWD_PLAN_SHAPE (bf16 q, k, v, do; float32 statistics and gradients) under variant's config;
+    kw replaces the call's keywords (causal=False, no window, no bounds)."""
+    from ringflash.kernels import gluon_backward as gb
+
+    B, S, H, Hkv, D = _BWD_PLAN_SHAPE
+    q, k = torch.zeros(B, S, H, D, dtype=torch.bfloat16), torch.zeros(B, S, Hkv, D, dtype=torch.bfloat16)
+    grads = (torch.zeros(q.shape), torch.zeros(k.shape), torch.zeros(k.shape))
+    args = dict(q_start=0, k_start=0, scale=0.1, accumulate=False, cfg=gb.config_for(D, variant), causal=False)
+    return gb.launch_plan(q, k, k.clone(), torch.zeros(B, H, 2, S), q.clone(), *grads, **{**args, **kw})
+
+
 def test_gluon_backward_grouped_heads_plan(monkeypatch):
     """ws2_lag_grouped launches causal blocks on a 3-D grid (heads a group, key blocks, groups)
     with GROUPED_HEADS set, the group the largest divisor of B x Hkv whose streamed Q, dO and dQ
@@ -347,16 +363,11 @@ def test_gluon_backward_grouped_heads_plan(monkeypatch):
         monkeypatch.setattr(gf, "TILE_ORDER_L2_BYTES", budget)
         assert gb.heads_per_group(heads, streamed) == expected, (heads, streamed, budget)
     monkeypatch.setattr(gf, "TILE_ORDER_L2_BYTES", 1 << 40)
-    B, S, H, Hkv, D = 2, 1031, 8, 4, 64
-    q, k = torch.zeros(B, S, H, D, dtype=torch.bfloat16), torch.zeros(B, S, Hkv, D, dtype=torch.bfloat16)
-    stats = torch.zeros(B, H, 2, S)
-    grads = (torch.zeros(q.shape), torch.zeros(k.shape), torch.zeros(k.shape))
+    B, S, H, Hkv, D = _BWD_PLAN_SHAPE
     blocks = gf.triton_cdiv(S, 128)
 
     def plan(variant, **kw):
-        cfg = gb.config_for(D, variant)
-        args = dict(q_start=0, k_start=0, scale=0.1, accumulate=False, cfg=cfg, causal=False)
-        _, grid, _, kwargs = gb.launch_plan(q, k, k.clone(), stats, q.clone(), *grads, **{**args, **kw})
+        _, grid, _, kwargs = _backward_plan(variant, **kw)
         return grid, kwargs["GROUPED_HEADS"]
 
     assert plan("ws2_lag_grouped", causal=True) == ((B * Hkv, blocks, 1), True)
@@ -365,8 +376,7 @@ def test_gluon_backward_grouped_heads_plan(monkeypatch):
     monkeypatch.setattr(gf, "TILE_ORDER_L2_BYTES", 2 * S * (H // Hkv) * (2 * D * 2 + D * 4))
     assert plan("ws2_lag_grouped", causal=True) == ((2, blocks, B * Hkv // 2), True)
     # the query blocks' walk: a constexpr of its own, up unless a config says otherwise
-    walks = {v: gb.launch_plan(q, k, k.clone(), stats, q.clone(), *grads, q_start=0, k_start=0, scale=0.1,
-                               accumulate=False, cfg=gb.config_for(D, v), causal=True)[3]["WALK"]
+    walks = {v: _backward_plan(v, causal=True)[3]["WALK"]
              for v in ("ws2_lag", "ws2_lag_grouped", "ws2_rot", "ws2_lag_grouped_down")}  # fmt: skip
     assert walks == {"ws2_lag": 0, "ws2_lag_grouped": 0, "ws2_rot": 1, "ws2_lag_grouped_down": 2}
     assert gb.WALKS == ("up", "rotated", "down")  # the kernel's WALK is the index
@@ -387,18 +397,13 @@ def test_gluon_backward_persistent_plan(monkeypatch):
     if not gf.HAS_GLUON:
         pytest.skip(f"Gluon not importable: {gf.GLUON_ERROR}")
     monkeypatch.setattr(gf, "TILE_ORDER_L2_BYTES", 1 << 40)
-    B, S, H, Hkv, D = 2, 1031, 8, 4, 64
-    q, k = torch.zeros(B, S, H, D, dtype=torch.bfloat16), torch.zeros(B, S, Hkv, D, dtype=torch.bfloat16)
-    stats = torch.zeros(B, H, 2, S)
-    grads = (torch.zeros(q.shape), torch.zeros(k.shape), torch.zeros(k.shape))
+    B, S, H, Hkv, D = _BWD_PLAN_SHAPE
     blocks = gf.triton_cdiv(S, 128)
     tiles = blocks * B * Hkv
 
     def plan(variant, sms=132, **kw):
         monkeypatch.setattr(gb, "multiprocessors", lambda device: sms)
-        cfg = gb.config_for(D, variant)
-        args = dict(q_start=0, k_start=0, scale=0.1, accumulate=False, cfg=cfg, causal=False)
-        kernel, grid, args, kwargs = gb.launch_plan(q, k, k.clone(), stats, q.clone(), *grads, **{**args, **kw})
+        kernel, grid, args, kwargs = _backward_plan(variant, **kw)
         named = dict(zip(kernel.arg_names, args))
         counter = named["TILE_COUNTER"]
         if kwargs["PERSISTENT"]:
@@ -426,6 +431,45 @@ def test_gluon_backward_persistent_plan(monkeypatch):
         gb.GluonBwdConfig(schedule="ws2_split_d", block_n=64, persistent="all")
     with pytest.raises(ValueError, match="persistent must be None, 'all' or 'causal', got 'sometimes'"):
         gb.GluonBwdConfig(persistent="sometimes")
+
+
+def test_gluon_backward_counter_per_call(monkeypatch):
+    """prepare() gives every persistent call a counter of its own, zeroed by each launch, also on
+    a kept launch plan (the plan's counter argument replaced by the call's); a non-persistent
+    launch of the same config (non-causal, "causal" persistence) gets none. The CPU stands in for
+    the GPU: the device check and the statistics launch are replaced, nothing is launched."""
+    from ringflash.kernels import gluon_backward as gb
+    from ringflash.kernels import gluon_forward as gf
+
+    if not gf.HAS_GLUON:
+        pytest.skip(f"Gluon not importable: {gf.GLUON_ERROR}")
+    monkeypatch.setattr(gb, "_PLANS", gb.Plans())
+    monkeypatch.setattr(gb, "check_supported", lambda *a, **kw: None)
+    monkeypatch.setattr(gb, "_one_launch_stats", lambda m, l, delta: False)
+    stats = lambda m, l, delta, cfg: torch.zeros(m.shape[0] * m.shape[1], 2, gb.padded_rows(m.shape[2], cfg))  # noqa: E731
+    monkeypatch.setattr(gb, "row_stats", stats)
+    built = []
+    real = gb.launch_plan
+    monkeypatch.setattr(gb, "launch_plan", lambda *a, **kw: built.append(1) or real(*a, **kw))
+    B, S, H, Hkv, D = _BWD_PLAN_SHAPE
+    q, k = torch.zeros(B, S, H, D, dtype=torch.bfloat16), torch.zeros(B, S, Hkv, D, dtype=torch.bfloat16)
+    m, l = torch.zeros(B, H, S), torch.ones(B, H, S)
+    dk = torch.zeros(k.shape, dtype=torch.bfloat16)
+    for causal in (True, False):
+        counters, built[:] = [], []
+        for _ in range(3):  # the plan is built on the second call and kept for the third
+            prep = gb.prepare(q, k, k.clone(), m, l, q.clone(), torch.zeros(B, H, S), torch.zeros(q.shape), dk,
+                              dk.clone(), q_start=0, k_start=0, causal=causal, scale=0.1, accumulate=False,
+                              config="ws2_lag_grouped_down_pcc")  # fmt: skip
+            named = dict(zip(prep.kernel.arg_names, prep.args))
+            assert prep.kwargs["PERSISTENT"] is causal
+            if causal:
+                assert prep.tile_counter is not None and named["TILE_COUNTER"] is prep.tile_counter
+                counters.append(prep.tile_counter)
+            else:
+                assert prep.tile_counter is None and named["TILE_COUNTER"] is prep.dq32
+        assert len(built) == 2  # the third call ran on the kept plan
+        assert len({id(c) for c in counters}) == len(counters)
 
 
 def test_gluon_backward_takes_v_head_dim_apart_only_split():

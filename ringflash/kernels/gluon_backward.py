@@ -178,7 +178,6 @@ _CONFIGS = {
     "ws2_lag_grouped": GluonBwdConfig(stages=2, dq_blocked=True, lag=True, group_heads=True),
     # the same, each key block walking its query blocks from the last one down (configs.GLUON_BWD)
     "ws2_lag_grouped_down": GluonBwdConfig(stages=2, dq_blocked=True, lag=True, group_heads=True, walk="down"),
-    # the same in persistent programs
     # ... in persistent programs that take key blocks from a counter (the same blocks in the same
     # order), every launch; and the causal launches only (configs.GLUON_BWD)
     "ws2_lag_grouped_down_pc": GluonBwdConfig(
@@ -797,10 +796,12 @@ def prepare(
             delta = delta.value(do, torch_delta)  # torch ops, any strides
         stats = row_stats(m, l, delta, cfg)
     # blocks handed out at run time: a counter of this call's (a kept plan takes it), zeroed by
-    # each launch (Prepared.launch)
-    counter = None
-    if persistent_launch(cfg, window_bounds(causal, window)[1] is not None, bounds):
-        counter = torch.empty(1, dtype=torch.int32, device=q.device)
+    # each launch (Prepared.launch); a kept plan says whether it launches persistent programs
+    if plan is not None:
+        persistent = plan.kwargs["PERSISTENT"]
+    else:
+        persistent = persistent_launch(cfg, window_bounds(causal, window)[1] is not None, bounds)
+    counter = torch.empty(1, dtype=torch.int32, device=q.device) if persistent else None
     tensors = (q, k, v, stats, do, dq32, dk, dv, *((None, None) if bounds is None else (bounds.q_lo, bounds.q_hi)),
                counter)  # fmt: skip
     if plan is not None:
