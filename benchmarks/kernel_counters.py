@@ -5,6 +5,8 @@ share, issue slots, warp stall reasons).
     python -m benchmarks.kernel_counters --out DIR --head-dims 64 128 --seqlen 16384 --modes fwd bwd
     python -m benchmarks.kernel_counters --out DIR --seqlen 4096 --modes fwd --impls gluon=ws2_s3 gluon=ws2_p
     python -m benchmarks.kernel_counters --out DIR --head-dims 192 --v-head-dim 128 --modes bwd   # MLA's dims
+    python -m benchmarks.kernel_counters --out DIR --head-dims 128 --seqlen 4096 --causal yes --modes bwd --source \
+        --impls gluon_bwd=ws2_lag_grouped_down gluon_bwd=ws2_lag_grouped_down_pc   # stalls per SASS instruction
 
 runs `ncu` once per (implementation, head dim, causal, mode) on this script's --call mode (one
 warmed-up call between cudaProfilerStart and Stop; for "bwd" only the backward of a forward made
@@ -147,6 +149,48 @@ def format_row(tag, s):
     )
 
 
+def source_summary(rep, csv_path, tag, top=25):
+    """The report's per-instruction warp-state samples (ncu's source page, SASS) written to
+    csv_path; returned: per opcode, then per instruction, the largest shares of all samples."""
+    page = subprocess.run(
+        ["ncu", "--import", f"{rep}.ncu-rep", "--csv", "--page", "source", "--print-source", "sass"],
+        capture_output=True,
+        text=True,
+    )
+    csv_path.write_text(page.stdout + page.stderr)
+    rows = [r for r in csv.reader(page.stdout.splitlines()) if r]
+    # one table per kernel of the report, each under its own header: the one with most samples
+    tables = []
+    for r in rows:
+        if "Source" in r:
+            tables.append((r, []))
+        elif tables and len(r) == len(tables[-1][0]):
+            tables[-1][1].append(r)
+    best = None
+    for names, body in tables:
+        src = names.index("Source")
+        samples = next((i for i, n in enumerate(names) if n.startswith("Warp Stall Sampling (All")), None)
+        if samples is None:
+            continue
+        instrs = [(r[src], _num(r[samples]) or 0.0) for r in body]
+        if best is None or sum(n for _, n in instrs) > sum(n for _, n in best):
+            best = instrs
+    if best is None:
+        return [f"{tag}: no warp samples in the source page ({csv_path.name})"]
+    instrs = best
+    total = sum(n for _, n in instrs) or 1.0
+    by_op = {}
+    for text, n in instrs:
+        words = text.split()
+        op = words[1] if words and words[0].startswith("@") and len(words) > 1 else (words[0] if words else "?")
+        by_op[op] = by_op.get(op, 0.0) + n
+    out = [f"{tag}: warp samples by opcode (share of {total:.0f})"]
+    out += [f"  {op:40s} {n / total:6.1%}" for op, n in sorted(by_op.items(), key=lambda x: -x[1])[:top]]
+    out.append(f"{tag}: the instructions with the most samples")
+    out += [f"  {n / total:6.1%}  {text[:110]}" for text, n in sorted(instrs, key=lambda x: -x[1])[:top]]
+    return out
+
+
 def run_all(args):
     out = args.out
     out.mkdir(parents=True, exist_ok=True)
@@ -159,7 +203,7 @@ def run_all(args):
                     tag = f"{impl.replace('=', '-')}_{dims}_s{args.seqlen}_{'causal' if causal else 'full'}_{mode}"
                     rep = out / tag
                     cmd = ["ncu", "--profile-from-start", "off", "--clock-control", "none", "-f", "-o", str(rep)]
-                    for s in SECTIONS:
+                    for s in SECTIONS + (("SourceCounters",) if args.source else ()):
                         cmd += ["--section", s]
                     call = [impl, str(D), str(args.seqlen), "causal" if causal else "full", mode]
                     cmd += [sys.executable, "-m", "benchmarks.kernel_counters", "--heads", str(args.heads)]
@@ -180,6 +224,8 @@ def run_all(args):
                         if s["us"] is None or s["us"] < 50:
                             continue
                         lines.append(format_row(tag, s))
+                    if args.source:
+                        lines += source_summary(rep, out / f"{tag}_sass.csv", tag)
                     print(tag, "done", flush=True)
     print("\n".join(lines))
     (out / "table.txt").write_text("\n".join(lines) + "\n")
@@ -196,6 +242,9 @@ def main():
     ap.add_argument("--modes", nargs="+", choices=["fwd", "bwd"], default=["fwd", "bwd"])
     ap.add_argument(
         "--impls", nargs="+", default=list(IMPLS), help=f"{' '.join(IMPLS)}, gluon=VARIANT or gluon_bwd=VARIANT"
+    )
+    ap.add_argument(
+        "--source", action="store_true", help="also sample warp states per SASS instruction (ncu SourceCounters)"
     )
     ap.add_argument("--call", nargs=5, metavar=("IMPL", "D", "S", "CAUSAL", "MODE"), help=argparse.SUPPRESS)
     args = ap.parse_args()
