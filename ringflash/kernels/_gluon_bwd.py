@@ -655,9 +655,10 @@ def _consume_key_block(
         g = it + i  # the program's step (its earlier key blocks' steps before it)
         s = g % STAGES
         if PERSISTENT:  # dQ's strides extended to 64 bits here, not once for all blocks and kept (spilled)
-            stride_dqb = _opaque(stride_dqb)
-            stride_dqs = _opaque(stride_dqs)
-            stride_dqh = _opaque(stride_dqh)
+            one = _opaque(i * 0) + 1
+            stride_dqb = stride_dqb * one
+            stride_dqs = stride_dqs * one
+            stride_dqh = stride_dqh * one
         h, off_m = _query_block(i, hk, group, m_first, n_m, p0, BLOCK_M, WALK)
         # ready[s]: the (g // STAGES)-th completion of stage s's barrier
         mbarrier.wait(ready.index(s), (g // STAGES) & 1)
@@ -791,13 +792,17 @@ def _consume_key_block(
         # loop and kept across it (ptxas spilled them in the accumulating causal case)
         b = _opaque(b)
         hk = _opaque(hk)
-    if PERSISTENT:  # likewise the strides' 64-bit extensions: else computed once for all blocks and kept
-        stride_dkb = _opaque(stride_dkb)
-        stride_dks = _opaque(stride_dks)
-        stride_dkh = _opaque(stride_dkh)
-        stride_dvb = _opaque(stride_dvb)
-        stride_dvs = _opaque(stride_dvs)
-        stride_dvh = _opaque(stride_dvh)
+    if PERSISTENT:
+        # likewise the strides' 64-bit extensions (else computed once for all blocks and kept),
+        # times an opaque 1 rather than through _opaque: a product keeps the stride's known
+        # divisibility, so dK and dV are still stored in vectors (not 16 bits at a time)
+        one = _opaque(row0 * 0) + 1
+        stride_dkb = stride_dkb * one
+        stride_dks = stride_dks * one
+        stride_dkh = stride_dkh * one
+        stride_dvb = stride_dvb * one
+        stride_dvs = stride_dvs * one
+        stride_dvh = stride_dvh * one
     # a key block no query sees adds nothing: accumulating, it is left as it is (a ring step's
     # idle keys); otherwise its zeros are written
     if n_iter > (0 if ACCUMULATE else -1):

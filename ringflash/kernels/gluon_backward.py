@@ -1034,7 +1034,9 @@ def hopper_report(
     head_dim_v: int | None = None,
 ) -> dict:
     """gluon_forward.compiled_report of one case compiled by compile_for_hopper, with the dQ
-    atomics counted in the SASS: red_v2 / red_v4 (vectorized float32 adds), red_scalar."""
+    atomics counted in the SASS: red_v2 / red_v4 (vectorized float32 adds), red_scalar; and
+    stg_16, global stores of 16 bits (dK / dV element by element: their pointers' alignment was
+    not known)."""
     kern = compile_for_hopper(
         cfg, head_dim, causal=causal, dtype=dtype, accumulate=accumulate, group=group, window_left=window_left,
         rows=rows, head_dim_v=head_dim_v,
@@ -1052,13 +1054,17 @@ def hopper_report(
             "red_v2": r"\bREDG?\.E\.ADD\.F32x2\b",
             "red_v4": r"\bREDG?\.E\.ADD\.F32x4\b",
             "red_scalar": r"\b(?:REDG?|ATOMG?)\.E\.ADD\.F32\.",
+            "stg_16": r"\bSTG\.E\.(?:U16|S16)\b",
         },
     )
 
 
 def report_problems(row: dict) -> list[str]:
-    """gluon_forward.report_problems, and dQ atomics that are not all vectorized."""
+    """gluon_forward.report_problems, dQ atomics that are not all vectorized, and dK / dV stored
+    16 bits at a time."""
     bad = forward_report_problems(row)
     if row["red_v2"] + row["red_v4"] == 0 or row["red_scalar"]:
         bad.append(f"dQ atomics not vectorized (v2: {row['red_v2']}, v4: {row['red_v4']}, scalar: {row['red_scalar']})")
+    if row["stg_16"]:
+        bad.append(f"dK / dV stored 16 bits at a time ({row['stg_16']} stores)")
     return bad
