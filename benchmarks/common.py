@@ -76,17 +76,23 @@ def kernel_times(fn, device, calls=1) -> list[tuple[str, int, float]]:
     return [(e.key, e.count, spent(e) / 1e3) for e in events]
 
 
-DOCUMENTS_BACKWARDS = ("default", "fused", "two-pass")
+DOCUMENTS_BACKWARDS = ("default", "fused", "persistent", "two-pass")
 
 
 @contextlib.contextmanager
 def documents_backward(name: str):
     """Inside the block packed documents' backward (configs.GLUON_BWD_DOCUMENTS) is as configured
-    ("default"), the fused Gluon kernel wherever it runs ("fused") or the two Triton passes
-    ("two-pass")."""
+    ("default"), the fused Gluon kernel wherever it runs ("fused"), the fused kernel in persistent
+    programs at D = 64 and 128 ("persistent": ws2_lag_pc) or the two Triton passes ("two-pass")."""
     from ringflash.kernels import configs
 
-    tables = {"default": configs.GLUON_BWD_DOCUMENTS, "fused": configs.GLUON_BWD, "two-pass": {}}
+    persistent = {**configs.GLUON_BWD_DOCUMENTS, 64: "ws2_lag_pc", 128: "ws2_lag_pc"}
+    tables = {
+        "default": configs.GLUON_BWD_DOCUMENTS,
+        "fused": configs.GLUON_BWD,
+        "persistent": persistent,
+        "two-pass": {},
+    }
     with mock.patch.object(configs, "GLUON_BWD_DOCUMENTS", dict(tables[name])):
         yield
 

@@ -584,6 +584,48 @@ def test_documents_backward_vs_float64(dtype, causal, window_size, len_k_extra, 
     assert bool(lonely_q.any() or lonely_k.any()) == (len_k_extra != 0)  # the cases built to have such rows do
 
 
+@pytest.mark.parametrize("causal,window_size,len_k_extra", DOCUMENT_CASES)
+@pytest.mark.parametrize("D", [128, 64])
+def test_fused_backward_persistent_documents(causal, window_size, len_k_extra, D, monkeypatch):
+    """Packed documents' per-row bounds in persistent programs (ws2_lag_pc: the producer plans
+    each key block's query blocks and passes them on with the block), three programs for the
+    documents' key blocks of two kv heads, blocks that no query sees among them: dK and dV bitwise
+    equal to one block a program's (ws2_lag), everything against float64 within the plain bound,
+    keys no query sees get dK = dV = 0; the launches were one-dimensional, three programs."""
+    from ringflash.kernels import configs, gluon_backward
+    from ringflash.local import flash_attn_varlen_func
+    from ringflash.testing import varlen_plain_errors, varlen_reference
+
+    force_fused_backward(monkeypatch)
+    monkeypatch.setattr(gluon_backward, "_PLANS", gluon_backward.Plans())
+    monkeypatch.setattr(gluon_backward, "multiprocessors", lambda device: 3)
+    plans = []
+    real = gluon_backward.launch_plan
+    monkeypatch.setattr(gluon_backward, "launch_plan", lambda *a, **kw: plans.append(real(*a, **kw)) or plans[-1])
+    len_q, len_k, cu_q, cu_k = _documents(len_k_extra)
+    g = torch.Generator(device="cuda").manual_seed(len(len_q) + len_k_extra + D + 41)
+    mk = lambda n, H: torch.randn(n, H, D, device="cuda", generator=g, dtype=torch.bfloat16).requires_grad_()  # noqa: E731
+    q, k, v = mk(sum(len_q), 8), mk(sum(len_k), 2), mk(sum(len_k), 2)
+    do = torch.randn(q.shape, device="cuda", generator=g, dtype=torch.bfloat16)
+    kw = dict(causal=causal, window_size=window_size)
+    grads = {}
+    for variant in ("ws2_lag", "ws2_lag_pc"):
+        monkeypatch.setattr(configs, "GLUON_BWD_DOCUMENTS", {D: variant})
+        out = flash_attn_varlen_func(q, k, v, cu_q, cu_k, **kw)
+        grads[variant] = torch.autograd.grad(out, (q, k, v), do)
+    assert [p[3]["ROWS"] for p in plans] == [True, True], [p[3] for p in plans]
+    assert [p[3]["PERSISTENT"] for p in plans] == [False, True]
+    assert plans[1][1] == (3,)
+    for i in (1, 2):
+        assert torch.equal(grads["ws2_lag"][i], grads["ws2_lag_pc"][i])
+    ref = varlen_reference(q.detach(), k.detach(), v.detach(), do, cu_q, cu_k, **kw)
+    plain = varlen_plain_errors(q.detach(), k.detach(), v.detach(), do, cu_q, cu_k, ref, **kw)
+    for name, got, r in zip(("dq", "dk", "dv"), grads["ws2_lag_pc"], ref[2:]):
+        assert_within(f"ws2_lag_pc {name}", got, r, plain[name])
+    lonely_k = (ref[4] == 0).flatten(1).all(1)
+    assert (grads["ws2_lag_pc"][1][lonely_k] == 0).all() and (grads["ws2_lag_pc"][2][lonely_k] == 0).all()
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("causal,window_size,len_k_extra", DOCUMENT_CASES)
 @pytest.mark.parametrize("D", [128, 64, 256])

@@ -388,8 +388,9 @@ def test_gluon_backward_persistent_plan(monkeypatch):
     """A persistent launch runs at most one program per multiprocessor on a 1-D grid, with
     PERSISTENT set, the grid it stands for (blocks in all, its first two dimensions: the same
     order, the causal head groups kept) and a zeroed int32 counter among the arguments; "causal"
-    configs run only causal launches (a bounded right reach) so; packed documents (per-row
-    bounds) keep one block a program; the head-dim split schedule has no persistent form."""
+    configs run only causal launches (a bounded right reach, no per-row bounds) so, "all" configs
+    every launch, packed documents' per-row bounds included (their grid order: key blocks, then
+    heads); the head-dim split schedule has no persistent form."""
     from ringflash.kernels import gluon_backward as gb
     from ringflash.kernels import gluon_forward as gf
     from ringflash.masks import RowBounds
@@ -426,7 +427,10 @@ def test_gluon_backward_persistent_plan(monkeypatch):
     assert plan("ws2_lag_grouped_down_pcc")[:2] == ((blocks, B * Hkv), False)
     whole = torch.zeros(S, dtype=torch.int32), torch.full((S,), S, dtype=torch.int32)
     bounds = RowBounds(*whole, *whole)
-    assert plan("ws2_lag_grouped_down_pc", sms=5, bounds=bounds)[:2] == ((blocks, B * Hkv), False)
+    assert plan("ws2_lag_grouped_down_pc", sms=5, bounds=bounds) == ((5,), True, False, (tiles, blocks, B * Hkv))
+    assert plan("ws2_lag_pc", bounds=bounds) == ((tiles,), True, False, (tiles, blocks, B * Hkv))
+    assert plan("ws2_lag_grouped_down_pcc", bounds=bounds)[:2] == ((blocks, B * Hkv), False)
+    assert plan("ws2_lag")[:2] == ((blocks, B * Hkv), False)
     with pytest.raises(ValueError, match="persistent programs run the ws2 schedule"):
         gb.GluonBwdConfig(schedule="ws2_split_d", block_n=64, persistent="all")
     with pytest.raises(ValueError, match="persistent must be None, 'all' or 'causal', got 'sometimes'"):

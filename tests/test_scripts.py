@@ -403,9 +403,11 @@ def test_gluon_backward_compiles_for_hopper(tmp_path):
     """The Gluon backward's variants keep compiling for
     sm_90a on this CPU machine, causal bf16 accumulating into float32 (a ring step), at D=128
     and at 96 (run 128 wide): no spills, within the shared memory, S^T and dP^T left in flight
-    (wait_group 1), vectorized dQ adds. The default among them (its grouped heads and downward
-    walk), and the same in persistent programs taking key blocks from a counter (D=64's default
-    for causal launches)."""
+    (wait_group 1), vectorized dQ adds, dK / dV stored in vectors (not 16 bits at a time: the
+    persistent programs' per-block strides once lost their alignment). The default among them
+    (its grouped heads and downward walk), the same in persistent programs taking key blocks from
+    a counter (D=64's default for causal launches), and packed documents' per-row bounds in
+    persistent programs (ws2_lag_pc, its producer planning each block's query blocks)."""
     from ringflash.kernels import configs
 
     variants = ["ws2", "ws2_blk", "ws2_lag", "ws2_lagq", "ws2_lag_grouped_down", "ws2_lag_grouped_down_pc"]
@@ -422,9 +424,14 @@ def test_gluon_backward_compiles_for_hopper(tmp_path):
          "1", "--dtypes", "bf16", "--accumulate", "1", "--jobs", "1", "--json", str(tmp_path / "p.json")],
         tmp_path)  # fmt: skip
     rows += json.loads((tmp_path / "p.json").read_text())
-    assert len(rows) == len(variants) + len(padded)
+    run([sys.executable, "benchmarks/gluon_bwd_report.py", "--variants", "ws2_lag_pc", "--head-dims", "128", "--rows",
+         "--causal", "0", "--dtypes", "bf16", "--accumulate", "1", "--jobs", "1", "--json", str(tmp_path / "r.json")],
+        tmp_path)  # fmt: skip
+    rows += json.loads((tmp_path / "r.json").read_text())
+    assert len(rows) == len(variants) + len(padded) + 1 and rows[-1]["rows"] and rows[-1]["config"]["persistent"]
     for r in rows:
         assert not r["problems"] and r["spill_bytes"] == 0 and r["sass_waits"].get("1", 0) > 0, r
+        assert r["stg_16"] == 0, r
 
 
 def test_gluon_backward_split_head_dim_compiles_for_hopper(tmp_path):

@@ -37,10 +37,11 @@ Options (constexprs; gluon_backward.VARIANTS names the combinations):
   follows the loop.
 - DQ_FIRST (with LAG): FlashAttention-3's order, dQ(i - 1) issued before dK(i); the dQ atomics
   then run while dK is in the tensor cores.
-- PERSISTENT (ws2, dense blocks): at most one program per multiprocessor, each taking key
-  blocks from a counter that the producer reads and passes to the consumers (_fetch_tile,
-  _publish_tile, _receive_tile); the barriers' phases run on from block to block and kv_empty
-  holds the next block's K / V load until both consumers are done with the last.
+- PERSISTENT (ws2): at most one program per multiprocessor, each taking key blocks from a
+  counter that the producer reads and passes to the consumers (_fetch_tile, _publish_tile,
+  _receive_tile; with packed documents' per-row bounds also the block's query blocks, which the
+  producer warp plans: _block_rows); the barriers' phases run on from block to block and
+  kv_empty holds the next block's K / V load until both consumers are done with the last.
 
 Statistics: `offset` = m + log2(l) per query row (+inf for rows that saw no key and for the
 padding rows past Sq, so their probabilities are exactly 0), `delta` = rowsum(dO * O); both
@@ -97,7 +98,7 @@ def _plan(
     outside is masked); key_ragged: the block runs past Sk. Query row i sees local key j iff
     k_start + j <= q_start + i (CAUSAL: the launcher folds a window's right reach into q_start)
     and q_start + i <= k_start + j + left (HAS_LEFT). ROWS (packed documents): the query blocks
-    rows_first .. rows_first + rows_n - 1 (_key_tile_query_range, before the partitions split);
+    rows_first .. rows_first + rows_n - 1 (_key_tile_query_range);
     full_lo / full_hi then unused (each consumer has its own keys' range). GROUPED_HEADS: the
     grid is (heads a group, key blocks, groups), so that every head of a group takes its key
     block j (heaviest first when causal) before any takes block j + 1; else (key blocks,
@@ -143,16 +144,18 @@ def _keys_range(first, Sq, Sk, q_start, k_start, QLO, QHI, KEYS: gl.constexpr, n
 
 @gluon.jit
 def _key_tile_query_range(
-    Sq, Sk, q_start, k_start, QLO, QHI, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, SPLIT_D: gl.constexpr,
+    n0, Sq, Sk, q_start, k_start, QLO, QHI, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, SPLIT_D: gl.constexpr,
     num_warps: gl.constexpr,
 ):  # fmt: skip
-    """Packed documents: the query blocks of this program's key block, computed once by all
-    warps before the partitions split, so that the producer and both consumers visit the same
-    blocks: (m_first, n_m, full_lo0, full_hi0, full_lo1, full_hi1). The block visits query
-    blocks m_first .. m_first + n_m - 1 (those some key sees; n_m == 0: none); every valid key
-    of consumer warpgroup w sees the rows [full_lo_w, full_hi_w): a query block inside needs no
-    mask. SPLIT_D: both warpgroups hold all keys (the ranges of w = 0 and 1 are the same)."""
-    n0 = gl.program_id(0) * BLOCK_N
+    """Packed documents: the query blocks of the key block from key n0, by num_warps warps:
+    (m_first, n_m, full_lo0, full_hi0, full_lo1, full_hi1). The block visits query blocks
+    m_first .. m_first + n_m - 1 (those some key sees; n_m == 0: none); every valid key of
+    consumer warpgroup w sees the rows [full_lo_w, full_hi_w): a query block inside needs no
+    mask. SPLIT_D: both warpgroups hold all keys (the ranges of w = 0 and 1 are the same). The
+    same integers whatever the warps: one launch block a program computes it once before the
+    partitions split, a persistent program's producer warp for every block it takes (_block_rows:
+    one warp's reductions need no shared memory, whose predicated loads the consumers kept live
+    across their blocks, and spilled)."""
     if SPLIT_D:
         lo, hi, full_lo0, full_hi0 = _keys_range(n0, Sq, Sk, q_start, k_start, QLO, QHI, BLOCK_N, num_warps)
         full_lo1 = full_lo0
@@ -214,28 +217,55 @@ def _fetch_tile(counter):
     )
 
 
+TILE_WORDS = gl.constexpr(8)  # a shared slot's int32 words: the key block and its _block_rows
+
+
 @gluon.jit
-def _publish_tile(tile_ids, tile_full, tile_empty, k, t):
-    """The producer: key block t as the program's k-th into slot k % 2, once both consumers have
-    read what the slot held (tile_empty: count 2; a fresh barrier passes parity 1); tile_full
-    (count 1) completes its (k // 2)-th phase with it."""
+def _block_rows(t, grid0, Sq, Sk, q_start, k_start, QLO, QHI, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+    """Packed documents, a persistent program's producer warp: key block t's query blocks
+    (_key_tile_query_range's six integers; the grid's first coordinate is the key block)."""
+    return _key_tile_query_range((t % grid0) * BLOCK_N, Sq, Sk, q_start, k_start, QLO, QHI, BLOCK_M, BLOCK_N, False, 1)
+
+
+@gluon.jit
+def _publish_tile(tile_ids, tile_full, tile_empty, k, t, rows, ROWS: gl.constexpr):
+    """The producer: key block t as the program's k-th into slot k % 2 (ROWS: with its six
+    _block_rows after it), once both consumers have read what the slot held (tile_empty: count
+    2; a fresh barrier passes parity 1); tile_full (count 1) completes its (k // 2)-th phase."""
     slot = k % 2
     mbarrier.wait(tile_empty.index(slot), ((k // 2) & 1) ^ 1)
     one: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
-    tile_ids.index(slot).store(gl.full([1], t, gl.int32, one))
+    tile_ids.index(slot * TILE_WORDS).store(gl.full([1], t, gl.int32, one))
+    if ROWS:
+        for j in gl.static_range(6):
+            tile_ids.index(slot * TILE_WORDS + 1 + j).store(gl.full([1], rows[j], gl.int32, one))
     mbarrier.arrive(tile_full.index(slot))
 
 
 @gluon.jit
-def _receive_tile(tile_ids, tile_full, tile_empty, k):
-    """A consumer warpgroup: the program's k-th key block from slot k % 2 (_publish_tile), then
-    the slot released."""
+def _read_word(tile_ids, i):
+    """Word i of the shared slots, read by a consumer warpgroup (every thread gets it)."""
+    four: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+    return gl.reduce(tile_ids.index(i).load(four), 0, _max_combine)
+
+
+@gluon.jit
+def _receive_tile(tile_ids, tile_full, tile_empty, k, ROWS: gl.constexpr):
+    """A consumer warpgroup: the program's k-th key block from slot k % 2 (_publish_tile) and
+    (ROWS) its six _block_rows (else zeros), then the slot released."""
     slot = k % 2
     mbarrier.wait(tile_full.index(slot), (k // 2) & 1)
-    four: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
-    t = gl.reduce(tile_ids.index(slot).load(four), 0, _max_combine)
+    at = slot * TILE_WORDS
+    t = _read_word(tile_ids, at)
+    if ROWS:
+        rows = (
+            _read_word(tile_ids, at + 1), _read_word(tile_ids, at + 2), _read_word(tile_ids, at + 3),
+            _read_word(tile_ids, at + 4), _read_word(tile_ids, at + 5), _read_word(tile_ids, at + 6),
+        )  # fmt: skip
+    else:
+        rows = (0, 0, 0, 0, 0, 0)
     mbarrier.arrive(tile_empty.index(slot))
-    return t
+    return t, rows
 
 
 # ----------------------------------------------------------------------------------------------
@@ -293,39 +323,46 @@ def _produce_kv(
 
 @gluon.jit
 def _producer(
-    block_args, TILE_COUNTER, num_tiles, grid0, grid1, tile_ids, tile_full, tile_empty, PERSISTENT: gl.constexpr
+    block_args, rows_args, TILE_COUNTER, num_tiles, grid0, grid1, tile_ids, tile_full, tile_empty,
+    ROWS: gl.constexpr, PERSISTENT: gl.constexpr,
 ):  # fmt: skip
     """The TMA producer warp: the program's key block (PERSISTENT: each key block it takes from
-    the counter, passed on to the consumers), each its K and V once, then Q, dO and the two
-    per-row statistics of every query block through a STAGES-deep ring (ready / empty mbarriers)
-    whose stages and phases run on from block to block (_produce_key_block). block_args:
-    _produce_key_block's arguments between the block's `uses` and PERSISTENT (the kernel's
-    producer_args)."""
+    the counter, passed on to the consumers; ROWS: with its query blocks, _block_rows of
+    rows_args), each its K and V once, then Q, dO and the two per-row statistics of every query
+    block through a STAGES-deep ring (ready / empty mbarriers) whose stages and phases run on
+    from block to block (_produce_key_block). block_args: _produce_key_block's arguments between
+    the block's rows and PERSISTENT (the kernel's producer_args)."""
     if PERSISTENT:
         it = 0  # the steps of this program's earlier key blocks
         uses = 0  # ... its earlier key blocks with steps (K and V loaded)
         k = 0  # key blocks taken
         t = _fetch_tile(TILE_COUNTER)
         while t < num_tiles:
-            _publish_tile(tile_ids, tile_full, tile_empty, k, t)
+            rows = (0, 0, 0, 0, 0, 0)
+            if ROWS:
+                rows = _block_rows(t, grid0, *rows_args)
+            _publish_tile(tile_ids, tile_full, tile_empty, k, t, rows, ROWS)
             p0, p1, p2 = _grid_coords(t, grid0, grid1)
-            n_iter = _produce_key_block(p0, p1, p2, grid0, it, uses, *block_args, PERSISTENT)
+            n_iter = _produce_key_block(p0, p1, p2, grid0, it, uses, rows[0], rows[1], *block_args, PERSISTENT)
             # the next block taken only now: the consumers have about STAGES steps of this one
             # left, and a block taken earlier would be held back from a program that is free
             t = _fetch_tile(TILE_COUNTER)
             it += n_iter
             uses += gl.minimum(n_iter, 1)
             k += 1
-        _publish_tile(tile_ids, tile_full, tile_empty, k, t)  # past the last block: the consumers stop
+        # past the last block: the consumers stop
+        _publish_tile(tile_ids, tile_full, tile_empty, k, t, (0, 0, 0, 0, 0, 0), False)
     else:
         _produce_key_block(
-            gl.program_id(0), gl.program_id(1), gl.program_id(2), gl.num_programs(0), 0, 0, *block_args, PERSISTENT
-        )
+            gl.program_id(0), gl.program_id(1), gl.program_id(2), gl.num_programs(0), 0, 0, 0, 0, *block_args,
+            PERSISTENT,
+        )  # fmt: skip
 
 
 @gluon.jit
 def _produce_key_block(
-    p0, p1, p2, dim0, it, uses, Hq, Hkv, group, Sq, Sk, Sq_pad, q_start, k_start, left, rows_first, rows_n, q_desc,
+    p0, p1, p2, dim0, it, uses, block_rows_first, block_rows_n, Hq, Hkv, group, Sq, Sk, Sq_pad, q_start, k_start,
+    left, rows_first, rows_n, q_desc,
     do_desc, k_desc, v_desc, st_desc, qt_desc, kt_desc, q_bufs, do_bufs, st_bufs, qt_bufs, k_smem, v_smem, kt_smem,
     kv_bar, kv_empty, ready, empty, CAUSAL: gl.constexpr, HAS_LEFT: gl.constexpr, ROWS: gl.constexpr,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, BLOCK_DT: gl.constexpr,
@@ -335,6 +372,9 @@ def _produce_key_block(
     and `uses` K / V loads of the program's earlier blocks; returns its steps. With BLOCK_DT > 0
     (q/k's head dim in two pieces) also the tail pieces of K (columns BLOCK_D ..) and of every Q
     block, on the same barriers."""
+    if PERSISTENT:  # packed documents: this block's query blocks (_block_rows; else the kernel's)
+        rows_first = block_rows_first
+        rows_n = block_rows_n
     b, hk, n0, m_first, n_m, _, _, _ = _plan(
         p0, p1, p2, dim0, Hkv, Sq, Sk, q_start, k_start, left, rows_first, rows_n, CAUSAL, HAS_LEFT, ROWS, BLOCK_M,
         BLOCK_N, GROUPED_HEADS,
@@ -598,12 +638,14 @@ def _consume_key_block(
     dim0,
     it,
     uses,
+    block_rows,
     kv_empty,
     PERSISTENT: gl.constexpr,
 ):
     """Consumer warpgroup WG's part of the key block at grid coordinates (p0, p1, p2) (_plan),
-    after the `it` steps and `uses` K / V loads of the program's earlier blocks (PERSISTENT);
-    returns its steps."""
+    after the `it` steps and `uses` K / V loads of the program's earlier blocks (PERSISTENT;
+    block_rows: packed documents' query blocks of this block, as _block_rows); returns its
+    steps."""
     if PERSISTENT:  # per block: else values derived from them once for all blocks are kept (spilled)
         Sq = _opaque(Sq)
         q_start = _opaque(q_start)
@@ -619,6 +661,8 @@ def _consume_key_block(
     op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kv_layout, k_width=2)
     gl.static_assert(KEYS == 64, "one warpgroup's wgmma tile is 64 rows")
 
+    if PERSISTENT:  # packed documents: this block's query blocks, as the producer planned them
+        rows_first, rows_n, rows_full_lo0, rows_full_hi0, rows_full_lo1, rows_full_hi1 = block_rows
     b, hk, n0, m_first, n_m, full_lo, full_hi, key_ragged = _plan(
         p0, p1, p2, dim0, Hkv, Sq, Sk, q_start, k_start, left, rows_first, rows_n, CAUSAL, HAS_LEFT, ROWS, BLOCK_M,
         BLOCK_N, GROUPED_HEADS,
@@ -628,7 +672,10 @@ def _consume_key_block(
     dv = gl.zeros([KEYS, BLOCK_D], gl.float32, kv_layout)
     s_zero = gl.zeros([KEYS, BLOCK_M], gl.float32, s_layout)
     dq_zero = gl.zeros([BLOCK_M, DQ_COLS], gl.float32, dq_layout)
-    key_idx = n0 + WG * KEYS + gl.arange(0, KEYS, layout=gl.SliceLayout(1, s_layout))
+    key_idx = gl.arange(0, KEYS, layout=gl.SliceLayout(1, s_layout))
+    if ROWS and PERSISTENT:  # made per block, not kept across the program's blocks (at D=128 spilled)
+        key_idx = _opaque(key_idx)
+    key_idx = n0 + WG * KEYS + key_idx
     q_idx = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
     dq_rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, dq_layout))
     dq_cols = WG * DQ_COLS + gl.arange(0, DQ_COLS, layout=gl.SliceLayout(0, dq_layout))
@@ -842,6 +889,7 @@ def _consumer(
     tile_ids,
     tile_full,
     tile_empty,
+    ROWS: gl.constexpr,
     PERSISTENT: gl.constexpr,
 ):
     """Consumer warpgroup WG: the program's key block (PERSISTENT: those the producer passes
@@ -851,18 +899,18 @@ def _consumer(
         it = 0  # (as _producer)
         uses = 0
         k = 0
-        t = _receive_tile(tile_ids, tile_full, tile_empty, k)
+        t, rows = _receive_tile(tile_ids, tile_full, tile_empty, k, ROWS)
         while t < num_tiles:
             p0, p1, p2 = _grid_coords(t, grid0, grid1)
-            n_iter = _consume_key_block(WG, *block_args, p0, p1, p2, grid0, it, uses, kv_empty, PERSISTENT)
+            n_iter = _consume_key_block(WG, *block_args, p0, p1, p2, grid0, it, uses, rows, kv_empty, PERSISTENT)
             it += n_iter
             uses += gl.minimum(n_iter, 1)
             k += 1
-            t = _receive_tile(tile_ids, tile_full, tile_empty, k)
+            t, rows = _receive_tile(tile_ids, tile_full, tile_empty, k, ROWS)
     else:
         _consume_key_block(
-            WG, *block_args, gl.program_id(0), gl.program_id(1), gl.program_id(2), gl.num_programs(0), 0, 0, kv_empty,
-            PERSISTENT,
+            WG, *block_args, gl.program_id(0), gl.program_id(1), gl.program_id(2), gl.num_programs(0), 0, 0,
+            (0, 0, 0, 0, 0, 0), kv_empty, PERSISTENT,
         )  # fmt: skip
 
 
@@ -1150,7 +1198,7 @@ def _bwd_ws2(
     (blocks [.., BLOCK_DT]; None without a tail). num_warps = 4 (the default partition is consumer
     warpgroup 0). DQ: float32 (B, Sq, Hq, HEAD_DIM) added to atomically, or (DQ_BLOCKED) the
     blocked (B, Hq, Sq_pad, BLOCK_D); DK (B, Sk, Hkv, HEAD_DIM), DV (B, Sk, Hkv, HEAD_DIM_V).
-    PERSISTENT (ws2, dense blocks): a 1-D grid of programs that each take several of the
+    PERSISTENT (ws2): a 1-D grid of programs that each take several of the
     num_tiles key blocks of a grid0 x grid1 x .. launch, handed out at run time from
     TILE_COUNTER (int32, zero at the launch); without it num_tiles,
     grid0, grid1 and TILE_COUNTER are unused."""
@@ -1158,7 +1206,7 @@ def _bwd_ws2(
     gl.static_assert(q_desc.block_type.shape[1] == BLOCK_M)
     gl.static_assert(k_desc.block_type.shape[1] == BLOCK_N)
     gl.static_assert(not (ROWS and GROUPED_HEADS), "packed documents keep the grid's order")
-    gl.static_assert(not (PERSISTENT and (ROWS or SPLIT_D)), "persistent programs: ws2, dense blocks")
+    gl.static_assert(not (PERSISTENT and SPLIT_D), "persistent programs: the ws2 schedule")
     dtype: gl.constexpr = q_desc.dtype
     q_bufs = gl.allocate_shared_memory(dtype, [STAGES] + q_desc.block_type.shape, q_desc.layout)
     do_bufs = gl.allocate_shared_memory(dtype, [STAGES] + do_desc.block_type.shape, do_desc.layout)
@@ -1189,7 +1237,7 @@ def _bwd_ws2(
     else:  # (a stand-in, never used)
         kv_empty = kv_bar
     if PERSISTENT:  # the producer's key blocks passed to the consumers (_publish_tile)
-        tile_ids = gl.allocate_shared_memory(gl.int32, [2, 1], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
+        tile_ids = gl.allocate_shared_memory(gl.int32, [2 * TILE_WORDS, 1], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
         tile_full = _alloc_bars(2)
         tile_empty = _alloc_bars(2, 2)
     else:  # (stand-ins, never used)
@@ -1200,9 +1248,9 @@ def _bwd_ws2(
     empty = _alloc_bars(STAGES, 2)  # released when both consumer warpgroups are done with a stage
     ds_bar = _alloc_bars(2 if SPLIT_D else DS_BUFS, 2)  # both halves of dS (SPLIT_D: and P^T) written
     fence_async_shared()
-    if ROWS:  # packed documents: every partition needs the same query blocks (QLO / QHI: per key)
+    if ROWS and not PERSISTENT:  # packed documents: every partition needs the same query blocks (QLO / QHI: per key)
         rows_first, rows_n, rows_full_lo0, rows_full_hi0, rows_full_lo1, rows_full_hi1 = _key_tile_query_range(
-            Sq, Sk, q_start, k_start, QLO, QHI, BLOCK_M, BLOCK_N, SPLIT_D, num_warps
+            gl.program_id(0) * BLOCK_N, Sq, Sk, q_start, k_start, QLO, QHI, BLOCK_M, BLOCK_N, SPLIT_D, num_warps
         )
     else:
         rows_first = 0
@@ -1279,8 +1327,30 @@ def _bwd_ws2(
         st_desc, qt_desc, kt_desc, q_bufs, do_bufs, st_bufs, qt_bufs, k_smem, v_smem, kt_smem, kv_bar, kv_empty, ready,
         empty, CAUSAL, HAS_LEFT, ROWS, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DT, STAGES, WALK, GROUPED_HEADS,
     )  # fmt: skip
-    producer_rest: gl.constexpr = (TILE_COUNTER, num_tiles, grid0, grid1, tile_ids, tile_full, tile_empty, PERSISTENT)
-    persistent_args: gl.constexpr = (kv_empty, num_tiles, grid0, grid1, tile_ids, tile_full, tile_empty, PERSISTENT)
+    rows_args: gl.constexpr = (Sq, Sk, q_start, k_start, QLO, QHI, BLOCK_M, BLOCK_N)  # (_block_rows)
+    producer_rest: gl.constexpr = (
+        gl.tuple(rows_args),
+        TILE_COUNTER,
+        num_tiles,
+        grid0,
+        grid1,
+        tile_ids,
+        tile_full,
+        tile_empty,
+        ROWS,
+        PERSISTENT,
+    )
+    persistent_args: gl.constexpr = (
+        kv_empty,
+        num_tiles,
+        grid0,
+        grid1,
+        tile_ids,
+        tile_full,
+        tile_empty,
+        ROWS,
+        PERSISTENT,
+    )
     if SPLIT_D:
         gl.warp_specialize(
             [

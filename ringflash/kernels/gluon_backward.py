@@ -122,11 +122,11 @@ class GluonBwdConfig:
     # streamed Q, dO and dQ within gluon_forward.TILE_ORDER_L2_BYTES) before any key block j + 1,
     # so that the launch does not end on one head's heaviest key blocks (heads_per_group)
     group_heads: bool = False
-    # ws2, dense blocks: the launches ("all", or only the "causal" ones; None: none) that run at
-    # most one program per multiprocessor, each taking key blocks from a counter in the launch's
-    # order (_gluon_bwd._fetch_tile), the next block's first Q / dO stages and its K / V loaded
-    # while the last one's final steps and dK / dV stores run; packed documents keep one block a
-    # program
+    # ws2: the launches ("all", or only the "causal" ones; None: none) that run at most one
+    # program per multiprocessor, each taking key blocks from a counter in the launch's order
+    # (_gluon_bwd._fetch_tile), the next block's first Q / dO stages and its K / V loaded while
+    # the last one's final steps and dK / dV stores run; "all" includes packed documents' per-row
+    # bounds (each partition then plans a block's query blocks itself)
     persistent: str | None = None
 
     def __post_init__(self):
@@ -173,6 +173,8 @@ _CONFIGS = {
     # 2026-12-02, second round (benchmarks/NOTES.md): one limit each
     "ws2_blk": GluonBwdConfig(stages=2, dq_blocked=True),
     "ws2_lag": GluonBwdConfig(stages=2, dq_blocked=True, lag=True),
+    # ... in persistent programs (packed documents' launches: their key blocks keep the grid's order)
+    "ws2_lag_pc": GluonBwdConfig(stages=2, dq_blocked=True, lag=True, persistent="all"),
     "ws2_lagq": GluonBwdConfig(stages=2, dq_blocked=True, lag=True, dq_first=True),
     # ws2_lag's tiles, causal launches a few heads' key block j at a time
     "ws2_lag_grouped": GluonBwdConfig(stages=2, dq_blocked=True, lag=True, group_heads=True),
@@ -568,9 +570,9 @@ def window_bounds(causal: bool, window) -> tuple[int | None, int | None]:
 
 
 def persistent_launch(cfg: GluonBwdConfig, causal: bool, bounds) -> bool:
-    """Whether a launch of cfg runs persistent programs: a persistent config, dense blocks (no
-    per-row bounds), and causal (a bounded right reach) where the config says so."""
-    return cfg.persistent is not None and bounds is None and (causal or cfg.persistent == "all")
+    """Whether a launch of cfg runs persistent programs: "all" every launch, "causal" those with a
+    bounded right reach and no per-row bounds."""
+    return cfg.persistent == "all" or (cfg.persistent == "causal" and causal and bounds is None)
 
 
 def launch_plan(
