@@ -76,21 +76,23 @@ def kernel_times(fn, device, calls=1) -> list[tuple[str, int, float]]:
     return [(e.key, e.count, spent(e) / 1e3) for e in events]
 
 
-DOCUMENTS_BACKWARDS = ("default", "fused", "persistent", "two-pass")
+DOCUMENTS_BACKWARDS = ("default", "fused", "persistent", "one-block", "two-pass")
 
 
 @contextlib.contextmanager
 def documents_backward(name: str):
     """Inside the block packed documents' backward (configs.GLUON_BWD_DOCUMENTS) is as configured
-    ("default"), the fused Gluon kernel wherever it runs ("fused"), the fused kernel in persistent
-    programs at D = 64 and 128 ("persistent": ws2_lag_pc) or the two Triton passes ("two-pass")."""
+    ("default"), the fused Gluon kernel wherever it runs ("fused"), at D = 64 and 128 the fused
+    kernel in persistent programs ("persistent": ws2_lag_pc) or one key block a program
+    ("one-block": ws2_lag), or the two Triton passes ("two-pass")."""
     from ringflash.kernels import configs
 
-    persistent = {**configs.GLUON_BWD_DOCUMENTS, 64: "ws2_lag_pc", 128: "ws2_lag_pc"}
+    at = lambda variant: {**configs.GLUON_BWD_DOCUMENTS, 64: variant, 128: variant}  # noqa: E731
     tables = {
         "default": configs.GLUON_BWD_DOCUMENTS,
         "fused": configs.GLUON_BWD,
-        "persistent": persistent,
+        "persistent": at("ws2_lag_pc"),
+        "one-block": at("ws2_lag"),
         "two-pass": {},
     }
     with mock.patch.object(configs, "GLUON_BWD_DOCUMENTS", dict(tables[name])):

@@ -174,7 +174,10 @@ GLUON_DOCUMENTS_MIN_KEYS_PER_ROW = {64: 4096, 128: 1536, 256: 0}
 # (python3 benchmarks/gluon_bwd_check.py --variants ws2_lag_grouped_down_pc ws2_lag_grouped_down
 # --seqlens 4096 8192 16384 --head-dim 64; results/gluon_bwd_persistent_counter_*; two runs):
 # 4K 1.09-1.10, 8K 1.10, 16K 1.08-1.10, GQA 32/8 1.13-1.17; non-causal 0.88-0.95 and D=128 causal
-# 0.88-1.00, so neither takes it (benchmarks/NOTES.md "Persistent backward programs").
+# 0.88-1.00, so neither takes it (benchmarks/NOTES.md "Persistent backward programs"). With dK / dV
+# stored in vectors again (two runs, the order swapped; results/gluon_bwd_persistent_stores_*):
+# D=64 causal 1.13-1.16, non-causal 0.98-0.99; D=128 0.98-1.03, on average 1.01 (within a run's
+# noise, so D=128 keeps one block a program).
 GLUON_BWD = {64: "ws2_lag_grouped_down_pcc", 128: "ws2_lag_grouped_down", 256: "split_d_pieces"}
 # A fused launch has one program per (key block of 128, kv head): below this many per SM the
 # two passes (more, smaller programs) win. One H200, a ring rank's calls at 2K-key tasks and 8 kv
@@ -187,7 +190,13 @@ GLUON_BWD_MIN_PROGRAMS_PER_SM = 2
 # forward+backward over the two Triton passes (python -m benchmarks.packed --variants
 # gluon_bwd=ws2_lag gluon_bwd=none): long-tailed mix 1.20x (16K) / 1.11x (64K), short documents
 # 0.96x / 1.04x. (The head-by-head grid order and the upward walk: what was measured here.)
-GLUON_BWD_DOCUMENTS = {64: "ws2_lag", 128: "ws2_lag", 256: GLUON_BWD[256]}
+# At D=128 in persistent programs (ws2_lag_pc, the producer planning each key block's query
+# blocks): same machine, forward+backward over ws2_lag (python -m benchmarks.packed --totals
+# 65536 131072 --mixes longtail short --variants gluon_bwd=ws2_lag gluon_bwd=ws2_lag_pc):
+# long-tailed 1.02-1.03x, short documents 1.04-1.05x; a P=8 ring rank's backward at 128K 0.93x
+# (python -m benchmarks.packed_ring_replay --totals 131072 --worlds 8 --kernels
+# --documents-backward one-block persistent). D=64 not measured: one block a program.
+GLUON_BWD_DOCUMENTS = {64: "ws2_lag", 128: "ws2_lag_pc", 256: GLUON_BWD[256]}
 # ... for calls of at least this many visible (query, key) pairs x query heads (B x Sq x Hq x
 # RowBounds.keys_per_row): below, the fused launch's host time (row statistics, dQ scratch, five
 # TMA descriptors) outweighs its faster kernel. One H200, bf16, H=32, D=128, causal documents,
