@@ -438,9 +438,10 @@ def test_gluon_backward_persistent_plan(monkeypatch):
 
 
 def test_gluon_backward_counter_per_call(monkeypatch):
-    """prepare() gives every persistent call a counter of its own, zeroed by each launch, also on
-    a kept launch plan (the plan's counter argument replaced by the call's); a non-persistent
-    launch of the same config (non-causal, "causal" persistence) gets none. The CPU stands in for
+    """prepare() gives every persistent call a counter of its own, zeroed before each launch, also
+    on a kept launch plan (the plan's counter argument replaced by the call's); a non-persistent
+    launch of the same config (non-causal, "causal" persistence) gets none. With the statistics
+    in one launch, that launch zeroes the counter and the kernel's first launch has no memset. The CPU stands in for
     the GPU: the device check and the statistics launch are replaced, nothing is launched."""
     from ringflash.kernels import gluon_backward as gb
     from ringflash.kernels import gluon_forward as gf
@@ -474,6 +475,34 @@ def test_gluon_backward_counter_per_call(monkeypatch):
                 assert prep.tile_counter is None and named["TILE_COUNTER"] is prep.dq32
         assert len(built) == 2  # the third call ran on the kept plan
         assert len({id(c) for c in counters}) == len(counters)
+    # with the statistics in one launch, that launch zeroes the counter: the kernel's first
+    # launch needs no memset, a second launch of the same Prepared (benchmarks) gets one
+    monkeypatch.setattr(gb, "_one_launch_stats", lambda m, l, delta: True)
+    zeroed_by_stats = []
+
+    def one_launch(m, l, delta, cfg, dq32=None, do=None, counter=None):
+        if counter is not None:
+            counter.zero_()
+            zeroed_by_stats.append(counter)
+        return stats(m, l, delta, cfg)
+
+    monkeypatch.setattr(gb, "launch_row_stats", one_launch)
+    monkeypatch.setattr(gb, "launch", lambda kernel, grid, *args, **kw: launched.append(int(kw_counter(args))))
+    launched = []
+    for causal in (True, False):
+        zeroed_by_stats.clear()
+        prep = gb.prepare(q, k, k.clone(), m, l, q.clone(), torch.zeros(B, H, S), torch.zeros(q.shape), dk,
+                          dk.clone(), q_start=0, k_start=0, causal=causal, scale=0.1, accumulate=False,
+                          config="ws2_lag_grouped_down_pcc")  # fmt: skip
+        assert prep.counter_zeroed is causal
+        assert [id(c) for c in zeroed_by_stats] == ([id(prep.tile_counter)] if causal else [])
+        if causal:
+            kw_counter = lambda args: args[prep.kernel.arg_names.index("TILE_COUNTER")]  # noqa: E731
+            prep.tile_counter.fill_(5)  # stands for what a launch leaves there
+            launched.clear()
+            prep.launch()  # the statistics launch's zero stands: no memset before it
+            prep.launch()  # a second launch: zeroed first
+            assert launched == [5, 0] and not prep.counter_zeroed
 
 
 def test_gluon_backward_takes_v_head_dim_apart_only_split():

@@ -407,7 +407,8 @@ def test_lse_computed_only_when_returned(monkeypatch):
 def test_gluon_backward_row_stats(Sq):
     """The fused backward's packed row statistics (built by torch ops, on any device): per
     (batch, head) the offsets m + log2(l) (+inf where l = 0) then delta, each padded to whole
-    query blocks with (+inf, 0)."""
+    query blocks with (+inf, 0); in one launch also the blocked dQ scratch and a persistent
+    launch's counter zeroed."""
     from ringflash.kernels import gluon_backward as gb
 
     cfg = gb.GluonBwdConfig()
@@ -428,7 +429,9 @@ def test_gluon_backward_row_stats(Sq):
     m2, l2, d2 = big[0, ..., 2:-3], big[1, ..., 1:-4].abs() + 0.5, torch.randn(2, 3, Sq, generator=g)
     l2[1, 2, -1] = 0.0
     dq32 = torch.full((2, 3, Sp, 64), float("nan"))
-    one = gb.launch_row_stats(m2, l2, d2, cfg, dq32).view(2, 3, 2, Sp)
+    counter = torch.full((1,), 7, dtype=torch.int32)  # persistent programs' counter, zeroed in passing too
+    one = gb.launch_row_stats(m2, l2, d2, cfg, dq32, counter=counter).view(2, 3, 2, Sp)
+    assert int(counter) == 0
     ref = gb.row_stats(m2, l2, d2, cfg).view(2, 3, 2, Sp)
     ulp = torch.finfo(torch.float32).eps * ref[:, :, 0, :Sq].abs().clamp_min(1.0)
     got, want = one[:, :, 0, :Sq], ref[:, :, 0, :Sq]

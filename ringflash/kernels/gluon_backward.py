@@ -357,12 +357,12 @@ def padded_rows(Sq: int, cfg: GluonBwdConfig) -> int:
 
 @triton.jit
 def _row_stats_kernel(
-    M, L, DELTA, O, DO, STATS, DQ32,
+    M, L, DELTA, O, DO, STATS, DQ32, COUNTER,
     stride_mb, stride_mh, stride_lb, stride_lh, stride_db, stride_dh,
     stride_ob, stride_os, stride_oh, stride_dob, stride_dos, stride_doh,
     H, S, SP,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK: tl.constexpr,
-    ZERO_DQ: tl.constexpr, FROM_OUTPUT: tl.constexpr, HAS_DLSE: tl.constexpr,
+    ZERO_DQ: tl.constexpr, FROM_OUTPUT: tl.constexpr, HAS_DLSE: tl.constexpr, ZERO_COUNTER: tl.constexpr,
 ):  # fmt: skip
     """row_stats in one launch: STATS (B, H, 2, SP) float32 seen flat, [b, h, 0, r] =
     M + log2(L) (+inf where L = 0 or r >= S) and [b, h, 1, r] = DELTA (0 for r >= S), of
@@ -370,7 +370,8 @@ def _row_stats_kernel(
     (batch, head). FROM_OUTPUT: delta computed here as rowsum(O * DO) of O, DO (B, S, H,
     HEAD_DIM_V) (read BLOCK_DV wide, its power of two), minus DELTA (then dlse, (B, H, S)) with
     HAS_DLSE. ZERO_DQ: also zero those rows of DQ32 (B, H, SP, HEAD_DIM) float32 (HEAD_DIM: the
-    blocked buffer's padded width)."""
+    blocked buffer's padded width). ZERO_COUNTER: program (0, 0) also zeroes COUNTER, int32 (1,)
+    (persistent programs' key blocks)."""
     bh = tl.program_id(1)
     b = (bh // H).to(tl.int64)
     h = (bh % H).to(tl.int64)
@@ -400,14 +401,20 @@ def _row_stats_kernel(
         cols = tl.arange(0, HEAD_DIM)
         dq_rows = bh.to(tl.int64) * SP + rows
         tl.store(DQ32 + dq_rows[:, None] * HEAD_DIM + cols[None, :], tl.zeros((BLOCK, HEAD_DIM), tl.float32))
+    if ZERO_COUNTER:
+        first = (tl.program_id(0) + tl.program_id(1)) == 0
+        tl.store(COUNTER + tl.arange(0, 1), tl.zeros((1,), tl.int32), mask=tl.full((1,), 1, tl.int1) & first)
 
 
-def launch_row_stats(m, l, delta, cfg: GluonBwdConfig, dq32: torch.Tensor | None = None, do=None) -> torch.Tensor:
+def launch_row_stats(
+    m, l, delta, cfg: GluonBwdConfig, dq32: torch.Tensor | None = None, do=None, counter: torch.Tensor | None = None
+) -> torch.Tensor:
     """row_stats as one Triton launch (on a GPU, or under the interpreter) instead of five small
     torch ops, whose host time a short call feels. delta: a tensor, or a merge.DeltaOf computed
     in the same launch (then do (B, Sq, Hq, Dv), unit last stride, is needed: no separate delta
     launch); dq32: a blocked float32 dQ buffer (B, Hq, Sq_pad, D), contiguous, to zero in the same
-    launch (None: none)."""
+    launch (None: none); counter: an int32 (1,) to zero in it too (persistent programs' key
+    blocks: no memset launch of its own; None: none)."""
     B, Hq, Sq = m.shape
     Sp = padded_rows(Sq, cfg)
     stats = torch.empty(B * Hq * 2 * Sp, dtype=torch.float32, device=m.device)
@@ -422,9 +429,11 @@ def launch_row_stats(m, l, delta, cfg: GluonBwdConfig, dq32: torch.Tensor | None
         launch(
             _row_stats_kernel, (Sp // cfg.block_m, B * Hq),
             m, l, given, out, do if pending else m, stats, stats if dq32 is None else dq32,
+            stats if counter is None else counter,
             m.stride(0), m.stride(1), l.stride(0), l.stride(1), given.stride(0), given.stride(1), *o_strides,
             Hq, Sq, Sp, HEAD_DIM=D, HEAD_DIM_V=dv, BLOCK_DV=padded_head_dim(dv), BLOCK=cfg.block_m,
             ZERO_DQ=dq32 is not None, FROM_OUTPUT=pending, HAS_DLSE=pending and delta.dlse is not None,
+            ZERO_COUNTER=counter is not None,
         )  # fmt: skip
     return stats
 
@@ -740,7 +749,8 @@ class Prepared:
     """One backward() call split in its parts: launch() the kernel (adds into dq32), finish()
     (None, or dq32 into dq: cast / un-permute), prepared before them: the float32 dQ buffer
     zeroed, the row statistics. Calling it runs launch then finish. tile_counter: the counter
-    that persistent programs take key blocks from, zeroed by every launch()."""
+    that persistent programs take key blocks from, zeroed before every launch(): by the
+    statistics launch for the first (counter_zeroed), by a memset for any other."""
 
     kernel: object
     grid: tuple
@@ -749,11 +759,15 @@ class Prepared:
     dq32: torch.Tensor
     finish: object = None
     tile_counter: torch.Tensor | None = None
+    counter_zeroed: bool = False
 
     def launch(self):
         with on_device(self.dq32):
             if self.tile_counter is not None:
-                self.tile_counter.zero_()
+                if self.counter_zeroed:  # (by the statistics launch, for this first launch only)
+                    self.counter_zeroed = False
+                else:
+                    self.tile_counter.zero_()
             launch(self.kernel, self.grid, *self.args, **self.kwargs)
 
     def __call__(self):
@@ -791,23 +805,25 @@ def prepare(
     else:  # a blocked scratch is zeroed by the statistics launch where there is one
         zero_in_stats = one_launch and cfg.dq_blocked
         dq32, finish = dq_buffer(dq, scale=scale, accumulate=accumulate, cfg=cfg, zero_blocked=not zero_in_stats)
-    if one_launch:
-        stats = launch_row_stats(m, l, delta, cfg, dq32 if zero_in_stats else None, do=do)
-    else:
-        if isinstance(delta, DeltaOf):
-            delta = delta.value(do, torch_delta)  # torch ops, any strides
-        stats = row_stats(m, l, delta, cfg)
     # blocks handed out at run time: a counter of this call's (a kept plan takes it), zeroed by
-    # each launch (Prepared.launch); a kept plan says whether it launches persistent programs
+    # the statistics launch where there is one, else before the kernel's (Prepared.launch); a kept
+    # plan says whether it launches persistent programs
     if plan is not None:
         persistent = plan.kwargs["PERSISTENT"]
     else:
         persistent = persistent_launch(cfg, window_bounds(causal, window)[1] is not None, bounds)
     counter = torch.empty(1, dtype=torch.int32, device=q.device) if persistent else None
+    if one_launch:
+        stats = launch_row_stats(m, l, delta, cfg, dq32 if zero_in_stats else None, do=do, counter=counter)
+    else:
+        if isinstance(delta, DeltaOf):
+            delta = delta.value(do, torch_delta)  # torch ops, any strides
+        stats = row_stats(m, l, delta, cfg)
+    zeroed = one_launch and counter is not None
     tensors = (q, k, v, stats, do, dq32, dk, dv, *((None, None) if bounds is None else (bounds.q_lo, bounds.q_hi)),
                counter)  # fmt: skip
     if plan is not None:
-        return Prepared(plan.kernel, plan.grid, plan.args_for(tensors), plan.kwargs, dq32, finish, counter)
+        return Prepared(plan.kernel, plan.grid, plan.args_for(tensors), plan.kwargs, dq32, finish, counter, zeroed)
     kernel, grid, args, kwargs = launch_plan(
         q,
         k,
@@ -829,7 +845,7 @@ def prepare(
     )
     if _PLANS.wants(signature):
         _PLANS.put(signature, Plan(kernel, grid, args, kwargs, tensors, extra=cfg))
-    return Prepared(kernel, grid, args, kwargs, dq32, finish, counter)
+    return Prepared(kernel, grid, args, kwargs, dq32, finish, counter, zeroed)
 
 
 _PLANS = Plans()
