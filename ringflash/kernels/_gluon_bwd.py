@@ -343,7 +343,7 @@ def _producer(
                 rows = _block_rows(t, grid0, *rows_args)
             _publish_tile(tile_ids, tile_full, tile_empty, k, t, rows, ROWS)
             p0, p1, p2 = _grid_coords(t, grid0, grid1)
-            n_iter = _produce_key_block(p0, p1, p2, grid0, it, uses, rows[0], rows[1], *block_args, PERSISTENT)
+            n_iter = _produce_key_block(p0, p1, p2, grid0, it, uses, rows, *block_args, PERSISTENT)
             # the next block taken only now: the consumers have about STAGES steps of this one
             # left, and a block taken earlier would be held back from a program that is free
             t = _fetch_tile(TILE_COUNTER)
@@ -354,14 +354,14 @@ def _producer(
         _publish_tile(tile_ids, tile_full, tile_empty, k, t, (0, 0, 0, 0, 0, 0), False)
     else:
         _produce_key_block(
-            gl.program_id(0), gl.program_id(1), gl.program_id(2), gl.num_programs(0), 0, 0, 0, 0, *block_args,
-            PERSISTENT,
+            gl.program_id(0), gl.program_id(1), gl.program_id(2), gl.num_programs(0), 0, 0, (0, 0, 0, 0, 0, 0),
+            *block_args, PERSISTENT,
         )  # fmt: skip
 
 
 @gluon.jit
 def _produce_key_block(
-    p0, p1, p2, dim0, it, uses, block_rows_first, block_rows_n, Hq, Hkv, group, Sq, Sk, Sq_pad, q_start, k_start,
+    p0, p1, p2, dim0, it, uses, block_rows, Hq, Hkv, group, Sq, Sk, Sq_pad, q_start, k_start,
     left, rows_first, rows_n, q_desc,
     do_desc, k_desc, v_desc, st_desc, qt_desc, kt_desc, q_bufs, do_bufs, st_bufs, qt_bufs, k_smem, v_smem, kt_smem,
     kv_bar, kv_empty, ready, empty, CAUSAL: gl.constexpr, HAS_LEFT: gl.constexpr, ROWS: gl.constexpr,
@@ -371,10 +371,9 @@ def _produce_key_block(
     """The loads of the key block at grid coordinates (p0, p1, p2) (_plan), after the `it` steps
     and `uses` K / V loads of the program's earlier blocks; returns its steps. With BLOCK_DT > 0
     (q/k's head dim in two pieces) also the tail pieces of K (columns BLOCK_D ..) and of every Q
-    block, on the same barriers."""
+    block, on the same barriers. block_rows: as _consume_key_block's."""
     if PERSISTENT:  # packed documents: this block's query blocks (_block_rows; else the kernel's)
-        rows_first = block_rows_first
-        rows_n = block_rows_n
+        rows_first, rows_n = block_rows[0], block_rows[1]
     b, hk, n0, m_first, n_m, _, _, _ = _plan(
         p0, p1, p2, dim0, Hkv, Sq, Sk, q_start, k_start, left, rows_first, rows_n, CAUSAL, HAS_LEFT, ROWS, BLOCK_M,
         BLOCK_N, GROUPED_HEADS,
@@ -1328,29 +1327,10 @@ def _bwd_ws2(
         empty, CAUSAL, HAS_LEFT, ROWS, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DT, STAGES, WALK, GROUPED_HEADS,
     )  # fmt: skip
     rows_args: gl.constexpr = (Sq, Sk, q_start, k_start, QLO, QHI, BLOCK_M, BLOCK_N)  # (_block_rows)
-    producer_rest: gl.constexpr = (
-        gl.tuple(rows_args),
-        TILE_COUNTER,
-        num_tiles,
-        grid0,
-        grid1,
-        tile_ids,
-        tile_full,
-        tile_empty,
-        ROWS,
-        PERSISTENT,
-    )
-    persistent_args: gl.constexpr = (
-        kv_empty,
-        num_tiles,
-        grid0,
-        grid1,
-        tile_ids,
-        tile_full,
-        tile_empty,
-        ROWS,
-        PERSISTENT,
-    )
+    # both drivers' arguments after their own: the key blocks handed out and the slots passing them
+    handout: gl.constexpr = (num_tiles, grid0, grid1, tile_ids, tile_full, tile_empty, ROWS, PERSISTENT)
+    producer_rest: gl.constexpr = (gl.tuple(rows_args), TILE_COUNTER) + handout
+    persistent_args: gl.constexpr = (kv_empty,) + handout
     if SPLIT_D:
         gl.warp_specialize(
             [
