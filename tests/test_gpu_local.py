@@ -284,6 +284,21 @@ def test_fused_backward_grouped_heads(D, causal, window_size, monkeypatch):
             assert_within(f"{variant} {name}", got, r, p)
 
 
+def _three_programs_recorded(monkeypatch) -> list:
+    """The fused backward forced at any size, on three multiprocessors' worth of persistent
+    programs, with no kept launch plans yet: the list each new launch plan (kernel, grid, args,
+    kwargs) is appended to."""
+    from ringflash.kernels import gluon_backward
+
+    force_fused_backward(monkeypatch)
+    monkeypatch.setattr(gluon_backward, "_PLANS", gluon_backward.Plans())
+    monkeypatch.setattr(gluon_backward, "multiprocessors", lambda device: 3)
+    plans = []
+    real = gluon_backward.launch_plan
+    monkeypatch.setattr(gluon_backward, "launch_plan", lambda *a, **kw: plans.append(real(*a, **kw)) or plans[-1])
+    return plans
+
+
 @pytest.mark.parametrize("D", [64, 128])
 @pytest.mark.parametrize(
     "causal,window_size,Sq,Sk",
@@ -298,14 +313,9 @@ def test_fused_backward_persistent(D, causal, window_size, Sq, Sk, monkeypatch):
     in the same order), dQ (float32 atomics in another order) and all against float64 within the
     plain bound; the launches were one-dimensional, three programs, and the last call ran on a
     kept plan (with its own counter)."""
-    from ringflash.kernels import configs, gluon_backward
+    from ringflash.kernels import configs
 
-    force_fused_backward(monkeypatch)
-    monkeypatch.setattr(gluon_backward, "_PLANS", gluon_backward.Plans())
-    monkeypatch.setattr(gluon_backward, "multiprocessors", lambda device: 3)
-    plans = []
-    real = gluon_backward.launch_plan
-    monkeypatch.setattr(gluon_backward, "launch_plan", lambda *a, **kw: plans.append(real(*a, **kw)) or plans[-1])
+    plans = _three_programs_recorded(monkeypatch)
     g = torch.Generator(device="cuda").manual_seed(D + Sk)
     mk = lambda S, H: torch.randn(2, S, H, D, device="cuda", generator=g, dtype=torch.bfloat16).requires_grad_()  # noqa: E731
     q, k, v = mk(Sq, 4), mk(Sk, 2), mk(Sk, 2)
@@ -592,16 +602,11 @@ def test_fused_backward_persistent_documents(causal, window_size, len_k_extra, D
     documents' key blocks of two kv heads, blocks that no query sees among them: dK and dV bitwise
     equal to one block a program's (ws2_lag), everything against float64 within the plain bound,
     keys no query sees get dK = dV = 0; the launches were one-dimensional, three programs."""
-    from ringflash.kernels import configs, gluon_backward
+    from ringflash.kernels import configs
     from ringflash.local import flash_attn_varlen_func
     from ringflash.testing import varlen_plain_errors, varlen_reference
 
-    force_fused_backward(monkeypatch)
-    monkeypatch.setattr(gluon_backward, "_PLANS", gluon_backward.Plans())
-    monkeypatch.setattr(gluon_backward, "multiprocessors", lambda device: 3)
-    plans = []
-    real = gluon_backward.launch_plan
-    monkeypatch.setattr(gluon_backward, "launch_plan", lambda *a, **kw: plans.append(real(*a, **kw)) or plans[-1])
+    plans = _three_programs_recorded(monkeypatch)
     len_q, len_k, cu_q, cu_k = _documents(len_k_extra)
     g = torch.Generator(device="cuda").manual_seed(len(len_q) + len_k_extra + D + 41)
     mk = lambda n, H: torch.randn(n, H, D, device="cuda", generator=g, dtype=torch.bfloat16).requires_grad_()  # noqa: E731
