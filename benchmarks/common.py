@@ -62,18 +62,46 @@ def host_seconds(fn, device, *, calls=1, repeats=1, warmup=1) -> float:
 def kernel_times(fn, device, calls=1) -> list[tuple[str, int, float]]:
     """`calls` calls of fn() under torch.profiler after a synchronize: [(name, count, ms)] of the
     kernels and copies by device time, most first (on the CPU: the operators by CPU time)."""
+    return profiled_kernels(fn, device, calls)[0]
+
+
+def profiled_kernels(fn, device, calls=1, apart: str | None = None) -> tuple[list[tuple[str, int, float]], float]:
+    """kernel_times' rows, and (CUDA, with `apart`) the device ms per `calls` calls of the torch
+    operators' kernels and copies run inside a torch.profiler.record_function(apart) block,
+    from as many calls profiled again with the operators' events (0.0 otherwise)."""
     from torch.profiler import ProfilerActivity, profile
 
     cuda = torch.device(device).type == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     spent = (lambda e: e.self_device_time_total) if cuda else (lambda e: e.self_cpu_time_total)  # noqa: E731
-    sync()
-    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
-        for _ in range(calls):
-            fn()
+
+    def profiled(activities):
         sync()
+        with profile(activities=activities) as prof:
+            for _ in range(calls):
+                fn()
+            sync()
+        return prof
+
+    prof = profiled([ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU])
     events = sorted((e for e in prof.key_averages() if spent(e) > 0), key=lambda e: -spent(e))
-    return [(e.key, e.count, spent(e) / 1e3) for e in events]
+    rows = [(e.key, e.count, spent(e) / 1e3) for e in events]
+    apart_us = 0.0
+    if cuda and apart:
+        for e in profiled([ProfilerActivity.CPU, ProfilerActivity.CUDA]).events():
+            if e.name.startswith("aten::") and e.kernels and _inside(e, apart):
+                apart_us += sum(k.duration for k in e.kernels)
+    return rows, apart_us / 1e3
+
+
+def _inside(event, name: str) -> bool:
+    """Whether a profiler event runs inside a block (an enclosing event) called `name`."""
+    parent = event.cpu_parent
+    while parent is not None:
+        if parent.name == name:
+            return True
+        parent = parent.cpu_parent
+    return False
 
 
 DOCUMENTS_BACKWARDS = ("default", "fused", "persistent", "one-block", "two-pass")

@@ -22,7 +22,11 @@ same copies on the compute stream, an upper bound on their cost). Reported per (
   pred       the layout's own prediction of max/mean from its visible pairs (layout.work), in
              total and at its most uneven step
   by device time (--kernels) max/mean and eff again from each rank's kernels' summed device
-             time under torch.profiler (no host time: the host clock's spread left out)
+             time under torch.profiler (no host time: the host clock's spread left out), the
+             replay's stand-ins for the network counted in; then "less the transfers": the same
+             without the device time of those stand-ins (the K/V copies and the zeroed dK/dV
+             accumulators that arrive in place of another rank's), so before any network
+             time as eff is (the copies' memory traffic still slows the kernels beside them)
 Times are host-clock medians (benchmarks.common.host_seconds) of --repeats timings of --calls
 calls in a row, the device synchronized before and after each timing, after a warm-up: with
 --calls 1 (default) a host-bound rank's host time shows, and varies with the host; more calls
@@ -50,7 +54,7 @@ from benchmarks.common import (
     cuts_aligned,
     device_name,
     host_seconds,
-    kernel_times,
+    profiled_kernels,
     result_meta,
     write_json,
 )
@@ -64,6 +68,18 @@ from ringflash.testing import ReplayComm
 def timed(fn, device, repeats, calls=1):
     """Median milliseconds per call over `repeats` timings of `calls` calls, after one warm-up."""
     return host_seconds(fn, device, repeats=repeats, calls=calls) * 1e3
+
+
+TRANSFER = "replayed transfer"  # the profiler's name for ReplayComm's stand-ins for the network
+
+
+class _LabelledComm(ReplayComm):
+    """ReplayComm whose exchanges (its stand-ins for the network's transfers) run inside a
+    torch.profiler.record_function(TRANSFER) block, so their device time can be told apart."""
+
+    def _exchange(self, *args):
+        with torch.profiler.record_function(TRANSFER):
+            super()._exchange(*args)
 
 
 def replay_rank(q, k, v, do, cu, layout, rank, world, window, overlap, grad_chunks=None, grad_accum_dtype=None):
@@ -82,39 +98,44 @@ def replay_rank(q, k, v, do, cu, layout, rank, world, window, overlap, grad_chun
 
     def run():
         ql.grad = kl.grad = vl.grad = None
-        comm = ReplayComm(rank, world, blocks, record=False, overlap=overlap)
+        comm = _LabelledComm(rank, world, blocks, record=False, overlap=overlap)
         out, _ = _RingAttn.apply(ql[None], kl, vl, None, spec, comm)
         out.backward(dol)
 
     return run
 
 
-def measured_kernels(run, device) -> list[tuple[str, int, float]]:
+def measured_kernels(run, device) -> tuple[list[tuple[str, int, float]], float]:
     """run()'s kernels by device time under torch.profiler (on the CPU: its operators by CPU
-    time), after one call outside the profile."""
+    time), after one call outside the profile, and the device ms of its replayed transfers
+    (TRANSFER; 0.0 on the CPU)."""
     run()
-    return kernel_times(run, device)
+    return profiled_kernels(run, device, apart=TRANSFER)
 
 
-def print_kernel_times(kernels, label: str, per: int = 1) -> None:
-    """One line: the total of `kernels` (measured_kernels) and the six largest, each divided by `per`."""
+def print_kernel_times(kernels, label: str, per: int = 1, transfer_ms: float = 0.0) -> None:
+    """One line: the total of `kernels` (measured_kernels) and the six largest, each divided by
+    `per`, and the replayed transfers' share of the total."""
     print(
-        f"  {label}: {sum(ms for _, _, ms in kernels) / per:.2f} ms: "
+        f"  {label}: {sum(ms for _, _, ms in kernels) / per:.2f} ms"
+        + (f" (the replay's transfers {transfer_ms / per:.2f})" if transfer_ms else "")
+        + ": "
         + ", ".join(f"{name[:28]} x{n} {ms / per:.2f}" for name, n, ms in kernels[:6]),
         flush=True,
     )
 
 
-def print_kernels(q, k, v, do, cu, layout, world, window, chunks, label) -> list[float]:
+def print_kernels(q, k, v, do, cu, layout, world, window, chunks, label) -> tuple[list[float], list[float]]:
     """Each rank's replayed forward+backward: its kernels (print_kernel_times); returns each
-    rank's kernels' summed device time, ms."""
-    totals = []
+    rank's kernels' summed device time and its replayed transfers' part of it, ms."""
+    totals, transfers = [], []
     for r in range(world):
         run = replay_rank(q, k, v, do, cu, layout, r, world, window, True, chunks)
-        kernels = measured_kernels(run, q.device)
-        print_kernel_times(kernels, f"[{label}] rank {r}")
+        kernels, transfer_ms = measured_kernels(run, q.device)
+        print_kernel_times(kernels, f"[{label}] rank {r}", transfer_ms=transfer_ms)
         totals.append(sum(ms for _, _, ms in kernels))
-    return totals
+        transfers.append(transfer_ms)
+    return totals, transfers
 
 
 def measure(args, device, dtype):
@@ -146,7 +167,7 @@ def measure_total(args, device, dtype, total, documents_forward, documents_backw
     single_ms = timed(single, device, args.repeats, args.calls)
     single_device_ms = None
     if args.kernels:  # the one-GPU call's kernels over P, beside each rank's below
-        single_kernels = measured_kernels(single, device)
+        single_kernels, _ = measured_kernels(single, device)
         single_device_ms = sum(ms for _, _, ms in single_kernels)
         for world in args.worlds:
             print_kernel_times(single_kernels, f"[{label}] one GPU / {world}", per=world)
@@ -173,9 +194,10 @@ def measure_total(args, device, dtype, total, documents_forward, documents_backw
                 else None
                 for overlap in (True, False)
             )
-        rank_device = None
+        rank_device = rank_compute = transfers = None
         if args.kernels:
-            rank_device = print_kernels(q, k, v, do, cu, layout, world, window, chunks, label)
+            rank_device, transfers = print_kernels(q, k, v, do, cu, layout, world, window, chunks, label)
+            rank_compute = [t - x for t, x in zip(rank_device, transfers)]
         work = [sum(layout.work(r, s) for s in range(world)) for r in range(world)]
         step_work = [[layout.work(r, s) for r in range(world)] for s in range(world)]
         step_uneven = max(max(w) / statistics.mean(w) for w in step_work if any(w))
@@ -210,6 +232,10 @@ def measure_total(args, device, dtype, total, documents_forward, documents_backw
             rank_device_ms=rank_device,
             device_max_over_mean=rank_device and max(rank_device) / statistics.mean(rank_device),
             device_efficiency=rank_device and single_device_ms / world / max(rank_device),
+            # ...and without the replay's stand-ins for the network (TRANSFER)
+            rank_transfer_ms=transfers,
+            device_max_over_mean_less_transfers=rank_compute and max(rank_compute) / statistics.mean(rank_compute),
+            device_efficiency_less_transfers=rank_compute and single_device_ms / world / max(rank_compute),
         )
         rows.append(row)
         print(
@@ -226,6 +252,8 @@ def measure_total(args, device, dtype, total, documents_forward, documents_backw
                 ""
                 if rank_device is None
                 else f"; by device time max/mean {row['device_max_over_mean']:.3f}, eff {row['device_efficiency']:.3f}"
+                f" (less the transfers: max/mean {row['device_max_over_mean_less_transfers']:.3f}, "
+                f"eff {row['device_efficiency_less_transfers']:.3f})"
             )
             + f"; hops {hops}, "
             f"{row['bytes_sent_per_rank'] / 2**20:.1f} MiB sent per rank (zigzag per document "
