@@ -66,9 +66,10 @@ def kernel_times(fn, device, calls=1) -> list[tuple[str, int, float]]:
 
 
 def profiled_kernels(fn, device, calls=1, apart: str | None = None) -> tuple[list[tuple[str, int, float]], float]:
-    """kernel_times' rows, and (CUDA, with `apart`) the device ms per `calls` calls of the torch
-    operators' kernels and copies run inside a torch.profiler.record_function(apart) block,
-    from as many calls profiled again with the operators' events (0.0 otherwise)."""
+    """kernel_times' rows, and with `apart` the part of their total spent inside
+    torch.profiler.record_function(apart) blocks: on CUDA the device ms of the torch operators'
+    kernels and copies run inside one (from as many calls profiled again with the operators'
+    events), on the CPU the operators' own CPU ms there (0.0 without `apart`)."""
     from torch.profiler import ProfilerActivity, profile
 
     cuda = torch.device(device).type == "cuda"
@@ -87,10 +88,13 @@ def profiled_kernels(fn, device, calls=1, apart: str | None = None) -> tuple[lis
     events = sorted((e for e in prof.key_averages() if spent(e) > 0), key=lambda e: -spent(e))
     rows = [(e.key, e.count, spent(e) / 1e3) for e in events]
     apart_us = 0.0
-    if cuda and apart:
+    if apart and cuda:
         for e in profiled([ProfilerActivity.CPU, ProfilerActivity.CUDA]).events():
             if e.name.startswith("aten::") and e.kernels and _inside(e, apart):
                 apart_us += sum(k.duration for k in e.kernels)
+    elif apart:
+        inside = (e for e in prof.events() if e.name.startswith("aten::") and _inside(e, apart))
+        apart_us = sum(e.self_cpu_time_total for e in inside)
     return rows, apart_us / 1e3
 
 

@@ -107,8 +107,8 @@ def replay_rank(q, k, v, do, cu, layout, rank, world, window, overlap, grad_chun
 
 def measured_kernels(run, device) -> tuple[list[tuple[str, int, float]], float]:
     """run()'s kernels by device time under torch.profiler (on the CPU: its operators by CPU
-    time), after one call outside the profile, and the device ms of its replayed transfers
-    (TRANSFER; 0.0 on the CPU)."""
+    time), after one call outside the profile, and the part of their total that its replayed
+    transfers took (TRANSFER; common.profiled_kernels)."""
     run()
     return profiled_kernels(run, device, apart=TRANSFER)
 

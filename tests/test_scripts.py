@@ -645,8 +645,9 @@ def test_host_overhead_smoke(tmp_path):
 
 
 def test_packed_ring_replay_smoke(tmp_path):
-    """The replay runs (with --kernels: each rank's split and the one-GPU call's over P), once
-    per --documents-forward and --grad-accum-dtypes variant."""
+    """The replay runs (with --kernels: each rank's split and the one-GPU call's over P, and
+    each rank's replayed transfers apart), once per --documents-forward and --grad-accum-dtypes
+    variant."""
     out = tmp_path / "r.json"
     printed = run([sys.executable, "-m", "benchmarks.packed_ring_replay", "--smoke", "--kernels", "--json", str(out),
                    "--grad-accum-dtypes", "float32", "input", "--documents-forward", "default", "triton"],
@@ -667,6 +668,14 @@ def test_packed_ring_replay_smoke(tmp_path):
     assert device == pytest.approx(totals, abs=0.0051)  # (printed to 0.01 ms)
     assert row["device_max_over_mean"] == pytest.approx(max(device) / (sum(device) / 2))
     assert 0 < row["device_efficiency"] and "by device time max/mean" in printed
+    # ...and less the replay's stand-ins for the network (on the CPU: their operators' CPU time)
+    transfers = row["rank_transfer_ms"]
+    assert all(0 < x < t for x, t in zip(transfers, device)), (transfers, device)
+    for r in range(2):
+        assert f"rank {r}: {device[r]:.2f} ms (the replay's transfers {transfers[r]:.2f})" in printed
+    less = [t - x for t, x in zip(device, transfers)]
+    assert row["device_efficiency_less_transfers"] == pytest.approx(row["device_efficiency"] * max(device) / max(less))
+    assert "less the transfers: max/mean" in printed
 
 
 def test_profile_host_timers_count_layers_and_restore_them():
