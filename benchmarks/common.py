@@ -65,11 +65,12 @@ def kernel_times(fn, device, calls=1) -> list[tuple[str, int, float]]:
     return profiled_kernels(fn, device, calls)[0]
 
 
-def profiled_kernels(fn, device, calls=1, apart: str | None = None) -> tuple[list[tuple[str, int, float]], float]:
-    """kernel_times' rows, and with `apart` the part of their total spent inside
-    torch.profiler.record_function(apart) blocks: on CUDA the device ms of the torch operators'
-    kernels and copies run inside one (from as many calls profiled again with the operators'
-    events), on the CPU the operators' own CPU ms there (0.0 without `apart`)."""
+def profiled_kernels(fn, device, calls=1, blocks=None) -> tuple[list[tuple[str, int, float]], dict[str, float]]:
+    """kernel_times' rows, and with `blocks` (a test on a torch.profiler.record_function
+    block's name) how their total splits over such blocks: {name: ms} of the work inside each,
+    counted to the innermost one (a block inside another is not counted in it). On CUDA the
+    device ms of the kernels and copies launched inside (from as many calls profiled again with
+    the host's events), on the CPU the torch operators' own CPU ms there."""
     from torch.profiler import ProfilerActivity, profile
 
     cuda = torch.device(device).type == "cuda"
@@ -87,25 +88,28 @@ def profiled_kernels(fn, device, calls=1, apart: str | None = None) -> tuple[lis
     prof = profiled([ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU])
     events = sorted((e for e in prof.key_averages() if spent(e) > 0), key=lambda e: -spent(e))
     rows = [(e.key, e.count, spent(e) / 1e3) for e in events]
-    apart_us = 0.0
-    if apart and cuda:
-        for e in profiled([ProfilerActivity.CPU, ProfilerActivity.CUDA]).events():
-            if e.name.startswith("aten::") and e.kernels and _inside(e, apart):
-                apart_us += sum(k.duration for k in e.kernels)
-    elif apart:
-        inside = (e for e in prof.events() if e.name.startswith("aten::") and _inside(e, apart))
-        apart_us = sum(e.self_cpu_time_total for e in inside)
-    return rows, apart_us / 1e3
+    split = {}
+    if blocks is not None:
+        if cuda:
+            host_events = profiled([ProfilerActivity.CPU, ProfilerActivity.CUDA]).events()
+            work = ((e, sum(k.duration for k in e.kernels)) for e in host_events if e.kernels)
+        else:
+            work = ((e, e.self_cpu_time_total) for e in prof.events() if e.name.startswith("aten::"))
+        for e, us in work:
+            name = _innermost_block(e, blocks)
+            if name is not None:
+                split[name] = split.get(name, 0.0) + us / 1e3
+    return rows, split
 
 
-def _inside(event, name: str) -> bool:
-    """Whether a profiler event runs inside a block (an enclosing event) called `name`."""
-    parent = event.cpu_parent
-    while parent is not None:
-        if parent.name == name:
-            return True
-        parent = parent.cpu_parent
-    return False
+def _innermost_block(event, blocks):
+    """The name of the innermost event, `event` itself or one enclosing it, whose name passes
+    `blocks`; None if none does."""
+    while event is not None:
+        if blocks(event.name):
+            return event.name
+        event = event.cpu_parent
+    return None
 
 
 DOCUMENTS_BACKWARDS = ("default", "fused", "persistent", "one-block", "two-pass")

@@ -26,7 +26,9 @@ same copies on the compute stream, an upper bound on their cost). Reported per (
              replay's stand-ins for the network counted in; then "less the transfers": the same
              without the device time of those stand-ins (the K/V copies and the zeroed dK/dV
              accumulators that arrive in place of another rank's), so before any network
-             time as eff is (the copies' memory traffic still slows the kernels beside them)
+             time as eff is (the copies' memory traffic still slows the kernels beside them);
+             and per step max/mean: for each ring step, forward and backward, the busiest
+             rank's device time inside that step (less the transfers) over the mean rank's
 Times are host-clock medians (benchmarks.common.host_seconds) of --repeats timings of --calls
 calls in a row, the device synchronized before and after each timing, after a warm-up: with
 --calls 1 (default) a host-bound rank's host time shows, and varies with the host; more calls
@@ -46,6 +48,7 @@ import numpy as np
 import torch
 
 import ringflash
+import ringflash.ring as ring_module
 from benchmarks.common import (
     DOCUMENTS_BACKWARDS,
     DOCUMENTS_FORWARDS,
@@ -61,7 +64,7 @@ from benchmarks.common import (
 from benchmarks.common import documents_backward as common_documents_backward
 from benchmarks.common import documents_forward as common_documents_forward
 from benchmarks.packed import document_lengths
-from ringflash.ring import _RingAttn, check_packed_call
+from ringflash.ring import _ring_kv, _RingAttn, check_packed_call
 from ringflash.testing import ReplayComm
 
 
@@ -71,6 +74,7 @@ def timed(fn, device, repeats, calls=1):
 
 
 TRANSFER = "replayed transfer"  # the profiler's name for ReplayComm's stand-ins for the network
+STEP = "ring step "  # ... and the prefix of its names for the ring loop's steps (STEP + the step)
 
 
 class _LabelledComm(ReplayComm):
@@ -105,12 +109,24 @@ def replay_rank(q, k, v, do, cu, layout, rank, world, window, overlap, grad_chun
     return run
 
 
-def measured_kernels(run, device) -> tuple[list[tuple[str, int, float]], float]:
+def _labelled_ring_kv(*args, **kwargs):
+    """ring._ring_kv, each step's loop body inside record_function(STEP + the step): the
+    generator stays suspended inside the block while the caller computes the step."""
+    for item in _ring_kv(*args, **kwargs):
+        with torch.profiler.record_function(f"{STEP}{item[0]}"):
+            yield item
+
+
+def measured_kernels(run, device) -> tuple[list[tuple[str, int, float]], float, dict[int, float]]:
     """run()'s kernels by device time under torch.profiler (on the CPU: its operators by CPU
-    time), after one call outside the profile, and the part of their total that its replayed
-    transfers took (TRANSFER; common.profiled_kernels)."""
+    time), after one call outside the profile; the part of their total that its replayed
+    transfers took (TRANSFER); and {step: the rest of the part inside that ring step}, forward
+    and backward (common.profiled_kernels)."""
     run()
-    return profiled_kernels(run, device, apart=TRANSFER)
+    with mock.patch.object(ring_module, "_ring_kv", _labelled_ring_kv):
+        kernels, split = profiled_kernels(run, device, blocks=lambda name: name == TRANSFER or name.startswith(STEP))
+    steps = {int(name[len(STEP) :]): ms for name, ms in split.items() if name.startswith(STEP)}
+    return kernels, split.get(TRANSFER, 0.0), steps
 
 
 def print_kernel_times(kernels, label: str, per: int = 1, transfer_ms: float = 0.0) -> None:
@@ -125,17 +141,20 @@ def print_kernel_times(kernels, label: str, per: int = 1, transfer_ms: float = 0
     )
 
 
-def print_kernels(q, k, v, do, cu, layout, world, window, chunks, label) -> tuple[list[float], list[float]]:
+def print_kernels(q, k, v, do, cu, layout, world, window, chunks, label):
     """Each rank's replayed forward+backward: its kernels (print_kernel_times); returns each
-    rank's kernels' summed device time and its replayed transfers' part of it, ms."""
-    totals, transfers = [], []
+    rank's kernels' summed device time, its replayed transfers' part of it, and its device
+    time inside each ring step less the transfers (a list over the steps 0..world-1; 0.0 for a
+    step that does not run), ms."""
+    totals, transfers, by_step = [], [], []
     for r in range(world):
         run = replay_rank(q, k, v, do, cu, layout, r, world, window, True, chunks)
-        kernels, transfer_ms = measured_kernels(run, q.device)
+        kernels, transfer_ms, steps = measured_kernels(run, q.device)
         print_kernel_times(kernels, f"[{label}] rank {r}", transfer_ms=transfer_ms)
         totals.append(sum(ms for _, _, ms in kernels))
         transfers.append(transfer_ms)
-    return totals, transfers
+        by_step.append([steps.get(s, 0.0) for s in range(world)])
+    return totals, transfers, by_step
 
 
 def measure(args, device, dtype):
@@ -167,7 +186,7 @@ def measure_total(args, device, dtype, total, documents_forward, documents_backw
     single_ms = timed(single, device, args.repeats, args.calls)
     single_device_ms = None
     if args.kernels:  # the one-GPU call's kernels over P, beside each rank's below
-        single_kernels, _ = measured_kernels(single, device)
+        single_kernels = measured_kernels(single, device)[0]
         single_device_ms = sum(ms for _, _, ms in single_kernels)
         for world in args.worlds:
             print_kernel_times(single_kernels, f"[{label}] one GPU / {world}", per=world)
@@ -194,10 +213,13 @@ def measure_total(args, device, dtype, total, documents_forward, documents_backw
                 else None
                 for overlap in (True, False)
             )
-        rank_device = rank_compute = transfers = None
+        rank_device = rank_compute = transfers = by_step = step_uneven_device = None
         if args.kernels:
-            rank_device, transfers = print_kernels(q, k, v, do, cu, layout, world, window, chunks, label)
+            rank_device, transfers, by_step = print_kernels(q, k, v, do, cu, layout, world, window, chunks, label)
             rank_compute = [t - x for t, x in zip(rank_device, transfers)]
+            # each step's busiest rank over its mean rank, by the device time inside the step
+            per_step = [[by_step[r][s] for r in range(world)] for s in range(world)]
+            step_uneven_device = [max(w) / statistics.mean(w) if any(w) else None for w in per_step]
         work = [sum(layout.work(r, s) for s in range(world)) for r in range(world)]
         step_work = [[layout.work(r, s) for r in range(world)] for s in range(world)]
         step_uneven = max(max(w) / statistics.mean(w) for w in step_work if any(w))
@@ -236,6 +258,9 @@ def measure_total(args, device, dtype, total, documents_forward, documents_backw
             rank_transfer_ms=transfers,
             device_max_over_mean_less_transfers=rank_compute and max(rank_compute) / statistics.mean(rank_compute),
             device_efficiency_less_transfers=rank_compute and single_device_ms / world / max(rank_compute),
+            # ...and inside each ring step: [rank][step] ms, then each step's max/mean over the ranks
+            rank_step_device_ms=by_step,
+            device_step_max_over_mean=step_uneven_device,
         )
         rows.append(row)
         print(
@@ -253,7 +278,9 @@ def measure_total(args, device, dtype, total, documents_forward, documents_backw
                 if rank_device is None
                 else f"; by device time max/mean {row['device_max_over_mean']:.3f}, eff {row['device_efficiency']:.3f}"
                 f" (less the transfers: max/mean {row['device_max_over_mean_less_transfers']:.3f}, "
-                f"eff {row['device_efficiency_less_transfers']:.3f})"
+                f"eff {row['device_efficiency_less_transfers']:.3f}; per step max/mean "
+                + " ".join("-" if u is None else f"{u:.3f}" for u in step_uneven_device)
+                + ")"
             )
             + f"; hops {hops}, "
             f"{row['bytes_sent_per_rank'] / 2**20:.1f} MiB sent per rank (zigzag per document "

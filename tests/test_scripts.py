@@ -646,7 +646,7 @@ def test_host_overhead_smoke(tmp_path):
 
 def test_packed_ring_replay_smoke(tmp_path):
     """The replay runs (with --kernels: each rank's split and the one-GPU call's over P, and
-    each rank's replayed transfers apart), once per --documents-forward and --grad-accum-dtypes
+    each rank's replayed transfers and ring steps apart), once per --documents-forward and --grad-accum-dtypes
     variant."""
     out = tmp_path / "r.json"
     printed = run([sys.executable, "-m", "benchmarks.packed_ring_replay", "--smoke", "--kernels", "--json", str(out),
@@ -676,6 +676,15 @@ def test_packed_ring_replay_smoke(tmp_path):
     less = [t - x for t, x in zip(device, transfers)]
     assert row["device_efficiency_less_transfers"] == pytest.approx(row["device_efficiency"] * max(device) / max(less))
     assert "less the transfers: max/mean" in printed
+    # ...and inside each ring step (less the transfers): every step of this layout runs on both
+    # ranks, its parts within the rank's total, and each step's max/mean over the ranks
+    by_step = row["rank_step_device_ms"]
+    assert len(by_step) == 2 and all(len(s) == 2 and min(s) > 0 for s in by_step), by_step
+    assert all(sum(s) <= t - x for s, t, x in zip(by_step, device, transfers)), (by_step, device, transfers)
+    for step, uneven in enumerate(row["device_step_max_over_mean"]):
+        parts = [by_step[r][step] for r in range(2)]
+        assert uneven == pytest.approx(max(parts) / (sum(parts) / 2))
+    assert "per step max/mean" in printed
 
 
 def test_profile_host_timers_count_layers_and_restore_them():
