@@ -91,20 +91,50 @@ def profiled_kernels(fn, device, calls=1, blocks=None) -> tuple[list[tuple[str, 
     split = {}
     if blocks is not None:
         if cuda:
-            host_events = profiled([ProfilerActivity.CPU, ProfilerActivity.CUDA]).events()
-            work = ((e, sum(k.duration for k in e.kernels)) for e in host_events if e.kernels)
+            split = _device_ms_by_block(profiled([ProfilerActivity.CPU, ProfilerActivity.CUDA]), blocks)
         else:
-            work = ((e, e.self_cpu_time_total) for e in prof.events() if e.name.startswith("aten::"))
-        for e, us in work:
-            name = _innermost_block(e, blocks)
-            if name is not None:
-                split[name] = split.get(name, 0.0) + us / 1e3
+            for e in prof.events():
+                name = _innermost_block(e, blocks) if e.name.startswith("aten::") else None
+                if name is not None:
+                    split[name] = split.get(name, 0.0) + e.self_cpu_time_total / 1e3
     return rows, split
 
 
+def _device_ms_by_block(prof, blocks) -> dict[str, float]:
+    """{block name: device ms} of a CUDA profile's kernels, copies and fills, each counted to the
+    innermost record_function block (whose name passes `blocks`) open on the host when its
+    launch was made: every launch, the package's own Triton and Gluon ones too, which no torch
+    operator encloses. Time alone places a launch (the replay runs one host thread at a time:
+    the backward's thread while the caller waits)."""
+    events = prof.profiler.kineto_results.events()
+    on_device = [e for e in events if e.device_type() == torch.autograd.DeviceType.CUDA]
+    on_host = [e for e in events if e.device_type() == torch.autograd.DeviceType.CPU]
+    spans = sorted(
+        ((e.start_ns(), e.end_ns(), e.name()) for e in on_host if blocks(e.name())),
+        key=lambda span: span[1] - span[0],  # the innermost (shortest) first
+    )
+    # the CUDA runtime's and driver's launch calls (cudaLaunchKernel, cuLaunchKernelEx,
+    # cudaMemcpyAsync, ...), by the correlation id their device work carries too
+    launch_calls = ("Launch", "Memcpy", "Memset")
+    launched_at = {
+        e.correlation_id(): e.start_ns()
+        for e in on_host
+        if e.name().startswith("cu") and any(word in e.name() for word in launch_calls)
+    }
+    split = {}
+    for e in on_device:
+        if e.correlation_id() not in launched_at:
+            continue
+        t = launched_at[e.correlation_id()]
+        name = next((n for start, end, n in spans if start <= t <= end), None)
+        if name is not None:
+            split[name] = split.get(name, 0.0) + e.duration_ns() / 1e6
+    return split
+
+
 def _innermost_block(event, blocks):
-    """The name of the innermost event, `event` itself or one enclosing it, whose name passes
-    `blocks`; None if none does."""
+    """The name of the innermost event, `event` itself or one enclosing it (the CPU profile's
+    tree of operators), whose name passes `blocks`; None if none does."""
     while event is not None:
         if blocks(event.name):
             return event.name
