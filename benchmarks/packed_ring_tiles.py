@@ -19,11 +19,18 @@ steps a program): speed ratio r = (1 + F / 64) / (1 + F / 256), so F = (r - 1) /
 one H200 (results/gluon_bwd_grouped_d128_h200.txt, D=128: 518-520 and 563-566 TFLOP/s, r = 1.087,
 F = 7.6; the d64 file: r = 1.049, F = 4.3). A ring step's programs walk few query blocks, so
 this fixed cost weighs on them more than on the one-GPU call's.
+
+Then, step by step, each ring step's busiest rank over its mean rank by the same model, and with
+--measured (a `packed_ring_replay --kernels --json` file) the replay's measured per-step figure
+for the same total and P beside it.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import statistics
+from pathlib import Path
 from unittest import mock
 
 import numpy as np
@@ -63,24 +70,33 @@ def model_steps(covered, programs, block_m, block_n, fixed_steps):
 
 def rank_pairs(q, k, v, do, cu, layout, rank, world, block_m, block_n):
     """(covered, visible, programs) over every per-row-bounds block of rank's schedule (the dK/dV
-    calls, one per task and step, at the smallest kv-head chunk: each block counted once)."""
-    totals = [0, 0, 0]
+    calls, one per task and step, at the smallest kv-head chunk: each block counted once), in
+    total and, as a list over the ring steps 0..world-1, step by step."""
+    by_step = [[0, 0, 0] for _ in range(world)]
+    current = [0]  # the ring step the backward's loop is in
+
+    def stepping(*args, **kwargs):
+        for item in real_ring_kv(*args, **kwargs):
+            current[0] = item[0]
+            yield item
 
     def count(q_, k_, v_, mask, **kw):
         if mask.bounds is not None:
             counted = covered_pairs(mask.bounds.q_lo, mask.bounds.q_hi, q_.shape[1], k_.shape[1], mask.q_start,
                                     block_m, block_n)  # fmt: skip
             for i, n in enumerate(counted):
-                totals[i] += n
+                by_step[current[0]][i] += n
         return False
 
+    real_ring_kv = ring_module._ring_kv
     with (
         mock.patch.object(ring_module, "fuses_backward", count),
         mock.patch.object(ring_module, "block_backward", lambda *a, **kw: True),
         mock.patch.object(ring_module, "block_forward", lambda *a, **kw: True),
+        mock.patch.object(ring_module, "_ring_kv", stepping),
     ):
         replay_rank(q, k, v, do, cu, layout, rank, world, (-1, -1), overlap=False)()
-    return tuple(totals)
+    return tuple(sum(step[i] for step in by_step) for i in range(3)), [tuple(step) for step in by_step]
 
 
 def main():
@@ -93,6 +109,7 @@ def main():
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--fixed-steps", type=float, default=7.6,
                     help="the time model's fixed cost of a program, in query-block steps (docstring)")  # fmt: skip
+    ap.add_argument("--measured", help="a packed_ring_replay --kernels --json file: its per-step max/mean beside")
     add_align_args(ap)
     args = ap.parse_args()
     for total in args.totals:
@@ -114,15 +131,42 @@ def main():
                 f"  P={world} balance: worst step max/mean {bal['step']:.3f}, ring time over an even split "
                 f"{bal['time']:.3f} (visible pairs)"
             )
+            step_models = []  # [rank][step]
             for rank in range(world):
-                c, vis, programs = rank_pairs(q, k, v, do, cu, layout, rank, world, args.block_m, args.block_n)
+                (c, vis, programs), by_step = rank_pairs(q, k, v, do, cu, layout, rank, world, args.block_m,
+                                                         args.block_n)  # fmt: skip
                 model = model_steps(c, programs, args.block_m, args.block_n, args.fixed_steps)
+                step_models.append([model_steps(sc, sp, args.block_m, args.block_n, args.fixed_steps)
+                                    for sc, _, sp in by_step])  # fmt: skip
                 print(
                     f"  P={world} rank {rank}: covered / visible {c / max(vis, 1):.3f}, "
                     f"covered / (one GPU's / P) {c / (single / world):.3f}, {programs} programs, "
                     f"model (F={args.fixed_steps:g}) / (one GPU's / P) {model / (single_model / world):.3f}",
                     flush=True,
                 )
+            print(f"  P={world} each step's busiest rank over its mean: model (F={args.fixed_steps:g}) "
+                  + " ".join(_uneven([m[s] for m in step_models]) for s in range(world))
+                  + _measured_steps(args.measured, total, world))  # fmt: skip
+
+
+def _uneven(parts) -> str:
+    return f"{max(parts) / statistics.mean(parts):.3f}" if any(parts) else "-"
+
+
+def _measured_steps(path, total, world) -> str:
+    """packed_ring_replay --kernels' measured per-step max/mean for (total, world) from its
+    --json file `path`, if it has that row."""
+    if path is None:
+        return ""
+    for row in json.loads(Path(path).read_text())["rows"]:
+        if row["total"] == total and row["world"] == world and row.get("device_step_max_over_mean"):
+            return (
+                "; measured ("
+                + Path(path).name
+                + ") "
+                + " ".join("-" if u is None else f"{u:.3f}" for u in row["device_step_max_over_mean"])
+            )
+    return ""
 
 
 if __name__ == "__main__":

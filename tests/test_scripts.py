@@ -48,6 +48,33 @@ def test_packed_ring_tiles_counts(tmp_path):
     assert model_steps(covered, programs, 64, 128, 3.0) == 2 + 3.0
 
 
+def test_packed_ring_tiles_by_step(tmp_path):
+    """packed_ring_tiles' step-by-step counts: one document over both ranks puts pairs in both
+    ring steps of both ranks, documents that stay whole on their ranks none in step 1; the
+    per-step line prints a --measured replay's per-step max/mean beside the model's."""
+    import json
+
+    import torch
+
+    import ringflash
+    from benchmarks.packed_ring_tiles import rank_pairs
+
+    total = 2048
+    q = torch.zeros(total, 1, 16)
+    for cu, step1 in (([0, total], True), ([0, 1024, total], False)):
+        layout = ringflash.balanced_layout(cu, 2, causal=True)
+        for rank in range(2):
+            (covered, visible, programs), by_step = rank_pairs(q, q, q, q, torch.tensor(cu, dtype=torch.int32), layout,
+                                                               rank, 2, 64, 128)  # fmt: skip
+            assert len(by_step) == 2 and by_step[0][0] > 0 and (by_step[1][0] > 0) == step1, (cu, rank, by_step)
+            assert tuple(sum(step[i] for step in by_step) for i in range(3)) == (covered, visible, programs)
+    measured = tmp_path / "m.json"
+    measured.write_text(json.dumps({"rows": [{"total": 16384, "world": 2, "device_step_max_over_mean": [1.25, None]}]}))
+    out = run([sys.executable, "-m", "benchmarks.packed_ring_tiles", "--totals", "16384", "--worlds", "2",
+               "--measured", str(measured)], tmp_path)  # fmt: skip
+    assert "P=2 each step's busiest rank over its mean: model (F=7.6) " in out and "(m.json) 1.250 -" in out, out
+
+
 def test_cuts_aligned_experiment_keeps_every_token_once():
     """benchmarks.common.cuts_aligned (the aligned-cuts experiment of packed_ring_tiles /
     packed_ring_replay / layout_balance --align): inside, a document cut over the ranks is cut
