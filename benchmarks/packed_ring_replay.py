@@ -74,7 +74,8 @@ def timed(fn, device, repeats, calls=1):
 
 
 TRANSFER = "replayed transfer"  # the profiler's name for ReplayComm's stand-ins for the network
-STEP = "ring step "  # ... and the prefix of its names for the ring loop's steps (STEP + the step)
+STEP = "ring step "  # ... and the prefix of its names for the ring loop's steps (STEP + "3 forward")
+PHASES = ("forward", "backward")
 
 
 class _LabelledComm(ReplayComm):
@@ -110,22 +111,28 @@ def replay_rank(q, k, v, do, cu, layout, rank, world, window, overlap, grad_chun
 
 
 def _labelled_ring_kv(*args, **kwargs):
-    """ring._ring_kv, each step's loop body inside record_function(STEP + the step): the
+    """ring._ring_kv, each step's loop body inside record_function(STEP + "<step> <phase>"),
+    the phase "backward" where autograd runs a node (the ring's backward), else "forward": the
     generator stays suspended inside the block while the caller computes the step."""
+    phase = PHASES[torch._C._current_autograd_node() is not None]
     for item in _ring_kv(*args, **kwargs):
-        with torch.profiler.record_function(f"{STEP}{item[0]}"):
+        with torch.profiler.record_function(f"{STEP}{item[0]} {phase}"):
             yield item
 
 
-def measured_kernels(run, device) -> tuple[list[tuple[str, int, float]], float, dict[int, float]]:
+def measured_kernels(run, device) -> tuple[list[tuple[str, int, float]], float, dict[tuple[int, str], float]]:
     """run()'s kernels by device time under torch.profiler (on the CPU: its operators by CPU
     time), after one call outside the profile; the part of their total that its replayed
-    transfers took (TRANSFER); and {step: the rest of the part inside that ring step}, forward
-    and backward (common.profiled_kernels)."""
+    transfers took (TRANSFER); and {(step, phase): the rest of the part inside that ring step's
+    forward or backward} (common.profiled_kernels)."""
     run()
     with mock.patch.object(ring_module, "_ring_kv", _labelled_ring_kv):
         kernels, split = profiled_kernels(run, device, blocks=lambda name: name == TRANSFER or name.startswith(STEP))
-    steps = {int(name[len(STEP) :]): ms for name, ms in split.items() if name.startswith(STEP)}
+    steps = {}
+    for name, ms in split.items():
+        if name.startswith(STEP):
+            step, phase = name[len(STEP) :].split()
+            steps[int(step), phase] = ms
     return kernels, split.get(TRANSFER, 0.0), steps
 
 
@@ -143,9 +150,9 @@ def print_kernel_times(kernels, label: str, per: int = 1, transfer_ms: float = 0
 
 def print_kernels(q, k, v, do, cu, layout, world, window, chunks, label):
     """Each rank's replayed forward+backward: its kernels (print_kernel_times); returns each
-    rank's kernels' summed device time, its replayed transfers' part of it, and its device
-    time inside each ring step less the transfers (a list over the steps 0..world-1; 0.0 for a
-    step that does not run), ms."""
+    rank's kernels' summed device time, its replayed transfers' part of it, and {phase: its
+    device time inside each ring step's forward or backward less the transfers, a list over
+    the steps 0..world-1 (0.0 for a step that does not run)}, ms."""
     totals, transfers, by_step = [], [], []
     for r in range(world):
         run = replay_rank(q, k, v, do, cu, layout, r, world, window, True, chunks)
@@ -153,7 +160,7 @@ def print_kernels(q, k, v, do, cu, layout, world, window, chunks, label):
         print_kernel_times(kernels, f"[{label}] rank {r}", transfer_ms=transfer_ms)
         totals.append(sum(ms for _, _, ms in kernels))
         transfers.append(transfer_ms)
-        by_step.append([steps.get(s, 0.0) for s in range(world)])
+        by_step.append({phase: [steps.get((s, phase), 0.0) for s in range(world)] for phase in PHASES})
     return totals, transfers, by_step
 
 
@@ -213,13 +220,17 @@ def measure_total(args, device, dtype, total, documents_forward, documents_backw
                 else None
                 for overlap in (True, False)
             )
-        rank_device = rank_compute = transfers = by_step = step_uneven_device = None
+        rank_device = rank_compute = transfers = None
+        by_step = {}  # "both" and each phase: [rank][step] ms
+        step_uneven_device = {}  # ...and each step's busiest rank over its mean rank
         if args.kernels:
-            rank_device, transfers, by_step = print_kernels(q, k, v, do, cu, layout, world, window, chunks, label)
+            rank_device, transfers, phased = print_kernels(q, k, v, do, cu, layout, world, window, chunks, label)
             rank_compute = [t - x for t, x in zip(rank_device, transfers)]
-            # each step's busiest rank over its mean rank, by the device time inside the step
-            per_step = [[by_step[r][s] for r in range(world)] for s in range(world)]
-            step_uneven_device = [max(w) / statistics.mean(w) if any(w) else None for w in per_step]
+            by_step["both"] = [[f + b for f, b in zip(r["forward"], r["backward"])] for r in phased]
+            by_step.update({phase: [r[phase] for r in phased] for phase in PHASES})
+            for name, ranks in by_step.items():
+                per_step = [[ranks[r][s] for r in range(world)] for s in range(world)]
+                step_uneven_device[name] = [max(w) / statistics.mean(w) if any(w) else None for w in per_step]
         work = [sum(layout.work(r, s) for s in range(world)) for r in range(world)]
         step_work = [[layout.work(r, s) for r in range(world)] for s in range(world)]
         step_uneven = max(max(w) / statistics.mean(w) for w in step_work if any(w))
@@ -258,9 +269,12 @@ def measure_total(args, device, dtype, total, documents_forward, documents_backw
             rank_transfer_ms=transfers,
             device_max_over_mean_less_transfers=rank_compute and max(rank_compute) / statistics.mean(rank_compute),
             device_efficiency_less_transfers=rank_compute and single_device_ms / world / max(rank_compute),
-            # ...and inside each ring step: [rank][step] ms, then each step's max/mean over the ranks
-            rank_step_device_ms=by_step,
-            device_step_max_over_mean=step_uneven_device,
+            # ...and inside each ring step, forward and backward together, then apart: [rank][step]
+            # ms, and each step's max/mean over the ranks
+            rank_step_device_ms=by_step.get("both"),
+            device_step_max_over_mean=step_uneven_device.get("both"),
+            **{f"rank_step_{phase}_ms": by_step.get(phase) for phase in PHASES},
+            **{f"device_step_max_over_mean_{phase}": step_uneven_device.get(phase) for phase in PHASES},
         )
         rows.append(row)
         print(
@@ -279,7 +293,10 @@ def measure_total(args, device, dtype, total, documents_forward, documents_backw
                 else f"; by device time max/mean {row['device_max_over_mean']:.3f}, eff {row['device_efficiency']:.3f}"
                 f" (less the transfers: max/mean {row['device_max_over_mean_less_transfers']:.3f}, "
                 f"eff {row['device_efficiency_less_transfers']:.3f}; per step max/mean "
-                + " ".join("-" if u is None else f"{u:.3f}" for u in step_uneven_device)
+                + "; ".join(
+                    f"{name} " + " ".join("-" if u is None else f"{u:.3f}" for u in uneven)
+                    for name, uneven in step_uneven_device.items()
+                )
                 + ")"
             )
             + f"; hops {hops}, "

@@ -711,7 +711,13 @@ def test_packed_ring_replay_smoke(tmp_path):
     for step, uneven in enumerate(row["device_step_max_over_mean"]):
         parts = [by_step[r][step] for r in range(2)]
         assert uneven == pytest.approx(max(parts) / (sum(parts) / 2))
-    assert "per step max/mean" in printed
+    # ...the forward's and the backward's apart, each step of each rank in both, adding up
+    fwd, bwd = row["rank_step_forward_ms"], row["rank_step_backward_ms"]
+    for r in range(2):
+        assert min(fwd[r]) > 0 and min(bwd[r]) > 0, (fwd, bwd)
+        assert [f + b for f, b in zip(fwd[r], bwd[r])] == pytest.approx(by_step[r])
+    assert len(row["device_step_max_over_mean_backward"]) == 2
+    assert re.search(r"per step max/mean both [\d.]+ [\d.]+; forward [\d.]+ [\d.]+; backward [\d.]+ [\d.]+\)", printed)
 
 
 def test_profile_host_timers_count_layers_and_restore_them():
