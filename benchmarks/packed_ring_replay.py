@@ -27,8 +27,9 @@ same copies on the compute stream, an upper bound on their cost). Reported per (
              without the device time of those stand-ins (the K/V copies and the zeroed dK/dV
              accumulators that arrive in place of another rank's), so before any network
              time as eff is (the copies' memory traffic still slows the kernels beside them);
-             and per step max/mean: for each ring step, forward and backward, the busiest
-             rank's device time inside that step (less the transfers) over the mean rank's
+             and per step max/mean: for each ring step the busiest rank's device time inside
+             that step (less the transfers) over the mean rank's, forward and backward
+             together ("both"), then each apart
 Times are host-clock medians (benchmarks.common.host_seconds) of --repeats timings of --calls
 calls in a row, the device synchronized before and after each timing, after a warm-up: with
 --calls 1 (default) a host-bound rank's host time shows, and varies with the host; more calls
