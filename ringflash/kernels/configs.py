@@ -197,8 +197,8 @@ GLUON_BWD_MIN_PROGRAMS_PER_SM = 2
 # (python -m benchmarks.packed_ring_replay --totals 131072 --worlds 8 --kernels
 # --documents-backward one-block persistent). At D=64 the same replay (--head-dim 64, two runs,
 # the order swapped; benchmarks/results/packed_ring_replay_d64_persistent_documents_*): each
-# rank's backward 0.91-0.93x at P=8, 0.92-0.95x at P=4, by device time; one GPU within its
-# run's noise (0.99-1.08x, results/packed_persistent_documents_d64_h200.txt).
+# rank's backward 0.91-0.93x at P=8, 0.92-0.95x at P=4, by device time; one GPU, two runs:
+# long-tailed 0.98-1.08x, short 1.01-1.08x (results/packed_persistent_documents_d64*_h200.txt).
 GLUON_BWD_DOCUMENTS = {64: "ws2_lag_pc", 128: "ws2_lag_pc", 256: GLUON_BWD[256]}
 # ... for calls of at least this many visible (query, key) pairs x query heads (B x Sq x Hq x
 # RowBounds.keys_per_row): below, the fused launch's host time (row statistics, dQ scratch, five
