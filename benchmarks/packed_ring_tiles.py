@@ -22,7 +22,8 @@ this fixed cost weighs on them more than on the one-GPU call's.
 
 Then, step by step, each ring step's busiest rank over its mean rank by the same model, and with
 --measured (a `packed_ring_replay --kernels --json` file) the replay's measured per-step figure
-for the same total and P beside it.
+for the same total and P beside it; and the same for the forward's calls, whose programs are
+query tiles (--forward-tile rows) walking key blocks, charged --fixed-steps key blocks a tile.
 """
 
 from __future__ import annotations
@@ -68,11 +69,14 @@ def model_steps(covered, programs, block_m, block_n, fixed_steps):
     return covered / (block_m * block_n) + fixed_steps * programs
 
 
-def rank_pairs(q, k, v, do, cu, layout, rank, world, block_m, block_n):
+def rank_pairs(q, k, v, do, cu, layout, rank, world, block_m, block_n, forward_tile=(128, 128)):
     """(covered, visible, programs) over every per-row-bounds block of rank's schedule (the dK/dV
     calls, one per task and step, at the smallest kv-head chunk: each block counted once), in
-    total and, as a list over the ring steps 0..world-1, step by step."""
+    total and, as a list over the ring steps 0..world-1, step by step; then the same list for
+    the forward's calls, whose programs are query tiles of forward_tile[0] rows walking key
+    blocks of forward_tile[1] (the Gluon forward's 128 x 128)."""
     by_step = [[0, 0, 0] for _ in range(world)]
+    forward_by_step = [[0, 0, 0] for _ in range(world)]
     current = [0]  # the ring step the backward's loop is in
 
     def stepping(*args, **kwargs):
@@ -88,15 +92,24 @@ def rank_pairs(q, k, v, do, cu, layout, rank, world, block_m, block_n):
                 by_step[current[0]][i] += n
         return False
 
+    def count_forward(q_, k_, v_, state, mask, **kw):
+        if mask.bounds is not None:  # the same count with the sides swapped: query tiles walk keys
+            counted = covered_pairs(mask.bounds.k_lo, mask.bounds.k_hi, k_.shape[1], q_.shape[1], mask.k_start,
+                                    forward_tile[1], forward_tile[0])  # fmt: skip
+            for i, n in enumerate(counted):
+                forward_by_step[current[0]][i] += n
+        return True
+
     real_ring_kv = ring_module._ring_kv
     with (
         mock.patch.object(ring_module, "fuses_backward", count),
         mock.patch.object(ring_module, "block_backward", lambda *a, **kw: True),
-        mock.patch.object(ring_module, "block_forward", lambda *a, **kw: True),
+        mock.patch.object(ring_module, "block_forward", count_forward),
         mock.patch.object(ring_module, "_ring_kv", stepping),
     ):
         replay_rank(q, k, v, do, cu, layout, rank, world, (-1, -1), overlap=False)()
-    return tuple(sum(step[i] for step in by_step) for i in range(3)), [tuple(step) for step in by_step]
+    total = tuple(sum(step[i] for step in by_step) for i in range(3))
+    return total, [tuple(step) for step in by_step], [tuple(step) for step in forward_by_step]
 
 
 def main():
@@ -109,6 +122,14 @@ def main():
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--fixed-steps", type=float, default=7.6,
                     help="the time model's fixed cost of a program, in query-block steps (docstring)")  # fmt: skip
+    ap.add_argument(
+        "--forward-tile",
+        type=int,
+        nargs=2,
+        default=[128, 128],
+        metavar=("ROWS", "KEYS"),
+        help="the forward's query tile and key block (Gluon 128 x 128; Triton on documents 64 x 64)",
+    )
     ap.add_argument("--measured", help="a packed_ring_replay --kernels --json file: its per-step max/mean beside")
     add_align_args(ap)
     args = ap.parse_args()
@@ -131,13 +152,17 @@ def main():
                 f"  P={world} balance: worst step max/mean {bal['step']:.3f}, ring time over an even split "
                 f"{bal['time']:.3f} (visible pairs)"
             )
-            step_models = []  # [rank][step]
+            step_models, forward_models = [], []  # [rank][step]
             for rank in range(world):
-                (c, vis, programs), by_step = rank_pairs(q, k, v, do, cu, layout, rank, world, args.block_m,
-                                                         args.block_n)  # fmt: skip
+                (c, vis, programs), by_step, forward_by_step = rank_pairs(
+                    q, k, v, do, cu, layout, rank, world, args.block_m, args.block_n, tuple(args.forward_tile)
+                )
                 model = model_steps(c, programs, args.block_m, args.block_n, args.fixed_steps)
                 step_models.append([model_steps(sc, sp, args.block_m, args.block_n, args.fixed_steps)
                                     for sc, _, sp in by_step])  # fmt: skip
+                forward_models.append(
+                    [model_steps(sc, sp, *args.forward_tile, args.fixed_steps) for sc, _, sp in forward_by_step]
+                )
                 print(
                     f"  P={world} rank {rank}: covered / visible {c / max(vis, 1):.3f}, "
                     f"covered / (one GPU's / P) {c / (single / world):.3f}, {programs} programs, "
@@ -147,25 +172,25 @@ def main():
             print(f"  P={world} each step's busiest rank over its mean: model (F={args.fixed_steps:g}) "
                   + " ".join(_uneven([m[s] for m in step_models]) for s in range(world))
                   + _measured_steps(args.measured, total, world))  # fmt: skip
+            tile = "{} x {}".format(*args.forward_tile)
+            print(f"  P={world} the forward's tiles ({tile}), each step: model (F={args.fixed_steps:g} key-block "
+                  "steps a tile) " + " ".join(_uneven([m[s] for m in forward_models]) for s in range(world))
+                  + _measured_steps(args.measured, total, world, "forward"))  # fmt: skip
 
 
 def _uneven(parts) -> str:
     return f"{max(parts) / statistics.mean(parts):.3f}" if any(parts) else "-"
 
 
-def _measured_steps(path, total, world) -> str:
+def _measured_steps(path, total, world, phase=None) -> str:
     """packed_ring_replay --kernels' measured per-step max/mean for (total, world) from its
-    --json file `path`, if it has that row."""
+    --json file `path` (forward and backward together, or one `phase` apart), if it has it."""
     if path is None:
         return ""
+    key = "device_step_max_over_mean" + ("" if phase is None else f"_{phase}")
     for row in json.loads(Path(path).read_text())["rows"]:
-        if row["total"] == total and row["world"] == world and row.get("device_step_max_over_mean"):
-            return (
-                "; measured ("
-                + Path(path).name
-                + ") "
-                + " ".join("-" if u is None else f"{u:.3f}" for u in row["device_step_max_over_mean"])
-            )
+        if row["total"] == total and row["world"] == world and row.get(key):
+            return f"; measured ({Path(path).name}) " + " ".join("-" if u is None else f"{u:.3f}" for u in row[key])
     return ""
 
 

@@ -51,7 +51,8 @@ def test_packed_ring_tiles_counts(tmp_path):
 def test_packed_ring_tiles_by_step(tmp_path):
     """packed_ring_tiles' step-by-step counts: one document over both ranks puts pairs in both
     ring steps of both ranks, documents that stay whole on their ranks none in step 1; the
-    per-step line prints a --measured replay's per-step max/mean beside the model's."""
+    forward's query tiles count the same visible pairs; the per-step line prints a --measured
+    replay's per-step max/mean beside the model's."""
     import json
 
     import torch
@@ -64,10 +65,14 @@ def test_packed_ring_tiles_by_step(tmp_path):
     for cu, step1 in (([0, total], True), ([0, 1024, total], False)):
         layout = ringflash.balanced_layout(cu, 2, causal=True)
         for rank in range(2):
-            (covered, visible, programs), by_step = rank_pairs(q, q, q, q, torch.tensor(cu, dtype=torch.int32), layout,
-                                                               rank, 2, 64, 128)  # fmt: skip
+            (covered, visible, programs), by_step, forward = rank_pairs(
+                q, q, q, q, torch.tensor(cu, dtype=torch.int32), layout, rank, 2, 64, 128
+            )
             assert len(by_step) == 2 and by_step[0][0] > 0 and (by_step[1][0] > 0) == step1, (cu, rank, by_step)
             assert tuple(sum(step[i] for step in by_step) for i in range(3)) == (covered, visible, programs)
+            # the forward sees the same pairs, counted by query tiles
+            assert [step[1] for step in forward] == [step[1] for step in by_step], (forward, by_step)
+            assert all(c >= v for c, v, _ in forward) and (forward[1][2] > 0) == step1, forward
     measured = tmp_path / "m.json"
     measured.write_text(json.dumps({"rows": [{"total": 16384, "world": 2, "device_step_max_over_mean": [1.25, None]}]}))
     out = run([sys.executable, "-m", "benchmarks.packed_ring_tiles", "--totals", "16384", "--worlds", "2",
