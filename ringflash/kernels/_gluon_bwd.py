@@ -1247,7 +1247,9 @@ def _bwd_ws2(
     empty = _alloc_bars(STAGES, 2)  # released when both consumer warpgroups are done with a stage
     ds_bar = _alloc_bars(2 if SPLIT_D else DS_BUFS, 2)  # both halves of dS (SPLIT_D: and P^T) written
     fence_async_shared()
-    if ROWS and not PERSISTENT:  # packed documents: every partition needs the same query blocks (QLO / QHI: per key)
+    # packed documents: every partition needs the same query blocks (QLO / QHI: per key), planned
+    # here once for the program's one block (persistent: by the producer per block, _block_rows)
+    if ROWS and not PERSISTENT:
         rows_first, rows_n, rows_full_lo0, rows_full_hi0, rows_full_lo1, rows_full_hi1 = _key_tile_query_range(
             gl.program_id(0) * BLOCK_N, Sq, Sk, q_start, k_start, QLO, QHI, BLOCK_M, BLOCK_N, SPLIT_D, num_warps
         )

@@ -126,7 +126,7 @@ class GluonBwdConfig:
     # program per multiprocessor, each taking key blocks from a counter in the launch's order
     # (_gluon_bwd._fetch_tile), the next block's first Q / dO stages and its K / V loaded while
     # the last one's final steps and dK / dV stores run; "all" includes packed documents' per-row
-    # bounds (each partition then plans a block's query blocks itself)
+    # bounds (the producer warp then plans each block's query blocks and passes them on with it)
     persistent: str | None = None
 
     def __post_init__(self):
