@@ -92,8 +92,9 @@ def replay_rank(q, k, v, do, cu, layout, rank, world, window, overlap, grad_chun
     """One forward+backward of `rank`'s ring schedule; returns a callable. overlap: as
     ReplayComm's; grad_chunks, grad_accum_dtype: as ring_flash_attn_varlen_func's."""
     idx = [layout.positions(r, device=q.device) for r in range(world)]
-    pad = lambda t: torch.nn.functional.pad(t, (0, 0, 0, 0, 0, layout.max_local_len - t.shape[0]))  # noqa: E731
-    blocks = [(pad(k[i])[None], pad(v[i])[None]) for i in idx]
+    # padded as the ring call pads them (to the longest shard where blocks travel)
+    pad = lambda t, r: torch.nn.functional.pad(t, (0, 0, 0, 0, 0, layout.block_len(r) - t.shape[0]))  # noqa: E731
+    blocks = [(pad(k[i], r)[None], pad(v[i], r)[None]) for r, i in enumerate(idx)]
     ql = q[idx[rank]].detach().requires_grad_()
     kl, vl = blocks[rank][0].detach().requires_grad_(), blocks[rank][1].detach().requires_grad_()
     dol = do[idx[rank]][None]

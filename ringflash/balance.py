@@ -104,6 +104,11 @@ class BalancedLayout:
     def max_local_len(self) -> int:
         return max(self.local_len(r) for r in range(self.world))
 
+    def block_len(self, rank: int) -> int:
+        """Rows of `rank`'s K/V block in a ring call: the longest shard's when blocks travel
+        (they go padded to it, so that every receive buffer fits every block), else its own."""
+        return self.max_local_len if self.hops > 1 else self.local_len(rank)
+
     def positions(self, rank: int, device=None) -> torch.Tensor:
         """int64 (local_len(rank),): the global positions `rank` holds, in local order."""
         if not 0 <= rank < self.world:

@@ -225,6 +225,34 @@ def backward_inputs(out, do, dlse, backend=None):
     return do, DeltaOf(out, dlse).value(do, lambda o, d: attention_delta(o, d, backend))
 
 
+def local_forward(q, k, v, key_bias, mask: BlockMask, *, scale, backend, dropout=None) -> SoftmaxState:
+    """Attention of q (B, Sq, Hq, D) over all of k (B, Sk, Hkv, D), v (B, Sk, Hkv, Dv) in one
+    block (mask, key_bias, dropout as block_forward's): a SoftmaxState whose o is the normalized
+    output (B, Sq, Hq, Dv) in q's dtype, with m, l (B, Hq, Sq) in the state dtype for
+    local_backward. No float32 output state is kept or merged."""
+    state = SoftmaxState.empty(q.new_empty(*q.shape[:3], v.shape[3]))
+    block_forward(q, k, v, state, mask, scale=scale, fold=False, normalize=True, key_bias=key_bias,
+                  backend=backend, dropout=dropout)  # fmt: skip
+    return state
+
+
+def local_backward(
+    q, k, v, out, m, l, key_bias, do, dlse, mask: BlockMask, *, scale, backend, dropout=None, deterministic=False,
+    kv_grad_dtype=None,
+):  # fmt: skip
+    """(dq, dk, dv) of local_forward's (out, lse) given their gradients do (B, Sq, Hq, Dv) and
+    dlse (B, Hq, Sq), either None; dq in q's dtype, dk and dv in kv_grad_dtype (None: k's and
+    v's), each written once (no accumulator to zero, add to or cast)."""
+    do = output_grad(out, do)
+    # delta left to the backend: the fused backward computes it in its statistics launch
+    delta = DeltaOf(out, dlse)
+    dq = torch.empty_like(q, memory_format=torch.contiguous_format)
+    dk, dv = (torch.empty_like(t, dtype=kv_grad_dtype, memory_format=torch.contiguous_format) for t in (k, v))
+    block_backward(q, k, v, m, l, do, delta, dq, dk, dv, mask, scale=scale, accumulate=False, key_bias=key_bias,
+                   backend=backend, dropout=dropout, deterministic=deterministic)  # fmt: skip
+    return dq, dk, dv
+
+
 class _FlashAttn(torch.autograd.Function):
     @staticmethod
     @without_autocast
@@ -232,9 +260,7 @@ class _FlashAttn(torch.autograd.Function):
         """(out, lse); lse None when not want_lse (its three small ops are host time a short call
         feels)."""
         backend = backend_for(q.device)
-        state = SoftmaxState.empty(q.new_empty(*q.shape[:3], v.shape[3]))  # out: (B, Sq, Hq, Dv)
-        block_forward(q, k, v, state, mask, scale=scale, fold=False, normalize=True, key_bias=key_bias,
-                      backend=backend, dropout=dropout)  # fmt: skip
+        state = local_forward(q, k, v, key_bias, mask, scale=scale, backend=backend, dropout=dropout)
         ctx.save_for_backward(q, k, v, state.o, state.m, state.l, key_bias)
         ctx.mask, ctx.scale, ctx.backend, ctx.dropout = mask, scale, backend, dropout
         ctx.deterministic = deterministic
@@ -245,13 +271,10 @@ class _FlashAttn(torch.autograd.Function):
     @without_autocast
     def backward(ctx, do, dlse):
         q, k, v, out, m, l, key_bias = ctx.saved_tensors
-        do = output_grad(out, do)
-        # delta left to the backend: the fused backward computes it in its statistics launch
-        delta = DeltaOf(out, dlse)
-        dq, dk, dv = (torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
-        block_backward(q, k, v, m, l, do, delta, dq, dk, dv, ctx.mask, scale=ctx.scale, accumulate=False,
-                       key_bias=key_bias, backend=ctx.backend, dropout=ctx.dropout,
-                       deterministic=ctx.deterministic)  # fmt: skip
+        dq, dk, dv = local_backward(
+            q, k, v, out, m, l, key_bias, do, dlse, ctx.mask, scale=ctx.scale, backend=ctx.backend,
+            dropout=ctx.dropout, deterministic=ctx.deterministic,
+        )  # fmt: skip
         return dq, dk, dv, None, None, None, None, None, None
 
 

@@ -3,7 +3,9 @@ folds every visible block into its queries' float32 softmax state; the backward 
 again while the dK/dV accumulators follow their blocks back to the owners (ringflash.relay).
 
 Read top-down: ring_flash_attn_func validates and agrees across ranks, then runs _RingAttn
-(forward and backward over the one ring loop, _ring_kv) under a RingSpec.
+(forward and backward over the one ring loop, _ring_kv) under a RingSpec. A ring of one step
+whose one block covers every row and key (one rank; packed documents all whole on their ranks)
+is the local call, and runs as it (_whole_block).
 """
 
 from __future__ import annotations
@@ -45,6 +47,8 @@ from .local import (
     block_backward,
     block_forward,
     fuses_backward,
+    local_backward,
+    local_forward,
     packed_outputs,
     without_autocast,
 )
@@ -137,6 +141,23 @@ def _tasks(spec: RingSpec, comm, step, q, kv_len):
         yield t, mask, drop and drop.at(t.q_start, t.k_start)
 
 
+def _whole_block(spec: RingSpec, comm, q, kv_len):
+    """(mask, dropout) of the ring's one block when the ring runs one step (one rank, or a
+    layout that keeps every document whole) and that step is one block task over every query
+    row and every held key: the ring call is then the local call (local_forward /
+    local_backward: the output normalized by the kernel, no float32 state to zero, merge or
+    normalize, dK/dV written once instead of accumulated, relayed and cast). Else None. The
+    forward and the backward decide alike (the schedule is pure)."""
+    if len(ring_steps(spec.layout, comm.world, q.shape[1], kv_len, spec.window)) != 1:
+        return None
+    tasks = list(_tasks(spec, comm, 0, q, kv_len))
+    if len(tasks) != 1:
+        return None
+    t, mask, drop = tasks[0]
+    every = range(q.shape[1])[t.q_rows] == range(q.shape[1]) and range(kv_len)[t.kv_rows] == range(kv_len)
+    return (mask, drop) if every else None
+
+
 class _RingAttn(torch.autograd.Function):
     @staticmethod
     @without_autocast
@@ -145,6 +166,14 @@ class _RingAttn(torch.autograd.Function):
         in the state dtype. Returns (out, lse)."""
         k, v = k.contiguous(), v.contiguous()  # they travel whole
         backend = backend_for(q.device)  # kept for the backward: the same arithmetic in both
+        ctx.spec, ctx.comm, ctx.backend = spec, comm, backend
+        ctx.set_materialize_grads(False)
+        whole = _whole_block(spec, comm, q, k.shape[1])
+        if whole is not None:
+            mask, drop = whole
+            state = local_forward(q, k, v, key_bias, mask, scale=spec.scale, backend=backend, dropout=drop)
+            ctx.save_for_backward(q, k, v, state.o, state.m, state.l, key_bias)
+            return state.o, state.lse()
         state = SoftmaxState.zeros((*q.shape[:3], v.shape[3]), state_dtype(q.dtype), q.device)  # o: (.., Dv)
         steps = ring_steps(spec.layout, comm.world, q.shape[1], k.shape[1], spec.window)
         for step, k_blk, v_blk, bias_blk in _ring_kv(comm, k, v, key_bias, steps):
@@ -164,8 +193,6 @@ class _RingAttn(torch.autograd.Function):
         lse = state.lse()
         out = state.normalized(q.dtype)
         ctx.save_for_backward(q, k, v, out, state.m, state.l, key_bias)
-        ctx.spec, ctx.comm, ctx.backend = spec, comm, backend
-        ctx.set_materialize_grads(False)
         return out, lse
 
     @staticmethod
@@ -173,6 +200,16 @@ class _RingAttn(torch.autograd.Function):
     def backward(ctx, do, dlse):
         q, k, v, out, m, l, key_bias = ctx.saved_tensors
         spec, comm, backend = ctx.spec, ctx.comm, ctx.backend
+        # kv_grad_dtype: a caller that sums dK/dV further (hybrid's replicated heads) takes them
+        # unrounded, in the accumulator dtype
+        kv_grad_dtype = getattr(ctx, "kv_grad_dtype", None)
+        whole = _whole_block(spec, comm, q, k.shape[1])
+        if whole is not None:
+            mask, drop = whole
+            dq, dk, dv = local_backward(q, k, v, out, m, l, key_bias, do, dlse, mask, scale=spec.scale,
+                                        backend=backend, dropout=drop, deterministic=spec.deterministic,
+                                        kv_grad_dtype=kv_grad_dtype)  # fmt: skip
+            return dq, dk, dv, None, None, None
         acc = spec.grad_accum or state_dtype(q.dtype)
         chunks = default_grad_chunks(k, acc, v) if spec.grad_chunks is None else spec.grad_chunks
         do, delta = backward_inputs(out, do, dlse, backend)
@@ -249,9 +286,7 @@ class _RingAttn(torch.autograd.Function):
                     )
             relay.send(step)
         k_blk = v_blk = bias_blk = None  # the K/V receive buffers go before the outputs are made
-        # kv_grad_dtype: a caller that sums dK/dV further (hybrid's replicated heads) takes them
-        # unrounded, in the accumulator dtype
-        dk, dv = relay.finish(getattr(ctx, "kv_grad_dtype", None) or k.dtype)
+        dk, dv = relay.finish(kv_grad_dtype or k.dtype)
         return dq.result(q.dtype), dk, dv, None, None, None
 
 
@@ -581,7 +616,8 @@ def ring_flash_attn_varlen_func(
     applied within it: self-attention, the same documents for queries and keys. Returns this
     rank's output (n_local, Hq, Dv) in q's dtype and, with return_lse, lse (Hq, n_local).
     Differentiable in q, k, v. A document the layout keeps whole on one rank is computed
-    there; when no document spans two ranks no K/V travels at all. grad_accum_dtype,
+    there; when no document spans two ranks no K/V travels at all, and each rank's call is the
+    one-device call on its documents (no float32 state, no gradient relay). grad_accum_dtype,
     grad_chunks: as ring_flash_attn_func's. dropout_p, generator: as flash_attn_varlen_func's
     (query and key indices: positions in the packed row), the same pairs at any world size.
     head_group: as ring_flash_attn_func's (or a 2-D DeviceMesh as group), with the layout built
@@ -631,9 +667,11 @@ def ring_flash_attn_varlen_func(
         warn_placement(group)
         agree, cu_check = [], None
     # K/V travel padded to the longest shard; the schedule never reads the padding rows. The
-    # ring runs layout.hops steps (schedule.ring_steps): with every document whole, one, and
-    # nothing is exchanged
-    pad = layout.max_local_len - q.shape[0]
+    # ring runs layout.hops steps (schedule.ring_steps): with every document whole, one, where
+    # nothing is exchanged, so nothing is padded (layout.block_len; compiled: always padded, as
+    # a graph cannot read the layout's cached hops, and the padding rows' gradients are dropped
+    # by the pad's backward), and the ring call is the local one
+    pad = (layout.max_local_len if compiling else layout.block_len(rank)) - q.shape[0]
     k_p, v_p = (torch.nn.functional.pad(t, (0, 0, 0, 0, 0, pad)) for t in (k, v))
     out, lse, _, _, _ = ops.ring_fwd(
         q[None], k_p[None], v_p[None], None, cu_check, resolve_group(group).group_name if world > 1 else "",

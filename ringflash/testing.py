@@ -103,7 +103,7 @@ def replay_ring(
     contributions). window_size, grad_accum_dtype, grad_chunks, deterministic: as in ring_flash_attn_func
     (the summing of dK/dV over the replayed ranks is float32). layout: a name or a
     ringflash.balanced_layout built for `world` (packed documents: B = 1, S the packed total; the
-    K/V blocks travel padded to the longest shard, as ring_flash_attn_varlen_func sends them).
+    K/V blocks padded as ring_flash_attn_varlen_func pads them: BalancedLayout.block_len).
     overlap: ReplayComm's.
     """
     _, spec, key_bias = ring_call_spec(
@@ -112,9 +112,9 @@ def replay_ring(
     )  # fmt: skip
     k_shards, v_shards = _split(k, world, layout), _split(v, world, layout)
     kv_rows = [t.shape[1] for t in k_shards]  # before any padding
-    if is_balanced(layout):  # every block as long as the longest shard
-        pad = lambda t: torch.nn.functional.pad(t, (0, 0, 0, 0, 0, layout.max_local_len - t.shape[1]))  # noqa: E731
-        k_shards, v_shards = [pad(t) for t in k_shards], [pad(t) for t in v_shards]
+    if is_balanced(layout):  # as the ring call pads them: to the longest shard where they travel
+        pad = lambda t, r: torch.nn.functional.pad(t, (0, 0, 0, 0, 0, layout.block_len(r) - t.shape[1]))  # noqa: E731
+        k_shards, v_shards = [pad(t, r) for r, t in enumerate(k_shards)], [pad(t, r) for r, t in enumerate(v_shards)]
     bias_shards = [None] * world if key_bias is None else _split(key_bias, world, layout)
     blocks = [(ks, vs) if bs is None else (ks, vs, bs) for ks, vs, bs in zip(k_shards, v_shards, bias_shards)]
     q_shards, do_shards = _split(q, world, layout), _split(do, world, layout)
