@@ -38,6 +38,7 @@ import numpy as np
 import torch
 
 import ringflash
+import ringflash.local as local_module
 import ringflash.ring as ring_module
 from benchmarks.common import add_align_args, cuts_aligned
 from benchmarks.layout_balance import measure as balance_of
@@ -100,11 +101,18 @@ def rank_pairs(q, k, v, do, cu, layout, rank, world, block_m, block_n, forward_t
                 forward_by_step[current[0]][i] += n
         return True
 
+    def count_whole(q_, k_, v_, m, l, do_, delta, dq, dk, dv, mask, **kw):
+        return count(q_, k_, v_, mask)
+
     real_ring_kv = ring_module._ring_kv
+    # a ring of one step runs as the local call (local_forward / local_backward): its one block
+    # is step 0's, counted through the local module's block operations
     with (
         mock.patch.object(ring_module, "fuses_backward", count),
         mock.patch.object(ring_module, "block_backward", lambda *a, **kw: True),
         mock.patch.object(ring_module, "block_forward", count_forward),
+        mock.patch.object(local_module, "block_forward", count_forward),
+        mock.patch.object(local_module, "block_backward", count_whole),
         mock.patch.object(ring_module, "_ring_kv", stepping),
     ):
         replay_rank(q, k, v, do, cu, layout, rank, world, (-1, -1), overlap=False)()
