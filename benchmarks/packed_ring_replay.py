@@ -29,7 +29,10 @@ same copies on the compute stream, an upper bound on their cost). Reported per (
              time as eff is (the copies' memory traffic still slows the kernels beside them);
              and per step max/mean: for each ring step the busiest rank's device time inside
              that step (less the transfers) over the mean rank's, forward and backward
-             together ("both"), then each apart
+             together ("both"), then each apart ("-": no ring loop ran, as where every
+             document is whole and each rank's call is the local one)
+--balance-slack varies ringflash.balance.BALANCE_SLACK (the layout: how many documents stay
+whole; printed when not the default).
 Times are host-clock medians (benchmarks.common.host_seconds) of --repeats timings of --calls
 calls in a row, the device synchronized before and after each timing, after a warm-up: with
 --calls 1 (default) a host-bound rank's host time shows, and varies with the host; more calls
@@ -200,11 +203,16 @@ def measure_total(args, device, dtype, total, documents_forward, documents_backw
         for world in args.worlds:
             print_kernel_times(single_kernels, f"[{label}] one GPU / {world}", per=world)
     variants = itertools.product(
-        args.worlds, args.own_call_work_log2 or [None], args.grad_chunks or [None], args.grad_accum_dtypes or [None]
+        args.worlds,
+        args.balance_slack or [None],
+        args.own_call_work_log2 or [None],
+        args.grad_chunks or [None],
+        args.grad_accum_dtypes or [None],
     )
-    for world, own_log2, chunks, accum_name in variants:
+    for world, slack, own_log2, chunks, accum_name in variants:
         accum = {None: None, "float32": torch.float32, "input": dtype}[accum_name]
-        with cuts_aligned(args.align, args.align_min_piece):
+        slack = ringflash.balance.BALANCE_SLACK if slack is None else slack
+        with cuts_aligned(args.align, args.align_min_piece), mock.patch("ringflash.balance.BALANCE_SLACK", slack):
             layout = ringflash.balanced_layout(cu_list, world, causal=True, window_size=window)
         own = ringflash.balance.OWN_CALL_WORK if own_log2 is None else 2.0**own_log2
         with mock.patch("ringflash.balance.OWN_CALL_WORK", own):
@@ -251,6 +259,7 @@ def measure_total(args, device, dtype, total, documents_forward, documents_backw
             max_over_mean=max(per_rank) / statistics.mean(per_rank),
             efficiency=single_ms / world / max(per_rank),
             own_call_work=own,
+            balance_slack=slack,
             grad_chunks=chunks,
             grad_accum_dtype=accum_name,
             documents_forward=documents_forward,
@@ -286,6 +295,7 @@ def measure_total(args, device, dtype, total, documents_forward, documents_backw
             f"step {step_uneven:.3f}); single/P {single_ms / world:.2f} ms, eff {row['efficiency']:.3f}"
             + (f" (inline {row['efficiency_inline_copies']:.3f}); " if inline else "; ")
             + f"own calls from 2^{math.log2(own):.0f}"
+            + ("" if slack == ringflash.balance.BALANCE_SLACK else f", balance slack {slack}")
             + ("" if chunks is None else f", grad_chunks {chunks}")
             + ("" if accum_name is None else f", grad_accum_dtype {accum_name}")
             + f"; documents {label}"
@@ -326,6 +336,13 @@ def main():
         type=float,
         nargs="+",
         help="variants of ringflash.balance.OWN_CALL_WORK (log2; inf: every document in the per-row-bounds call)",
+    )
+    ap.add_argument(
+        "--balance-slack",
+        type=float,
+        nargs="+",
+        help="variants of ringflash.balance.BALANCE_SLACK (how far above an equal share a whole document may leave "
+        "a rank: more keeps more documents whole, fewer cut into small pieces)",
     )
     ap.add_argument("--grad-chunks", type=int, nargs="+", help="variants of grad_chunks (default: the ring's own)")
     ap.add_argument(
