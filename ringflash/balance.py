@@ -11,11 +11,13 @@ about 1/P of the work, so the slack of a share could otherwise leave it up to P 
 Any other document is cut, so that the ring steps stay even:
 
 - a window with an unbounded side (causal; (-1, w) or (w, -1) without causality): the zigzag
-  of the document over all P ranks (2P chunks, rank r holding chunks r and 2P-1-r): every ring
-  step carries an equal part of it, up to the one-token chunk granularity, and for a bounded
-  side w > 0 one T(w) = w(w+1)/2 neighbour pair that one rank lacks at steps 1 and P - 1 (the
-  ring is turned by one rank per cut document, so these differ by at most one pair);
-- full attention: P contiguous pieces (every pair visible: every step even);
+  of the document over all P ranks (2P chunks, rank r holding chunks r and 2P-1-r, the ring
+  turned for each cut document: causal, to the offset that evens the kernels' programs over
+  the ranks; otherwise one rank further per document): every ring step carries an equal part
+  of it, up to the one-token chunk granularity, and for a bounded side w > 0 one
+  T(w) = w(w+1)/2 neighbour pair that one rank lacks at steps 1 and P - 1 (turned one rank
+  per document, these differ by at most one pair) (_place_cut);
+- full attention: P contiguous pieces (every pair visible: every step even), turned alike;
 - a window bounded on both sides: pieces of at least m = max(left, right, 1) tokens, so each
   query's keys are in its own piece or a neighbour's and the ring needs steps 0, 1 and (with
   right > 0) P - 1 only, as few as the window allows. Each pair of neighbouring pieces adds
@@ -347,15 +349,25 @@ def _window_cut(start: int, n: int, world: int, window: Window, load, parts: int
     return runs
 
 
-def _place_cut(start: int, n: int, world: int, window: Window, load, least: int, turn: int):
+def _place_cut(start: int, n: int, world: int, window: Window, load, least: int, turn: int, extra: list[int]):
     """Where a document that does not fit whole goes, as runs (a, b, rank), given the ring
     step loads so far (`load`: step -> visible pairs per rank).
 
-    Zigzag and full attention: cut over every rank (_cut), at offset 0, or, with a bounded
-    side w > 0 (e.g. window (-1, w) without causality), at offset `turn` (the count of documents
-    cut before): in a zigzag one rank's last chunk has no right neighbour (its step-1 share of
-    T(w) = w(w+1)/2 pairs) and one's first chunk the next chunk on its own rank (step P - 1),
-    so turning the ring for each document spreads those shortfalls, one per rank in turn.
+    Zigzag and full attention: cut over every rank (_cut), the ring turned to some offset. The
+    pairs of every step are even at any offset, but not the kernels' programs: in a zigzag
+    (causal), at a step s > b the rank holding chunks b and 2P-1-b has its queries (the last
+    chunks) see two key chunks, twice the backward's programs of the steps s <= b, where two
+    query chunks see one key chunk (the forward's programs the other way round). At offset 0
+    for every document rank 0 took that at every step and rank P - 1 at none (at 128K over 8
+    ranks 1016 against 657 backward programs a kv head, benchmarks.packed_ring_tiles). So a
+    causal zigzag takes the offset that leaves the largest `extra` least: each rank's
+    (P - 1 - b) x n so far, b its chunk index in each document cut, n the document's tokens
+    (ties: the next offset from `turn`, the count of documents cut before); updated in place.
+    Any other unbounded side (e.g. window (-1, w) without causality) takes offset `turn`: with
+    a bounded side w > 0 the turns spread the zigzag's shortfalls, one rank's last chunk lacking
+    a right neighbour (its step-1 share of T(w) = w(w+1)/2 pairs) and one's first chunk the next
+    chunk on its own rank (step P - 1), one per rank in turn; full attention (every step even in
+    pairs and programs) turns too.
 
     A window bounded on both sides: its pieces are at least m = max(left, right, 1) tokens, so
     a query's keys are in its own piece or a neighbour's: a piece sees its left neighbour's
@@ -369,7 +381,16 @@ def _place_cut(start: int, n: int, world: int, window: Window, load, least: int,
     sum_r: whole documents can only fill step 0), then the candidate's order (pure and
     deterministic)."""
     if window.left is None or window.right is None or world == 1:
-        return _cut(start, n, world, window, turn if window.left or window.right else 0)
+        offset = turn % world
+        if window.left is None and window.right == 0:  # causal
+
+            def largest(o):  # the largest extra with this document at offset o
+                return max(extra[q] + n * (world - 1 - (q - o) % world) for q in range(world))
+
+            offset = min(range(world), key=lambda o: (largest(o), (o - turn) % world))
+            for q in range(world):
+                extra[q] += n * (world - 1 - (q - offset) % world)
+        return _cut(start, n, world, window, offset)
     top = min(world, n // max(window.left, window.right, 1))
     candidates = [[(start, start + n, least)]]
     for parts in sorted({top, 2}, reverse=True):
@@ -420,6 +441,7 @@ def _deal(docs, work, world: int, window: Window, step0_cap: float | None = None
     total = [0] * world  # each rank's visible pairs over all steps
     tokens = [0] * world
     turn = 0  # documents cut so far
+    extra = [0] * world  # the zigzags' extra kernel programs per rank, in tokens x steps (_place_cut)
     # a whole document's pairs are all at step 0: with a bounded window, where steps 1 and P - 1
     # may be uneven by whole neighbour pairs, it goes to the rank with the least step-0 work;
     # otherwise (every later step even) to the one with the least work in total
@@ -433,7 +455,7 @@ def _deal(docs, work, world: int, window: Window, step0_cap: float | None = None
             total[r] += work[d]
             load[0][r] += work[d]
             continue
-        runs = _place_cut(start, n, world, window, load, r, turn)
+        runs = _place_cut(start, n, world, window, load, r, turn, extra)
         turn += 1
         for a, b, i in runs:
             per_rank[i].append(Segment(0, a, b - a, d))
