@@ -2,11 +2,13 @@
 each head group of U ranks, the ring over R), against the float64 oracle. The 8-process grids
 (2x4, 4x2) run in test_ring.py, beside its other 8-process tests (one set of processes)."""
 
+import itertools
+
 import pytest
 import torch
 import torch.distributed as dist
 
-from ringflash import local_positions, ring_flash_attn_func, shard, unshard
+from ringflash import balanced_layout, local_positions, ring_flash_attn_func, shard, unshard
 from ringflash.hybrid import head_plan
 
 from hybrid_cases import grid, hybrid_precision, hybrid_varlen_vs_oracle, hybrid_vs_oracle
@@ -25,6 +27,17 @@ CASES4 = [
     (4, 1, "zigzag", True, 1, 2, 4, 2, None, 7),  # the plain ring through the hybrid path
     (4, 1, "contiguous", False, 2, 2, 2, 1, "float", 8),
 ]
+
+
+def test_hybrid_packed_documents_all_whole(worlds):
+    """Every document whole on its ring position (the layout needs one ring step), the shards
+    of unequal lengths (20 and 26 tokens): K/V are not padded to the longer one and each
+    position's ring call runs as the local one, under the head all-to-all."""
+    lengths = [12, 9, 8, 6, 5, 2, 2, 2]
+    L = balanced_layout([0, *itertools.accumulate(lengths)], 2)
+    assert L.hops == 1 and sorted(L.local_len(r) for r in range(2)) == [20, 26]
+    got = worlds(4, **TORCH).run(hybrid_varlen_vs_oracle, 2, 2, lengths, True, (-1, -1), 4, 2, torch.float64, 5)
+    assert sum(n for n, _ in got) == sum(lengths)
 
 
 @pytest.mark.parametrize(

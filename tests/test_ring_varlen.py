@@ -352,7 +352,9 @@ def _ring_varlen_check(rank, world, lengths, causal, window_size, Hq, Hkv, dtype
 
 MIXES = {
     "long_and_short": [3, 0, 90, 1, 7, 20, 5],  # the 90-token one is cut over the ranks
-    "short": [5, 6, 5, 6, 5, 6, 5, 6, 5, 6, 5, 6],  # all whole on 2 or 3 ranks: no K/V travels
+    # all whole on 2 or 3 ranks: no K/V travels, each rank's call is the local one (over 2
+    # ranks 35 and 34 tokens: K/V not padded to the longer shard)
+    "short": [5, 6, 5, 6, 5, 6, 5, 6, 5, 6, 5, 6, 1, 1, 1],
 }
 
 
