@@ -125,20 +125,27 @@ def _labelled_ring_kv(*args, **kwargs):
             yield item
 
 
-def measured_kernels(run, device) -> tuple[list[tuple[str, int, float]], float, dict[tuple[int, str], float]]:
+def measured_kernels(
+    run, device, calls: int = 1
+) -> tuple[list[tuple[str, int, float]], float, dict[tuple[int, str], float]]:
     """run()'s kernels by device time under torch.profiler (on the CPU: its operators by CPU
-    time), after one call outside the profile; the part of their total that its replayed
-    transfers took (TRANSFER); and {(step, phase): the rest of the part inside that ring step's
-    forward or backward} (common.profiled_kernels)."""
+    time), after one call outside the profile, per call over `calls` calls profiled in a row
+    (one call's figures move with the GPU's clock: at 512K one rank's single call came out
+    12-16% slow in every kernel); the part of their total that its replayed transfers took
+    (TRANSFER); and {(step, phase): the rest of the part inside that ring step's forward or
+    backward} (common.profiled_kernels)."""
     run()
     with mock.patch.object(ring_module, "_ring_kv", _labelled_ring_kv):
-        kernels, split = profiled_kernels(run, device, blocks=lambda name: name == TRANSFER or name.startswith(STEP))
+        kernels, split = profiled_kernels(
+            run, device, calls, blocks=lambda name: name == TRANSFER or name.startswith(STEP)
+        )
+    kernels = [(name, n // calls, ms / calls) for name, n, ms in kernels]
     steps = {}
     for name, ms in split.items():
         if name.startswith(STEP):
             step, phase = name[len(STEP) :].split()
-            steps[int(step), phase] = ms
-    return kernels, split.get(TRANSFER, 0.0), steps
+            steps[int(step), phase] = ms / calls
+    return kernels, split.get(TRANSFER, 0.0) / calls, steps
 
 
 def print_kernel_times(kernels, label: str, per: int = 1, transfer_ms: float = 0.0) -> None:
@@ -153,7 +160,7 @@ def print_kernel_times(kernels, label: str, per: int = 1, transfer_ms: float = 0
     )
 
 
-def print_kernels(q, k, v, do, cu, layout, world, window, chunks, label):
+def print_kernels(q, k, v, do, cu, layout, world, window, chunks, label, calls=1):
     """Each rank's replayed forward+backward: its kernels (print_kernel_times); returns each
     rank's kernels' summed device time, its replayed transfers' part of it, and {phase: its
     device time inside each ring step's forward or backward less the transfers, a list over
@@ -161,7 +168,7 @@ def print_kernels(q, k, v, do, cu, layout, world, window, chunks, label):
     totals, transfers, by_step = [], [], []
     for r in range(world):
         run = replay_rank(q, k, v, do, cu, layout, r, world, window, True, chunks)
-        kernels, transfer_ms, steps = measured_kernels(run, q.device)
+        kernels, transfer_ms, steps = measured_kernels(run, q.device, calls)
         print_kernel_times(kernels, f"[{label}] rank {r}", transfer_ms=transfer_ms)
         totals.append(sum(ms for _, _, ms in kernels))
         transfers.append(transfer_ms)
@@ -198,7 +205,7 @@ def measure_total(args, device, dtype, total, documents_forward, documents_backw
     single_ms = timed(single, device, args.repeats, args.calls)
     single_device_ms = None
     if args.kernels:  # the one-GPU call's kernels over P, beside each rank's below
-        single_kernels = measured_kernels(single, device)[0]
+        single_kernels = measured_kernels(single, device, args.kernel_calls)[0]
         single_device_ms = sum(ms for _, _, ms in single_kernels)
         for world in args.worlds:
             print_kernel_times(single_kernels, f"[{label}] one GPU / {world}", per=world)
@@ -234,7 +241,9 @@ def measure_total(args, device, dtype, total, documents_forward, documents_backw
         by_step = {}  # "both" and each phase: [rank][step] ms
         step_uneven_device = {}  # ...and each step's busiest rank over its mean rank
         if args.kernels:
-            rank_device, transfers, phased = print_kernels(q, k, v, do, cu, layout, world, window, chunks, label)
+            rank_device, transfers, phased = print_kernels(
+                q, k, v, do, cu, layout, world, window, chunks, label, args.kernel_calls
+            )
             rank_compute = [t - x for t, x in zip(rank_device, transfers)]
             by_step["both"] = [[f + b for f, b in zip(r["forward"], r["backward"])] for r in phased]
             by_step.update({phase: [r[phase] for r in phased] for phase in PHASES})
@@ -369,10 +378,15 @@ def main():
         "per row), or the Triton kernel",
     )
     ap.add_argument("--kernels", action="store_true", help="print each rank's kernels by device time (CUDA)")
+    ap.add_argument(
+        "--kernel-calls", type=int, default=1, help="--kernels: calls profiled in a row per rank, figures per call"
+    )
     ap.add_argument("--no-inline", action="store_true", help="skip the inline-copies timing")
     ap.add_argument("--json", type=Path)
     ap.add_argument("--smoke", action="store_true", help="tiny CPU sizes")
     args = ap.parse_args()
+    if args.kernel_calls < 1:
+        ap.error(f"--kernel-calls must be at least 1, got {args.kernel_calls}")
     device, dtype = bench_device(args.smoke)
     if args.smoke:
         args.totals, args.worlds, args.heads, args.kv_heads, args.head_dim, args.repeats = [512], [2], 2, 1, 16, 1
