@@ -141,16 +141,35 @@ def test_narrow_windows_leave_ring_steps_without_work():
 
 
 def test_no_process_group_is_local_attention():
-    q, k, v, _ = full_inputs(2, 24, 24, 4, 2, 16, torch.float32, 0)
+    """A ring of one rank runs as the local call (ring._whole_block): output and gradients
+    bitwise flash_attn_func's."""
+    q, k, v, do = full_inputs(2, 24, 24, 4, 2, 16, torch.float32, 0)
     assert not dist.is_initialized()
-    for causal in (False, True):
-        a = ring_flash_attn_func(q, k, v, causal=causal)
-        b = flash_attn_func(q, k, v, causal=causal)
-        assert max_err(a, b) < 1e-6
-    for causal, window_size in ((True, (5, 0)), (False, (3, 6))):
-        a = ring_flash_attn_func(q, k, v, causal=causal, window_size=window_size)
-        assert max_err(a, flash_attn_func(q, k, v, causal=causal, window_size=window_size)) < 1e-6
-        assert max_err(a, flash_attn_func(q, k, v, causal=causal)) > 1e-2  # the window changed the result
+
+    def with_grads(fn, **kw):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = fn(*leaves, **kw)
+        return [out.detach(), *torch.autograd.grad(out, leaves, do)]
+
+    from ringflash import reference
+
+    calls = []  # the backward's calls: one with dQ, dK and dV together, as the local call makes
+    backward = reference.backward
+
+    def counted(q, k, v, m, l, do, delta, dq, dk, dv, **kw):
+        calls.append((dq is not None, dk is not None))
+        return backward(q, k, v, m, l, do, delta, dq, dk, dv, **kw)
+
+    for kw in (dict(causal=False), dict(causal=True), dict(causal=True, window_size=(5, 0))):
+        calls.clear()
+        with mock.patch.object(reference, "backward", counted):
+            ring = with_grads(ring_flash_attn_func, **kw)
+        assert calls == [(True, True)], (kw, calls)
+        for a, b in zip(ring, with_grads(flash_attn_func, **kw)):
+            assert torch.equal(a, b), kw
+    a = ring_flash_attn_func(q, k, v, causal=False, window_size=(3, 6))
+    assert torch.equal(a, flash_attn_func(q, k, v, causal=False, window_size=(3, 6)))
+    assert max_err(a, flash_attn_func(q, k, v, causal=False)) > 1e-2  # the window changed the result
     assert torch.equal(shard(q), q) and torch.equal(unshard(q), q)
     assert torch.equal(local_positions(24), torch.arange(24))
 
