@@ -108,8 +108,12 @@ class BalancedLayout:
 
     def block_len(self, rank: int) -> int:
         """Rows of `rank`'s K/V block in a ring call: the longest shard's when blocks travel
-        (they go padded to it, so that every receive buffer fits every block), else its own."""
-        return self.max_local_len if self.hops > 1 else self.local_len(rank)
+        (they go padded to it, so that every receive buffer fits every block), else its own;
+        the longest shard's under torch.compile too, whose graph cannot read the cached hops
+        (the padding rows' gradients are dropped by the pad's backward)."""
+        if torch.compiler.is_compiling() or self.hops > 1:
+            return self.max_local_len
+        return self.local_len(rank)
 
     def positions(self, rank: int, device=None) -> torch.Tensor:
         """int64 (local_len(rank),): the global positions `rank` holds, in local order."""
@@ -384,12 +388,11 @@ def _place_cut(start: int, n: int, world: int, window: Window, load, least: int,
         offset = turn % world
         if window.left is None and window.right == 0:  # causal
 
-            def largest(o):  # the largest extra with this document at offset o
-                return max(extra[q] + n * (world - 1 - (q - o) % world) for q in range(world))
+            def extra_at(o):  # each rank's extra with this document at offset o
+                return [extra[q] + n * (world - 1 - (q - o) % world) for q in range(world)]
 
-            offset = min(range(world), key=lambda o: (largest(o), (o - turn) % world))
-            for q in range(world):
-                extra[q] += n * (world - 1 - (q - offset) % world)
+            offset = min(range(world), key=lambda o: (max(extra_at(o)), (o - turn) % world))
+            extra[:] = extra_at(offset)
         return _cut(start, n, world, window, offset)
     top = min(world, n // max(window.left, window.right, 1))
     candidates = [[(start, start + n, least)]]

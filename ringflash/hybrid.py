@@ -359,11 +359,9 @@ def hybrid_varlen_attn(
     # under torch.compile a cu_seqlens tensor's values are checked inside the operator
     cu_check = cu_seqlens if torch.compiler.is_compiling() and isinstance(cu_seqlens, torch.Tensor) else None
     lens = layout.head_piece_lens(r, U)
-    # the ring position's K/V rows as the plain varlen ring pads them (layout.block_len: not
-    # padded where nothing travels; compiled: to the longest shard)
-    ring_len = layout.max_local_len if torch.compiler.is_compiling() else layout.block_len(r)
+    # the ring position's K/V rows padded as the plain varlen ring pads them
     out, lse = _call_operator(
-        q[None], k[None], v[None], None, cu_check, group, head_group, spec, p, generator, lens, lens, ring_len,
-        return_lse, agree,
+        q[None], k[None], v[None], None, cu_check, group, head_group, spec, p, generator, lens, lens,
+        layout.block_len(r), return_lse, agree,
     )  # fmt: skip
     return packed_outputs(out, lse, return_lse)

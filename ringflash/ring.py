@@ -668,10 +668,9 @@ def ring_flash_attn_varlen_func(
         agree, cu_check = [], None
     # K/V travel padded to the longest shard; the schedule never reads the padding rows. The
     # ring runs layout.hops steps (schedule.ring_steps): with every document whole, one, where
-    # nothing is exchanged, so nothing is padded (layout.block_len; compiled: always padded, as
-    # a graph cannot read the layout's cached hops, and the padding rows' gradients are dropped
-    # by the pad's backward), and the ring call is the local one
-    pad = (layout.max_local_len if compiling else layout.block_len(rank)) - q.shape[0]
+    # nothing is exchanged, so nothing is padded (layout.block_len), and the ring call is the
+    # local one
+    pad = layout.block_len(rank) - q.shape[0]
     k_p, v_p = (torch.nn.functional.pad(t, (0, 0, 0, 0, 0, pad)) for t in (k, v))
     out, lse, _, _, _ = ops.ring_fwd(
         q[None], k_p[None], v_p[None], None, cu_check, resolve_group(group).group_name if world > 1 else "",
