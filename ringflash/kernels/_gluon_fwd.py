@@ -20,7 +20,9 @@ and columns past D or Dv read as zeros, never the next batch or head). A D or Dv
 powers of two may run as two pieces instead (kernels.head_dim_pieces: 192 as BLOCK_D = 128 plus
 BLOCK_DT = 64 columns, Dv likewise as BLOCK_DV plus BLOCK_DVT, by descriptors of their own):
 QK^T one wgmma per q/k piece into the same scores, PV one per v piece into its own O
-accumulator; fewer zero columns multiplied, and less shared memory per stage. O (B, Sq, Hq, Dv) any
+accumulator; fewer zero columns multiplied, and less shared memory per stage. A key block may run
+in two pieces likewise (BLOCK_NT: 192 keys as 128 + 64, two score accumulators, two PV wgmmas;
+with head dims of one piece only). O (B, Sq, Hq, Dv) any
 dtype (float32 when HAS_STATE), M and L (B, Hq, Sq) float32, by pointers.
 
 State per query row, softmax in base 2 (qk_scale = scale * log2(e)):
@@ -206,8 +208,26 @@ def _tile(pid_m, pid_bh, num_m, Hq, group, REVERSE: gl.constexpr, BLOCK_M: gl.co
 
 
 @gluon.jit
+def _masked(
+    s, first_row, start_n, full_lo, full_hi, Sq, Sk, q_start, k_start, win_left, win_right, KLO, KHI,
+    MASK: gl.constexpr, LEFT: gl.constexpr, WIDTH: gl.constexpr,
+):  # fmt: skip
+    """s, scores of query rows first_row.. and the WIDTH keys from start_n, with the keys a row
+    does not see at -inf (tiles.row_key_bounds). Only a block outside [full_lo, full_hi) is
+    looked at, its bounds computed here, in the few masked blocks, rather than held in
+    registers through the loop."""
+    if (start_n < full_lo) | (start_n + WIDTH > full_hi):
+        rows = first_row + gl.arange(0, s.shape[0], layout=gl.SliceLayout(1, s.type.layout))
+        lo_r, hi_r = row_key_bounds(rows, Sq, Sk, q_start, k_start, win_left, win_right, KLO, KHI, MASK)
+        cols = start_n + gl.arange(0, WIDTH, layout=gl.SliceLayout(0, s.type.layout))
+        s = gl.where(in_bounds(cols[None, :], lo_r[:, None], hi_r[:, None], LEFT), s, float("-inf"))
+    return s
+
+
+@gluon.jit
 def _softmax_step(
     s,
+    s_t,
     m_i,
     l_i,
     first_row,
@@ -227,39 +247,54 @@ def _softmax_step(
     LEFT: gl.constexpr,
     POSITIVE_SCALE: gl.constexpr,
     BLOCK_N: gl.constexpr,
+    BLOCK_NT: gl.constexpr,
 ):
     """One key block of the online softmax.
 
     s: raw scores q.k (BLOCK_M, BLOCK_N) float32 in the wgmma accumulator layout, of query rows
-    first_row.. and keys start_n..; m_i, l_i: (BLOCK_M,) in its row slice. A block outside
-    [full_lo, full_hi) is masked by the rows' visible keys (tiles.row_key_bounds), computed
-    here, in the few masked blocks, rather than held in registers through the loop. Returns
-    (p, m_new, l_new, alpha) with p float32 and alpha the factor the accumulator must be
-    multiplied by before p @ v is added.
+    first_row.. and keys start_n..; with BLOCK_NT > 0 s_t holds the block's BLOCK_NT keys after
+    those (its key tail piece, in its own accumulator layout; else s_t is ignored); m_i, l_i:
+    (BLOCK_M,) in s's row slice. Returns (p, p_t, m_new, l_new, alpha) with p (and p_t, the
+    tail's; p again without one) float32 and alpha the factor the accumulator must be multiplied
+    by before p @ v is added.
     """
     if not POSITIVE_SCALE:
         # max(s) * scale is the scaled max only for scale > 0: scale first (and mask after)
         s = s * qk_scale
-    if (start_n < full_lo) | (start_n + BLOCK_N > full_hi):
-        rows = first_row + gl.arange(0, s.shape[0], layout=gl.SliceLayout(1, s.type.layout))
-        lo_r, hi_r = row_key_bounds(rows, Sq, Sk, q_start, k_start, win_left, win_right, KLO, KHI, MASK)
-        cols = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s.type.layout))
-        s = gl.where(in_bounds(cols[None, :], lo_r[:, None], hi_r[:, None], LEFT), s, float("-inf"))
+        if BLOCK_NT > 0:
+            s_t = s_t * qk_scale
+    s = _masked(s, first_row, start_n, full_lo, full_hi, Sq, Sk, q_start, k_start, win_left, win_right, KLO, KHI,
+                MASK, LEFT, BLOCK_N)  # fmt: skip
+    block_max = _row_max(s)
+    if BLOCK_NT > 0:
+        s_t = _masked(s_t, first_row, start_n + BLOCK_N, full_lo, full_hi, Sq, Sk, q_start, k_start, win_left,
+                      win_right, KLO, KHI, MASK, LEFT, BLOCK_NT)  # fmt: skip
+        block_max = gl.maximum(block_max, gl.convert_layout(_row_max(s_t), m_i.type.layout, assert_trivial=True))
     if POSITIVE_SCALE:
-        m_new = gl.maximum(m_i, _row_max(s) * qk_scale)
+        m_new = gl.maximum(m_i, block_max * qk_scale)
     else:
-        m_new = gl.maximum(m_i, _row_max(s))
+        m_new = gl.maximum(m_i, block_max)
     # a row that has seen no key keeps m = -inf; pivot on 0 so exp2 gives 0, not NaN
     m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+    p = _probabilities(s, m_use, qk_scale, POSITIVE_SCALE)
+    alpha = gl.exp2(m_i - m_use)
+    l_new = l_i * alpha + _row_sum(p)
+    p_t = p
+    if BLOCK_NT > 0:
+        m_use_t = gl.convert_layout(m_use, gl.SliceLayout(1, s_t.type.layout), assert_trivial=True)
+        p_t = _probabilities(s_t, m_use_t, qk_scale, POSITIVE_SCALE)
+        l_new = l_new + gl.convert_layout(_row_sum(p_t), m_i.type.layout, assert_trivial=True)
+    return p, p_t, m_new, l_new, alpha
+
+
+@gluon.jit
+def _probabilities(s, m_use, qk_scale, POSITIVE_SCALE: gl.constexpr):
     if POSITIVE_SCALE:
         # an explicit FMA, as the Triton kernels' (tiles.exp2_shifted): the backward rebuilds
         # these probabilities with the same arithmetic, to the last bit
-        p = gl.exp2(gl.fma(s, qk_scale, -m_use[:, None]))
+        return gl.exp2(gl.fma(s, qk_scale, -m_use[:, None]))
     else:
-        p = gl.exp2(s - m_use[:, None])
-    alpha = gl.exp2(m_i - m_use)
-    l_new = l_i * alpha + _row_sum(p)
-    return p, m_new, l_new, alpha
+        return gl.exp2(s - m_use[:, None])
 
 
 @gluon.jit
@@ -389,20 +424,22 @@ def _store_o(
 
 @gluon.jit
 def _load_kv(
-    desc, bufs, bars, i, b, hk, lo, STAGES: gl.constexpr, BLOCK_N: gl.constexpr, tail_desc=None, tail_bufs=None,
-    TAIL_COL: gl.constexpr = 0,
+    desc, bufs, bars, i, b, hk, lo, STAGES: gl.constexpr, KEYS: gl.constexpr, tail_desc=None, tail_bufs=None,
+    TAIL_ROW: gl.constexpr = 0, TAIL_COL: gl.constexpr = 0,
 ):  # fmt: skip
-    """TMA of key block i (rows lo + i * BLOCK_N ..) into stage i % STAGES of a ring; with
-    TAIL_COL > 0 also the head dim's tail piece (columns TAIL_COL ..) into tail_bufs, on the
-    same barrier."""
+    """TMA of key block i (rows lo + i * KEYS ..) into stage i % STAGES of a ring; with
+    TAIL_COL > 0 also the head dim's tail piece (columns TAIL_COL ..), or with TAIL_ROW > 0 the
+    block's key tail piece (its rows from TAIL_ROW on), into tail_bufs, on the same barrier."""
     st = i % STAGES
     bar = bars.index(st)
-    if TAIL_COL > 0:
+    if TAIL_ROW + TAIL_COL > 0:
         mbarrier.expect(bar, desc.block_type.nbytes + tail_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(tail_desc, [b, lo + i * BLOCK_N, hk, TAIL_COL], bar, tail_bufs.index(st))
+        tma.async_copy_global_to_shared(
+            tail_desc, [b, lo + i * KEYS + TAIL_ROW, hk, TAIL_COL], bar, tail_bufs.index(st)
+        )
     else:
         mbarrier.expect(bar, desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(desc, [b, lo + i * BLOCK_N, hk, 0], bar, bufs.index(st))
+    tma.async_copy_global_to_shared(desc, [b, lo + i * KEYS, hk, 0], bar, bufs.index(st))
 
 
 @gluon.jit
@@ -433,20 +470,28 @@ def _kv_tile(bufs, i, STAGES: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.c
 
 @gluon.jit
 def _scores(
-    q2, k_bufs, q2_tail, kt_bufs, j, s_zero, STAGES: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr,
-    BLOCK_DT: gl.constexpr,
+    q2, k_bufs, q2_tail, kt_bufs, j, s_zero, st_zero, STAGES: gl.constexpr, BLOCK_N: gl.constexpr,
+    BLOCK_D: gl.constexpr, BLOCK_DT: gl.constexpr, BLOCK_NT: gl.constexpr,
 ):  # fmt: skip
     """QK^T of key block j, issued (async, one wgmma group per piece): over the head dim's
-    BLOCK_D-wide main piece and, when BLOCK_DT > 0, its tail piece added into the same scores.
-    A D=192 runs as 128 + 64 columns instead of padded to 256."""
+    BLOCK_D-wide main piece and, when BLOCK_DT > 0, its tail piece added into the same scores
+    (a D=192 runs as 128 + 64 columns instead of padded to 256); with BLOCK_NT > 0 the block's
+    key tail (kt_bufs: its BLOCK_NT keys after the BLOCK_N) into scores of its own. Returns the
+    tokens (s, s_t); s_t is s without a key tail."""
     s_tok = warpgroup_mma(
         q2, _kv_tile(k_bufs, j, STAGES, BLOCK_N, BLOCK_D).permute((1, 0)), s_zero, use_acc=False, is_async=True
     )
+    st_tok = s_tok
     if BLOCK_DT > 0:
         s_tok = warpgroup_mma(
             q2_tail, _kv_tile(kt_bufs, j, STAGES, BLOCK_N, BLOCK_DT).permute((1, 0)), s_tok, is_async=True
         )
-    return s_tok
+    if BLOCK_NT > 0:
+        st_tok = warpgroup_mma(
+            q2, _kv_tile(kt_bufs, j, STAGES, BLOCK_NT, BLOCK_D).permute((1, 0)), st_zero, use_acc=False,
+            is_async=True,
+        )  # fmt: skip
+    return s_tok, st_tok
 
 
 @gluon.jit
@@ -505,11 +550,13 @@ def _overlap_loop(
     POSITIVE_SCALE: gl.constexpr,
     BLOCK_M: gl.constexpr,
     BLOCK_N: gl.constexpr,
+    BLOCK_NT: gl.constexpr,
     BLOCK_D: gl.constexpr,
     BLOCK_DT: gl.constexpr,
     BLOCK_DV: gl.constexpr,
     BLOCK_DVT: gl.constexpr,
     s_layout: gl.constexpr,
+    st_layout: gl.constexpr,
     o_layout: gl.constexpr,
     ot_layout: gl.constexpr,
     P_EARLY: gl.constexpr,
@@ -522,64 +569,102 @@ def _overlap_loop(
     after them, vt_bufs their V ring; else acc_t is None in and acc out). P_EARLY: each block's
     probabilities become the 16-bit PV operand as soon as the previous PV has landed, so that
     half as many registers (P in 16 bits, not float32) stay live across the loop's back edge
-    beside the next block's scores. Returns (acc, acc_t, m_i, l_i)."""
+    beside the next block's scores. With BLOCK_NT > 0 each key block is BLOCK_N + BLOCK_NT keys
+    in two pieces (k_bufs / v_bufs the first BLOCK_N, kt_bufs / vt_bufs the BLOCK_NT after
+    them; st_layout the tail's scores), scored into two accumulators and added into acc by two
+    PV wgmmas: a block wider than a power of two. Returns (acc, acc_t, m_i, l_i)."""
     dtype: gl.constexpr = q2.dtype
+    KEYS: gl.constexpr = BLOCK_N + BLOCK_NT  # a key block's rows, both pieces
+    # a key block's PV is two wgmma groups when v or the keys run in two pieces
+    PV_GROUPS: gl.constexpr = 2 if BLOCK_DVT + BLOCK_NT > 0 else 1
     s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
+    st_zero = s_zero
+    if BLOCK_NT > 0:
+        st_zero = gl.zeros([BLOCK_M, BLOCK_NT], gl.float32, st_layout)
 
     # block 0: scores only
     _wait_stage(k_ready, it, STAGES)
-    s_tok = _scores(q2, k_bufs, q2_tail, kt_bufs, it, s_zero, STAGES, BLOCK_N, BLOCK_D, BLOCK_DT)
-    s = warpgroup_mma_wait(0, deps=(s_tok,))
+    s_tok, st_tok = _scores(q2, k_bufs, q2_tail, kt_bufs, it, s_zero, st_zero, STAGES, BLOCK_N, BLOCK_D, BLOCK_DT,
+                            BLOCK_NT)  # fmt: skip
+    s, s_t = _landed_scores(s_tok, st_tok, 0, BLOCK_NT)
     mbarrier.arrive(k_empty.index(it % STAGES))
-    p, m_i, l_i, alpha = _softmax_step(
-        s, m_i, l_i, first_row, lo, full_lo, full_hi, qk_scale, Sq, Sk, q_start, k_start, win_left, win_right, KLO,
-        KHI, MASK, LEFT, POSITIVE_SCALE, BLOCK_N,
+    p, p_t, m_i, l_i, alpha = _softmax_step(
+        s, s_t, m_i, l_i, first_row, lo, full_lo, full_hi, qk_scale, Sq, Sk, q_start, k_start, win_left, win_right,
+        KLO, KHI, MASK, LEFT, POSITIVE_SCALE, BLOCK_N, BLOCK_NT,
     )  # fmt: skip
     acc = acc * _rows(alpha, o_layout)[:, None]
     if BLOCK_DVT > 0:
         acc_t = acc_t * _rows(alpha, ot_layout)[:, None]
     if P_EARLY:
         p = _p_operand(p, dtype, o_layout)
+        if BLOCK_NT > 0:
+            p_t = _p_operand(p_t, dtype, o_layout)
     for j in range(1, n):
         _wait_stage(k_ready, it + j, STAGES)
-        s_tok = _scores(q2, k_bufs, q2_tail, kt_bufs, it + j, s_zero, STAGES, BLOCK_N, BLOCK_D, BLOCK_DT)
+        s_tok, st_tok = _scores(q2, k_bufs, q2_tail, kt_bufs, it + j, s_zero, st_zero, STAGES, BLOCK_N, BLOCK_D,
+                                BLOCK_DT, BLOCK_NT)  # fmt: skip
         prev = it + j - 1  # the block whose PV is issued now
         _wait_stage(v_ready, prev, STAGES)
         p_op = _pv_operand(p, dtype, o_layout, P_EARLY)
+        pt_op = p_op
         acc_tok = warpgroup_mma(p_op, _kv_tile(v_bufs, prev, STAGES, BLOCK_N, BLOCK_DV), acc, is_async=True)
-        # groups complete in order: with PV(j-1)'s one or two groups left in flight, QK^T(j)
-        # is done (both pieces' groups), PV(j-1) may not be
+        acc_t_tok = acc_tok
         if BLOCK_DVT > 0:
             acc_t_tok = warpgroup_mma(p_op, _kv_tile(vt_bufs, prev, STAGES, BLOCK_N, BLOCK_DVT), acc_t, is_async=True)
-            s = warpgroup_mma_wait(2, deps=(s_tok,))
-        else:
-            s = warpgroup_mma_wait(1, deps=(s_tok,))
+        if BLOCK_NT > 0:
+            pt_op = _pv_operand(p_t, dtype, o_layout, P_EARLY)
+            acc_tok = warpgroup_mma(pt_op, _kv_tile(vt_bufs, prev, STAGES, BLOCK_NT, BLOCK_DV), acc_tok, is_async=True)
+        # groups complete in order: with PV(j-1)'s one or two groups left in flight, QK^T(j)
+        # is done (every piece's group), PV(j-1) may not be
+        s, s_t = _landed_scores(s_tok, st_tok, PV_GROUPS, BLOCK_NT)
         mbarrier.arrive(k_empty.index((it + j) % STAGES))
-        p, m_i, l_i, alpha = _softmax_step(
-            s, m_i, l_i, first_row, lo + j * BLOCK_N, full_lo, full_hi, qk_scale, Sq, Sk, q_start, k_start,
-            win_left, win_right, KLO, KHI, MASK, LEFT, POSITIVE_SCALE, BLOCK_N,
+        p, p_t, m_i, l_i, alpha = _softmax_step(
+            s, s_t, m_i, l_i, first_row, lo + j * KEYS, full_lo, full_hi, qk_scale, Sq, Sk, q_start, k_start,
+            win_left, win_right, KLO, KHI, MASK, LEFT, POSITIVE_SCALE, BLOCK_N, BLOCK_NT,
         )  # fmt: skip
         if BLOCK_DVT > 0:
             acc, acc_t, p_op = warpgroup_mma_wait(0, deps=(acc_tok, acc_t_tok, p_op))
+        elif BLOCK_NT > 0:
+            acc, p_op, pt_op = warpgroup_mma_wait(0, deps=(acc_tok, p_op, pt_op))
         else:
             acc, p_op = warpgroup_mma_wait(0, deps=(acc_tok, p_op))
         if P_EARLY:  # (only now: the landed PV read the previous operand's registers)
             p = _p_operand(p, dtype, o_layout)
+            if BLOCK_NT > 0:
+                p_t = _p_operand(p_t, dtype, o_layout)
         mbarrier.arrive(v_empty.index(prev % STAGES))
         # rescale only once PV(j-1) has landed in acc
         acc = acc * _rows(alpha, o_layout)[:, None]
         if BLOCK_DVT > 0:
             acc_t = acc_t * _rows(alpha, ot_layout)[:, None]
-    _wait_stage(v_ready, it + n - 1, STAGES)
+    last = it + n - 1
+    _wait_stage(v_ready, last, STAGES)
     p_op = _pv_operand(p, dtype, o_layout, P_EARLY)
-    acc = warpgroup_mma(p_op, _kv_tile(v_bufs, it + n - 1, STAGES, BLOCK_N, BLOCK_DV), acc)
+    if BLOCK_NT > 0:
+        acc = warpgroup_mma(p_op, _kv_tile(v_bufs, last, STAGES, BLOCK_N, BLOCK_DV), acc, is_async=True)
+        pt_op = _pv_operand(p_t, dtype, o_layout, P_EARLY)
+        acc = warpgroup_mma(pt_op, _kv_tile(vt_bufs, last, STAGES, BLOCK_NT, BLOCK_DV), acc)
+    else:
+        acc = warpgroup_mma(p_op, _kv_tile(v_bufs, last, STAGES, BLOCK_N, BLOCK_DV), acc)
     if BLOCK_DVT > 0:
-        acc_t = warpgroup_mma(p_op, _kv_tile(vt_bufs, it + n - 1, STAGES, BLOCK_N, BLOCK_DVT), acc_t)
+        acc_t = warpgroup_mma(p_op, _kv_tile(vt_bufs, last, STAGES, BLOCK_N, BLOCK_DVT), acc_t)
     else:  # a jit function returns tensors only: acc stands in
         acc_t = acc
     # the last V stage too: a persistent program's next tile loads into it
-    mbarrier.arrive(v_empty.index((it + n - 1) % STAGES))
+    mbarrier.arrive(v_empty.index(last % STAGES))
     return acc, acc_t, m_i, l_i
+
+
+@gluon.jit
+def _landed_scores(s_tok, st_tok, IN_FLIGHT: gl.constexpr, BLOCK_NT: gl.constexpr):
+    """(s, s_t): the block's scores once its QK^T groups have landed, with IN_FLIGHT later
+    groups still running; s_t is s without a key tail (BLOCK_NT == 0)."""
+    if BLOCK_NT > 0:
+        s, s_t = warpgroup_mma_wait(IN_FLIGHT, deps=(s_tok, st_tok))
+    else:
+        s = warpgroup_mma_wait(IN_FLIGHT, deps=(s_tok,))
+        s_t = s
+    return s, s_t
 
 
 # ----------------------------------------------------------------------------------------------
@@ -590,14 +675,18 @@ def _overlap_loop(
 def _produce_tile(
     q_desc, k_desc, v_desc, qt_desc, kt_desc, vt_desc, q_bufs, k_bufs, v_bufs, qt_bufs, kt_bufs, vt_bufs, q_bar,
     k_ready, v_ready, k_empty, v_empty, q_empty, b, h, hk, off_m, lo, n, it, uses, BLOCK_M: gl.constexpr,
-    BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, BLOCK_DT: gl.constexpr, BLOCK_DV: gl.constexpr,
-    BLOCK_DVT: gl.constexpr, STAGES: gl.constexpr, PERSISTENT: gl.constexpr, CONSUMERS: gl.constexpr,
+    BLOCK_N: gl.constexpr, BLOCK_NT: gl.constexpr, BLOCK_D: gl.constexpr, BLOCK_DT: gl.constexpr,
+    BLOCK_DV: gl.constexpr, BLOCK_DVT: gl.constexpr, STAGES: gl.constexpr, PERSISTENT: gl.constexpr,
+    CONSUMERS: gl.constexpr,
 ):  # fmt: skip
     """One query tile's loads: its Q (the program's `uses`-th, when n > 0) and its n K/V blocks
     into the rings after the `it` this program loaded before."""
     # the column offsets of q/k's and v's tail pieces (0: no tail)
     TAIL_COL: gl.constexpr = BLOCK_D if BLOCK_DT > 0 else 0
     TAIL_COL_V: gl.constexpr = BLOCK_DV if BLOCK_DVT > 0 else 0
+    # the key tail's first row in its block (0: none); K's and V's alike
+    TAIL_ROW: gl.constexpr = BLOCK_N if BLOCK_NT > 0 else 0
+    KEYS: gl.constexpr = BLOCK_N + BLOCK_NT
     if n > 0:  # one Q buffer per consumer warpgroup (and one per tail piece), all on one barrier
         if PERSISTENT:  # every consumer warpgroup done with the previous tile's Q
             mbarrier.wait(q_empty.index(0), (uses & 1) ^ 1)
@@ -615,9 +704,11 @@ def _produce_tile(
         # a fresh barrier counts as having completed the phase before 0, so the first
         # STAGES waits (parity 1) pass at once
         mbarrier.wait(k_empty.index(i % STAGES), ((i // STAGES) & 1) ^ 1)
-        _load_kv(k_desc, k_bufs, k_ready, i, b, hk, lo - it * BLOCK_N, STAGES, BLOCK_N, kt_desc, kt_bufs, TAIL_COL)
+        _load_kv(k_desc, k_bufs, k_ready, i, b, hk, lo - it * KEYS, STAGES, KEYS, kt_desc, kt_bufs, TAIL_ROW,
+                 TAIL_COL)  # fmt: skip
         mbarrier.wait(v_empty.index(i % STAGES), ((i // STAGES) & 1) ^ 1)
-        _load_kv(v_desc, v_bufs, v_ready, i, b, hk, lo - it * BLOCK_N, STAGES, BLOCK_N, vt_desc, vt_bufs, TAIL_COL_V)
+        _load_kv(v_desc, v_bufs, v_ready, i, b, hk, lo - it * KEYS, STAGES, KEYS, vt_desc, vt_bufs, TAIL_ROW,
+                 TAIL_COL_V)  # fmt: skip
 
 
 @gluon.jit
@@ -625,8 +716,9 @@ def _ws_producer(
     q_desc, k_desc, v_desc, qt_desc, kt_desc, vt_desc, q_bufs, k_bufs, v_bufs, qt_bufs, kt_bufs, vt_bufs, q_bar,
     k_ready, v_ready, k_empty, v_empty, q_empty, b, h, hk, off_m, lo, n, num_tiles, Hq, group, Sq, Sk, q_start,
     k_start, win_left, win_right, KLO, KHI, MASK: gl.constexpr, LEFT: gl.constexpr, BLOCK_M: gl.constexpr,
-    BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, BLOCK_DT: gl.constexpr, BLOCK_DV: gl.constexpr,
-    BLOCK_DVT: gl.constexpr, STAGES: gl.constexpr, PERSISTENT: gl.constexpr, CONSUMERS: gl.constexpr,
+    BLOCK_N: gl.constexpr, BLOCK_NT: gl.constexpr, BLOCK_D: gl.constexpr, BLOCK_DT: gl.constexpr,
+    BLOCK_DV: gl.constexpr, BLOCK_DVT: gl.constexpr, STAGES: gl.constexpr, PERSISTENT: gl.constexpr,
+    CONSUMERS: gl.constexpr,
 ):  # fmt: skip
     """The TMA producer warp: this program's tile (b, h, hk, off_m, lo, n), or with PERSISTENT
     every num_programs-th of the num_tiles tiles from program_id on, each planned here as
@@ -638,12 +730,12 @@ def _ws_producer(
         for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
             b, h, hk, off_m, lo, n, _, _, _, _ = _tile_plan(
                 t, num_m, Hq, group, Sq, Sk, q_start, k_start, win_left, win_right, KLO, KHI, MASK, LEFT, BLOCK_M,
-                BLOCK_N, 1,
+                BLOCK_N + BLOCK_NT, 1,
             )  # fmt: skip
             _produce_tile(
                 q_desc, k_desc, v_desc, qt_desc, kt_desc, vt_desc, q_bufs, k_bufs, v_bufs, qt_bufs, kt_bufs, vt_bufs,
                 q_bar, k_ready, v_ready, k_empty, v_empty, q_empty, b, h, hk, off_m, lo, n, it, uses, BLOCK_M,
-                BLOCK_N, BLOCK_D, BLOCK_DT, BLOCK_DV, BLOCK_DVT, STAGES, PERSISTENT, CONSUMERS,
+                BLOCK_N, BLOCK_NT, BLOCK_D, BLOCK_DT, BLOCK_DV, BLOCK_DVT, STAGES, PERSISTENT, CONSUMERS,
             )  # fmt: skip
             it += n
             uses += gl.minimum(n, 1)
@@ -651,7 +743,7 @@ def _ws_producer(
         _produce_tile(
             q_desc, k_desc, v_desc, qt_desc, kt_desc, vt_desc, q_bufs, k_bufs, v_bufs, qt_bufs, kt_bufs, vt_bufs,
             q_bar, k_ready, v_ready, k_empty, v_empty, q_empty, b, h, hk, off_m, lo, n, 0, 0, BLOCK_M, BLOCK_N,
-            BLOCK_D, BLOCK_DT, BLOCK_DV, BLOCK_DVT, STAGES, PERSISTENT, CONSUMERS,
+            BLOCK_NT, BLOCK_D, BLOCK_DT, BLOCK_DV, BLOCK_DVT, STAGES, PERSISTENT, CONSUMERS,
         )  # fmt: skip
 
 
@@ -668,17 +760,18 @@ def _consume_tile(
     stride_lh, stride_ls, b, h, off_m, lo, n, it, uses, full_lo, full_hi, Sq, Sk, q_start, k_start, win_left,
     win_right, qk_scale, HEAD_DIM: gl.constexpr, BLOCK_D: gl.constexpr, BLOCK_DT: gl.constexpr,
     HEAD_DIM_V: gl.constexpr, BLOCK_DV: gl.constexpr, BLOCK_DVT: gl.constexpr, BLOCK_M: gl.constexpr,
-    BLOCK_N: gl.constexpr, STAGES: gl.constexpr, MASK: gl.constexpr, LEFT: gl.constexpr, NORMALIZE: gl.constexpr,
-    HAS_STATE: gl.constexpr, POSITIVE_SCALE: gl.constexpr, PERSISTENT: gl.constexpr, CONSUMERS: gl.constexpr,
-    P_EARLY: gl.constexpr,
+    BLOCK_N: gl.constexpr, BLOCK_NT: gl.constexpr, STAGES: gl.constexpr, MASK: gl.constexpr, LEFT: gl.constexpr,
+    NORMALIZE: gl.constexpr, HAS_STATE: gl.constexpr, POSITIVE_SCALE: gl.constexpr, PERSISTENT: gl.constexpr,
+    CONSUMERS: gl.constexpr, P_EARLY: gl.constexpr,
 ):  # fmt: skip
     """Warpgroup WG's rows of one query tile: its key loop over the tile's n blocks (after the
     `it` this program took before; its Q the program's `uses`-th), then its output."""
     ROWS: gl.constexpr = BLOCK_M // CONSUMERS
     s_layout: gl.constexpr = _mma_layout(4, BLOCK_N)
+    st_layout: gl.constexpr = _mma_layout(4, BLOCK_NT if BLOCK_NT > 0 else BLOCK_N)  # (unused without a key tail)
     o_layout: gl.constexpr = _mma_layout(4, BLOCK_DV)
     ot_layout: gl.constexpr = _mma_layout(4, BLOCK_DVT if BLOCK_DVT > 0 else BLOCK_DV)  # (unused without a tail)
-    # the key blocks [lo, lo + n * BLOCK_N) are the whole tile's, as the producer's: both
+    # the key blocks [lo, lo + n * (BLOCK_N + BLOCK_NT)) are the whole tile's, as the producer's: both
     # warpgroups consume every block; the mask is this warpgroup's rows'
     my_m = off_m + WG * ROWS
     acc, m_i, l_i = _empty_state(ROWS, BLOCK_DV, s_layout, o_layout)
@@ -693,8 +786,8 @@ def _consume_tile(
         acc, acc_loop_t, m_i, l_i = _overlap_loop(
             q_bufs.index(WG).reshape([ROWS, BLOCK_D]), k_bufs, q_tail, kt_bufs, v_bufs, k_ready, v_ready, k_empty,
             v_empty, vt_bufs, acc, acc_t, m_i, l_i, my_m, lo, n, it, full_lo, full_hi, qk_scale, Sq, Sk, q_start,
-            k_start, win_left, win_right, KLO, KHI, STAGES, MASK, LEFT, POSITIVE_SCALE, ROWS, BLOCK_N,
-            BLOCK_D, BLOCK_DT, BLOCK_DV, BLOCK_DVT, s_layout, o_layout, ot_layout, P_EARLY,
+            k_start, win_left, win_right, KLO, KHI, STAGES, MASK, LEFT, POSITIVE_SCALE, ROWS, BLOCK_N, BLOCK_NT,
+            BLOCK_D, BLOCK_DT, BLOCK_DV, BLOCK_DVT, s_layout, st_layout, o_layout, ot_layout, P_EARLY,
         )  # fmt: skip
         if PERSISTENT:  # this warpgroup is done with Q: the producer may load the next tile's
             mbarrier.arrive(q_empty.index(0))
@@ -731,9 +824,9 @@ def _ws2_consumer(
     stride_lh, stride_ls, b, h, off_m, lo, n, full_lo0, full_hi0, full_lo1, full_hi1, num_tiles, Hq, group, Sq, Sk,
     q_start, k_start, win_left, win_right, qk_scale, HEAD_DIM: gl.constexpr, BLOCK_D: gl.constexpr,
     BLOCK_DT: gl.constexpr, HEAD_DIM_V: gl.constexpr, BLOCK_DV: gl.constexpr, BLOCK_DVT: gl.constexpr,
-    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, MASK: gl.constexpr, LEFT: gl.constexpr,
-    NORMALIZE: gl.constexpr, HAS_STATE: gl.constexpr, POSITIVE_SCALE: gl.constexpr, PERSISTENT: gl.constexpr,
-    CONSUMERS: gl.constexpr, P_EARLY: gl.constexpr,
+    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_NT: gl.constexpr, STAGES: gl.constexpr,
+    MASK: gl.constexpr, LEFT: gl.constexpr, NORMALIZE: gl.constexpr, HAS_STATE: gl.constexpr,
+    POSITIVE_SCALE: gl.constexpr, PERSISTENT: gl.constexpr, CONSUMERS: gl.constexpr, P_EARLY: gl.constexpr,
 ):  # fmt: skip
     """Consumer warpgroup WG: this program's tile, or with PERSISTENT the producer's sequence of
     tiles, each planned here as the producer plans it (_tile_plan)."""
@@ -745,7 +838,7 @@ def _ws2_consumer(
         for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
             b, h, _, off_m, lo, n, full_lo0, full_hi0, full_lo1, full_hi1 = _tile_plan(
                 t, num_m, Hq, group, Sq, Sk, q_start, k_start, win_left, win_right, KLO, KHI, MASK, LEFT, BLOCK_M,
-                BLOCK_N, 4,
+                BLOCK_N + BLOCK_NT, 4,
             )  # fmt: skip
             full_lo, full_hi = _wg_key_core(WG, off_m, full_lo0, full_hi0, full_lo1, full_hi1, Sq, Sk, q_start,
                                             k_start, win_left, win_right, KLO, KHI, MASK, ROWS, CONSUMERS)  # fmt: skip
@@ -754,8 +847,8 @@ def _ws2_consumer(
                 q_empty, O, M, L, KLO, KHI, stride_ob, stride_os, stride_oh, stride_mb, stride_mh, stride_ms,
                 stride_lb, stride_lh, stride_ls, b, h, off_m, lo, n, it, uses, full_lo, full_hi, Sq, Sk, q_start,
                 k_start, win_left, win_right, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_DT, HEAD_DIM_V, BLOCK_DV, BLOCK_DVT,
-                BLOCK_M, BLOCK_N, STAGES, MASK, LEFT, NORMALIZE, HAS_STATE, POSITIVE_SCALE, PERSISTENT, CONSUMERS,
-                P_EARLY,
+                BLOCK_M, BLOCK_N, BLOCK_NT, STAGES, MASK, LEFT, NORMALIZE, HAS_STATE, POSITIVE_SCALE, PERSISTENT,
+                CONSUMERS, P_EARLY,
             )  # fmt: skip
             it += n
             uses += gl.minimum(n, 1)
@@ -767,7 +860,7 @@ def _ws2_consumer(
             q_empty, O, M, L, KLO, KHI, stride_ob, stride_os, stride_oh, stride_mb, stride_mh, stride_ms, stride_lb,
             stride_lh, stride_ls, b, h, off_m, lo, n, 0, 0, full_lo, full_hi, Sq, Sk, q_start, k_start, win_left,
             win_right, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_DT, HEAD_DIM_V, BLOCK_DV, BLOCK_DVT, BLOCK_M, BLOCK_N,
-            STAGES, MASK, LEFT, NORMALIZE, HAS_STATE, POSITIVE_SCALE, PERSISTENT, CONSUMERS, P_EARLY,
+            BLOCK_NT, STAGES, MASK, LEFT, NORMALIZE, HAS_STATE, POSITIVE_SCALE, PERSISTENT, CONSUMERS, P_EARLY,
         )  # fmt: skip
 
 
@@ -813,6 +906,7 @@ def _fwd_ws2(
     BLOCK_DVT: gl.constexpr,
     BLOCK_M: gl.constexpr,
     BLOCK_N: gl.constexpr,
+    BLOCK_NT: gl.constexpr,
     STAGES: gl.constexpr,
     MASK: gl.constexpr,
     LEFT: gl.constexpr,
@@ -835,7 +929,10 @@ def _fwd_ws2(
     head dim runs in two pieces: BLOCK_D columns by q_desc / k_desc and the BLOCK_DT columns
     from column BLOCK_D on by qt_desc / kt_desc (blocks [.., BLOCK_DT]; None when
     BLOCK_DT = 0), e.g. 192 as 128 + 64 (tiles must be powers of two); v's likewise with
-    BLOCK_DVT and vt_desc (from column BLOCK_DV on).
+    BLOCK_DVT and vt_desc (from column BLOCK_DV on). With BLOCK_NT > 0 instead (no head-dim
+    pieces), each key block is BLOCK_N + BLOCK_NT keys in two pieces: kt_desc / vt_desc blocks
+    [1, BLOCK_NT, 1, BLOCK_D or BLOCK_DV] read each block's rows from BLOCK_N on (e.g. 192 keys
+    as 128 + 64, wider than the power of two below it and with no padded keys).
     MASK, LEFT, win_left, win_right, KLO, KHI: as the Triton forward's (tiles.MASK_*; KLO / KHI
     (Sq,) int32 global key bounds for MASK_ROWS, any pointer otherwise).
     Grid (cdiv(Sq, BLOCK_M), B * Hq), one query tile a program (MASK_WINDOW: taken in
@@ -849,6 +946,7 @@ def _fwd_ws2(
     gl.static_assert(q_desc.block_type.shape[1] * CONSUMERS == BLOCK_M)
     gl.static_assert(v_desc.block_type.shape[3] == BLOCK_DV)
     gl.static_assert(not (PERSISTENT and MASK == MASK_ROWS), "persistent programs plan windows only")
+    gl.static_assert(BLOCK_NT == 0 or BLOCK_DT + BLOCK_DVT == 0, "a key tail or head-dim tails, not both")
     dtype: gl.constexpr = q_desc.dtype
     if PERSISTENT:  # each partition plans its tiles (_tile_plan); stand-ins here
         b = 0
@@ -869,18 +967,22 @@ def _fwd_ws2(
             pid_bh = gl.program_id(1)
         b, h, hk, off_m = _tile(pid_m, pid_bh, gl.num_programs(0), Hq, group, MASK != MASK_NONE, BLOCK_M)
         lo, n, full_lo0, full_hi0, full_lo1, full_hi1 = _tile_key_range(
-            off_m, Sq, Sk, q_start, k_start, win_left, win_right, KLO, KHI, MASK, LEFT, BLOCK_M, BLOCK_N, num_warps
-        )
+            off_m, Sq, Sk, q_start, k_start, win_left, win_right, KLO, KHI, MASK, LEFT, BLOCK_M, BLOCK_N + BLOCK_NT,
+            num_warps,
+        )  # fmt: skip
     q_bufs = gl.allocate_shared_memory(dtype, [CONSUMERS] + q_desc.block_type.shape, q_desc.layout)
     k_bufs = _alloc_ring(k_desc, STAGES)
     v_bufs = _alloc_ring(v_desc, STAGES)
     if BLOCK_DT > 0:  # the head dim's tail piece of Q and of each K stage
         qt_bufs = gl.allocate_shared_memory(dtype, [CONSUMERS] + qt_desc.block_type.shape, qt_desc.layout)
         kt_bufs = _alloc_ring(kt_desc, STAGES)
+    elif BLOCK_NT > 0:  # each K stage's key tail (no Q tail)
+        qt_bufs = q_bufs
+        kt_bufs = _alloc_ring(kt_desc, STAGES)
     else:  # stand-ins, never read (warp_specialize's arguments cannot be None)
         qt_bufs = q_bufs
         kt_bufs = k_bufs
-    if BLOCK_DVT > 0:  # v's tail piece of each V stage
+    if BLOCK_DVT + BLOCK_NT > 0:  # v's tail piece of each V stage, or its key tail
         vt_bufs = _alloc_ring(vt_desc, STAGES)
     else:
         vt_bufs = v_bufs
@@ -951,6 +1053,7 @@ def _fwd_ws2(
         BLOCK_DVT,
         BLOCK_M,
         BLOCK_N,
+        BLOCK_NT,
         STAGES,
         MASK,
         LEFT,
@@ -1003,6 +1106,7 @@ def _fwd_ws2(
         LEFT,
         BLOCK_M,
         BLOCK_N,
+        BLOCK_NT,
         BLOCK_D,
         BLOCK_DT,
         BLOCK_DV,

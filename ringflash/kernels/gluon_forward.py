@@ -67,7 +67,7 @@ class Unsupported(ValueError):
 class GluonConfig:
     schedule: str  # "ws2", the one schedule of _gluon_fwd
     block_m: int = 128  # query rows per program (64 per consumer warpgroup)
-    block_n: int = 128  # key rows per block
+    block_n: int = 128  # key rows per block (its first piece when block_nt > 0)
     num_warps: int = 8  # warps of the default partition (ws2: one of its two consumer warpgroups)
     stages: int = 2  # depth of the K and V rings
     producer_regs: int = 24  # ws, ws2: registers of the producer warp (setmaxnreg)
@@ -86,6 +86,9 @@ class GluonConfig:
     # group of their own: "short_first" that group first (its heaviest tiles then start early),
     # "short_last" last; "by_head", head by head as the grid lists them
     tile_order: str = "short_first"
+    # a key block's second piece: blocks of block_n + block_nt keys, scored by two wgmmas each
+    # (tiles are powers of two; 192 = 128 + 64 keys). Not with head dims in two pieces
+    block_nt: int = 0
 
     def __post_init__(self):
         if self.schedule != "ws2":
@@ -94,6 +97,14 @@ class GluonConfig:
             raise ValueError(f"unknown tile_order {self.tile_order!r}")
         if self.consumers not in (2, 3) or self.num_warps != 4 or self.block_m != 64 * self.consumers:
             raise ValueError("ws2 runs two or three 4-warp consumer partitions of 64 rows each")
+        nt = self.block_nt
+        if nt and (nt & (nt - 1) or not 16 <= nt < self.block_n):  # (a tile's shape: a power of two)
+            raise ValueError(f"block_nt {nt}: a power of two from 16 below block_n {self.block_n}")
+
+    @property
+    def keys(self) -> int:
+        """Keys per key block, both pieces."""
+        return self.block_n + self.block_nt
 
     @property
     def warp_specialized(self) -> bool:
@@ -154,6 +165,15 @@ VARIANTS["ws2_p7"] = {d: replace(cfg, max_programs=7) for d, cfg in VARIANTS["ws
 # ws2_pe: ws2_s3 with P made 16-bit early, which alone measured within noise of ws2_s3.
 VARIANTS["ws3"] = {64: GluonConfig("ws2", 192, 128, 4, 4, 24, 128, consumers=3, p_early=True)}
 VARIANTS["ws2_pe"] = {d: replace(cfg, p_early=True) for d, cfg in VARIANTS["ws2_s3"].items()}
+# Key blocks wider than 128 at D=128 (FlashAttention-3's sm90 forward takes 176 keys there for
+# non-causal attention, 128 for causal): 192
+# (128 + 64) and 160 (128 + 32) keys, two stages (Q 32 KiB + 2 x (K + V) 192 / 160 KiB); the
+# scores 96 / 80 registers a consumer thread against 128-key blocks' 64, the loop's fixed work
+# (barriers, row reductions, waits) over more keys.
+VARIANTS["ws2_k192"] = {128: GluonConfig("ws2", 128, 128, 4, 2, 24, 168, block_nt=64)}
+VARIANTS["ws2_k160"] = {128: GluonConfig("ws2", 128, 128, 4, 2, 24, 168, block_nt=32)}
+VARIANTS["ws2_k192e"] = {d: replace(cfg, p_early=True) for d, cfg in VARIANTS["ws2_k192"].items()}
+VARIANTS["ws2_k160e"] = {d: replace(cfg, p_early=True) for d, cfg in VARIANTS["ws2_k160"].items()}
 # the one-tile launches' tiles head by head (the grid's own order) or with the short group of
 # heads last, to time either beside the default (short group first). One H200, bf16, B=1, H=32,
 # causal, short first over short last, four runs on two machine starts (python3
@@ -196,7 +216,7 @@ def shared_bytes(cfg: GluonConfig, head_dim: int, elem: int = 2, head_dim_v: int
     """Shared memory the tiles take (Q + STAGES x (K + V)) at these tile widths (tile_widths;
     v's default: q/k's), barriers excluded."""
     head_dim_v = head_dim if head_dim_v is None else head_dim_v
-    return elem * (head_dim * (cfg.block_m + cfg.stages * cfg.block_n) + head_dim_v * cfg.stages * cfg.block_n)
+    return elem * (head_dim * (cfg.block_m + cfg.stages * cfg.keys) + head_dim_v * cfg.stages * cfg.keys)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -389,6 +409,8 @@ def launch_plan(
     if causal and window is not None:
         raise ValueError("give causal=True or a window, not both")
     mask, win_left, win_right, left, _, (k_lo, k_hi), _ = _mask_args(CAUSAL if causal else window, bounds, out_m)
+    if cfg.block_nt and (block_dt or block_dvt):
+        raise Unsupported("a key block in two pieces takes head dims of one piece")
     if mask == MASK_ROWS and cfg.consumers != 2:  # (the tile's per-row reductions take powers of two)
         raise Unsupported("per-row bounds need 128-row tiles: two consumer warpgroups")
     # dense and causal only (no left bound): what was measured; sliding windows spill more
@@ -403,6 +425,7 @@ def launch_plan(
         BLOCK_DVT=block_dvt,
         BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n,
+        BLOCK_NT=cfg.block_nt,
         STAGES=cfg.stages,
         MASK=mask,
         LEFT=left,
@@ -426,8 +449,7 @@ def launch_plan(
         _descriptor(k, cfg.block_n, block_d),
         _descriptor(v, cfg.block_n, block_dv),
         _descriptor(q, cfg.q_rows, block_dt) if block_dt else None,
-        _descriptor(k, cfg.block_n, block_dt) if block_dt else None,
-        _descriptor(v, cfg.block_n, block_dvt) if block_dvt else None,
+        *_second_pieces(k, v, cfg, block_d, block_dt, block_dv, block_dvt),
         out_o,
         out_m,
         out_l,
@@ -459,6 +481,17 @@ def launch_plan(
     else:
         grid = (triton_cdiv(Sq, cfg.block_m), B * Hq)
     return _k.KERNELS[cfg.schedule], grid, args, kwargs
+
+
+def _second_pieces(k, v, cfg: GluonConfig, block_d: int, block_dt: int, block_dv: int, block_dvt: int):
+    """K's and V's descriptors of their blocks' second pieces: the key tail (each block's rows
+    from block_n on) or the head dims' tail columns, each None where there is none."""
+    if cfg.block_nt:
+        return _descriptor(k, cfg.block_nt, block_d), _descriptor(v, cfg.block_nt, block_dv)
+    return (
+        _descriptor(k, cfg.block_n, block_dt) if block_dt else None,
+        _descriptor(v, cfg.block_n, block_dvt) if block_dvt else None,
+    )
 
 
 # The L2 share that the K and V of the heads whose causal tiles run side by side may take
@@ -776,6 +809,7 @@ def hopper_report(
     dv = "" if head_dim_v is None else f"_dv{head_dim_v}"
     stem = (
         f"{cfg.schedule}_d{head_dim}{dv}_c{int(causal)}{mask and '_' + mask}_{cfg.block_m}x{cfg.block_n}"
+        f"{f'+{cfg.block_nt}' if cfg.block_nt else ''}"
         f"_w{cfg.num_warps}_s{cfg.stages}"
     )
     return compiled_report(kern, cfg, case, dump=dump, stem=stem)
