@@ -451,8 +451,13 @@ def test_gluon_forward_is_used_and_agrees(causal, window_size, D, Dv, monkeypatc
 
 
 # the key-count thresholds that put a 1031-key block in each tier of the Gluon forward's choice:
-# (GLUON_PERSISTENT_MAX_KEYS, GLUON_LONG_MIN_KEYS)
-KEY_TIERS = {"short": (10**9, 10**9 + 1), "middle": (0, 10**9), "long": (0, 1)}
+# (GLUON_PERSISTENT_MAX_KEYS, GLUON_LONG_MIN_KEYS, GLUON_DENSE_MIN_KEYS)
+KEY_TIERS = {
+    "short": (10**9, 10**9 + 1, 10**9 + 1),
+    "middle": (0, 10**9, 10**9),
+    "long": (0, 1, 10**9),
+    "dense": (0, 10**9, 1),
+}
 
 
 @pytest.mark.parametrize(
@@ -462,17 +467,22 @@ KEY_TIERS = {"short": (10**9, 10**9 + 1), "middle": (0, 10**9), "long": (0, 1)}
 @pytest.mark.parametrize("D", [64, 128])
 def test_gluon_forward_by_key_count(tier, D, causal, window_size, monkeypatch):
     """Dense, causal and one-sided windowed blocks take configs.GLUON_FWD_SHORT up to
-    GLUON_PERSISTENT_MAX_KEYS keys, GLUON_FWD_LONG from GLUON_LONG_MIN_KEYS, else GLUON_FWD
-    (a head dim missing from a tier's table: GLUON_FWD); a sliding window (a left bound) takes
-    GLUON_FWD at any key count. The thresholds moved so that a 1031-key block (GQA 4/2) falls in
-    each tier: the variant launched is the tier's, and its output and lse agree with float64
-    within the plain bound."""
+    GLUON_PERSISTENT_MAX_KEYS keys, GLUON_FWD_LONG from GLUON_LONG_MIN_KEYS, dense blocks (no
+    mask) GLUON_FWD_DENSE from GLUON_DENSE_MIN_KEYS, else GLUON_FWD (a head dim missing from a
+    tier's table: GLUON_FWD); a sliding window (a left bound) takes GLUON_FWD at any key count.
+    The thresholds moved so that a 1031-key block (GQA 4/2) falls in each tier: the variant
+    launched is the tier's, and its output and lse agree with float64 within the plain bound."""
     from ringflash.kernels import configs, gluon_forward
 
-    most, least = KEY_TIERS[tier]
+    most, least, dense_least = KEY_TIERS[tier]
     monkeypatch.setattr(configs, "GLUON_PERSISTENT_MAX_KEYS", most)
     monkeypatch.setattr(configs, "GLUON_LONG_MIN_KEYS", least)
-    table = {"short": configs.GLUON_FWD_SHORT, "middle": configs.GLUON_FWD, "long": configs.GLUON_FWD_LONG}[tier]
+    monkeypatch.setattr(configs, "GLUON_DENSE_MIN_KEYS", dense_least)
+    table = {"short": configs.GLUON_FWD_SHORT, "middle": configs.GLUON_FWD, "long": configs.GLUON_FWD_LONG,
+             "dense": configs.GLUON_FWD_DENSE}[tier]  # fmt: skip
+    masked = causal or window_size != (-1, -1)
+    if tier == "dense" and masked:  # masked blocks fall through to the tier below
+        table = configs.GLUON_FWD
     sliding = window_size[0] != -1
     expected = configs.GLUON_FWD[D] if sliding else table.get(D, configs.GLUON_FWD[D])
     launched = []
@@ -488,6 +498,46 @@ def test_gluon_forward_by_key_count(tier, D, causal, window_size, monkeypatch):
     assert_within("out", out, ref, plain)
     assert_within("lse", lse, ref_lse, plain_lse, sum_len=1)
     assert torch.equal(torch.isneginf(lse), torch.isneginf(ref_lse))
+
+
+@pytest.mark.parametrize("variant", ["ws2_k192e", "ws2_k160"])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("Sk", [100, 150, 200, 1031])
+def test_gluon_forward_key_blocks_in_two_pieces(variant, causal, Sk):
+    """Key blocks of 192 and 160 keys, each in two pieces (128 + 64 / 32): keys that end in the
+    first piece, in the second, just past one block, and ragged over several; dense and causal,
+    GQA 4/2: output and lse against float64 within the plain bound. Then a ring step: the keys
+    in two calls, the second folding into the first's float32 state and normalizing, against
+    float64 within the same bound."""
+    import math
+
+    from ringflash.kernels import configs, gluon_forward
+
+    g = torch.Generator(device="cuda").manual_seed(Sk + causal)
+    q, k, v = (torch.randn(2, n, H, 128, device="cuda", generator=g, dtype=torch.bfloat16) for n, H in
+               ((300, 4), (Sk, 2), (Sk, 2)))  # fmt: skip
+    launched = []
+    real = gluon_forward.forward
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(gluon_forward, "forward", lambda *a, **kw: launched.append(kw["config"]) or real(*a, **kw))
+        with configs.override(gluon=variant):
+            out, lse = flash_attn_func(q, k, v, causal=causal, return_lse=True)
+    assert launched == [variant]
+    ref, ref_lse = naive_attention(q, k, v, causal=causal)
+    plain, plain_lse = naive_attention(q, k, v, causal=causal, dtype=torch.bfloat16)
+    assert_within("out", out, ref, plain)
+    assert_within("lse", lse, ref_lse, plain_lse, sum_len=1)
+    assert torch.equal(torch.isneginf(lse), torch.isneginf(ref_lse))
+    # a ring step (non-causal): keys [0, cut) then [cut, Sk) folded in
+    cut = Sk // 3
+    o = torch.zeros(2, 300, 4, 128, device="cuda")
+    m, l = (torch.zeros(2, 4, 300, device="cuda") for _ in range(2))
+    for lo, hi, last in ((0, cut, False), (cut, Sk, True)):
+        gluon_forward.forward(q, k[:, lo:hi], v[:, lo:hi], q_start=0, k_start=lo, scale=1 / math.sqrt(128),
+                              out_o=o, out_m=m, out_l=l, normalize=last, fold=lo > 0, config=variant)  # fmt: skip
+    ref, _ = naive_attention(q, k, v)
+    plain, _ = naive_attention(q, k, v, dtype=torch.bfloat16)
+    assert_within("folded out", o, ref, plain)
 
 
 @pytest.mark.parametrize(

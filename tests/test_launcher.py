@@ -297,6 +297,37 @@ def test_gluon_forward_three_consumers_plan():
             gf.GluonConfig("ws2", block_n=64, **bad)
 
 
+def test_gluon_forward_key_blocks_in_two_pieces():
+    """A key block of block_n + block_nt keys (configs.GLUON_FWD_DENSE's): K and V descriptors
+    of block_n rows and their tails' of block_nt rows, full head dim; BLOCK_NT set; shared
+    memory counted for the whole block and within the H200's; head dims in pieces (96) are
+    Unsupported with it, and block_nt must be a power of two from 16 below block_n."""
+    from ringflash.kernels import configs
+    from ringflash.kernels import gluon_forward as gf
+
+    if not gf.HAS_GLUON:
+        pytest.skip(f"Gluon not importable: {gf.GLUON_ERROR}")
+    for name in (configs.GLUON_FWD_DENSE[128], "ws2_k160"):
+        cfg = gf.config_for(128, name)
+        assert cfg.block_nt and cfg.keys == cfg.block_n + cfg.block_nt
+        assert gf.shared_bytes(cfg, 128) == 2 * 128 * (cfg.block_m + 2 * cfg.stages * cfg.keys)
+        assert gf.shared_bytes(cfg, 128) <= gf.HOPPER_SHARED_BYTES - 1024
+        q, k, common, _ = _forward_plan_inputs(1, 1031, 4, 2, 128)
+        _, _, args, kwargs = gf.launch_plan(q, k, k.clone(), cfg=cfg, **common)
+        blocks = (kwargs["BLOCK_N"], kwargs["BLOCK_NT"], kwargs["BLOCK_DT"], kwargs["BLOCK_DVT"])
+        assert blocks == (cfg.block_n, cfg.block_nt, 0, 0)
+        assert args[3] is None
+        assert [list(a.block_shape) for a in args[1:3] + args[4:6]] == (
+            [[1, cfg.block_n, 1, 128]] * 2 + [[1, cfg.block_nt, 1, 128]] * 2
+        )
+        q, k, common, _ = _forward_plan_inputs(1, 1031, 4, 2, 96)
+        with pytest.raises(gf.Unsupported, match="head dims of one piece"):
+            gf.launch_plan(q, k, k.clone(), cfg=cfg, **common)
+    for bad in (24, 48, 128, -16, 8):
+        with pytest.raises(ValueError, match="a power of two from 16 below block_n"):
+            gf.GluonConfig("ws2", 128, 128, 4, 2, block_nt=bad)
+
+
 def test_gluon_forward_tile_order_plan(monkeypatch):
     """A one-tile causal or windowed launch takes as many heads together (heads_per_group, the
     kernel's launch order) as keep their K and V within TILE_ORDER_L2_BYTES, at most all B x Hq

@@ -339,7 +339,8 @@ def test_gluon_forward_choice(monkeypatch):
         assert configs.gluon_forward_variant(128) is None
     with configs.override(dq=configs.KernelConfig(64, 64, 4, 2), gluon_bwd=None):  # the backward's alone
         assert configs.gluon_forward_variant(128) == configs.GLUON_FWD[128]
-    for table in (configs.GLUON_FWD, configs.GLUON_FWD_DOCUMENTS, configs.GLUON_FWD_SHORT, configs.GLUON_FWD_LONG):
+    for table in (configs.GLUON_FWD, configs.GLUON_FWD_DOCUMENTS, configs.GLUON_FWD_SHORT, configs.GLUON_FWD_LONG,
+                  configs.GLUON_FWD_DENSE):  # fmt: skip
         for d, name in table.items():
             assert d in gluon_forward.VARIANTS[name]
     # short key ranges take persistent programs; longer ones and packed documents do not
@@ -362,6 +363,24 @@ def test_gluon_forward_choice(monkeypatch):
         assert configs.gluon_forward_variant(d) == configs.GLUON_FWD[d]
         docs = configs.gluon_forward_variant(d, documents=True, keys_per_row=1e9, keys=least)
         assert docs == configs.GLUON_FWD_DOCUMENTS[d]
+    # dense blocks of many keys take GLUON_FWD_DENSE where it has the head dim, before
+    # GLUON_FWD_LONG; masked ones (dense=False), packed documents and short ones do not
+    dense_least = configs.GLUON_DENSE_MIN_KEYS
+    assert dense_least > most and configs.GLUON_FWD_DENSE
+    for d in (64, 128, 256):
+        wide = configs.GLUON_FWD_DENSE.get(d)
+        assert configs.gluon_forward_variant(d, keys=dense_least, dense=True) == (
+            wide or configs.GLUON_FWD_LONG.get(d, configs.GLUON_FWD[d])
+        )
+        assert configs.gluon_forward_variant(d, keys=dense_least, dense=False) == configs.GLUON_FWD_LONG.get(
+            d, configs.GLUON_FWD[d]
+        )
+        below = configs.gluon_forward_variant(d, keys=dense_least - 1, dense=True)
+        assert below == configs.GLUON_FWD_LONG.get(d, configs.GLUON_FWD[d])
+        docs = configs.gluon_forward_variant(d, documents=True, keys_per_row=1e9, keys=dense_least, dense=True)
+        assert docs == configs.GLUON_FWD_DOCUMENTS[d]
+        if wide:
+            assert gluon_forward.config_for(d, wide).block_nt > 0
 
 
 @pytest.mark.parametrize(
@@ -371,15 +390,21 @@ def test_gluon_forward_choice(monkeypatch):
 def test_gluon_forward_choice_sees_the_key_count(window, counted, monkeypatch):
     """A block's forward asks for its Gluon variant with its key count (GLUON_FWD_SHORT /
     GLUON_FWD_LONG go by it), except under a sliding window (a left bound), which asks with
-    none: the persistent and three-consumer variants were measured on dense and causal blocks."""
+    none: the persistent and three-consumer variants were measured on dense and causal blocks.
+    It asks as a dense block (GLUON_FWD_DENSE) only with no mask and head dims of one piece
+    each: the wide key blocks take no head-dim pieces."""
     from ringflash import kernels
     from ringflash.kernels import configs
 
     asked = []
-    monkeypatch.setattr(configs, "gluon_forward_variant", lambda *a, **kw: asked.append(kw["keys"]))
+    monkeypatch.setattr(configs, "gluon_forward_variant", lambda *a, **kw: asked.append((kw["keys"], kw["dense"])))
     q, k, v = (torch.randn(1, n, 2, 16) for n in (5, 11, 11))
     ran = kernels._gluon_forward(q, k, v, None, 0, 0, window, None, 0.25, False, True, 16)
-    assert ran is False and asked == [11 if counted else None]
+    assert ran is False and asked == [(11 if counted else None, window is None)]
+    asked.clear()
+    q12, k12, v12 = (t[..., :12] for t in (q, k, v))  # 12 under its padding to 16: two pieces
+    kernels._gluon_forward(q12, k12, v12, None, 0, 0, window, None, 0.25, False, True, 16)
+    assert asked == [(11 if counted else None, False)]
 
 
 def test_lse_computed_only_when_returned(monkeypatch):

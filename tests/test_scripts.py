@@ -260,12 +260,21 @@ def test_gluon_forward_compiles_for_hopper(tmp_path):
     short key ranges (configs.GLUON_FWD_SHORT, dense and causal, local and folded), which spill
     at most PERSISTENT_SPILL_BYTES per tile (a few tile scalars kept across the key loop,
     stored before it and loaded after it: SASS), as when measured; and the long key ranges'
-    variants (configs.GLUON_FWD_LONG, dense and causal, local and folded) without spills."""
-    from ringflash.kernels.configs import GLUON_FWD, GLUON_FWD_DOCUMENTS, GLUON_FWD_LONG, GLUON_FWD_SHORT
+    variants (configs.GLUON_FWD_LONG, dense and causal, local and folded) without spills; and
+    the dense blocks' wide key blocks (configs.GLUON_FWD_DENSE, local and folded, in two pieces:
+    a second wgmma group of scores), at most DENSE_SPILL_BYTES, as when measured."""
+    from ringflash.kernels.configs import (
+        GLUON_FWD,
+        GLUON_FWD_DENSE,
+        GLUON_FWD_DOCUMENTS,
+        GLUON_FWD_LONG,
+        GLUON_FWD_SHORT,
+    )
 
     ROWS_SPILL_BYTES = 40
     MLA_SPILL_BYTES, MLA_WINDOW_SPILL_BYTES = 8, 48
     PERSISTENT_SPILL_BYTES = 32
+    DENSE_SPILL_BYTES = 20
 
     cases = [f"{v}:{D}:1:bf16:1:0" for D, v in GLUON_FWD.items()]  # every head dim, causal
     v = GLUON_FWD[128]
@@ -283,6 +292,7 @@ def test_gluon_forward_compiles_for_hopper(tmp_path):
                                                                   f"{v}:{D}:0:fp16:0:1:rows")]  # fmt: skip
     cases += [c for D, v in GLUON_FWD_SHORT.items() for c in (f"{v}:{D}:1:bf16:1:0", f"{v}:{D}:0:fp16:0:1")]
     cases += [c for D, v in GLUON_FWD_LONG.items() for c in (f"{v}:{D}:1:bf16:1:0", f"{v}:{D}:0:fp16:0:1")]
+    cases += [c for D, v in GLUON_FWD_DENSE.items() for c in (f"{v}:{D}:0:bf16:1:0", f"{v}:{D}:0:fp16:0:1")]
     run([sys.executable, "benchmarks/gluon_report.py", "--jobs", "2", "--json", str(tmp_path / "g.json")]
         + [a for c in cases for a in ("--case", c)], tmp_path, expect_ok=False)  # fmt: skip
     rows = json.loads((tmp_path / "g.json").read_text())  # (the report exits 1 on any spill)
@@ -293,6 +303,9 @@ def test_gluon_forward_compiles_for_hopper(tmp_path):
             allowed = ROWS_SPILL_BYTES
         elif r["config"]["persistent"]:
             allowed = PERSISTENT_SPILL_BYTES
+        elif r["config"]["block_nt"]:
+            allowed = DENSE_SPILL_BYTES
+            assert r["sass_waits"].get("2"), r  # the scores land with PV's two groups in flight
         elif (r["D"], r.get("Dv")) == (192, 128):
             allowed = MLA_WINDOW_SPILL_BYTES if r["mask"] == "window" else MLA_SPILL_BYTES
         else:

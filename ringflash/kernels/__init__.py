@@ -164,6 +164,8 @@ def _gluon_forward(q, k, v, state, q_start, k_start, window, bounds, scale, fold
         # persistent and three-consumer variants were measured on dense and causal blocks only
         # (and spill with a left bound: benchmarks/gluon_report.py --masks window)
         keys=None if window is not None and window.left is not None else k.shape[1],
+        # (the wide key blocks take no head-dim pieces: a head dim under its padding has them)
+        dense=window is None and bounds is None and q.shape[-1] == v.shape[-1] == config_d,
     )
     if variant is None or not q.is_cuda:
         return False

@@ -120,6 +120,16 @@ GLUON_PERSISTENT_MAX_KEYS = 4096
 # 1.02-1.05, 32K 1.13 / 1.05, 64K 1.10-1.11 / 1.06-1.09.
 GLUON_FWD_LONG = {64: "ws3"}
 GLUON_LONG_MIN_KEYS = 8192
+# Dense blocks (no mask, head dims of one piece each) from GLUON_DENSE_MIN_KEYS keys: 192-key
+# blocks in two pieces (ws2_k192e: 128 + 64 keys, two stages, P made 16-bit early; 20 bytes
+# spilled), the loop's fixed work (barriers, row reductions, waits) spread over 1.5x the keys.
+# One H200, bf16, B=1, H=32, forward, non-causal, ws2_k192e over ws2_s3 in three runs on one
+# machine start (python3 benchmarks/gluon_check.py --head-dims 128 --seqlens 4096 16384 32768
+# 65536 --variants ws2_k192e ws2_s3 ws2_p --skip-correctness; results/gluon_wide_keys_h200_*):
+# 4K 0.96-0.98 (so not there), 16K 1.00-1.05, 32K 1.03, 64K 1.04-1.06. Causal blocks, mixed
+# (4K 0.94-0.95, 32K 0.90-0.92, 64K 1.04), keep GLUON_FWD.
+GLUON_FWD_DENSE = {128: "ws2_k192e"}
+GLUON_DENSE_MIN_KEYS = 16384
 # Packed documents (per-row bounds). The 128-key variants spill with per-row bounds (40 bytes
 # at D=128, 8 at D=256: python benchmarks/gluon_report.py --masks rows) and are still faster
 # than the spill-free 128x64 ws2_n64: one H200, bf16, H=32, long-tailed documents of 16K / 64K
@@ -317,12 +327,18 @@ def forward_config(block_d: int, documents: bool = False, float32: bool = False)
 
 
 def gluon_forward_variant(
-    block_d: int, documents: bool = False, keys_per_row: float | None = None, keys: int | None = None
+    block_d: int,
+    documents: bool = False,
+    keys_per_row: float | None = None,
+    keys: int | None = None,
+    dense: bool = False,
 ) -> str | None:
     """The Gluon forward variant for this head dim (documents: a block masked by per-row
     bounds whose rows see keys_per_row keys on average, where known; keys: the block's key
     count, where known (None for sliding windows): GLUON_FWD_SHORT up to
-    GLUON_PERSISTENT_MAX_KEYS, GLUON_FWD_LONG from GLUON_LONG_MIN_KEYS), or None: none is
+    GLUON_PERSISTENT_MAX_KEYS, GLUON_FWD_LONG from GLUON_LONG_MIN_KEYS; dense: a block with no
+    mask whose head dims are block_d, one piece each: GLUON_FWD_DENSE from
+    GLUON_DENSE_MIN_KEYS, before GLUON_FWD_LONG), or None: none is
     tuned for it, the documents are short (GLUON_DOCUMENTS_MIN_KEYS_PER_ROW), a Triton config
     is forced by override() or the RINGFLASH_KERNEL_CONFIGS file, or the kernels are
     interpreted. override(gluon=name) forces a variant (None: the Triton forward)."""
@@ -334,6 +350,8 @@ def gluon_forward_variant(
     if not documents:
         if keys is not None and keys <= GLUON_PERSISTENT_MAX_KEYS and block_d in GLUON_FWD_SHORT:
             return GLUON_FWD_SHORT[block_d]
+        if dense and keys is not None and keys >= GLUON_DENSE_MIN_KEYS and block_d in GLUON_FWD_DENSE:
+            return GLUON_FWD_DENSE[block_d]
         if keys is not None and keys >= GLUON_LONG_MIN_KEYS and block_d in GLUON_FWD_LONG:
             return GLUON_FWD_LONG[block_d]
         return GLUON_FWD.get(block_d)
