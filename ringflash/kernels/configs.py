@@ -127,7 +127,7 @@ GLUON_LONG_MIN_KEYS = 8192
 # machine start (python3 benchmarks/gluon_check.py --head-dims 128 --seqlens 4096 16384 32768
 # 65536 --variants ws2_k192e ws2_s3 ws2_p --skip-correctness; results/gluon_wide_keys_h200_*):
 # 4K 0.96-0.98 (so not there), 16K 1.00-1.05, 32K 1.03, 64K 1.04-1.06. Causal blocks, mixed
-# (4K 0.94-0.95, 32K 0.90-0.92, 64K 1.04), keep GLUON_FWD.
+# (4K 0.93-0.94, 16K 0.96-1.00, 32K 0.90-0.92, 64K 1.00-1.04), keep GLUON_FWD.
 GLUON_FWD_DENSE = {128: "ws2_k192e"}
 GLUON_DENSE_MIN_KEYS = 16384
 # Packed documents (per-row bounds). The 128-key variants spill with per-row bounds (40 bytes
