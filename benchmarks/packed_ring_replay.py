@@ -96,8 +96,7 @@ def replay_rank(q, k, v, do, cu, layout, rank, world, window, overlap, grad_chun
     ReplayComm's; grad_chunks, grad_accum_dtype: as ring_flash_attn_varlen_func's."""
     idx = [layout.positions(r, device=q.device) for r in range(world)]
     # padded as the ring call pads them (to the longest shard where blocks travel)
-    pad = lambda t, r: torch.nn.functional.pad(t, (0, 0, 0, 0, 0, layout.block_len(r) - t.shape[0]))  # noqa: E731
-    blocks = [(pad(k[i], r)[None], pad(v[i], r)[None]) for r, i in enumerate(idx)]
+    blocks = [(layout.pad_block(k[i], r)[None], layout.pad_block(v[i], r)[None]) for r, i in enumerate(idx)]
     ql = q[idx[rank]].detach().requires_grad_()
     kl, vl = blocks[rank][0].detach().requires_grad_(), blocks[rank][1].detach().requires_grad_()
     dol = do[idx[rank]][None]

@@ -66,6 +66,12 @@ def _document_work(n: int, window: Window) -> int:
     return _pairs(0, n, 0, n, window)
 
 
+def pad_rows(x: torch.Tensor, n: int, dim: int = 1) -> torch.Tensor:
+    """x with zero rows appended along dim (>= 0) up to n rows; x itself when it has n."""
+    extra = n - x.shape[dim]
+    return x if extra == 0 else torch.nn.functional.pad(x, [0, 0] * (x.dim() - 1 - dim) + [0, extra])
+
+
 @dataclass(frozen=True)
 class BalancedLayout:
     """Which global token positions each rank of a `world`-rank ring holds, for documents
@@ -114,6 +120,11 @@ class BalancedLayout:
         if torch.compiler.is_compiling() or self.hops > 1:
             return self.max_local_len
         return self.local_len(rank)
+
+    def pad_block(self, t: torch.Tensor, rank: int, dim: int = 0) -> torch.Tensor:
+        """`rank`'s K or V shard t (its local_len(rank) rows along dim) padded to block_len(rank)
+        (pad_rows: no copy where nothing is added, as with every document whole)."""
+        return pad_rows(t, self.block_len(rank), dim)
 
     def positions(self, rank: int, device=None) -> torch.Tensor:
         """int64 (local_len(rank),): the global positions `rank` holds, in local order."""

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from ._checks import AttnDims, check_bool, key_bias_from_mask
+from .balance import pad_rows
 from .comm import (
     check_backend_device,
     group_rank_world,
@@ -91,26 +92,20 @@ def all_to_all(x: torch.Tensor, group) -> torch.Tensor:
     return out
 
 
-def _pad_rows(x: torch.Tensor, n: int) -> torch.Tensor:
-    """x (B, L, ...) with zero rows appended on dim 1 up to n (x itself when L = n)."""
-    extra = n - x.shape[1]
-    return x if extra == 0 else torch.cat([x, x.new_zeros(x.shape[0], extra, *x.shape[2:])], 1)
-
-
 def _from_ring_shard(x: torch.Tensor, lens) -> torch.Tensor:
     """The inverse of _ring_shard: (B, sum(lens), ...) -> (U, B, max(lens), ...) contiguous, row
     j the j-th piece (lens[j] rows) padded with zeros."""
     B, n, U = x.shape[0], x.shape[1], len(lens)
     if len(set(lens)) == 1:  # equal pieces: one reshape
         return x.reshape(B, U, n // U, *x.shape[2:]).transpose(0, 1).contiguous()
-    return torch.stack([_pad_rows(p, max(lens)) for p in x.split(list(lens), 1)])
+    return torch.stack([pad_rows(p, max(lens)) for p in x.split(list(lens), 1)])
 
 
 def _to_heads(x: torch.Tensor, of, U: int, rows: int) -> torch.Tensor:
     """(U, B, rows, h, D) rows for rank u': this rank's tokens (padded to `rows`) at heads
     of(u') (stacked: a head sent to several ranks is copied; _kv_from_heads sums its gradients
     back)."""
-    x = _pad_rows(x, rows)
+    x = pad_rows(x, rows)
     return torch.stack([x[:, :, of(j)] for j in range(U)])
 
 
@@ -166,8 +161,7 @@ def hybrid_forward(q, k, v, key_padding_mask, spec, comm, plan, head_group, lens
         key_bias = _ring_key_bias(key_padding_mask, head_group, U, state_dtype(q.dtype))
     q_r = _ring_shard(all_to_all(_to_heads(q, plan.q_of, U, Lq), head_group), lens_q)
     k_r, v_r = (
-        _pad_rows(_ring_shard(all_to_all(_to_heads(t, plan.kv_of, U, Lk), head_group), lens_k), ring_len)
-        for t in (k, v)
+        pad_rows(_ring_shard(all_to_all(_to_heads(t, plan.kv_of, U, Lk), head_group), lens_k), ring_len) for t in (k, v)
     )
     ctx = _Saved()
     out_r, lse_r = _RingAttn.forward(ctx, q_r, k_r, v_r, key_bias, spec, comm)

@@ -670,8 +670,7 @@ def ring_flash_attn_varlen_func(
     # ring runs layout.hops steps (schedule.ring_steps): with every document whole, one, where
     # nothing is exchanged, so nothing is padded (layout.block_len), and the ring call is the
     # local one
-    pad = layout.block_len(rank) - q.shape[0]
-    k_p, v_p = (torch.nn.functional.pad(t, (0, 0, 0, 0, 0, pad)) for t in (k, v))
+    k_p, v_p = layout.pad_block(k, rank), layout.pad_block(v, rank)
     out, lse, _, _, _ = ops.ring_fwd(
         q[None], k_p[None], v_p[None], None, cu_check, resolve_group(group).group_name if world > 1 else "",
         *ops.window_args(spec.window), spec.scale, *operator_dropout(p, generator), layout.code,

@@ -307,8 +307,11 @@ def _ring_varlen_check(rank, world, lengths, causal, window_size, Hq, Hkv, dtype
     calls = {"forward": 0, "dq": 0, "dkdv": 0, "whole": 0}
     forward, backward = backend.forward, backend.backward
 
+    k_seen = []  # the storage of the K each forward call reads
+
     def counted_forward(*args, **kw):
         calls["forward"] += 1
+        k_seen.append(args[1].data_ptr())
         return forward(*args, **kw)
 
     def counted_backward(q, k, v, m, l, do, delta, dq, dk, dv, **kw):
@@ -340,6 +343,7 @@ def _ring_varlen_check(rank, world, lengths, causal, window_size, Hq, Hkv, dtype
     n = sum(per_step)
     if L.hops == 1 and n == 1:  # one block, every document whole: the local call, one backward call
         assert calls == {"forward": 1, "dq": 0, "dkdv": 0, "whole": 1}, (calls, per_step)
+        assert k_seen == [kl.data_ptr()]  # K/V as given, not a padded copy
     else:
         assert calls == {"forward": n, "dq": n, "dkdv": n * chunks, "whole": 0}, (calls, per_step, chunks)
     full = [unshard(t, layout=L, dim=0) for t in (out, *grads)]
