@@ -466,10 +466,11 @@ KEY_TIERS = {
 @pytest.mark.parametrize("tier", list(KEY_TIERS))
 @pytest.mark.parametrize("D", [64, 128])
 def test_gluon_forward_by_key_count(tier, D, causal, window_size, monkeypatch):
-    """Dense, causal and one-sided windowed blocks take configs.GLUON_FWD_SHORT up to
-    GLUON_PERSISTENT_MAX_KEYS keys, GLUON_FWD_LONG from GLUON_LONG_MIN_KEYS, dense blocks (no
-    mask) GLUON_FWD_DENSE from GLUON_DENSE_MIN_KEYS, else GLUON_FWD (a head dim missing from a
-    tier's table: GLUON_FWD); a sliding window (a left bound) takes GLUON_FWD at any key count.
+    """Dense, causal and one-sided windowed blocks take configs.GLUON_FWD_SHORT (causal ones
+    GLUON_FWD_SHORT_CAUSAL) up to GLUON_PERSISTENT_MAX_KEYS keys, GLUON_FWD_LONG from
+    GLUON_LONG_MIN_KEYS, dense blocks (no mask) GLUON_FWD_DENSE from GLUON_DENSE_MIN_KEYS, else
+    GLUON_FWD (a head dim missing from a tier's table: GLUON_FWD); a sliding window (a left
+    bound) takes GLUON_FWD at any key count.
     The thresholds moved so that a 1031-key block (GQA 4/2) falls in each tier: the variant
     launched is the tier's, and its output and lse agree with float64 within the plain bound."""
     from ringflash.kernels import configs, gluon_forward
@@ -483,6 +484,8 @@ def test_gluon_forward_by_key_count(tier, D, causal, window_size, monkeypatch):
     masked = causal or window_size != (-1, -1)
     if tier == "dense" and masked:  # masked blocks fall through to the tier below
         table = configs.GLUON_FWD
+    if tier == "short" and masked:  # causal blocks (no left bound) take their own short table
+        table = configs.GLUON_FWD_SHORT_CAUSAL
     sliding = window_size[0] != -1
     expected = configs.GLUON_FWD[D] if sliding else table.get(D, configs.GLUON_FWD[D])
     launched = []

@@ -339,8 +339,8 @@ def test_gluon_forward_choice(monkeypatch):
         assert configs.gluon_forward_variant(128) is None
     with configs.override(dq=configs.KernelConfig(64, 64, 4, 2), gluon_bwd=None):  # the backward's alone
         assert configs.gluon_forward_variant(128) == configs.GLUON_FWD[128]
-    for table in (configs.GLUON_FWD, configs.GLUON_FWD_DOCUMENTS, configs.GLUON_FWD_SHORT, configs.GLUON_FWD_LONG,
-                  configs.GLUON_FWD_DENSE):  # fmt: skip
+    for table in (configs.GLUON_FWD, configs.GLUON_FWD_DOCUMENTS, configs.GLUON_FWD_SHORT,
+                  configs.GLUON_FWD_SHORT_CAUSAL, configs.GLUON_FWD_LONG, configs.GLUON_FWD_DENSE):  # fmt: skip
         for d, name in table.items():
             assert d in gluon_forward.VARIANTS[name]
     # short key ranges take persistent programs; longer ones and packed documents do not
@@ -348,9 +348,15 @@ def test_gluon_forward_choice(monkeypatch):
     for d, name in configs.GLUON_FWD_SHORT.items():
         assert configs.gluon_forward_variant(d, keys=most) == name and gluon_forward.config_for(d, name).persistent
         assert configs.gluon_forward_variant(d, keys=most + 1) == configs.GLUON_FWD[d]
+        # causal blocks: GLUON_FWD_SHORT_CAUSAL where it has the head dim, else the one-tile GLUON_FWD
+        causal = configs.GLUON_FWD_SHORT_CAUSAL.get(d, configs.GLUON_FWD[d])
+        assert configs.gluon_forward_variant(d, keys=most, causal=True) == causal
+        assert configs.gluon_forward_variant(d, keys=most + 1, causal=True) == configs.GLUON_FWD[d]
         assert (
             configs.gluon_forward_variant(d, documents=True, keys_per_row=1e9, keys=1) == configs.GLUON_FWD_DOCUMENTS[d]
         )
+    assert set(configs.GLUON_FWD_SHORT_CAUSAL) <= set(configs.GLUON_FWD_SHORT)
+    assert configs.GLUON_FWD_SHORT_CAUSAL != configs.GLUON_FWD_SHORT  # (else the table is not needed)
     assert configs.gluon_forward_variant(256, keys=1) == configs.GLUON_FWD[256]
     # long key ranges take GLUON_FWD_LONG where it has the head dim; packed documents and an
     # unknown key count (sliding windows) do not
@@ -392,19 +398,23 @@ def test_gluon_forward_choice_sees_the_key_count(window, counted, monkeypatch):
     GLUON_FWD_LONG go by it), except under a sliding window (a left bound), which asks with
     none: the persistent and three-consumer variants were measured on dense and causal blocks.
     It asks as a dense block (GLUON_FWD_DENSE) only with no mask and head dims of one piece
-    each: the wide key blocks take no head-dim pieces."""
+    each: the wide key blocks take no head-dim pieces; as a causal one (GLUON_FWD_SHORT_CAUSAL)
+    with a window that has no left bound."""
     from ringflash import kernels
     from ringflash.kernels import configs
 
     asked = []
-    monkeypatch.setattr(configs, "gluon_forward_variant", lambda *a, **kw: asked.append((kw["keys"], kw["dense"])))
+    monkeypatch.setattr(
+        configs, "gluon_forward_variant", lambda *a, **kw: asked.append((kw["keys"], kw["dense"], kw["causal"]))
+    )
+    causal = window is not None and window.left is None
     q, k, v = (torch.randn(1, n, 2, 16) for n in (5, 11, 11))
     ran = kernels._gluon_forward(q, k, v, None, 0, 0, window, None, 0.25, False, True, 16)
-    assert ran is False and asked == [(11 if counted else None, window is None)]
+    assert ran is False and asked == [(11 if counted else None, window is None, causal)]
     asked.clear()
     q12, k12, v12 = (t[..., :12] for t in (q, k, v))  # 12 under its padding to 16: two pieces
     kernels._gluon_forward(q12, k12, v12, None, 0, 0, window, None, 0.25, False, True, 16)
-    assert asked == [(11 if counted else None, False)]
+    assert asked == [(11 if counted else None, False, causal)]
 
 
 def test_lse_computed_only_when_returned(monkeypatch):

@@ -166,6 +166,7 @@ def _gluon_forward(q, k, v, state, q_start, k_start, window, bounds, scale, fold
         keys=None if window is not None and window.left is not None else k.shape[1],
         # (the wide key blocks take no head-dim pieces: a head dim under its padding has them)
         dense=window is None and bounds is None and q.shape[-1] == v.shape[-1] == config_d,
+        causal=window is not None and window.left is None,
     )
     if variant is None or not q.is_cuda:
         return False

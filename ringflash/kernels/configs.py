@@ -110,6 +110,13 @@ GLUON_FWD = {64: "ws2_s3", 128: "ws2_s3", 256: "ws2_s3"}
 # --impls gluon=ws2_s3 gluon=ws2_p; results/kernel_counters_persistent_16k_h200.txt).
 GLUON_FWD_SHORT = {64: "ws2_p", 128: "ws2_p"}
 GLUON_PERSISTENT_MAX_KEYS = 4096
+# Causal blocks (a window with no left bound) up to GLUON_PERSISTENT_MAX_KEYS keys: at D=128 the
+# one-tile programs, dispatched a few heads together heaviest first, now beat the persistent
+# ones' static order: ws2_s3 over ws2_p at 4K causal 1.035-1.046 in four runs on two machine
+# starts (python3 benchmarks/gluon_check.py --head-dims 64 128 --seqlens 4096 8192 --variants
+# ws2_k192e ws2_s3 ws2_p --skip-correctness, and the order reversed; results/gluon_short_causal_h200_*,
+# gluon_wide_keys_h200_run1/2.txt); at D=64 ws2_p stays ahead (1.005 / 1.011).
+GLUON_FWD_SHORT_CAUSAL = {64: "ws2_p"}
 # From GLUON_LONG_MIN_KEYS keys (dense or causal blocks, not sliding windows or packed documents):
 # three consumer warpgroups on 192-row tiles with P made 16-bit early (ws3, FA3's D=64 shape):
 # more matmuls in flight per softmax, where D=64's matmuls are half D=128's and the softmax is
@@ -332,13 +339,15 @@ def gluon_forward_variant(
     keys_per_row: float | None = None,
     keys: int | None = None,
     dense: bool = False,
+    causal: bool = False,
 ) -> str | None:
     """The Gluon forward variant for this head dim (documents: a block masked by per-row
     bounds whose rows see keys_per_row keys on average, where known; keys: the block's key
     count, where known (None for sliding windows): GLUON_FWD_SHORT up to
     GLUON_PERSISTENT_MAX_KEYS, GLUON_FWD_LONG from GLUON_LONG_MIN_KEYS; dense: a block with no
     mask whose head dims are block_d, one piece each: GLUON_FWD_DENSE from
-    GLUON_DENSE_MIN_KEYS, before GLUON_FWD_LONG), or None: none is
+    GLUON_DENSE_MIN_KEYS, before GLUON_FWD_LONG; causal: a window with no left bound, whose
+    short key ranges take GLUON_FWD_SHORT_CAUSAL instead of GLUON_FWD_SHORT), or None: none is
     tuned for it, the documents are short (GLUON_DOCUMENTS_MIN_KEYS_PER_ROW), a Triton config
     is forced by override() or the RINGFLASH_KERNEL_CONFIGS file, or the kernels are
     interpreted. override(gluon=name) forces a variant (None: the Triton forward)."""
@@ -348,8 +357,9 @@ def gluon_forward_variant(
     if INTERPRETING or "fwd" in overrides or block_d in _FILE_CONFIGS.get("fwd", {}):
         return None
     if not documents:
-        if keys is not None and keys <= GLUON_PERSISTENT_MAX_KEYS and block_d in GLUON_FWD_SHORT:
-            return GLUON_FWD_SHORT[block_d]
+        short = GLUON_FWD_SHORT_CAUSAL if causal else GLUON_FWD_SHORT
+        if keys is not None and keys <= GLUON_PERSISTENT_MAX_KEYS and block_d in short:
+            return short[block_d]
         if dense and keys is not None and keys >= GLUON_DENSE_MIN_KEYS and block_d in GLUON_FWD_DENSE:
             return GLUON_FWD_DENSE[block_d]
         if keys is not None and keys >= GLUON_LONG_MIN_KEYS and block_d in GLUON_FWD_LONG:
