@@ -32,7 +32,10 @@ same copies on the compute stream, an upper bound on their cost). Reported per (
              together ("both"), then each apart ("-": no ring loop ran, as where every
              document is whole and each rank's call is the local one)
 --balance-slack varies ringflash.balance.BALANCE_SLACK (the layout: how many documents stay
-whole; printed when not the default).
+whole; printed when not the default). --layouts balanced document-zigzag also replays every
+document cut over every rank in 2P zigzag chunks (ringflash.balance.document_zigzag_layout),
+as the context-parallel peers shard packed documents, with the same kernels: the layout's own
+share of the result.
 Times are host-clock medians (benchmarks.common.host_seconds) of --repeats timings of --calls
 calls in a row, the device synchronized before and after each timing, after a warm-up: with
 --calls 1 (default) a host-bound rank's host time shows, and varies with the host; more calls
@@ -185,6 +188,10 @@ def measure(args, device, dtype):
     return rows
 
 
+# --layouts: how the documents are laid out over the ranks
+LAYOUTS = {"balanced": ringflash.balanced_layout, "document-zigzag": ringflash.balance.document_zigzag_layout}
+
+
 def measure_total(args, device, dtype, total, documents_forward, documents_backward):
     rows = []
     label = f"{documents_forward} fwd, {documents_backward} bwd"
@@ -209,17 +216,18 @@ def measure_total(args, device, dtype, total, documents_forward, documents_backw
         for world in args.worlds:
             print_kernel_times(single_kernels, f"[{label}] one GPU / {world}", per=world)
     variants = itertools.product(
+        args.layouts,
         args.worlds,
         args.balance_slack or [None],
         args.own_call_work_log2 or [None],
         args.grad_chunks or [None],
         args.grad_accum_dtypes or [None],
     )
-    for world, slack, own_log2, chunks, accum_name in variants:
+    for layout_name, world, slack, own_log2, chunks, accum_name in variants:
         accum = {None: None, "float32": torch.float32, "input": dtype}[accum_name]
         slack = ringflash.balance.BALANCE_SLACK if slack is None else slack
         with cuts_aligned(args.align, args.align_min_piece), mock.patch("ringflash.balance.BALANCE_SLACK", slack):
-            layout = ringflash.balanced_layout(cu_list, world, causal=True, window_size=window)
+            layout = LAYOUTS[layout_name](cu_list, world, causal=True, window_size=window)
         own = ringflash.balance.OWN_CALL_WORK if own_log2 is None else 2.0**own_log2
         with mock.patch("ringflash.balance.OWN_CALL_WORK", own):
             per_rank, inline = (
@@ -258,6 +266,7 @@ def measure_total(args, device, dtype, total, documents_forward, documents_backw
         # step has work, so P - 1 hops each send that shard's K/V
         zigzag_bytes = (world - 1) * total // world * args.kv_heads * args.head_dim * 2 * q.element_size()
         row = dict(
+            layout=layout_name,
             total=total,
             world=world,
             docs=len(lengths),
@@ -297,7 +306,9 @@ def measure_total(args, device, dtype, total, documents_forward, documents_backw
         )
         rows.append(row)
         print(
-            f"S={total:>7} P={world} docs={len(lengths):>3} window={args.window}: ranks "
+            f"S={total:>7} P={world} docs={len(lengths):>3} window={args.window}"
+            + ("" if layout_name == "balanced" else f" layout={layout_name}")
+            + ": ranks "
             + " ".join(f"{t:.2f}" for t in per_rank)
             + f" ms; max/mean {row['max_over_mean']:.3f} (pred {row['predicted_max_over_mean']:.3f}, "
             f"step {step_uneven:.3f}); single/P {single_ms / world:.2f} ms, eff {row['efficiency']:.3f}"
@@ -336,6 +347,14 @@ def main():
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--window", type=int, default=None, help="a causal window of this many keys")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--layouts",
+        nargs="+",
+        default=["balanced"],
+        choices=list(LAYOUTS),
+        help="variants: ringflash.balanced_layout, or every document cut over every rank as the context-parallel "
+        "peers cut packed documents (ringflash.balance.document_zigzag_layout)",
+    )
     add_align_args(ap)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--calls", type=int, default=1, help="calls in a row per timing (see the docstring)")

@@ -490,12 +490,7 @@ def balanced_layout(cu_seqlens, world: int, *, causal: bool = True, window_size=
     the attention will use (flash-attn semantics per document), which decides the balance.
     Pure and deterministic: every rank computes the same layout from the same arguments.
     """
-    api = "balanced_layout"
-    cu = checked_cu_seqlens(cu_seqlens, api)
-    if isinstance(world, bool) or not isinstance(world, int) or world < 1:
-        raise ValueError(f"{api}: world must be a positive int, got {world!r}")
-    window = window_from(causal, window_size, api)
-    docs = [(d, a, b - a) for d, (a, b) in enumerate(zip(cu, cu[1:])) if b > a]
+    cu, window, docs = _layout_args(cu_seqlens, world, causal, window_size, "balanced_layout")
     work = {d: _document_work(n, window) for d, _, n in docs}
     per_rank, load, cut = _deal(docs, work, world, window)
     bounded = window.left is not None and window.right is not None
@@ -520,6 +515,38 @@ def balanced_layout(cu_seqlens, world: int, *, causal: bool = True, window_size=
             if excess(dealt) < excess(best):
                 best = dealt
         per_rank, load, cut = best
+    return _assembled(cu, world, window, per_rank)
+
+
+def document_zigzag_layout(cu_seqlens, world: int, *, causal: bool = True, window_size=(-1, -1)) -> BalancedLayout:
+    """Every document cut over all `world` ranks, however short, the way context-parallel
+    peers shard packed documents (for comparing with balanced_layout: `python -m
+    benchmarks.packed_ring_replay --layouts balanced document-zigzag`): with a window that has
+    an unbounded side (causal) the zigzag of each document, 2P chunks, rank r holding chunks r
+    and 2P-1-r; otherwise P contiguous pieces, piece i on rank i (_cut, the ring never turned).
+    Every ring step is even up to one token a chunk, and every shard travels around the whole
+    ring. Accepted wherever a balanced_layout is; arguments as balanced_layout's."""
+    cu, window, docs = _layout_args(cu_seqlens, world, causal, window_size, "document_zigzag_layout")
+    per_rank: list[list[Segment]] = [[] for _ in range(world)]
+    for d, start, n in docs:
+        for a, b, r in _cut(start, n, world, window, 0):
+            per_rank[r].append(Segment(0, a, b - a, d))
+    return _assembled(cu, world, window, per_rank)
+
+
+def _layout_args(cu_seqlens, world, causal, window_size, api: str):
+    """A layout function's checked arguments: (cu_seqlens as a list, the masks.Window, the
+    non-empty documents as (doc, start, length))."""
+    cu = checked_cu_seqlens(cu_seqlens, api)
+    if isinstance(world, bool) or not isinstance(world, int) or world < 1:
+        raise ValueError(f"{api}: world must be a positive int, got {world!r}")
+    window = window_from(causal, window_size, api)
+    return cu, window, [(d, a, b - a) for d, (a, b) in enumerate(zip(cu, cu[1:])) if b > a]
+
+
+def _assembled(cu: list[int], world: int, window: Window, per_rank) -> BalancedLayout:
+    """The layout of each rank's Segments (any order, local starts ignored): each rank's pieces
+    in global order, local starts consecutive."""
     pieces = []
     for segs in per_rank:
         local, placed = 0, []

@@ -186,6 +186,36 @@ def _check_layout(L, lengths, seed):
         assert max(w) <= sum(w) / P + 0.03 * share + 1 + forced, (seed, w, forced)
 
 
+@pytest.mark.parametrize("world", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize("causal,window_size", MASKS)
+def test_document_zigzag_layout_cuts_every_document_over_every_rank(world, causal, window_size):
+    """The peers' cut, for comparison: every token once, each document in 2P chunks (an unbounded
+    side: rank r holds chunks r and 2P - 1 - r) or P contiguous pieces (piece i on rank i); with
+    every length a multiple of 2P, causal and full attention have every ring step exactly even
+    (a bounded side leaves neighbour pairs uneven, as in balanced_layout's own zigzag: not
+    checked here); an unbounded side sends every shard around the whole ring."""
+    window = window_from(causal, window_size, "test")
+    zigzag = (window.left is None) != (window.right is None)
+    for seed in range(4):
+        lengths = [2 * world * n for n in _long_tailed(30, 10 * world + seed, 1, 60)] + [0]
+        L = balance.document_zigzag_layout(_cu(lengths), world, causal=causal, window_size=window_size)
+        held = torch.cat([L.positions(r) for r in range(world)])
+        assert torch.equal(held.sort().values, torch.arange(L.total))
+        for d, (a, b) in enumerate(zip(L.cu_seqlens, L.cu_seqlens[1:])):
+            chunks = _cuts(a, b - a, 2 * world if zigzag else world)
+            for r in range(world):
+                mine = [(s.global_start, s.global_start + s.length) for s in L.segments(r) if s.doc == d]
+                want = [chunks[r], chunks[2 * world - 1 - r]] if zigzag else [chunks[r]]
+                assert mine == sorted(c for c in want if c[1] > c[0]), (seed, d, r)
+        if window.left is None and window.right in (None, 0):  # causal or full attention
+            for step in range(world):
+                assert len({L.work(r, step) for r in range(world)}) == 1, (seed, step)
+        if window.left is None or window.right is None:
+            assert L.hops == world  # an unbounded side: every step has work
+    with pytest.raises(ValueError, match="document_zigzag_layout: world must be a positive int"):
+        balance.document_zigzag_layout([0, 4], 0)
+
+
 def test_pair_count_is_the_count_of_visible_pairs():
     # the planner's closed-form count against counting pair by pair, windows bounded and not,
     # ranges overlapping, disjoint, empty, before and after each other
@@ -388,8 +418,11 @@ def test_ring_varlen_steps_of_large_pieces_run_them_as_tasks(worlds, causal, win
 
 def _ring_varlen_named(rank, world, lengths, layout, causal, window_size):
     """A named layout of packed documents: shard(x, layout=name, dim=0)'s shards, documents cut
-    wherever they fall, against the float64 oracle."""
+    wherever they fall ("document-zigzag": balance.document_zigzag_layout, every document cut
+    over every rank), against the float64 oracle."""
     cu, cu_t, q, k, v, do, ref, plain = packed_case(lengths, causal, window_size, 4, 2, torch.float64, 5)
+    if layout == "document-zigzag":
+        layout = balance.document_zigzag_layout(cu, world, causal=causal, window_size=window_size)
     sh = lambda t: shard(t, layout=layout, dim=0)  # noqa: E731
     ql, kl, vl = (sh(t).clone().requires_grad_() for t in (q, k, v))
     kw = dict(causal=causal, window_size=window_size)
@@ -399,11 +432,12 @@ def _ring_varlen_named(rank, world, lengths, layout, causal, window_size):
         assert_within(name, unshard(got, layout=layout, dim=0), r, plain[name])
 
 
-@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous", "document-zigzag"])
 @pytest.mark.parametrize("causal,window_size", [(True, (-1, -1)), (False, (-1, -1)), (True, (6, 0))])
 def test_ring_varlen_named_layouts(worlds, layout, causal, window_size):
     """The named layouts take packed documents too (for comparison with balanced_layout): a row
-    of 132 tokens (divisible by 2 x 3) whose documents the shards cut anywhere."""
+    of 132 tokens (divisible by 2 x 3) whose documents the shards cut anywhere; and the peers'
+    cut of every document over every rank (the empty, one- and three-token documents too)."""
     worlds(3, **TORCH).run(_ring_varlen_named, MIXES["long_and_short"] + [6], layout, causal, window_size)
 
 

@@ -689,6 +689,25 @@ def test_host_overhead_smoke(tmp_path):
     assert {r["impl"] for r in rows} == {"public", "operator", "backend"} and all(r["fwd_us"] > 0 for r in rows)
 
 
+def test_packed_ring_replay_layouts_smoke(tmp_path):
+    """--layouts replays the peers' cut of every document (document_zigzag_layout) beside the
+    balanced layout: a row each, named, with that layout's shards."""
+    import numpy as np
+
+    from benchmarks.packed import document_lengths
+    from ringflash.balance import document_zigzag_layout
+
+    out = tmp_path / "r.json"
+    printed = run([sys.executable, "-m", "benchmarks.packed_ring_replay", "--smoke", "--no-inline", "--json", str(out),
+                   "--layouts", "balanced", "document-zigzag"], tmp_path)  # fmt: skip
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["layout"] for r in rows] == ["balanced", "document-zigzag"]
+    cu = [0, *np.cumsum(document_lengths("longtail", rows[1]["total"], 0)).tolist()]
+    L = document_zigzag_layout(cu, rows[1]["world"])
+    assert rows[1]["local_lens"] == [L.local_len(r) for r in range(L.world)]
+    assert printed.count("layout=document-zigzag") == 1
+
+
 def test_packed_ring_replay_smoke(tmp_path):
     """The replay runs (with --kernels: each rank's split and the one-GPU call's over P, and
     each rank's replayed transfers and ring steps apart), once per --documents-forward and --grad-accum-dtypes
