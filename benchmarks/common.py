@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import statistics
 import sys
 import time
@@ -248,6 +249,52 @@ def cuts_aligned(align: int, min_piece: int = 0):
 
     with mock.patch.object(balance, "_cuts", aligned):
         yield
+
+
+def few_rank_layout(cu_seqlens, world: int, *, causal: bool = True, window_size=(-1, -1), per_shard: int = 2):
+    """An experiment, not the package's behaviour: balanced_layout's whole documents where it
+    keeps them, and each document it cuts zigzagged over k = min(P, max(2, ceil(per_shard x n /
+    (total / P)))) consecutive ranks (2k chunks, rank o + i holding chunks i and 2k-1-i) instead
+    of all P, largest first, each at the ring offset o that leaves the sum over ring steps of the
+    busiest rank's visible pairs least. Longer pieces mean fewer kernel programs a step (their
+    fixed costs: benchmarks.packed_ring_tiles), at the price of uneven steps where few
+    documents are cut. Causal attention only."""
+    from ringflash import balance
+    from ringflash.masks import CAUSAL
+    from ringflash.schedule import Segment
+
+    if not causal or tuple(window_size) != (-1, -1):
+        raise ValueError("few_rank_layout: causal attention without a window only")
+    base = balance.balanced_layout(cu_seqlens, world, causal=True)
+    cu = list(base.cu_seqlens)
+    ranks = {}  # document -> the ranks holding it
+    for r in range(world):
+        for seg in base.segments(r):
+            ranks.setdefault(seg.doc, set()).add(r)
+    per_rank = [[seg for seg in base.segments(r) if len(ranks[seg.doc]) == 1] for r in range(world)]
+    load = [[0] * world for _ in range(world)]  # [step][rank] visible pairs; whole documents: step 0
+    load[0] = [sum(balance._document_work(seg.length, CAUSAL) for seg in segs) for segs in per_rank]
+    shard = cu[-1] / world
+    for d in sorted((d for d, rs in ranks.items() if len(rs) > 1), key=lambda d: -(cu[d + 1] - cu[d])):
+        start, n = cu[d], cu[d + 1] - cu[d]
+        k = min(world, max(2, math.ceil(per_shard * n / shard)))
+        chunks = balance._cuts(start, n, 2 * k)
+        best = None
+        for offset in range(world):
+            pieces = [[] for _ in range(world)]
+            for i in range(k):
+                for a, b in (chunks[i], chunks[2 * k - 1 - i]):
+                    if b > a:
+                        pieces[(i + offset) % world].append(Segment(0, a, b - a, d))
+            one = balance._assembled(cu, world, CAUSAL, pieces)
+            new = [[load[s][r] + one.work(r, s) for r in range(world)] for s in range(world)]
+            cost = sum(max(row) for row in new)
+            if best is None or cost < best[0]:
+                best = (cost, pieces, new)
+        _, pieces, load = best
+        for r in range(world):
+            per_rank[r] += pieces[r]
+    return balance._assembled(cu, world, CAUSAL, per_rank)
 
 
 def add_align_args(ap):

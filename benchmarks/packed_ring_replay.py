@@ -35,7 +35,10 @@ same copies on the compute stream, an upper bound on their cost). Reported per (
 whole; printed when not the default). --layouts balanced document-zigzag also replays every
 document cut over every rank in 2P zigzag chunks (ringflash.balance.document_zigzag_layout),
 as the context-parallel peers shard packed documents, with the same kernels: the layout's own
-share of the result.
+share of the result; "few-ranks" (an experiment: benchmarks.common.few_rank_layout) cuts each
+document the balanced layout cuts over a few consecutive ranks instead of all. With --kernels,
+"in lockstep" is the efficiency if every ring step lasted as long as its busiest rank's part
+(the sum over steps of the per-step maximum, less the transfers).
 Times are host-clock medians (benchmarks.common.host_seconds) of --repeats timings of --calls
 calls in a row, the device synchronized before and after each timing, after a warm-up: with
 --calls 1 (default) a host-bound rank's host time shows, and varies with the host; more calls
@@ -63,6 +66,7 @@ from benchmarks.common import (
     bench_device,
     cuts_aligned,
     device_name,
+    few_rank_layout,
     host_seconds,
     profiled_kernels,
     result_meta,
@@ -188,8 +192,12 @@ def measure(args, device, dtype):
     return rows
 
 
-# --layouts: how the documents are laid out over the ranks
-LAYOUTS = {"balanced": ringflash.balanced_layout, "document-zigzag": ringflash.balance.document_zigzag_layout}
+# --layouts: how the documents are laid out over the ranks ("few-ranks": an experiment)
+LAYOUTS = {
+    "balanced": ringflash.balanced_layout,
+    "document-zigzag": ringflash.balance.document_zigzag_layout,
+    "few-ranks": few_rank_layout,
+}
 
 
 def measure_total(args, device, dtype, total, documents_forward, documents_backward):
@@ -244,7 +252,7 @@ def measure_total(args, device, dtype, total, documents_forward, documents_backw
                 else None
                 for overlap in (True, False)
             )
-        rank_device = rank_compute = transfers = None
+        rank_device = rank_compute = transfers = lockstep = None
         by_step = {}  # "both" and each phase: [rank][step] ms
         step_uneven_device = {}  # ...and each step's busiest rank over its mean rank
         if args.kernels:
@@ -257,6 +265,9 @@ def measure_total(args, device, dtype, total, documents_forward, documents_backw
             for name, ranks in by_step.items():
                 per_step = [[ranks[r][s] for r in range(world)] for s in range(world)]
                 step_uneven_device[name] = [max(w) / statistics.mean(w) if any(w) else None for w in per_step]
+            # ranks in lockstep (each step waits for its slowest rank): the sum over steps of the
+            # busiest rank's time inside it, less the transfers
+            lockstep = sum(max(by_step["both"][r][s] for r in range(world)) for s in range(world))
         work = [sum(layout.work(r, s) for s in range(world)) for r in range(world)]
         step_work = [[layout.work(r, s) for r in range(world)] for s in range(world)]
         step_uneven = max(max(w) / statistics.mean(w) for w in step_work if any(w))
@@ -297,6 +308,9 @@ def measure_total(args, device, dtype, total, documents_forward, documents_backw
             rank_transfer_ms=transfers,
             device_max_over_mean_less_transfers=rank_compute and max(rank_compute) / statistics.mean(rank_compute),
             device_efficiency_less_transfers=rank_compute and single_device_ms / world / max(rank_compute),
+            # ...and with the ranks in lockstep: each step as long as its busiest rank's (no ring
+            # loop: None)
+            device_efficiency_lockstep=lockstep and single_device_ms / world / lockstep,
             # ...and inside each ring step, forward and backward together, then apart: [rank][step]
             # ms, and each step's max/mean over the ranks
             rank_step_device_ms=by_step.get("both"),
@@ -323,7 +337,9 @@ def measure_total(args, device, dtype, total, documents_forward, documents_backw
                 if rank_device is None
                 else f"; by device time max/mean {row['device_max_over_mean']:.3f}, eff {row['device_efficiency']:.3f}"
                 f" (less the transfers: max/mean {row['device_max_over_mean_less_transfers']:.3f}, "
-                f"eff {row['device_efficiency_less_transfers']:.3f}; per step max/mean "
+                f"eff {row['device_efficiency_less_transfers']:.3f}"
+                + ("" if not lockstep else f", in lockstep {row['device_efficiency_lockstep']:.3f}")
+                + "; per step max/mean "
                 + "; ".join(
                     f"{name} " + " ".join("-" if u is None else f"{u:.3f}" for u in uneven)
                     for name, uneven in step_uneven_device.items()

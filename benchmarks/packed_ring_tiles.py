@@ -4,7 +4,7 @@
     python -m benchmarks.packed_ring_tiles --totals 16384 --worlds 2 --head-dim 16
 
 For one long-tailed document mix (benchmarks.packed.document_lengths, as packed_ring_replay's),
-each rank's ring schedule over ringflash.balanced_layout is replayed with the kernels replaced by
+each rank's ring schedule over ringflash.balanced_layout (or --layout's) is replayed with the kernels replaced by
 a counter: for every block with per-row bounds, the (query, key) pairs the fused backward's
 programs cover (one program per --block-n keys, visiting the --block-m query rows from the
 first to the last row that sees one of its keys) against the visible pairs. Printed per rank:
@@ -37,13 +37,12 @@ from unittest import mock
 import numpy as np
 import torch
 
-import ringflash
 import ringflash.local as local_module
 import ringflash.ring as ring_module
 from benchmarks.common import add_align_args, cuts_aligned
 from benchmarks.layout_balance import measure as balance_of
 from benchmarks.packed import document_lengths
-from benchmarks.packed_ring_replay import replay_rank
+from benchmarks.packed_ring_replay import LAYOUTS, replay_rank
 from ringflash.masks import CAUSAL, document_bounds
 
 
@@ -128,6 +127,7 @@ def main():
     ap.add_argument("--block-m", type=int, default=64)
     ap.add_argument("--block-n", type=int, default=128)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--layout", default="balanced", choices=list(LAYOUTS), help="as packed_ring_replay --layouts'")
     ap.add_argument("--fixed-steps", type=float, default=7.6,
                     help="the time model's fixed cost of a program, in query-block steps (docstring)")  # fmt: skip
     ap.add_argument(
@@ -154,7 +154,7 @@ def main():
         q, k, v, do = (torch.zeros(total, 1, args.head_dim) for _ in range(4))
         for world in args.worlds:
             with cuts_aligned(args.align, args.align_min_piece):
-                layout = ringflash.balanced_layout(cu_list, world, causal=True)
+                layout = LAYOUTS[args.layout](cu_list, world, causal=True)
             bal = balance_of(layout)
             print(
                 f"  P={world} balance: worst step max/mean {bal['step']:.3f}, ring time over an even split "
@@ -177,6 +177,9 @@ def main():
                     f"model (F={args.fixed_steps:g}) / (one GPU's / P) {model / (single_model / world):.3f}",
                     flush=True,
                 )
+            lockstep = sum(max(m[s] for m in step_models) for s in range(world))
+            print(f"  P={world} ranks in lockstep (each step its busiest rank's): model / (one GPU's / P) "
+                  f"{lockstep / (single_model / world):.3f}")  # fmt: skip
             print(f"  P={world} each step's busiest rank over its mean: model (F={args.fixed_steps:g}) "
                   + " ".join(_uneven([m[s] for m in step_models]) for s in range(world))
                   + _measured_steps(args.measured, total, world))  # fmt: skip

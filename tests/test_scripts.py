@@ -699,13 +699,50 @@ def test_packed_ring_replay_layouts_smoke(tmp_path):
 
     out = tmp_path / "r.json"
     printed = run([sys.executable, "-m", "benchmarks.packed_ring_replay", "--smoke", "--no-inline", "--json", str(out),
-                   "--layouts", "balanced", "document-zigzag"], tmp_path)  # fmt: skip
+                   "--layouts", "balanced", "document-zigzag", "few-ranks"], tmp_path)  # fmt: skip
     rows = json.loads(out.read_text())["rows"]
-    assert [r["layout"] for r in rows] == ["balanced", "document-zigzag"]
+    assert [r["layout"] for r in rows] == ["balanced", "document-zigzag", "few-ranks"]
     cu = [0, *np.cumsum(document_lengths("longtail", rows[1]["total"], 0)).tolist()]
     L = document_zigzag_layout(cu, rows[1]["world"])
     assert rows[1]["local_lens"] == [L.local_len(r) for r in range(L.world)]
     assert printed.count("layout=document-zigzag") == 1
+
+
+def test_few_rank_layout_cuts_over_a_few_consecutive_ranks():
+    """The experiment's layout (benchmarks.common.few_rank_layout): every token once; the
+    documents balanced_layout keeps whole stay where it keeps them; each one it cuts is the
+    zigzag of 2k chunks over k consecutive ranks, k = min(P, max(2, ceil(2 n / (total / P))))."""
+    import math
+
+    import torch
+
+    from benchmarks.common import few_rank_layout
+    from ringflash import balance
+
+    lengths = [700, 3, 90, 1, 2000, 40, 5, 300, 1200, 17, 600]
+    cu = [0]
+    for n in lengths:
+        cu.append(cu[-1] + n)
+    for world in (2, 4, 8):
+        L, base = few_rank_layout(cu, world), balance.balanced_layout(cu, world)
+        held = torch.cat([L.positions(r) for r in range(world)])
+        assert torch.equal(held.sort().values, torch.arange(cu[-1]))
+        cut = 0
+        for d, n in enumerate(lengths):
+            where = lambda lay: sorted(r for r in range(world) for s in lay.segments(r) if s.doc == d)  # noqa: E731
+            mine, theirs = where(L), where(base)
+            if len(set(theirs)) == 1:
+                assert mine == theirs, (world, d)
+                continue
+            k = min(world, max(2, math.ceil(2 * n * world / cu[-1])))
+            chunks = balance._cuts(cu[d], n, 2 * k)
+            first = next(r for r in range(world) for s in L.segments(r) if s.doc == d and s.global_start == cu[d])
+            for i in range(k):
+                segs = L.segments((first + i) % world)
+                got = [(s.global_start, s.global_start + s.length) for s in segs if s.doc == d]
+                assert got == sorted(c for c in (chunks[i], chunks[2 * k - 1 - i]) if c[1] > c[0]), (world, d, i)
+            cut += 1
+        assert cut, world  # (the mix has documents cut at every size)
 
 
 def test_packed_ring_replay_smoke(tmp_path):
@@ -739,6 +776,13 @@ def test_packed_ring_replay_smoke(tmp_path):
         assert f"rank {r}: {device[r]:.2f} ms (the replay's transfers {transfers[r]:.2f})" in printed
     less = [t - x for t, x in zip(device, transfers)]
     assert row["device_efficiency_less_transfers"] == pytest.approx(row["device_efficiency"] * max(device) / max(less))
+    # ...and in lockstep: each step as long as its busiest rank's part (the sum of the maxima)
+    steps = row["rank_step_device_ms"]
+    lockstep = sum(max(steps[r][s] for r in range(2)) for s in range(2))
+    assert row["device_efficiency_lockstep"] == pytest.approx(
+        row["device_efficiency_less_transfers"] * max(less) / lockstep
+    )
+    assert "in lockstep" in printed
     assert "less the transfers: max/mean" in printed
     # ...and inside each ring step (less the transfers): every step of this layout runs on both
     # ranks, its parts within the rank's total, and each step's max/mean over the ranks
