@@ -37,8 +37,9 @@ document cut over every rank in 2P zigzag chunks (ringflash.balance.document_zig
 as the context-parallel peers shard packed documents, with the same kernels: the layout's own
 share of the result; "few-ranks" (an experiment: benchmarks.common.few_rank_layout) cuts each
 document the balanced layout cuts over a few consecutive ranks instead of all. With --kernels,
-"in lockstep" is the efficiency if every ring step lasted as long as its busiest rank's part
-(the sum over steps of the per-step maximum, less the transfers).
+"in lockstep" is the efficiency (less the transfers) if every ring step lasted as long as its
+busiest rank's part: the sum over steps of the per-step maximum, plus the most any rank spends
+outside the steps; it is at most the busiest rank's efficiency, which assumes no rank waits.
 Times are host-clock medians (benchmarks.common.host_seconds) of --repeats timings of --calls
 calls in a row, the device synchronized before and after each timing, after a warm-up: with
 --calls 1 (default) a host-bound rank's host time shows, and varies with the host; more calls
@@ -265,9 +266,12 @@ def measure_total(args, device, dtype, total, documents_forward, documents_backw
             for name, ranks in by_step.items():
                 per_step = [[ranks[r][s] for r in range(world)] for s in range(world)]
                 step_uneven_device[name] = [max(w) / statistics.mean(w) if any(w) else None for w in per_step]
-            # ranks in lockstep (each step waits for its slowest rank): the sum over steps of the
-            # busiest rank's time inside it, less the transfers
-            lockstep = sum(max(by_step["both"][r][s] for r in range(world)) for s in range(world))
+            # ranks in lockstep (each step waits for its slowest rank), less the transfers: the sum
+            # over steps of the busiest rank's time inside it, plus the most any rank spends
+            # outside the steps (the call's set-up and finish)
+            steps = by_step["both"]
+            outside = max(c - sum(steps[r]) for r, c in enumerate(rank_compute))
+            lockstep = outside + sum(max(steps[r][s] for r in range(world)) for s in range(world))
         work = [sum(layout.work(r, s) for s in range(world)) for r in range(world)]
         step_work = [[layout.work(r, s) for r in range(world)] for s in range(world)]
         step_uneven = max(max(w) / statistics.mean(w) for w in step_work if any(w))
@@ -308,8 +312,7 @@ def measure_total(args, device, dtype, total, documents_forward, documents_backw
             rank_transfer_ms=transfers,
             device_max_over_mean_less_transfers=rank_compute and max(rank_compute) / statistics.mean(rank_compute),
             device_efficiency_less_transfers=rank_compute and single_device_ms / world / max(rank_compute),
-            # ...and with the ranks in lockstep: each step as long as its busiest rank's (no ring
-            # loop: None)
+            # ...and with the ranks in lockstep: each step as long as its busiest rank's
             device_efficiency_lockstep=lockstep and single_device_ms / world / lockstep,
             # ...and inside each ring step, forward and backward together, then apart: [rank][step]
             # ms, and each step's max/mean over the ranks
@@ -338,7 +341,7 @@ def measure_total(args, device, dtype, total, documents_forward, documents_backw
                 else f"; by device time max/mean {row['device_max_over_mean']:.3f}, eff {row['device_efficiency']:.3f}"
                 f" (less the transfers: max/mean {row['device_max_over_mean_less_transfers']:.3f}, "
                 f"eff {row['device_efficiency_less_transfers']:.3f}"
-                + ("" if not lockstep else f", in lockstep {row['device_efficiency_lockstep']:.3f}")
+                + f", in lockstep {row['device_efficiency_lockstep']:.3f}"
                 + "; per step max/mean "
                 + "; ".join(
                     f"{name} " + " ".join("-" if u is None else f"{u:.3f}" for u in uneven)
