@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from ringflash import balanced_layout, flash_attn_func, flash_attn_varlen_func, ring_flash_attn_func, shard, unshard
+from ringflash.balance import document_zigzag_layout
 from ringflash.testing import replay_ring, varlen_reference
 
 from dist_utils import run_world
@@ -237,12 +238,14 @@ def test_replayed_ring_fused_backward(causal, layout, chunks, accum, monkeypatch
         assert _rel_rms(t, r) <= factor * e_single + 1e-6, name
 
 
+@pytest.mark.parametrize("make_layout", [balanced_layout, document_zigzag_layout], ids=["balanced", "document_zigzag"])
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("causal,window_size", [(True, (-1, -1)), (False, (-1, -1)), (True, (511, 0))])
-def test_replayed_packed_ring_matches_single_gpu(world, causal, window_size):
-    """Packed documents over a balanced layout (one kernel call per step over per-row key
-    intervals): within 1.2x of one GPU's flash_attn_varlen_func error against float64; the
-    K/V copies on a side stream (as a network transfer runs) change nothing, bit for bit."""
+def test_replayed_packed_ring_matches_single_gpu(world, causal, window_size, make_layout):
+    """Packed documents over a balanced layout, or every document cut over every rank (one
+    kernel call per step over per-row key intervals): within 1.2x of one GPU's
+    flash_attn_varlen_func error against float64; the K/V copies on a side stream (as a
+    network transfer runs) change nothing, bit for bit."""
     lengths = [3000, 1, 700, 64, 2200, 130, 1, 900, 1197]  # 8193 tokens: shards of unequal length
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], device="cuda", dtype=torch.int32)
     q, k, v, do = (t[0] for t in _inputs(1, int(cu[-1]), 4, 2, 128, torch.bfloat16, seed=world))
@@ -252,7 +255,7 @@ def test_replayed_packed_ring_matches_single_gpu(world, causal, window_size):
     qs, ks, vs = (t.clone().requires_grad_() for t in (q, k, v))
     out = flash_attn_varlen_func(qs, ks, vs, cu, cu, **kw)
     single = [out.detach(), *torch.autograd.grad(out, (qs, ks, vs), do)]
-    L = balanced_layout(cu, world, **kw)
+    L = make_layout(cu, world, **kw)
     assert L.hops > 1 or window_size != (-1, -1)  # documents cross ranks: blocks travel
     kw = dict(world=world, layout=L, deterministic=True, **kw)  # bitwise comparison below
     ring = replay_ring(q[None], k[None], v[None], do[None], **kw)
