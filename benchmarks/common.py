@@ -251,14 +251,35 @@ def cuts_aligned(align: int, min_piece: int = 0):
         yield
 
 
-def few_rank_layout(cu_seqlens, world: int, *, causal: bool = True, window_size=(-1, -1), per_shard: int = 2):
+FIXED_STEPS = 7.6  # a kernel program's fixed cost in block steps (benchmarks.packed_ring_tiles --fixed-steps)
+
+
+def _piece_cost(qa: int, qb: int, ka: int, kb: int, cost: str) -> float:
+    """Causal queries [qa, qb) against keys [ka, kb) of one document: "pairs", the visible
+    pairs; "programs", those in 64 x 128 block steps plus FIXED_STEPS for each 128-key block
+    the backward walks and each 128-row query tile the forward walks (packed_ring_tiles' model)."""
+    from ringflash import balance
+    from ringflash.masks import CAUSAL
+
+    pairs = balance._pairs(qa, qb - qa, ka, kb - ka, CAUSAL)
+    if cost == "pairs" or pairs == 0:
+        return pairs
+    blocks = math.ceil((min(kb, qb) - ka) / 128) + math.ceil((qb - max(qa, ka)) / 128)
+    return pairs / (64 * 128) + FIXED_STEPS * blocks
+
+
+def few_rank_layout(
+    cu_seqlens, world: int, *, causal: bool = True, window_size=(-1, -1), per_shard: int = 2, ranks=None,
+    cost: str = "pairs",
+):  # fmt: skip
     """An experiment, not the package's behaviour: balanced_layout's whole documents where it
-    keeps them, and each document it cuts zigzagged over k = min(P, max(2, ceil(per_shard x n /
-    (total / P)))) consecutive ranks (2k chunks, rank o + i holding chunks i and 2k-1-i) instead
-    of all P, largest first, each at the ring offset o that leaves the sum over ring steps of the
-    busiest rank's visible pairs least. Longer pieces mean fewer kernel programs a step (their
-    fixed costs: benchmarks.packed_ring_tiles), at the price of uneven steps where few
-    documents are cut. Causal attention only."""
+    keeps them, and each document it cuts zigzagged over k consecutive ranks (2k chunks, rank
+    o + i holding chunks i and 2k-1-i) instead of all P: k = `ranks`, or min(P, max(2,
+    ceil(per_shard x n / (total / P)))); largest first, each at the ring offset o that leaves
+    the sum over ring steps of the busiest rank's cost least (_piece_cost: visible pairs, or
+    with the kernel programs' fixed costs). Longer pieces mean fewer kernel programs a step, and
+    with k = 2 the ring runs steps 0, 1 and P - 1 only, at the price of uneven steps. Causal
+    attention only."""
     from ringflash import balance
     from ringflash.masks import CAUSAL
     from ringflash.schedule import Segment
@@ -267,34 +288,63 @@ def few_rank_layout(cu_seqlens, world: int, *, causal: bool = True, window_size=
         raise ValueError("few_rank_layout: causal attention without a window only")
     base = balance.balanced_layout(cu_seqlens, world, causal=True)
     cu = list(base.cu_seqlens)
-    ranks = {}  # document -> the ranks holding it
+    holders = {}  # document -> the ranks holding it
     for r in range(world):
         for seg in base.segments(r):
-            ranks.setdefault(seg.doc, set()).add(r)
-    per_rank = [[seg for seg in base.segments(r) if len(ranks[seg.doc]) == 1] for r in range(world)]
-    load = [[0] * world for _ in range(world)]  # [step][rank] visible pairs; whole documents: step 0
-    load[0] = [sum(balance._document_work(seg.length, CAUSAL) for seg in segs) for segs in per_rank]
+            holders.setdefault(seg.doc, set()).add(r)
+    per_rank = [[seg for seg in base.segments(r) if len(holders[seg.doc]) == 1] for r in range(world)]
+
+    def step_costs(pieces):  # [step][rank] of one document's pieces, (start, end) per rank
+        return [
+            [sum(_piece_cost(qa, qb, ka, kb, cost) for qa, qb in pieces[r] for ka, kb in pieces[(r - s) % world])
+             for r in range(world)]
+            for s in range(world)
+        ]  # fmt: skip
+
+    load = [[0] * world for _ in range(world)]  # [step][rank]; whole documents: step 0
+    load[0] = [sum(_piece_cost(g.global_start, g.global_start + g.length, g.global_start,
+                               g.global_start + g.length, cost) for g in segs) for segs in per_rank]  # fmt: skip
     shard = cu[-1] / world
-    for d in sorted((d for d, rs in ranks.items() if len(rs) > 1), key=lambda d: -(cu[d + 1] - cu[d])):
+    for d in sorted((d for d, rs in holders.items() if len(rs) > 1), key=lambda d: -(cu[d + 1] - cu[d])):
         start, n = cu[d], cu[d + 1] - cu[d]
-        k = min(world, max(2, math.ceil(per_shard * n / shard)))
+        k = min(world, ranks or max(2, math.ceil(per_shard * n / shard)))
         chunks = balance._cuts(start, n, 2 * k)
         best = None
         for offset in range(world):
             pieces = [[] for _ in range(world)]
             for i in range(k):
-                for a, b in (chunks[i], chunks[2 * k - 1 - i]):
-                    if b > a:
-                        pieces[(i + offset) % world].append(Segment(0, a, b - a, d))
-            one = balance._assembled(cu, world, CAUSAL, pieces)
-            new = [[load[s][r] + one.work(r, s) for r in range(world)] for s in range(world)]
-            cost = sum(max(row) for row in new)
-            if best is None or cost < best[0]:
-                best = (cost, pieces, new)
+                pieces[(i + offset) % world] += [c for c in (chunks[i], chunks[2 * k - 1 - i]) if c[1] > c[0]]
+            new = [[a + b for a, b in zip(row, add)] for row, add in zip(load, step_costs(pieces))]
+            total = sum(max(row) for row in new)
+            if best is None or total < best[0]:
+                best = (total, pieces, new)
         _, pieces, load = best
         for r in range(world):
-            per_rank[r] += pieces[r]
+            per_rank[r] += [Segment(0, a, b - a, d) for a, b in pieces[r]]
     return balance._assembled(cu, world, CAUSAL, per_rank)
+
+
+def ring_time(forward, backward, ready, steps) -> float:
+    """A ring call's time from each rank's time inside each ring step, forward[r][s] and
+    backward[r][s] (ms), and the time each rank spends before its forward's first step
+    (ready[r]), with the ring's own dependencies: a step starts after the rank's previous run
+    step and once the block it computes on has arrived: in the forward the K/V its sender
+    (the rank that held it at the previous run step) started that step with; in the backward
+    the dK/dV accumulators its sender finished that step with. Transfers take no time; steps:
+    the ring steps that run, ascending from 0. Returns each rank's end of its backward."""
+    world = len(forward)
+
+    def phase(cost, begin, after_end):
+        start = {(r, steps[0]): begin[r] for r in range(world)}
+        end = {(r, steps[0]): begin[r] + cost[r][steps[0]] for r in range(world)}
+        for prev, s in zip(steps, steps[1:]):
+            for r in range(world):
+                src = (r - (s - prev)) % world
+                start[(r, s)] = max(end[(r, prev)], (end if after_end else start)[(src, prev)])
+                end[(r, s)] = start[(r, s)] + cost[r][s]
+        return [end[(r, steps[-1])] for r in range(world)]
+
+    return phase(backward, phase(forward, ready, False), True)
 
 
 def add_align_args(ap):

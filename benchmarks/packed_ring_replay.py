@@ -37,9 +37,16 @@ document cut over every rank in 2P zigzag chunks (ringflash.balance.document_zig
 as the context-parallel peers shard packed documents, with the same kernels: the layout's own
 share of the result; "few-ranks" (an experiment: benchmarks.common.few_rank_layout) cuts each
 document the balanced layout cuts over a few consecutive ranks instead of all. With --kernels,
-"in lockstep" is the efficiency (less the transfers) if every ring step lasted as long as its
-busiest rank's part: the sum over steps of the per-step maximum, plus the most any rank spends
-outside the steps; it is at most the busiest rank's efficiency, which assumes no rank waits.
+"in lockstep" is the efficiency (less the transfers) if every ring step of the forward and of
+the backward lasted as long as its busiest rank's part: the sum over them of the per-step
+maximum, plus the most any rank spends outside the steps; it is at most the busiest rank's
+efficiency, which assumes no rank waits.
+"by the ring's dependencies" lets each step wait only for the block it computes on
+(benchmarks.common.ring_time on the measured steps: the forward's K/V as its sender started the
+step before, the backward's dK/dV as its sender finished it), each rank's time outside the
+steps added after; it lies between the two. "two-ranks" (the same experiment) cuts every such
+document over two ranks, offsets chosen by the kernel programs' cost model: the ring runs
+steps 0, 1 and P - 1 only.
 Times are host-clock medians (benchmarks.common.host_seconds) of --repeats timings of --calls
 calls in a row, the device synchronized before and after each timing, after a warm-up: with
 --calls 1 (default) a host-bound rank's host time shows, and varies with the host; more calls
@@ -49,6 +56,7 @@ in a row let the host run ahead of the device as a training loop's next layers w
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import math
 import statistics
@@ -71,6 +79,7 @@ from benchmarks.common import (
     host_seconds,
     profiled_kernels,
     result_meta,
+    ring_time,
     write_json,
 )
 from benchmarks.common import documents_backward as common_documents_backward
@@ -198,6 +207,7 @@ LAYOUTS = {
     "balanced": ringflash.balanced_layout,
     "document-zigzag": ringflash.balance.document_zigzag_layout,
     "few-ranks": few_rank_layout,
+    "two-ranks": functools.partial(few_rank_layout, ranks=2, cost="programs"),
 }
 
 
@@ -253,7 +263,7 @@ def measure_total(args, device, dtype, total, documents_forward, documents_backw
                 else None
                 for overlap in (True, False)
             )
-        rank_device = rank_compute = transfers = lockstep = None
+        rank_device = rank_compute = transfers = lockstep = dependent = None
         by_step = {}  # "both" and each phase: [rank][step] ms
         step_uneven_device = {}  # ...and each step's busiest rank over its mean rank
         if args.kernels:
@@ -266,12 +276,19 @@ def measure_total(args, device, dtype, total, documents_forward, documents_backw
             for name, ranks in by_step.items():
                 per_step = [[ranks[r][s] for r in range(world)] for s in range(world)]
                 step_uneven_device[name] = [max(w) / statistics.mean(w) if any(w) else None for w in per_step]
-            # ranks in lockstep (each step waits for its slowest rank), less the transfers: the sum
-            # over steps of the busiest rank's time inside it, plus the most any rank spends
-            # outside the steps (the call's set-up and finish)
+            # ranks in lockstep (each step of the forward and of the backward waits for its slowest
+            # rank), less the transfers: the sum over those steps of the busiest rank's time inside
+            # it, plus the most any rank spends outside the steps (the call's set-up and finish)
             steps = by_step["both"]
-            outside = max(c - sum(steps[r]) for r, c in enumerate(rank_compute))
-            lockstep = outside + sum(max(steps[r][s] for r in range(world)) for s in range(world))
+            outside = [c - sum(steps[r]) for r, c in enumerate(rank_compute)]
+            lockstep = max(outside) + sum(
+                max(by_step[phase][r][s] for r in range(world)) for phase in PHASES for s in range(world)
+            )
+            # ...and by the ring's own dependencies (common.ring_time) from each rank's measured
+            # steps, forward and backward, its time outside the steps added after them
+            run = [s for s in range(world) if s == 0 or any(steps[r][s] for r in range(world))]
+            ends = ring_time(by_step["forward"], by_step["backward"], [0.0] * world, run)
+            dependent = max(e + o for e, o in zip(ends, outside))
         work = [sum(layout.work(r, s) for s in range(world)) for r in range(world)]
         step_work = [[layout.work(r, s) for r in range(world)] for s in range(world)]
         step_uneven = max(max(w) / statistics.mean(w) for w in step_work if any(w))
@@ -314,6 +331,8 @@ def measure_total(args, device, dtype, total, documents_forward, documents_backw
             device_efficiency_less_transfers=rank_compute and single_device_ms / world / max(rank_compute),
             # ...and with the ranks in lockstep: each step as long as its busiest rank's
             device_efficiency_lockstep=lockstep and single_device_ms / world / lockstep,
+            # ...and with each step waiting only for the block it computes on (common.ring_time)
+            device_efficiency_ring_dependencies=dependent and single_device_ms / world / dependent,
             # ...and inside each ring step, forward and backward together, then apart: [rank][step]
             # ms, and each step's max/mean over the ranks
             rank_step_device_ms=by_step.get("both"),
@@ -342,6 +361,7 @@ def measure_total(args, device, dtype, total, documents_forward, documents_backw
                 f" (less the transfers: max/mean {row['device_max_over_mean_less_transfers']:.3f}, "
                 f"eff {row['device_efficiency_less_transfers']:.3f}"
                 + f", in lockstep {row['device_efficiency_lockstep']:.3f}"
+                + f", by the ring's dependencies {row['device_efficiency_ring_dependencies']:.3f}"
                 + "; per step max/mean "
                 + "; ".join(
                     f"{name} " + " ".join("-" if u is None else f"{u:.3f}" for u in uneven)

@@ -708,6 +708,20 @@ def test_packed_ring_replay_layouts_smoke(tmp_path):
     assert printed.count("layout=document-zigzag") == 1
 
 
+def test_ring_time_follows_the_blocks_dependencies():
+    """common.ring_time: the forward's step waits for the K/V its sender started the step before
+    with, the backward's for the dK/dV its sender finished it with (a skipped step: the rank
+    that many places back)."""
+    from benchmarks.common import ring_time
+
+    # forward: rank 1's slow step 0 delays only itself (its step 1 needs rank 0's start)
+    ends = ring_time([[1, 1], [3, 1]], [[1, 1], [1, 1]], [0, 0], [0, 1])
+    assert ends == [6, 6]  # the backward's step 1 on rank 0 waits for rank 1's step 0 to end
+    # steps 0 and 2 of 3 ranks: at step 2 rank r holds rank r + 1's block
+    ends = ring_time([[0, 0, 0]] * 3, [[5, 0, 1], [1, 0, 1], [1, 0, 1]], [0, 0, 0], [0, 2])
+    assert ends == [6, 2, 6]  # rank 2 waits for rank 0's step 0 (5), rank 1 for nobody slow
+
+
 def test_few_rank_layout_cuts_over_a_few_consecutive_ranks():
     """The experiment's layout (benchmarks.common.few_rank_layout): every token once; the
     documents balanced_layout keeps whole stay where it keeps them; each one it cuts is the
@@ -743,6 +757,15 @@ def test_few_rank_layout_cuts_over_a_few_consecutive_ranks():
                 assert got == sorted(c for c in (chunks[i], chunks[2 * k - 1 - i]) if c[1] > c[0]), (world, d, i)
             cut += 1
         assert cut, world  # (the mix has documents cut at every size)
+        # every cut document over two neighbouring ranks (offsets by the programs' cost): the
+        # ring runs steps 0, 1 and P - 1 only
+        two = few_rank_layout(cu, world, ranks=2, cost="programs")
+        held = torch.cat([two.positions(r) for r in range(world)])
+        assert torch.equal(held.sort().values, torch.arange(cu[-1]))
+        for d in range(len(lengths)):
+            on = sorted({r for r in range(world) for s in two.segments(r) if s.doc == d})
+            assert len(on) <= 2 and (len(on) < 2 or (on[1] - on[0]) % world in (1, world - 1)), (world, d, on)
+        assert two.hops == len({0, 1, world - 1}), world
 
 
 def test_packed_ring_replay_smoke(tmp_path):
@@ -776,16 +799,18 @@ def test_packed_ring_replay_smoke(tmp_path):
         assert f"rank {r}: {device[r]:.2f} ms (the replay's transfers {transfers[r]:.2f})" in printed
     less = [t - x for t, x in zip(device, transfers)]
     assert row["device_efficiency_less_transfers"] == pytest.approx(row["device_efficiency"] * max(device) / max(less))
-    # ...and in lockstep: each step as long as its busiest rank's part (the sum of the maxima),
-    # plus the most time a rank spends outside the steps; never above the busiest rank's figure
+    # ...and in lockstep: each step of the forward and of the backward as long as its busiest
+    # rank's part (the sum of the maxima), plus the most time a rank spends outside the steps;
+    # by the ring's dependencies (common.ring_time) between the two
     steps = row["rank_step_device_ms"]
-    outside = max(t - sum(steps[r]) for r, t in enumerate(less))
-    lockstep = outside + sum(max(steps[r][s] for r in range(2)) for s in range(2))
-    assert lockstep >= max(less) - 1e-9
-    assert row["device_efficiency_lockstep"] == pytest.approx(
-        row["device_efficiency_less_transfers"] * max(less) / lockstep
-    )
-    assert "in lockstep" in printed
+    outside = [t - sum(steps[r]) for r, t in enumerate(less)]
+    phases = (row["rank_step_forward_ms"], row["rank_step_backward_ms"])
+    lockstep = max(outside) + sum(max(p[r][s] for r in range(2)) for p in phases for s in range(2))
+    efficiency = row["device_efficiency_less_transfers"] * max(less)  # the one-GPU share, ms
+    assert row["device_efficiency_lockstep"] == pytest.approx(efficiency / lockstep)
+    dependent = efficiency / row["device_efficiency_ring_dependencies"]
+    assert max(less) - 1e-6 <= dependent <= lockstep + 1e-6, (less, dependent, lockstep)
+    assert "in lockstep" in printed and "by the ring's dependencies" in printed
     assert "less the transfers: max/mean" in printed
     # ...and inside each ring step (less the transfers): every step of this layout runs on both
     # ranks, its parts within the rank's total, and each step's max/mean over the ranks
