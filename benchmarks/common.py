@@ -347,6 +347,12 @@ def ring_time(forward, backward, ready, steps) -> float:
     return phase(backward, phase(forward, ready, False), True)
 
 
+def kv_bytes_sent(layout, kv_heads: int, head_dim: int, itemsize: int) -> int:
+    """K/V bytes each rank of a packed ring sends in one forward: one block a hop (layout.hops -
+    1 hops), padded to the longest shard as the ring sends it."""
+    return (layout.hops - 1) * layout.max_local_len * kv_heads * head_dim * 2 * itemsize
+
+
 def add_align_args(ap):
     """The aligned-cuts experiment's options (cuts_aligned): --align and --align-min-piece."""
     ap.add_argument("--align", type=int, default=1, help="an experiment: cuts at multiples of it (common.cuts_aligned)")

@@ -77,6 +77,7 @@ from benchmarks.common import (
     device_name,
     few_rank_layout,
     host_seconds,
+    kv_bytes_sent,
     profiled_kernels,
     result_meta,
     ring_time,
@@ -293,7 +294,6 @@ def measure_total(args, device, dtype, total, documents_forward, documents_backw
         step_work = [[layout.work(r, s) for r in range(world)] for s in range(world)]
         step_uneven = max(max(w) / statistics.mean(w) for w in step_work if any(w))
         hops = layout.hops - 1
-        kv_bytes = layout.max_local_len * args.kv_heads * args.head_dim * 2 * q.element_size()
         # every document cut in 2P zigzag pieces: each rank holds total / P tokens, and every
         # step has work, so P - 1 hops each send that shard's K/V
         zigzag_bytes = (world - 1) * total // world * args.kv_heads * args.head_dim * 2 * q.element_size()
@@ -318,7 +318,7 @@ def measure_total(args, device, dtype, total, documents_forward, documents_backw
             predicted_max_over_mean=max(work) / statistics.mean(work),
             predicted_step_max_over_mean=step_uneven,
             hops=hops,
-            bytes_sent_per_rank=hops * kv_bytes,
+            bytes_sent_per_rank=kv_bytes_sent(layout, args.kv_heads, args.head_dim, q.element_size()),
             zigzag_per_doc_bytes_per_rank=zigzag_bytes,
             local_lens=[layout.local_len(r) for r in range(world)],
             # --kernels: the same by the kernels' summed device time (no host time, no gaps)

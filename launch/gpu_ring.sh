@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # Several GPUs of one machine: the ring over NCCL, in order.
-#   launch/gpu_ring.sh tests bench maxlen train scaling      (any subset, in order)
+#   launch/gpu_ring.sh tests bench maxlen train scaling packed      (any subset, in order)
 # tests:   the GPU ring tests (NCCL ring against one GPU, chunked dK/dV exchange, bitwise
 #          determinism, replayed schedules)
 # bench:   benchmarks.bench_ring for MHA and GQA 32/8 beside PyTorch's context_parallel
 # maxlen:  the longest causal sequence whose forward+backward fits (MHA and GQA 32/8), with
 #          peak memory per GPU
 # train:   the long-context example at 128K tokens, bf16, with --check against one process
+# packed:  packed documents over NCCL (benchmarks.bench_packed_ring): the balanced layout, every
+#          document cut over every rank, and the two-rank cut, at 128K and 512K tokens
 # scaling: weak (S = P x 32K) and strong (S = 256K) scaling points for this P, MHA and GQA 32/8,
 #          beside context_parallel with cuDNN (python -m benchmarks.plot_scaling turns the files
 #          of several P into a table and a plot)
@@ -44,6 +46,9 @@ for step in "$@"; do
                  --peers cudnn --json "$OUT/scaling_p${NGPU}_kv${kv}.json" 2>&1 \
                  | tee "$OUT/scaling_p${NGPU}_kv${kv}.log" | tail -10 || status=1
              done ;;
+    packed) limit $RUN -m benchmarks.bench_packed_ring --totals 131072 524288 \
+             --layouts balanced document-zigzag two-ranks --json "$OUT/packed_ring.json" 2>&1 \
+             | tee "$OUT/packed_ring.log" | tail -10 || status=1 ;;
     *) echo "unknown step $step"; status=2 ;;
   esac
 done

@@ -140,6 +140,20 @@ def test_bench_ring_smoke_on_gloo(tmp_path):
     assert "per-GPU TFLOP/s" in out
 
 
+def test_bench_packed_ring_smoke_on_gloo(tmp_path):
+    """Packed documents on the ring over the process group, a row per layout: the ring's time
+    beside the one-GPU call over P, and the layout's shards."""
+    out = run(TWO_RANKS + ["-m", "benchmarks.bench_packed_ring", "--smoke", "--layouts", "balanced", "two-ranks",
+                           "--json", str(tmp_path / "p.json")], tmp_path)  # fmt: skip
+    data = json.loads((tmp_path / "p.json").read_text())
+    assert data["meta"]["world"] == 2 and data["meta"]["backend"] == "gloo"
+    assert [r["layout"] for r in data["rows"]] == ["balanced", "two-ranks"]
+    for r in data["rows"]:
+        assert r["ring_ms"] > 0 and r["efficiency"] == pytest.approx(r["one_gpu_ms"] / 2 / r["ring_ms"])
+        assert sum(r["local_lens"]) == r["total"]
+    assert "packed ring over the process group" in out
+
+
 def test_bench_ring_maxlen_smoke_on_gloo(tmp_path):
     out = run(
         TWO_RANKS + ["-m", "benchmarks.bench_ring_maxlen", "--smoke", "--json", str(tmp_path / "m.json")], tmp_path

@@ -1,0 +1,116 @@
+"""Packed documents on the ring over the process group, layout by layout: the ring's own time,
+network included, beside the one-GPU call on the whole batch over P.
+
+    ringflash-run -m benchmarks.bench_packed_ring --layouts balanced two-ranks --json packed_ring.json
+    ringflash-run --nproc 2 --backend gloo -m benchmarks.bench_packed_ring --smoke     # CPU, toy sizes
+
+The document mix is packed_ring_replay's (long-tailed lengths, benchmarks.packed.document_lengths,
+--seed), causal (--window W: a causal window of W keys). For each total and layout
+(packed_ring_replay.LAYOUTS: the balanced layout, every document cut over every rank, and the
+experimental few-rank cuts), every rank runs ring_flash_attn_varlen_func forward+backward on
+its shard; the time is the median of --iters on each rank, then the slowest rank. Beside it each
+rank runs flash_attn_varlen_func forward+backward on the whole batch (the same on every rank;
+slowest rank, over P): ring efficiency = (one-GPU time / P) / ring time, what
+packed_ring_replay's three device-time figures bracket on one GPU (the busiest rank, the ring's
+dependencies, lockstep). Also printed: the bytes of K/V each rank sends (hops x the longest
+shard's K/V).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from benchmarks.common import kv_bytes_sent, run_meta, start_ring, step_fn, timed_on_ranks, write_json
+from benchmarks.packed import document_lengths
+from benchmarks.packed_ring_replay import LAYOUTS
+from ringflash import flash_attn_varlen_func, ring_flash_attn_varlen_func, shard
+from ringflash.dist_env import close
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--totals", type=int, nargs="+", default=[131072])
+    ap.add_argument("--layouts", nargs="+", default=["balanced", "two-ranks"], choices=list(LAYOUTS))
+    ap.add_argument("--heads", type=int, default=32)
+    ap.add_argument("--kv-heads", type=int, default=None, help="default: --heads")
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--window", type=int, default=None, help="a causal window of this many keys")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--iters", type=int, default=5)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--json", type=Path)
+    ap.add_argument("--smoke", action="store_true", help="toy sizes (CPU with gloo)")
+    args = ap.parse_args()
+    rank, world, device, dtype = start_ring(args, "bench_packed_ring", timeout_s=900)
+    if args.smoke:
+        args.totals, args.heads, args.head_dim, args.iters, args.warmup = [1024], 2, 16, 2, 1
+    args.kv_heads = args.kv_heads or args.heads
+    args.batch = 1  # (run_meta's field: packed documents are one row)
+    window = (-1, -1) if args.window is None else (args.window - 1, 0)
+    rows = []
+    for total in args.totals:
+        lengths = document_lengths("longtail", total, args.seed)
+        cu_list = [0, *np.cumsum(lengths).tolist()]
+        cu = torch.tensor(cu_list, dtype=torch.int32, device=device)
+        g = torch.Generator(device=device).manual_seed(0)  # the same batch on every rank
+        mk = lambda h: torch.randn(total, h, args.head_dim, device=device, dtype=dtype, generator=g)  # noqa: E731
+        q, k, v, do = mk(args.heads), mk(args.kv_heads), mk(args.kv_heads), mk(args.heads)
+        kw = dict(causal=True, window_size=window)
+        whole = [t.detach().requires_grad_() for t in (q, k, v)]
+        one_gpu = timed_on_ranks(
+            step_fn(lambda: flash_attn_varlen_func(*whole, cu, cu, **kw), whole, do, "fwd+bwd"),
+            iters=args.iters, warmup=args.warmup, device=device,
+        )  # fmt: skip
+        for name in args.layouts:
+            try:
+                layout = LAYOUTS[name](cu_list, world, **kw)
+            except ValueError as e:  # (the experimental cuts take causal attention without a window only)
+                if rank == 0:
+                    print(f"S={total} P={world} layout={name}: skipped ({e})", flush=True)
+                continue
+            local = [shard(t, layout=layout, dim=0).detach().requires_grad_() for t in (q, k, v)]
+            local_do = shard(do, layout=layout, dim=0)
+
+            def call():
+                return ring_flash_attn_varlen_func(*local, cu, layout=layout, **kw)
+
+            ring = timed_on_ranks(
+                step_fn(call, local, local_do, "fwd+bwd"), iters=args.iters, warmup=args.warmup, device=device
+            )
+            row = dict(
+                total=total,
+                world=world,
+                layout=name,
+                docs=len(lengths),
+                window=args.window,
+                ring_ms=ring,
+                one_gpu_ms=one_gpu,
+                efficiency=one_gpu / world / ring,
+                hops=layout.hops - 1,
+                bytes_sent_per_rank=kv_bytes_sent(layout, args.kv_heads, args.head_dim, q.element_size()),
+                local_lens=[layout.local_len(r) for r in range(world)],
+            )
+            rows.append(row)
+            if rank == 0:
+                print(json.dumps(row), flush=True)
+    if rank == 0:
+        meta = run_meta(args, world, device, dtype, seed=args.seed, window=args.window)
+        write_json(args.json, {"meta": meta, "rows": rows})
+        print(f"\npacked ring over the process group, P={world}, H={args.heads}/{args.kv_heads}, D={args.head_dim}, "
+              f"{dtype}, forward+backward")  # fmt: skip
+        print(f"{'S':>7} {'layout':>16} | {'ring ms':>9} {'one GPU / P':>11} {'eff':>6} | {'hops':>4} {'MiB sent':>9}")
+        for r in rows:
+            print(
+                f"{r['total']:>7} {r['layout']:>16} | {r['ring_ms']:9.2f} {r['one_gpu_ms'] / world:11.2f} "
+                f"{r['efficiency']:6.3f} | {r['hops']:>4} {r['bytes_sent_per_rank'] / 2**20:9.1f}"
+            )
+    close()
+
+
+if __name__ == "__main__":
+    main()
