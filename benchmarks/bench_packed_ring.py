@@ -22,12 +22,8 @@ import argparse
 import json
 from pathlib import Path
 
-import numpy as np
-import torch
-
 from benchmarks.common import kv_bytes_sent, run_meta, start_ring, step_fn, timed_on_ranks, write_json
-from benchmarks.packed import document_lengths
-from benchmarks.packed_ring_replay import LAYOUTS
+from benchmarks.packed_ring_replay import LAYOUTS, packed_batch
 from ringflash import flash_attn_varlen_func, ring_flash_attn_varlen_func, shard
 from ringflash.dist_env import close
 
@@ -51,15 +47,10 @@ def main():
         args.totals, args.heads, args.head_dim, args.iters, args.warmup = [1024], 2, 16, 2, 1
     args.kv_heads = args.kv_heads or args.heads
     args.batch = 1  # (run_meta's field: packed documents are one row)
-    window = (-1, -1) if args.window is None else (args.window - 1, 0)
     rows = []
     for total in args.totals:
-        lengths = document_lengths("longtail", total, args.seed)
-        cu_list = [0, *np.cumsum(lengths).tolist()]
-        cu = torch.tensor(cu_list, dtype=torch.int32, device=device)
-        g = torch.Generator(device=device).manual_seed(0)  # the same batch on every rank
-        mk = lambda h: torch.randn(total, h, args.head_dim, device=device, dtype=dtype, generator=g)  # noqa: E731
-        q, k, v, do = mk(args.heads), mk(args.kv_heads), mk(args.kv_heads), mk(args.heads)
+        # the same batch on every rank (its generator seeded alike)
+        lengths, cu_list, cu, (q, k, v, do), window = packed_batch(args, total, device, dtype)
         kw = dict(causal=True, window_size=window)
         whole = [t.detach().requires_grad_() for t in (q, k, v)]
         one_gpu = timed_on_ranks(

@@ -212,9 +212,11 @@ LAYOUTS = {
 }
 
 
-def measure_total(args, device, dtype, total, documents_forward, documents_backward):
-    rows = []
-    label = f"{documents_forward} fwd, {documents_backward} bwd"
+def packed_batch(args, total, device, dtype):
+    """The replayed batch: the long-tailed document mix of `total` tokens (args.seed), its
+    cu_seqlens as a list and as an int32 tensor, and q, k, v, dO (total, heads, head_dim) from a
+    generator seeded alike everywhere (args.heads / kv_heads / head_dim); and the attention's
+    window_size (causal; args.window: a causal window of that many keys)."""
     lengths = document_lengths("longtail", total, args.seed)
     cu_list = [0, *np.cumsum(lengths).tolist()]
     cu = torch.tensor(cu_list, dtype=torch.int32, device=device)
@@ -222,6 +224,13 @@ def measure_total(args, device, dtype, total, documents_forward, documents_backw
     mk = lambda h: torch.randn(total, h, args.head_dim, device=device, dtype=dtype, generator=g)  # noqa: E731
     q, k, v, do = mk(args.heads), mk(args.kv_heads), mk(args.kv_heads), mk(args.heads)
     window = (-1, -1) if args.window is None else (args.window - 1, 0)
+    return lengths, cu_list, cu, (q, k, v, do), window
+
+
+def measure_total(args, device, dtype, total, documents_forward, documents_backward):
+    rows = []
+    label = f"{documents_forward} fwd, {documents_backward} bwd"
+    lengths, cu_list, cu, (q, k, v, do), window = packed_batch(args, total, device, dtype)
     qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
 
     def single():
