@@ -251,7 +251,7 @@ def cuts_aligned(align: int, min_piece: int = 0):
         yield
 
 
-FIXED_STEPS = 7.6  # a kernel program's fixed cost in block steps (benchmarks.packed_ring_tiles --fixed-steps)
+FIXED_STEPS = 7.6  # a kernel program's fixed cost in block steps (D=128; benchmarks.packed_ring_tiles derives it)
 
 
 def _piece_cost(qa: int, qb: int, ka: int, kb: int, cost: str) -> float:

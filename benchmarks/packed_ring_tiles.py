@@ -39,7 +39,7 @@ import torch
 
 import ringflash.local as local_module
 import ringflash.ring as ring_module
-from benchmarks.common import add_align_args, cuts_aligned
+from benchmarks.common import FIXED_STEPS, add_align_args, cuts_aligned
 from benchmarks.layout_balance import measure as balance_of
 from benchmarks.packed import document_lengths
 from benchmarks.packed_ring_replay import LAYOUTS, replay_rank
@@ -128,7 +128,7 @@ def main():
     ap.add_argument("--block-n", type=int, default=128)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--layout", default="balanced", choices=list(LAYOUTS), help="as packed_ring_replay --layouts'")
-    ap.add_argument("--fixed-steps", type=float, default=7.6,
+    ap.add_argument("--fixed-steps", type=float, default=FIXED_STEPS,
                     help="the time model's fixed cost of a program, in query-block steps (docstring)")  # fmt: skip
     ap.add_argument(
         "--forward-tile",
