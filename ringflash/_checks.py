@@ -116,6 +116,21 @@ def resolve_deterministic(deterministic, api: str) -> bool:
     return deterministic or torch.are_deterministic_algorithms_enabled()
 
 
+def check_not_capturing(api: str, why: str) -> None:
+    """A RuntimeError naming `api` when the current CUDA stream is capturing a graph
+    (torch.cuda.graph, torch.cuda.make_graphed_callables, torch.compile's "reduce-overhead")
+    and the call cannot be captured: `why` says what it does on the host that a graph's
+    replays would not redo (read boundaries, draw a seed, agree across ranks). Skipped while
+    torch.compile traces (the operators check when they run)."""
+    if torch.compiler.is_compiling() or not torch.cuda.is_available():
+        return
+    if torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(
+            f"{api}: {why}, which a CUDA graph's replays would not redo: call it outside graph capture "
+            "(flash_attn_func without dropout can be captured)"
+        )
+
+
 def key_bias_from_mask(mask, dims: AttnDims, device, api: str, dtype=torch.float32):
     """key_padding_mask (B, Sk), bool (True = ignore the key) or float (added to the scores),
     as a (B, Sk) bias in `dtype` (the state dtype: float32, float64 for float64), or None."""
@@ -175,10 +190,13 @@ def _read_values(cu_q, cu_k) -> tuple[tuple, tuple]:
     return tuple(both[: cu_q.numel()]), tuple(both[cu_q.numel() :])
 
 
-def cu_values(cu_q, cu_k) -> tuple[tuple, tuple]:
+def cu_values(cu_q, cu_k, api: str = "ringflash") -> tuple[tuple, tuple]:
     """Packed documents' boundaries (two int tensors) as two tuples of ints, read to the host
     in one copy (for tensors on a GPU: one wait for its queue). GPU tensors read before, of
-    the same version (unchanged by torch since), give what was read then, without a wait."""
+    the same version (unchanged by torch since), give what was read then, without a wait.
+    Under CUDA graph capture a RuntimeError naming `api` (a replay would keep the values read
+    at capture)."""
+    check_not_capturing(api, "packed documents' boundaries (cu_seqlens) are read on the host")
     key, versions = (id(cu_q), id(cu_k)), _versions(cu_q, cu_k)
     hit = _READ_VALUES.get(key)
     if hit is not None and hit[0]() is cu_q and hit[1]() is cu_k and versions is not None and hit[2] == versions:
@@ -197,7 +215,7 @@ def check_cu_seqlens(cu_q, cu_k, total_q: int, total_k: int, device, api: str):
     total, with as many documents on both sides. Returns their values (cu_values)."""
     for name, cu in (("cu_seqlens_q", cu_q), ("cu_seqlens_k", cu_k)):
         check_cu_tensor(name, cu, device, api)
-    values_q, values_k = cu_values(cu_q, cu_k)
+    values_q, values_k = cu_values(cu_q, cu_k, api)
     for name, values, total in (("cu_seqlens_q", values_q, total_q), ("cu_seqlens_k", values_k, total_k)):
         if values[0] != 0:
             raise ValueError(f"{api}: {name} must start at 0, got {list(values[:4])}...")

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from ._checks import check_not_capturing
 from .comm import _exchange_device, group_rank_world, resolve_group
 
 _M32 = 0xFFFFFFFF
@@ -169,6 +170,8 @@ def check_dropout(dropout_p, generator, api: str) -> float:
     if generator is not None and (not isinstance(generator, torch.Generator) or generator.device.type != "cpu"):
         got = getattr(generator, "device", type(generator).__name__)
         raise ValueError(f"{api}: generator must be None or a CPU torch.Generator (seeds are drawn there), got {got}")
+    if 0.0 < dropout_p < 1.0:
+        check_not_capturing(api, "dropout draws a fresh seed on the host for every call")
     return float(dropout_p)
 
 

@@ -194,10 +194,11 @@ def flash_bwd(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dq, dk, dv of flash_fwd, given its out, m, l and the gradients of out and lse."""
     name = _backend(backend, q.device)
+    cu = None if cu_q is None else cu_values(cu_q, cu_k, "flash_attn_varlen_func")
     with local.use_backend(name):
         ctx = _Saved(
             saved_tensors=(q, k, v, out, m, l, key_bias),
-            mask=_mask(q_start, k_start, left, right, None if cu_q is None else cu_values(cu_q, cu_k), q.device),
+            mask=_mask(q_start, k_start, left, right, cu, q.device),
             scale=scale,
             backend=local.backend_for(q.device),
             dropout=_dropout(dropout_p, seed),
@@ -264,7 +265,7 @@ def _cu_seqlens_error(cu_seqlens, layout: str, api: str):
     or None."""
     if cu_seqlens is None:
         return None
-    cu = cu_values(cu_seqlens, cu_seqlens)[0]  # once per tensor and version, as the eager check
+    cu = cu_values(cu_seqlens, cu_seqlens, api)[0]  # once per tensor and version, as the eager check
     if cu == _layout(layout).cu_seqlens:
         return None
     return ValueError(f"{api}: cu_seqlens {list(cu[:6])}... is not the one the layout was built from")

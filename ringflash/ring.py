@@ -20,6 +20,7 @@ from . import ops
 from ._checks import (
     SUPPORTED_DTYPES,
     check_bool,
+    check_not_capturing,
     check_qkv,
     cu_values,
     key_bias_from_mask,
@@ -458,6 +459,8 @@ def ring_flash_attn_func(
     torch.use_deterministic_algorithms(True)) keeps the bitwise reproducible two-pass backward.
     """
     api = "ring_flash_attn_func"
+    if head_group is not None or is_mesh(group) or group_rank_world(group)[1] > 1:
+        check_not_capturing(api, _RANKS_AGREE)
     if head_group is not None or is_mesh(group):
         group, head_group = resolve_groups(group, head_group, api)
         if head_group is not None:
@@ -529,6 +532,11 @@ def ring_flash_attn_func(
     return (out, lse) if return_lse else out
 
 
+# why a CUDA graph cannot capture a call (check_not_capturing)
+_RANKS_AGREE = "the ring's ranks agree on every call, reading the result on the host"
+_PACKED_ON_HOST = "packed documents' boundaries are read and their row bounds built on the host"
+
+
 def check_packed_call(
     q, k, v, cu_seqlens, layout, causal, softmax_scale, window_size, return_lse, grad_accum_dtype, grad_chunks,
     dropout_p, generator, api, world, rank, head_pieces=(0, 1), deterministic=False,
@@ -550,7 +558,7 @@ def check_packed_call(
         raise ValueError(f"{api}: the layout was built for {layout.world} ranks, the group has {world}")
     if not (torch.compiler.is_compiling() and isinstance(cu_seqlens, torch.Tensor)):
         # a tensor: read once per tensor and version (the layers over one batch wait once)
-        cu = cu_values(cu_seqlens, cu_seqlens)[0] if isinstance(cu_seqlens, torch.Tensor) else list(cu_seqlens)
+        cu = cu_values(cu_seqlens, cu_seqlens, api)[0] if isinstance(cu_seqlens, torch.Tensor) else list(cu_seqlens)
         if tuple(cu) != layout.cu_seqlens:
             raise ValueError(f"{api}: cu_seqlens {cu[:6]}... is not the one the layout was built from")
     u, U = head_pieces
@@ -627,6 +635,7 @@ def ring_flash_attn_varlen_func(
     ring positions' whole shards at Hq / U heads. deterministic: as ring_flash_attn_func's.
     """
     api = "ring_flash_attn_varlen_func"
+    check_not_capturing(api, _PACKED_ON_HOST)
     if head_group is not None or is_mesh(group):
         group, head_group = resolve_groups(group, head_group, api)
     layout, cu_seqlens = _packed_layout(layout, cu_seqlens, causal, window_size, group, head_group, api)

@@ -247,3 +247,60 @@ def test_init_from_env_sets_nccl_up_beside_gloo(monkeypatch):
     assert seen["backend"] == "cpu:gloo,cuda:nccl"
     dist_env.init_from_env(backend="gloo")
     assert seen["backend"] == "gloo"
+
+
+def _packed_cpu(api):
+    import ringflash
+
+    q, k, v = (_t(12, 2, 16) for _ in range(3))
+    cu = torch.tensor([0, 5, 12], dtype=torch.int32)
+    if api == "flash_attn_varlen_func":
+        return lambda: ringflash.flash_attn_varlen_func(q, k, v, cu, cu, causal=True)
+    layout = ringflash.balanced_layout([0, 5, 12], 1)
+    return lambda: ringflash.ring_flash_attn_varlen_func(q, k, v, cu, layout=layout, causal=True)
+
+
+def _dense_cpu(call, **kw):
+    q, k, v = (_t(1, 12, 2, 16) for _ in range(3))
+    return lambda: call(q, k, v, causal=True, **kw)
+
+
+@pytest.mark.parametrize(
+    "api, make, raises",
+    [
+        ("flash_attn_varlen_func", lambda: _packed_cpu("flash_attn_varlen_func"), True),
+        ("ring_flash_attn_varlen_func", lambda: _packed_cpu("ring_flash_attn_varlen_func"), True),
+        ("flash_attn_func", lambda: _dense_cpu(flash_attn_func, dropout_p=0.1), True),
+        ("ring_flash_attn_func", lambda: _dense_cpu(ring_flash_attn_func, dropout_p=0.1), True),
+        ("flash_attn_func", lambda: _dense_cpu(flash_attn_func), False),
+        ("flash_attn_func", lambda: _dense_cpu(flash_attn_func, dropout_p=1.0), False),
+        ("ring_flash_attn_func", lambda: _dense_cpu(ring_flash_attn_func), False),
+    ],
+)
+def test_host_reads_raise_under_graph_capture(monkeypatch, api, make, raises):
+    """While a CUDA stream captures a graph (mocked here; tests/test_gpu_graphs.py captures
+    for real), calls that read values on the host (packed documents' boundaries) or draw them
+    there (a dropout seed) raise a RuntimeError naming the API before any work; dense calls
+    without dropout run (one rank's ring call is the local call)."""
+    fn = make()
+    fn()  # not capturing: runs
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    if raises:
+        with pytest.raises(RuntimeError, match=f"^{api}: .*CUDA graph"):
+            fn()
+    else:
+        fn()
+
+
+def test_ring_over_ranks_raises_under_graph_capture(monkeypatch):
+    """A ring over several ranks agrees across them on every call (a read to the host): under
+    capture (mocked, as the world of two ranks) it raises naming the API before any exchange."""
+    import ringflash.ring
+
+    fn = _dense_cpu(ring_flash_attn_func)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    monkeypatch.setattr(ringflash.ring, "group_rank_world", lambda group: (0, 2))
+    with pytest.raises(RuntimeError, match="^ring_flash_attn_func: the ring's ranks agree.*CUDA graph"):
+        fn()
