@@ -10,9 +10,12 @@ each peer. Medians of triton.testing.do_bench on the GPU: each call timed alone,
 flush, so a call whose host time exceeds its device time shows that host time. --steady N also
 times N calls in a row on the host clock (one synchronize at the end, median of 5), as a
 model's layers run: the host's time then overlaps the device's, and a call costs the larger of
-the two; a second table gives those ratios.
+the two; a second table gives those ratios. --graphs also times each call captured in a CUDA
+graph and replayed (do_bench's median again): every call's device work without its host time,
+as a model captured with torch.cuda.graph runs it; a table of its own.
 
     python -m benchmarks.bench_local --seqlens 4096 --steady 20
+    python -m benchmarks.bench_local --seqlens 4096 8192 --graphs
     python -m benchmarks.bench_local --head-dims 192 --v-head-dim 128 --triton-forward   # MLA's dims
 """
 
@@ -31,6 +34,7 @@ from benchmarks.common import attention_flops, bench_ms, host_seconds, step_fn, 
 from ringflash import flash_attn_func
 from ringflash.kernels import configs
 from ringflash.kernels.configs import KernelConfig
+from ringflash.testing import capture_graph
 
 
 def make_inputs(B, S, H, D, dtype, device, seed=0, Dv=None):
@@ -70,10 +74,12 @@ def runner(impl, tensors, causal, mode):
     return step_fn(call, (q, k, v), do, mode)
 
 
-def measure(impl, tensors, B, H, S, D, causal, mode, device, steady=0):
+def measure(impl, tensors, B, H, S, D, causal, mode, device, steady=0, graphs=False):
     """do_bench's median (ms, tflops); with steady=N also steady_ms / steady_tflops: N calls in
-    a row on the host clock, per call (median of 5 repeats). D: the head dim FLOPs are counted
-    at ((D + Dv) / 2 when v's differs: exact for the forward's two matmuls)."""
+    a row on the host clock, per call (median of 5 repeats); with graphs also graph_ms /
+    graph_tflops: do_bench's median of the call captured in a CUDA graph and replayed (a
+    capture that fails gives graph_error). D: the head dim FLOPs are counted at ((D + Dv) / 2
+    when v's differs: exact for the forward's two matmuls)."""
     flops = attention_flops(B, H, S, D, causal, mode)
     try:
         step = runner(impl, tensors, causal, mode)
@@ -84,6 +90,12 @@ def measure(impl, tensors, B, H, S, D, causal, mode, device, steady=0):
             result.update(steady_ms=steady_ms, steady_tflops=flops / steady_ms / 1e9)
     except Exception as e:  # a peer backend may not support a shape; say so
         return {"impl": impl, "error": f"{type(e).__name__}: {str(e)[:120]}"}
+    if graphs:
+        try:
+            graph_ms = bench_ms(capture_graph(step)[0].replay, device)
+            result.update(graph_ms=graph_ms, graph_tflops=flops / graph_ms / 1e9)
+        except Exception as e:
+            result["graph_error"] = f"{type(e).__name__}: {str(e)[:120]}"
     return result
 
 
@@ -99,7 +111,7 @@ def run_table(args, device, dtype):
             for causal in (False, True):
                 for mode in ("fwd", "fwd+bwd"):
                     res = {"D": D, "Dv": Dv, "S": S, "causal": causal, "mode": mode}
-                    shape = (args.batch, args.heads, S, (D + Dv) / 2, causal, mode, device, args.steady)
+                    shape = (args.batch, args.heads, S, (D + Dv) / 2, causal, mode, device, args.steady, args.graphs)
                     res["ringflash"] = measure("ringflash", qkv, *shape)
                     for p in peers:
                         res[p] = measure(p, qkv if p.startswith("ringflash") else sdpa, *shape)
@@ -208,14 +220,15 @@ def tune(args, device, dtype):
 
 
 def print_table(rows, key="tflops"):
-    """TFLOP/s by `key`: "tflops" (do_bench) or "steady_tflops" (--steady); D/Dv where v's head
-    dim differs; with --triton-forward, ours with the Triton forward beside."""
+    """TFLOP/s by `key`: "tflops" (do_bench), "steady_tflops" (--steady) or "graph_tflops"
+    (--graphs); D/Dv where v's head dim differs; with --triton-forward, ours with the Triton
+    forward beside."""
     triton_fwd = any("ringflash_triton_fwd" in r for r in rows)
     print(
         f"\n{'D':>7} {'S':>6} {'causal':>6} {'mode':>8} | {'ringflash':>9} {'flash':>7} {'cudnn':>7} | "
         f"{'vs flash':>8} {'vs cudnn':>8}"
         + (f" | {'triton fwd':>10} {'vs it':>6}" if triton_fwd else "")
-        + ("   (calls in a row)" if key != "tflops" else "")
+        + {"tflops": "", "steady_tflops": "   (calls in a row)", "graph_tflops": "   (replayed CUDA graphs)"}[key]
     )
     for r in rows:
         rf = r["ringflash"].get(key, float("nan"))
@@ -248,8 +261,11 @@ def main():
     ap.add_argument("--write-configs", type=Path, help="with --tune: save the best configs (JSON)")
     ap.add_argument("--smoke", action="store_true", help="tiny CPU sizes")
     ap.add_argument("--steady", type=int, default=0, metavar="N", help="also time N calls in a row (host clock)")
+    ap.add_argument("--graphs", action="store_true", help="also time each call replayed from a CUDA graph (GPU)")
     args = ap.parse_args()
     device = "cuda" if torch.cuda.is_available() and not args.smoke else "cpu"
+    if args.graphs and device != "cuda":
+        ap.error("--graphs needs a GPU (CUDA graphs)")
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
     if args.smoke:
         args.seqlens, args.head_dims, args.heads, dtype = [64], [32], 2, torch.float32
@@ -277,6 +293,8 @@ def main():
         print_table(out["rows"])
         if args.steady:
             print_table(out["rows"], "steady_tflops")
+        if args.graphs:
+            print_table(out["rows"], "graph_tflops")
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
 """Host cost per call on one GPU (diagnostic): flash_attn_func forward and forward+backward at
---seq-lens (B=1, H=32, D=128, causal, bf16), flash_attn_varlen_func forward+backward over many
+--seq-lens (B=1, H=32, D=128 or --head-dim, causal, bf16), flash_attn_varlen_func forward+backward over many
 short documents in 16K (benchmarks.packed's "short" mix), and one packed ring rank replayed
 (benchmarks.packed_ring_replay: longtail documents in --ring-total over --ring-world ranks), each
 as wall time per call, the device's busy time per call and a cProfile by self and by cumulative
@@ -151,9 +151,9 @@ def report(name, fn, calls, lines, split_only=False):
         print(text.getvalue(), flush=True)
 
 
-def local_calls(seq_lens):
+def local_calls(seq_lens, head_dim=128):
     for S in seq_lens:
-        q, k, v = (torch.randn(1, S, 32, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+        q, k, v = (torch.randn(1, S, 32, head_dim, device="cuda", dtype=torch.bfloat16) for _ in range(3))
         qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
 
         def fwd(q=q, k=k, v=v):
@@ -163,8 +163,8 @@ def local_calls(seq_lens):
         def train(qg=qg, kg=kg, vg=vg):
             ringflash.flash_attn_func(qg, kg, vg, causal=True).sum().backward()
 
-        yield f"flash_attn_func S={S} no_grad", fwd
-        yield f"flash_attn_func S={S} fwd+bwd", train
+        yield f"flash_attn_func S={S} D={head_dim} no_grad", fwd
+        yield f"flash_attn_func S={S} D={head_dim} fwd+bwd", train
 
 
 def packed_call():
@@ -251,6 +251,7 @@ def main():
         "--sections", nargs="+", default=["local", "packed", "ring"], choices=["local", "packed", "ring", "launch"]
     )
     ap.add_argument("--seq-lens", type=int, nargs="+", default=[1024, 4096])
+    ap.add_argument("--head-dim", type=int, default=128, help="the local calls' head dim")
     ap.add_argument("--ring-total", type=int, default=131072)
     ap.add_argument("--ring-world", type=int, default=4)
     ap.add_argument("--ring-rank", type=int, default=0)
@@ -271,7 +272,7 @@ def main():
                     print(f"{name:32s} {per_call_us(fn, args.calls):8.1f} us per call", flush=True)
                 continue
             if section == "local":
-                calls = [(c, args.calls) for c in local_calls(args.seq_lens)]
+                calls = [(c, args.calls) for c in local_calls(args.seq_lens, args.head_dim)]
             elif section == "packed":
                 calls = [(c, args.calls) for c in packed_call()]
             else:

@@ -9,7 +9,8 @@ The oracles: naive_attention (every score materialized, any dtype, float64 by de
 reference (its output and gradients in float64), flash_plain (the flash algorithm written
 plainly, the baseline of a flash kernel's error), plain_errors (the error of the plain
 computations against a reference, over several summation orders), max_err, rel_rms;
-dropout_factors (naive_attention's weights under dropout).
+dropout_factors (naive_attention's weights under dropout). capture_graph: a call captured in
+a CUDA graph as torch asks.
 """
 
 from __future__ import annotations
@@ -143,6 +144,24 @@ def replay_ring(
 
 
 # ----------------------------------------------------------------------------- oracles
+
+
+def capture_graph(fn, warmup: int = 3):
+    """(graph, result): fn() captured once in a torch.cuda.CUDAGraph after `warmup` calls on a
+    side stream, as torch.cuda.graph asks (kernels compiled, launch plans made, the allocator
+    settled); result is what the captured call returned, its tensors rewritten by every
+    graph.replay(). fn reads and writes the same tensors on every replay: put new inputs into
+    them in place (copy_) before replaying."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmup):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        result = fn()
+    return graph, result
 
 
 def _visible(Sq, Sk, causal, window_size, q_pos, k_pos, device):
