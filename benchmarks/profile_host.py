@@ -20,6 +20,7 @@ import importlib
 import io
 import pstats
 import time
+from unittest import mock
 
 import numpy as np
 import torch
@@ -264,8 +265,21 @@ def main():
     ap.add_argument("--calls", type=int, default=100, help="calls per timing and per profile (the ring: a tenth)")
     ap.add_argument("--lines", type=int, default=30, help="cProfile lines per ordering")
     ap.add_argument("--split", action="store_true", help="inclusive timers per layer instead of cProfile")
+    ap.add_argument(
+        "--plain-launch",
+        action="store_true",
+        help="kept launch plans launch through launcher.launch (keyed per call) instead of their KeptLaunch",
+    )
+    ap.add_argument(
+        "--compare-plain-launch",
+        type=int,
+        metavar="ROUNDS",
+        help="instead of the report: each call's host time per call with kept launches and with --plain-launch, "
+        "alternating over ROUNDS rounds of --calls calls (the order swapped every round), medians",
+    )
     args = ap.parse_args()
-    with documents_backward(args.documents_backward):
+    plain = plain_launch() if args.plain_launch else contextlib.nullcontext()
+    with documents_backward(args.documents_backward), plain:
         for section in args.sections:
             if section == "launch":
                 for name, fn in launch_layers():
@@ -280,7 +294,37 @@ def main():
                     (c, max(args.calls // 10, 1)) for c in ring_rank(args.ring_total, args.ring_world, args.ring_rank)
                 ]
             for (name, fn), n in calls:
-                report(name, fn, n, args.lines, args.split)
+                if args.compare_plain_launch:
+                    compare_plain_launch(name, fn, n, args.compare_plain_launch)
+                else:
+                    report(name, fn, n, args.lines, args.split)
+
+
+def plain_launch():
+    """A context in which kept launch plans launch through launcher.launch, as before KeptLaunch."""
+    from ringflash.kernels import launcher
+
+    return mock.patch.object(
+        launcher.KeptLaunch, "__call__", lambda self, kernel, grid, a, kw: launcher.launch(kernel, grid, *a, **kw)
+    )
+
+
+def compare_plain_launch(name, fn, calls, rounds):
+    """Host time per call of fn with kept launches and with plain ones, alternating in one
+    process (the host's speed drifts between processes and machine starts by more than the
+    difference): medians over the rounds, and their ratio."""
+    times = {"kept": [], "plain": []}
+    arms = {"kept": contextlib.nullcontext, "plain": plain_launch}
+    for r in range(rounds):
+        for arm in ("kept", "plain") if r % 2 == 0 else ("plain", "kept"):
+            with arms[arm]():
+                times[arm].append(per_call_us(fn, calls))
+    kept, plain = (float(np.median(times[a])) for a in ("kept", "plain"))
+    print(
+        f"{name}: kept {kept:.1f} us, plain {plain:.1f} us per call (medians of {rounds}); "
+        f"kept / plain {kept / plain:.3f}",
+        flush=True,
+    )
 
 
 if __name__ == "__main__":

@@ -519,6 +519,10 @@ def test_gluon_backward_counter_per_call(monkeypatch):
 
     monkeypatch.setattr(gb, "launch_row_stats", one_launch)
     monkeypatch.setattr(gb, "launch", lambda kernel, grid, *args, **kw: launched.append(int(kw_counter(args))))
+    # a kept plan's launches (plans.Plan.launch) alike
+    monkeypatch.setattr(
+        launcher.KeptLaunch, "__call__", lambda self, kernel, grid, args, kw: launched.append(int(kw_counter(args)))
+    )
     launched = []
     for causal in (True, False):
         zeroed_by_stats.clear()
@@ -618,3 +622,55 @@ def test_plans_are_kept_from_the_second_call_on():
     assert plans.get("a") is None and len(plans) == 2
     with pytest.raises(ValueError, match="no tensor"):
         Plan(None, (1,), (torch.zeros(1),), {}, (torch.zeros(1),))
+
+
+def test_kept_launch_calls_the_compiled_kernel_without_the_key(monkeypatch):
+    """A plan's KeptLaunch: the first launch goes through Triton (which compiles), the second
+    through launch()'s keyed fast path, and from then on the compiled kernel runs directly with
+    the same values (the keyword arguments and defaults after the positional ones) without
+    classifying any argument; with launch hooks installed, or on another device, it goes
+    through launch() again."""
+    runs, through_triton = [], []
+
+    class Compiled:
+        function, packed_metadata = "fn", "meta"
+
+        def run(self, *values):
+            runs.append(values)
+
+    compiled = Compiled()
+
+    class Param:
+        def __init__(self, constexpr):
+            self.is_constexpr = constexpr
+
+    class Kernel:
+        params = [Param(False), Param(False), Param(True), Param(False)]
+
+        class signature:  # noqa: N801  (inspect.Signature's attribute)
+            parameters = {n: type("P", (), {"default": d})() for n, d in (("a", 0), ("b", 0), ("C", 0), ("d", 5))}
+
+        def __getitem__(self, grid):
+            return lambda *a, **kw: through_triton.append((grid, a, kw)) or compiled
+
+    fast, device = [True], [0]
+    monkeypatch.setattr(launcher, "fast_path_applies", lambda kernel: fast[0])
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: device[0])
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda d: 100 + d, raising=False)
+    kernel, kept = Kernel(), launcher.KeptLaunch()
+    args, kwargs = (3, 16), {"C": 8}
+    assert kept(kernel, (2,), args, kwargs) is compiled and len(through_triton) == 1 and not runs
+    assert kept(kernel, (2,), args, kwargs) is compiled and len(runs) == 1  # keyed fast path
+    expected = (2, 1, 1, 100, "fn", "meta", None, None, None, 3, 16, 8, 5)
+    assert runs[-1] == expected
+
+    def no_key(x):
+        raise AssertionError("classified again")
+
+    monkeypatch.setattr(launcher, "_arg_class", no_key)
+    assert kept(kernel, (2,), args, kwargs) is compiled and runs[-1] == expected and len(runs) == 2
+    fast[0] = False  # launch hooks (a profiler): Triton's own path, every launch
+    assert kept(kernel, (2,), args, kwargs) is compiled and len(through_triton) == 2 and len(runs) == 2
+    fast[0], device[0] = True, 1  # another device: launch()'s keyed path, which classifies
+    with pytest.raises(AssertionError, match="classified again"):
+        kept(kernel, (2,), args, kwargs)

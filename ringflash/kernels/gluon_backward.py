@@ -760,6 +760,7 @@ class Prepared:
     finish: object = None
     tile_counter: torch.Tensor | None = None
     counter_zeroed: bool = False
+    kept: object = None  # a kept plan's launcher (plans.Plan.launch), else None: launcher.launch
 
     def launch(self):
         with on_device(self.dq32):
@@ -768,7 +769,10 @@ class Prepared:
                     self.counter_zeroed = False
                 else:
                     self.tile_counter.zero_()
-            launch(self.kernel, self.grid, *self.args, **self.kwargs)
+            if self.kept is not None:
+                self.kept(self.kernel, self.grid, self.args, self.kwargs)
+            else:
+                launch(self.kernel, self.grid, *self.args, **self.kwargs)
 
     def __call__(self):
         self.launch()
@@ -823,7 +827,9 @@ def prepare(
     tensors = (q, k, v, stats, do, dq32, dk, dv, *((None, None) if bounds is None else (bounds.q_lo, bounds.q_hi)),
                counter)  # fmt: skip
     if plan is not None:
-        return Prepared(plan.kernel, plan.grid, plan.args_for(tensors), plan.kwargs, dq32, finish, counter, zeroed)
+        return Prepared(
+            plan.kernel, plan.grid, plan.args_for(tensors), plan.kwargs, dq32, finish, counter, zeroed, plan.launch
+        )
     kernel, grid, args, kwargs = launch_plan(
         q,
         k,

@@ -342,7 +342,7 @@ def forward(
     plan = _PLANS.get(signature)
     if plan is not None:  # checked and planned before: only the tensors differ
         with on_device(q):
-            launch(plan.kernel, plan.grid, *plan.args_for(tensors), **plan.kwargs)
+            plan.launch(plan.kernel, plan.grid, plan.args_for(tensors), plan.kwargs)
         return
     cfg = _resolve(q, v, config)
     check_supported(q, k, v, out_o, out_m, out_l, normalize=normalize, fold=fold, cfg=cfg)

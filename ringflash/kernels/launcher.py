@@ -99,18 +99,24 @@ def on_device(t: torch.Tensor):
 def launch(kernel, grid, *args, **kwargs):
     """kernel[grid](*args, **kwargs), on the current CUDA device and stream (on_device(t) makes
     a tensor's device the current one)."""
+    return _launch(kernel, grid, args, kwargs)[0]
+
+
+def _launch(kernel, grid, args, kwargs):
+    """launch()'s work: (what the launch returns, and where it took the fast path (compiled,
+    the trailing values the keyword arguments and defaults give, device), else None)."""
     if not fast_path_applies(kernel):
-        return kernel[grid](*args, **kwargs)
+        return kernel[grid](*args, **kwargs), None
     constexpr = _constexpr_positions(kernel)
     classes = tuple([("c", a) if c else _arg_class(a) for a, c in zip(args, constexpr)])
     if len(args) > len(constexpr) or None in classes or any(isinstance(v, torch.Tensor) for v in kwargs.values()):
-        return kernel[grid](*args, **kwargs)
+        return kernel[grid](*args, **kwargs), None
     device = torch.cuda.current_device()
     key = (kernel, device, classes, tuple(kwargs.items()))
     try:
         hit = _COMPILED.get(key)
     except TypeError:  # an unhashable keyword value
-        return kernel[grid](*args, **kwargs)
+        return kernel[grid](*args, **kwargs), None
     if hit is None:
         compiled = kernel[grid](*args, **kwargs)
         if hasattr(compiled, "function") and getattr(compiled, "run", None) is not None:
@@ -119,10 +125,37 @@ def launch(kernel, grid, *args, **kwargs):
             if len(_COMPILED) >= _KEPT:
                 _COMPILED.pop(next(iter(_COMPILED)))
             _COMPILED[key] = (compiled, names[len(args) :], defaults)
-        return compiled
+        return compiled, None
     compiled, rest, defaults = hit
-    values = (*args, *(kwargs[n] if n in kwargs else defaults[n] for n in rest))
+    tail = tuple(kwargs[n] if n in kwargs else defaults[n] for n in rest)
+    _run(compiled, device, grid, (*args, *tail))
+    return compiled, (compiled, tail, device)
+
+
+def _run(compiled, device: int, grid, values) -> None:
+    """The compiled kernel's own launcher on `device`'s current stream."""
     g0, g1, g2 = (*grid, 1, 1)[:3]
     stream = torch._C._cuda_getCurrentRawStream(device)
     compiled.run(g0, g1, g2, stream, compiled.function, compiled.packed_metadata, None, None, None, *values)
-    return compiled
+
+
+class KeptLaunch:
+    """The launches of one launch plan (plans.Plan), whose every argument follows from its
+    signature, so that Triton specializes them all alike: once one took launch()'s fast path,
+    the later ones call the compiled kernel directly, without classifying and hashing every
+    argument again (~25 us of host time per launch of the Gluon forward's 33 arguments). Called
+    as launch() is, with the plan's kernel, grid and keyword arguments each time."""
+
+    __slots__ = ("_fast",)
+
+    def __init__(self):
+        self._fast = None  # (compiled, tail, device) of the first fast launch
+
+    def __call__(self, kernel, grid, args, kwargs):
+        fast = self._fast
+        if fast is not None and fast_path_applies(kernel) and torch.cuda.current_device() == fast[2]:
+            compiled, tail, device = fast
+            _run(compiled, device, grid, (*args, *tail))
+            return compiled
+        result, self._fast = _launch(kernel, grid, args, kwargs)
+        return result

@@ -18,6 +18,8 @@ from collections import OrderedDict
 
 import torch
 
+from .launcher import KeptLaunch
+
 _KEPT = 256  # plans kept (least recently used dropped): the ring's steps and chunks each have their own
 
 
@@ -60,12 +62,13 @@ class Plan:
     built from (their places are empty until args_for fills them): a kept plan must not keep a
     call's inputs and outputs alive, which can be gigabytes at long sequences."""
 
-    __slots__ = ("kernel", "grid", "args", "kwargs", "extra", "_slots")
+    __slots__ = ("kernel", "grid", "args", "kwargs", "extra", "_slots", "launch")
 
     def __init__(self, kernel, grid, args, kwargs, tensors, extra=None):
         if any(isinstance(v, torch.Tensor) for v in kwargs.values()):
             raise ValueError("a keyword argument is a tensor: it cannot be replanned")
         self.kernel, self.grid, self.kwargs, self.extra = kernel, grid, kwargs, extra
+        self.launch = KeptLaunch()  # launch(kernel, grid, args, kwargs): its specialization kept
         args, slots = list(args), []
         for i, a in enumerate(args):
             descriptor = not isinstance(a, torch.Tensor) and isinstance(getattr(a, "base", None), torch.Tensor)
