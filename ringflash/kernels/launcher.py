@@ -19,6 +19,8 @@ conservative: two calls share a key only if Triton specializes them alike
   bool, float, None, str -> the type (and the value for bool and None);
   tensor descriptor -> its type, dtype, block shape, layout and padding.
 Anything else, launch hooks installed (a profiler), or the interpreter: Triton's own path.
+A kept launch plan (plans.Plan, whose signature fixes every argument's specialization) launches
+through its KeptLaunch, which after its first fast launch skips even the key.
 """
 
 from __future__ import annotations
