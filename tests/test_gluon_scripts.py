@@ -1,0 +1,352 @@
+"""The Gluon kernels' compile checks and check harnesses keep working on the CPU (sm_90a
+compiled with the bundled ptxas, the harnesses in their CPU dry runs). Apart from
+test_scripts.py so that the two CI workers (pytest --dist loadfile) share these long tests."""
+
+import json
+import sys
+
+from commands import run
+
+
+def test_gluon_forward_compiles_for_hopper(tmp_path):
+    """The Gluon forward variants the package uses (configs.GLUON_FWD, GLUON_FWD_DOCUMENTS)
+    compile for sm_90a on this CPU machine: local causal (bf16), a sliding window, a ring step
+    (fold, float32 state, fp16), head dims 96 and 192 (each in two pieces: 64 + 32, 128 + 64)
+    and packed documents (per-row bounds, local and folded), within the shared memory, a wgmma
+    left in flight (wait_group 1, or 2 behind v's two pieces), no spills except the few bytes
+    the 128-key tiles spill where a GPU measured them faster than the spill-free 64-key ones:
+    with per-row bounds (configs.GLUON_FWD_DOCUMENTS) at most ROWS_SPILL_BYTES, and MLA's
+    192 / 128 (one register kept across the key loop, dense and causal: MLA_SPILL_BYTES; with a
+    window, untimed, MLA_WINDOW_SPILL_BYTES), as when measured; and the persistent programs of
+    short key ranges (configs.GLUON_FWD_SHORT, dense and causal, local and folded), which spill
+    at most PERSISTENT_SPILL_BYTES per tile (a few tile scalars kept across the key loop,
+    stored before it and loaded after it: SASS), as when measured; and the long key ranges'
+    variants (configs.GLUON_FWD_LONG, dense and causal, local and folded) without spills; and
+    the dense blocks' wide key blocks (configs.GLUON_FWD_DENSE, local and folded, in two pieces:
+    a second wgmma group of scores), at most DENSE_SPILL_BYTES, as when measured."""
+    from ringflash.kernels.configs import (
+        GLUON_FWD,
+        GLUON_FWD_DENSE,
+        GLUON_FWD_DOCUMENTS,
+        GLUON_FWD_LONG,
+        GLUON_FWD_SHORT,
+    )
+
+    ROWS_SPILL_BYTES = 40
+    MLA_SPILL_BYTES, MLA_WINDOW_SPILL_BYTES = 8, 48
+    PERSISTENT_SPILL_BYTES = 32
+    DENSE_SPILL_BYTES = 20
+
+    cases = [f"{v}:{D}:1:bf16:1:0" for D, v in GLUON_FWD.items()]  # every head dim, causal
+    v = GLUON_FWD[128]
+    cases += [f"{v}:128:0:fp16:0:1", f"{v}:128:1:bf16:1:0:window"]
+    # head dims under their padding (zero columns, O stored to its true width): local, ring step
+    cases += [f"{v}:96:1:bf16:1:0", f"{GLUON_FWD[256]}:192:0:fp16:0:1"]
+    # v's head dim apart from q/k's (MLA's 192 / 128; V and O tiles of their own width): local, ring step
+    cases += [
+        f"{GLUON_FWD[256]}:192/128:1:bf16:1:0",
+        f"{GLUON_FWD[256]}:192/128:0:fp16:0:1:window",
+        f"{GLUON_FWD_DOCUMENTS[256]}:192/128:1:bf16:0:1:rows",
+        f"{v}:128/64:0:fp16:0:1",
+    ]
+    cases += [c for D, v in GLUON_FWD_DOCUMENTS.items() for c in (f"{v}:{D}:1:bf16:1:0:rows",
+                                                                  f"{v}:{D}:0:fp16:0:1:rows")]  # fmt: skip
+    cases += [c for D, v in GLUON_FWD_SHORT.items() for c in (f"{v}:{D}:1:bf16:1:0", f"{v}:{D}:0:fp16:0:1")]
+    cases += [c for D, v in GLUON_FWD_LONG.items() for c in (f"{v}:{D}:1:bf16:1:0", f"{v}:{D}:0:fp16:0:1")]
+    cases += [c for D, v in GLUON_FWD_DENSE.items() for c in (f"{v}:{D}:0:bf16:1:0", f"{v}:{D}:0:fp16:0:1")]
+    run([sys.executable, "benchmarks/gluon_report.py", "--jobs", "2", "--json", str(tmp_path / "g.json")]
+        + [a for c in cases for a in ("--case", c)], tmp_path, expect_ok=False)  # fmt: skip
+    rows = json.loads((tmp_path / "g.json").read_text())  # (the report exits 1 on any spill)
+    assert len(rows) == len(cases)
+    for r in rows:
+        assert "error" not in r, r
+        if r["mask"] == "rows":
+            allowed = ROWS_SPILL_BYTES
+        elif r["config"]["persistent"]:
+            allowed = PERSISTENT_SPILL_BYTES
+        elif r["config"]["block_nt"]:
+            allowed = DENSE_SPILL_BYTES
+            assert r["sass_waits"].get("2"), r  # the scores land with PV's two groups in flight
+        elif (r["D"], r.get("Dv")) == (192, 128):
+            allowed = MLA_WINDOW_SPILL_BYTES if r["mask"] == "window" else MLA_SPILL_BYTES
+        else:
+            allowed = 0
+        assert r["spill_bytes"] <= allowed and any(int(n) > 0 for n in r["sass_waits"]), r
+        assert all(p.startswith("spills") for p in r["problems"]), r
+
+
+def test_gluon_forward_early_p_frees_registers(tmp_path):
+    """P made the 16-bit PV operand early (GluonConfig.p_early) keeps half as many registers of
+    it live across the key loop: three consumer warpgroups on 192 x 128 tiles (ws3, 160
+    registers a thread) compile without spills at D=64 (with float32 P live they spilled 4 KB),
+    and ws2_s3's tiles with it (ws2_pe) use fewer registers than without, at D=64 and 128."""
+    cases = ["ws3:64:1:bf16:1:0", "ws3:64:0:fp16:0:1"]
+    cases += [f"{v}:{D}:1:bf16:1:0" for v in ("ws2_s3", "ws2_pe") for D in (64, 128)]
+    run([sys.executable, "benchmarks/gluon_report.py", "--jobs", "2", "--json", str(tmp_path / "g.json")]
+        + [a for c in cases for a in ("--case", c)], tmp_path)  # fmt: skip
+    rows = json.loads((tmp_path / "g.json").read_text())
+    assert len(rows) == len(cases) and not any("error" in r for r in rows), rows
+    by = {(r["name"], r["D"], r["fold"]): r for r in rows}
+    for fold in (0, 1):
+        r = by["ws3", 64, fold]
+        assert r["spill_bytes"] == 0 and r["problems"] == [] and any(int(n) > 0 for n in r["sass_waits"]), r
+    for D in (64, 128):
+        early, late = by["ws2_pe", D, 0], by["ws2_s3", D, 0]
+        assert early["spill_bytes"] == late["spill_bytes"] == 0
+        assert early["sass_regs"] < late["sass_regs"], (early["sass_regs"], late["sass_regs"])
+
+
+def test_gluon_forward_short_group_last_compiles(tmp_path):
+    """The launch order with the short group of heads last (GluonConfig.tile_order "short_last",
+    the kernel's SHORT_GROUP_FIRST constexpr off; the defaults have it on and compile in the
+    tests above) compiles for sm_90a without spills and with a wgmma left in flight, causal,
+    local and folded."""
+    cases = ["ws3_short_last:64:1:bf16:1:0", "ws2_s3_short_last:128:1:fp16:0:1"]
+    run([sys.executable, "benchmarks/gluon_report.py", "--jobs", "2", "--json", str(tmp_path / "g.json")]
+        + [a for c in cases for a in ("--case", c)], tmp_path)  # fmt: skip
+    rows = json.loads((tmp_path / "g.json").read_text())
+    assert len(rows) == len(cases)
+    for r in rows:
+        assert "error" not in r and r["spill_bytes"] == 0 and r["problems"] == [], r
+        assert r["config"]["tile_order"] == "short_last" and any(int(n) > 0 for n in r["sass_waits"]), r
+
+
+def test_gluon_check_catches_a_wrong_forward_at_head_dims_in_pieces(tmp_path):
+    """benchmarks/gluon_check.py's correctness harness on the CPU (a float64 stand-in for the
+    kernel, --cpu-dry-run) at head dims the forward runs in two pieces: every case passes with
+    the right stand-in, and a stand-in that ignores the causal mask fails the causal ones."""
+    for mode, want_all in (("ok", True), ("bug", False)):
+        out = tmp_path / f"{mode}.json"
+        run([sys.executable, "benchmarks/gluon_check.py", "--cpu-dry-run", mode, "--quick", "--head-dims", "96", "192",
+             "--variants", "ws2_s3", "--skip-timing", "--jobs", "0", "--json", str(out)], tmp_path)  # fmt: skip
+        rows = json.loads(out.read_text())["correctness"]
+        assert {r["D"] for r in rows} == {96, 192} and len(rows) >= 10, rows
+        if want_all:
+            assert all(r["status"] == "PASS" for r in rows), [r for r in rows if r["status"] != "PASS"]
+        else:
+            assert all(r["status"] == "FAIL" for r in rows if r["causal"]), rows
+
+
+def test_gluon_bwd_check_catches_a_wrong_backward_with_v_head_dim_apart(tmp_path):
+    """benchmarks/gluon_bwd_check.py's harness on the CPU (--cpu-dry-run: a float32 emulation of
+    the kernel's blocking, the blocked dQ's finish interpreted) at MLA's head dims (192 / 128)
+    for the pieces variant and the padded one: every case passes with the right emulation, and
+    one without the causal diagonal mask fails every causal case."""
+    for mode, variants in (("emulate", ["split_d_pieces", "split_d_blk"]), ("bug", ["split_d_pieces"])):
+        out = tmp_path / f"{mode}.json"
+        run([sys.executable, "benchmarks/gluon_bwd_check.py", "--cpu-dry-run", mode, "--quick", "--head-dim", "192",
+             "--v-head-dim", "128", "--variants", *variants, "--skip-timing", "--jobs", "0", "--json", str(out)],
+            tmp_path)  # fmt: skip
+        rows = json.loads(out.read_text())["correctness"]
+        assert {r["variant"] for r in rows} == set(variants) and len(rows) >= 7 * len(variants), rows
+        if mode == "emulate":
+            assert all(r["status"] == "PASS" for r in rows), [r for r in rows if r["status"] != "PASS"]
+        else:
+            assert all(r["status"] == "FAIL" for r in rows if r["causal"]), rows
+
+
+def test_gluon_backward_blocked_dq_layout():
+    """The blocked float32 dQ of the Gluon backward (cfg.dq_blocked): the launcher's view inverts
+    the kernel's offsets (_gluon_bwd._red_add_blocked), and its finish (one Triton launch, here
+    interpreted) scales, un-permutes and casts (or adds) into dq of any strides, ragged last
+    block included, at both head dims and at one under its padding (96 in a 128-wide buffer)."""
+    import torch
+
+    from ringflash.kernels import gluon_backward as gb
+
+    cfg = gb.VARIANTS["ws2_blk"][128]
+    B, Sq, Hq = 2, 130, 3
+    for D in (128, 64, 96):  # 96: a buffer 128 wide, whose padding columns are not dQ's
+        W = gb.padded_head_dim(D)
+        acc = torch.arange(B * Hq * gb.padded_rows(Sq, cfg) * W, dtype=torch.float32).view(B, Hq, -1, W)
+        nat = gb.dq_natural_view(acc)
+        corners = [(0, 0, 0, 0, 0, 0, 0, 0, 0, 0), (1, 2, 3, 1, 5, 2, 1, W // 16 - 1, 2, 1)]
+        for b, n, w, h, g, hq, wg, j, t, e in corners:
+            # the kernel: tile (b, hq, 64-row block n, warpgroup wg) at ((b Hq + hq) Sq_pad + 64 n) W + 32 W wg,
+            # element (r = 16 w + 8 h + g, c = 8 j + 2 t + e) at (w * 8 W + g * 16 + h * 2) + (j * 128 + t * 4 + e)
+            flat = ((b * Hq + hq) * acc.shape[2] + 64 * n) * W + 32 * W * wg + w * 8 * W + g * 16 + h * 2
+            assert nat[b, n, w, h, g, hq, wg, j, t, e].item() == flat + j * 128 + t * 4 + e
+        natural = nat.reshape(B, -1, Hq, W)[:, :Sq, :, :D]  # (B, Sq, Hq, D) in row order
+        for dtype, accumulate, layout in [(torch.bfloat16, False, "contiguous"), (torch.float32, True, "contiguous"),
+                                          (torch.float16, True, "heads first")]:  # fmt: skip
+            if layout == "contiguous":
+                dq = torch.ones(B, Sq, Hq, D, dtype=dtype)
+            else:  # (B, Hq, Sq, D) memory seen as (B, Sq, Hq, D)
+                dq = torch.ones(B, Hq, Sq, D, dtype=dtype).transpose(1, 2)
+            # 16-bit: values a 16-bit float holds exactly (the interpreter rounds to bfloat16
+            # toward zero, the GPU to nearest)
+            wrap = 64 if dtype != torch.float32 else acc.numel()
+            acc32, finish = gb.dq_buffer(dq, scale=0.5, accumulate=accumulate, cfg=cfg)
+            acc32.copy_(acc % wrap)
+            finish()
+            want = (natural % wrap) * 0.5 + (1.0 if accumulate else 0.0)
+            assert torch.equal(dq, want.to(dtype)), (D, dtype, layout)
+
+
+def test_gluon_backward_blocked_dq_narrow_tile():
+    """A dQ piece narrower than the blocked buffer's tiles (split_d_pieces' tail: 64 columns into
+    the second 128-wide tile of a 256-wide buffer, _red_add_blocked with TILE_COLS = 128) lands,
+    through the launcher's view, at dQ columns 128 .. 191 and nowhere else."""
+    import torch
+
+    from ringflash.kernels import gluon_backward as gb
+
+    W, tile_cols, cols = 256, 128, 64
+    acc = torch.zeros(1, 1, 64, W)
+    r = torch.arange(64)[:, None]
+    c = torch.arange(cols)[None, :]
+    # the kernel's offsets (_red_add_blocked, WIDTH = TILE_COLS) within tile 1 of the 64-row block
+    offs = 1 * 64 * tile_cols + (r // 16) * (tile_cols * 16) + (r % 8) * 16 + ((r // 8) % 2) * 2
+    offs = offs + (c // 8) * 128 + ((c // 2) % 4) * 4 + (c % 2)
+    vals = (r * 1000 + c).float()  # row r, piece column c
+    acc.view(-1)[offs.reshape(-1)] = vals.reshape(-1)
+    dq = gb.dq_natural_view(acc).reshape(1, 64, 1, W)[0, :, 0]  # (rows, W) in dQ's order
+    assert torch.equal(dq[:, 128:192], vals)
+    assert not dq[:, :128].any() and not dq[:, 192:].any()
+
+
+def test_gluon_backward_compiles_for_hopper(tmp_path):
+    """The Gluon backward's variants keep compiling for
+    sm_90a on this CPU machine, causal bf16 accumulating into float32 (a ring step), at D=128
+    and at 96 (run 128 wide): no spills, within the shared memory, S^T and dP^T left in flight
+    (wait_group 1), vectorized dQ adds, dK / dV stored in vectors (not 16 bits at a time: the
+    persistent programs' per-block strides once lost their alignment). The default among them
+    (its grouped heads and downward walk), the same in persistent programs taking key blocks from
+    a counter (D=64's default for causal launches), and packed documents' per-row bounds in
+    persistent programs (ws2_lag_pc, its producer planning each block's query blocks)."""
+    from ringflash.kernels import configs
+
+    variants = ["ws2", "ws2_blk", "ws2_lag", "ws2_lagq", "ws2_lag_grouped_down", "ws2_lag_grouped_down_pc"]
+    variants += [v for v in (configs.GLUON_BWD[128],) if v not in variants]
+    run([sys.executable, "benchmarks/gluon_bwd_report.py", "--variants", *variants, "--head-dims", "128", "--causal",
+         "1", "--dtypes", "bf16", "--accumulate", "1", "--jobs", "1", "--json", str(tmp_path / "b.json")],
+        tmp_path)  # fmt: skip
+    rows = json.loads((tmp_path / "b.json").read_text())
+    assert len(rows) == len(variants)
+    # a head dim under its tile width (96 in 128: masked stores, clamped dQ columns), blocked dQ
+    # and row-major
+    padded = ["ws2_lag", "ws2"]
+    run([sys.executable, "benchmarks/gluon_bwd_report.py", "--variants", *padded, "--head-dims", "96", "--causal",
+         "1", "--dtypes", "bf16", "--accumulate", "1", "--jobs", "1", "--json", str(tmp_path / "p.json")],
+        tmp_path)  # fmt: skip
+    rows += json.loads((tmp_path / "p.json").read_text())
+    run([sys.executable, "benchmarks/gluon_bwd_report.py", "--variants", "ws2_lag_pc", "--head-dims", "128", "--rows",
+         "--causal", "0", "--dtypes", "bf16", "--accumulate", "1", "--jobs", "1", "--json", str(tmp_path / "r.json")],
+        tmp_path)  # fmt: skip
+    rows += json.loads((tmp_path / "r.json").read_text())
+    assert len(rows) == len(variants) + len(padded) + 1 and rows[-1]["rows"] and rows[-1]["config"]["persistent"]
+    for r in rows:
+        assert not r["problems"] and r["spill_bytes"] == 0 and r["sass_waits"].get("1", 0) > 0, r
+        assert r["stg_16"] == 0, r
+
+
+def test_gluon_backward_split_head_dim_compiles_for_hopper(tmp_path):
+    """The head-dim split schedule (D=256, and 192 run 256 wide), blocked and row-major dQ,
+    causal bf16 accumulating (a ring step), with a window, with per-row bounds and with v's head
+    dim apart (192 / 128): no spills
+    (its producer warp needs 40 registers: at 24 it spilled), within the shared memory (K, V,
+    two Q / dO stages and four P^T / dS^T tiles: 230,816 of 232,448 bytes), S^T left in flight
+    (wait_group 1)."""
+    rows = []
+    for i, extra in enumerate(
+        [
+            ["--head-dims", "256", "192"],
+            ["--head-dims", "256", "--window-left", "300"],
+            ["--head-dims", "256", "--rows"],
+            ["--head-dims", "192", "--v-head-dim", "128"],  # MLA's: V and dO tiles 128 wide
+        ]
+    ):
+        variants = ["split_d_blk", "split_d"] if i == 0 else ["split_d_blk"]
+        out = tmp_path / f"s{i}.json"
+        run([sys.executable, "benchmarks/gluon_bwd_report.py", "--variants", *variants, "--causal", "1", "--dtypes",
+             "bf16", "--accumulate", "1", "--jobs", "1", "--json", str(out), *extra], tmp_path)  # fmt: skip
+        got = json.loads(out.read_text())
+        assert len(got) == (4 if i == 0 else 1), got
+        rows += got
+    for r in rows:
+        assert not r["problems"] and r["spill_bytes"] == 0 and r["sass_waits"].get("1", 0) > 0, r
+        assert r["shared"] <= 232448, r
+
+
+def test_gluon_backward_head_dim_in_pieces_compiles_for_hopper(tmp_path):
+    """split_d_pieces (q/k's 192 as 128 + 64, dK's and dQ's pieces crossed between the
+    warpgroups) compiles for sm_90a with v's 128 (MLA) and 192, causal accumulating, with per-row
+    bounds: no spills, S^T left in flight, within the shared memory, and fewer matmul
+    instructions than the same shapes run 256 wide (split_d_blk)."""
+    rows = {}
+    for i, extra in enumerate([["--v-head-dim", "128"], ["--v-head-dim", "192"], ["--v-head-dim", "128", "--rows"]]):
+        out = tmp_path / f"p{i}.json"
+        run([sys.executable, "benchmarks/gluon_bwd_report.py", "--variants", "split_d_pieces", "split_d_blk",
+             "--head-dims", "192", "--causal", "1", "--dtypes", "bf16", "--accumulate", "1", "--jobs", "1", "--json",
+             str(out), *extra], tmp_path)  # fmt: skip
+        got = json.loads(out.read_text())
+        assert sorted(r["name"] for r in got) == ["split_d_blk", "split_d_pieces"], got
+        rows[i] = {r["name"]: r for r in got}
+    for by_name in rows.values():
+        r, padded = by_name["split_d_pieces"], by_name["split_d_blk"]
+        assert not r["problems"] and r["spill_bytes"] == 0 and r["sass_waits"].get("1", 0) > 0, r
+        assert r["shared"] <= 232448 and r["hgmma"] < padded["hgmma"], (r, padded)
+
+
+def test_gluon_backward_window_compiles_for_hopper(tmp_path):
+    """The default fused backward with a sliding window (both edges masked), causal and not, D=64
+    and 128: no spills, within the shared memory, wait_group 1 kept."""
+    from ringflash.kernels import configs
+
+    run([sys.executable, "benchmarks/gluon_bwd_report.py", "--variants", configs.GLUON_BWD[128], "--causal", "0", "1",
+         "--dtypes", "bf16", "--accumulate", "1", "--window-left", "300", "--jobs", "1", "--json",
+         str(tmp_path / "w.json")], tmp_path)  # fmt: skip
+    rows = json.loads((tmp_path / "w.json").read_text())
+    assert len(rows) == 4 and all(r["window_left"] == 300 for r in rows)
+    for r in rows:
+        assert not r["problems"] and r["spill_bytes"] == 0 and r["sass_waits"].get("1", 0) > 0, r
+
+
+def test_gluon_backward_documents_compile_for_hopper(tmp_path):
+    """The fused backward with packed documents' per-row bounds (configs.GLUON_BWD_DOCUMENTS),
+    D=64 and 128 (each its own entry), accumulating: no spills, within the shared memory,
+    wait_group 1 kept."""
+    from ringflash.kernels import configs
+
+    rows = []
+    for D in (64, 128):
+        out = tmp_path / f"r{D}.json"
+        run([sys.executable, "benchmarks/gluon_bwd_report.py", "--variants", configs.GLUON_BWD_DOCUMENTS[D],
+             "--head-dims", str(D), "--causal", "0", "--dtypes", "bf16", "--accumulate", "1", "--rows", "--jobs", "1",
+             "--json", str(out)], tmp_path)  # fmt: skip
+        rows += json.loads(out.read_text())
+    assert len(rows) == 2 and all(r["rows"] for r in rows)
+    for r in rows:
+        assert not r["problems"] and r["spill_bytes"] == 0 and r["sass_waits"].get("1", 0) > 0, r
+
+
+def test_builtin_shapes_compile_for_hopper(tmp_path):
+    """Every built-in kernel shape compiles for sm_90a (on this CPU machine, with the ptxas that
+    ships with Triton) within the H200's shared memory and without ptxas serializing the
+    kernel's wgmma instructions; a shape known not to fit is reported as not fitting."""
+    run([sys.executable, "-m", "benchmarks.kernel_report", "--json", str(tmp_path / "k.json")], tmp_path)
+    rows = json.loads((tmp_path / "k.json").read_text())
+    assert len(rows) == 12  # 3 kernels x D 64, 128 x causal or not
+    for r in rows:
+        assert r["fits"] and not r["warnings"] and r["waits"] and r["regs"] <= 255, r  # C7514/C7512: serialized
+    run(
+        [
+            sys.executable,
+            "-m",
+            "benchmarks.kernel_report",
+            "--kind",
+            "fwd",
+            "--head-dims",
+            "128",
+            "--shape",
+            "128",
+            "128",
+            "8",
+            "4",
+            "--json",
+            str(tmp_path / "big.json"),
+        ],
+        tmp_path,
+    )
+    # 295936 bytes: the sixth sweep's OutOfResources on the H200
+    assert not any(r["fits"] for r in json.loads((tmp_path / "big.json").read_text()))
