@@ -511,19 +511,20 @@ def test_gluon_backward_counter_per_call(monkeypatch):
     monkeypatch.setattr(gb, "_one_launch_stats", lambda m, l, delta: True)
     zeroed_by_stats = []
 
-    def one_launch(m, l, delta, cfg, dq32=None, do=None, counter=None):
+    def one_launch(m, l, delta, cfg, dq32=None, do=None, counter=None, kept=None):
+        side_launches.append(kept)  # the kept plan's own statistics launch (plans.Plan.side)
         if counter is not None:
             counter.zero_()
             zeroed_by_stats.append(counter)
         return stats(m, l, delta, cfg)
 
     monkeypatch.setattr(gb, "launch_row_stats", one_launch)
-    monkeypatch.setattr(gb, "launch", lambda kernel, grid, *args, **kw: launched.append(int(kw_counter(args))))
+    monkeypatch.setattr(launcher, "launch", lambda kernel, grid, *args, **kw: launched.append(int(kw_counter(args))))
     # a kept plan's launches (plans.Plan.launch) alike
     monkeypatch.setattr(
         launcher.KeptLaunch, "__call__", lambda self, kernel, grid, args, kw: launched.append(int(kw_counter(args)))
     )
-    launched = []
+    launched, side_launches = [], []
     for causal in (True, False):
         zeroed_by_stats.clear()
         prep = gb.prepare(q, k, k.clone(), m, l, q.clone(), torch.zeros(B, H, S), torch.zeros(q.shape), dk,
@@ -531,6 +532,8 @@ def test_gluon_backward_counter_per_call(monkeypatch):
                           config="ws2_lag_grouped_down_pcc")  # fmt: skip
         assert prep.counter_zeroed is causal
         assert [id(c) for c in zeroed_by_stats] == ([id(prep.tile_counter)] if causal else [])
+        # both signatures were met three times above: their plans are kept, with a statistics launch each
+        assert isinstance(side_launches[-1], launcher.KeptLaunch) and prep.kept is not None
         if causal:
             kw_counter = lambda args: args[prep.kernel.arg_names.index("TILE_COUNTER")]  # noqa: E731
             prep.tile_counter.fill_(5)  # stands for what a launch leaves there

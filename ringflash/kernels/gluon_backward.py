@@ -54,7 +54,7 @@ from .gluon_forward import (
     timed_compile,
 )
 from .gluon_forward import report_problems as forward_report_problems
-from .launcher import launch, on_device
+from .launcher import launch_kept, on_device
 from .plans import Plan, Plans, alias_pattern, tensor_key
 
 try:  # Gluon exists from triton 3.6 on; the rest of the package must not depend on it
@@ -407,14 +407,16 @@ def _row_stats_kernel(
 
 
 def launch_row_stats(
-    m, l, delta, cfg: GluonBwdConfig, dq32: torch.Tensor | None = None, do=None, counter: torch.Tensor | None = None
-) -> torch.Tensor:
+    m, l, delta, cfg: GluonBwdConfig, dq32: torch.Tensor | None = None, do=None, counter: torch.Tensor | None = None,
+    kept=None,
+) -> torch.Tensor:  # fmt: skip
     """row_stats as one Triton launch (on a GPU, or under the interpreter) instead of five small
     torch ops, whose host time a short call feels. delta: a tensor, or a merge.DeltaOf computed
     in the same launch (then do (B, Sq, Hq, Dv), unit last stride, is needed: no separate delta
     launch); dq32: a blocked float32 dQ buffer (B, Hq, Sq_pad, D), contiguous, to zero in the same
     launch (None: none); counter: an int32 (1,) to zero in it too (persistent programs' key
-    blocks: no memset launch of its own; None: none)."""
+    blocks: no memset launch of its own; None: none). kept: a kept plan's KeptLaunch for it
+    (plans.Plan.side), or None."""
     B, Hq, Sq = m.shape
     Sp = padded_rows(Sq, cfg)
     stats = torch.empty(B * Hq * 2 * Sp, dtype=torch.float32, device=m.device)
@@ -426,14 +428,15 @@ def launch_row_stats(
     dv = out.shape[-1] if pending else 16  # the output's head dim (16: unread)
     o_strides = (*out.stride()[:3], *do.stride()[:3]) if pending else (0,) * 6
     with on_device(m):
-        launch(
-            _row_stats_kernel, (Sp // cfg.block_m, B * Hq),
-            m, l, given, out, do if pending else m, stats, stats if dq32 is None else dq32,
-            stats if counter is None else counter,
-            m.stride(0), m.stride(1), l.stride(0), l.stride(1), given.stride(0), given.stride(1), *o_strides,
-            Hq, Sq, Sp, HEAD_DIM=D, HEAD_DIM_V=dv, BLOCK_DV=padded_head_dim(dv), BLOCK=cfg.block_m,
-            ZERO_DQ=dq32 is not None, FROM_OUTPUT=pending, HAS_DLSE=pending and delta.dlse is not None,
-            ZERO_COUNTER=counter is not None,
+        launch_kept(
+            kept, _row_stats_kernel, (Sp // cfg.block_m, B * Hq),
+            (m, l, given, out, do if pending else m, stats, stats if dq32 is None else dq32,
+             stats if counter is None else counter,
+             m.stride(0), m.stride(1), l.stride(0), l.stride(1), given.stride(0), given.stride(1), *o_strides,
+             Hq, Sq, Sp),
+            dict(HEAD_DIM=D, HEAD_DIM_V=dv, BLOCK_DV=padded_head_dim(dv), BLOCK=cfg.block_m,
+                 ZERO_DQ=dq32 is not None, FROM_OUTPUT=pending, HAS_DLSE=pending and delta.dlse is not None,
+                 ZERO_COUNTER=counter is not None),
         )  # fmt: skip
     return stats
 
@@ -519,21 +522,24 @@ def _dq_unblock_kernel(
     tl.store(out, vals.to(DQ.dtype.element_ty), mask=inside)
 
 
-def unblock_dq(acc: torch.Tensor, dq: torch.Tensor, *, scale: float, accumulate: bool) -> None:
+def unblock_dq(acc: torch.Tensor, dq: torch.Tensor, *, scale: float, accumulate: bool, kept=None) -> None:
     """dq (B, Sq, Hq, D), any strides and float dtype, = scale * the blocked float32 dQ acc
     (B, Hq, Sq padded to 64 rows, D padded: padded_head_dim), contiguous (dq_natural_view's
-    layout), or += with accumulate: one Triton launch."""
+    layout), or += with accumulate: one Triton launch (through `kept`, a kept plan's KeptLaunch,
+    where given)."""
     B, Sq, Hq, D = dq.shape
     Sp, block_d = acc.shape[2], acc.shape[3]
     with on_device(dq):
-        launch(
-            _dq_unblock_kernel, (Sp // DQ_BLOCK_ROWS, B * Hq),
-            acc, dq, *dq.stride(), Hq, Sq, Sp, float(scale), HEAD_DIM=D, BLOCK_D=block_d,
-            ACCUMULATE=bool(accumulate),
+        launch_kept(
+            kept, _dq_unblock_kernel, (Sp // DQ_BLOCK_ROWS, B * Hq),
+            (acc, dq, *dq.stride(), Hq, Sq, Sp, float(scale)),
+            dict(HEAD_DIM=D, BLOCK_D=block_d, ACCUMULATE=bool(accumulate)),
         )  # fmt: skip
 
 
-def dq_buffer(dq: torch.Tensor, *, scale: float, accumulate: bool, cfg: GluonBwdConfig, zero_blocked: bool = True):
+def dq_buffer(
+    dq: torch.Tensor, *, scale: float, accumulate: bool, cfg: GluonBwdConfig, zero_blocked: bool = True, kept=None
+):  # fmt: skip
     """(dq32, finish) of a launch: dq32 the float32 buffer the kernel adds dQ to (zeroed as needed;
     the blocked scratch left unzeroed with zero_blocked=False: launch_row_stats zeroes it),
     finish() None or what turns it into dq afterwards:
@@ -548,7 +554,7 @@ def dq_buffer(dq: torch.Tensor, *, scale: float, accumulate: bool, cfg: GluonBwd
         acc = (torch.zeros if zero_blocked else torch.empty)(
             B, Hq, Sp, padded_head_dim(D), dtype=torch.float32, device=dq.device
         )
-        return acc, lambda: unblock_dq(acc, dq, scale=scale, accumulate=accumulate)
+        return acc, lambda: unblock_dq(acc, dq, scale=scale, accumulate=accumulate, kept=kept)
     if dq.dtype == torch.float32:
         if not accumulate:
             dq.zero_()
@@ -769,10 +775,7 @@ class Prepared:
                     self.counter_zeroed = False
                 else:
                     self.tile_counter.zero_()
-            if self.kept is not None:
-                self.kept(self.kernel, self.grid, self.args, self.kwargs)
-            else:
-                launch(self.kernel, self.grid, *self.args, **self.kwargs)
+            launch_kept(self.kept, self.kernel, self.grid, self.args, self.kwargs)
 
     def __call__(self):
         self.launch()
@@ -808,7 +811,8 @@ def prepare(
         dq32, finish, zero_in_stats = dq.acc, None, False
     else:  # a blocked scratch is zeroed by the statistics launch where there is one
         zero_in_stats = one_launch and cfg.dq_blocked
-        dq32, finish = dq_buffer(dq, scale=scale, accumulate=accumulate, cfg=cfg, zero_blocked=not zero_in_stats)
+        dq32, finish = dq_buffer(dq, scale=scale, accumulate=accumulate, cfg=cfg, zero_blocked=not zero_in_stats,
+                                 kept=None if plan is None else plan.side("dq_finish"))  # fmt: skip
     # blocks handed out at run time: a counter of this call's (a kept plan takes it), zeroed by
     # the statistics launch where there is one, else before the kernel's (Prepared.launch); a kept
     # plan says whether it launches persistent programs
@@ -818,7 +822,8 @@ def prepare(
         persistent = persistent_launch(cfg, window_bounds(causal, window)[1] is not None, bounds)
     counter = torch.empty(1, dtype=torch.int32, device=q.device) if persistent else None
     if one_launch:
-        stats = launch_row_stats(m, l, delta, cfg, dq32 if zero_in_stats else None, do=do, counter=counter)
+        stats = launch_row_stats(m, l, delta, cfg, dq32 if zero_in_stats else None, do=do, counter=counter,
+                                 kept=None if plan is None else plan.side("row_stats"))  # fmt: skip
     else:
         if isinstance(delta, DeltaOf):
             delta = delta.value(do, torch_delta)  # torch ops, any strides

@@ -141,6 +141,14 @@ def _run(compiled, device: int, grid, values) -> None:
     compiled.run(g0, g1, g2, stream, compiled.function, compiled.packed_metadata, None, None, None, *values)
 
 
+def launch_kept(kept, kernel, grid, args, kwargs):
+    """kernel[grid](*args, **kwargs) through `kept` (a KeptLaunch, for a kept plan's launches)
+    or, where it is None, launch()."""
+    if kept is None:
+        return launch(kernel, grid, *args, **kwargs)
+    return kept(kernel, grid, args, kwargs)
+
+
 class KeptLaunch:
     """The launches of one launch plan (plans.Plan), whose every argument follows from its
     signature, so that Triton specializes them all alike: once one took launch()'s fast path,

@@ -62,13 +62,14 @@ class Plan:
     built from (their places are empty until args_for fills them): a kept plan must not keep a
     call's inputs and outputs alive, which can be gigabytes at long sequences."""
 
-    __slots__ = ("kernel", "grid", "args", "kwargs", "extra", "_slots", "launch")
+    __slots__ = ("kernel", "grid", "args", "kwargs", "extra", "_slots", "launch", "_side")
 
     def __init__(self, kernel, grid, args, kwargs, tensors, extra=None):
         if any(isinstance(v, torch.Tensor) for v in kwargs.values()):
             raise ValueError("a keyword argument is a tensor: it cannot be replanned")
         self.kernel, self.grid, self.kwargs, self.extra = kernel, grid, kwargs, extra
         self.launch = KeptLaunch()  # launch(kernel, grid, args, kwargs): its specialization kept
+        self._side = {}
         args, slots = list(args), []
         for i, a in enumerate(args):
             descriptor = not isinstance(a, torch.Tensor) and isinstance(getattr(a, "base", None), torch.Tensor)
@@ -79,6 +80,15 @@ class Plan:
                 slots.append((i, j, descriptor))
                 args[i] = _rebased(a, None) if descriptor else None
         self.args, self._slots = tuple(args), tuple(slots)
+
+    def side(self, name: str) -> KeptLaunch:
+        """The KeptLaunch of a launch made beside the plan's own by every call of its signature
+        (a backward's statistics, its dQ finish), whose arguments follow from that signature
+        too."""
+        kept = self._side.get(name)
+        if kept is None:
+            kept = self._side[name] = KeptLaunch()
+        return kept
 
     def args_for(self, tensors) -> list:
         """The positional arguments for `tensors` (the same signature, in the same order)."""
