@@ -9,6 +9,8 @@ import warnings
 import torch
 import torch.distributed as dist
 
+from ._checks import check_not_capturing
+
 
 def resolve_group(group):
     """None means the default group."""
@@ -85,8 +87,10 @@ def agree_across_ranks(group, fields: dict, local_error, api: str, device=None, 
     collective, on that path only); if all passed but some field differs, every rank raises the
     same ValueError listing each rank's value. show(name, value) formats a value for the
     message. A collective that fails (a dead rank, a timeout) raises a RuntimeError naming
-    ringflash and the call.
+    ringflash and the call. Under CUDA graph capture: a RuntimeError naming the call, before
+    any collective (a replay would not agree again).
     """
+    check_not_capturing(api, "the ring's ranks agree on every call, reading the result on the host")
     group = resolve_group(group)
     row = [1 if local_error is None else 0] + [int(v) for v in fields.values()]
     mine = torch.tensor(row, dtype=torch.int64, device=_exchange_device(group, device))

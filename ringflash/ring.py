@@ -459,8 +459,6 @@ def ring_flash_attn_func(
     torch.use_deterministic_algorithms(True)) keeps the bitwise reproducible two-pass backward.
     """
     api = "ring_flash_attn_func"
-    if head_group is not None or is_mesh(group) or group_rank_world(group)[1] > 1:
-        check_not_capturing(api, _RANKS_AGREE)
     if head_group is not None or is_mesh(group):
         group, head_group = resolve_groups(group, head_group, api)
         if head_group is not None:
@@ -532,8 +530,8 @@ def ring_flash_attn_func(
     return (out, lse) if return_lse else out
 
 
-# why a CUDA graph cannot capture a call (check_not_capturing)
-_RANKS_AGREE = "the ring's ranks agree on every call, reading the result on the host"
+# why a CUDA graph cannot capture a packed ring call (check_not_capturing; rings over several
+# ranks raise where the ranks agree, comm.agree_across_ranks)
 _PACKED_ON_HOST = "packed documents' boundaries are read and their row bounds built on the host"
 
 

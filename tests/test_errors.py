@@ -295,12 +295,15 @@ def test_host_reads_raise_under_graph_capture(monkeypatch, api, make, raises):
 
 def test_ring_over_ranks_raises_under_graph_capture(monkeypatch):
     """A ring over several ranks agrees across them on every call (a read to the host): under
-    capture (mocked, as the world of two ranks) it raises naming the API before any exchange."""
+    capture (mocked, as the world of two ranks) it raises naming the API where the ranks would
+    agree (comm.agree_across_ranks), before any collective."""
+    import ringflash.comm
     import ringflash.ring
 
     fn = _dense_cpu(ring_flash_attn_func)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
-    monkeypatch.setattr(ringflash.ring, "group_rank_world", lambda group: (0, 2))
+    for module in (ringflash.ring, ringflash.comm):
+        monkeypatch.setattr(module, "group_rank_world", lambda group: (0, 2))
     with pytest.raises(RuntimeError, match="^ring_flash_attn_func: the ring's ranks agree.*CUDA graph"):
         fn()
