@@ -10,13 +10,24 @@ synchronize at the end), forward without gradients and forward+backward, of
   operator   torch.ops.ringflash.flash_fwd with its registered autograd (what torch.compile
              traces; eager calls went through it before)
   backend    the backend's forward alone (ringflash.local.block_forward; forward only)
+  kernels    the same kernels through ringflash.kernels.forward / .backward in a bare autograd
+             Function (GPU): what the layers above the backend cost is public's time less this
+  gluon      the same Gluon launches through gluon_forward.forward / gluon_backward.backward
+             directly (GPU): what the backend's routing costs is kernels' time less this
+  bare       a bare autograd Function that allocates what the call allocates (output, row
+             statistics, three gradients) and launches nothing: the floor of an eager call
   sdpa       torch's scaled_dot_product_attention, FLASH_ATTENTION backend, on (B, H, S, D)
-and prints microseconds per call.
+  sdpa_cudnn the same, CUDNN_ATTENTION backend
+and prints microseconds per call. --host-only stops each timing's clock when the host has
+issued its calls, before the device has run them: the host's own time even where the device's
+is longer (at most a few hundred launches are queued, far below the driver's queue).
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
+import time
 from pathlib import Path
 
 import torch
@@ -27,11 +38,96 @@ from benchmarks.common import bench_device, device_name, host_seconds, result_me
 from ringflash import ops
 from ringflash.local import block_forward
 from ringflash.masks import CAUSAL, BlockMask
-from ringflash.merge import SoftmaxState
+from ringflash.merge import DeltaOf, SoftmaxState
 
 
-def per_call_us(fn, calls, device):
-    return host_seconds(fn, device, calls=calls, warmup=5) * 1e6
+def per_call_us(fn, calls, device, host_only=False):
+    """Microseconds per call of `calls` calls of fn() in a row, after two warm-up calls: on the
+    host clock with the device drained before and after, or with host_only the host's time alone
+    (the clock stopped when the calls are issued, before the device has run them)."""
+    if not host_only:
+        return host_seconds(fn, device, calls=calls, warmup=2) * 1e6
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    for _ in range(2):
+        fn()
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    elapsed = time.perf_counter() - t0
+    sync()
+    return elapsed / calls * 1e6
+
+
+def _stats(q):
+    """Uninitialized (B, H, S) float32 row statistics m, l for q (B, S, H, D), as one buffer."""
+    stats = torch.empty(2, q.shape[0], q.shape[2], q.shape[1], dtype=torch.float32, device=q.device)
+    return stats[0], stats[1]
+
+
+class _Kernels(torch.autograd.Function):
+    """Causal attention through ringflash.kernels.forward / .backward alone."""
+
+    @staticmethod
+    def forward(ctx, q, k, v):
+        from ringflash import kernels
+
+        state = SoftmaxState(torch.empty_like(q), *_stats(q))
+        kernels.forward(q, k, v, state, q_start=0, k_start=0, window=CAUSAL, bounds=None,
+                        scale=q.shape[-1] ** -0.5, fold=False, normalize=True)  # fmt: skip
+        ctx.save_for_backward(q, k, v, *state)
+        return state.o
+
+    @staticmethod
+    def backward(ctx, do):
+        from ringflash import kernels
+
+        q, k, v, out, m, l = ctx.saved_tensors
+        dq, dk, dv = (torch.empty_like(t) for t in (q, k, v))
+        kernels.backward(q, k, v, m, l, do, DeltaOf(out, None), dq, dk, dv, q_start=0, k_start=0, window=CAUSAL,
+                         bounds=None, scale=q.shape[-1] ** -0.5, accumulate=False)  # fmt: skip
+        return dq, dk, dv
+
+
+class _Gluon(torch.autograd.Function):
+    """Causal attention through gluon_forward.forward / gluon_backward.backward alone, with the
+    variants the package chooses for these shapes."""
+
+    @staticmethod
+    def forward(ctx, q, k, v):
+        from ringflash.kernels import _block_d, configs, gluon_forward
+
+        out, (m, l) = torch.empty_like(q), _stats(q)
+        variant = configs.gluon_forward_variant(_block_d(q.shape[-1]), keys=k.shape[1], causal=True)
+        gluon_forward.forward(q, k, v, q_start=0, k_start=0, scale=q.shape[-1] ** -0.5, out_o=out, out_m=m, out_l=l,
+                              normalize=True, fold=False, window=CAUSAL, config=variant)  # fmt: skip
+        ctx.save_for_backward(q, k, v, out, m, l)
+        return out
+
+    @staticmethod
+    def backward(ctx, do):
+        from ringflash.kernels import _block_d, configs, gluon_backward
+
+        q, k, v, out, m, l = ctx.saved_tensors
+        dq, dk, dv = (torch.empty_like(t) for t in (q, k, v))
+        gluon_backward.backward(q, k, v, m, l, do, DeltaOf(out, None), dq, dk, dv, q_start=0, k_start=0,
+                                causal=False, window=(None, 0), scale=q.shape[-1] ** -0.5, accumulate=False,
+                                config=configs.gluon_backward_variant(_block_d(q.shape[-1])))  # fmt: skip
+        return dq, dk, dv
+
+
+class _Bare(torch.autograd.Function):
+    """What an eager call allocates and saves, and no launch."""
+
+    @staticmethod
+    def forward(ctx, q, k, v):
+        out, (m, l) = torch.empty_like(q), _stats(q)
+        ctx.save_for_backward(q, k, v, out, m, l)
+        return out
+
+    @staticmethod
+    def backward(ctx, do):
+        return tuple(torch.empty_like(t) for t in ctx.saved_tensors[:3])
 
 
 def callables(S, args, device, dtype):
@@ -50,34 +146,58 @@ def callables(S, args, device, dtype):
 
     fns = {"public": public, "operator": operator}
     if device.type == "cuda":
+        fns["kernels"] = lambda: _Kernels.apply(q, k, v)
+        fns["gluon"] = lambda: _Gluon.apply(q, k, v)
+        with torch.no_grad():  # the rows time the same kernels: their outputs are the public call's
+            expected = public()
+            for name in ("kernels", "gluon"):
+                if not torch.equal(fns[name](), expected):
+                    raise RuntimeError(f"the {name} row's output differs from flash_attn_func's")
+    fns["bare"] = lambda: _Bare.apply(q, k, v)
+    if device.type == "cuda":
         bhsd = [t.detach().transpose(1, 2).contiguous().requires_grad_() for t in (q, k, v)]
         do_bhsd = do.transpose(1, 2).contiguous()
 
-        def sdpa():
-            with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.FLASH_ATTENTION):
+        def sdpa(backend):
+            with torch.nn.attention.sdpa_kernel(backend):
                 return F.scaled_dot_product_attention(*bhsd, is_causal=True)
 
-        fns["sdpa"] = sdpa
+        fns["sdpa"] = lambda: sdpa(torch.nn.attention.SDPBackend.FLASH_ATTENTION)
+        fns["sdpa_cudnn"] = lambda: sdpa(torch.nn.attention.SDPBackend.CUDNN_ATTENTION)
     rows = {}
     for name, fn in fns.items():
-        grad_do = do_bhsd if name == "sdpa" else do
+        inputs, grad_do = (bhsd, do_bhsd) if name.startswith("sdpa") else ((q, k, v), do)
 
         def fwd(fn=fn):
             with torch.no_grad():
                 fn()
 
-        def fwd_bwd(fn=fn, grad_do=grad_do):
+        def fwd_bwd(fn=fn, inputs=inputs, grad_do=grad_do):
+            for t in inputs:  # as benchmarks.common.step_fn: gradients taken, not added to
+                t.grad = None
             fn().backward(grad_do)
 
-        rows[name] = {"fwd": per_call_us(fwd, args.calls, device), "fwd+bwd": per_call_us(fwd_bwd, args.calls, device)}
+        rows[name] = {"fwd": fwd, "fwd+bwd": fwd_bwd}
     qd, kd, vd = (t.detach() for t in (q, k, v))
 
     def backend_only():
         state = SoftmaxState.empty(torch.empty_like(qd))
         block_forward(qd, kd, vd, state, BlockMask(0, 0, CAUSAL), scale=scale, fold=False, normalize=True)
 
-    rows["backend"] = {"fwd": per_call_us(backend_only, args.calls, device)}
+    rows["backend"] = {"fwd": backend_only}
     return rows
+
+
+def timed_in_rotation(fns, repeats, calls, device, host_only):
+    """{name: {mode: [microseconds per call, one per repeat]}} of fns {name: {mode: fn}}, every
+    fn timed once per repeat, the order rotated from repeat to repeat: a drift of the host's speed
+    (which moves by tens of percent between timings) falls on every row alike."""
+    order = [(name, mode) for name, modes in fns.items() for mode in modes]
+    times = {name: {mode: [] for mode in modes} for name, modes in fns.items()}
+    for r in range(repeats):
+        for name, mode in order[r % len(order) :] + order[: r % len(order)]:
+            times[name][mode].append(per_call_us(fns[name][mode], calls, device, host_only))
+    return times
 
 
 def main():
@@ -86,19 +206,30 @@ def main():
     ap.add_argument("--heads", type=int, default=32)
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--calls", type=int, default=200)
+    ap.add_argument("--repeats", type=int, default=5, help="timings of each row, in rotation (median and range)")
+    ap.add_argument("--host-only", action="store_true", help="the host's time alone (see the module docstring)")
     ap.add_argument("--json", type=Path)
     ap.add_argument("--smoke", action="store_true", help="tiny CPU sizes")
     args = ap.parse_args()
     device, dtype = bench_device(args.smoke)
     if args.smoke:
-        args.seqlens, args.heads, args.head_dim, args.calls = [16], 2, 16, 3
+        args.seqlens, args.heads, args.head_dim, args.calls, args.repeats = [16], 2, 16, 3, 2
     out = []
-    print(f"host time per call (us) on {device_name(device)}: B=1, H={args.heads}, D={args.head_dim}, causal, {dtype}")
+    clock = "the host's own" if args.host_only else "wall, device drained"
+    print(f"host time per call (us, {clock}) on {device_name(device)}: B=1, H={args.heads}, D={args.head_dim}, "
+          f"causal, {dtype}")  # fmt: skip
+    print(f"median (min-max) of {args.repeats} timings in rotation, {args.calls} calls each")
     for S in args.seqlens:
-        for name, times in callables(S, args, device, dtype).items():
-            out.append({"seq_len": S, "impl": name, **{f"{m}_us": t for m, t in times.items()}})
-            cells = "  ".join(f"{m} {t:8.1f}" for m, t in times.items())
-            print(f"S={S:>6} {name:>9}: {cells}", flush=True)
+        times = timed_in_rotation(callables(S, args, device, dtype), args.repeats, args.calls, device, args.host_only)
+        for name, modes in times.items():
+            row = {"seq_len": S, "impl": name}
+            for m, ts in modes.items():
+                row[f"{m}_us"], row[f"{m}_us_all"] = statistics.median(ts), ts
+            out.append(row)
+            cells = "  ".join(
+                f"{m} {statistics.median(ts):7.1f} ({min(ts):.0f}-{max(ts):.0f})" for m, ts in modes.items()
+            )
+            print(f"S={S:>6} {name:>10}: {cells}", flush=True)
     if args.json:
         write_json(args.json, {"meta": result_meta(device), "rows": out})
 

@@ -354,9 +354,10 @@ def test_check_overhead_smoke(tmp_path):
 
 
 def test_host_overhead_smoke(tmp_path):
-    run([sys.executable, "-m", "benchmarks.host_overhead", "--smoke", "--json", str(tmp_path / "h.json")], tmp_path)
+    command = ["-m", "benchmarks.host_overhead", "--smoke", "--host-only", "--json", str(tmp_path / "h.json")]
+    run([sys.executable, *command], tmp_path)
     rows = json.loads((tmp_path / "h.json").read_text())["rows"]
-    assert {r["impl"] for r in rows} == {"public", "operator", "backend"} and all(r["fwd_us"] > 0 for r in rows)
+    assert {r["impl"] for r in rows} == {"public", "operator", "bare", "backend"} and all(r["fwd_us"] > 0 for r in rows)
 
 
 def test_packed_ring_replay_layouts_smoke(tmp_path):
