@@ -18,9 +18,11 @@ synchronize at the end), forward without gradients and forward+backward, of
              statistics, three gradients) and launches nothing: the floor of an eager call
   sdpa       torch's scaled_dot_product_attention, FLASH_ATTENTION backend, on (B, H, S, D)
   sdpa_cudnn the same, CUDNN_ATTENTION backend
-and prints microseconds per call. --host-only stops each timing's clock when the host has
-issued its calls, before the device has run them: the host's own time even where the device's
-is longer (at most a few hundred launches are queued, far below the driver's queue).
+and prints microseconds per call. --baseline DIR adds an older package's public call (a copy of
+its package directory, as benchmarks.compare_versions takes it) to the rotation. --host-only
+stops each timing's clock when the host has issued its calls, before the device has run them:
+the host's own time even where the device's is longer (at most a few hundred launches are
+queued, far below the driver's queue).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ import torch.nn.functional as F
 
 import ringflash
 from benchmarks.common import bench_device, device_name, host_seconds, result_meta, write_json
+from benchmarks.compare_versions import load_baseline
 from ringflash import ops
 from ringflash.local import block_forward
 from ringflash.masks import CAUSAL, BlockMask
@@ -145,6 +148,9 @@ def callables(S, args, device, dtype):
         return ops.flash_fwd(q, k, v, None, None, None, 0, 0, -1, 0, scale, 0.0, None, backend, False, -1, -1)[0]
 
     fns = {"public": public, "operator": operator}
+    if args.baseline:  # an older package's public call, in the same rotation
+        before = load_baseline(args.baseline, args.baseline_name)
+        fns[f"public ({args.baseline_name})"] = lambda: before.flash_attn_func(q, k, v, causal=True)
     if device.type == "cuda":
         fns["kernels"] = lambda: _Kernels.apply(q, k, v)
         fns["gluon"] = lambda: _Gluon.apply(q, k, v)
@@ -208,6 +214,8 @@ def main():
     ap.add_argument("--calls", type=int, default=200)
     ap.add_argument("--repeats", type=int, default=5, help="timings of each row, in rotation (median and range)")
     ap.add_argument("--host-only", action="store_true", help="the host's time alone (see the module docstring)")
+    ap.add_argument("--baseline", type=Path, help="a folder holding an older package directory (compare_versions)")
+    ap.add_argument("--baseline-name", default="ringflash_before")
     ap.add_argument("--json", type=Path)
     ap.add_argument("--smoke", action="store_true", help="tiny CPU sizes")
     args = ap.parse_args()

@@ -42,7 +42,9 @@ def device_us(fn, calls):
 
 # (module or class path, attribute): the layers of a local call, outermost first
 SPLIT_TARGETS = (
+    ("ringflash.local", "_call_signature"),
     ("ringflash.ops", "flash"),
+    ("ringflash.ops", "flash_eager"),
     ("ringflash.ops", "_flash_mask"),
     ("ringflash._checks", "cu_values"),
     ("ringflash.ops", "packed_bounds"),

@@ -13,6 +13,7 @@ import contextlib
 import contextvars
 import functools
 import os
+from typing import NamedTuple
 
 import torch
 
@@ -200,10 +201,12 @@ def without_autocast(method):
 
     @functools.wraps(method)
     def wrapper(ctx, *args):
-        tensor = next((a for a in args if isinstance(a, torch.Tensor)), None)
+        tensor = args[0] if args and isinstance(args[0], torch.Tensor) else None  # (q, or the output's gradient)
+        if tensor is None:
+            tensor = next((a for a in args if isinstance(a, torch.Tensor)), None)
         if tensor is None:  # a backward that received no gradient tensor
             tensor = ctx.saved_tensors[0]
-        device_type = tensor.device.type
+        device_type = "cuda" if tensor.is_cuda else tensor.device.type
         if not torch.is_autocast_enabled(device_type):  # entering the context costs host time
             return method(ctx, *args)
         with torch.autocast(device_type, enabled=False):
@@ -253,29 +256,42 @@ def local_backward(
     return dq, dk, dv
 
 
+class LocalSpec(NamedTuple):
+    """A one-device call's options, as _FlashAttn takes them: one argument (an autograd
+    Function's host time per call grows with its argument count). mask: the BlockMask; scale;
+    dropout: a Dropout or None; deterministic: the backward's mode (block_backward);
+    want_lse: whether the forward returns lse (its three small ops are host time a short call
+    feels), else None in its place."""
+
+    mask: BlockMask
+    scale: float
+    dropout: object = None
+    deterministic: bool = False
+    want_lse: bool = True
+
+
 class _FlashAttn(torch.autograd.Function):
     @staticmethod
     @without_autocast
-    def forward(ctx, q, k, v, key_bias, mask: BlockMask, scale, dropout=None, deterministic=False, want_lse=True):
-        """(out, lse); lse None when not want_lse (its three small ops are host time a short call
-        feels)."""
+    def forward(ctx, q, k, v, key_bias, spec: LocalSpec):
+        """(out, lse) of local_forward under `spec`; lse None when not spec.want_lse."""
         backend = backend_for(q.device)
-        state = local_forward(q, k, v, key_bias, mask, scale=scale, backend=backend, dropout=dropout)
+        state = local_forward(q, k, v, key_bias, spec.mask, scale=spec.scale, backend=backend, dropout=spec.dropout)
         ctx.save_for_backward(q, k, v, state.o, state.m, state.l, key_bias)
-        ctx.mask, ctx.scale, ctx.backend, ctx.dropout = mask, scale, backend, dropout
-        ctx.deterministic = deterministic
+        ctx.spec, ctx.backend = spec, backend
         ctx.set_materialize_grads(False)
-        return state.o, state.lse() if want_lse else None
+        return state.o, state.lse() if spec.want_lse else None
 
     @staticmethod
     @without_autocast
     def backward(ctx, do, dlse):
         q, k, v, out, m, l, key_bias = ctx.saved_tensors
+        spec = ctx.spec
         dq, dk, dv = local_backward(
-            q, k, v, out, m, l, key_bias, do, dlse, ctx.mask, scale=ctx.scale, backend=ctx.backend,
-            dropout=ctx.dropout, deterministic=ctx.deterministic,
+            q, k, v, out, m, l, key_bias, do, dlse, spec.mask, scale=spec.scale, backend=ctx.backend,
+            dropout=spec.dropout, deterministic=spec.deterministic,
         )  # fmt: skip
-        return dq, dk, dv, None, None, None, None, None, None
+        return dq, dk, dv, None, None
 
 
 def flash_attn_func(
@@ -312,25 +328,91 @@ def flash_attn_func(
     torch.use_deterministic_algorithms(True): the two-pass backward, bitwise reproducible. Every
     other case is bitwise reproducible either way.
     """
-    api = "flash_attn_func"
-    dims = check_qkv(q, k, v, api)
-    check_bool("causal", causal, api)
-    check_bool("return_lse", return_lse, api)
-    deterministic = resolve_deterministic(deterministic, api)
-    dropout_p = check_dropout(dropout_p, generator, api)
-    window = window_from(causal, window_size, api)
-    scale = resolve_scale(softmax_scale, dims.head_dim, api)
-    key_bias = key_bias_from_mask(key_padding_mask, dims, q.device, api, state_dtype(q.dtype))
-    if dims.empty:
-        out, lse = empty_attention(q, k, v)
-        return (out, lse) if return_lse else out
-    q_start, k_start = local_offsets(dims.seqlen_q, dims.seqlen_k)
-    out, lse = ops.flash(
-        q, k, v, key_bias, None, None, q_start, k_start, *ops.window_args(window), scale,
-        *operator_dropout(dropout_p, generator), _op_backend(q), deterministic, -1, -1, want_lse=return_lse,
-    )  # fmt: skip
-    out = all_dropped(out, dropout_p)
+    signature = _call_signature(q, k, v, causal, softmax_scale, window_size, key_padding_mask, return_lse, dropout_p,
+                                generator, deterministic)  # fmt: skip
+    call = None if signature is None else _CALLS.get(signature)
+    if call is None:
+        api = "flash_attn_func"
+        dims = check_qkv(q, k, v, api)
+        check_bool("causal", causal, api)
+        check_bool("return_lse", return_lse, api)
+        deterministic = resolve_deterministic(deterministic, api)
+        dropout_p = check_dropout(dropout_p, generator, api)
+        window = window_from(causal, window_size, api)
+        scale = resolve_scale(softmax_scale, dims.head_dim, api)
+        key_bias = key_bias_from_mask(key_padding_mask, dims, q.device, api, state_dtype(q.dtype))
+        if dims.empty:
+            out, lse = empty_attention(q, k, v)
+            return (out, lse) if return_lse else out
+        q_start, k_start = local_offsets(dims.seqlen_q, dims.seqlen_k)
+        if signature is None:  # the general path: key padding, dropout, torch.compile, ...
+            out, lse = ops.flash(
+                q, k, v, key_bias, None, None, q_start, k_start, *ops.window_args(window), scale,
+                *operator_dropout(dropout_p, generator), _op_backend(q), deterministic, -1, -1, want_lse=return_lse,
+            )  # fmt: skip
+            out = all_dropped(out, dropout_p)
+            return (out, lse) if return_lse else out
+        mask = ops.dense_mask(q_start, k_start, *ops.window_args(window))
+        call = _ValidatedCall(LocalSpec(mask, scale, None, deterministic, return_lse), _op_backend(q))
+        _remember_call(signature, call)
+    out, lse = ops.flash_eager(q, k, v, None, call.spec, call.backend)
     return (out, lse) if return_lse else out
+
+
+class _ValidatedCall(NamedTuple):
+    """What flash_attn_func's checks resolve for a call signature (_call_signature): the
+    autograd Function's options and the backend's name."""
+
+    spec: LocalSpec
+    backend: str
+
+
+# Validated calls by signature: a repeated call of the same shapes, dtypes, devices and flags
+# skips its checks and the building of its mask, host time a short call feels
+# (benchmarks.host_overhead). The _CALLS_KEPT most recently added are kept.
+_CALLS: dict = {}
+_CALLS_KEPT = 256
+
+
+def _remember_call(signature, call: _ValidatedCall) -> None:
+    if len(_CALLS) >= _CALLS_KEPT:
+        try:
+            _CALLS.pop(next(iter(_CALLS)))
+        except (KeyError, RuntimeError, StopIteration):  # changed meanwhile by another thread
+            pass
+    _CALLS[signature] = call
+
+
+def _call_signature(q, k, v, causal, softmax_scale, window_size, key_padding_mask, return_lse, dropout_p, generator,
+                    deterministic):  # fmt: skip
+    """Everything flash_attn_func's checks read of an eager call without key padding or dropout
+    whose arguments are of the exact types the checks accept (so that equal signatures pass them
+    alike: True == 1, but a 1 for causal must still raise), or None: the call is checked in
+    full. The checks read shapes, dtypes and devices, not strides or values; the backend and
+    determinism settings in force are part of it."""
+    if (
+        type(q) is not torch.Tensor
+        or type(k) is not torch.Tensor
+        or type(v) is not torch.Tensor
+        or key_padding_mask is not None
+        or generator is not None
+        or type(dropout_p) is not float
+        or dropout_p != 0.0
+        or type(causal) is not bool
+        or type(return_lse) is not bool
+        or type(deterministic) is not bool
+        or not (softmax_scale is None or type(softmax_scale) is float)
+        or type(window_size) is not tuple
+        or len(window_size) != 2
+        or type(window_size[0]) is not int
+        or type(window_size[1]) is not int
+        or torch.compiler.is_compiling()
+    ):
+        return None
+    return (
+        q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device, causal, softmax_scale,
+        window_size, return_lse, deterministic or torch.are_deterministic_algorithms_enabled(), _FORCED.get(),
+    )  # fmt: skip
 
 
 def flash_attn_varlen_func(

@@ -44,8 +44,8 @@ class SoftmaxState(NamedTuple):
         """A state for the rows of `o` (B, S, H, Dv) with m and l allocated as one (2, B, H, S)
         buffer of the state dtype, contents undefined."""
         B, S, H, _ = o.shape
-        stats = torch.empty(2, B, H, S, dtype=state_dtype(o.dtype), device=o.device)
-        return SoftmaxState(o, stats[0], stats[1])
+        m, l = torch.empty(2, B, H, S, dtype=state_dtype(o.dtype), device=o.device).unbind(0)
+        return SoftmaxState(o, m, l)
 
     @staticmethod
     def zeros(shape, dtype: torch.dtype, device) -> SoftmaxState:

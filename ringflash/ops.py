@@ -126,8 +126,9 @@ def flash_fwd(
     dropout (ringflash.dropout). deterministic: the backward's mode (local.block_backward), kept
     for flash_bwd. Returns out (B, Sq, Hq, Dv), lse, m, l (B, Hq, Sq) in the state dtype."""
     ctx, mask = _Saved(), _flash_mask(q, k, cu_q, cu_k, q_start, k_start, left, right, max_q, max_k)
+    spec = local.LocalSpec(mask, scale, _dropout(dropout_p, seed))
     with local.use_backend(_backend(backend, q.device)):
-        out, lse = local._FlashAttn.forward(ctx, q, k, v, key_bias, mask, scale, _dropout(dropout_p, seed))
+        out, lse = local._FlashAttn.forward(ctx, q, k, v, key_bias, spec)
     m, l = ctx.saved_tensors[4:6]
     return out, lse, m.clone(), l  # m and l share one buffer: an operator's outputs may not alias
 
@@ -158,10 +159,20 @@ def flash(
         )  # fmt: skip
         return out, lse
     mask = _flash_mask(q, k, cu_q, cu_k, q_start, k_start, left, right, max_q, max_k)
-    with local.use_backend(_backend(backend, q.device)):
-        return local._FlashAttn.apply(
-            q, k, v, key_bias, mask, scale, _dropout(dropout_p, seed), deterministic, want_lse
-        )
+    spec = local.LocalSpec(mask, scale, _dropout(dropout_p, seed), deterministic, want_lse)
+    return flash_eager(q, k, v, key_bias, spec, _backend(backend, q.device))
+
+
+def flash_eager(q, k, v, key_bias, spec, backend: str):
+    """flash()'s eager call from its local.LocalSpec and resolved backend name: (out, lse), lse
+    None unless spec.want_lse."""
+    with local.use_backend(backend):
+        return local._FlashAttn.apply(q, k, v, key_bias, spec)
+
+
+def dense_mask(q_start: int, k_start: int, left: int, right: int) -> BlockMask:
+    """flash()'s BlockMask of a call without packed documents."""
+    return _mask(q_start, k_start, left, right)
 
 
 @flash_fwd.register_fake
@@ -196,13 +207,11 @@ def flash_bwd(
     name = _backend(backend, q.device)
     cu = None if cu_q is None else cu_values(cu_q, cu_k, "flash_attn_varlen_func")
     with local.use_backend(name):
+        mask = _mask(q_start, k_start, left, right, cu, q.device)
         ctx = _Saved(
             saved_tensors=(q, k, v, out, m, l, key_bias),
-            mask=_mask(q_start, k_start, left, right, cu, q.device),
-            scale=scale,
+            spec=local.LocalSpec(mask, scale, _dropout(dropout_p, seed), deterministic),
             backend=local.backend_for(q.device),
-            dropout=_dropout(dropout_p, seed),
-            deterministic=deterministic,
         )
         dq, dk, dv = local._FlashAttn.backward(ctx, do, dlse)[:3]
     return dq, dk, dv

@@ -79,6 +79,44 @@ def test_bad_options():
             ring_flash_attn_func(h, h, h, grad_accum_dtype=bad)
 
 
+def test_remembered_calls_are_still_checked():
+    """flash_attn_func remembers a checked call by its signature (shapes, dtypes, devices,
+    flags and the settings in force); a call that equals a remembered one in value but not in
+    type, or differs in what the checks read, is checked in full."""
+    from ringflash import local
+
+    q = _t(1, 4, 2, 16)
+    for _ in range(2):  # remembered, then a hit
+        flash_attn_func(q, q, q, causal=True, window_size=(1, 0), softmax_scale=0.5)
+    with pytest.raises(TypeError, match="causal must be a bool"):
+        flash_attn_func(q, q, q, causal=1, window_size=(1, 0), softmax_scale=0.5)
+    with pytest.raises(ValueError, match="window_size must be a pair of ints"):
+        flash_attn_func(q, q, q, causal=True, window_size=(True, 0), softmax_scale=0.5)
+    with pytest.raises(TypeError, match="softmax_scale must be a float"):
+        flash_attn_func(q, q, q, causal=True, window_size=(1, 0), softmax_scale=True)
+    with pytest.raises(TypeError, match="return_lse must be a bool"):
+        flash_attn_func(q, q, q, causal=True, window_size=(1, 0), softmax_scale=0.5, return_lse=0)
+    with pytest.raises(TypeError, match="share a dtype"):
+        flash_attn_func(q, q.double(), q, causal=True, window_size=(1, 0), softmax_scale=0.5)
+    with pytest.raises(ValueError, match="dropout_p"):
+        flash_attn_func(q, q, q, causal=True, window_size=(1, 0), softmax_scale=0.5, dropout_p=1.5)
+    # the settings in force are part of the signature
+    signature = lambda: local._call_signature(q, q, q, True, 0.5, (1, 0), None, False, 0.0, None, False)  # noqa: E731
+    plain = signature()
+    with local.use_backend("triton"):
+        assert signature() != plain
+    torch.use_deterministic_algorithms(True)
+    try:
+        assert signature() != plain
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert signature() == plain
+    # a backend that cannot run here raises after a hit of the same shapes
+    if not local._INTERPRETER:
+        with local.use_backend("triton"), pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
+            flash_attn_func(q, q, q, causal=True, window_size=(1, 0), softmax_scale=0.5)
+
+
 def _python(code: str, **env) -> subprocess.CompletedProcess:
     """Run `code` in a fresh interpreter with the repository importable and `env` set."""
     full = {k: v for k, v in os.environ.items() if k not in ("RINGFLASH_BACKEND", "TRITON_INTERPRET", "WORLD_SIZE")}

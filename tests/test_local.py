@@ -694,3 +694,27 @@ def test_window_size_errors():
         flash_attn_func(q, q, q, window_size=(-2, 3))
     with pytest.raises(ValueError, match="causal=True means window_size's right is 0"):
         flash_attn_func(q, q, q, causal=True, window_size=(3, 1))
+
+
+@BOTH
+def test_remembered_call_matches_a_checked_one(backend, monkeypatch):
+    """flash_attn_func remembers a checked call by its signature; a repeated call skips the
+    checks and gives what the first, fully checked call gave: output, lse and gradients, bitwise.
+    At most _CALLS_KEPT signatures are kept."""
+    from ringflash import local
+
+    monkeypatch.setattr(local, "_CALLS", {})
+    q, k, v = _inputs(1, 8, 8, 4, 2, 16, torch.float32, 0)
+    do = torch.randn(1, 8, 4, 16, generator=torch.Generator().manual_seed(1))
+    results = []
+    for _ in range(2):
+        out, lse = flash_attn_func(q, k, v, causal=True, return_lse=True)
+        results.append((out, lse, *torch.autograd.grad((out, lse), (q, k, v), (do, torch.ones_like(lse)))))
+        assert len(local._CALLS) == 1
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+    monkeypatch.setattr(local, "_CALLS_KEPT", 3)
+    for S in range(1, 6):
+        x = torch.randn(1, S, 2, 16)
+        flash_attn_func(x, x, x)
+        assert len(local._CALLS) <= 3

@@ -354,10 +354,14 @@ def test_check_overhead_smoke(tmp_path):
 
 
 def test_host_overhead_smoke(tmp_path):
+    import shutil
+
+    shutil.copytree(ROOT / "ringflash", tmp_path / "base" / "ringflash_before")
     command = ["-m", "benchmarks.host_overhead", "--smoke", "--host-only", "--json", str(tmp_path / "h.json")]
-    run([sys.executable, *command], tmp_path)
+    run([sys.executable, *command, "--baseline", str(tmp_path / "base")], tmp_path)
     rows = json.loads((tmp_path / "h.json").read_text())["rows"]
-    assert {r["impl"] for r in rows} == {"public", "operator", "bare", "backend"} and all(r["fwd_us"] > 0 for r in rows)
+    impls = {"public", "public (ringflash_before)", "operator", "bare", "backend"}
+    assert {r["impl"] for r in rows} == impls and all(r["fwd_us"] > 0 for r in rows)
 
 
 def test_packed_ring_replay_layouts_smoke(tmp_path):
@@ -514,7 +518,7 @@ def test_profile_host_timers_count_layers_and_restore_them():
     with inclusive_timers() as totals:
         for _ in range(2):
             ringflash.flash_attn_func(q, k, v, causal=True).sum().backward()
-    for label in ("ops.flash", "_FlashAttn.forward", "local.block_forward", "local.block_backward"):
+    for label in ("ops.flash_eager", "_FlashAttn.forward", "local.block_forward", "local.block_backward"):
         assert totals[label][0] == 2 and totals[label][1] > 0, label
     assert (local.block_forward, local._FlashAttn.__dict__["forward"]) == before
 
