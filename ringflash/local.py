@@ -30,7 +30,7 @@ from ._checks import (
     resolve_scale,
 )
 from .dq_sum import DQPart
-from .dropout import all_dropped, check_dropout, operator_dropout
+from .dropout import Dropout, all_dropped, check_dropout, operator_dropout
 from .empty import empty_attention
 from .masks import BlockMask, Visibility, local_offsets, window_from
 from .merge import DeltaOf, SoftmaxState, state_dtype
@@ -265,7 +265,7 @@ class LocalSpec(NamedTuple):
 
     mask: BlockMask
     scale: float
-    dropout: object = None
+    dropout: Dropout | None = None
     deterministic: bool = False
     want_lse: bool = True
 
