@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 import ringflash
-from benchmarks.common import DOCUMENTS_BACKWARDS, documents_backward, host_seconds, kernel_times
+from benchmarks.common import DOCUMENTS_BACKWARDS, documents_backward, host_seconds, kernel_times, step_fn
 from benchmarks.packed import document_lengths
 from benchmarks.packed_ring_replay import replay_rank
 
@@ -156,15 +156,17 @@ def report(name, fn, calls, lines, split_only=False):
 
 def local_calls(seq_lens, head_dim=128):
     for S in seq_lens:
-        q, k, v = (torch.randn(1, S, 32, head_dim, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+        q, k, v, do = (torch.randn(1, S, 32, head_dim, device="cuda", dtype=torch.bfloat16) for _ in range(4))
         qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
 
         def fwd(q=q, k=k, v=v):
             with torch.no_grad():
                 ringflash.flash_attn_func(q, k, v, causal=True)
 
-        def train(qg=qg, kg=kg, vg=vg):
-            ringflash.flash_attn_func(qg, kg, vg, causal=True).sum().backward()
+        # as bench_local times it (benchmarks.common.step_fn): out.backward(do), gradients taken
+        # rather than added to, no reduction of the output and its backward in the profile
+        train = step_fn(lambda qg=qg, kg=kg, vg=vg: ringflash.flash_attn_func(qg, kg, vg, causal=True),
+                        (qg, kg, vg), do, "fwd+bwd")  # fmt: skip
 
         yield f"flash_attn_func S={S} D={head_dim} no_grad", fwd
         yield f"flash_attn_func S={S} D={head_dim} fwd+bwd", train
@@ -175,9 +177,8 @@ def packed_call():
     lengths = document_lengths("short", T, 0)
     cu = torch.tensor([0, *np.cumsum(lengths).tolist()], dtype=torch.int32, device="cuda")
     q, k, v = (torch.randn(T, 32, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
-
-    def train():
-        ringflash.flash_attn_varlen_func(q, k, v, cu, cu, causal=True).sum().backward()
+    train = step_fn(lambda: ringflash.flash_attn_varlen_func(q, k, v, cu, cu, causal=True), (q, k, v),
+                    torch.randn_like(q), "fwd+bwd")  # fmt: skip
 
     yield f"flash_attn_varlen_func {len(lengths)} short docs in 16K fwd+bwd", train
 
