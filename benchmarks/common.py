@@ -41,11 +41,12 @@ def bench_ms(fn, device) -> float:
     return sorted(times)[1]
 
 
-def host_seconds(fn, device, *, calls=1, repeats=1, warmup=1) -> float:
+def host_seconds(fn, device, *, calls=1, repeats=1, warmup=1, host_only=False) -> float:
     """Host-clock seconds per call of fn(): `warmup` calls, then `repeats` times `calls` calls
     in a row with one synchronize at the end (a GPU's queue drained before and after), the
     median over the repeats divided by `calls`. Unlike bench_ms it counts the host's own time,
-    which decides at short sequences."""
+    which decides at short sequences. host_only: the clock stops once the calls are issued,
+    before the synchronize: the host's time alone even where the device's is longer."""
     sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
     for _ in range(warmup):
         fn()
@@ -55,8 +56,11 @@ def host_seconds(fn, device, *, calls=1, repeats=1, warmup=1) -> float:
         t0 = time.perf_counter()
         for _ in range(calls):
             fn()
-        sync()
+        if not host_only:
+            sync()
         times.append((time.perf_counter() - t0) / calls)
+        if host_only:  # drained after the clock stopped, before the next repeat
+            sync()
     return statistics.median(times)
 
 

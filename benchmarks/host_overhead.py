@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 from pathlib import Path
 
 import torch
@@ -45,27 +44,10 @@ from ringflash.merge import DeltaOf, SoftmaxState
 
 
 def per_call_us(fn, calls, device, host_only=False):
-    """Microseconds per call of `calls` calls of fn() in a row, after two warm-up calls: on the
-    host clock with the device drained before and after, or with host_only the host's time alone
-    (the clock stopped when the calls are issued, before the device has run them)."""
-    if not host_only:
-        return host_seconds(fn, device, calls=calls, warmup=2) * 1e6
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    for _ in range(2):
-        fn()
-    sync()
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    elapsed = time.perf_counter() - t0
-    sync()
-    return elapsed / calls * 1e6
-
-
-def _stats(q):
-    """Uninitialized (B, H, S) float32 row statistics m, l for q (B, S, H, D), as one buffer."""
-    stats = torch.empty(2, q.shape[0], q.shape[2], q.shape[1], dtype=torch.float32, device=q.device)
-    return stats[0], stats[1]
+    """Microseconds per call of `calls` calls of fn() in a row, after two warm-up calls
+    (common.host_seconds: the device drained before and after, or with host_only the host's
+    time alone)."""
+    return host_seconds(fn, device, calls=calls, warmup=2, host_only=host_only) * 1e6
 
 
 class _Kernels(torch.autograd.Function):
@@ -75,7 +57,7 @@ class _Kernels(torch.autograd.Function):
     def forward(ctx, q, k, v):
         from ringflash import kernels
 
-        state = SoftmaxState(torch.empty_like(q), *_stats(q))
+        state = SoftmaxState.empty(torch.empty_like(q))
         kernels.forward(q, k, v, state, q_start=0, k_start=0, window=CAUSAL, bounds=None,
                         scale=q.shape[-1] ** -0.5, fold=False, normalize=True)  # fmt: skip
         ctx.save_for_backward(q, k, v, *state)
@@ -100,7 +82,7 @@ class _Gluon(torch.autograd.Function):
     def forward(ctx, q, k, v):
         from ringflash.kernels import _block_d, configs, gluon_forward
 
-        out, (m, l) = torch.empty_like(q), _stats(q)
+        out, m, l = SoftmaxState.empty(torch.empty_like(q))
         variant = configs.gluon_forward_variant(_block_d(q.shape[-1]), keys=k.shape[1], causal=True)
         gluon_forward.forward(q, k, v, q_start=0, k_start=0, scale=q.shape[-1] ** -0.5, out_o=out, out_m=m, out_l=l,
                               normalize=True, fold=False, window=CAUSAL, config=variant)  # fmt: skip
@@ -124,7 +106,7 @@ class _Bare(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v):
-        out, (m, l) = torch.empty_like(q), _stats(q)
+        out, m, l = SoftmaxState.empty(torch.empty_like(q))
         ctx.save_for_backward(q, k, v, out, m, l)
         return out
 

@@ -352,8 +352,8 @@ def flash_attn_func(
             )  # fmt: skip
             out = all_dropped(out, dropout_p)
             return (out, lse) if return_lse else out
-        mask = ops.dense_mask(q_start, k_start, *ops.window_args(window))
-        call = _ValidatedCall(LocalSpec(mask, scale, None, deterministic, return_lse), _op_backend(q))
+        spec = LocalSpec(BlockMask(q_start, k_start, window), scale, None, deterministic, return_lse)
+        call = _ValidatedCall(spec, _op_backend(q))
         _remember_call(signature, call)
     out, lse = ops.flash_eager(q, k, v, None, call.spec, call.backend)
     return (out, lse) if return_lse else out

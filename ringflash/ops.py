@@ -170,11 +170,6 @@ def flash_eager(q, k, v, key_bias, spec, backend: str):
         return local._FlashAttn.apply(q, k, v, key_bias, spec)
 
 
-def dense_mask(q_start: int, k_start: int, left: int, right: int) -> BlockMask:
-    """flash()'s BlockMask of a call without packed documents."""
-    return _mask(q_start, k_start, left, right)
-
-
 @flash_fwd.register_fake
 def _(q, k, v, *args):
     return _forward_like(q, v)
