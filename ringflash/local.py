@@ -233,10 +233,22 @@ def local_forward(q, k, v, key_bias, mask: BlockMask, *, scale, backend, dropout
     block (mask, key_bias, dropout as block_forward's): a SoftmaxState whose o is the normalized
     output (B, Sq, Hq, Dv) in q's dtype, with m, l (B, Hq, Sq) in the state dtype for
     local_backward. No float32 output state is kept or merged."""
-    state = SoftmaxState.empty(q.new_empty(*q.shape[:3], v.shape[3]))
+    state = _output_state(q, v)
     block_forward(q, k, v, state, mask, scale=scale, fold=False, normalize=True, key_bias=key_bias,
                   backend=backend, dropout=dropout)  # fmt: skip
     return state
+
+
+def _output_state(q, v) -> SoftmaxState:
+    """local_forward's state for q's rows, allocated, contents undefined."""
+    return SoftmaxState.empty(q.new_empty(*q.shape[:3], v.shape[3]))
+
+
+def _gradients(q, k, v, kv_grad_dtype=None):
+    """local_backward's (dq, dk, dv), contiguous, allocated, contents undefined."""
+    dq = torch.empty_like(q, memory_format=torch.contiguous_format)
+    dk, dv = (torch.empty_like(t, dtype=kv_grad_dtype, memory_format=torch.contiguous_format) for t in (k, v))
+    return dq, dk, dv
 
 
 def local_backward(
@@ -249,8 +261,7 @@ def local_backward(
     do = output_grad(out, do)
     # delta left to the backend: the fused backward computes it in its statistics launch
     delta = DeltaOf(out, dlse)
-    dq = torch.empty_like(q, memory_format=torch.contiguous_format)
-    dk, dv = (torch.empty_like(t, dtype=kv_grad_dtype, memory_format=torch.contiguous_format) for t in (k, v))
+    dq, dk, dv = _gradients(q, k, v, kv_grad_dtype)
     block_backward(q, k, v, m, l, do, delta, dq, dk, dv, mask, scale=scale, accumulate=False, key_bias=key_bias,
                    backend=backend, dropout=dropout, deterministic=deterministic)  # fmt: skip
     return dq, dk, dv
@@ -261,13 +272,15 @@ class LocalSpec(NamedTuple):
     Function's host time per call grows with its argument count). mask: the BlockMask; scale;
     dropout: a Dropout or None; deterministic: the backward's mode (block_backward);
     want_lse: whether the forward returns lse (its three small ops are host time a short call
-    feels), else None in its place."""
+    feels), else None in its place; plan: the call's _CallPlan (flash_attn_func's repeated
+    calls), or None."""
 
     mask: BlockMask
     scale: float
     dropout: Dropout | None = None
     deterministic: bool = False
     want_lse: bool = True
+    plan: _CallPlan | None = None
 
 
 class _FlashAttn(torch.autograd.Function):
@@ -275,10 +288,21 @@ class _FlashAttn(torch.autograd.Function):
     @without_autocast
     def forward(ctx, q, k, v, key_bias, spec: LocalSpec):
         """(out, lse) of local_forward under `spec`; lse None when not spec.want_lse."""
-        backend = backend_for(q.device)
-        state = local_forward(q, k, v, key_bias, spec.mask, scale=spec.scale, backend=backend, dropout=spec.dropout)
+        plan = spec.plan
+        key = None if plan is None else plan.input_key(q, k, v)
+        state = None if key is None else plan.replay_forward(key, q, k, v)
+        if state is None:
+            backend = backend_for(q.device)
+
+            def run():
+                return local_forward(q, k, v, key_bias, spec.mask, scale=spec.scale, backend=backend,
+                                     dropout=spec.dropout)  # fmt: skip
+
+            state = run() if key is None else plan.learn_forward(key, q, k, v, run)
+        else:
+            backend = plan.backend
         ctx.save_for_backward(q, k, v, state.o, state.m, state.l, key_bias)
-        ctx.spec, ctx.backend = spec, backend
+        ctx.spec, ctx.backend, ctx.input_key = spec, backend, key
         ctx.set_materialize_grads(False)
         return state.o, state.lse() if spec.want_lse else None
 
@@ -287,11 +311,119 @@ class _FlashAttn(torch.autograd.Function):
     def backward(ctx, do, dlse):
         q, k, v, out, m, l, key_bias = ctx.saved_tensors
         spec = ctx.spec
-        dq, dk, dv = local_backward(
-            q, k, v, out, m, l, key_bias, do, dlse, spec.mask, scale=spec.scale, backend=ctx.backend,
-            dropout=spec.dropout, deterministic=spec.deterministic,
-        )  # fmt: skip
+
+        def run():
+            return local_backward(
+                q, k, v, out, m, l, key_bias, do, dlse, spec.mask, scale=spec.scale, backend=ctx.backend,
+                dropout=spec.dropout, deterministic=spec.deterministic,
+            )  # fmt: skip
+
+        key = ctx.input_key
+        dq, dk, dv = run() if key is None else spec.plan.backward(key, q, k, v, out, m, l, do, dlse, spec.scale, run)
         return dq, dk, dv, None, None
+
+
+def _same_tensors(recorded, tensors) -> bool:
+    return len(recorded) == len(tensors) and all(a is b for a, b in zip(recorded, tensors, strict=True))
+
+
+class _CallPlan:
+    """What the layers below flash_attn_func chose for the calls of one signature, to replay
+    without them: the Gluon forward's kept launch plan, and the fused backward's (ringflash.
+    kernels.plans). A repeated call then costs its allocations, its launches and one autograd
+    node, host time a short call feels (benchmarks.host_overhead).
+
+    Learned from a call whose layers used exactly one kept plan on tensors that are the call's
+    own (checked by identity: inputs, outputs, gradients), under plans.recording(); until then,
+    or where nothing was learned (the Triton kernels, the two-pass backward), the layers run.
+    A plan holds for calls of its signature whose inputs have the strides, alignment and
+    aliasing it was learned with (input_key); the backward's also needs its dO and dlse alike
+    (plans.tensor_key); under a kernel config override (kernels.configs.override) the layers
+    always run. Each half gives up learning after _TRIES calls that taught it nothing."""
+
+    _TRIES = 3
+
+    __slots__ = ("backend", "_configs", "_gluon_forward", "_gluon_backward", "_plans", "_forward", "_backward",
+                 "_tries")  # fmt: skip
+
+    def __init__(self):
+        from . import kernels
+        from .kernels import configs, gluon_backward, gluon_forward, plans
+
+        self.backend = kernels
+        self._configs, self._gluon_forward, self._gluon_backward, self._plans = (
+            configs,
+            gluon_forward,
+            gluon_backward,
+            plans,
+        )
+        self._forward = None  # (input key, Plan)
+        self._backward = None  # (input key, (dO's key, dlse's key), Plan)
+        self._tries = [0, 0]
+
+    def input_key(self, q, k, v):
+        """What a replay needs alike of the inputs beyond the call's signature; None: the layers
+        must run (a kernel config override is in force)."""
+        if self._configs.overridden_any():
+            return None
+        return (q.stride(), k.stride(), v.stride(), q.data_ptr() % 16, k.data_ptr() % 16, v.data_ptr() % 16,
+                q is k, q is v, k is v)  # fmt: skip
+
+    def replay_forward(self, key, q, k, v) -> SoftmaxState | None:
+        """local_forward's state from the learned forward plan, or None: none learned for key."""
+        learned = self._forward
+        if learned is None or learned[0] != key:
+            return None
+        state = _output_state(q, v)
+        self._gluon_forward.launch_planned(learned[1], (q, k, v, state.o, state.m, state.l, None, None))
+        return state
+
+    def learn_forward(self, key, q, k, v, run) -> SoftmaxState:
+        """run() (local_forward), learning its plan when it used one on this call's tensors."""
+        if self._forward is not None or self._tries[0] >= self._TRIES:
+            return run()
+        with self._plans.recording() as uses:
+            state = run()
+        if len(uses) == 1 and uses[0].kind == "forward":
+            if _same_tensors(uses[0].args, (q, k, v, state.o, state.m, state.l, None, None)):
+                self._forward = (key, uses[0].plan)
+                return state
+        self._tries[0] += 1
+        return state
+
+    def backward(self, key, q, k, v, out, m, l, do, dlse, scale, run):
+        """(dq, dk, dv) of local_backward: replayed from the learned backward plan where it holds
+        for key, dO and dlse, else run(), learning its plan when there is none yet."""
+        tensor_key = self._plans.tensor_key
+        learned = self._backward
+        if learned is not None:
+            if learned[0] == key:
+                do = output_grad(out, do)
+                if (tensor_key(do), tensor_key(dlse)) == learned[1] and all(do is not t for t in (q, k, v)):
+                    dq, dk, dv = _gradients(q, k, v)
+                    self._gluon_backward.prepared_from(learned[2], q, k, v, m, l, do, DeltaOf(out, dlse), dq, dk, dv,
+                                                   scale=scale, accumulate=False)()  # fmt: skip
+                    return dq, dk, dv
+            return run()
+        if self._tries[1] >= self._TRIES:
+            return run()
+        with self._plans.recording() as uses:
+            dq, dk, dv = run()
+        if len(uses) == 1 and uses[0].kind == "backward":
+            uq, uk, uv, um, ul, udo, udelta, udq, udk, udv, uscale, uaccumulate, ubounds = uses[0].args
+            if (
+                _same_tensors((uq, uk, uv, um, ul, udq, udk, udv), (q, k, v, m, l, dq, dk, dv))
+                and isinstance(udelta, DeltaOf)
+                and udelta.out is out
+                and udelta.dlse is dlse
+                and uscale == scale
+                and not uaccumulate
+                and ubounds is None
+            ):
+                self._backward = (key, (tensor_key(udo), tensor_key(dlse)), uses[0].plan)
+                return dq, dk, dv
+        self._tries[1] += 1
+        return dq, dk, dv
 
 
 def flash_attn_func(
@@ -352,8 +484,10 @@ def flash_attn_func(
             )  # fmt: skip
             out = all_dropped(out, dropout_p)
             return (out, lse) if return_lse else out
-        spec = LocalSpec(BlockMask(q_start, k_start, window), scale, None, deterministic, return_lse)
-        call = _ValidatedCall(spec, _op_backend(q))
+        backend = _op_backend(q)
+        plan = _CallPlan() if backend == "triton" and q.is_cuda else None
+        spec = LocalSpec(BlockMask(q_start, k_start, window), scale, None, deterministic, return_lse, plan)
+        call = _ValidatedCall(spec, backend)
         _remember_call(signature, call)
     out, lse = ops.flash_eager(q, k, v, None, call.spec, call.backend)
     return (out, lse) if return_lse else out

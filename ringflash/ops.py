@@ -51,6 +51,7 @@ class _Saved(SimpleNamespace):
     plain function inside an operator."""
 
     saved_tensors = ()
+    input_key = None  # (the operators replay no call plan: local._CallPlan)
 
     def save_for_backward(self, *tensors):
         self.saved_tensors = tensors

@@ -20,6 +20,16 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture(autouse=True)
+def _no_remembered_calls():
+    """Every test starts with no remembered flash_attn_func calls (ringflash.local._CALLS): what
+    a call of another test learned (its checks, its call plan, under that test's monkeypatched
+    tunables) must not decide this test's launches, whatever order the tests run in."""
+    from ringflash import local
+
+    local._CALLS.clear()
+
+
 @pytest.fixture
 def backend(request):
     """Parametrize with indirect=True over 'torch' / 'triton': the block operations run there."""

@@ -818,6 +818,7 @@ def test_launch_plans_rebind_exactly(monkeypatch):
     the results a call with no plan gives (out, dK, dV bitwise; dQ, added by float32 atomics in a
     varying order, within one bfloat16 rounding), and a plan built for one tensor passed as q, k
     and v is not used for distinct q, k, v of the same shapes."""
+    from ringflash import local
     from ringflash.kernels import gluon_backward, gluon_forward
     from ringflash.kernels.plans import Plan
 
@@ -848,10 +849,95 @@ def test_launch_plans_rebind_exactly(monkeypatch):
     rebinds.clear()
     check(_results(q, k, v, do), fresh)
     assert len(rebinds) == 2, "the forward and the backward took their plans"
-    for plans in (gluon_forward._PLANS, gluon_backward._PLANS):
+    for plans in (gluon_forward._PLANS, gluon_backward._PLANS, local._CALLS):  # no plan anywhere
         plans.clear()
     aliased = _results(x, x, x, do)
     check(_results(x, x, x, do), aliased)
     rebinds.clear()
     check(_results(q, k, v, do), fresh)  # distinct tensors: not the aliased plans
     assert not rebinds
+
+
+class _LayersRan(Exception):
+    pass
+
+
+def _layers_refuse(monkeypatch) -> None:
+    """flash_attn_func's layers below its autograd Function raise _LayersRan when they run."""
+    from ringflash import local
+
+    def refuse(*args, **kwargs):
+        raise _LayersRan
+
+    monkeypatch.setattr(local, "local_forward", refuse)
+    monkeypatch.setattr(local, "local_backward", refuse)
+
+
+@pytest.mark.parametrize("D,Dv", [(64, 64), (128, 128), (192, 128)])
+@pytest.mark.parametrize("causal,window_size", [(True, (-1, -1)), (False, (-1, -1)), (True, (300, 0))])
+def test_call_plan_replays_the_layers(D, Dv, causal, window_size, monkeypatch):
+    """A repeated flash_attn_func call replays the launches its layers chose (local._CallPlan):
+    once two calls of a signature ran, a third with other tensors of it runs with the layers
+    below the autograd Function refusing to run, and gives what the layers gave for the same
+    tensors: out and lse bitwise, dK and dV bitwise (one program's sums per key block), dQ
+    (float32 atomics in a varying order) within 2x plain bf16 attention's error against
+    float64. Through lse too (its gradient's key learned with the plan)."""
+    force_fused_backward(monkeypatch)
+    g = torch.Generator(device="cuda").manual_seed(D + Dv + window_size[0])
+    mk = lambda H, d: torch.randn(2, 1031, H, d, device="cuda", generator=g, dtype=torch.bfloat16)  # noqa: E731
+    kw = dict(causal=causal, window_size=window_size)
+
+    def inputs():
+        return (mk(4, D).requires_grad_(), mk(2, D).requires_grad_(), mk(2, Dv).requires_grad_(), mk(4, Dv),
+                torch.randn(2, 4, 1031, device="cuda", generator=g))  # fmt: skip
+
+    def results(q, k, v, do, dlse):
+        out, lse = flash_attn_func(q, k, v, return_lse=True, **kw)
+        grads = torch.autograd.grad((out * do).sum() + (lse * dlse).sum(), (q, k, v))
+        return (out.detach(), lse.detach(), *grads)
+
+    first, second = inputs(), inputs()
+    by_layers = results(*first)  # the signature's first call: checked, through the layers
+    results(*second)  # its second: the plan learned
+    _layers_refuse(monkeypatch)
+    replayed = results(*first)
+    for name, i in (("out", 0), ("lse", 1), ("dk", 3), ("dv", 4)):
+        assert torch.equal(replayed[i], by_layers[i]), name
+    q, k, v, do, dlse = first
+
+    def dq_of(dtype):
+        out, lse = naive_attention(q, k, v, dtype=dtype, **kw)
+        return torch.autograd.grad((out * do.to(dtype)).sum() + (lse * dlse.to(lse.dtype)).sum(), q)[0]
+
+    assert_within("dq", replayed[2], dq_of(torch.float64), dq_of(torch.bfloat16))
+
+
+def test_call_plan_runs_the_layers_for_unlike_calls(monkeypatch):
+    """A learned call plan is replayed only for calls alike in what it was learned with: a dO
+    off the learned alignment, inputs of other strides, an aliased q / k / v, a kernel config
+    override or deterministic=True run the layers (here refusing to, so that they are seen)."""
+    from ringflash.kernels import configs
+
+    force_fused_backward(monkeypatch)
+    g = torch.Generator(device="cuda").manual_seed(5)
+    mk = lambda: torch.randn(1, 1024, 4, 64, device="cuda", generator=g, dtype=torch.bfloat16)  # noqa: E731
+    do = mk()
+    for _ in range(2):  # learned
+        q, k, v = (mk().requires_grad_() for _ in range(3))
+        flash_attn_func(q, k, v, causal=True).backward(do)
+    _layers_refuse(monkeypatch)
+    q, k, v = (mk().requires_grad_() for _ in range(3))
+    out = flash_attn_func(q, k, v, causal=True)  # replayed
+    shifted = torch.empty(do.numel() + 1, device="cuda", dtype=do.dtype)[1:].view(do.shape).copy_(do)
+    with pytest.raises(_LayersRan):  # dO 2 bytes off a 16-byte boundary
+        out.backward(shifted, retain_graph=True)
+    out.backward(do)  # the replay's backward with a dO like the learned one
+    transposed = torch.randn(1, 4, 1024, 64, device="cuda", generator=g, dtype=torch.bfloat16).transpose(1, 2)
+    with pytest.raises(_LayersRan):  # other strides
+        flash_attn_func(transposed, k, v, causal=True)
+    with pytest.raises(_LayersRan):
+        flash_attn_func(q, q, q, causal=True)
+    with pytest.raises(_LayersRan), configs.override(gluon="ws2_s3"):
+        flash_attn_func(q, k, v, causal=True)
+    with pytest.raises(_LayersRan):
+        flash_attn_func(q, k, v, causal=True, deterministic=True)

@@ -390,6 +390,11 @@ def overridden(kind: str) -> bool:
     return kind in _OVERRIDES
 
 
+def overridden_any() -> bool:
+    """Whether override() is in force for any kernel."""
+    return bool(_OVERRIDES)
+
+
 def dkdv_config(block_d: int, documents: bool = False, float32: bool = False) -> KernelConfig:
     return kind_config("dkdv", block_d, documents, float32)
 

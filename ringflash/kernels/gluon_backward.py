@@ -55,7 +55,7 @@ from .gluon_forward import (
 )
 from .gluon_forward import report_problems as forward_report_problems
 from .launcher import launch_kept, on_device
-from .plans import Plan, Plans, alias_pattern, tensor_key
+from .plans import Plan, Plans, alias_pattern, record, tensor_key
 
 try:  # Gluon exists from triton 3.6 on; the rest of the package must not depend on it
     from triton.experimental.gluon import language as _gl
@@ -793,11 +793,30 @@ def prepare(
     signature = _signature(q, k, v, m, l, do, delta, dq, dk, dv, q_start, k_start, causal, scale, accumulate, config,
                            window, bounds)  # fmt: skip
     plan = _PLANS.get(signature)
-    if plan is None:
-        cfg = _resolve(q, v, config)
-        check_supported(q, k, v, m, l, do, delta, dq, dk, dv, scale=scale, cfg=cfg)
-    else:
-        cfg = plan.extra
+    if plan is not None:
+        record("backward", plan, (q, k, v, m, l, do, delta, dq, dk, dv, scale, accumulate, bounds))
+        return prepared_from(plan, q, k, v, m, l, do, delta, dq, dk, dv, scale=scale, accumulate=accumulate,
+                             bounds=bounds)  # fmt: skip
+    cfg = _resolve(q, v, config)
+    check_supported(q, k, v, m, l, do, delta, dq, dk, dv, scale=scale, cfg=cfg)
+    return _prepared(None, cfg, q, k, v, m, l, do, delta, dq, dk, dv, q_start=q_start, k_start=k_start,
+                     causal=causal, scale=scale, accumulate=accumulate, window=window, bounds=bounds,
+                     signature=signature)  # fmt: skip
+
+
+def prepared_from(plan: Plan, q, k, v, m, l, do, delta, dq, dk, dv, *, scale, accumulate, bounds=None):
+    """prepare() for arguments of the signature `plan` was kept for (prepare checked that one; a
+    caller replaying a recorded plans.PlanUse checks that its arguments are alike)."""
+    return _prepared(plan, plan.extra, q, k, v, m, l, do, delta, dq, dk, dv, q_start=None, k_start=None,
+                     causal=None, scale=scale, accumulate=accumulate, window=None, bounds=bounds)  # fmt: skip
+
+
+def _prepared(
+    plan, cfg, q, k, v, m, l, do, delta, dq, dk, dv, *, q_start, k_start, causal, scale, accumulate, window, bounds,
+    signature=None,
+):  # fmt: skip
+    """prepare()'s work after its checks: from a kept plan (q_start, k_start, causal and window
+    then unread: the plan has them), or building one (kept under `signature` when it repeats)."""
     Sq, Sk = q.shape[1], k.shape[1]
     if Sq == 0 or Sk == 0:  # nothing to add (a TMA descriptor cannot be empty)
         if not accumulate:
@@ -855,7 +874,9 @@ def prepare(
         tile_counter=counter,
     )
     if _PLANS.wants(signature):
-        _PLANS.put(signature, Plan(kernel, grid, args, kwargs, tensors, extra=cfg))
+        plan = Plan(kernel, grid, args, kwargs, tensors, extra=cfg)
+        _PLANS.put(signature, plan)
+        record("backward", plan, (q, k, v, m, l, do, delta, dq, dk, dv, scale, accumulate, bounds))
     return Prepared(kernel, grid, args, kwargs, dq32, finish, counter, zeroed)
 
 

@@ -36,7 +36,7 @@ from . import _block_d as padded_head_dim  # the tile width a head dim runs at (
 from . import _tma_ok as _descriptor_aligned
 from . import head_dim_pieces
 from .launcher import launch, on_device
-from .plans import Plan, Plans, alias_pattern, tensor_key
+from .plans import Plan, Plans, alias_pattern, record, tensor_key
 from .tiles import MASK_ROWS, MASK_WINDOW
 
 try:  # Gluon exists from triton 3.6 on; the rest of the package must not depend on it
@@ -341,8 +341,8 @@ def forward(
     )
     plan = _PLANS.get(signature)
     if plan is not None:  # checked and planned before: only the tensors differ
-        with on_device(q):
-            plan.launch(plan.kernel, plan.grid, plan.args_for(tensors), plan.kwargs)
+        record("forward", plan, tensors)
+        launch_planned(plan, tensors)
         return
     cfg = _resolve(q, v, config)
     check_supported(q, k, v, out_o, out_m, out_l, normalize=normalize, fold=fold, cfg=cfg)
@@ -374,9 +374,19 @@ def forward(
         cfg=cfg,
     )
     if _PLANS.wants(signature):
-        _PLANS.put(signature, Plan(kernel, grid, args, kwargs, tensors))
+        plan = Plan(kernel, grid, args, kwargs, tensors)
+        _PLANS.put(signature, plan)
+        record("forward", plan, tensors)
     with on_device(q):
         launch(kernel, grid, *args, **kwargs)
+
+
+def launch_planned(plan: Plan, tensors) -> None:
+    """forward()'s launch from a kept plan, for tensors (q, k, v, out_o, out_m, out_l, k_lo,
+    k_hi) of the signature the plan was kept for (forward() checked that one; a caller replaying
+    a recorded plans.PlanUse checks that its tensors are alike)."""
+    with on_device(tensors[0]):
+        plan.launch(plan.kernel, plan.grid, plan.args_for(tensors), plan.kwargs)
 
 
 _PLANS = Plans()

@@ -14,7 +14,10 @@ layout are the signature's, only the base differs.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 from collections import OrderedDict
+from typing import NamedTuple
 
 import torch
 
@@ -96,6 +99,38 @@ class Plan:
         for i, j, descriptor in self._slots:
             args[i] = _rebased(args[i], tensors[j]) if descriptor else tensors[j]
         return args
+
+
+class PlanUse(NamedTuple):
+    """One kept plan's use by a wrapper (plans.recording): kind ("forward" / "backward"), the
+    Plan, and the wrapper's arguments whose tensors it was used with (a tuple the wrapper
+    names)."""
+
+    kind: str
+    plan: Plan
+    args: tuple
+
+
+_RECORDING = contextvars.ContextVar("ringflash_plan_uses", default=None)
+
+
+@contextlib.contextmanager
+def recording():
+    """Inside the block, every kept plan a wrapper launches from (or keeps) is appended, as a
+    PlanUse, to the list the block gets: what a caller's layers chose, for a caller that wants
+    to replay them (ringflash.local's call plans)."""
+    uses = []
+    token = _RECORDING.set(uses)
+    try:
+        yield uses
+    finally:
+        _RECORDING.reset(token)
+
+
+def record(kind: str, plan: Plan, args: tuple) -> None:
+    uses = _RECORDING.get()
+    if uses is not None:
+        uses.append(PlanUse(kind, plan, args))
 
 
 _SEEN = object()  # a signature met once: its plan is built when it comes again
