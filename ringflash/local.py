@@ -337,9 +337,12 @@ class _CallPlan:
     own (checked by identity: inputs, outputs, gradients), under plans.recording(); until then,
     or where nothing was learned (the Triton kernels, the two-pass backward), the layers run.
     A plan holds for calls of its signature whose inputs have the strides, alignment and
-    aliasing it was learned with (input_key); the backward's also needs its dO and dlse alike
-    (plans.tensor_key); under a kernel config override (kernels.configs.override) the layers
-    always run. Each half gives up learning after _TRIES calls that taught it nothing."""
+    aliasing it was learned with (input_key); the backward's also needs its dO, dlse, out, m
+    and l alike (plans.tensor_key: an operator's are handed in, not allocated here); under a
+    kernel config override (kernels.configs.override) the layers always run. Each half gives
+    up learning after _TRIES calls that taught it nothing. Module constants of kernels.configs
+    changed at run time (tests, benchmarks) are not seen by a plan learned before: forget the
+    remembered calls (local._CALLS.clear()) then."""
 
     _TRIES = 3
 
@@ -358,7 +361,7 @@ class _CallPlan:
             plans,
         )
         self._forward = None  # (input key, Plan)
-        self._backward = None  # (input key, (dO's key, dlse's key), Plan)
+        self._backward = None  # (input key, the keys of (dO, dlse, out, m, l), Plan)
         self._tries = [0, 0]
 
     def input_key(self, q, k, v):
@@ -393,13 +396,14 @@ class _CallPlan:
 
     def backward(self, key, q, k, v, out, m, l, do, dlse, scale, run):
         """(dq, dk, dv) of local_backward: replayed from the learned backward plan where it holds
-        for key, dO and dlse, else run(), learning its plan when there is none yet."""
+        for key, dO, dlse, out, m and l, else run(), learning its plan when there is none yet."""
         tensor_key = self._plans.tensor_key
         learned = self._backward
         if learned is not None:
             if learned[0] == key:
                 do = output_grad(out, do)
-                if (tensor_key(do), tensor_key(dlse)) == learned[1] and all(do is not t for t in (q, k, v)):
+                keys = (tensor_key(do), tensor_key(dlse), tensor_key(out), tensor_key(m), tensor_key(l))
+                if keys == learned[1] and all(do is not t for t in (q, k, v)):
                     dq, dk, dv = _gradients(q, k, v)
                     self._gluon_backward.prepared_from(learned[2], q, k, v, m, l, do, DeltaOf(out, dlse), dq, dk, dv,
                                                    scale=scale, accumulate=False)()  # fmt: skip
@@ -420,7 +424,8 @@ class _CallPlan:
                 and not uaccumulate
                 and ubounds is None
             ):
-                self._backward = (key, (tensor_key(udo), tensor_key(dlse)), uses[0].plan)
+                keys = (tensor_key(udo), tensor_key(dlse), tensor_key(out), tensor_key(m), tensor_key(l))
+                self._backward = (key, keys, uses[0].plan)
                 return dq, dk, dv
         self._tries[1] += 1
         return dq, dk, dv

@@ -51,7 +51,6 @@ class _Saved(SimpleNamespace):
     plain function inside an operator."""
 
     saved_tensors = ()
-    input_key = None  # (the operators replay no call plan: local._CallPlan)
 
     def save_for_backward(self, *tensors):
         self.saved_tensors = tensors
@@ -126,12 +125,35 @@ def flash_fwd(
     torch.compile. dropout_p, seed (an int64 scalar tensor, or None: no dropout): attention
     dropout (ringflash.dropout). deterministic: the backward's mode (local.block_backward), kept
     for flash_bwd. Returns out (B, Sq, Hq, Dv), lse, m, l (B, Hq, Sq) in the state dtype."""
-    ctx, mask = _Saved(), _flash_mask(q, k, cu_q, cu_k, q_start, k_start, left, right, max_q, max_k)
-    spec = local.LocalSpec(mask, scale, _dropout(dropout_p, seed))
-    with local.use_backend(_backend(backend, q.device)):
+    name = _backend(backend, q.device)
+    call = _planned_call(q, k, v, key_bias, cu_q, seed, q_start, k_start, left, right, scale, name, deterministic)
+    if call is None:
+        mask = _flash_mask(q, k, cu_q, cu_k, q_start, k_start, left, right, max_q, max_k)
+        spec = local.LocalSpec(mask, scale, _dropout(dropout_p, seed))
+    else:
+        spec = call.spec
+    ctx = _Saved()
+    with local.use_backend(name):
         out, lse = local._FlashAttn.forward(ctx, q, k, v, key_bias, spec)
     m, l = ctx.saved_tensors[4:6]
     return out, lse, m.clone(), l  # m and l share one buffer: an operator's outputs may not alias
+
+
+def _planned_call(q, k, v, key_bias, cu_q, seed, q_start, k_start, left, right, scale, name, deterministic):
+    """The remembered call (local._ValidatedCall, its LocalSpec with a call plan) of an operator
+    call that can replay one: no key bias, packed documents or dropout, CUDA tensors on the
+    triton backend (name: resolved). Kept beside flash_attn_func's (local._CALLS) under the
+    operators' own signature, found alike by flash_fwd and flash_bwd; None for any other call."""
+    if key_bias is not None or cu_q is not None or seed is not None or name != "triton" or not q.is_cuda:
+        return None
+    signature = ("operator", q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device,
+                 q_start, k_start, left, right, scale, deterministic)  # fmt: skip
+    call = local._CALLS.get(signature)
+    if call is None:
+        mask = _mask(q_start, k_start, left, right)
+        call = local._ValidatedCall(local.LocalSpec(mask, scale, None, deterministic, True, local._CallPlan()), name)
+        local._remember_call(signature, call)
+    return call
 
 
 def _flash_mask(q, k, cu_q, cu_k, q_start, k_start, left, right, max_q, max_k) -> BlockMask:
@@ -201,13 +223,19 @@ def flash_bwd(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dq, dk, dv of flash_fwd, given its out, m, l and the gradients of out and lse."""
     name = _backend(backend, q.device)
-    cu = None if cu_q is None else cu_values(cu_q, cu_k, "flash_attn_varlen_func")
+    call = _planned_call(q, k, v, key_bias, cu_q, seed, q_start, k_start, left, right, scale, name, deterministic)
     with local.use_backend(name):
-        mask = _mask(q_start, k_start, left, right, cu, q.device)
+        if call is None:
+            cu = None if cu_q is None else cu_values(cu_q, cu_k, "flash_attn_varlen_func")
+            spec = local.LocalSpec(_mask(q_start, k_start, left, right, cu, q.device), scale,
+                                   _dropout(dropout_p, seed), deterministic)  # fmt: skip
+        else:
+            spec = call.spec
         ctx = _Saved(
             saved_tensors=(q, k, v, out, m, l, key_bias),
-            spec=local.LocalSpec(mask, scale, _dropout(dropout_p, seed), deterministic),
+            spec=spec,
             backend=local.backend_for(q.device),
+            input_key=None if call is None else spec.plan.input_key(q, k, v),
         )
         dq, dk, dv = local._FlashAttn.backward(ctx, do, dlse)[:3]
     return dq, dk, dv

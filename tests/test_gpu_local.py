@@ -905,9 +905,10 @@ def test_call_plan_replays_the_layers(D, Dv, causal, window_size, monkeypatch):
         assert torch.equal(replayed[i], by_layers[i]), name
     q, k, v, do, dlse = first
 
-    def dq_of(dtype):
-        out, lse = naive_attention(q, k, v, dtype=dtype, **kw)
-        return torch.autograd.grad((out * do.to(dtype)).sum() + (lse * dlse.to(lse.dtype)).sum(), q)[0]
+    def dq_of(dtype):  # leaves of `dtype`: float64's dq is not rounded to bfloat16
+        leaves = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
+        out, lse = naive_attention(*leaves, dtype=dtype, **kw)
+        return torch.autograd.grad((out * do.to(dtype)).sum() + (lse * dlse.to(lse.dtype)).sum(), leaves[0])[0]
 
     assert_within("dq", replayed[2], dq_of(torch.float64), dq_of(torch.bfloat16))
 
@@ -941,3 +942,38 @@ def test_call_plan_runs_the_layers_for_unlike_calls(monkeypatch):
         flash_attn_func(q, k, v, causal=True)
     with pytest.raises(_LayersRan):
         flash_attn_func(q, k, v, causal=True, deterministic=True)
+
+
+@pytest.mark.parametrize("D", [64, 128])
+def test_call_plan_replays_under_compile(D, monkeypatch):
+    """The operators torch.compile calls (ops.flash_fwd / flash_bwd) replay call plans too, kept
+    beside flash_attn_func's under their own signature: once two compiled calls ran, a third
+    runs with the layers refusing to, and gives what the eager call's layers gave for the same
+    tensors (out, dK, dV bitwise; dQ within 2x plain bf16 attention's error against float64)."""
+    force_fused_backward(monkeypatch)
+    g = torch.Generator(device="cuda").manual_seed(D + 7)
+    mk = lambda H: torch.randn(2, 1031, H, D, device="cuda", generator=g, dtype=torch.bfloat16)  # noqa: E731
+
+    def inputs():
+        return mk(4).requires_grad_(), mk(2).requires_grad_(), mk(2).requires_grad_(), mk(4)
+
+    def attention(q, k, v):
+        return flash_attn_func(q, k, v, causal=True)
+
+    compiled = torch.compile(attention, backend="aot_eager", fullgraph=True)
+
+    def results(fn, q, k, v, do):
+        out = fn(q, k, v)
+        return (out.detach(), *torch.autograd.grad(out, (q, k, v), do))
+
+    first, second = inputs(), inputs()
+    by_layers = results(attention, *first)
+    results(compiled, *first)
+    results(compiled, *second)
+    _layers_refuse(monkeypatch)
+    replayed = results(compiled, *first)
+    for name, i in (("out", 0), ("dk", 2), ("dv", 3)):
+        assert torch.equal(replayed[i], by_layers[i]), name
+    q, k, v, do = first
+    ref = reference(q, k, v, do, causal=True)
+    assert_within("dq", replayed[1], ref[2], plain_errors(q, k, v, do, ref, causal=True)["dq"])
