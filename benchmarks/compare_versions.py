@@ -9,12 +9,13 @@ times the baseline, this checkout and SDPA cuDNN in turn, --repeats times in alt
 so that a drift of the GPU's clock falls on both; the table gives medians, the ratio of this
 checkout to the baseline and the spread of that ratio over the repeats. Extra variants of this
 checkout (--variants qk_order combined+32x128 ...: see variant_context) are timed in the same
-rotation.
+rotation. --kv-heads N gives k and v N heads (GQA; SDPA gets them repeated to the query heads).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import statistics
 import sys
@@ -45,17 +46,19 @@ def variant_context(name, head_dim):
     changes of the dK/dV pass's config: qk_order (the forward's operand order), combined
     (probabilities from m + log2 l), 32x128 (32 query rows per tile, 8 warps, 3 stages); or
     of the forward: gluon=NAME (that Gluon forward variant), gluon=none (the Triton forward);
-    of the backward: gluon_bwd=NAME (that fused variant, forced), gluon_bwd=none (the two passes)."""
-    import contextlib
-
+    of the backward: gluon_bwd=NAME (that fused variant, forced), gluon_bwd=none (the two passes),
+    bwd_min_programs=N (configs.GLUON_BWD_MIN_PROGRAMS_PER_SM set to N, not forced: the fused
+    backward's default choice with another occupancy threshold, call plans still replayed)."""
     from ringflash.kernels import configs
 
     if not name:
         return contextlib.nullcontext()
     base = configs.dkdv_config(max(16, 1 << (head_dim - 1).bit_length())).__dict__
-    cfg, forced = base.copy(), {}
+    cfg, forced, constants = base.copy(), {}, {}
     for part in name.split("+"):
-        if part == "qk_order":
+        if part.startswith("bwd_min_programs="):
+            constants["GLUON_BWD_MIN_PROGRAMS_PER_SM"] = float(part.split("=", 1)[1])
+        elif part == "qk_order":
             cfg["qk_order"] = True
         elif part == "combined":
             cfg["combined_stats"] = True
@@ -68,7 +71,28 @@ def variant_context(name, head_dim):
             raise ValueError(f"unknown variant part {part!r}")
     if cfg != base:
         forced["dkdv"] = configs.KernelConfig(**cfg)
-    return configs.override(**forced)
+    return _variant(forced, constants)
+
+
+@contextlib.contextmanager
+def _variant(forced: dict, constants: dict):
+    """configs.override(**forced) with configs' module constants set to `constants` inside; the
+    remembered calls forgotten on the way in and out (a call plan keeps the choices its first
+    calls made under the constants then in force)."""
+    from ringflash import local
+    from ringflash.kernels import configs
+
+    saved = {name: getattr(configs, name) for name in constants}
+    local._CALLS.clear()
+    try:
+        for name, value in constants.items():
+            setattr(configs, name, value)
+        with configs.override(**forced):
+            yield
+    finally:
+        for name, value in saved.items():
+            setattr(configs, name, value)
+        local._CALLS.clear()
 
 
 def main():
@@ -78,6 +102,7 @@ def main():
     ap.add_argument("--seqlens", type=int, nargs="+", default=[16384])
     ap.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
     ap.add_argument("--heads", type=int, default=32)
+    ap.add_argument("--kv-heads", type=int, help="k's and v's heads (default: --heads)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--variants", nargs="*", default=[])
     ap.add_argument("--json", type=Path)
@@ -87,6 +112,9 @@ def main():
     dtype = torch.float32 if args.smoke else torch.bfloat16
     if args.smoke:
         args.seqlens, args.head_dims, args.heads, args.repeats = [64], [32], 2, 2
+    kv_heads = args.kv_heads or args.heads
+    if args.heads % kv_heads:
+        raise SystemExit(f"--kv-heads {kv_heads} must divide --heads {args.heads}")
     import ringflash
 
     before = load_baseline(args.baseline, args.baseline_name)
@@ -95,10 +123,14 @@ def main():
         for S in args.seqlens:
             g = torch.Generator(device=device).manual_seed(0)
             qkv = [
-                torch.randn(1, S, args.heads, D, device=device, dtype=dtype, generator=g).requires_grad_()
-                for _ in range(3)
+                torch.randn(1, S, H, D, device=device, dtype=dtype, generator=g).requires_grad_()
+                for H in (args.heads, kv_heads, kv_heads)
             ]
-            bhsd = [t.detach().transpose(1, 2).contiguous().requires_grad_() for t in qkv]
+            # SDPA's heads all alike: k and v repeated to the query heads
+            bhsd = [
+                t.detach().repeat_interleave(args.heads // t.shape[2], dim=2).transpose(1, 2).contiguous() for t in qkv
+            ]
+            bhsd = [t.requires_grad_() for t in bhsd]
             do = torch.randn_like(qkv[0])
             do_bhsd = do.transpose(1, 2).contiguous()
             for causal in (False, True):
@@ -141,6 +173,7 @@ def main():
                 "device": device_name(device),
                 "torch": torch.__version__,
                 "heads": args.heads,
+                "kv_heads": kv_heads,
                 "repeats": args.repeats,
             },
             "rows": rows,

@@ -307,7 +307,8 @@ def test_ringflash_run_builds_the_torchrun_command(tmp_path):
 
 
 def test_compare_versions_smoke(tmp_path):
-    """Two copies of the package side by side (here: this one twice) in one run."""
+    """Two copies of the package side by side (here: this one twice) in one run, with variants
+    (a changed config, a changed module constant) and grouped kv heads."""
     import shutil
 
     shutil.copytree(ROOT / "ringflash", tmp_path / "base" / "ringflash_before")
@@ -322,15 +323,19 @@ def test_compare_versions_smoke(tmp_path):
             "--variants",
             "qk_order",
             "combined+32x128",
+            "bwd_min_programs=0",
+            "--kv-heads",
+            "1",
             "--json",
             str(tmp_path / "c.json"),
         ],
         tmp_path,
     )
-    rows = json.loads((tmp_path / "c.json").read_text())["rows"]
-    assert len(rows) == 4 and all(
-        set(r["tflops"]) == {"before", "after", "cudnn", "after:qk_order", "after:combined+32x128"} for r in rows
-    )
+    result = json.loads((tmp_path / "c.json").read_text())
+    rows = result["rows"]
+    want = {"before", "after", "cudnn", "after:qk_order", "after:combined+32x128", "after:bwd_min_programs=0"}
+    assert len(rows) == 4 and all(set(r["tflops"]) == want for r in rows)
+    assert result["meta"]["kv_heads"] == 1
 
 
 def test_precision_large_scores_smoke(tmp_path):
