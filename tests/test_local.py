@@ -718,3 +718,98 @@ def test_remembered_call_matches_a_checked_one(backend, monkeypatch):
         x = torch.randn(1, S, 2, 16)
         flash_attn_func(x, x, x)
         assert len(local._CALLS) <= 3
+
+
+def test_call_plan_learns_and_replays_only_alike_calls(monkeypatch):
+    """local._CallPlan's rules, with the Gluon wrappers stood in (the plan is otherwise made for
+    CUDA calls only): a half is learned only from a run whose layers used exactly one kept plan
+    of its kind on the call's own tensors (plans.recording), and gives up after _TRIES runs
+    that taught it nothing; a replay launches the learned plan on the new call's tensors, and
+    only for inputs of the learned strides, alignment and aliasing, with no config override, and
+    in the backward for dO, dlse, out, m and l of the learned keys and the learned scale."""
+    from ringflash import local
+    from ringflash.kernels import configs, gluon_backward, gluon_forward, plans
+    from ringflash.merge import DeltaOf
+
+    launched, prepared = [], []
+    monkeypatch.setattr(gluon_forward, "launch_planned", lambda plan, tensors: launched.append((plan, tensors)))
+
+    def prepared_from(plan, *tensors, scale, accumulate):
+        prepared.append((plan, tensors, scale, accumulate))
+        return lambda: None
+
+    monkeypatch.setattr(gluon_backward, "prepared_from", prepared_from)
+    mk = lambda: torch.randn(1, 8, 2, 16)  # noqa: E731
+    q, k, v = mk(), mk(), mk()
+    plan = local._CallPlan()
+    key = plan.input_key(q, k, v)
+    forward_plan, backward_plan = object(), object()
+
+    def forward_run(*uses):  # uses: (kind, the tensors' indices into the call's, or None: a copy)
+        def run():
+            state = local._output_state(q, v)
+            own = (q, k, v, state.o, state.m, state.l, None, None)
+            for kind, copy_at in uses:
+                tensors = tuple(t.clone() if i == copy_at else t for i, t in enumerate(own))
+                plans.record(kind, forward_plan, tensors)
+            return state
+
+        return run
+
+    for uses in ([], [("forward", None)] * 2, [("backward", None)], [("forward", 0)], [("forward", 4)]):
+        plan._tries[0] = 0
+        plan.learn_forward(key, q, k, v, forward_run(*uses))
+        assert plan.replay_forward(key, q, k, v) is None and not launched, uses
+    plan.learn_forward(key, q, k, v, forward_run(("forward", None)))
+    q2, k2, v2 = mk(), mk(), mk()
+    state = plan.replay_forward(plan.input_key(q2, k2, v2), q2, k2, v2)
+    ((used, tensors),) = launched
+    assert used is forward_plan and tensors[:3] == (q2, k2, v2) and tensors[3:] == (*state, None, None)
+    assert state.o.shape == q2.shape and state.m.shape == (1, 2, 8)
+    transposed = torch.randn(1, 2, 8, 16).transpose(1, 2)
+    assert plan.input_key(transposed, k, v) != key and plan.input_key(q, q, v) != key
+    assert plan.replay_forward(plan.input_key(transposed, k, v), transposed, k, v) is None
+    with configs.override(gluon=None):
+        assert plan.input_key(q, k, v) is None
+    fresh = local._CallPlan()  # a half that learned nothing _TRIES times stops recording
+    for _ in range(local._CallPlan._TRIES + 1):
+        fresh.learn_forward(key, q, k, v, forward_run())
+    with plans.recording() as outer:
+        fresh.learn_forward(key, q, k, v, forward_run(("forward", None)))
+    assert fresh._forward is None and len(outer) == 1  # recorded to the outer block, not learned
+
+    out, m, l = state.o, state.m, state.l
+    do, dlse, scale = torch.randn_like(out), None, 0.25
+    layers_ran = []
+
+    def backward_run(scale_used=scale, accumulate=False, delta_out=None):
+        def run():
+            layers_ran.append(1)
+            grads = local._gradients(q2, k2, v2)
+            delta = DeltaOf(out if delta_out is None else delta_out, dlse)
+            plans.record("backward", backward_plan,
+                         (q2, k2, v2, m, l, do, delta, *grads, scale_used, accumulate, None))  # fmt: skip
+            return grads
+
+        return run
+
+    key2 = plan.input_key(q2, k2, v2)
+    for run in (backward_run(scale_used=0.5), backward_run(accumulate=True), backward_run(delta_out=out.clone())):
+        plan._tries[1] = 0
+        plan.backward(key2, q2, k2, v2, out, m, l, do, dlse, scale, run)
+        assert plan._backward is None
+    plan._tries[1] = 0
+    plan.backward(key2, q2, k2, v2, out, m, l, do, dlse, scale, backward_run())
+    layers_ran.clear()
+    dq, dk, dv = plan.backward(key2, q2, k2, v2, out, m, l, torch.randn_like(out), dlse, scale, backward_run())
+    ((used, tensors, used_scale, accumulate),) = prepared
+    assert used is backward_plan and used_scale == scale and not accumulate and not layers_ran
+    assert tensors[:5] == (q2, k2, v2, m, l) and tensors[7:] == (dq, dk, dv) and tensors[6].out is out
+    shifted = torch.empty(do.numel() + 1)[1:].view(do.shape)  # 4 bytes off a 16-byte boundary
+    for args in ((shifted, dlse), (do, torch.zeros(1, 2, 8))):  # a dO or dlse unlike the learned
+        plan.backward(key2, q2, k2, v2, out, m, l, *args, scale, backward_run())
+        assert layers_ran and len(prepared) == 1
+        layers_ran.clear()
+    other = plan.input_key(transposed, k2, v2)
+    plan.backward(other, q2, k2, v2, out, m, l, do, dlse, scale, backward_run())  # another input key
+    assert layers_ran and len(prepared) == 1
