@@ -354,15 +354,16 @@ class _CallPlan:
         from .kernels import configs, gluon_backward, gluon_forward, plans
 
         self.backend = kernels
-        self._configs, self._gluon_forward, self._gluon_backward, self._plans = (
-            configs,
-            gluon_forward,
-            gluon_backward,
-            plans,
-        )
+        self._configs, self._plans = configs, plans
+        self._gluon_forward, self._gluon_backward = gluon_forward, gluon_backward
         self._forward = None  # (input key, Plan)
         self._backward = None  # (input key, the keys of (dO, dlse, out, m, l), Plan)
-        self._tries = [0, 0]
+        self._tries = [0, 0]  # runs of the forward / backward that taught nothing
+
+    def _backward_keys(self, do, dlse, out, m, l) -> tuple:
+        """What a backward replay needs alike of the tensors it is handed besides q, k, v."""
+        tensor_key = self._plans.tensor_key
+        return tensor_key(do), tensor_key(dlse), tensor_key(out), tensor_key(m), tensor_key(l)
 
     def input_key(self, q, k, v):
         """What a replay needs alike of the inputs beyond the call's signature; None: the layers
@@ -397,13 +398,11 @@ class _CallPlan:
     def backward(self, key, q, k, v, out, m, l, do, dlse, scale, run):
         """(dq, dk, dv) of local_backward: replayed from the learned backward plan where it holds
         for key, dO, dlse, out, m and l, else run(), learning its plan when there is none yet."""
-        tensor_key = self._plans.tensor_key
         learned = self._backward
         if learned is not None:
             if learned[0] == key:
                 do = output_grad(out, do)
-                keys = (tensor_key(do), tensor_key(dlse), tensor_key(out), tensor_key(m), tensor_key(l))
-                if keys == learned[1] and all(do is not t for t in (q, k, v)):
+                if self._backward_keys(do, dlse, out, m, l) == learned[1] and all(do is not t for t in (q, k, v)):
                     dq, dk, dv = _gradients(q, k, v)
                     self._gluon_backward.prepared_from(learned[2], q, k, v, m, l, do, DeltaOf(out, dlse), dq, dk, dv,
                                                    scale=scale, accumulate=False)()  # fmt: skip
@@ -424,8 +423,7 @@ class _CallPlan:
                 and not uaccumulate
                 and ubounds is None
             ):
-                keys = (tensor_key(udo), tensor_key(dlse), tensor_key(out), tensor_key(m), tensor_key(l))
-                self._backward = (key, keys, uses[0].plan)
+                self._backward = (key, self._backward_keys(udo, dlse, out, m, l), uses[0].plan)
                 return dq, dk, dv
         self._tries[1] += 1
         return dq, dk, dv
