@@ -18,8 +18,11 @@ synchronize at the end), forward without gradients and forward+backward, of
              statistics, three gradients) and launches nothing: the floor of an eager call
   sdpa       torch's scaled_dot_product_attention, FLASH_ATTENTION backend, on (B, H, S, D)
   sdpa_cudnn the same, CUDNN_ATTENTION backend
-and prints microseconds per call. --baseline DIR adds an older package's public call (a copy of
-its package directory, as benchmarks.compare_versions takes it) to the rotation. --host-only
+  compiled   (--compiled) torch.compile of the public call (inductor on a GPU, aot_eager on
+             the CPU): what a compiled model pays a call, the operators inside its graph
+and prints microseconds per call. --baseline DIR adds an older package's public call, operator
+(and with --compiled its compiled call) to the rotation (a copy of its package directory, as
+benchmarks.compare_versions takes it; its operators register under its own namespace). --host-only
 stops each timing's clock when the host has issued its calls, before the device has run them:
 the host's own time even where the device's is longer (at most a few hundred launches are
 queued, far below the driver's queue).
@@ -130,9 +133,21 @@ def callables(S, args, device, dtype):
         return ops.flash_fwd(q, k, v, None, None, None, 0, 0, -1, 0, scale, 0.0, None, backend, False, -1, -1)[0]
 
     fns = {"public": public, "operator": operator}
-    if args.baseline:  # an older package's public call, in the same rotation
+    compiler = "inductor" if device.type == "cuda" else "aot_eager"
+    if args.compiled:
+        fns["compiled"] = torch.compile(public, fullgraph=True, backend=compiler)
+    if args.baseline:  # an older package's calls, in the same rotation
         before = load_baseline(args.baseline, args.baseline_name)
-        fns[f"public ({args.baseline_name})"] = lambda: before.flash_attn_func(q, k, v, causal=True)
+
+        def public_before():
+            return before.flash_attn_func(q, k, v, causal=True)
+
+        fns[f"public ({args.baseline_name})"] = public_before
+        fns[f"operator ({args.baseline_name})"] = lambda: before.ops.flash_fwd(
+            q, k, v, None, None, None, 0, 0, -1, 0, scale, 0.0, None, backend, False, -1, -1
+        )[0]
+        if args.compiled:
+            fns[f"compiled ({args.baseline_name})"] = torch.compile(public_before, fullgraph=True, backend=compiler)
     if device.type == "cuda":
         fns["kernels"] = lambda: _Kernels.apply(q, k, v)
         fns["gluon"] = lambda: _Gluon.apply(q, k, v)
@@ -198,6 +213,7 @@ def main():
     ap.add_argument("--host-only", action="store_true", help="the host's time alone (see the module docstring)")
     ap.add_argument("--baseline", type=Path, help="a folder holding an older package directory (compare_versions)")
     ap.add_argument("--baseline-name", default="ringflash_before")
+    ap.add_argument("--compiled", action="store_true", help="also the public call under torch.compile")
     ap.add_argument("--json", type=Path)
     ap.add_argument("--smoke", action="store_true", help="tiny CPU sizes")
     args = ap.parse_args()

@@ -362,10 +362,12 @@ def test_host_overhead_smoke(tmp_path):
     import shutil
 
     shutil.copytree(ROOT / "ringflash", tmp_path / "base" / "ringflash_before")
-    command = ["-m", "benchmarks.host_overhead", "--smoke", "--host-only", "--json", str(tmp_path / "h.json")]
+    command = ["-m", "benchmarks.host_overhead", "--smoke", "--host-only", "--compiled"]
+    command += ["--json", str(tmp_path / "h.json")]
     run([sys.executable, *command, "--baseline", str(tmp_path / "base")], tmp_path)
     rows = json.loads((tmp_path / "h.json").read_text())["rows"]
-    impls = {"public", "public (ringflash_before)", "operator", "bare", "backend"}
+    impls = {"public", "operator", "compiled", "bare", "backend"}
+    impls |= {f"{name} (ringflash_before)" for name in ("public", "operator", "compiled")}
     assert {r["impl"] for r in rows} == impls and all(r["fwd_us"] > 0 for r in rows)
 
 
