@@ -677,3 +677,84 @@ def test_kept_launch_calls_the_compiled_kernel_without_the_key(monkeypatch):
     fast[0], device[0] = True, 1  # another device: launch()'s keyed path, which classifies
     with pytest.raises(AssertionError, match="classified again"):
         kept(kernel, (2,), args, kwargs)
+
+
+def _fake_cuda_launcher(nvidia, launch, signature, metas, *, scratch=0):
+    """A triton CudaLauncher as its __init__ builds it, with `launch` (a callable object, as
+    the compiled C function is) in place of the C module, which needs a CUDA toolkit."""
+    run = object.__new__(nvidia.CudaLauncher)
+    run.num_ctas = 1
+    run.launch = nvidia.wrap_handle_tensordesc(launch, signature, metas)
+    run.global_scratch_size, run.global_scratch_align = scratch, 16
+    run.profile_scratch_size, run.profile_scratch_align = 0, 1
+    run.launch_cooperative_grid, run.launch_pdl = False, True
+    return run
+
+
+def test_direct_launch_passes_what_tritons_launcher_passes(monkeypatch):
+    """DirectLaunch against triton's own CUDA launcher (the installed triton's CudaLauncher.__call__
+    and wrap_handle_tensordesc, the C function and the TMA encoder stood in): the same values in
+    the same order for kernels with TMA descriptors anywhere among their arguments (first, last,
+    side by side, fp4-padded, NaN-padded), descriptors without TMA metadata, and none at all; and
+    triton's launcher itself where DirectLaunch cannot stand in (scratch memory, another type)."""
+    import types
+
+    from triton.backends.nvidia import driver as nvidia
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    def encode(*a):  # the TMA map's inputs, lists as tuples so that two maps compare by value
+        return ("map", *(tuple(x) if isinstance(x, list) else x for x in a))
+
+    utils = types.SimpleNamespace(fill_tma_descriptor=encode)
+    monkeypatch.setattr(triton.runtime.driver, "_active", types.SimpleNamespace(utils=utils))
+    monkeypatch.setattr(launcher, "_tma_encoder", lambda: encode)
+
+    class Launch:
+        def __init__(self):
+            self.calls = []
+
+        def __call__(self, *args):
+            self.calls.append(args)
+
+    def desc(rows, cols, padding="zero", dtype=torch.bfloat16):
+        t = torch.zeros(rows, cols, dtype=dtype)
+        return TensorDescriptor(t, [rows, cols], [cols, 1], [16, 16], padding=padding)
+
+    def meta(elem_type, fp4_padded=False):
+        return {"swizzle": 3, "elem_size": 2, "elem_type": elem_type, "block_size": [16, 16], "fp4_padded": fp4_padded}
+
+    x, y = torch.zeros(4), torch.zeros(8)
+    kinds = {"d": "tensordesc<bf16[16, 16]>", "p": "*fp32", "i": "i32", "f": "fp32", "c": "constexpr"}
+    cases = [  # (the kernel's arguments by kind, their values, the descriptors' metadata)
+        ("dpidc", [desc(32, 64), x, 7, desc(48, 32, "nan"), 64], [meta(10), meta(10)]),
+        ("ddpf", [desc(16, 16), desc(64, 128), y, 0.5], [meta(10), meta(7, fp4_padded=True)]),
+        ("pidd", [x, 3, desc(16, 32), desc(32, 16)], [meta(10), meta(9)]),
+        ("pdi", [y, desc(16, 16, "nan"), 1], None),  # no TMA metadata: descriptors passed apart
+        ("pifc", [x, 5, 0.25, 16], None),  # no descriptor: the C function itself
+    ]
+    for kinds_of, values, metas in cases:
+        signature = {n: kinds[k] for n, k in enumerate(kinds_of)}
+        theirs, ours = Launch(), Launch()
+        nvidia.CudaLauncher.__call__(
+            _fake_cuda_launcher(nvidia, theirs, signature, metas), 4, 2, 1, 77, "fn", "meta", None, None, None, *values
+        )
+        direct = launcher.DirectLaunch.of(_fake_cuda_launcher(nvidia, ours, signature, metas))
+        assert direct is not None, kinds_of
+        direct(4, 2, 1, 77, "fn", "meta", tuple(values))
+        assert ours.calls == theirs.calls and len(theirs.calls) == 1, kinds_of
+
+    # scratch memory (triton allocates it per launch) or another launcher: triton's own
+    signature, values = {0: kinds["d"], 1: kinds["p"]}, (desc(16, 16), x)
+    assert launcher.DirectLaunch.of(_fake_cuda_launcher(nvidia, Launch(), signature, [meta(10)], scratch=64)) is None
+    assert launcher.DirectLaunch.of(Launch()) is None
+
+    # _run: the kernel's DirectLaunch, built once, where it can; its launcher where not
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda d: 100 + d, raising=False)
+    ours = Launch()
+    compiled = types.SimpleNamespace(
+        run=_fake_cuda_launcher(nvidia, ours, signature, [meta(10)]), function="fn", packed_metadata="meta"
+    )
+    launcher._run(compiled, 0, (3,), values)
+    launcher._run(compiled, 1, (3,), values)
+    assert [c[:4] for c in ours.calls] == [(3, 1, 1, 100), (3, 1, 1, 101)] and len(ours.calls[0]) == 13 + 5 + 1
+    assert launcher._DIRECT[id(compiled)][1] is not None

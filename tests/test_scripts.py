@@ -598,3 +598,17 @@ def test_tile_order_model():
     assert by_head > 1.05 and 1.0 <= every < 1.01
     assert tail(16384, 192, 32, 6, 132, 0.3, short_first=True) < tail(16384, 192, 32, 6, 132, 0.3) - 0.01
     main(["--seqlens", "8192", "--rows", "192", "--head-dim", "64"])
+
+
+def test_launch_python_smoke(tmp_path):
+    """benchmarks.launch_python compiles the Gluon forward and backward for sm_90a on the CPU
+    and times triton's launcher beside DirectLaunch on each compiled kernel's own signature and
+    TMA metadata: a row a kernel, each with its descriptors (it exits if DirectLaunch cannot
+    stand in for this triton's launcher)."""
+    pytest.importorskip("triton.experimental.gluon")
+    out = tmp_path / "l.json"
+    cmd = [sys.executable, "-m", "benchmarks.launch_python", "--seqlen", "1024", "--launches", "20", "--rounds", "1"]
+    printed = run([*cmd, "--json", str(out)], tmp_path)
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["kernel"] for r in rows] == ["forward", "backward"], printed
+    assert all(r["descriptors"] > 0 and r["triton_us"] > 0 and r["direct_us"] > 0 for r in rows)
