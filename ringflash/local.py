@@ -16,6 +16,7 @@ import os
 from typing import NamedTuple
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from . import reference
 from ._checks import (
@@ -307,6 +308,7 @@ class _FlashAttn(torch.autograd.Function):
         return state.o, state.lse() if spec.want_lse else None
 
     @staticmethod
+    @once_differentiable  # its gradients are not differentiable again: an error, not a wrong answer
     @without_autocast
     def backward(ctx, do, dlse):
         q, k, v, out, m, l, key_bias = ctx.saved_tensors

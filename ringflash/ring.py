@@ -15,6 +15,7 @@ import struct
 from dataclasses import dataclass
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from . import ops
 from ._checks import (
@@ -197,6 +198,7 @@ class _RingAttn(torch.autograd.Function):
         return out, lse
 
     @staticmethod
+    @once_differentiable  # its gradients are not differentiable again: an error, not a wrong answer
     @without_autocast
     def backward(ctx, do, dlse):
         q, k, v, out, m, l, key_bias = ctx.saved_tensors

@@ -153,6 +153,18 @@ def test_lse_is_differentiable(backend):
 
 
 @pytest.mark.parametrize("backend", ["torch"], indirect=True)
+def test_second_order_gradients_raise(backend):
+    """Gradients of the gradients (create_graph=True, e.g. a gradient penalty) are not supported:
+    differentiating the backward raises instead of returning a partial, wrong graph (the torch
+    backend's backward is made of differentiable torch ops, which would otherwise record one)."""
+    q, k, v = _inputs(1, 7, 6, 2, 1, 8, torch.float64, seed=1)
+    for kw in ({"causal": True}, {"key_padding_mask": torch.tensor([[True] * 5 + [False]])}):
+        (dq,) = torch.autograd.grad(flash_attn_func(q, k, v, **kw).square().sum(), q, create_graph=True)
+        with pytest.raises(RuntimeError, match="once_differentiable"):
+            dq.square().sum().backward()
+
+
+@pytest.mark.parametrize("backend", ["torch"], indirect=True)
 def test_gradcheck_float64(backend):
     q, k, v = _inputs(1, 7, 6, 2, 1, 8, torch.float64, seed=1)
     for causal in (False, True):
