@@ -112,19 +112,22 @@ class BalancedLayout:
     def max_local_len(self) -> int:
         return max(self.local_len(r) for r in range(self.world))
 
-    def block_len(self, rank: int) -> int:
-        """Rows of `rank`'s K/V block in a ring call: the longest shard's when blocks travel
-        (they go padded to it, so that every receive buffer fits every block), else its own;
-        the longest shard's under torch.compile too, whose graph cannot read the cached hops
-        (the padding rows' gradients are dropped by the pad's backward)."""
-        if torch.compiler.is_compiling() or self.hops > 1:
+    def block_len(self, rank: int, window: Window | None = None) -> int:
+        """Rows of `rank`'s K/V block in a ring call under `window` (the call's mask; default the
+        layout's own): the longest shard's when blocks travel (they go padded to it, so that
+        every receive buffer fits every block), else its own; the longest shard's under
+        torch.compile too, whose graph cannot read the cached hops (the padding rows' gradients
+        are dropped by the pad's backward). A call may take a wider mask than the layout was
+        balanced for, and then its blocks may travel where the layout's own would not."""
+        if torch.compiler.is_compiling() or self.hops_under(window) > 1:
             return self.max_local_len
         return self.local_len(rank)
 
-    def pad_block(self, t: torch.Tensor, rank: int, dim: int = 0) -> torch.Tensor:
-        """`rank`'s K or V shard t (its local_len(rank) rows along dim) padded to block_len(rank)
-        (pad_rows: no copy where nothing is added, as with every document whole)."""
-        return pad_rows(t, self.block_len(rank), dim)
+    def pad_block(self, t: torch.Tensor, rank: int, dim: int = 0, window: Window | None = None) -> torch.Tensor:
+        """`rank`'s K or V shard t (its local_len(rank) rows along dim) padded to
+        block_len(rank, window) (pad_rows: no copy where nothing is added, as with every
+        document whole)."""
+        return pad_rows(t, self.block_len(rank, window), dim)
 
     def positions(self, rank: int, device=None) -> torch.Tensor:
         """int64 (local_len(rank),): the global positions `rank` holds, in local order."""
@@ -204,9 +207,16 @@ class BalancedLayout:
 
     @functools.cached_property
     def hops(self) -> int:
-        """How many ring steps any rank has work in (1: no K/V ever travels), from the schedule;
-        computed once per layout (the layout is frozen)."""
+        """How many ring steps any rank has work in (1: no K/V ever travels) under the layout's
+        own mask, from the schedule; computed once per layout (the layout is frozen)."""
         return steps_needed(self, self.world, 0, 0, self.window)
+
+    def hops_under(self, window: Window | None) -> int:
+        """hops for a call under `window` (None: the layout's own mask; schedule.ring_steps
+        caches the others)."""
+        if window is None or window == self.window:
+            return self.hops
+        return steps_needed(self, self.world, 0, 0, window)
 
     def __repr__(self) -> str:
         lines = [f"BalancedLayout({len(self.cu_seqlens) - 1} documents, {self.total} tokens, {self.world} ranks)"]

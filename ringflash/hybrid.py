@@ -356,6 +356,6 @@ def hybrid_varlen_attn(
     # the ring position's K/V rows padded as the plain varlen ring pads them
     out, lse = _call_operator(
         q[None], k[None], v[None], None, cu_check, group, head_group, spec, p, generator, lens, lens,
-        layout.block_len(r), return_lse, agree,
+        layout.block_len(r, spec.window), return_lse, agree,
     )  # fmt: skip
     return packed_outputs(out, lse, return_lse)

@@ -676,10 +676,10 @@ def ring_flash_attn_varlen_func(
         warn_placement(group)
         agree, cu_check = [], None
     # K/V travel padded to the longest shard; the schedule never reads the padding rows. The
-    # ring runs layout.hops steps (schedule.ring_steps): with every document whole, one, where
+    # ring runs the call's hops (schedule.ring_steps): with every document whole, one, where
     # nothing is exchanged, so nothing is padded (layout.block_len), and the ring call is the
     # local one
-    k_p, v_p = layout.pad_block(k, rank), layout.pad_block(v, rank)
+    k_p, v_p = layout.pad_block(k, rank, window=spec.window), layout.pad_block(v, rank, window=spec.window)
     out, lse, _, _, _ = ops.ring_fwd(
         q[None], k_p[None], v_p[None], None, cu_check, resolve_group(group).group_name if world > 1 else "",
         *ops.window_args(spec.window), spec.scale, *operator_dropout(p, generator), layout.code,

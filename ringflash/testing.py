@@ -114,8 +114,8 @@ def replay_ring(
     k_shards, v_shards = _split(k, world, layout), _split(v, world, layout)
     kv_rows = [t.shape[1] for t in k_shards]  # before any padding
     if is_balanced(layout):  # as the ring call pads them: to the longest shard where they travel
-        k_shards = [layout.pad_block(t, r, dim=1) for r, t in enumerate(k_shards)]
-        v_shards = [layout.pad_block(t, r, dim=1) for r, t in enumerate(v_shards)]
+        k_shards = [layout.pad_block(t, r, dim=1, window=spec.window) for r, t in enumerate(k_shards)]
+        v_shards = [layout.pad_block(t, r, dim=1, window=spec.window) for r, t in enumerate(v_shards)]
     bias_shards = [None] * world if key_bias is None else _split(key_bias, world, layout)
     blocks = [(ks, vs) if bs is None else (ks, vs, bs) for ks, vs, bs in zip(k_shards, v_shards, bias_shards)]
     q_shards, do_shards = _split(q, world, layout), _split(do, world, layout)

@@ -423,6 +423,9 @@ def _ring_varlen_named(rank, world, lengths, layout, causal, window_size):
     cu, cu_t, q, k, v, do, ref, plain = packed_case(lengths, causal, window_size, 4, 2, torch.float64, 5)
     if layout == "document-zigzag":
         layout = balance.document_zigzag_layout(cu, world, causal=causal, window_size=window_size)
+    if layout == "narrow":  # balanced for window (0, 0): under its own mask no K/V would travel
+        layout = balanced_layout(cu, world, causal=False, window_size=(0, 0))
+        assert layout.hops == 1 and len({layout.local_len(r) for r in range(world)}) > 1
     sh = lambda t: shard(t, layout=layout, dim=0)  # noqa: E731
     ql, kl, vl = (sh(t).clone().requires_grad_() for t in (q, k, v))
     kw = dict(causal=causal, window_size=window_size)
@@ -439,6 +442,14 @@ def test_ring_varlen_named_layouts(worlds, layout, causal, window_size):
     of 132 tokens (divisible by 2 x 3) whose documents the shards cut anywhere; and the peers'
     cut of every document over every rank (the empty, one- and three-token documents too)."""
     worlds(3, **TORCH).run(_ring_varlen_named, MIXES["long_and_short"] + [6], layout, causal, window_size)
+
+
+@pytest.mark.parametrize("causal,window_size", [(True, (-1, -1)), (False, (-1, -1)), (False, (2, 3))])
+def test_ring_varlen_takes_a_wider_mask_than_its_layout(worlds, causal, window_size):
+    """A layout balanced for a narrower mask than the call's (window (0, 0), shards of 11, 10
+    and 10 tokens): the call's blocks travel where the layout's own would not, padded to the
+    longest shard as the call's mask needs."""
+    worlds(3, **TORCH).run(_ring_varlen_named, [3, 27, 1], "narrow", causal, window_size)
 
 
 @pytest.mark.parametrize("world", [2])
