@@ -96,7 +96,8 @@ def dense_attention(q, k, v, bias, *, scale, group=None, layout="zigzag", extra_
     G = Hq // Hkv
     qg = q.to(acc).reshape(B, L, Hkv, G, D)
     s = torch.einsum("bihgd,bjhd->bhgij", qg, k.to(acc)).reshape(B, Hq, L, S) * scale + bias
-    m = s.amax(dim=-1, keepdim=True)
+    # amax refuses an empty key dim: with no keys every row sees none (-inf)
+    m = s.amax(dim=-1, keepdim=True) if S else s.new_full((B, Hq, L, 1), float("-inf"))
     p = torch.exp(s - torch.where(torch.isneginf(m), torch.zeros_like(m), m))
     l = p.sum(dim=-1, keepdim=True)
     p = p / torch.where(l > 0, l, torch.ones_like(l))
@@ -105,5 +106,5 @@ def dense_attention(q, k, v, bias, *, scale, group=None, layout="zigzag", extra_
         idx = lambda n: torch.arange(n, device=q.device)  # noqa: E731
         keep = keep_mask(seed, rate, idx(B), idx(Hq), q_idx.to(q.device), idx(S))
         p = p * keep * (0.0 if rate >= 1.0 else 1.0 / (1.0 - rate))
-    out = torch.einsum("bhgij,bjhd->bihgd", p.reshape(B, Hkv, G, L, S), v.to(acc)).reshape(B, L, Hq, -1)
+    out = torch.einsum("bhgij,bjhd->bihgd", p.reshape(B, Hkv, G, L, S), v.to(acc)).reshape(B, L, Hq, v.shape[-1])
     return out.to(q.dtype), p.to(q.dtype)

@@ -312,7 +312,12 @@ class RingMultiheadAttention(nn.MultiheadAttention):
         _, world = group_rank_world(self.group)
         acc = state_dtype(q.dtype)
         S = k.shape[1] * world
-        q_idx = torch.arange(L) if world == 1 else local_positions(L * world, group=self.group, layout=self.layout)
+        # an empty shard holds no positions (local_positions takes lengths >= 1)
+        q_idx = (
+            torch.arange(L)
+            if world == 1 or L == 0
+            else local_positions(L * world, group=self.group, layout=self.layout)
+        )
         if attn_mask is not None:
             bias = pair_bias(attn_mask, B, H, L, S, q.device, acc, api)
         elif is_causal:

@@ -245,6 +245,26 @@ def test_empty_inputs_give_empty_outputs(shape):
     assert x.grad.shape == x.shape
 
 
+def _empty_shard_world2(rank, world):
+    torch.manual_seed(0)
+    mha = nn.MultiheadAttention(E, H)
+    ring = _ring_like(mha)
+    x = torch.randn(0, 3, E)  # no queries or keys on any rank
+    masks = (None, torch.zeros(0, 0), torch.zeros(0, 0, dtype=torch.bool))
+    for mask, need_weights in [(m, nw) for m in masks for nw in (True, False)]:
+        xr = x.clone().requires_grad_()
+        (a, wa), (b, wb) = (m(t, t, t, attn_mask=mask, need_weights=need_weights) for m, t in ((mha, x), (ring, xr)))
+        assert a.shape == b.shape and (wb is None) == (not need_weights)
+        assert wb is None or wa.shape == wb.shape
+        b.sum().backward()
+        assert xr.grad.shape == x.shape
+
+
+def test_empty_shards_world2(worlds):
+    """Empty shards on every rank give empty outputs, with weights and with an attn_mask too."""
+    worlds(2, **TORCH).run(_empty_shard_world2)
+
+
 def test_misuse_found_at_construction():
     for kw, pattern in (
         (dict(embed_dim=10, num_heads=3), "embed_dim 10 must be divisible by num_heads 3"),
