@@ -15,7 +15,7 @@ from .dropout import agreed_seed
 from .layout import local_positions
 from .local import flash_attn_func, flash_attn_varlen_func
 from .merge import merge_attn_states, state_dtype
-from .ring import ring_flash_attn_func
+from .ring import _ring_flash_attn
 from .schedule import check_layout
 from .weights import attention_weights
 
@@ -38,9 +38,10 @@ class RingMultiheadAttention(nn.MultiheadAttention):
     computed in a second pass from the attention's final lse and cost B x num_heads x
     L_local x S memory (twice, in float32, while being made); on more than one rank every
     rank gathers all keys (their gradients are summed back to the owners) and all ranks must
-    pass the same need_weights. need_weights=False is the fast path: nothing of
-    that size is made. Any head dim embed_dim / num_heads from 1 to 256; empty inputs give
-    empty outputs; a bias of another dtype than its weight is promoted as torch's `+` does.
+    pass the same need_weights (else all raise; not checked under torch.compile).
+    need_weights=False is the fast path: nothing of that size is made. Any head dim
+    embed_dim / num_heads from 1 to 256; empty inputs give empty outputs; a bias of another
+    dtype than its weight is promoted as torch's `+` does.
 
     Supported: self- and cross-attention, kdim/vdim, is_causal=True (attn_mask None or the
     causal mask as a hint; self-attention only), key_padding_mask of this
@@ -51,8 +52,9 @@ class RingMultiheadAttention(nn.MultiheadAttention):
     rank passes the rows of its own queries (L = L_local, in local order, as its query
     shard) over all S keys of the sequence in global (unsharded) order: e.g.
     shard(full_mask, dim=0) for a 2-D mask, dim=1 for a 3-D one; every rank must pass one or
-    none. This is the exact, slower path: it materializes the (B, num_heads, L_local, S)
-    scores and, on more than one rank, gathers all keys and values on every rank. With
+    none (else all raise; not checked under torch.compile). This is the exact, slower path:
+    it materializes the (B, num_heads, L_local, S) scores and, on more than one rank, gathers
+    all keys and values on every rank. With
     is_causal=True an attn_mask is taken as the causal hint (checked) and the fast path runs.
     add_bias_kv / add_zero_attn: torch appends their keys at the end of the sequence, seen by
     every query; here every rank holds them (parameters are replicated, the zero key is
@@ -186,25 +188,27 @@ class RingMultiheadAttention(nn.MultiheadAttention):
                 f"{api}: with a head_group, attn_mask, need_weights=True, add_bias_kv and add_zero_attn are not "
                 "supported yet (pass need_weights=False)"
             )
+        ring = dict(
+            causal=is_causal, softmax_scale=None, window_size=(-1, -1), group=self.group, layout=self.layout,
+            key_padding_mask=key_padding_mask, return_lse=True, grad_accum_dtype=self.grad_accum_dtype,
+            grad_chunks=None, head_group=self.head_group, dropout_p=float(self.dropout) if dropping else 0.0,
+            generator=None, deterministic=self.deterministic,
+            # what picks the path below and the collectives after the ring, agreed in the ring's
+            # one check before any rank goes its way (else ranks wait in different collectives)
+            caller_fields={
+                "attn_mask given": int(attn_mask is not None),
+                "need_weights": int(bool(need_weights)),
+                "add_bias_kv / add_zero_attn keys": 0 if extra is None else extra[0].shape[1],
+            },
+        )  # fmt: skip
         # dropout runs in the kernels; the weights it drops (need_weights) and the extra keys'
         # dropped columns come from the dense path, which draws the same keep mask
         if attn_mask is not None or (dropping and (need_weights or extra is not None)):
+            if group_rank_world(self.group)[1] > 1:  # one rank: nothing to agree on
+                _ring_flash_attn(q, k, v, **ring, agree_only=True)
             o, weights = self._masked_attention(q, k, v, key_padding_mask, attn_mask, is_causal, extra, scale)
             return self._out(o), (weights if need_weights else None)
-        o, lse = ring_flash_attn_func(
-            q,
-            k,
-            v,
-            causal=is_causal,
-            group=self.group,
-            layout=self.layout,
-            key_padding_mask=key_padding_mask,
-            grad_accum_dtype=self.grad_accum_dtype,
-            return_lse=True,
-            head_group=self.head_group,
-            dropout_p=float(self.dropout) if dropping else 0.0,
-            deterministic=self.deterministic,
-        )
+        o, lse = _ring_flash_attn(q, k, v, **ring)
         if extra is not None:  # seen by every query: one more block, folded in with the lse merge
             o_x, lse_x = flash_attn_func(
                 q, *extra, softmax_scale=scale, return_lse=True, deterministic=self.deterministic

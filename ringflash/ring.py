@@ -460,6 +460,22 @@ def ring_flash_attn_func(
     in one kernel, dQ summed by float32 atomics in a varying order; True (or
     torch.use_deterministic_algorithms(True)) keeps the bitwise reproducible two-pass backward.
     """
+    return _ring_flash_attn(
+        q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=window_size, group=group, layout=layout,
+        key_padding_mask=key_padding_mask, return_lse=return_lse, grad_accum_dtype=grad_accum_dtype,
+        grad_chunks=grad_chunks, head_group=head_group, dropout_p=dropout_p, generator=generator,
+        deterministic=deterministic,
+    )  # fmt: skip
+
+
+def _ring_flash_attn(
+    q, k, v, *, causal, softmax_scale, window_size, group, layout, key_padding_mask, return_lse, grad_accum_dtype,
+    grad_chunks, head_group, dropout_p, generator, deterministic, caller_fields=None, agree_only=False,
+):  # fmt: skip
+    """ring_flash_attn_func. caller_fields: more ints (name -> value) that every rank must agree
+    on in the same check, for a caller whose ranks choose between paths before any collective
+    (RingMultiheadAttention); not with a head_group, and compiled only the call's own fields
+    are agreed. agree_only: return None after the check (the caller runs another path)."""
     api = "ring_flash_attn_func"
     if head_group is not None or is_mesh(group):
         group, head_group = resolve_groups(group, head_group, api)
@@ -505,20 +521,24 @@ def ring_flash_attn_func(
                     )
         else:  # one rank: every layout is the identity
             spec = dataclasses.replace(spec, layout="contiguous")
-        return _signature(q, k, v, spec, key_bias is not None, p), (spec, key_bias, p)
+        fields = _signature(q, k, v, spec, key_bias is not None, p)
+        return {**fields, **(caller_fields or {})}, (spec, key_bias, p)
 
     if torch.compiler.is_compiling():
         # traced: this rank's checks run now; the agreement all_gather runs inside the ring
         # operator when it executes (dynamo cannot trace a collective whose result decides)
         fields, (spec, key_bias, p) = validate()
-        agree = list(fields.values()) if world > 1 else []
+        agree = [fields[name] for name in _FIELD_NAMES] if world > 1 else []
     else:
         # every rank fails together, or all agree: never a hang, never a mixed-up ring
+        names = _FIELD_NAMES + tuple(caller_fields or ())
         spec, key_bias, p = validated_across_ranks(
-            group, api, validate, _FIELD_NAMES, device=getattr(q, "device", None), show=_show_field
+            group, api, validate, names, device=getattr(q, "device", None), show=_show_field
         )
         warn_placement(group)
         agree = []
+    if agree_only:
+        return None
     if q.shape[0] == 0 or q.shape[1] == 0 or q.shape[2] == 0 or k.shape[1] == 0:  # agreed by every rank
         out, lse = empty_attention(q, k, v)
         return (out, lse) if return_lse else out

@@ -265,6 +265,29 @@ def test_empty_shards_world2(worlds):
     worlds(2, **TORCH).run(_empty_shard_world2)
 
 
+def _disagreeing_world2(rank, world):
+    ring = RingMultiheadAttention(E, H, dropout=0.5).eval()
+    x = torch.randn(4, 2, E)
+    cases = (  # one rank takes the dense path, the other the ring; or only one computes weights
+        ("attn_mask given", dict(attn_mask=torch.zeros(4, 8)) if rank == 0 else {}),
+        ("need_weights", dict(need_weights=rank == 0)),
+        ("dropout_p", dict(need_weights=True)),  # in training mode on rank 0 only
+    )
+    for field, kw in cases:
+        ring.train(field == "dropout_p" and rank == 0)
+        with pytest.raises(ValueError, match=rf"ranks of the group disagree \({field}: rank 0=\S+, rank 1="):
+            ring(x, x, x, **kw)
+    ring.eval()
+    out, w = ring(x, x, x, attn_mask=torch.zeros(4, 8))  # the group still works
+    assert out.shape == x.shape and w.shape == (2, 4, 8)
+
+
+def test_disagreeing_ranks_raise_on_every_rank(worlds):
+    """Ranks that choose different paths (an attn_mask, need_weights, training dropout on one
+    rank only) raise the same ValueError on every rank, neither hang nor abort."""
+    worlds(2, **TORCH).run(_disagreeing_world2)
+
+
 def test_misuse_found_at_construction():
     for kw, pattern in (
         (dict(embed_dim=10, num_heads=3), "embed_dim 10 must be divisible by num_heads 3"),
