@@ -131,9 +131,20 @@ def check_not_capturing(api: str, why: str) -> None:
         )
 
 
+def check_mask_not_differentiated(name: str, mask, api: str) -> None:
+    """A float mask is not differentiated: one that requires grad (with grad mode on) raises
+    a ValueError naming the argument, rather than getting no gradient silently."""
+    if mask.requires_grad and torch.is_grad_enabled():
+        raise ValueError(
+            f"{api}: {name} requires grad, but masks are not differentiated here: pass {name}.detach() "
+            "(or compute it under torch.no_grad())"
+        )
+
+
 def key_bias_from_mask(mask, dims: AttnDims, device, api: str, dtype=torch.float32):
-    """key_padding_mask (B, Sk), bool (True = ignore the key) or float (added to the scores),
-    as a (B, Sk) bias in `dtype` (the state dtype: float32, float64 for float64), or None."""
+    """key_padding_mask (B, Sk), bool (True = ignore the key) or float (added to the scores,
+    not differentiated: one that requires grad raises), as a (B, Sk) bias in `dtype` (the
+    state dtype: float32, float64 for float64), or None."""
     if mask is None:
         return None
     check_tensor("key_padding_mask", mask, api)
@@ -146,6 +157,7 @@ def key_bias_from_mask(mask, dims: AttnDims, device, api: str, dtype=torch.float
         return torch.zeros(want, dtype=dtype, device=device).masked_fill_(mask, float("-inf"))
     if not mask.is_floating_point():
         raise TypeError(f"{api}: key_padding_mask must be bool or floating point, got {mask.dtype}")
+    check_mask_not_differentiated("key_padding_mask", mask, api)
     return mask.detach().to(dtype).contiguous()
 
 

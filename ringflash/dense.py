@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ._checks import _shape, check_tensor
+from ._checks import _shape, check_mask_not_differentiated, check_tensor
 from .comm import group_rank_world, resolve_group
 from .dropout import keep_mask
 from .layout import _place, _shard_of
@@ -50,7 +50,8 @@ def gather_sequence(x, *, group=None, layout="zigzag"):
 def pair_bias(attn_mask, batch: int, heads: int, q_len: int, k_len: int, device, dtype, api: str):
     """attn_mask as torch's nn.MultiheadAttention documents it, (L, S) or (batch * heads, L, S),
     bool (True: the pair may not attend) or float (added to the scores), as an additive bias
-    (1, 1, L, S) or (batch, heads, L, S) in `dtype`. Not differentiated."""
+    (1, 1, L, S) or (batch, heads, L, S) in `dtype`. Not differentiated: a float mask that
+    requires grad raises."""
     check_tensor("attn_mask", attn_mask, api)
     if attn_mask.dim() == 2:
         want = (q_len, k_len)
@@ -68,6 +69,7 @@ def pair_bias(attn_mask, batch: int, heads: int, q_len: int, k_len: int, device,
     if attn_mask.dtype == torch.bool:
         bias = torch.zeros(want, dtype=dtype, device=device).masked_fill_(attn_mask, float("-inf"))
     elif attn_mask.is_floating_point():
+        check_mask_not_differentiated("attn_mask", attn_mask, api)
         bias = attn_mask.detach().to(dtype)
     else:
         raise TypeError(f"{api}: attn_mask must be bool or floating point, got {attn_mask.dtype}")

@@ -447,7 +447,8 @@ def flash_attn_func(
     i + Sk - Sq - left <= j <= i + Sk - Sq + right, -1 meaning unbounded on that side (causal
     means right = 0; another right with causal=True is an error). A query that sees no key
     gets output 0 and lse -inf. key_padding_mask: optional (B, Sk), bool (True = padding: the
-    key is ignored) or float (added to every query's scores of that key; not differentiated).
+    key is ignored) or float (added to every query's scores of that key; not differentiated:
+    one that requires grad raises).
     Returns out (B, Sq, Hq, Dv) in q's dtype, and with return_lse=True also lse (B, Hq, Sq),
     float32 (float64 for float64 inputs), natural log. Differentiable in q, k, v (and
     through lse). Key blocks no query of a tile sees are skipped: a window costs in proportion

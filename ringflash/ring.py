@@ -428,8 +428,8 @@ def ring_flash_attn_func(
     runs only the steps some rank has work in (schedule.ring_steps): a block skips steps
     nobody needs and is not sent after the last one.
     key_padding_mask: optional (B, Sk_local) for this rank's keys, bool (True = padding, the
-    key is ignored) or float (added to the scores; not differentiated); it travels around the
-    ring with its keys.
+    key is ignored) or float (added to the scores; not differentiated: one that requires grad
+    raises); it travels around the ring with its keys.
     Returns this rank's shard of the output, (B, Sq_local, Hq, Dv) in q's dtype, exactly as
     attention over the whole sequence on one device would give it; with return_lse=True also
     lse (B, Hq, Sq_local), float32. Differentiable in q, k, v.

@@ -60,6 +60,9 @@ def test_bad_options():
     from ringflash.nn import RingMultiheadAttention
 
     cu = torch.tensor([0, 4], dtype=torch.int32)
+    for f in (flash_attn_func, ring_flash_attn_func):  # a float mask is not differentiated
+        with pytest.raises(ValueError, match="key_padding_mask requires grad"):
+            f(q, q, q, key_padding_mask=torch.zeros(1, 4, requires_grad=True))
     for call in (
         lambda: flash_attn_func(q, q, q, deterministic=1),
         lambda: flash_attn_varlen_func(q[0], q[0], q[0], cu, cu, deterministic="yes"),

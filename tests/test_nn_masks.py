@@ -99,6 +99,22 @@ def test_attn_mask_bad_shapes():
             ring(q, q, q, attn_mask=mask)
 
 
+def test_masks_that_require_grad_raise():
+    """torch's module differentiates a float attn_mask / key_padding_mask; these are not, so one
+    that requires grad raises naming it (no silent missing .grad); without grad mode it runs."""
+    mha, ring = _modules(0)
+    q, _, _, _, mask = _inputs(5, 5, "float2d", seed=2)
+    pad = torch.randn(B, 5, dtype=torch.float64)
+    for name, value in (("attn_mask", mask), ("key_padding_mask", pad)):
+        for need_weights in (True, False):
+            with pytest.raises(ValueError, match=f"{name} requires grad"):
+                ring(q, q, q, need_weights=need_weights, **{name: value.clone().requires_grad_()})
+            with torch.no_grad():
+                got = ring(q, q, q, need_weights=need_weights, **{name: value.clone().requires_grad_()})[0]
+                want = mha(q, q, q, need_weights=need_weights, **{name: value})[0]
+            assert (got - want).abs().max() < 1e-12
+
+
 def _world(rank, world, layout, kind, average, cross):
     kv = (3, 5) if cross else (None, None)
     mha, ring = _modules(3, *kv)
