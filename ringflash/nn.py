@@ -389,10 +389,12 @@ def _batched(query, key, value, key_padding_mask, attn_mask, num_heads, api) -> 
 
 
 def _linear(x, w, b):
-    """F.linear, with a bias of another dtype promoted as torch's `+` does: some of F.linear's
-    paths refuse such a bias, and nn.MultiheadAttention (which reaches them only with some
-    layouts) returns the promoted result. A weight of another dtype than x fails as in torch."""
-    if b is None or b.dtype == x.dtype == w.dtype:
+    """F.linear of x (..., in) by w (out, in) and b (out,): (..., out). A bias of another dtype
+    is promoted as torch's `+` does: some of F.linear's paths refuse such a bias, and
+    nn.MultiheadAttention (which reaches them only with some layouts) returns the promoted
+    result. A weight of another dtype than x fails as in torch. Under autocast F.linear casts
+    all three itself, and its dtype is torch's (a float32 bias added after would promote)."""
+    if b is None or b.dtype == x.dtype == w.dtype or torch.is_autocast_enabled(x.device.type):
         return F.linear(x, w, b)
     return F.linear(x, w) + b
 

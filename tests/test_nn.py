@@ -232,6 +232,27 @@ def test_bias_of_another_dtype_promotes():
     assert a.dtype == b.dtype == torch.float64 and (a - b).abs().max() < 1e-12
 
 
+@pytest.mark.parametrize("need_weights", [True, False])
+def test_autocast_output_dtype_is_torchs(need_weights):
+    """Under CPU bfloat16 autocast, with biases: torch's dtypes, and exactly the module's result
+    on bfloat16 inputs and parameters without autocast (autocast casts each projection's x, w
+    and b to bfloat16, and the attention runs on the bfloat16 projections either way)."""
+    torch.manual_seed(0)
+    mha = nn.MultiheadAttention(E, H, batch_first=True)
+    ring = _ring_like(mha)
+    with torch.no_grad():
+        for p in ring.parameters():  # nonzero biases
+            p.normal_()
+    low = copy.deepcopy(ring).to(torch.bfloat16)
+    x = torch.randn(2, 5, E)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        (a, wa), (b, wb) = (m(x, x, x, need_weights=need_weights) for m in (mha, ring))
+    c = low(*(x.bfloat16(),) * 3, need_weights=need_weights)[0]
+    assert b.dtype == a.dtype == torch.bfloat16 and torch.equal(b, c)
+    assert need_weights or wa is wb is None
+    assert not need_weights or wb.dtype == wa.dtype
+
+
 @pytest.mark.parametrize("shape", [(5, 0, E), (0, 3, E)], ids=["empty_batch", "no_queries"])
 def test_empty_inputs_give_empty_outputs(shape):
     torch.manual_seed(0)
