@@ -430,8 +430,9 @@ def _no_fast_path(module, args):
 
 
 def _check_causal_hint(mask, length, api):
-    """Accept attn_mask with is_causal=True only if it looks like the causal mask of the
-    local length (shape, and a spot check of its first and last rows), as torch's hint.
+    """Accept attn_mask (length, length) or (N, length, length), bool or float, with
+    is_causal=True only if it looks like the causal mask of the local length (shape, and a
+    spot check of its first and last rows), as torch's hint.
     Under torch.compile only the shape is checked: reading the values would end the graph."""
     if mask.shape[-2:] != (length, length):
         raise ValueError(
@@ -441,7 +442,9 @@ def _check_causal_hint(mask, length, api):
     if torch.compiler.is_compiling():
         return  # traced: the values are data, unknown until run; the shape above is checked
     m = mask.reshape(-1, length, length)[0]
-    hidden = m if m.dtype == torch.bool else torch.isneginf(m)
+    # a float mask hides a key with -inf (torch's causal masks) or its dtype's lowest value
+    # (transformers' masks): added to a score, either gives the key weight exactly 0
+    hidden = m if m.dtype == torch.bool else m <= torch.finfo(m.dtype).min
     first_ok = not hidden[0, 0] and bool(hidden[0, 1:].all())
     last_ok = not bool(hidden[-1].any())
     if not (first_ok and last_ok):

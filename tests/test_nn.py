@@ -346,6 +346,25 @@ def test_unsupported_arguments_raise():
         ring(x, torch.randn(2, 4, E), torch.randn(2, 4, E), is_causal=True, need_weights=False)
 
 
+def test_causal_hint_with_the_lowest_float():
+    """A causal float mask that hides with finfo(dtype).min (as transformers builds them), not
+    -inf, is taken as the is_causal hint, as torch takes it; masks that are not causal, or hide
+    with a value that need not zero a weight, are still refused."""
+    torch.manual_seed(0)
+    mha = nn.MultiheadAttention(E, H, batch_first=True, dtype=torch.float64).eval()
+    ring = _ring_like(mha, dtype=torch.float64).eval()
+    L = 6
+    x = torch.randn(2, L, E, dtype=torch.float64)
+    lowest = torch.finfo(torch.float64).min
+    mask = torch.full((L, L), lowest, dtype=torch.float64).triu(1)
+    for need_weights in (True, False):
+        a, b = (m(x, x, x, attn_mask=mask, is_causal=True, need_weights=need_weights)[0] for m in (mha, ring))
+        assert (a - b).abs().max() < 1e-12
+    for bad in (mask.T, torch.full((L, L), -1e9, dtype=torch.float64).triu(1)):
+        with pytest.raises(ValueError, match="not the causal mask"):
+            ring(x, x, x, attn_mask=bad, is_causal=True, need_weights=False)
+
+
 def test_grad_accum_dtype_reaches_the_ring():
     """The module passes grad_accum_dtype on: an invalid one is refused by name, the inputs'
     own dtype is taken (the module's gradients then differ from float32 accumulation only by
