@@ -247,7 +247,9 @@ class RingMultiheadAttention(nn.MultiheadAttention):
                 "ringflash.ring_flash_attn_varlen_func"
             )
         (q_rows, cu_q), (k_rows, cu_k), (v_rows, cu_v) = (_packed(t) for t in (query, key, value))
-        if not torch.equal(cu_k, cu_v):
+        # one tensor, or shared offsets, need no look at the values (data: a compiled graph
+        # would break on it); distinct offsets are compared
+        if key is not value and cu_k is not cu_v and not torch.equal(cu_k, cu_v):
             raise ValueError(f"{api}: key and value must hold sequences of the same lengths")
         if cu_q.numel() != cu_k.numel():
             raise ValueError(f"{api}: query holds {cu_q.numel() - 1} sequences, key {cu_k.numel() - 1}")

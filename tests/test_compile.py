@@ -175,6 +175,30 @@ def test_encoder_layer_fullgraph():
     _no_graph_break()
 
 
+def test_nested_module_fullgraph():
+    """RingMultiheadAttention on jagged nested tensors, compiled with fullgraph: self-attention
+    (key and value the query) and a value that shares key's offsets need no look at the offsets'
+    values, so no graph break; output and parameter gradients equal eager's."""
+    torch.manual_seed(0)
+    m = RingMultiheadAttention(16, 4, batch_first=True)
+    offsets = torch.tensor([0, 3, 8])
+    x, y = (torch.nested.nested_tensor_from_jagged(t, offsets) for t in _leaves((8, 16), (8, 16), seed=1))
+
+    def step(fn, v):
+        m.zero_grad(set_to_none=True)
+        out = fn(x, v)
+        (out.values() * torch.linspace(-1, 1, out.values().numel()).view_as(out.values())).sum().backward()
+        return [out.values().detach()] + [p.grad.clone() for p in m.parameters()]
+
+    for v in (x, y):
+        f = lambda q, v: m(q, q, v, need_weights=False)[0]  # noqa: E731
+        _assert_equal(step(_compile(f), v), step(f, v))
+        _no_graph_break()
+    z = torch.nested.nested_tensor_from_jagged(y.values(), torch.tensor([0, 4, 8]))  # other offsets: compared
+    with pytest.raises(ValueError, match="key and value must hold sequences of the same lengths"):
+        m(x, x, z, need_weights=False)
+
+
 # ----------------------------------------------------------------------------- the ring, 2 ranks
 
 
