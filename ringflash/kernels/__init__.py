@@ -53,9 +53,14 @@ def _precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
-def _check_dtype(q: torch.Tensor) -> None:
+def _check_dtype(q: torch.Tensor, fn: str) -> None:
+    """q (B, Sq, Hq, D) of the block that `fn` (this module's forward or backward) runs: its
+    dtype, which k and v share (checked before), must be one the kernels take."""
     if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
-        raise TypeError(f"the Triton backend supports float16, bfloat16 and float32, got {q.dtype}")
+        raise TypeError(
+            f"ringflash.kernels.{fn}: q (and k, v) has dtype {q.dtype}; the Triton backend supports float16, "
+            'bfloat16 and float32 (the torch backend takes float64: ringflash.local.use_backend("torch"))'
+        )
 
 
 def _bsh(t):
@@ -122,7 +127,7 @@ def _dropout_args(dropout):
 def forward(q, k, v, state, *, q_start, k_start, window, bounds, scale, fold, normalize, key_bias=None,
             dropout=None):
     """See ringflash.reference.forward."""
-    _check_dtype(q)
+    _check_dtype(q, "forward")
     B, Sq, Hq, D = q.shape
     Sk, Hkv, Dv = k.shape[1], k.shape[2], v.shape[3]
     block_d, block_dv = _block_d(D), _block_d(Dv)
@@ -291,7 +296,7 @@ def backward(q, k, v, m, l, do, delta, dq, dk, dv, *, q_start, k_start, window, 
     Given dq, dk and dv together, a block fuses_backward accepts runs as one fused kernel
     (dQ not bitwise reproducible); otherwise, or with deterministic=True, the dK/dV and dQ
     passes run (bitwise reproducible)."""
-    _check_dtype(q)
+    _check_dtype(q, "backward")
     if (
         dq is not None
         and dk is not None
