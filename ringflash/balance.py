@@ -501,6 +501,12 @@ def balanced_layout(cu_seqlens, world: int, *, causal: bool = True, window_size=
     Pure and deterministic: every rank computes the same layout from the same arguments.
     """
     cu, window, docs = _layout_args(cu_seqlens, world, causal, window_size, "balanced_layout")
+    mask = window  # the layout keeps the call's window; the documents are placed by `placed`
+    # A window side at least the longest document bounds nothing in any document: they are
+    # placed as the mask they see (a 4K window over documents of at most 4K tokens: causal),
+    # since a document shorter than twice a window's side is never cut into window-long pieces
+    longest = max((n for _, _, n in docs), default=0)
+    window = Window(*(None if w is not None and w >= longest - 1 else w for w in (window.left, window.right)))
     work = {d: _document_work(n, window) for d, _, n in docs}
     per_rank, load, cut = _deal(docs, work, world, window)
     bounded = window.left is not None and window.right is not None
@@ -525,7 +531,7 @@ def balanced_layout(cu_seqlens, world: int, *, causal: bool = True, window_size=
             if excess(dealt) < excess(best):
                 best = dealt
         per_rank, load, cut = best
-    return _assembled(cu, world, window, per_rank)
+    return _assembled(cu, world, mask, per_rank)
 
 
 def document_zigzag_layout(cu_seqlens, world: int, *, causal: bool = True, window_size=(-1, -1)) -> BalancedLayout:

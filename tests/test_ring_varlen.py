@@ -297,6 +297,18 @@ def test_cut_documents_turn_the_ring(world, monkeypatch):
     assert sum(excess["turned"]) <= 0.5 * sum(excess["unturned"]), excess
 
 
+def test_a_window_wider_than_its_documents_balances_as_causal():
+    """A window side at least the longest document's length bounds nothing in any document:
+    they are placed as the causal mask places them (cut over every rank, every rank equally
+    busy), not kept whole as documents under twice a window's side must be when cut into
+    window-long pieces (there most ranks held nothing: 4x the mean work at P = 4)."""
+    for cu, P in (([0, 2048], 4), ([0, 3000, 5000, 6000, 8192], 8)):
+        wide = balanced_layout(cu, P, causal=False, window_size=(4095, 0))
+        assert wide.pieces == balanced_layout(cu, P, causal=True).pieces, (cu, P)
+        per_rank = [sum(wide.work(r, s) for s in range(P)) for r in range(P)]
+        assert max(per_rank) <= 1.05 * sum(per_rank) / P, per_rank
+
+
 def test_balanced_layout_rejects_bad_input():
     with pytest.raises(ValueError, match="must start at 0"):
         balanced_layout([1, 4], 2)
