@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ._checks import check_bool
 from .masks import Window, held_bounds, window_from
 from .schedule import Segment, check_divisible, check_layout, segments, step_tasks, steps_needed
 
@@ -69,6 +70,8 @@ def _document_work(n: int, window: Window) -> int:
 def pad_rows(x: torch.Tensor, n: int, dim: int = 1) -> torch.Tensor:
     """x with zero rows appended along dim (>= 0) up to n rows; x itself when it has n."""
     extra = n - x.shape[dim]
+    if extra < 0:
+        raise ValueError(f"pad_rows: x has {x.shape[dim]} rows on dim {dim}, more than the {n} to pad to")
     return x if extra == 0 else torch.nn.functional.pad(x, [0, 0] * (x.dim() - 1 - dim) + [0, extra])
 
 
@@ -88,12 +91,46 @@ class BalancedLayout:
     _held: dict = field(default_factory=dict, init=False, repr=False, compare=False)  # step_plan's
 
     def __post_init__(self):
+        self._check_pieces()
         window = [-1 if w is None else w for w in (self.window.left, self.window.right)]
         runs = [[[s.global_start, s.length, s.doc] for s in segs] for segs in self.pieces]
         code = CODE_PREFIX + json.dumps([list(self.cu_seqlens), self.world, window, runs], separators=(",", ":"))
         object.__setattr__(self, "code", code)
         text = repr((self.cu_seqlens, self.world, self.pieces)).encode()
         object.__setattr__(self, "_digest", int.from_bytes(hashlib.sha256(text).digest()[:8], "little") >> 2)
+
+    def _check_pieces(self) -> None:
+        """A layout built by hand must be one: documents from 0, one tuple of pieces per rank,
+        each piece non-empty, inside its document and after the rank's previous piece in its
+        local rows, and every token held by exactly one rank (else a ring call would compute on
+        rows nobody holds, and unshard return memory nobody wrote)."""
+        api, cu = "BalancedLayout", self.cu_seqlens
+        if not cu or cu[0] != 0 or any(b < a for a, b in zip(cu, cu[1:])):
+            raise ValueError(f"{api}: cu_seqlens must start at 0 and be non-decreasing, got {cu[:8]}")
+        if isinstance(self.world, bool) or not isinstance(self.world, int) or self.world < 1:
+            raise ValueError(f"{api}: world must be a positive int, got {self.world!r}")
+        if len(self.pieces) != self.world:
+            raise ValueError(f"{api}: pieces must hold one tuple per rank ({self.world}), got {len(self.pieces)}")
+        held = []
+        for rank, segs in enumerate(self.pieces):
+            local = 0
+            for seg in segs:
+                a, b = seg.global_start, seg.global_start + seg.length
+                if seg.length <= 0 or seg.local_start != local:
+                    raise ValueError(
+                        f"{api}: rank {rank}'s piece [{a}:{b}] must be non-empty and start at local row {local}, "
+                        f"got length {seg.length} at local row {seg.local_start}"
+                    )
+                if not (0 <= seg.doc < len(cu) - 1 and cu[seg.doc] <= a and b <= cu[seg.doc + 1]):
+                    raise ValueError(f"{api}: rank {rank}'s piece [{a}:{b}] is not inside its document {seg.doc}")
+                held.append((a, b))
+                local += seg.length
+        at = 0
+        for a, b in [*sorted(held), (cu[-1], cu[-1])]:  # the end: tokens after the last piece
+            if a != at:
+                what = f"token {a} by two ranks" if a < at else f"tokens [{at}:{a}] by no rank"
+                raise ValueError(f"{api}: every token must be held by exactly one rank, got {what}")
+            at = b
 
     def __getstate__(self):  # pickled and copied without step_plan's device tensors
         return {**self.__dict__, "_held": {}}
@@ -102,11 +139,17 @@ class BalancedLayout:
     def total(self) -> int:
         return self.cu_seqlens[-1]
 
+    def _rank(self, rank, api: str) -> int:
+        """rank, checked: an int in [0, world) (not Python's negative indices)."""
+        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < self.world:
+            raise ValueError(f"BalancedLayout.{api}: rank must be in [0, {self.world}), got {rank!r}")
+        return rank
+
     def segments(self, rank: int) -> list[Segment]:
-        return list(self.pieces[rank])
+        return list(self.pieces[self._rank(rank, "segments")])
 
     def local_len(self, rank: int) -> int:
-        return sum(s.length for s in self.pieces[rank])
+        return sum(s.length for s in self.pieces[self._rank(rank, "local_len")])
 
     @property
     def max_local_len(self) -> int:
@@ -131,9 +174,7 @@ class BalancedLayout:
 
     def positions(self, rank: int, device=None) -> torch.Tensor:
         """int64 (local_len(rank),): the global positions `rank` holds, in local order."""
-        if not 0 <= rank < self.world:
-            raise ValueError(f"BalancedLayout.positions: rank must be in [0, {self.world}), got {rank}")
-        segs = self.pieces[rank]
+        segs = self.pieces[self._rank(rank, "positions")]
         if not segs:
             return torch.zeros(0, dtype=torch.long, device=device)
         return torch.cat([torch.arange(s.global_start, s.global_start + s.length, device=device) for s in segs])
@@ -159,6 +200,9 @@ class BalancedLayout:
     def work(self, rank: int, step: int) -> int:
         """Visible pairs `rank` computes at ring step `step` (it then holds the keys of rank
         (rank - step) mod world): the balance this layout is built for."""
+        self._rank(rank, "work")
+        if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step < self.world:
+            raise ValueError(f"BalancedLayout.work: step must be in [0, {self.world}), got {step!r}")
         return self._pairs_at(rank, (rank - step) % self.world, self.window)
 
     def _pairs_at(self, rank: int, src: int, window: Window) -> int:
@@ -434,15 +478,22 @@ def _place_cut(start: int, n: int, world: int, window: Window, load, least: int,
     return best[1]
 
 
-def checked_cu_seqlens(cu_seqlens, api: str) -> list[int]:
+def checked_cu_seqlens(cu_seqlens, api: str, read=None) -> list[int]:
     """Global document boundaries (a 1-D int tensor or a sequence of ints) as a list of ints,
-    checked: starting at 0, non-decreasing."""
+    checked: starting at 0, non-decreasing. read: how a tensor's values reach the host (a
+    function of the tensor giving a sequence of ints; default tolist)."""
     if isinstance(cu_seqlens, torch.Tensor):
         if cu_seqlens.dtype not in (torch.int32, torch.int64) or cu_seqlens.dim() != 1:
             raise TypeError(f"{api}: cu_seqlens must be a 1-D int32/int64 tensor, got {cu_seqlens.dtype} "
                             f"of shape {tuple(cu_seqlens.shape)}")  # fmt: skip
-        cu = [int(x) for x in cu_seqlens.tolist()]
+        if cu_seqlens.is_meta:
+            raise ValueError(f"{api}: cu_seqlens is on the meta device, which holds no values")
+        cu = [int(x) for x in (cu_seqlens.tolist() if read is None else read(cu_seqlens))]
     else:
+        if isinstance(cu_seqlens, (str, bytes)) or not hasattr(cu_seqlens, "__iter__"):
+            raise TypeError(
+                f"{api}: cu_seqlens must be a 1-D int tensor or a sequence of ints, got {type(cu_seqlens).__name__}"
+            )
         cu = list(cu_seqlens)
         if not all(isinstance(x, int) and not isinstance(x, bool) for x in cu):
             raise TypeError(f"{api}: cu_seqlens must hold ints, got {cu_seqlens!r}")
@@ -556,6 +607,7 @@ def _layout_args(cu_seqlens, world, causal, window_size, api: str):
     cu = checked_cu_seqlens(cu_seqlens, api)
     if isinstance(world, bool) or not isinstance(world, int) or world < 1:
         raise ValueError(f"{api}: world must be a positive int, got {world!r}")
+    check_bool("causal", causal, api)
     window = window_from(causal, window_size, api)
     return cu, window, [(d, a, b - a) for d, (a, b) in enumerate(zip(cu, cu[1:])) if b > a]
 

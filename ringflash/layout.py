@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from ._checks import check_tensor
-from .comm import group_rank_world, resolve_group, resolve_groups, validated_across_ranks
+from .comm import group_rank_world, resolve_group, resolve_groups, validated_across_grid, validated_across_ranks
 from .schedule import check_divisible, check_layout, is_balanced, layout_code, segments, show_layout_code
 
 
@@ -69,11 +69,12 @@ def _balanced_positions(layout, rank: int, u: int, U: int, device) -> torch.Tens
     return pos[:0] if piece is None else pos[piece.global_start : piece.global_start + piece.length]
 
 
-def _check_balanced(layout, seq_len: int, world: int, api: str) -> None:
+def _check_balanced(layout, seq_len: int, world: int, api: str, what: str = "the tensor has") -> None:
+    """what: how the caller's length reads in the error ("the tensor has", "seq_len is")."""
     if layout.world != world:
         raise ValueError(f"{api}: the layout was built for {layout.world} ranks, the group has {world}")
     if seq_len != layout.total:
-        raise ValueError(f"{api}: the layout covers {layout.total} tokens, the tensor has {seq_len}")
+        raise ValueError(f"{api}: the layout covers {layout.total} tokens, {what} {seq_len}")
 
 
 def _shard_of(x, rank, world, layout, dim=1):
@@ -108,7 +109,7 @@ def local_positions(seq_len, *, group=None, layout="zigzag", device=None, head_g
     rank, world = group_rank_world(group)
     u, U = _head_rank(head_group, layout, api)
     if is_balanced(layout):
-        _check_balanced(layout, seq_len, world, api)
+        _check_balanced(layout, seq_len, world, api, what="seq_len is")
         return _balanced_positions(layout, rank, u, U, device)
     check_divisible(seq_len, world * U, layout, api)
     segs = segments(layout, rank, world, seq_len // world)
@@ -117,7 +118,14 @@ def local_positions(seq_len, *, group=None, layout="zigzag", device=None, head_g
     return pos[u * n : (u + 1) * n]
 
 
+# every torch dtype by a number that is the same in every process (the agreement sends ints)
+_DTYPES = {d: i for i, d in enumerate(sorted({v for v in vars(torch).values() if isinstance(v, torch.dtype)}, key=str))}
+_DTYPE_NAMES = {i: str(d) for d, i in _DTYPES.items()}
+
+
 def _show_layout_field(name, value):
+    if name == "dtype":
+        return _DTYPE_NAMES.get(value, str(value))
     if name != "layout":
         return str(value)
     return show_layout_code(value)
@@ -148,6 +156,42 @@ class _Unshard(torch.autograd.Function):
         return shard(grad_full, group=group, layout=layout, dim=dim), None, None, None
 
 
+def _validated_unshard(x_local, layout, dim, world, api, device, place, group, head_group=None) -> int:
+    """unshard's checks of this rank's x_local, agreed across `group` (with a head_group: across
+    the grid): the layout, dim, ndim and dtype, then every size but a balanced layout's own
+    lengths. place: (rank in group, rank in head_group, head_group size U); a balanced layout
+    gives this rank its piece of the ring position's shard (all of it with U = 1). Returns the
+    dim, non-negative."""
+    rank, u, U = place
+    agreed = validated_across_ranks if head_group is None else validated_across_grid
+    groups = (group,) if head_group is None else (group, head_group)
+
+    def validate_rank():
+        check_tensor("x_local", x_local, api)
+        check_layout(layout, api)
+        d = _norm_dim(x_local, dim, api)
+        if world > 1 and U == 1 and layout == "zigzag" and x_local.shape[d] % 2:  # (U > 1: a piece of it)
+            raise ValueError(f"{api}: local length {x_local.shape[d]} on dim {d} must be even for layout 'zigzag'")
+        if is_balanced(layout):
+            _check_balanced(layout, layout.total, world, api)
+            n = layout.local_len(rank) if U == 1 else layout.head_piece_lens(rank, U)[u]
+            if x_local.shape[d] != n:
+                where = f"rank {rank}" if U == 1 else f"ring position {rank}, head-group rank {u}"
+                got = f"x_local has {x_local.shape[d]} on dim {d}"
+                raise ValueError(f"{api}: the layout gives {where} {n} tokens, {got}")
+        fields = {"layout": layout_code(layout), "dim": d, "ndim": x_local.dim(), "dtype": _DTYPES[x_local.dtype]}
+        return fields, d
+
+    names = ("layout", "dim", "ndim", "dtype")
+    d = agreed(*groups, api, validate_rank, names, device=device, show=_show_layout_field)
+    if world > 1 or head_group is not None:
+        # all_gather needs equal shapes: agree on every size (but the balanced layout's own
+        # lengths), now that the rank count is agreed
+        sizes = {f"size[{i}]": n for i, n in enumerate(x_local.shape) if not (is_balanced(layout) and i == d)}
+        agreed(*groups, api, lambda: (sizes, None), tuple(sizes), device=device)
+    return d
+
+
 def unshard(x_local, *, group=None, layout="zigzag", dim=1, head_group=None):
     """Gather every rank's part and restore sequence order (the inverse of shard).
 
@@ -160,36 +204,19 @@ def unshard(x_local, *, group=None, layout="zigzag", dim=1, head_group=None):
     """
     api = "unshard"
     group, head_group = resolve_groups(group, head_group, api)
-    if head_group is not None:  # the ring position's shard first, gathered over the head group
-        check_layout(layout, api)
+    device = getattr(x_local, "device", None)
+    if head_group is not None:
+        # agreed over the whole grid before any gather: a rank's bad input then raises on every
+        # rank, not only in its own head group while the other head groups wait in the ring's
+        r, R = group_rank_world(group)
+        u, U = group_rank_world(head_group)
+        d = _validated_unshard(x_local, layout, dim, R, api, device, (r, u, U), group, head_group)
         pieces = "contiguous"
         if is_balanced(layout):  # pieces of unequal lengths: gathered as a layout of U ranks
-            pieces = layout.head_pieces(group_rank_world(group)[0], group_rank_world(head_group)[1])
-        x_local = unshard(x_local, group=head_group, layout=pieces, dim=dim)
+            pieces = layout.head_pieces(r, U)
+        x_local = unshard(x_local, group=head_group, layout=pieces, dim=d)
     rank, world = group_rank_world(group)
-    device = getattr(x_local, "device", None)
-
-    def validate_rank():
-        check_tensor("x_local", x_local, api)
-        check_layout(layout, api)
-        d = _norm_dim(x_local, dim, api)
-        if world > 1 and layout == "zigzag" and x_local.shape[d] % 2:
-            raise ValueError(f"{api}: local length {x_local.shape[d]} on dim {d} must be even for layout 'zigzag'")
-        if is_balanced(layout):
-            _check_balanced(layout, layout.total, world, api)
-            if x_local.shape[d] != layout.local_len(rank):
-                raise ValueError(
-                    f"{api}: the layout gives rank {rank} {layout.local_len(rank)} tokens, x_local has "
-                    f"{x_local.shape[d]} on dim {d}"
-                )
-        return {"layout": layout_code(layout), "dim": d, "ndim": x_local.dim()}, d
-
-    names = ("layout", "dim", "ndim")
-    dim = validated_across_ranks(group, api, validate_rank, names, device=device, show=_show_layout_field)
+    dim = _validated_unshard(x_local, layout, dim, world, api, device, (rank, 0, 1), group)
     if world == 1:  # every layout of one rank is the identity
         return x_local
-    # all_gather needs equal shapes: agree on every size (but the balanced layout's own
-    # lengths), now that the rank count is agreed
-    sizes = {f"size[{i}]": n for i, n in enumerate(x_local.shape) if not (is_balanced(layout) and i == dim)}
-    validated_across_ranks(group, api, lambda: (sizes, None), tuple(sizes), device=device)
     return _Unshard.apply(x_local, group, layout, dim)

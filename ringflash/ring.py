@@ -566,6 +566,8 @@ def check_packed_call(
     head_pieces (u, U): this rank's place in a head group, whose piece of the ring position's
     shard it holds (BalancedLayout.head_pieces). Under torch.compile a cu_seqlens tensor's
     values are checked by the ring operator when it runs."""
+    if isinstance(layout, _LayoutError):  # a named layout that could not be built on this rank
+        raise layout.error
     check_bool("return_lse", return_lse, api)
     p = check_dropout(dropout_p, generator, api)
     if not is_balanced(layout):
@@ -578,7 +580,7 @@ def check_packed_call(
         raise ValueError(f"{api}: the layout was built for {layout.world} ranks, the group has {world}")
     if not (torch.compiler.is_compiling() and isinstance(cu_seqlens, torch.Tensor)):
         # a tensor: read once per tensor and version (the layers over one batch wait once)
-        cu = cu_values(cu_seqlens, cu_seqlens, api)[0] if isinstance(cu_seqlens, torch.Tensor) else list(cu_seqlens)
+        cu = checked_cu_seqlens(cu_seqlens, api, read=lambda t: cu_values(t, t, api)[0])
         if tuple(cu) != layout.cu_seqlens:
             raise ValueError(f"{api}: cu_seqlens {cu[:6]}... is not the one the layout was built from")
     u, U = head_pieces
@@ -591,6 +593,15 @@ def check_packed_call(
         window_size, deterministic,
     )  # fmt: skip
     return p, dataclasses.replace(spec, layout=layout)
+
+
+@dataclasses.dataclass(frozen=True)
+class _LayoutError:
+    """A named layout whose building failed on this rank (bad cu_seqlens or window_size): it
+    stands in for the layout until check_packed_call raises its error inside the ranks'
+    agreement, so that every rank raises rather than the others waiting in a collective."""
+
+    error: Exception
 
 
 def _packed_layout(layout, cu_seqlens, causal, window_size, group, head_group, api):
@@ -658,7 +669,12 @@ def ring_flash_attn_varlen_func(
     check_not_capturing(api, _PACKED_ON_HOST)
     if head_group is not None or is_mesh(group):
         group, head_group = resolve_groups(group, head_group, api)
-    layout, cu_seqlens = _packed_layout(layout, cu_seqlens, causal, window_size, group, head_group, api)
+    try:
+        layout, cu_seqlens = _packed_layout(layout, cu_seqlens, causal, window_size, group, head_group, api)
+    except (TypeError, ValueError) as error:
+        if torch.compiler.is_compiling():
+            raise
+        layout = _LayoutError(error)
     if head_group is not None:
         from .hybrid import hybrid_varlen_attn
 

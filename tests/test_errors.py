@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ringflash import flash_attn_func, ring_flash_attn_func, unshard
+from ringflash import flash_attn_func, ring_flash_attn_func, ring_flash_attn_varlen_func, unshard
 
 from ring_cases import TORCH, Case, full_inputs, ring_vs_oracle
 
@@ -241,6 +241,14 @@ def _mismatch(rank, world):
         unshard(torch.zeros([1, 4] + [1] * rank))
     with pytest.raises(ValueError, match="disagree.*layout"):
         unshard(torch.zeros(1, 4), layout="zigzag" if rank else "contiguous")
+    with pytest.raises(ValueError, match=r"disagree \(dtype: rank 0=torch.float32, rank 1=torch.float64\)"):
+        unshard(torch.zeros(1, 4, dtype=torch.float64 if rank else torch.float32))
+    # packed documents on a named layout that one rank cannot build (its cu_seqlens holds a
+    # float): that rank raises its error, the other quotes it, neither waits in the ring
+    packed = torch.zeros(4, 2, 16)
+    pattern = "cu_seqlens must hold ints" if rank == 1 else r"rank\(s\) \[1\] .*rejected"
+    with pytest.raises((TypeError, ValueError), match=pattern):
+        ring_flash_attn_varlen_func(packed, packed, packed, [0, 3.0 if rank else 3, 8], layout="contiguous")
     # gloo cannot carry these tensors (meta stands in for a GPU tensor here)
     with pytest.raises(ValueError, match="cannot carry meta"):
         m = q[:, :4].to("meta")

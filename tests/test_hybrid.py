@@ -159,7 +159,19 @@ def _errors(rank, world):
     _expect_raise(
         lambda: shard(torch.randn(1, 12, 2, 16), group=group, head_group=head_group), r"multiple of 8 \(e.g. 8 or 16\)"
     )
+    # unshard of a balanced layout's pieces with a wrong length on rank 3 alone: the whole grid
+    # raises (before, its head group raised while the other head group waited in the ring's gather)
+    L = balanced_layout([0, 7, 20], 2)
+    n = L.head_piece_lens(rank // 2, 2)[rank % 2]
+    piece = torch.zeros(n + (rank == 3), 2)
+    _expect_raise(lambda: unshard(piece, group=group, head_group=head_group, layout=L, dim=0), r"rejected|gives ring")
+    _expect_raise(  # and a dtype differing on rank 0 alone
+        lambda: unshard(torch.zeros(n, 2, dtype=torch.float64 if rank == 0 else torch.float32), group=group,
+                        head_group=head_group, layout=L, dim=0),
+        r"disagree \(dtype",
+    )  # fmt: skip
     # still usable afterwards: the grid is in step
+    assert unshard(torch.zeros(n, 2), group=group, head_group=head_group, layout=L, dim=0).shape == (20, 2)
     out = ring_flash_attn_func(q, k, k, group=group, head_group=head_group, causal=True)
     assert out.shape == q.shape
 

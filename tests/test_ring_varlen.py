@@ -107,6 +107,17 @@ def test_step_zero_redeals_only_even_it_out(monkeypatch):
                 assert step0_excess(L) <= 0.5 * step0_excess(first), seed
 
 
+def _one_document(pieces, start, n, P, window):
+    """A layout of one document's pieces ((rank, Segment) of a layout's document starting at
+    `start`, n tokens) alone, its positions moved to start at 0."""
+    per_rank = [[s for q, s in pieces if q == r] for r in range(P)]
+    return BalancedLayout(
+        (0, n), P, window,
+        tuple(tuple(Segment(sum(x.length for x in segs[:i]), s.global_start - start, s.length, 0)
+                    for i, s in enumerate(segs)) for segs in per_rank),
+    )  # fmt: skip
+
+
 def _check_layout(L, lengths, seed):
     P, window = L.world, L.window
     held = torch.cat([L.positions(r) for r in range(P)])
@@ -163,9 +174,7 @@ def _check_layout(L, lengths, seed):
     for d, pieces in cut.items():
         n = L.cu_seqlens[d + 1] - L.cu_seqlens[d]
         if len({r for r, _ in pieces}) == P and n >= (P + 1) * m:
-            one = BalancedLayout(
-                L.cu_seqlens, P, window, tuple(tuple(s for q, s in pieces if q == r) for r in range(P))
-            )
+            one = _one_document(pieces, L.cu_seqlens[d], n, P, window)
             for step in (1, P - 1):
                 assert len({one.work(r, step) for r in range(P)}) == 1, (seed, d, step)
         else:
@@ -309,6 +318,25 @@ def test_a_window_wider_than_its_documents_balances_as_causal():
         assert max(per_rank) <= 1.05 * sum(per_rank) / P, per_rank
 
 
+def test_a_layout_built_by_hand_must_hold_every_token_once():
+    """BalancedLayout's own constructor (public: a layout may be written by hand) refuses pieces
+    that are not a layout: a token on two ranks or on none, a piece outside its document, local
+    rows out of step, a rank missing."""
+    L = balanced_layout([0, 3, 8], 2)
+    assert BalancedLayout(L.cu_seqlens, 2, L.window, L.pieces) == L
+    S = Segment
+    for pieces, text in (
+        (((S(0, 0, 3, 0), S(3, 3, 1, 1)), (S(0, 3, 5, 1),)), "token 3 by two ranks"),
+        (((S(0, 0, 3, 0),), (S(0, 4, 4, 1),)), r"tokens \[3:4\] by no rank"),
+        (((S(0, 0, 3, 0),), (S(0, 3, 4, 1),)), r"tokens \[7:8\] by no rank"),
+        (((S(0, 0, 4, 0),), (S(0, 4, 4, 1),)), r"piece \[0:4\] is not inside its document 0"),
+        (((S(1, 0, 3, 0),), (S(0, 3, 5, 1),)), "must be non-empty and start at local row 0"),
+        (((S(0, 0, 3, 0), S(3, 3, 5, 1)),), "one tuple per rank"),
+    ):
+        with pytest.raises(ValueError, match=text):
+            BalancedLayout(L.cu_seqlens, 2, L.window, pieces)
+
+
 def test_balanced_layout_rejects_bad_input():
     with pytest.raises(ValueError, match="must start at 0"):
         balanced_layout([1, 4], 2)
@@ -316,6 +344,22 @@ def test_balanced_layout_rejects_bad_input():
         balanced_layout([0, 5, 3], 2)
     with pytest.raises(TypeError, match="1-D int32/int64 tensor"):
         balanced_layout(torch.tensor([0.0, 3.0]), 2)
+    with pytest.raises(TypeError, match="cu_seqlens must be a 1-D int tensor or a sequence of ints, got NoneType"):
+        balanced_layout(None, 2)
+    with pytest.raises(TypeError, match="causal must be a bool, got str"):
+        balanced_layout([0, 4], 2, causal="no")
+    L = balanced_layout([0, 3, 8], 2)
+    for call, text in (
+        (lambda: L.local_len(-1), r"local_len: rank must be in \[0, 2\), got -1"),
+        (lambda: L.segments(2), r"segments: rank must be in \[0, 2\), got 2"),
+        (lambda: L.positions(2), r"positions: rank must be in \[0, 2\), got 2"),
+        (lambda: L.work(-1, 0), r"work: rank must be in \[0, 2\), got -1"),
+        (lambda: L.work(0, 2), r"work: step must be in \[0, 2\), got 2"),
+        (lambda: L.pad_block(torch.zeros(9, 1), 0), "more than the 5 to pad to"),
+        (lambda: local_positions(7, layout=balanced_layout([0, 3, 8], 1)), "the layout covers 8 tokens, seq_len is 7"),
+    ):
+        with pytest.raises(ValueError, match=text):
+            call()
     with pytest.raises(ValueError, match="world must be a positive int"):
         balanced_layout([0, 4], 0)
     with pytest.raises(ValueError, match="window_size"):
@@ -482,3 +526,15 @@ def test_ring_varlen_checks_its_layout():
         ring_flash_attn_varlen_func(q, q, q, torch.tensor(_cu([6, 6])), layout=L)
     with pytest.raises(ValueError, match="gives rank 0 12 tokens"):
         ring_flash_attn_varlen_func(q[:10], q[:10], q[:10], torch.tensor(_cu([5, 7])), layout=L)
+    # cu_seqlens checked as flash_attn_varlen_func checks it, not only compared with the layout's
+    for bad, error, text in (
+        (torch.tensor([0.0, 5.0, 12.0]), TypeError, "cu_seqlens must be a 1-D int32/int64 tensor"),
+        (torch.tensor([[0, 5, 12]]), TypeError, "cu_seqlens must be a 1-D int32/int64 tensor"),
+        ([0.0, 5, 12], TypeError, "cu_seqlens must hold ints"),
+        ([False, 5, 12], TypeError, "cu_seqlens must hold ints"),
+        (None, TypeError, "cu_seqlens must be a 1-D int tensor or a sequence of ints, got NoneType"),
+        (torch.tensor([0, 5, 12]).to("meta"), ValueError, "cu_seqlens is on the meta device"),
+        ([1, 5, 12], ValueError, "cu_seqlens must start at 0"),
+    ):
+        with pytest.raises(error, match=text):
+            ring_flash_attn_varlen_func(q, q, q, bad, layout=L)
