@@ -9,15 +9,19 @@ import torch.nn.functional as F
 from torch import nn
 
 from ._checks import MAX_HEAD_DIM, SUPPORTED_DTYPES, AttnDims, check_bool, key_bias_from_mask, resolve_scale
-from .comm import group_rank_world
+from .comm import agree_across_ranks, group_rank_world
 from .dense import dense_attention, gather_sequence, pair_bias
 from .dropout import agreed_seed
 from .layout import local_positions
 from .local import flash_attn_func, flash_attn_varlen_func
 from .merge import merge_attn_states, state_dtype
-from .ring import _ring_flash_attn
+from .ring import _FIELD_NAMES, _ring_flash_attn
 from .schedule import check_layout
 from .weights import attention_weights
+
+# what this module's ranks must also agree on, beside the ring call's own fields: what picks
+# the dense or the ring path and the collectives after the ring (RingMultiheadAttention._attention)
+_CALLER_FIELDS = ("attn_mask given", "need_weights", "add_bias_kv / add_zero_attn keys")
 
 
 class RingMultiheadAttention(nn.MultiheadAttention):
@@ -152,16 +156,23 @@ class RingMultiheadAttention(nn.MultiheadAttention):
         api = "RingMultiheadAttention"
         if any(getattr(t, "is_nested", False) for t in (query, key, value)):
             return self._nested(query, key, value, key_padding_mask, attn_mask, is_causal, api)
-        unbatched = not _batched(query, key, value, key_padding_mask, attn_mask, self.num_heads, api)
-        if unbatched:
-            query, key, value = (t.unsqueeze(1) for t in (query, key, value))  # (L, 1, E)
-            if key_padding_mask is not None:
-                key_padding_mask = key_padding_mask.unsqueeze(0)
-        if not self.batch_first or unbatched:  # (L, B, E) -> (B, L, E)
-            query, key, value = (t.transpose(0, 1) for t in (query, key, value))
-        if attn_mask is not None and is_causal:  # the causal mask as a hint: the fast path
-            _check_causal_hint(attn_mask, query.shape[1], api)
-            attn_mask = None
+        try:
+            unbatched = not _batched(query, key, value, key_padding_mask, attn_mask, self.num_heads, api)
+            if query.shape[-1] != self.embed_dim:  # torch's words (else F.linear's RuntimeError)
+                raise InputError(
+                    f"{api}: was expecting embedding dimension of {self.embed_dim}, but got {query.shape[-1]}"
+                )
+            if unbatched:
+                query, key, value = (t.unsqueeze(1) for t in (query, key, value))  # (L, 1, E)
+                if key_padding_mask is not None:
+                    key_padding_mask = key_padding_mask.unsqueeze(0)
+            if not self.batch_first or unbatched:  # (L, B, E) -> (B, L, E)
+                query, key, value = (t.transpose(0, 1) for t in (query, key, value))
+            if attn_mask is not None and is_causal:  # the causal mask as a hint: the fast path
+                _check_causal_hint(attn_mask, query.shape[1], api)
+                attn_mask = None
+        except (TypeError, ValueError) as error:
+            self._raise_together(error, query)
         out, weights = self._attention(query, key, value, key_padding_mask, attn_mask, is_causal, need_weights)
         if not self.batch_first or unbatched:
             out = out.transpose(0, 1)
@@ -179,15 +190,22 @@ class RingMultiheadAttention(nn.MultiheadAttention):
         api = "RingMultiheadAttention"
         B, L, E = query.shape
         H, hd = self.num_heads, self.head_dim
-        q, k, v = self._heads(query, key, value)
-        scale = resolve_scale(None, hd, api)
-        extra = self._extra_kv(B, q.dtype)
-        dropping = self.dropout > 0.0 and self.training
-        if self.head_group is not None and (attn_mask is not None or need_weights or extra is not None):
-            raise NotImplementedError(
-                f"{api}: with a head_group, attn_mask, need_weights=True, add_bias_kv and add_zero_attn are not "
-                "supported yet (pass need_weights=False)"
-            )
+        try:
+            q, k, v = self._heads(query, key, value)
+            scale = resolve_scale(None, hd, api)
+            extra = self._extra_kv(B, q.dtype)
+            dropping = self.dropout > 0.0 and self.training
+            if self.head_group is not None and (attn_mask is not None or need_weights or extra is not None):
+                raise NotImplementedError(
+                    f"{api}: with a head_group, attn_mask, need_weights=True, add_bias_kv and add_zero_attn are not "
+                    "supported yet (pass need_weights=False)"
+                )
+            # the mask's checks before the ranks agree: a bad mask on one rank raises on all
+            S = k.shape[1] * group_rank_world(self.group)[1]
+            acc = state_dtype(q.dtype)
+            mask_bias = None if attn_mask is None else pair_bias(attn_mask, B, H, L, S, q.device, acc, api)
+        except (TypeError, ValueError, NotImplementedError) as error:
+            self._raise_together(error, query)
         ring = dict(
             causal=is_causal, softmax_scale=None, window_size=(-1, -1), group=self.group, layout=self.layout,
             key_padding_mask=key_padding_mask, return_lse=True, grad_accum_dtype=self.grad_accum_dtype,
@@ -195,18 +213,19 @@ class RingMultiheadAttention(nn.MultiheadAttention):
             generator=None, deterministic=self.deterministic,
             # what picks the path below and the collectives after the ring, agreed in the ring's
             # one check before any rank goes its way (else ranks wait in different collectives)
-            caller_fields={
-                "attn_mask given": int(attn_mask is not None),
-                "need_weights": int(bool(need_weights)),
-                "add_bias_kv / add_zero_attn keys": 0 if extra is None else extra[0].shape[1],
-            },
+            caller_fields=dict(
+                zip(
+                    _CALLER_FIELDS,
+                    (int(attn_mask is not None), int(bool(need_weights)), 0 if extra is None else extra[0].shape[1]),
+                )
+            ),
         )  # fmt: skip
         # dropout runs in the kernels; the weights it drops (need_weights) and the extra keys'
         # dropped columns come from the dense path, which draws the same keep mask
         if attn_mask is not None or (dropping and (need_weights or extra is not None)):
             if group_rank_world(self.group)[1] > 1:  # one rank: nothing to agree on
                 _ring_flash_attn(q, k, v, **ring, agree_only=True)
-            o, weights = self._masked_attention(q, k, v, key_padding_mask, attn_mask, is_causal, extra, scale)
+            o, weights = self._masked_attention(q, k, v, key_padding_mask, mask_bias, is_causal, extra, scale)
             return self._out(o), (weights if need_weights else None)
         o, lse = _ring_flash_attn(q, k, v, **ring)
         if extra is not None:  # seen by every query: one more block, folded in with the lse merge
@@ -307,8 +326,21 @@ class RingMultiheadAttention(nn.MultiheadAttention):
             vs.append(ks[-1])
         return (torch.cat(ks, 1), torch.cat(vs, 1)) if ks else None
 
-    def _masked_attention(self, q, k, v, key_padding_mask, attn_mask, is_causal, extra, scale):
-        """The dense path: an arbitrary attn_mask, this rank's query rows over all keys in
+    def _raise_together(self, error, like) -> None:
+        """Raise `error`, found in this rank's own input before the ranks agree, on every rank:
+        on several ranks (eager, no head group) this rank first takes part in the one check
+        the other ranks' calls run (ring._ring_flash_attn's, with this module's fields), so
+        that they raise too rather than wait for it in a collective. like: the query (its
+        device carries the check)."""
+        if group_rank_world(self.group)[1] > 1 and self.head_group is None and not torch.compiler.is_compiling():
+            fields = dict.fromkeys(_FIELD_NAMES + _CALLER_FIELDS, 0)
+            device = getattr(like, "device", None)
+            agree_across_ranks(self.group, fields, error, "RingMultiheadAttention", device=device)
+        raise error
+
+    def _masked_attention(self, q, k, v, key_padding_mask, mask_bias, is_causal, extra, scale):
+        """The dense path: an arbitrary attn_mask (mask_bias: dense.pair_bias's bias of it, or
+        None), this rank's query rows over all keys in
         global order, (L_local, S) or (B * H, L_local, S), combined with key_padding_mask by
         adding both as biases, as torch does; or attention dropout in training (a keep mask
         of global query and key indices: ringflash.dropout). Exact, and materializes the
@@ -324,8 +356,8 @@ class RingMultiheadAttention(nn.MultiheadAttention):
             if world == 1 or L == 0
             else local_positions(L * world, group=self.group, layout=self.layout)
         )
-        if attn_mask is not None:
-            bias = pair_bias(attn_mask, B, H, L, S, q.device, acc, api)
+        if mask_bias is not None:
+            bias = mask_bias
         elif is_causal:
             if L * world != S:
                 raise ValueError(f"{api}: is_causal=True needs as many queries as keys, got {L * world} and {S}")

@@ -299,6 +299,19 @@ def _disagreeing_world2(rank, world):
         with pytest.raises(ValueError, match=rf"ranks of the group disagree \({field}: rank 0=\S+, rank 1="):
             ring(x, x, x, **kw)
     ring.eval()
+    # one rank's own input is invalid before the ranks agree (a mask of the wrong shape, a
+    # query of the wrong embedding size, a mask that is not the causal one given as the hint):
+    # it raises its error, the other rank quotes it
+    causal = torch.zeros(4, 4).masked_fill(torch.ones(4, 4, dtype=torch.bool).triu(1), float("-inf"))
+    bad_inputs = (
+        ("attn_mask must have shape", dict(attn_mask=torch.zeros(4, 8 + rank))),
+        ("embed", dict(query=torch.randn(4, 2, E + 2 * rank))),
+        ("not the causal mask", dict(attn_mask=torch.zeros(4, 4) if rank else causal, is_causal=True)),
+    )
+    for text, kw in bad_inputs:
+        args = {"query": x, "key": x, "value": x, **kw}
+        with pytest.raises((ValueError, AssertionError), match=text if rank == 1 else r"rank\(s\) \[1\] .*rejected"):
+            ring(**args)
     out, w = ring(x, x, x, attn_mask=torch.zeros(4, 8))  # the group still works
     assert out.shape == x.shape and w.shape == (2, 4, 8)
 
