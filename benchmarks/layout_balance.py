@@ -35,6 +35,9 @@ MASKS = {  # name: (causal, window_size)
     "win(100,0)": (True, (100, 0)),
     "win(31,31)": (False, (31, 31)),
     "win(-1,31)": (False, (-1, 31)),
+    # a 4K sliding window (Mistral's) over the wide mix: a window as long as half a document and
+    # as a rank's share, where window-long pieces are coarse
+    "win(4095,0)": (True, (4095, 0)),
 }
 
 
