@@ -78,6 +78,11 @@ def _collective_failure(group, api: str, error: Exception) -> RuntimeError:
     )
 
 
+# what a rank's own bad input raises (an unsupported combination included): agreed, so that
+# every rank raises it, where any other exception is a failure of its own
+INPUT_ERRORS = (TypeError, ValueError, NotImplementedError)
+
+
 def agree_across_ranks(group, fields: dict, local_error, api: str, device=None, show=None) -> None:
     """Make every rank of `group` fail together instead of hanging or computing garbage.
 
@@ -125,7 +130,7 @@ def validated_across_ranks(group, api: str, validate, field_names, *, device=Non
     result when every rank's validation passed with equal fields, else raises on every rank
     (agree_across_ranks). With one rank, validate()'s errors propagate as they are.
 
-    validate raises TypeError / ValueError for bad input; fields is a dict of ints with the
+    validate raises INPUT_ERRORS for bad input; fields is a dict of ints with the
     keys `field_names` (a rank whose validation failed contributes zeros)."""
     _, world = group_rank_world(group)
     if world == 1:
@@ -133,7 +138,7 @@ def validated_across_ranks(group, api: str, validate, field_names, *, device=Non
     try:
         fields, result = validate()
         error = None
-    except (TypeError, ValueError) as e:
+    except INPUT_ERRORS as e:
         fields, result, error = dict.fromkeys(field_names, 0), None, e
     agree_across_ranks(group, fields, error, api, device=device, show=show)
     return result
@@ -257,7 +262,7 @@ def _agree_stage(group, fields: dict, error, api: str, device, show):
         return error
     try:
         agree_across_ranks(group, fields, error, api, device=device, show=show)
-    except (TypeError, ValueError) as e:
+    except INPUT_ERRORS as e:
         return e
     return None
 
@@ -276,7 +281,7 @@ def validated_across_grid(group, head_group, api: str, validate, field_names, *,
     try:
         fields, result = validate()
         error = None
-    except (TypeError, ValueError) as e:
+    except INPUT_ERRORS as e:
         fields, result, error = dict.fromkeys(field_names, 0), None, e
     agree_across_grid(group, head_group, fields, error, api, device=device, show=show)
     return result

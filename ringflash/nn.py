@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ._checks import MAX_HEAD_DIM, SUPPORTED_DTYPES, AttnDims, check_bool, key_bias_from_mask, resolve_scale
-from .comm import agree_across_ranks, group_rank_world
+from .comm import INPUT_ERRORS, agree_across_grid, agree_across_ranks, group_rank_world, resolve_groups
 from .dense import dense_attention, gather_sequence, pair_bias
 from .dropout import agreed_seed
 from .layout import local_positions
@@ -171,7 +171,7 @@ class RingMultiheadAttention(nn.MultiheadAttention):
             if attn_mask is not None and is_causal:  # the causal mask as a hint: the fast path
                 _check_causal_hint(attn_mask, query.shape[1], api)
                 attn_mask = None
-        except (TypeError, ValueError) as error:
+        except INPUT_ERRORS as error:
             self._raise_together(error, query)
         out, weights = self._attention(query, key, value, key_padding_mask, attn_mask, is_causal, need_weights)
         if not self.batch_first or unbatched:
@@ -204,7 +204,7 @@ class RingMultiheadAttention(nn.MultiheadAttention):
             S = k.shape[1] * group_rank_world(self.group)[1]
             acc = state_dtype(q.dtype)
             mask_bias = None if attn_mask is None else pair_bias(attn_mask, B, H, L, S, q.device, acc, api)
-        except (TypeError, ValueError, NotImplementedError) as error:
+        except INPUT_ERRORS as error:
             self._raise_together(error, query)
         ring = dict(
             causal=is_causal, softmax_scale=None, window_size=(-1, -1), group=self.group, layout=self.layout,
@@ -328,14 +328,19 @@ class RingMultiheadAttention(nn.MultiheadAttention):
 
     def _raise_together(self, error, like) -> None:
         """Raise `error`, found in this rank's own input before the ranks agree, on every rank:
-        on several ranks (eager, no head group) this rank first takes part in the one check
-        the other ranks' calls run (ring._ring_flash_attn's, with this module's fields), so
-        that they raise too rather than wait for it in a collective. like: the query (its
-        device carries the check)."""
-        if group_rank_world(self.group)[1] > 1 and self.head_group is None and not torch.compiler.is_compiling():
-            fields = dict.fromkeys(_FIELD_NAMES + _CALLER_FIELDS, 0)
-            device = getattr(like, "device", None)
-            agree_across_ranks(self.group, fields, error, "RingMultiheadAttention", device=device)
+        on several ranks (eager) this rank first takes part in the one check the other ranks'
+        calls run (ring._ring_flash_attn's, with this module's fields; with a head group the
+        grid's, the call's fields alone), so that they raise too rather than wait for it in a
+        collective. like: the query (its device carries the check)."""
+        if not torch.compiler.is_compiling():
+            api, device = "RingMultiheadAttention", getattr(like, "device", None)
+            group, head_group = resolve_groups(self.group, self.head_group, api)
+            if head_group is not None:
+                fields = dict.fromkeys(_FIELD_NAMES, 0)
+                agree_across_grid(group, head_group, fields, error, api, device=device)
+            elif group_rank_world(group)[1] > 1:
+                fields = dict.fromkeys(_FIELD_NAMES + _CALLER_FIELDS, 0)
+                agree_across_ranks(group, fields, error, api, device=device)
         raise error
 
     def _masked_attention(self, q, k, v, key_padding_mask, mask_bias, is_causal, extra, scale):

@@ -247,6 +247,13 @@ def _module(rank, world):
     want, _ = ref(x, x, x, key_padding_mask=pad, attn_mask=causal, need_weights=False)
     got = unshard(out, group=group, head_group=head_group)
     assert (got - want).abs().max().item() < 1e-12
+    # need_weights=True (not supported with a head group) on rank 0 alone: rank 0 raises its
+    # NotImplementedError, the others quote it, none waits in the grid's agreement
+    error, text = (NotImplementedError, "need_weights=True") if rank == 0 else (ValueError, r"rank\(s\) \[0\]")
+    with pytest.raises(error, match=text):
+        ring(sh(x), sh(x), sh(x), is_causal=True, need_weights=rank == 0)
+    out_again, _ = ring(sh(x), sh(x), sh(x), key_padding_mask=sh(pad), is_causal=True, need_weights=False)
+    assert torch.equal(out_again, out)  # the grid still in step
 
 
 def test_module_with_head_group(worlds):
