@@ -88,10 +88,12 @@ class BalancedLayout:
     # made once by __post_init__, so that code traced by torch.compile reads them as constants
     code: str = field(init=False, repr=False, compare=False)
     _digest: int = field(init=False, repr=False, compare=False)
+    _local_lens: tuple = field(init=False, repr=False, compare=False)  # each rank's rows: every call asks
     _held: dict = field(default_factory=dict, init=False, repr=False, compare=False)  # step_plan's
 
     def __post_init__(self):
         self._check_pieces()
+        object.__setattr__(self, "_local_lens", tuple(sum(s.length for s in segs) for segs in self.pieces))
         window = [-1 if w is None else w for w in (self.window.left, self.window.right)]
         runs = [[[s.global_start, s.length, s.doc] for s in segs] for segs in self.pieces]
         code = CODE_PREFIX + json.dumps([list(self.cu_seqlens), self.world, window, runs], separators=(",", ":"))
@@ -139,21 +141,22 @@ class BalancedLayout:
     def total(self) -> int:
         return self.cu_seqlens[-1]
 
-    def _rank(self, rank, api: str) -> int:
-        """rank, checked: an int in [0, world) (not Python's negative indices)."""
-        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < self.world:
-            raise ValueError(f"BalancedLayout.{api}: rank must be in [0, {self.world}), got {rank!r}")
-        return rank
+    def _in_range(self, value, name: str, api: str) -> int:
+        """value (a rank or a ring step), checked: an int in [0, world) (not Python's negative
+        indices)."""
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < self.world:
+            raise ValueError(f"BalancedLayout.{api}: {name} must be in [0, {self.world}), got {value!r}")
+        return value
 
     def segments(self, rank: int) -> list[Segment]:
-        return list(self.pieces[self._rank(rank, "segments")])
+        return list(self.pieces[self._in_range(rank, "rank", "segments")])
 
     def local_len(self, rank: int) -> int:
-        return sum(s.length for s in self.pieces[self._rank(rank, "local_len")])
+        return self._local_lens[self._in_range(rank, "rank", "local_len")]
 
     @property
     def max_local_len(self) -> int:
-        return max(self.local_len(r) for r in range(self.world))
+        return max(self._local_lens)
 
     def block_len(self, rank: int, window: Window | None = None) -> int:
         """Rows of `rank`'s K/V block in a ring call under `window` (the call's mask; default the
@@ -174,7 +177,7 @@ class BalancedLayout:
 
     def positions(self, rank: int, device=None) -> torch.Tensor:
         """int64 (local_len(rank),): the global positions `rank` holds, in local order."""
-        segs = self.pieces[self._rank(rank, "positions")]
+        segs = self.pieces[self._in_range(rank, "rank", "positions")]
         if not segs:
             return torch.zeros(0, dtype=torch.long, device=device)
         return torch.cat([torch.arange(s.global_start, s.global_start + s.length, device=device) for s in segs])
@@ -200,9 +203,8 @@ class BalancedLayout:
     def work(self, rank: int, step: int) -> int:
         """Visible pairs `rank` computes at ring step `step` (it then holds the keys of rank
         (rank - step) mod world): the balance this layout is built for."""
-        self._rank(rank, "work")
-        if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step < self.world:
-            raise ValueError(f"BalancedLayout.work: step must be in [0, {self.world}), got {step!r}")
+        self._in_range(rank, "rank", "work")
+        self._in_range(step, "step", "work")
         return self._pairs_at(rank, (rank - step) % self.world, self.window)
 
     def _pairs_at(self, rank: int, src: int, window: Window) -> int:

@@ -31,6 +31,7 @@ from ._checks import (
 )
 from .balance import checked_cu_seqlens, named_layout
 from .comm import (
+    INPUT_ERRORS,
     check_backend_device,
     group_rank_world,
     is_mesh,
@@ -671,7 +672,7 @@ def ring_flash_attn_varlen_func(
         group, head_group = resolve_groups(group, head_group, api)
     try:
         layout, cu_seqlens = _packed_layout(layout, cu_seqlens, causal, window_size, group, head_group, api)
-    except (TypeError, ValueError) as error:
+    except INPUT_ERRORS as error:
         if torch.compiler.is_compiling():
             raise
         layout = _LayoutError(error)
