@@ -100,10 +100,11 @@ def _place(pieces, layout, dim=1):
 
 def local_positions(seq_len, *, group=None, layout="zigzag", device=None, head_group=None):
     """The global token indices this rank holds, in local order: int64 tensor (seq_len / P,),
-    P = R x U with a head_group. Use it for RoPE and position embeddings of the local shard."""
+    P = R x U with a head_group. Use it for RoPE and position embeddings of the local shard.
+    seq_len 0 gives an empty tensor, as shard() gives an empty sequence empty shards."""
     api = "local_positions"
-    if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1:
-        raise ValueError(f"{api}: seq_len must be a positive int, got {seq_len!r}")
+    if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 0:
+        raise ValueError(f"{api}: seq_len must be a non-negative int, got {seq_len!r}")
     check_layout(layout, api)
     group, head_group = resolve_groups(group, head_group, api)
     rank, world = group_rank_world(group)

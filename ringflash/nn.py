@@ -355,12 +355,8 @@ class RingMultiheadAttention(nn.MultiheadAttention):
         _, world = group_rank_world(self.group)
         acc = state_dtype(q.dtype)
         S = k.shape[1] * world
-        # an empty shard holds no positions (local_positions takes lengths >= 1)
-        q_idx = (
-            torch.arange(L)
-            if world == 1 or L == 0
-            else local_positions(L * world, group=self.group, layout=self.layout)
-        )
+        # one rank: every layout is the identity (and L need not divide into its chunks)
+        q_idx = torch.arange(L) if world == 1 else local_positions(L * world, group=self.group, layout=self.layout)
         if mask_bias is not None:
             bias = mask_bias
         elif is_causal:

@@ -37,12 +37,7 @@ def attention_weights(q, k, lse, *, scale, causal=False, key_bias=None, group=No
         k = gather_sequence(k, group=group, layout=layout)
         if key_bias is not None:
             key_bias = gather_sequence(key_bias, group=group, layout=layout)
-        # an empty shard holds no positions (local_positions takes lengths >= 1)
-        q_pos = (
-            local_positions(Sq * world, group=group, layout=layout, device=q.device)
-            if Sq
-            else torch.zeros(0, dtype=torch.long, device=q.device)
-        )
+        q_pos = local_positions(Sq * world, group=group, layout=layout, device=q.device)
     else:
         q_pos = torch.arange(Sq, device=q.device) + local_offsets(Sq, k.shape[1])[0]
     S, Hkv = k.shape[1], k.shape[2]

@@ -66,6 +66,17 @@ def test_layouts_partition_the_sequence(layout, world):
     assert torch.equal(_place(_split(x, world, layout), layout), x)
 
 
+def test_empty_sequence_has_no_positions():
+    # shard() gives an empty sequence empty shards, and shard(x) == x[:, local_positions(...)]
+    x = torch.zeros(2, 0)
+    for layout in ("zigzag", "contiguous"):
+        pos = local_positions(0, layout=layout)
+        assert pos.dtype == torch.int64 and pos.shape == (0,)
+        assert torch.equal(shard(x, layout=layout), x[:, pos])
+    with pytest.raises(ValueError, match="seq_len must be a non-negative int, got -1"):
+        local_positions(-1)
+
+
 def test_layout_errors_say_what_divides():
     with pytest.raises(ValueError, match=r"multiple of 2 \(e.g. 10 or 12\)"):
         local_positions(11)  # zigzag on one rank: 2 chunks
