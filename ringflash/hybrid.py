@@ -213,12 +213,13 @@ def _validated(group, head_group, api: str, validate, device):
     (comm.validated_across_grid), agree empty. Traced by torch.compile: this rank's checks run
     now and the grid agreement inside the operator when it runs (dynamo cannot trace a
     collective whose result decides), agree this rank's signature."""
-    from .ring import _FIELD_NAMES, _show_field
+    from .ring import _agreed_names, _show_field
 
     if torch.compiler.is_compiling():
         fields, result = validate()
         return result, list(fields.values())
-    result = validated_across_grid(group, head_group, api, validate, _FIELD_NAMES, device=device, show=_show_field)
+    names = _agreed_names(head_group=head_group)
+    result = validated_across_grid(group, head_group, api, validate, names, device=device, show=_show_field)
     warn_placement(group, head_group)
     return result, []
 

@@ -15,7 +15,7 @@ from .dropout import agreed_seed
 from .layout import local_positions
 from .local import flash_attn_func, flash_attn_varlen_func
 from .merge import merge_attn_states, state_dtype
-from .ring import _FIELD_NAMES, _ring_flash_attn
+from .ring import _agreed_names, _ring_flash_attn
 from .schedule import check_layout
 from .weights import attention_weights
 
@@ -335,11 +335,10 @@ class RingMultiheadAttention(nn.MultiheadAttention):
         if not torch.compiler.is_compiling():
             api, device = "RingMultiheadAttention", getattr(like, "device", None)
             group, head_group = resolve_groups(self.group, self.head_group, api)
+            fields = dict.fromkeys(_agreed_names(_CALLER_FIELDS, head_group), 0)
             if head_group is not None:
-                fields = dict.fromkeys(_FIELD_NAMES, 0)
                 agree_across_grid(group, head_group, fields, error, api, device=device)
             elif group_rank_world(group)[1] > 1:
-                fields = dict.fromkeys(_FIELD_NAMES + _CALLER_FIELDS, 0)
                 agree_across_ranks(group, fields, error, api, device=device)
         raise error
 

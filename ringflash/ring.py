@@ -344,6 +344,14 @@ def _signature(q, k, v, spec: RingSpec, has_mask: bool, dropout_p: float = 0.0) 
     return dict(zip(_FIELD_NAMES, values))
 
 
+def _agreed_names(caller_fields=(), head_group=None) -> tuple:
+    """The names of the ints that the ranks of a ring call agree on (eager), in the order sent:
+    the call's own, then caller_fields' (_ring_flash_attn's; a head group's grid agrees the
+    call's own alone). A rank that fails before its call sends zeros under these names
+    (RingMultiheadAttention._raise_together): a different set would not match the others' rows."""
+    return _FIELD_NAMES if head_group is not None else _FIELD_NAMES + tuple(caller_fields)
+
+
 def _show_field(name, value):
     if name in ("dtype", "grad_accum_dtype"):
         return str(SUPPORTED_DTYPES[value])
@@ -532,7 +540,7 @@ def _ring_flash_attn(
         agree = [fields[name] for name in _FIELD_NAMES] if world > 1 else []
     else:
         # every rank fails together, or all agree: never a hang, never a mixed-up ring
-        names = _FIELD_NAMES + tuple(caller_fields or ())
+        names = _agreed_names(caller_fields or ())
         spec, key_bias, p = validated_across_ranks(
             group, api, validate, names, device=getattr(q, "device", None), show=_show_field
         )
@@ -708,7 +716,7 @@ def ring_flash_attn_varlen_func(
         cu_check = cu_seqlens if isinstance(cu_seqlens, torch.Tensor) else None
     else:
         spec, p = validated_across_ranks(
-            group, api, validate, _FIELD_NAMES, device=getattr(q, "device", None), show=_show_field
+            group, api, validate, _agreed_names(), device=getattr(q, "device", None), show=_show_field
         )
         warn_placement(group)
         agree, cu_check = [], None
