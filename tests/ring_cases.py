@@ -1,8 +1,12 @@
-"""Shared by the ring tests: full inputs, one ring call's case, and the check of a ring call
-against the float64 oracle (run on every rank of a world)."""
+"""Shared by the ring tests: full inputs, one ring call's case, the check of a ring call
+against the float64 oracle (run on every rank of a world), and the fields a call's ranks agree on."""
 
+import contextlib
+import inspect
 from dataclasses import dataclass
+from unittest import mock
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -114,3 +118,30 @@ def ring_vs_oracle(rank, world, case: Case, group=None):
     # reassembled on every rank
     assert max_err(unshard(out, group=group, layout=case.layout), ref) < case.tol
     assert max_err(unshard(grads[1], group=group, layout=case.layout), ref_grads[1]) < case.tol
+
+
+class _Stopped(Exception):
+    pass
+
+
+def sent_field_names(call, name="agree_across_ranks"):
+    """The field names that call() hands to the agreement comm.<name> (agree_across_ranks or
+    agree_across_grid), from ringflash.comm or ringflash.nn. A stand-in takes the agreement's
+    place and ends the call there, so no rank enters a collective."""
+    import ringflash.comm
+    import ringflash.nn
+
+    sent = []
+    signature = inspect.signature(getattr(ringflash.comm, name))
+
+    def stand_in(*args, **kwargs):
+        sent.append(tuple(signature.bind(*args, **kwargs).arguments["fields"]))
+        raise _Stopped
+
+    with contextlib.ExitStack() as stack:
+        for module in (ringflash.comm, ringflash.nn):
+            stack.enter_context(mock.patch.object(module, name, stand_in))
+        with pytest.raises(_Stopped):
+            call()
+    assert len(sent) == 1, sent
+    return sent[0]

@@ -13,7 +13,7 @@ from ringflash.hybrid import head_plan
 
 from hybrid_cases import grid, hybrid_precision, hybrid_varlen_vs_oracle, hybrid_vs_oracle
 from oracle import dropout_factors, reference
-from ring_cases import TORCH, full_inputs
+from ring_cases import TORCH, full_inputs, sent_field_names
 
 # (R, U) grids on 4 processes; heads chosen so both GQA cases occur: Hkv >= U (Hkv / U per
 # rank) and Hkv < U (the needed kv head replicated, gradients summed back)
@@ -247,6 +247,10 @@ def _module(rank, world):
     want, _ = ref(x, x, x, key_padding_mask=pad, attn_mask=causal, need_weights=False)
     got = unshard(out, group=group, head_group=head_group)
     assert (got - want).abs().max().item() < 1e-12
+    # a rank whose input fails before the call sends the fields that the other ranks' calls send
+    xs = sh(x)
+    early = sent_field_names(lambda: ring(xs, xs, xs, need_weights=True), "agree_across_grid")
+    assert early == sent_field_names(lambda: ring(xs, xs, xs, need_weights=False), "agree_across_grid")
     # need_weights=True (not supported with a head group) on rank 0 alone: rank 0 raises its
     # NotImplementedError, the others quote it, none waits in the grid's agreement
     error, text = (NotImplementedError, "need_weights=True") if rank == 0 else (ValueError, r"rank\(s\) \[0\]")

@@ -10,7 +10,7 @@ from torch import nn
 from ringflash import shard, unshard
 from ringflash.nn import RingMultiheadAttention
 
-from ring_cases import TORCH
+from ring_cases import TORCH, sent_field_names
 
 E, H = 64, 4
 
@@ -289,6 +289,10 @@ def test_empty_shards_world2(worlds):
 def _disagreeing_world2(rank, world):
     ring = RingMultiheadAttention(E, H, dropout=0.5).eval()
     x = torch.randn(4, 2, E)
+    # a rank whose input fails before the ring call sends the fields that the other ranks' ring
+    # calls send (else their rows differ in length: checked first, before any rank waits on it)
+    early = sent_field_names(lambda: ring(x, x, x, attn_mask=torch.zeros(4, 9)))
+    assert early == sent_field_names(lambda: ring(x, x, x)) and "need_weights" in early
     cases = (  # one rank takes the dense path, the other the ring; or only one computes weights
         ("attn_mask given", dict(attn_mask=torch.zeros(4, 8)) if rank == 0 else {}),
         ("need_weights", dict(need_weights=rank == 0)),
