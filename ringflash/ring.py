@@ -303,8 +303,8 @@ _FIELD_NAMES = (
     "head_dim",
     "v head_dim",
     "dtype",
-    "window left",
-    "window right",
+    "window_size left",
+    "causal / window_size right",  # causal=True is a window whose right side is 0
     "layout",
     "softmax_scale",
     "device type",
@@ -361,6 +361,8 @@ def _show_field(name, value):
         return repr(struct.unpack("<d", struct.pack("<q", value))[0])
     if name == "grad_chunks" and value == -1:
         return "None"
+    if name == "causal / window_size right" and value in (-1, 0):
+        return f"{value} ({'causal' if value == 0 else 'not causal'})"
     return str(value)
 
 

@@ -216,10 +216,13 @@ def _mismatch(rank, world):
         window=(q[:, :4], k[:, :4], v[:, :4], {"window_size": (2, 1 + rank)}),
         v_head_dim=(q[:, :4], k[:, :4], v[:, :4, :, : 16 - 8 * rank], {}),
     )
+    named = {  # the message names what was passed (causal is a window whose right side is 0)
+        "v_head_dim": r"disagree \(v head_dim: rank 0=16, rank 1=8",
+        "causal": r"disagree \(causal / window_size right: rank 0=-1 \(not causal\), rank 1=0 \(causal\)\)",
+        "window": r"disagree \(causal / window_size right: rank 0=1, rank 1=2\)",
+    }
     for name, (a, b, c, kw) in bad.items():
-        with pytest.raises(
-            ValueError, match=r"disagree \(v head_dim: rank 0=16, rank 1=8" if name == "v_head_dim" else "disagree"
-        ):
+        with pytest.raises(ValueError, match=named.get(name, "disagree")):
             ring_flash_attn_func(a, b, c, **kw)
     # one rank's own input is invalid: it raises its error, the other quotes it
     pattern = "head_dim 264" if rank == 1 else r"rank\(s\) \[1\] .*rejected their inputs \(rank 1: .*head_dim 264"

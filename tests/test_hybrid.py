@@ -149,7 +149,7 @@ def _errors(rank, world):
     q6, k6 = torch.randn(1, 6, 4, 16), torch.randn(1, 6, 2, 16)
     _expect_raise(call(q6 if rank == 0 else q, k6 if rank == 0 else k), r"q local length: rank 0=6")
     # the causal flag on one rank
-    _expect_raise(call(q, k, causal=rank == 2), r"window right: rank 0=0")
+    _expect_raise(call(q, k, causal=rank == 2), r"causal / window_size right: rank 0=0 \(causal\)")
     # the same group given as ring and heads: its ranks sit at different ring positions
     _expect_raise(call(q, k, head_group=group), r"rank in group: rank 0=0, rank 1=1")
     # U differing between ring positions: ranks 0, 1 in one head group, ranks 2, 3 alone
