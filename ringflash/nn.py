@@ -210,7 +210,7 @@ class RingMultiheadAttention(nn.MultiheadAttention):
             causal=is_causal, softmax_scale=None, window_size=(-1, -1), group=self.group, layout=self.layout,
             key_padding_mask=key_padding_mask, return_lse=True, grad_accum_dtype=self.grad_accum_dtype,
             grad_chunks=None, head_group=self.head_group, dropout_p=float(self.dropout) if dropping else 0.0,
-            generator=None, deterministic=self.deterministic,
+            generator=None, deterministic=self.deterministic, api=api,
             # what picks the path below and the collectives after the ring, agreed in the ring's
             # one check before any rank goes its way (else ranks wait in different collectives)
             caller_fields=dict(

@@ -482,12 +482,13 @@ def ring_flash_attn_func(
 def _ring_flash_attn(
     q, k, v, *, causal, softmax_scale, window_size, group, layout, key_padding_mask, return_lse, grad_accum_dtype,
     grad_chunks, head_group, dropout_p, generator, deterministic, caller_fields=None, agree_only=False,
+    api="ring_flash_attn_func",
 ):  # fmt: skip
     """ring_flash_attn_func. caller_fields: more ints (name -> value) that every rank must agree
     on in the same check, for a caller whose ranks choose between paths before any collective
     (RingMultiheadAttention); not with a head_group, and compiled only the call's own fields
-    are agreed. agree_only: return None after the check (the caller runs another path)."""
-    api = "ring_flash_attn_func"
+    are agreed. agree_only: return None after the check (the caller runs another path).
+    api: the name its errors start with (the caller's: a module's)."""
     if head_group is not None or is_mesh(group):
         group, head_group = resolve_groups(group, head_group, api)
         if head_group is not None:

@@ -297,10 +297,13 @@ def _disagreeing_world2(rank, world):
         ("attn_mask given", dict(attn_mask=torch.zeros(4, 8)) if rank == 0 else {}),
         ("need_weights", dict(need_weights=rank == 0)),
         ("dropout_p", dict(need_weights=True)),  # in training mode on rank 0 only
+        ("causal / window_size right", dict(need_weights=False, is_causal=rank == 0)),
     )
     for field, kw in cases:
         ring.train(field == "dropout_p" and rank == 0)
-        with pytest.raises(ValueError, match=rf"ranks of the group disagree \({field}: rank 0=\S+, rank 1="):
+        # the error names the module the caller called, and what differs
+        pattern = rf"^RingMultiheadAttention: ranks of the group disagree \({field}: rank 0=\S+"
+        with pytest.raises(ValueError, match=pattern):
             ring(x, x, x, **kw)
     ring.eval()
     # one rank's own input is invalid before the ranks agree (a mask of the wrong shape, a
