@@ -68,10 +68,12 @@ class RingMultiheadAttention(nn.MultiheadAttention):
     dropout > 0 in training mode: attention dropout whose keep mask is a pure function of
     (seed, batch, head, global query index, global key index) (ringflash.dropout), so one
     device and any number of ranks and layouts drop exactly the same pairs; the seed is
-    drawn from torch's default generator of the device per call (rank 0's is used by all),
-    so torch.manual_seed reproduces a run. It runs on the exact dense path (as an arbitrary
-    attn_mask: B x num_heads x L_local x S memory, all keys gathered); the weights returned
-    are the dropped ones, as torch's. Nested tensors, jagged or strided (batch_first, one rank,
+    drawn from torch's default CPU generator per call (rank 0's is used by all), so
+    torch.manual_seed reproduces a run. With need_weights=False it runs in the kernels
+    (ring_flash_attn_func's dropout_p); with need_weights=True, or add_bias_kv / add_zero_attn,
+    on the exact dense path (as an arbitrary attn_mask: B x num_heads x L_local x S memory, all
+    keys gathered), which draws the same keep mask; the weights returned are the dropped ones,
+    as torch's. Nested tensors, jagged or strided (batch_first, one rank,
     no masks): the sequences run as packed documents (flash_attn_varlen_func); weights are not
     returned.
     Not supported (NotImplementedError naming the argument): nested tensors on the ring; TorchScript
