@@ -497,8 +497,10 @@ def _polished(per_rank, world: int, window: Window) -> list[list[Segment]]:
     documents on such ranks moved to the rank least busy at step 0, or cut in two (at 1/2,
     1/3, 2/3) onto two neighbouring ranks; it takes the move that lowers the ring's compute
     time (the sum over steps of the busiest rank's pairs) most, ties broken by the sum of
-    squares of the loads (evener), up to POLISH_MOVES moves. A move that would give work to a
-    ring step that had none is never taken: no hop is added (pure and deterministic)."""
+    squares of the loads (evener), up to POLISH_MOVES moves. Each ring step with work is priced
+    at BALANCE_SLACK of an even split besides its pairs, so a move that gives work to a step
+    that had none (a hop of K/V where none travelled) is taken only where it saves more than
+    that (pure and deterministic)."""
     m = max(window.left, window.right, 1)
     docs: dict[int, list[tuple[int, int, int]]] = {}
     for r, segs in enumerate(per_rank):
@@ -507,11 +509,18 @@ def _polished(per_rank, world: int, window: Window) -> list[list[Segment]]:
     for runs in docs.values():
         runs.sort()
     work = {d: _runs_work(runs, world, window) for d, runs in docs.items()}
-    steps = sorted({s for w in work.values() for s, row in w.items() if any(row)} | {0})
+    steps = sorted({0, 1 % world, (world - 1) % world})  # where neighbouring pieces put work
     load = [[sum(work[d].get(s, [0] * world)[r] for d in docs) for r in range(world)] for s in steps]
+    even = sum(map(sum, load)) / world  # the ring's compute time split evenly
+    # a ring step costs a hop of K/V (mostly hidden behind the step before it) and a kernel
+    # call per rank: priced as the slack a whole document may leave (BALANCE_SLACK)
+    price = BALANCE_SLACK * even
+
+    def time(rows):
+        return sum(max(row) for row in rows)
 
     def score(rows):
-        return sum(max(row) for row in rows), sum(x * x for row in rows for x in row)
+        return time(rows) + price * sum(map(any, rows)), sum(x * x for row in rows for x in row)
 
     def moves(d, runs, busiest):
         if len(runs) == 1:
@@ -536,11 +545,10 @@ def _polished(per_rank, world: int, window: Window) -> list[list[Segment]]:
                         yield new
 
     best_score = score(load)
-    even = sum(map(sum, load)) / world  # the ring's compute time split evenly
     for _ in range(POLISH_MOVES):
-        if best_score[0] <= even * (1 + BALANCE_SLACK):
+        if time(load) <= even * (1 + BALANCE_SLACK):
             break
-        busiest = {r for row in load for r in range(world) if row[r] == max(row)}
+        busiest = {r for row in load if any(row) for r in range(world) if row[r] == max(row)}
         whole = sorted((d for d, runs in docs.items() if len(runs) == 1 and runs[0][2] in busiest),
                        key=lambda d: (-sum(work[d][0]), d))[:POLISH_WHOLE]  # fmt: skip
         best = None
@@ -549,7 +557,7 @@ def _polished(per_rank, world: int, window: Window) -> list[list[Segment]]:
             for new in moves(d, docs[d], busiest):
                 w = _runs_work(new, world, window)
                 if any(s not in steps and any(row) for s, row in w.items()):
-                    continue  # it would add a ring step
+                    continue  # a query would reach past its neighbour's piece
                 rows = [[x - y + z for x, y, z in zip(load[i], work[d].get(s, [0] * world), w.get(s, [0] * world))]
                         for i, s in enumerate(steps)]  # fmt: skip
                 sc = score(rows)

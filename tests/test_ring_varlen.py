@@ -90,11 +90,21 @@ def _compute_time(L):
     return sum(max(L.work(r, s) for r in range(L.world)) for s in range(L.world))
 
 
+def _priced_time(L):
+    """_compute_time plus BALANCE_SLACK of an even split for every ring step with work: what
+    the polish (balance._polished) lowers."""
+    P = L.world
+    work = [[L.work(r, s) for r in range(P)] for s in range(P)]
+    even = sum(map(sum, work)) / P
+    return _compute_time(L) + balance.BALANCE_SLACK * even * sum(map(any, work))
+
+
 def _check_polished(L, dealt, seed):
     """A polished bounded-window layout: every token once, each rank's pieces in order, pieces
     of at least m tokens but for a document's first and last (nothing lies beyond them, so a
-    query still reaches at most a neighbour's piece), work only at the steps the deal has (no
-    hop added), and a compute time no longer than the deal's."""
+    query still reaches at most a neighbour's piece: work only at steps 0, 1 and P - 1), and a
+    compute time no longer than the deal's, each step with work priced in (a step added must
+    save more than its price)."""
     P, window = L.world, L.window
     held = torch.cat([L.positions(r) for r in range(P)])
     assert torch.equal(held.sort().values, torch.arange(L.total))
@@ -107,9 +117,8 @@ def _check_polished(L, dealt, seed):
         lengths = [s.length for s in sorted(segs, key=lambda s: s.global_start)]
         assert all(n >= m for n in lengths[1:-1]), (seed, d, lengths)
     busy = {s for s in range(P) if any(L.work(r, s) for r in range(P))}
-    assert busy <= {s for s in range(P) if any(dealt.work(r, s) for r in range(P))}, seed
-    assert L.hops <= dealt.hops, seed
-    assert _compute_time(L) <= _compute_time(dealt), seed
+    assert busy <= {0, 1 % P, P - 1}, seed
+    assert _priced_time(L) <= _priced_time(dealt), seed
 
 
 @pytest.mark.parametrize("causal,window_size,world,before,after", [
@@ -138,7 +147,7 @@ def test_polish_evens_a_bounded_window(causal, window_size, world, before, after
         even = sum(L.work(r, s) for r in range(world) for s in range(world)) / world
         worst["dealt"] = max(worst["dealt"], _compute_time(dealt) / even)
         worst["polished"] = max(worst["polished"], _compute_time(L) / even)
-        assert L.hops == dealt.hops
+        assert _priced_time(L) <= _priced_time(dealt)
     assert worst["dealt"] >= before and worst["polished"] <= after, worst
 
 
@@ -368,6 +377,26 @@ def test_cut_documents_turn_the_ring(world, monkeypatch):
             excess[name].append(max(programs) * world / sum(programs) - 1)
         monkeypatch.setattr(balance, "_cut", cut)
     assert sum(excess["turned"]) <= 0.5 * sum(excess["unturned"]), excess
+
+
+def test_polish_adds_a_hop_only_where_it_saves_more_than_its_price():
+    """A 150-token document under a window of 100 (too short for two 100-token pieces) stays
+    whole in the deal: one rank does 10100 of 10310 pairs and no K/V travels. Cut in two
+    (the first and last pieces are free), step 0 is even and step 1 carries the neighbour
+    pairs: 7305 pairs of compute time, a hop well worth its price. Where the deal is within
+    BALANCE_SLACK already (128K tokens of long-tailed documents over 2 ranks, a 4K window,
+    nothing cut), no hop is added."""
+    with mock.patch.object(balance, "POLISH_MOVES", 0):
+        dealt = balanced_layout([0, 150, 170], 2, window_size=(100, 0))
+    L = balanced_layout([0, 150, 170], 2, window_size=(100, 0))
+    assert dealt.hops == 1 and _compute_time(dealt) == 10100
+    assert L.hops == 2 and _compute_time(L) == 7305, L
+    from benchmarks.layout_balance import cu_of
+    from benchmarks.packed import document_lengths
+
+    for seed in range(3):
+        cu = cu_of(document_lengths("longtail", 131072, seed))
+        assert balanced_layout(cu, 2, window_size=(4095, 0)).hops == 1, seed
 
 
 def test_a_window_wider_than_its_documents_balances_as_causal():
