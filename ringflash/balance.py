@@ -508,9 +508,9 @@ def _polished(per_rank, world: int, window: Window) -> list[list[Segment]]:
             docs.setdefault(s.doc, []).append((s.global_start, s.global_start + s.length, r))
     for runs in docs.values():
         runs.sort()
-    work = {d: _runs_work(runs, world, window) for d, runs in docs.items()}
+    work = [_runs_work(runs, world, window) for runs in docs.values()]
     steps = sorted({0, 1 % world, (world - 1) % world})  # where neighbouring pieces put work
-    load = [[sum(work[d].get(s, [0] * world)[r] for d in docs) for r in range(world)] for s in steps]
+    load = [[sum(w.get(s, [0] * world)[r] for w in work) for r in range(world)] for s in steps]
     even = sum(map(sum, load)) / world  # the ring's compute time split evenly
     # a ring step costs a hop of K/V (mostly hidden behind the step before it) and a kernel
     # call per rank: priced as the slack a whole document may leave (BALANCE_SLACK)
@@ -522,27 +522,45 @@ def _polished(per_rank, world: int, window: Window) -> list[list[Segment]]:
     def score(rows):
         return time(rows) + price * sum(map(any, rows)), sum(x * x for row in rows for x in row)
 
-    def moves(d, runs, busiest):
+    def scored(change):
+        """score(rows) after the change (step -> each rank's change), from the current one."""
+        spent, squares = best_score
+        for i, s in enumerate(steps):
+            if s in change:
+                row = [x + y for x, y in zip(load[i], change[s])]
+                spent += max(row) - max(load[i]) + price * (any(row) - any(load[i]))
+                squares += sum(y * (2 * x + y) for x, y in zip(load[i], change[s]) if y)
+        return spent, squares
+
+    def moves(runs, busiest):
+        """(lo, hi, near, change): runs[lo:hi] replaced by `near` changes the document's
+        work by `change` (step -> per rank)."""
         if len(runs) == 1:
             a, b, r = runs[0]
             spare = min(range(world), key=lambda q: (load[0][q], q))
-            if spare != r:
-                yield [(a, b, spare)]
+            cands = [[(a, b, spare)]] if spare != r else []
             for c in sorted({a + (b - a) // 2, a + (b - a) // 3, b - (b - a) // 3} - {a, b}):
                 # one part stays on its rank or goes to the least busy one, the other next to it
                 for q in sorted({(r - 1) % world, r, (spare - 1) % world, spare}):
-                    yield [(a, c, q), (c, b, (q + 1) % world)]
+                    cands.append([(a, c, q), (c, b, (q + 1) % world)])
+            for new in cands:
+                yield 0, 1, new, _work_change(runs, new, world, window)
             return
         for i in range(len(runs) - 1):
             (a, c, r), (_, b, q) = runs[i], runs[i + 1]
             if r not in busiest and q not in busiest:
                 continue
+            # the runs whose pairs can change: these two and one on each side (a query reaches
+            # no further than a neighbour's piece, before the move and after)
+            lo, hi = max(0, i - 1), i + 3
             for k in range(0, (b - a).bit_length(), 2):
                 for c2 in (c - (1 << k), c + (1 << k)):
-                    new = [*runs[:i], (a, c2, r), (c2, b, q), *runs[i + 2 :]]
-                    new = [run for run in new if run[1] > run[0]]
-                    if a <= c2 <= b and all(y - x >= m for x, y, _ in new[1:-1]):
-                        yield new
+                    if not a <= c2 <= b:
+                        continue
+                    near = [run for run in (*runs[lo:i], (a, c2, r), (c2, b, q), *runs[i + 2 : hi]) if run[1] > run[0]]
+                    last = len(runs) - (hi - lo) + len(near) - 1  # the document's last run after it
+                    if all(y - x >= m for j, (x, y, _) in enumerate(near, lo) if 0 < j < last):
+                        yield lo, hi, near, _work_change(runs[lo:hi], near, world, window)
 
     best_score = score(load)
     for _ in range(POLISH_MOVES):
@@ -550,27 +568,35 @@ def _polished(per_rank, world: int, window: Window) -> list[list[Segment]]:
             break
         busiest = {r for row in load if any(row) for r in range(world) if row[r] == max(row)}
         whole = sorted((d for d, runs in docs.items() if len(runs) == 1 and runs[0][2] in busiest),
-                       key=lambda d: (-sum(work[d][0]), d))[:POLISH_WHOLE]  # fmt: skip
+                       key=lambda d: (-(docs[d][0][1] - docs[d][0][0]), d))[:POLISH_WHOLE]  # fmt: skip
         best = None
         cut = {d for d, runs in docs.items() if len(runs) > 1 and busiest & {r for *_, r in runs}}
         for d in sorted(cut | set(whole)):
-            for new in moves(d, docs[d], busiest):
-                w = _runs_work(new, world, window)
-                if any(s not in steps and any(row) for s, row in w.items()):
+            for lo, hi, near, change in moves(docs[d], busiest):
+                if any(s not in steps and any(row) for s, row in change.items()):
                     continue  # a query would reach past its neighbour's piece
-                rows = [[x - y + z for x, y, z in zip(load[i], work[d].get(s, [0] * world), w.get(s, [0] * world))]
-                        for i, s in enumerate(steps)]  # fmt: skip
-                sc = score(rows)
+                sc = scored(change)
                 if sc < best_score and (best is None or sc < best[0]):
-                    best = (sc, d, new, w, rows)
+                    best = (sc, d, lo, hi, near, change)
         if best is None:
             break
-        best_score, d, docs[d], work[d], load = best
+        best_score, d, lo, hi, near, change = best
+        docs[d] = [*docs[d][:lo], *near, *docs[d][hi:]]
+        load = [[x + y for x, y in zip(load[i], change.get(s, [0] * world))] for i, s in enumerate(steps)]
     polished: list[list[Segment]] = [[] for _ in range(world)]
     for d, runs in docs.items():
         for a, b, r in runs:
             polished[r].append(Segment(0, a, b - a, d))
     return polished
+
+
+def _work_change(old, new, world: int, window: Window) -> dict[int, list[int]]:
+    """Ring step -> each rank's change in visible pairs when a document's runs `old` become
+    `new` (both runs (a, b, rank) of one document, or the same stretch of it)."""
+    change = _runs_work(new, world, window)
+    for step, row in _runs_work(old, world, window).items():
+        change[step] = [x - y for x, y in zip(change.get(step, [0] * world), row)]
+    return change
 
 
 def checked_cu_seqlens(cu_seqlens, api: str, read=None) -> list[int]:
