@@ -14,7 +14,11 @@ computes at ring step s, and reports, worst over the mixes:
 and L.hops (the ring steps run; 1: no K/V travels), min-max over the mixes and summed, so two
 versions can be compared layout by layout (--json keeps every layout's figures).
 Mixes (random.Random(seed)): tail: 40 lengths log-uniform in [1, 400] plus 0, 1 and 2000
-tokens; wide: lengths log-uniform in [16, 8192] until 32768 tokens (the last one cut to fit).
+tokens; wide: lengths log-uniform in [16, 8192] until 32768 tokens (the last one cut to fit);
+long (only with --families long): benchmarks.packed's long tail, 128-32768 tokens until 131072
+(numpy default_rng(seed)), the packed ring benchmarks' rows:
+
+    python -m benchmarks.layout_balance --families long --masks "win(4095,0)" --worlds 4 8 --mixes 5
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import time
 from pathlib import Path
 
 from benchmarks.common import add_align_args, cuts_aligned, write_json
+from benchmarks.packed import document_lengths
 from ringflash import balanced_layout
 
 MASKS = {  # name: (causal, window_size)
@@ -42,6 +47,8 @@ MASKS = {  # name: (causal, window_size)
 
 
 def mix(family: str, seed: int) -> list[int]:
+    if family == "long":
+        return document_lengths("longtail", 131072, seed)
     rng = random.Random(seed)
     if family == "tail":
         return [int(400 ** rng.random()) for _ in range(40)] + [0, 1, 2000]
@@ -80,7 +87,7 @@ def table(args) -> list[dict]:
         causal, window_size = MASKS[name]
         for world in args.worlds:
             runs = []
-            for family in ("tail", "wide"):
+            for family in args.families:
                 for seed in range(args.mixes):
                     with cuts_aligned(args.align, args.align_min_piece):
                         L = balanced_layout(cu_of(mix(family, seed)), world, causal=causal, window_size=window_size)
@@ -119,11 +126,13 @@ def main(argv=None):
     ap.add_argument("--mixes", type=int, default=40, help="random mixes per family (default 40)")
     ap.add_argument("--worlds", type=int, nargs="+", default=list(range(2, 17)))
     ap.add_argument("--masks", nargs="+", default=list(MASKS), choices=list(MASKS))
+    ap.add_argument("--families", nargs="+", default=["tail", "wide"], choices=["tail", "wide", "long"])
     ap.add_argument("--json", type=Path, default=None)
     add_align_args(ap)
     args = ap.parse_args(argv)
     rows = table(args)
-    print(f"worst over {2 * args.mixes} mixes per row (tail and wide, {args.mixes} seeds each)")
+    names = " and ".join(args.families)
+    print(f"worst over {len(args.families) * args.mixes} mixes per row ({names}, {args.mixes} seeds each)")
     print(f"{'mask':<11} {'P':>3} {'step (at)':>12} {'total':>7} {'time':>6}  hops min-max (sum)")
     for x in rows:
         at = f"{x['step']:.3f} ({x['worst_step']})"
