@@ -612,3 +612,13 @@ def test_launch_python_smoke(tmp_path):
     rows = json.loads(out.read_text())["rows"]
     assert [r["kernel"] for r in rows] == ["forward", "backward"], printed
     assert all(r["descriptors"] > 0 and r["triton_us"] > 0 and r["direct_us"] > 0 for r in rows)
+
+
+def test_layout_balance_long_rows_smoke(tmp_path):
+    """benchmarks.layout_balance --families long: the packed benchmarks' 128K-token rows, one
+    line per mask and ring size, worst over the mixes asked for."""
+    out = run([sys.executable, "-m", "benchmarks.layout_balance", "--families", "long", "--masks", "win(100,0)",
+               "--worlds", "4", "--mixes", "2"], tmp_path)  # fmt: skip
+    assert "worst over 2 mixes per row (long, 2 seeds each)" in out, out
+    row = next(line.split() for line in out.splitlines() if line.startswith("win(100,0)"))
+    assert row[1] == "4" and 1.0 <= float(row[5]) < 1.1, row  # compute time over an even split
