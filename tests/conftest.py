@@ -41,16 +41,17 @@ def backend(request):
 
 @pytest.fixture(scope="module")
 def worlds():
-    """worlds(size, **env) -> a dist_utils.World of `size` gloo processes with that environment
-    (e.g. RINGFLASH_BACKEND="torch"), started at first use and kept for the module."""
+    """worlds(size, timeout=600.0, **env) -> a dist_utils.World of `size` gloo processes with that
+    environment (e.g. RINGFLASH_BACKEND="torch"), started at first use and kept for the module.
+    A short timeout makes a task that leaves a rank waiting in a collective fail quickly."""
     from dist_utils import World
 
     pool = {}
 
-    def get(size, **env):
-        key = (size, tuple(sorted(env.items())))
+    def get(size, timeout=600.0, **env):
+        key = (size, timeout, tuple(sorted(env.items())))
         if key not in pool:
-            pool[key] = World(size, env)
+            pool[key] = World(size, env, timeout=timeout)
         return pool[key]
 
     yield get
