@@ -348,7 +348,7 @@ def hybrid_varlen_attn(
             k.new_empty(1, layout.max_local_len, *k.shape[1:]),
             v.new_empty(1, layout.max_local_len, *v.shape[1:]),
         )
-        return _signature(*shapes, spec, False, p), (spec, p)
+        return _signature(*shapes, spec, False, p, grads=(q, k, v)), (spec, p)
 
     (spec, p), agree = _validated(group, head_group, api, validate, device)
     # under torch.compile a cu_seqlens tensor's values are checked inside the operator

@@ -312,6 +312,9 @@ _FIELD_NAMES = (
     "grad_accum_dtype",
     "grad_chunks",
     "dropout_p",
+    # which of q, k, v the backward will reach (bits 1, 2, 4; 0 under no_grad): the backward is a
+    # ring too, and a rank that never runs it leaves the others waiting in it
+    "requires grad (q, k, v)",
 )
 
 
@@ -319,8 +322,16 @@ def _float_bits(x: float) -> int:
     return struct.unpack("<q", struct.pack("<d", x))[0]
 
 
-def _signature(q, k, v, spec: RingSpec, has_mask: bool, dropout_p: float = 0.0) -> dict:
-    """What every rank of a ring must agree on, as integers."""
+def _grad_bits(q, k, v) -> int:
+    if not torch.is_grad_enabled():
+        return 0
+    return sum(1 << i for i, t in enumerate((q, k, v)) if t.requires_grad)
+
+
+def _signature(q, k, v, spec: RingSpec, has_mask: bool, dropout_p: float = 0.0, grads=None) -> dict:
+    """What every rank of a ring must agree on, as integers. grads: the tensors whose
+    requires_grad counts (default q, k, v; a caller passing stand-ins for the shapes gives
+    the real ones)."""
     B, Sq, Hq, D = q.shape
     values = (
         B,
@@ -340,6 +351,7 @@ def _signature(q, k, v, spec: RingSpec, has_mask: bool, dropout_p: float = 0.0) 
         SUPPORTED_DTYPES.index(spec.grad_accum),
         -1 if spec.grad_chunks is None else spec.grad_chunks,
         _float_bits(dropout_p),
+        _grad_bits(*(grads or (q, k, v))),
     )
     return dict(zip(_FIELD_NAMES, values))
 
@@ -361,6 +373,8 @@ def _show_field(name, value):
         return repr(struct.unpack("<d", struct.pack("<q", value))[0])
     if name == "grad_chunks" and value == -1:
         return "None"
+    if name == "requires grad (q, k, v)":
+        return "+".join(n for i, n in enumerate("qkv") if value >> i & 1) or "none"
     if name == "causal / window_size right" and value in (-1, 0):
         return f"{value} ({'causal' if value == 0 else 'not causal'})"
     return str(value)
@@ -711,7 +725,7 @@ def ring_flash_attn_varlen_func(
             k.new_empty(1, layout.max_local_len, *k.shape[1:]),
             v.new_empty(1, layout.max_local_len, *v.shape[1:]),
         )
-        return _signature(*shapes, spec, False, p), (spec, p)
+        return _signature(*shapes, spec, False, p, grads=(q, k, v)), (spec, p)
 
     if compiling:  # as ring_flash_attn_func: the agreement runs inside the ring operator
         fields, (spec, p) = validate()

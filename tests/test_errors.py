@@ -359,3 +359,28 @@ def test_ring_over_ranks_raises_under_graph_capture(monkeypatch):
         monkeypatch.setattr(module, "group_rank_world", lambda group: (0, 2))
     with pytest.raises(RuntimeError, match="^ring_flash_attn_func: the ring's ranks agree.*CUDA graph"):
         fn()
+
+
+def _grad_on_one_rank(rank, world):
+    """Only rank 0's inputs require grad (rank 1 under no_grad, or frozen): the backward is a
+    ring too, which rank 1 would never join; every rank raises at the forward instead."""
+    import ringflash
+
+    q = torch.randn(1, 4, 2, 16)
+    with pytest.raises(ValueError, match=r"disagree \(requires grad \(q, k, v\): rank 0=q, rank 1=none\)"):
+        ring_flash_attn_func(q.requires_grad_(rank == 0), q.detach(), q.detach(), causal=True)
+    with torch.set_grad_enabled(rank == 1), pytest.raises(ValueError, match=r"rank 0=none, rank 1=q\+k\+v"):
+        x = torch.randn(1, 4, 2, 16, requires_grad=True)
+        ring_flash_attn_func(x, x, x)
+    layout = ringflash.balanced_layout([0, 3, 8], world)
+    packed = torch.randn(layout.local_len(rank), 2, 16)
+    with pytest.raises(ValueError, match=r"disagree \(requires grad \(q, k, v\): rank 0=none, rank 1=k"):
+        k = packed.clone().requires_grad_(rank == 1)
+        ring_flash_attn_varlen_func(packed, k, packed, [0, 3, 8], layout=layout)
+    x = torch.randn(1, 4, 2, 16, requires_grad=True)  # the group still works, backward included
+    ring_flash_attn_func(x, x, x, causal=True).sum().backward()
+    assert x.grad.shape == x.shape
+
+
+def test_requires_grad_on_one_rank_raises_on_every_rank(worlds):
+    worlds(2, timeout=60, **TORCH).run(_grad_on_one_rank)
