@@ -124,9 +124,16 @@ _DTYPES = {d: i for i, d in enumerate(sorted({v for v in vars(torch).values() if
 _DTYPE_NAMES = {i: str(d) for d, i in _DTYPES.items()}
 
 
+def _device_code(device: torch.device) -> int:
+    """A device type as an int that is the same in every process (the agreement sends ints)."""
+    return int.from_bytes(device.type.encode()[:7], "little")
+
+
 def _show_layout_field(name, value):
     if name == "dtype":
         return _DTYPE_NAMES.get(value, str(value))
+    if name == "device type":
+        return value.to_bytes(7, "little").rstrip(b"\0").decode(errors="replace")
     if name != "layout":
         return str(value)
     return show_layout_code(value)
@@ -180,10 +187,13 @@ def _validated_unshard(x_local, layout, dim, world, api, device, place, group, h
                 where = f"rank {rank}" if U == 1 else f"ring position {rank}, head-group rank {u}"
                 got = f"x_local has {x_local.shape[d]} on dim {d}"
                 raise ValueError(f"{api}: the layout gives {where} {n} tokens, {got}")
-        fields = {"layout": layout_code(layout), "dim": d, "ndim": x_local.dim(), "dtype": _DTYPES[x_local.dtype]}
+        # the device type too: a rank whose tensor the group's backend cannot carry (or carries
+        # by another backend) fails or waits in the all_gather alone
+        fields = {"layout": layout_code(layout), "dim": d, "ndim": x_local.dim(), "dtype": _DTYPES[x_local.dtype],
+                  "device type": _device_code(x_local.device)}  # fmt: skip
         return fields, d
 
-    names = ("layout", "dim", "ndim", "dtype")
+    names = ("layout", "dim", "ndim", "dtype", "device type")
     d = agreed(*groups, api, validate_rank, names, device=device, show=_show_layout_field)
     if world > 1 or head_group is not None:
         # all_gather needs equal shapes: agree on every size (but the balanced layout's own

@@ -384,3 +384,17 @@ def _grad_on_one_rank(rank, world):
 
 def test_requires_grad_on_one_rank_raises_on_every_rank(worlds):
     worlds(2, timeout=60, **TORCH).run(_grad_on_one_rank)
+
+
+def _unshard_device_on_one_rank(rank, world):
+    """One rank's x_local on another device (meta stands in for a GPU tensor the group's
+    backend carries differently): every rank raises before the all_gather."""
+    x = torch.zeros(1, 4, 2)
+    pattern = r"unshard: ranks of the group disagree \(device type: rank 0=cpu, rank 1=meta"
+    with pytest.raises(ValueError, match=pattern):
+        unshard(x.to("meta") if rank else x)
+    assert unshard(x).shape == (1, 8, 2)  # the group still works
+
+
+def test_unshard_device_on_one_rank_raises_on_every_rank(worlds):
+    worlds(2, timeout=60, **TORCH).run(_unshard_device_on_one_rank)
