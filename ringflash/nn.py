@@ -139,6 +139,22 @@ class RingMultiheadAttention(nn.MultiheadAttention):
         b = (None, None, None) if self.in_proj_bias is None else self.in_proj_bias.split(E)
         return (w_q, b[0]), (w_k, b[1]), (w_v, b[2])
 
+    def _check_projected(self, key, value, query, api):
+        """What F.linear would refuse in the projections with a RuntimeError that one rank alone
+        raises while the others wait in the ring: key / value sizes, an input's dtype (outside
+        autocast) or device other than its weight's. Raised as input errors, agreed."""
+        for name, x, (w, _), size in zip(
+            ("query", "key", "value"), (query, key, value), self._projections(), (self.embed_dim, self.kdim, self.vdim)
+        ):
+            if x.shape[-1] != size:
+                raise InputError(f"{api}: {name} has embedding dimension {x.shape[-1]}, expected {size}")
+            if x.device != w.device:
+                raise ProjectionTypeError(f"{api}: {name} is on {x.device}, the module's weights on {w.device}")
+            if x.dtype != w.dtype and not torch.is_autocast_enabled(x.device.type):
+                raise ProjectionTypeError(
+                    f"{api}: {name} has dtype {x.dtype}, the module's weights {w.dtype} (F.linear refuses them)"
+                )
+
     def _heads(self, query, key, value):
         """The projected q, k, v of (..., E*) inputs, as (..., num_heads, head_dim)."""
         heads = (self.num_heads, self.head_dim)
@@ -164,6 +180,7 @@ class RingMultiheadAttention(nn.MultiheadAttention):
                 raise InputError(
                     f"{api}: was expecting embedding dimension of {self.embed_dim}, but got {query.shape[-1]}"
                 )
+            self._check_projected(key, value, query, api)
             if unbatched:
                 query, key, value = (t.unsqueeze(1) for t in (query, key, value))  # (L, 1, E)
                 if key_padding_mask is not None:
@@ -395,6 +412,11 @@ class InputError(ValueError, AssertionError):
     """Inputs of the wrong rank or shape: a ValueError, and an AssertionError with
     nn.MultiheadAttention's own wording, as torch raises for the same inputs (code written
     against torch's class catches it the same way)."""
+
+
+class ProjectionTypeError(TypeError, RuntimeError):
+    """An input the projections cannot take (dtype or device other than the weight's): a
+    TypeError, and the RuntimeError F.linear raises for it in torch's module."""
 
 
 def _batched(query, key, value, key_padding_mask, attn_mask, num_heads, api) -> bool:

@@ -477,3 +477,25 @@ def test_encoder_nested_fast_path_input():
     pad[0, 5:], pad[2, 3:] = True, True
     with torch.no_grad():
         assert (ring(x, src_key_padding_mask=pad) - ref(x, src_key_padding_mask=pad)).abs().max() < 1e-12
+
+
+def _projection_input_on_one_rank(rank, world):
+    """One rank's key or value of another embedding size, or an input of another dtype than
+    the weights: F.linear's RuntimeError on that rank alone left the others in the ring's
+    check; now that rank raises its error and the others quote it."""
+    ring = RingMultiheadAttention(8, 2, batch_first=True)
+    x = torch.randn(1, 4, 8)
+    bad_inputs = (
+        ("key has embedding dimension 10, expected 8", (x, torch.randn(1, 4, 10), x)),
+        ("value has embedding dimension 6, expected 8", (x, x, torch.randn(1, 4, 6))),
+        ("query has dtype torch.float64", (x.double(), x, x)),
+    )
+    for text, args in bad_inputs:
+        with pytest.raises((ValueError, TypeError), match=text if rank == 1 else r"rank\(s\) \[1\] .*rejected") as e:
+            ring(*(args if rank == 1 else (x, x, x)), need_weights=False)
+        assert rank == 0 or "dtype" not in text or isinstance(e.value, RuntimeError)  # as torch's module raises it
+    assert ring(x, x, x, need_weights=False)[0].shape == x.shape  # the group still works
+
+
+def test_projection_input_on_one_rank_raises_on_every_rank(worlds):
+    worlds(2, timeout=60, **TORCH).run(_projection_input_on_one_rank)
