@@ -815,9 +815,9 @@ def allreduce_grads(model, group=None, *, head_group=None, bucket_mb: float = 25
         if error is not None:
             raise error
         return
-    for p in params:
-        if p.grad is not None and (p.grad.is_sparse or p.grad.layout != torch.strided):
-            raise _unsupported(f"{api}: a sparse or non-strided gradient ({p.grad.layout}) is not supported")
+    layouts = {p.grad.layout for p in params if p.grad is not None} - {torch.strided}
+    if error is None and layouts:  # raised with the others' errors below: a rank may have no such gradient
+        error = _unsupported(f"{api}: a sparse or non-strided gradient ({layouts.pop()}) is not supported")
     # ranks agree on which gradients exist, so every rank reduces the same buckets; the last
     # entry: whether some rank's check failed, so that all of them raise
     flags = [p.grad is not None for p in params] + [error is not None]
@@ -829,8 +829,8 @@ def allreduce_grads(model, group=None, *, head_group=None, bucket_mb: float = 25
         raise error
     if has[-1]:
         raise ValueError(
-            f"{api}: on another rank the ranks summed over leave out some of its model's ring or head group "
-            "(see that rank's error); pass allreduce_grads the group and head_group given to apply()"
+            f"{api}: another rank rejected its model's gradients or the groups (see that rank's error: "
+            "the ranks summed over must cover the group and head_group given to apply(); gradients dense)"
         )
     present = []
     for p, h in zip(params, has):

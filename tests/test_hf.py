@@ -909,3 +909,22 @@ def test_compiled_model_matches_eager(torch_backend):
     grads = {n: p.grad.detach().clone() for n, p in m.named_parameters() if p.grad is not None}
     assert not counters["graph_break"], dict(counters["graph_break"])
     compare("compiled, packed", out.loss.detach(), grads, ref64, ref32, torch.float32)
+
+
+def _sparse_grad_on_one_rank(rank, world):
+    """A sparse gradient on one rank only (the embedding got none on the other): that rank
+    raises its error and the other a ValueError, neither waits in the reduction."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Embedding(10, 4, sparse=True), torch.nn.Linear(4, 2))
+    x = model[0](torch.tensor([1, 2])) if rank == 0 else torch.randn(2, 4)
+    model[1](x).sum().backward()
+    pattern = "sparse or non-strided gradient" if rank == 0 else "another rank rejected"
+    with pytest.raises((NotImplementedError, ValueError), match=pattern):
+        rhf.allreduce_grads(model)
+    model[0].weight.grad = None
+    rhf.allreduce_grads(model)  # the group still works
+    assert model[0].weight.grad is None and model[1].weight.grad.shape == (2, 4)
+
+
+def test_sparse_grad_on_one_rank_raises_on_every_rank(worlds):
+    worlds(2, timeout=60, **ENV).run(_sparse_grad_on_one_rank)
