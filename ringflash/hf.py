@@ -70,7 +70,7 @@ except ImportError as e:  # pragma: no cover - the extra is not installed
     raise ImportError("ringflash.hf needs transformers: pip install 'ringflash[hf]'") from e
 
 from .balance import balanced_layout
-from .comm import agree_across_ranks, group_rank_world, resolve_group, resolve_groups, validated_across_grid
+from .comm import INPUT_ERRORS, agree_across_grid, agree_across_ranks, group_rank_world, resolve_group, resolve_groups
 from .hybrid import head_plan
 from .layout import local_positions, shard
 from .local import flash_attn_func, flash_attn_varlen_func
@@ -327,19 +327,43 @@ def _sharded_world(group, head_group) -> int:
     return group_rank_world(group)[1] * (1 if head_group is None else group_rank_world(head_group)[1])
 
 
+def _agree_inputs(kwargs, packed, ids, group, head_group, api, error) -> None:
+    """On the ring, the ranks agree on what decides the pre-hook's path (which of
+    position_ids, attention_mask and packed documents are given; the sizes _check_not_packed
+    reduces over) and on `error`, this rank's input error or None: a rank given position_ids
+    alone would otherwise run that check's collectives while the others go on to the ring's,
+    and a rank whose input is refused would leave the others waiting. One tiny agreement per
+    forward (per group with a head group); under torch.compile, whose graph cannot read it,
+    only this rank's error is raised."""
+    if torch.compiler.is_compiling():
+        if error is not None:
+            raise error
+        return
+    position_ids, mask = kwargs.get("position_ids"), kwargs.get("attention_mask")
+    sized = packed is None  # a balanced layout's shards may differ in length
+    fields = {
+        "position_ids given": position_ids is not None,
+        "attention_mask given": mask is not None,
+        "packed documents given": packed is not None,
+        "position_ids rows": 0 if position_ids is None else position_ids.shape[0],
+        "position_ids length": 0 if position_ids is None or not sized else position_ids.shape[-1],
+        "local length": 0 if ids is None or not sized else ids.shape[1],
+    }
+    device = getattr(ids, "device", None)
+    if head_group is None:
+        agree_across_ranks(group, fields, error, api, device=device)
+    else:
+        agree_across_grid(group, head_group, fields, error, api, device=device)
+
+
 def _check_not_packed(position_ids, group, head_group, layout, world, api) -> None:
     """Without an attention mask transformers treats position_ids that do not step by 1 as
     packed documents (a block-diagonal mask). On the ring, position_ids (b, S_local) are this
     rank's part of each row: a row is one document iff position_ids - global index is one
     constant over the whole row, on every rank of the ring (and of the head groups): one tiny
-    agreement and one tiny all_reduce per group."""
+    all_reduce per group (the ranks agreed on the sizes first: _agree_inputs)."""
     S_local = position_ids.shape[-1]
-    fields = {"position_ids rows": position_ids.shape[0], "local length": S_local}
     device = position_ids.device
-    if head_group is None:
-        agree_across_ranks(group, fields, None, api, device=device)
-    else:
-        validated_across_grid(group, head_group, api, lambda: (fields, None), tuple(fields), device=device)
     idx = local_positions(S_local * world, group=group, head_group=head_group, layout=layout, device=device)
     d = position_ids.to(torch.int64) - idx
     stats = torch.stack([d.amax(-1), -d.amin(-1)], -1)  # per row: max and -min of the offset
@@ -364,19 +388,22 @@ def _pre_hook(module, args, kwargs):
     ring = world > 1 and cache is None and not state.generating
     mask = kwargs.get("attention_mask")
     packed = kwargs.pop(_PACKED_KWARG, None)
-    if packed is not None:  # shard_inputs' packed documents: their positions restart by design
-        if not isinstance(packed, _Packed):
-            raise TypeError(f"{api}: {_PACKED_KWARG} must come from ringflash.hf.shard_inputs, got {type(packed)}")
-        if mask is not None:
-            raise _unsupported("an attention_mask together with packed documents is not supported")
-        if cache is not None or state.generating:
-            raise _unsupported("packed documents with a KV cache (generation) are not supported")
-        if packed.layout.world != group_rank_world(state.group)[1]:
-            raise ValueError(
-                f"{api}: the packed batch was sharded for a ring of {packed.layout.world} ranks, the model "
-                f"runs on {group_rank_world(state.group)[1]}: shard_inputs and apply must get the same group"
-            )
-    if ring:
+
+    def check_inputs():
+        if packed is not None:  # shard_inputs' packed documents: their positions restart by design
+            if not isinstance(packed, _Packed):
+                raise TypeError(f"{api}: {_PACKED_KWARG} must come from ringflash.hf.shard_inputs, got {type(packed)}")
+            if mask is not None:
+                raise _unsupported("an attention_mask together with packed documents is not supported")
+            if cache is not None or state.generating:
+                raise _unsupported("packed documents with a KV cache (generation) are not supported")
+            if packed.layout.world != group_rank_world(state.group)[1]:
+                raise ValueError(
+                    f"{api}: the packed batch was sharded for a ring of {packed.layout.world} ranks, the model "
+                    f"runs on {group_rank_world(state.group)[1]}: shard_inputs and apply must get the same group"
+                )
+        if not ring:
+            return
         for name in ("cu_seq_lens_q", "cu_seq_lens_k", "seq_idx"):
             if kwargs.get(name) is not None:
                 raise _unsupported(f"{_PACKED}; got {name}")
@@ -385,8 +412,17 @@ def _pre_hook(module, args, kwargs):
                 f"a {len(getattr(mask, 'shape', ()))}-D attention mask ({type(mask).__name__}) is not "
                 "supported on the ring: pass the 2D padding mask (batch, seq_len) of this rank's tokens"
             )
+
+    if ring:
         ids = kwargs.get("input_ids")
         ids = ids if ids is not None else kwargs.get("inputs_embeds")
+        try:
+            check_inputs()
+            error = None
+        except INPUT_ERRORS as e:
+            error = e
+        # every rank takes the same path below, or all raise (this rank's error quoted)
+        _agree_inputs(kwargs, packed, ids, state.group, state.head_group, api, error)
         if ids is not None:
             S_local = ids.shape[1]
             if kwargs.get("position_ids") is None:
@@ -399,10 +435,12 @@ def _pre_hook(module, args, kwargs):
                 _check_not_packed(kwargs["position_ids"], state.group, state.head_group, state.layout, world, api)
         # a cache of sharded keys serves no later call; sdpa-equivalence needs none
         kwargs["use_cache"] = False
-    elif cache is None and mask is None and packed is None and kwargs.get("position_ids") is not None:
-        # locally the row is whole: transformers would see packed documents where it steps by
-        # other than 1; checked in an operator, which torch.compile keeps in the graph
-        kwargs["position_ids"] = _unpacked_positions(kwargs["position_ids"])
+    else:
+        check_inputs()
+        if cache is None and mask is None and packed is None and kwargs.get("position_ids") is not None:
+            # locally the row is whole: transformers would see packed documents where it steps by
+            # other than 1; checked in an operator, which torch.compile keeps in the graph
+            kwargs["position_ids"] = _unpacked_positions(kwargs["position_ids"])
     kwargs[_CTX_KWARG] = _Call(
         state.group, state.layout, ring=ring, has_mask=mask is not None, world=world, head_group=state.head_group,
         packed=packed,

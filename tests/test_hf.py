@@ -928,3 +928,28 @@ def _sparse_grad_on_one_rank(rank, world):
 
 def test_sparse_grad_on_one_rank_raises_on_every_rank(worlds):
     worlds(2, timeout=60, **ENV).run(_sparse_grad_on_one_rank)
+
+
+def _pre_hook_inputs_on_one_rank(rank, world):
+    """The pre-hook decides its path from what each rank was given: position_ids on rank 0
+    alone (rank 0 would run the packed-positions check's collectives, rank 1 the ring's), or an
+    input refused on rank 1 alone (a 3-D attention mask): every rank raises, none waits."""
+    model = rhf.apply(make_model("llama", num_hidden_layers=1))
+    ids, _ = make_batch(3, "none")
+    batch = rhf.shard_inputs(ids)
+    if rank == 1:
+        batch.pop("position_ids")
+    pattern = "disagree .*position_ids given: rank 0=1, rank 1=0"
+    with pytest.raises(ValueError, match=pattern):
+        model(**batch)
+    batch = rhf.shard_inputs(ids)
+    if rank == 1:
+        batch["attention_mask"] = torch.ones(ids.shape[0], 1, batch["input_ids"].shape[1])
+    pattern = "3-D attention mask" if rank == 1 else r"rank\(s\) \[1\] of the group rejected their inputs"
+    with pytest.raises((NotImplementedError, ValueError), match=pattern):
+        model(**batch)
+    model(**rhf.shard_inputs(ids))  # the group still works
+
+
+def test_pre_hook_inputs_on_one_rank_raise_on_every_rank(worlds):
+    worlds(2, timeout=60, **ENV).run(_pre_hook_inputs_on_one_rank)
