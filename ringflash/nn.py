@@ -11,17 +11,13 @@ from torch import nn
 from ._checks import MAX_HEAD_DIM, SUPPORTED_DTYPES, AttnDims, check_bool, key_bias_from_mask, resolve_scale
 from .comm import INPUT_ERRORS, agree_across_grid, agree_across_ranks, group_rank_world, resolve_groups
 from .dense import dense_attention, gather_sequence, pair_bias
-from .dropout import agreed_seed
+from .dropout import draw_seed
 from .layout import local_positions
 from .local import flash_attn_func, flash_attn_varlen_func
 from .merge import merge_attn_states, state_dtype
-from .ring import _agreed_names, _ring_flash_attn
+from .ring import CALLER_FIELDS, _agreed_names, _ring_flash_attn
 from .schedule import check_layout
 from .weights import attention_weights
-
-# what this module's ranks must also agree on, beside the ring call's own fields: what picks
-# the dense or the ring path and the collectives after the ring (RingMultiheadAttention._attention)
-_CALLER_FIELDS = ("attn_mask given", "need_weights", "add_bias_kv / add_zero_attn keys")
 
 
 class RingMultiheadAttention(nn.MultiheadAttention):
@@ -42,7 +38,7 @@ class RingMultiheadAttention(nn.MultiheadAttention):
     computed in a second pass from the attention's final lse and cost B x num_heads x
     L_local x S memory (twice, in float32, while being made); on more than one rank every
     rank gathers all keys (their gradients are summed back to the owners) and all ranks must
-    pass the same need_weights (else all raise; not checked under torch.compile).
+    pass the same need_weights (else all raise, compiled too).
     need_weights=False is the fast path: nothing of that size is made. Any head dim
     embed_dim / num_heads from 1 to 256; empty inputs give empty outputs; a bias of another
     dtype than its weight is promoted as torch's `+` does.
@@ -56,7 +52,7 @@ class RingMultiheadAttention(nn.MultiheadAttention):
     rank passes the rows of its own queries (L = L_local, in local order, as its query
     shard) over all S keys of the sequence in global (unsharded) order: e.g.
     shard(full_mask, dim=0) for a 2-D mask, dim=1 for a 3-D one; every rank must pass one or
-    none (else all raise; not checked under torch.compile). This is the exact, slower path:
+    none (else all raise, compiled too). This is the exact, slower path:
     it materializes the (B, num_heads, L_local, S) scores and, on more than one rank, gathers
     all keys and values on every rank. With
     is_causal=True an attn_mask is taken as the causal hint (checked) and the fast path runs.
@@ -234,7 +230,7 @@ class RingMultiheadAttention(nn.MultiheadAttention):
             # one check before any rank goes its way (else ranks wait in different collectives)
             caller_fields=dict(
                 zip(
-                    _CALLER_FIELDS,
+                    CALLER_FIELDS,
                     (int(attn_mask is not None), int(bool(need_weights)), 0 if extra is None else extra[0].shape[1]),
                 )
             ),
@@ -242,9 +238,12 @@ class RingMultiheadAttention(nn.MultiheadAttention):
         # dropout runs in the kernels; the weights it drops (need_weights) and the extra keys'
         # dropped columns come from the dense path, which draws the same keep mask
         if attn_mask is not None or (dropping and (need_weights or extra is not None)):
+            seed = None
             if group_rank_world(self.group)[1] > 1:  # one rank: nothing to agree on
-                _ring_flash_attn(q, k, v, **ring, agree_only=True)
-            o, weights = self._masked_attention(q, k, v, key_padding_mask, mask_bias, is_causal, extra, scale)
+                # the dense path's collectives take k, v and the padding mask from the check
+                # (compiled, it runs in an operator then: else nothing orders them after it)
+                k, v, key_padding_mask, seed = _ring_flash_attn(q, k, v, **ring, agree_only=(k, v, key_padding_mask))
+            o, weights = self._masked_attention(q, k, v, key_padding_mask, mask_bias, is_causal, extra, scale, seed)
             return self._out(o), (weights if need_weights else None)
         o, lse = _ring_flash_attn(q, k, v, **ring)
         if extra is not None:  # seen by every query: one more block, folded in with the lse merge
@@ -354,20 +353,21 @@ class RingMultiheadAttention(nn.MultiheadAttention):
         if not torch.compiler.is_compiling():
             api, device = "RingMultiheadAttention", getattr(like, "device", None)
             group, head_group = resolve_groups(self.group, self.head_group, api)
-            fields = dict.fromkeys(_agreed_names(_CALLER_FIELDS, head_group), 0)
+            fields = dict.fromkeys(_agreed_names(CALLER_FIELDS, head_group), 0)
             if head_group is not None:
                 agree_across_grid(group, head_group, fields, error, api, device=device)
             elif group_rank_world(group)[1] > 1:
                 agree_across_ranks(group, fields, error, api, device=device)
         raise error
 
-    def _masked_attention(self, q, k, v, key_padding_mask, mask_bias, is_causal, extra, scale):
+    def _masked_attention(self, q, k, v, key_padding_mask, mask_bias, is_causal, extra, scale, seed=None):
         """The dense path: an arbitrary attn_mask (mask_bias: dense.pair_bias's bias of it, or
         None), this rank's query rows over all keys in
         global order, (L_local, S) or (B * H, L_local, S), combined with key_padding_mask by
         adding both as biases, as torch does; or attention dropout in training (a keep mask
         of global query and key indices: ringflash.dropout). Exact, and materializes the
-        (B, H, L_local, S) scores."""
+        (B, H, L_local, S) scores. seed: the dropout seed the ranks agreed on (an int64 scalar
+        tensor), or None: one drawn here (one rank, or dropout 1, which keeps no pair)."""
         api = "RingMultiheadAttention"
         B, L, H, hd = q.shape
         _, world = group_rank_world(self.group)
@@ -392,7 +392,7 @@ class RingMultiheadAttention(nn.MultiheadAttention):
             bias = torch.cat([bias.expand(-1, -1, L, S), bias.new_zeros(*bias.shape[:2], L, extra[0].shape[1])], -1)
         dropout = None
         if self.dropout > 0.0 and self.training:
-            dropout = (agreed_seed(q.device, self.group), float(self.dropout), q_idx)
+            dropout = (draw_seed() if seed is None else int(seed), float(self.dropout), q_idx)
         return dense_attention(
             q, k, v, bias, scale=scale, group=self.group, layout=self.layout, extra_kv=extra, dropout=dropout
         )

@@ -10,6 +10,8 @@ the autograd formula registered:
     ringflash::ring_fwd  / ringflash::ring_bwd    the ring, the process group named by its
                                                   group_name, as torch's functional collectives
                                                   name theirs
+    ringflash::ring_agree                         the ring's check alone, for a caller that runs
+                                                  another path (RingMultiheadAttention's dense one)
     ringflash::hybrid_fwd / ringflash::hybrid_bwd a call with a head_group: the ring group and
                                                   the head group named so; the head all-to-alls
                                                   and the ring inside (hybrid.hybrid_forward /
@@ -315,8 +317,9 @@ def _agreed(agree, cu_seqlens, layout: str, device, seed, group, head_group=None
 
     api = _api_name(layout)
     error = _cu_seqlens_error(cu_seqlens, layout, api)
-    if agree:
-        fields = dict(zip(ring._FIELD_NAMES, agree))
+    if agree:  # the call's own fields, then a caller's (ring.CALLER_FIELDS) when it sent them
+        names = ring._agreed_names(ring.CALLER_FIELDS if len(agree) > len(ring._FIELD_NAMES) else ())
+        fields = dict(zip(names, agree, strict=True))
         if head_group is None:
             agree_across_ranks(group, fields, error, api, device=device, show=ring._show_field)
         else:
@@ -435,6 +438,47 @@ def _ring_backward(ctx, dout, dlse, dm, dl, dseed):
 
 
 ring_fwd.register_autograd(_ring_backward, setup_context=_ring_setup)
+
+
+@torch.library.custom_op(f"{NAMESPACE}::ring_agree", mutates_args=())
+def ring_agree(
+    tensors: list[torch.Tensor], seed: torch.Tensor | None, group_name: str, layout: str, agree: list[int]
+) -> list[torch.Tensor]:
+    """ring_fwd's check (_agreed) alone, for a caller whose ranks took another path than the
+    ring (RingMultiheadAttention's dense one): returns copies of `tensors` (an operator's
+    outputs may not alias its inputs), then the seed every rank uses (zeros without one).
+    The caller's collectives take these outputs, so none of them runs before the check."""
+    _, group = _ring_run(group_name)
+    device = tensors[0].device if tensors else None
+    seed = _agreed(agree, None, layout, device, seed, group)
+    return [t.clone() for t in tensors] + [torch.zeros((), dtype=torch.int64) if seed is None else seed.clone()]
+
+
+@ring_agree.register_fake
+def _(tensors, *args):
+    return [torch.empty_like(t) for t in tensors] + [torch.empty((), dtype=torch.int64)]
+
+
+def _agree_setup(ctx, inputs, output):
+    ctx.agree_given = bool(inputs[-1])
+
+
+def _agree_backward(ctx, grads):
+    # the copies' gradients are their inputs'; none for the rest (torch takes an empty agree
+    # list for a list of tensors, whose "no gradient" is an empty list)
+    return list(grads[:-1]), None, None, None, None if ctx.agree_given else []
+
+
+ring_agree.register_autograd(_agree_backward, setup_context=_agree_setup)
+
+
+def agree(tensors, seed, group_name: str, layout: str, agree: list[int]):
+    """ring_agree of `tensors` (None entries stay None): (*tensors, the seed every rank uses, or
+    None when seed is None)."""
+    given = [t for t in tensors if t is not None]
+    *copies, agreed = ring_agree(given, seed, group_name, layout, agree)
+    copies = iter(copies)
+    return (*(None if t is None else next(copies) for t in tensors), None if seed is None else agreed)
 
 
 # ----------------------------------------------------------------------------- hybrid

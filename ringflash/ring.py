@@ -318,6 +318,12 @@ _FIELD_NAMES = (
 )
 
 
+# what a caller that picks between paths before any collective also agrees on, in the ring's
+# one check (RingMultiheadAttention: its dense or ring path and the collectives after the
+# ring); named here because the compiled operators' check (ops._agreed) gets the values alone
+CALLER_FIELDS = ("attn_mask given", "need_weights", "add_bias_kv / add_zero_attn keys")
+
+
 def _float_bits(x: float) -> int:
     return struct.unpack("<q", struct.pack("<d", x))[0]
 
@@ -495,13 +501,16 @@ def ring_flash_attn_func(
 
 def _ring_flash_attn(
     q, k, v, *, causal, softmax_scale, window_size, group, layout, key_padding_mask, return_lse, grad_accum_dtype,
-    grad_chunks, head_group, dropout_p, generator, deterministic, caller_fields=None, agree_only=False,
+    grad_chunks, head_group, dropout_p, generator, deterministic, caller_fields=None, agree_only=None,
     api="ring_flash_attn_func",
 ):  # fmt: skip
-    """ring_flash_attn_func. caller_fields: more ints (name -> value) that every rank must agree
-    on in the same check, for a caller whose ranks choose between paths before any collective
-    (RingMultiheadAttention); not with a head_group, and compiled only the call's own fields
-    are agreed. agree_only: return None after the check (the caller runs another path).
+    """ring_flash_attn_func. caller_fields: CALLER_FIELDS' ints (name -> value) that every rank
+    must agree on in the same check, for a caller whose ranks choose between paths before any
+    collective (RingMultiheadAttention); not with a head_group. agree_only: a tuple of tensors
+    (or Nones) that the caller's other path takes (its collectives' inputs): runs the check
+    and returns them, with the dropout seed every rank uses (an int64 scalar tensor; None
+    without dropout) after them; both come out of the operator that runs the check (compiled,
+    it runs there), so no collective of that path can run before it.
     api: the name its errors start with (the caller's: a module's)."""
     if head_group is not None or is_mesh(group):
         group, head_group = resolve_groups(group, head_group, api)
@@ -554,7 +563,7 @@ def _ring_flash_attn(
         # traced: this rank's checks run now; the agreement all_gather runs inside the ring
         # operator when it executes (dynamo cannot trace a collective whose result decides)
         fields, (spec, key_bias, p) = validate()
-        agree = [fields[name] for name in _FIELD_NAMES] if world > 1 else []
+        agree = [fields[name] for name in _agreed_names(caller_fields or ())] if world > 1 else []
     else:
         # every rank fails together, or all agree: never a hang, never a mixed-up ring
         names = _agreed_names(caller_fields or ())
@@ -563,8 +572,9 @@ def _ring_flash_attn(
         )
         warn_placement(group)
         agree = []
-    if agree_only:
-        return None
+    if agree_only is not None:
+        group_name = resolve_group(group).group_name if world > 1 else ""
+        return ops.agree(agree_only, operator_dropout(p, generator)[1], group_name, spec.layout, agree)
     if q.shape[0] == 0 or q.shape[1] == 0 or q.shape[2] == 0 or k.shape[1] == 0:  # agreed by every rank
         out, lse = empty_attention(q, k, v)
         return (out, lse) if return_lse else out

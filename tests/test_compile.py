@@ -269,6 +269,54 @@ def test_ring_fullgraph_two_ranks(worlds):
     worlds(2).run(_ring_compiled)
 
 
+def _module_paths_compiled(rank, world):
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    m = RingMultiheadAttention(16, 2, dropout=0.5)
+    x = torch.randn(4, 2, 16, generator=torch.Generator().manual_seed(rank)).requires_grad_()
+    pad = torch.tensor([[False, True, False, False], [False] * 4])
+    mask = torch.randn(4, 8, generator=torch.Generator().manual_seed(2 + rank))
+    call = lambda x, **kw: m(x, x, x, **kw)  # noqa: E731
+
+    def run(fn, **kw):
+        torch.manual_seed(3)  # the dropout seed
+        m.zero_grad(set_to_none=True)
+        x.grad = None
+        out, w = fn(x, **kw)
+        (out.sum() + (0 if w is None else w.square().sum())).backward()
+        return [out.detach(), x.grad.clone()] + ([] if w is None else [w.detach()]) + [p.grad for p in m.parameters()]
+
+    # the dense path (an attn_mask with padding; dropout whose weights are asked for): compiled
+    # == eager, the seed agreed inside the operator that checks the call
+    for training, kw in ((False, dict(attn_mask=mask, key_padding_mask=pad)), (True, dict(need_weights=True))):
+        m.train(training)
+        _assert_equal(run(_compile(call), **kw), run(call, **kw))
+        _no_graph_break()
+    # ranks that would take different paths (the dense one or the ring), or only one of which
+    # computes weights: every rank raises, as in eager, neither hangs nor aborts in a collective
+    cases = (
+        ("attn_mask given", False, dict(attn_mask=mask) if rank == 0 else {}),
+        ("attn_mask given", False, dict(attn_mask=mask, need_weights=False) if rank == 1 else dict(need_weights=False)),
+        ("need_weights", False, dict(need_weights=rank == 0)),
+        ("dropout_p", rank == 0, dict(need_weights=True)),  # training on rank 0 only: dense there
+    )
+    for field, training, kw in cases:
+        m.train(training)
+        with pytest.raises(ValueError, match=rf"ranks of the group disagree \({field}: rank 0=\S+, rank 1="):
+            _compile(call)(x, **kw)
+    m.eval()
+    out, w = _compile(call)(x, attn_mask=mask)  # the group still works
+    assert out.shape == x.shape and w.shape == (2, 4, 8)
+    dist.barrier()
+
+
+def test_module_paths_fullgraph_two_ranks(worlds):
+    """RingMultiheadAttention compiled with fullgraph on 2 gloo ranks: its dense path equals
+    eager (forward, weights, gradients), and ranks that differ in what picks the path (an
+    attn_mask, need_weights, training-mode dropout) raise on every rank."""
+    worlds(2, **TORCH).run(_module_paths_compiled)
+
+
 # ----------------------------------------------------------------------------- hybrid, 2 x 2 grid
 
 
