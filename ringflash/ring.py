@@ -577,6 +577,11 @@ def _ring_flash_attn(
         return ops.agree(agree_only, operator_dropout(p, generator)[1], group_name, spec.layout, agree)
     if q.shape[0] == 0 or q.shape[1] == 0 or q.shape[2] == 0 or k.shape[1] == 0:  # agreed by every rank
         out, lse = empty_attention(q, k, v)
+        if agree:
+            # compiled: no ring operator runs the check, so the agreement operator does; the
+            # results are its copies, or the graph would drop it as unused
+            group_name = resolve_group(group).group_name
+            out, lse, _ = ops.ring_agree([out, lse], operator_dropout(p, generator)[1], group_name, spec.layout, agree)
         return (out, lse) if return_lse else out
     out, lse, _, _, _ = ops.ring_fwd(
         q, k, v, key_bias, None, resolve_group(group).group_name if world > 1 else "", *ops.window_args(spec.window),

@@ -317,6 +317,28 @@ def test_module_paths_fullgraph_two_ranks(worlds):
     worlds(2, **TORCH).run(_module_paths_compiled)
 
 
+def _empty_shard_compiled(rank, world):
+    """An empty shard beside a full one, compiled: the empty rank returns no ring operator's
+    result, so its check runs in the agreement operator: both ranks raise the disagreement,
+    neither waits in the other's all_gather. Both empty: empty results, gradients 0-sized."""
+    torch.set_num_threads(1)
+    g = torch.Generator().manual_seed(rank)
+    fn = _compile(lambda q, k, v: ringflash.ring_flash_attn_func(q, k, v, causal=True))
+    full = [torch.randn(1, 8, 2, 16, generator=g) for _ in range(3)]
+    mine = [t[:, :0] for t in full] if rank == 0 else full
+    with pytest.raises(ValueError, match="ranks of the group disagree .*q local length: rank 0=0, rank 1=8"):
+        fn(*mine)
+    empty = [t[:, :0].clone().requires_grad_() for t in full]
+    out = fn(*empty)
+    out.sum().backward()
+    assert out.shape == (1, 0, 2, 16) and empty[0].grad.shape == (1, 0, 2, 16)
+    dist.barrier()
+
+
+def test_empty_shard_fullgraph_two_ranks(worlds):
+    worlds(2, timeout=120, **TORCH).run(_empty_shard_compiled)
+
+
 # ----------------------------------------------------------------------------- hybrid, 2 x 2 grid
 
 
