@@ -56,6 +56,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import hashlib
 import inspect
 from dataclasses import dataclass
 
@@ -827,7 +828,8 @@ def allreduce_grads(model, group=None, *, head_group=None, bucket_mb: float = 25
     group, i.e. over all R x U ranks. A model applied by apply() checks that the ranks summed
     over include its own ring and head group (group alone, without the head_group its model
     was applied with, would leave each rank part of the gradient): otherwise a ValueError, on
-    every rank that takes part, before any gradient is changed.
+    every rank that takes part, before any gradient is changed; so do ranks whose trainable
+    parameters differ in number, shapes or dtypes (one small all_gather per call).
     A parameter whose gradient is None on some ranks and not on others counts as zero where it
     is None; None on every rank stays None. Gradients are reduced in flat buckets of about
     `bucket_mb` MiB per (device, dtype). No-op without a process group or with one rank.
@@ -849,27 +851,27 @@ def allreduce_grads(model, group=None, *, head_group=None, bucket_mb: float = 25
         return
     pgs = [resolve_group(g) for g in ((group,) if head_group is None else (group, head_group))]
     params = [p for p in model.parameters() if p.requires_grad]
-    if not params:
-        if error is not None:
-            raise error
-        return
     layouts = {p.grad.layout for p in params if p.grad is not None} - {torch.strided}
-    if error is None and layouts:  # raised with the others' errors below: a rank may have no such gradient
+    if error is None and layouts:
         error = _unsupported(f"{api}: a sparse or non-strided gradient ({layouts.pop()}) is not supported")
-    # ranks agree on which gradients exist, so every rank reduces the same buckets; the last
-    # entry: whether some rank's check failed, so that all of them raise
-    flags = [p.grad is not None for p in params] + [error is not None]
-    has = torch.tensor(flags, dtype=torch.int32, device=params[0].device)
+    # every rank raises if one rank's check failed, or if the ranks' trainable parameters differ
+    # (a layer frozen on one rank alone): the buckets below must be the same on every rank
+    shapes = repr([(tuple(p.shape), str(p.dtype)) for p in params]).encode()
+    fields = {
+        "trainable parameters": len(params),
+        "their shapes and dtypes (a digest)": int.from_bytes(hashlib.sha256(shapes).digest()[:7], "little"),
+    }
+    device = params[0].device if params else None
+    if head_group is None:
+        agree_across_ranks(group, fields, error, api, device=device)
+    else:
+        agree_across_grid(group, head_group, fields, error, api, device=device)
+    if not params:
+        return
+    # ranks agree on which gradients exist, so every rank reduces the same buckets
+    has = torch.tensor([p.grad is not None for p in params], dtype=torch.int32, device=device)
     for pg in pgs:
         dist.all_reduce(has, op=dist.ReduceOp.MAX, group=pg)
-    has = has.tolist()
-    if error is not None:
-        raise error
-    if has[-1]:
-        raise ValueError(
-            f"{api}: another rank rejected its model's gradients or the groups (see that rank's error: "
-            "the ranks summed over must cover the group and head_group given to apply(); gradients dense)"
-        )
     present = []
     for p, h in zip(params, has):
         if h:

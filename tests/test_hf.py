@@ -918,7 +918,7 @@ def _sparse_grad_on_one_rank(rank, world):
     model = torch.nn.Sequential(torch.nn.Embedding(10, 4, sparse=True), torch.nn.Linear(4, 2))
     x = model[0](torch.tensor([1, 2])) if rank == 0 else torch.randn(2, 4)
     model[1](x).sum().backward()
-    pattern = "sparse or non-strided gradient" if rank == 0 else "another rank rejected"
+    pattern = "sparse or non-strided gradient" if rank == 0 else r"rank\(s\) \[0\] of the group rejected"
     with pytest.raises((NotImplementedError, ValueError), match=pattern):
         rhf.allreduce_grads(model)
     model[0].weight.grad = None
@@ -953,3 +953,22 @@ def _pre_hook_inputs_on_one_rank(rank, world):
 
 def test_pre_hook_inputs_on_one_rank_raise_on_every_rank(worlds):
     worlds(2, timeout=60, **ENV).run(_pre_hook_inputs_on_one_rank)
+
+
+def _frozen_on_one_rank(rank, world):
+    """A layer frozen on rank 1 alone: the ranks' trainable parameters differ, so the
+    gradients' buckets would not match; every rank raises, none waits or sums mixed-up buckets."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    model[0].requires_grad_(rank == 0)
+    model(torch.randn(3, 4)).sum().backward()
+    with pytest.raises(ValueError, match="disagree .*trainable parameters: rank 0=4, rank 1=2"):
+        rhf.allreduce_grads(model)
+    model[0].requires_grad_(True)
+    model[0].weight.grad = model[0].bias.grad = None
+    rhf.allreduce_grads(model)  # the group still works
+    assert model[0].weight.grad is None and model[1].weight.grad.shape == (2, 4)
+
+
+def test_frozen_layer_on_one_rank_raises_on_every_rank(worlds):
+    worlds(2, timeout=60, **ENV).run(_frozen_on_one_rank)
