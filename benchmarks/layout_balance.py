@@ -145,6 +145,10 @@ def main(argv=None):
         for world in (8, 16):
             secs = ", ".join(f"{m} {timing(lengths, world, m):.3f} s" for m in ("causal", "win(31,0)", "win(31,31)"))
             print(f"balanced_layout, {len(lengths)} {name} documents on {world} ranks: {secs}")
+    # the slowest polish found: long documents cut over many ranks under a short window
+    long = document_lengths("longtail", 524288, 0)
+    secs = ", ".join(f"{m} {timing(long, 32, m):.3f} s" for m in ("causal", "win(31,31)", "win(100,0)"))
+    print(f"balanced_layout, {len(long)} long documents (512K tokens) on 32 ranks: {secs}")
     write_json(args.json, rows)
 
 
