@@ -58,12 +58,12 @@ def test_default_scale_is_the_true_head_dim():
 @pytest.mark.parametrize("D", [1, 5, 12])
 def test_ring_any_head_dim_torch(worlds, world, D):
     for layout in ("zigzag", "contiguous"):
-        worlds(world, **TORCH).run(ring_vs_oracle, Case(layout, True, 2, 3, 4, 2, D, torch.float32, 2e-5, seed=D))
+        worlds(world, **TORCH).run(ring_vs_oracle, Case(layout, True, 2, 3, 4, 2, D, torch.float32, seed=D))
 
 
 @pytest.mark.parametrize("D", [3, 12])
 def test_ring_any_head_dim_triton(worlds, D):
-    case = Case("zigzag", True, 1, 6, 2, 1, D, torch.float32, 5e-5, seed=D, mask="bool")
+    case = Case("zigzag", True, 1, 6, 2, 1, D, torch.float32, seed=D, mask="bool")
     worlds(2, **TRITON).run(ring_vs_oracle, case)
 
 

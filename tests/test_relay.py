@@ -86,7 +86,6 @@ def _chunked_cases():
                                 4,
                                 16,
                                 torch.float32,
-                                2e-5,
                                 seed=10 * world + chunks,
                                 grad_chunks=chunks,
                             ),
@@ -94,17 +93,18 @@ def _chunked_cases():
                     )
         if world == 4:
             continue
-        out.append((world, Case("zigzag", True, 1, 8, 3, 1, 16, torch.float64, 1e-10, seed=5, grad_chunks=3)))
+        out.append((world, Case("zigzag", True, 1, 8, 3, 1, 16, torch.float64, seed=5, tol=1e-10, grad_chunks=3)))
         out.append(
             (
                 world,
-                Case(
-                    "zigzag", False, 1, 2, 5, 5, 16, torch.float32, 2e-5, seed=6, mask="bool", kv_chunk=5, grad_chunks=3
-                ),
+                Case("zigzag", False, 1, 2, 5, 5, 16, torch.float32, seed=6, mask="bool", kv_chunk=5, grad_chunks=3),
             )
         )  # 2+2+1 heads, cross-attention
         out.append(
-            (world, Case("contiguous", True, 2, 3, 6, 3, 16, torch.float64, 1e-10, seed=7, mask="float", grad_chunks=2))
+            (
+                world,
+                Case("contiguous", True, 2, 3, 6, 3, 16, torch.float64, seed=7, tol=1e-10, mask="float", grad_chunks=2),
+            )
         )  # 2+1 heads
     return out
 
