@@ -16,7 +16,7 @@ from ringflash.local import use_backend
 from ringflash.testing import replay_ring
 
 from dist_utils import free_port
-from oracle import max_err, reference
+from oracle import assert_within, max_err, plain_errors, reference
 from ring_cases import TORCH
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -187,7 +187,8 @@ def test_property_ring_schedule_matches_float64(
     seed=st.integers(0, 2**31 - 1),
 )
 def test_property_triton_kernels_match_float64(sq, sk, heads_kv, group, head_dim, causal, masked, seed):
-    """The Triton kernels (interpreter on CPU, float32) against the float64 oracle on arbitrary shapes."""
+    """The Triton kernels (interpreter on CPU, float32) against the float64 oracle on arbitrary
+    shapes, within oracle.assert_within of the plain float32 computation."""
     g = torch.Generator().manual_seed(seed)
     q = torch.randn(1, sq, heads_kv * group, head_dim, generator=g).requires_grad_()
     k, v = (torch.randn(1, sk, heads_kv, head_dim, generator=g).requires_grad_() for _ in range(2))
@@ -196,7 +197,10 @@ def test_property_triton_kernels_match_float64(sq, sk, heads_kv, group, head_dim
     with use_backend("triton"):
         out = flash_attn_func(q, k, v, causal=causal, key_padding_mask=kpm)
         grads = torch.autograd.grad(out, (q, k, v), do)
-    ref, _, *ref_grads = reference(q, k, v, do, causal=causal, key_padding_mask=kpm)
-    assert max_err(out, ref) < 1e-4
-    for got, want in zip(grads, ref_grads):
-        assert max_err(got, want) < 1e-3 * max(1.0, want.abs().max().item())
+    ref = reference(q, k, v, do, causal=causal, key_padding_mask=kpm)
+    plain = plain_errors(q, k, v, do, ref, causal=causal, key_padding_mask=kpm)
+    assert_within("out", out, ref[0], plain["out"])
+    for name, got, want in zip(("dq", "dk", "dv"), grads, ref[2:]):
+        # one key: dk is rounding noise summed over every query of the group (test_local._check)
+        sum_len = head_dim * sq * group if name == "dk" and sk == 1 else None
+        assert_within(name, got, want, plain[name], sum_len=sum_len)
