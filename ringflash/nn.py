@@ -143,6 +143,8 @@ class RingMultiheadAttention(nn.MultiheadAttention):
             ("query", "key", "value"), (query, key, value), self._projections(), (self.embed_dim, self.kdim, self.vdim)
         ):
             if x.shape[-1] != size:
+                if name == "query":  # torch's words
+                    raise InputError(f"{api}: was expecting embedding dimension of {size}, but got {x.shape[-1]}")
                 raise InputError(f"{api}: {name} has embedding dimension {x.shape[-1]}, expected {size}")
             if x.device != w.device:
                 raise ProjectionTypeError(f"{api}: {name} is on {x.device}, the module's weights on {w.device}")
@@ -172,10 +174,6 @@ class RingMultiheadAttention(nn.MultiheadAttention):
             return self._nested(query, key, value, key_padding_mask, attn_mask, is_causal, api)
         try:
             unbatched = not _batched(query, key, value, key_padding_mask, attn_mask, self.num_heads, api)
-            if query.shape[-1] != self.embed_dim:  # torch's words (else F.linear's RuntimeError)
-                raise InputError(
-                    f"{api}: was expecting embedding dimension of {self.embed_dim}, but got {query.shape[-1]}"
-                )
             self._check_projected(key, value, query, api)
             if unbatched:
                 query, key, value = (t.unsqueeze(1) for t in (query, key, value))  # (L, 1, E)
