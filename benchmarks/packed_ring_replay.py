@@ -32,7 +32,8 @@ same copies on the compute stream, an upper bound on their cost). Reported per (
              together ("both"), then each apart ("-": no ring loop ran, as where every
              document is whole and each rank's call is the local one)
 --balance-slack varies ringflash.balance.BALANCE_SLACK (the layout: how many documents stay
-whole; printed when not the default). --layouts balanced document-zigzag also replays every
+whole; printed when not the default); --polish-moves varies ringflash.balance.POLISH_MOVES (how
+many moves improve a bounded window's deal; 0: the deal alone). --layouts balanced document-zigzag also replays every
 document cut over every rank in 2P zigzag chunks (ringflash.balance.document_zigzag_layout),
 as the context-parallel peers shard packed documents, with the same kernels: the layout's own
 share of the result; "few-ranks" (an experiment: benchmarks.common.few_rank_layout) cuts each
@@ -248,14 +249,20 @@ def measure_total(args, device, dtype, total, documents_forward, documents_backw
         args.layouts,
         args.worlds,
         args.balance_slack or [None],
+        args.polish_moves or [None],
         args.own_call_work_log2 or [None],
         args.grad_chunks or [None],
         args.grad_accum_dtypes or [None],
     )
-    for layout_name, world, slack, own_log2, chunks, accum_name in variants:
+    for layout_name, world, slack, polish, own_log2, chunks, accum_name in variants:
         accum = {None: None, "float32": torch.float32, "input": dtype}[accum_name]
         slack = ringflash.balance.BALANCE_SLACK if slack is None else slack
-        with cuts_aligned(args.align, args.align_min_piece), mock.patch("ringflash.balance.BALANCE_SLACK", slack):
+        polish = ringflash.balance.POLISH_MOVES if polish is None else polish
+        with (
+            cuts_aligned(args.align, args.align_min_piece),
+            mock.patch("ringflash.balance.BALANCE_SLACK", slack),
+            mock.patch("ringflash.balance.POLISH_MOVES", polish),
+        ):
             layout = LAYOUTS[layout_name](cu_list, world, causal=True, window_size=window)
         own = ringflash.balance.OWN_CALL_WORK if own_log2 is None else 2.0**own_log2
         with mock.patch("ringflash.balance.OWN_CALL_WORK", own):
@@ -318,6 +325,7 @@ def measure_total(args, device, dtype, total, documents_forward, documents_backw
             efficiency=single_ms / world / max(per_rank),
             own_call_work=own,
             balance_slack=slack,
+            polish_moves=polish,
             grad_chunks=chunks,
             grad_accum_dtype=accum_name,
             documents_forward=documents_forward,
@@ -360,6 +368,7 @@ def measure_total(args, device, dtype, total, documents_forward, documents_backw
             + (f" (inline {row['efficiency_inline_copies']:.3f}); " if inline else "; ")
             + f"own calls from 2^{math.log2(own):.0f}"
             + ("" if slack == ringflash.balance.BALANCE_SLACK else f", balance slack {slack}")
+            + ("" if polish == ringflash.balance.POLISH_MOVES else f", polish moves {polish}")
             + ("" if chunks is None else f", grad_chunks {chunks}")
             + ("" if accum_name is None else f", grad_accum_dtype {accum_name}")
             + f"; documents {label}"
@@ -418,6 +427,13 @@ def main():
         nargs="+",
         help="variants of ringflash.balance.BALANCE_SLACK (how far above an equal share a whole document may leave "
         "a rank: more keeps more documents whole, fewer cut into small pieces)",
+    )
+    ap.add_argument(
+        "--polish-moves",
+        type=int,
+        nargs="+",
+        help="variants of ringflash.balance.POLISH_MOVES (at most this many moves improve a bounded window's deal; "
+        "0: the deal alone)",
     )
     ap.add_argument("--grad-chunks", type=int, nargs="+", help="variants of grad_chunks (default: the ring's own)")
     ap.add_argument(
