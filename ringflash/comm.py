@@ -17,6 +17,12 @@ def resolve_group(group):
     return dist.group.WORLD if group is None else group
 
 
+def ring_group_name(group, world: int) -> str:
+    """The name the ring operators (ops) resolve `group` by: "" for a ring of one rank, which
+    may have no process group at all."""
+    return resolve_group(group).group_name if world > 1 else ""
+
+
 def group_rank_world(group) -> tuple[int, int]:
     """(rank, world size) in `group`; (0, 1) when no process group is initialized.
 

@@ -35,8 +35,8 @@ from .comm import (
     check_backend_device,
     group_rank_world,
     is_mesh,
-    resolve_group,
     resolve_groups,
+    ring_group_name,
     validated_across_ranks,
     warn_placement,
 )
@@ -573,18 +573,19 @@ def _ring_flash_attn(
         warn_placement(group)
         agree = []
     if agree_only is not None:
-        group_name = resolve_group(group).group_name if world > 1 else ""
-        return ops.agree(agree_only, operator_dropout(p, generator)[1], group_name, spec.layout, agree)
+        return ops.agree(
+            agree_only, operator_dropout(p, generator)[1], ring_group_name(group, world), spec.layout, agree
+        )
     if q.shape[0] == 0 or q.shape[1] == 0 or q.shape[2] == 0 or k.shape[1] == 0:  # agreed by every rank
         out, lse = empty_attention(q, k, v)
         if agree:
             # compiled: no ring operator runs the check, so the agreement operator does; the
             # results are its copies, or the graph would drop it as unused
-            group_name = resolve_group(group).group_name
-            out, lse, _ = ops.ring_agree([out, lse], operator_dropout(p, generator)[1], group_name, spec.layout, agree)
+            seed = operator_dropout(p, generator)[1]
+            out, lse, _ = ops.agree([out, lse], seed, ring_group_name(group, world), spec.layout, agree)
         return (out, lse) if return_lse else out
     out, lse, _, _, _ = ops.ring_fwd(
-        q, k, v, key_bias, None, resolve_group(group).group_name if world > 1 else "", *ops.window_args(spec.window),
+        q, k, v, key_bias, None, ring_group_name(group, world), *ops.window_args(spec.window),
         spec.scale, *operator_dropout(p, generator), spec.layout,
         -1 if spec.grad_chunks is None else spec.grad_chunks, spec.grad_accum,
         "" if torch.compiler.is_compiling() else backend_name(q.device), spec.deterministic, agree,
@@ -758,7 +759,7 @@ def ring_flash_attn_varlen_func(
     # local one
     k_p, v_p = layout.pad_block(k, rank, window=spec.window), layout.pad_block(v, rank, window=spec.window)
     out, lse, _, _, _ = ops.ring_fwd(
-        q[None], k_p[None], v_p[None], None, cu_check, resolve_group(group).group_name if world > 1 else "",
+        q[None], k_p[None], v_p[None], None, cu_check, ring_group_name(group, world),
         *ops.window_args(spec.window), spec.scale, *operator_dropout(p, generator), layout.code,
         -1 if spec.grad_chunks is None else spec.grad_chunks, spec.grad_accum,
         "" if compiling else backend_name(q.device), spec.deterministic, agree,
