@@ -10,7 +10,7 @@ from ringflash import flash_attn_func
 from ringflash.local import flash_attn_varlen_func
 from ringflash.testing import naive_attention, varlen_plain_errors, varlen_reference
 
-from oracle import assert_within, case_dtypes, max_err
+from oracle import assert_within, case_dtypes
 
 BOTH = pytest.mark.parametrize("backend", ["torch", "triton"], indirect=True)
 
@@ -94,7 +94,7 @@ def test_one_document_equals_flash_attn_func(backend, causal):
     q, k, v, do = _packed([37], [50], 4, 2, 32, torch.float32, 3)
     a = flash_attn_varlen_func(q, k, v, _cu([37]), _cu([50]), causal=causal)
     b = flash_attn_func(q[None], k[None], v[None], causal=causal)[0]
-    assert max_err(a, b) < 1e-6
+    assert torch.equal(a, b)  # the same kernels over the same tiles: the same bits
 
 
 def test_outputs_are_views_whose_backward_copies_nothing():
@@ -216,8 +216,12 @@ def test_empty_rows_have_zero_gradients():
     dq, dk, dv = torch.autograd.grad(out, (q, k, v), do)
     assert torch.all(out[:4] == 0) and torch.all(dq[:4] == 0)
     assert torch.isfinite(dk).all() and torch.isfinite(dv).all()
-    ref, _ = naive_attention(q[None, :6], k[None, :2], v[None, :2], causal=True)
-    assert max_err(out[:6], ref[0]) < 1e-6
+    # float64 the reference, naive attention in float32 the plain baseline of the bound
+    ref, plain = (
+        naive_attention(q[None, :6], k[None, :2], v[None, :2], causal=True, dtype=d)[0]
+        for d in (torch.float64, torch.float32)
+    )
+    assert_within("out", out[None, :6], ref, plain)
 
 
 GPU_LENGTHS = [1, 0, 700, 3000, 129, 64, 1500, 2, 257]  # tiles of 64 / 128 rows: many straddle documents
