@@ -16,8 +16,9 @@ def _losses(out):
 def test_quickstart_two_ranks(tmp_path):
     out = run(TWO_RANKS + ["examples/quickstart.py"], tmp_path)
     assert "world 2" in out
-    err = float(re.search(r"max abs error ([0-9.e+-]+)", out).group(1))
-    assert err < 1e-4
+    # the script exits 1 past its tolerance, derived from one-device attention's error against float64
+    err, tol = map(float, re.search(r"max abs error ([0-9.e+-]+) .* \(tolerance ([0-9.e+-]+)\)", out).groups())
+    assert err <= tol
 
 
 def test_quickstart_one_process(tmp_path):
