@@ -89,19 +89,30 @@ def _collective_failure(group, api: str, error: Exception) -> RuntimeError:
 INPUT_ERRORS = (TypeError, ValueError, NotImplementedError)
 
 
-def agree_across_ranks(group, fields: dict, local_error, api: str, device=None, show=None) -> None:
-    """Make every rank of `group` fail together instead of hanging or computing garbage.
+# what every agreement over a ring says of the call's head group, after the caller's fields:
+# its size (0: none, the plain ring) and this rank's place in it. A plain call sends zeros over
+# `group` (agree_across_ranks) in the all_gather where a call with a head group sends its own
+# values over the same group (agree_across_grid's first), so ranks given a head_group and ranks
+# not given one meet in one all_gather and raise together
+HEAD_FIELDS = ("head_group size", "rank in head_group")
 
-    Each rank contributes whether its own validation passed (local_error is None) and its
-    integer `fields` (same keys on every rank), in one small all_gather. Then: a rank whose
-    own check failed raises its error; the others raise a ValueError that quotes it (a second
-    collective, on that path only); if all passed but some field differs, every rank raises the
-    same ValueError listing each rank's value. show(name, value) formats a value for the
-    message. A collective that fails (a dead rank, a timeout) raises a RuntimeError naming
-    ringflash and the call. Under CUDA graph capture: a RuntimeError naming the call, before
-    any collective (a replay would not agree again).
-    """
-    check_not_capturing(api, "the ring's ranks agree on every call, reading the result on the host")
+
+def head_fields(head_group) -> dict:
+    """HEAD_FIELDS' values for a call given `head_group` (None: zeros)."""
+    if head_group is None:
+        return dict.fromkeys(HEAD_FIELDS, 0)
+    u, U = group_rank_world(head_group)
+    return dict(zip(HEAD_FIELDS, (U, u)))
+
+
+def _show_head_field(name, value) -> str:
+    return "none" if name == "head_group size" and value == 0 else str(value)
+
+
+def _gather_rows(group, fields: dict, local_error, api: str, device):
+    """One agreement's exchange over `group`: every rank's row (1 when its own check passed,
+    then its fields) and, when some rank's check failed, every rank's message (a second
+    collective, on that path only). A collective that fails raises ringflash's RuntimeError."""
     group = resolve_group(group)
     row = [1 if local_error is None else 0] + [int(v) for v in fields.values()]
     mine = torch.tensor(row, dtype=torch.int64, device=_exchange_device(group, device))
@@ -109,26 +120,68 @@ def agree_across_ranks(group, fields: dict, local_error, api: str, device=None, 
     try:
         dist.all_gather(every, mine, group=group)
         rows = [t.tolist() for t in every]
-        failed = [r for r, other in enumerate(rows) if other[0] == 0]
         messages = [None] * len(rows)
-        if failed:
+        if any(other[0] == 0 for other in rows):
             dist.all_gather_object(messages, None if local_error is None else str(local_error), group=group)
     except RuntimeError as e:
         raise _collective_failure(group, api, e) from e
+    return rows, messages
+
+
+def _outcome(rows, messages, names, local_error, api: str, show):
+    """What a rank raises after an agreement's exchange (None: every rank passed, with equal
+    fields): its own error, else a ValueError quoting the ranks that failed, else one listing
+    the fields that differ, each rank's value."""
     if local_error is not None:
-        raise local_error
+        return local_error
+    failed = [r for r, other in enumerate(rows) if other[0] == 0]
     if failed:
         quoted = "; ".join(f"rank {r}: {messages[r]}" for r in failed)
-        raise ValueError(f"{api}: rank(s) {failed} of the group rejected their inputs ({quoted})")
+        return ValueError(f"{api}: rank(s) {failed} of the group rejected their inputs ({quoted})")
     show = show or (lambda name, v: str(v))
-    names = list(fields)
     diffs = [i for i in range(len(names)) if len({other[i + 1] for other in rows}) > 1]
-    if diffs:
-        detail = "; ".join(
-            f"{names[i]}: " + ", ".join(f"rank {r}={show(names[i], other[i + 1])}" for r, other in enumerate(rows))
-            for i in diffs
+    if not diffs:
+        return None
+    detail = "; ".join(
+        f"{names[i]}: "
+        + ", ".join(
+            f"rank {r}={(_show_head_field if names[i] in HEAD_FIELDS else show)(names[i], other[i + 1])}"
+            for r, other in enumerate(rows)
         )
-        raise ValueError(f"{api}: ranks of the group disagree ({detail})")
+        for i in diffs
+    )
+    hint = ""
+    if "head_group size" in names:
+        sizes = [other[names.index("head_group size") + 1] for other in rows]
+        if 0 in sizes and any(sizes):
+            hint = (
+                f"; head_group given on rank(s) {[r for r, n in enumerate(sizes) if n]} of the group only: give "
+                "every rank its head_group (or every rank a 2-D DeviceMesh as group), or none"
+            )
+    return ValueError(f"{api}: ranks of the group disagree ({detail}){hint}")
+
+
+def agree_across_ranks(group, fields: dict, local_error, api: str, device=None, show=None) -> None:
+    """Make every rank of `group` fail together instead of hanging or computing garbage.
+
+    Each rank contributes whether its own validation passed (local_error is None) and its
+    integer `fields` (same keys on every rank), then HEAD_FIELDS' zeros (no head group), in one
+    small all_gather. Then: a rank whose own check failed raises its error; the others raise a
+    ValueError that quotes it (a second collective, on that path only); if all passed but some
+    field differs, every rank raises the same ValueError listing each rank's value: a rank
+    whose call was given a head group sends the same row over the same group first
+    (agree_across_grid), so ranks that disagree on being given one raise here too, naming
+    head_group. show(name, value) formats a value for the message. A collective that fails
+    (a dead rank, a timeout) raises a RuntimeError naming ringflash and the call. Under CUDA
+    graph capture: a RuntimeError naming the call, before any collective (a replay would not
+    agree again).
+    """
+    check_not_capturing(api, "the ring's ranks agree on every call, reading the result on the host")
+    fields = {**fields, **head_fields(None)}
+    rows, messages = _gather_rows(group, fields, local_error, api, device)
+    error = _outcome(rows, messages, list(fields), local_error, api, show)
+    if error is not None:
+        raise error
 
 
 def validated_across_ranks(group, api: str, validate, field_names, *, device=None, show=None):
@@ -266,24 +319,14 @@ def _agree_stage(group, fields: dict, error, api: str, device, show):
     """One agreement over `group` that returns the error to raise later (or None)."""
     if group_rank_world(group)[1] == 1:
         return error
-    try:
-        agree_across_ranks(group, fields, error, api, device=device, show=show)
-    except INPUT_ERRORS as e:
-        return e
-    return None
+    rows, messages = _gather_rows(group, fields, error, api, device)
+    return _outcome(rows, messages, list(fields), error, api, show)
 
 
 def validated_across_grid(group, head_group, api: str, validate, field_names, *, device=None, show=None):
     """validated_across_ranks for the ranks of a grid: `group` (the ring, R ranks) and
-    `head_group` (U ranks) through every rank, the ring groups meeting each head group once.
-
-    Three small all_gathers, so that a rank's error or a disagreement anywhere in the grid
-    raises on every rank of it, with no rank left waiting: over head_group (every field, plus
-    the rank in `group` that a head group shares), over group (every field, plus the rank in
-    head_group that a ring shares, and the first stage's outcome), then over head_group again
-    (the second stage's outcome). validate() -> (fields, result) as in validated_across_ranks.
-    Pairs of groups that do not form a grid (a head group whose ranks sit at different ring
-    positions, the same group passed twice) disagree on those ranks and raise."""
+    `head_group` (U ranks) through every rank, the ring groups meeting each head group once:
+    validate() -> (fields, result) as in validated_across_ranks, then agree_across_grid."""
     try:
         fields, result = validate()
         error = None
@@ -294,16 +337,36 @@ def validated_across_grid(group, head_group, api: str, validate, field_names, *,
 
 
 def agree_across_grid(group, head_group, fields: dict, local_error, api: str, *, device=None, show=None) -> None:
-    """validated_across_grid's three all_gathers once this rank's validation has run (fields,
-    and local_error: its error or None; the compiled hybrid operator runs them when it
-    executes): returns when every rank of the grid passed with equal fields, else raises on
-    every rank."""
+    """agree_across_ranks for the ranks of a grid, once this rank's validation has run
+    (fields, and local_error: its error or None; the compiled hybrid operator runs this when
+    it executes): returns when every rank of the grid passed with equal fields, else raises
+    on every rank.
+
+    Three small all_gathers, so that a rank's error or a disagreement anywhere in the grid
+    raises on every rank of it, with no rank left waiting: over `group` (every field, then
+    HEAD_FIELDS: the head group's size and this rank's place in it: the row a call without a
+    head group sends over `group` in its one agreement), over head_group (every field, the
+    ring's size and the rank in `group` that a head group shares) and over `group` again (the
+    second one's outcome). Pairs of groups that do not form a grid (a head group whose ranks
+    sit at different ring positions, the same group passed twice) disagree on those ranks and
+    raise. A ring where some rank was given no head group (or could not use the one it was
+    given) raises after the first, on every rank of it: that rank takes part in no other.
+    A rank of a head group that was not given it can tell no one else: its head group's other
+    ranks, on other rings, wait for it in the second all_gather."""
     r, R = group_rank_world(group)
     u, U = group_rank_world(head_group)
-    sizes = {"ring size (group)": R, "head_group size": U}
-    error = _agree_stage(head_group, {**fields, **sizes, "rank in group": r}, local_error, api, device, show)
-    error = _agree_stage(group, {**fields, **sizes, "rank in head_group": u}, error, api, device, show)
-    error = _agree_stage(head_group, {}, error, api, device, show)
+    if R > 1 or U > 1:
+        check_not_capturing(api, "the ring's ranks agree on every call, reading the result on the host")
+    error = local_error
+    if R > 1:
+        row = {**fields, **head_fields(head_group)}
+        rows, messages = _gather_rows(group, row, local_error, api, device)
+        error = _outcome(rows, messages, list(row), local_error, api, show)
+        size = list(row).index("head_group size") + 1
+        if error is not None and any(other[size] == 0 for other in rows):  # a plain call's one agreement
+            raise error
+    error = _agree_stage(head_group, {**fields, "ring size (group)": R, "rank in group": r}, error, api, device, show)
+    error = _agree_stage(group, {}, error, api, device, show)
     if error is not None:
         raise error
 

@@ -208,8 +208,9 @@ def hybrid_backward(saved, dout, dlse, spec, comm, plan, head_group, lens_q, len
     return dq, dk, dv
 
 
-def _validated(group, head_group, api: str, validate, device):
-    """(validate()'s result, the operator's agree list). Eager: agreed over the grid now
+def _validated(group, head_group, api: str, validate, device, caller_fields=()):
+    """(validate()'s result, the operator's agree list). caller_fields: the names validate()
+    returns after the call's own (ring._agreed_names). Eager: agreed over the grid now
     (comm.validated_across_grid), agree empty. Traced by torch.compile: this rank's checks run
     now and the grid agreement inside the operator when it runs (dynamo cannot trace a
     collective whose result decides), agree this rank's signature."""
@@ -218,7 +219,7 @@ def _validated(group, head_group, api: str, validate, device):
     if torch.compiler.is_compiling():
         fields, result = validate()
         return result, list(fields.values())
-    names = _agreed_names(head_group=head_group)
+    names = _agreed_names(caller_fields)
     result = validated_across_grid(group, head_group, api, validate, names, device=device, show=_show_field)
     warn_placement(group, head_group)
     return result, []
@@ -262,10 +263,12 @@ def hybrid_attn(
     dropout_p=0.0,
     generator=None,
     deterministic=False,
+    caller_fields=None,
 ):
     """ring_flash_attn_func with a head_group (see its docstring and README: Hybrid). Dropout:
     the keep mask of the global query heads (this rank's start at u * Hq / U), one seed for the
-    whole grid (its first rank's)."""
+    whole grid (its first rank's). caller_fields: as ring._ring_flash_attn's, agreed with the
+    call's own fields (the same row as a call without a head group sends)."""
     from .ring import _signature, ring_call_spec
 
     api = "ring_flash_attn_func"
@@ -293,9 +296,9 @@ def hybrid_attn(
                         f"for layout {layout!r}"
                     )
         fields = _signature(q, k, v, spec, key_padding_mask is not None, p)
-        return fields, (spec, p)
+        return {**fields, **(caller_fields or {})}, (spec, p)
 
-    (spec, p), agree = _validated(group, head_group, api, validate, device)
+    (spec, p), agree = _validated(group, head_group, api, validate, device, tuple(caller_fields or ()))
     if R == 1:  # one ring position: every layout is the identity
         spec = dataclasses.replace(spec, layout="contiguous")
     L, Lk = q.shape[1], k.shape[1]

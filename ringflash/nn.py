@@ -346,12 +346,12 @@ class RingMultiheadAttention(nn.MultiheadAttention):
         """Raise `error`, found in this rank's own input before the ranks agree, on every rank:
         on several ranks (eager) this rank first takes part in the one check the other ranks'
         calls run (ring._ring_flash_attn's, with this module's fields; with a head group the
-        grid's, the call's fields alone), so that they raise too rather than wait for it in a
-        collective. like: the query (its device carries the check)."""
+        grid's), so that they raise too rather than wait for it in a collective. like: the
+        query (its device carries the check)."""
         if not torch.compiler.is_compiling():
             api, device = "RingMultiheadAttention", getattr(like, "device", None)
             group, head_group = resolve_groups(self.group, self.head_group, api)
-            fields = dict.fromkeys(_agreed_names(CALLER_FIELDS, head_group), 0)
+            fields = dict.fromkeys(_agreed_names(CALLER_FIELDS), 0)
             if head_group is not None:
                 agree_across_grid(group, head_group, fields, error, api, device=device)
             elif group_rank_world(group)[1] > 1:

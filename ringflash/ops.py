@@ -355,7 +355,8 @@ def ring_fwd(
     """The ring forward over the process group named `group_name` ("" : one rank), inputs
     already validated on this rank. layout: a layout name, or a balanced layout's .code
     (packed documents: B = 1; cu_seqlens, when given, are checked against the layout's).
-    agree: empty, or this rank's call signature (ring._signature's values), checked against
+    agree: empty, or this rank's call signature (ring._signature's values, then a caller's
+    ring.CALLER_FIELDS when it sends them), checked against
     every rank's with one all_gather before the ring starts (the compiled path's rank-agreement
     check; a rank whose cu_seqlens check failed makes every rank raise). dropout_p, seed: as
     flash_fwd's; every rank uses the first rank's seed. Returns out, lse, m, l as flash_fwd, and
@@ -548,8 +549,8 @@ def hybrid_fwd(
     k, v (B, lens_k[u], Hkv, D / Dv) this rank's tokens (u: its rank in the head group),
     key_padding_mask (B, lens_k[u]) or None; K/V travel the ring at ring_len rows. layout, as
     ring_fwd's (a balanced layout's .code: packed documents, B = 1, cu_seqlens checked when
-    given). agree: empty, or this rank's ring._signature values, agreed over the grid
-    (comm.agree_across_grid) before any exchange. dropout_p, seed: as ring_fwd's; every rank
+    given). agree: empty, or this rank's ring._signature values (then a caller's, as ring_fwd's),
+    agreed over the grid (comm.agree_across_grid) before any exchange. dropout_p, seed: as ring_fwd's; every rank
     uses the grid's first rank's seed (over the ring, then the head group).
     Returns out (B, lens_q[u], Hq, Dv), lse (B, Hq, lens_q[u]; (B, Hq, 0) without return_lse)
     and for hybrid_bwd the ring's q_r, k_r, v_r, out_r, m, l, key bias ((0,) without a mask)

@@ -362,12 +362,13 @@ def _signature(q, k, v, spec: RingSpec, has_mask: bool, dropout_p: float = 0.0, 
     return dict(zip(_FIELD_NAMES, values))
 
 
-def _agreed_names(caller_fields=(), head_group=None) -> tuple:
+def _agreed_names(caller_fields=()) -> tuple:
     """The names of the ints that the ranks of a ring call agree on (eager), in the order sent:
-    the call's own, then caller_fields' (_ring_flash_attn's; a head group's grid agrees the
-    call's own alone). A rank that fails before its call sends zeros under these names
-    (RingMultiheadAttention._raise_together): a different set would not match the others' rows."""
-    return _FIELD_NAMES if head_group is not None else _FIELD_NAMES + tuple(caller_fields)
+    the call's own, then caller_fields' (_ring_flash_attn's), with a head group or without
+    (comm.HEAD_FIELDS follow them, added where the ranks agree). A rank that fails before its
+    call sends zeros under these names (RingMultiheadAttention._raise_together): a different
+    set would not match the others' rows."""
+    return _FIELD_NAMES + tuple(caller_fields)
 
 
 def _show_field(name, value):
@@ -474,7 +475,8 @@ def ring_flash_attn_func(
     None: 4, fewer for accumulators under 4 x 64 MiB); receiving costs one chunk of memory.
     Every call checks with one small all_gather that all ranks passed the same shapes (head dims too), dtype,
     causal flag and window, layout, scale, mask presence, grad_accum_dtype and grad_chunks,
-    and raises on every rank if not.
+    and whether a head_group is given (its size, this rank's place in it), and raises on every
+    rank if not.
     head_group: a process group of U ranks sharing this rank's ring position (or pass a 2-D
     DeviceMesh as group: dim 0 the ring, dim 1 the heads): the sequence is then sharded over
     R x U ranks (shard(..., head_group=)), heads travel by all-to-all inside the head group
@@ -506,7 +508,7 @@ def _ring_flash_attn(
 ):  # fmt: skip
     """ring_flash_attn_func. caller_fields: CALLER_FIELDS' ints (name -> value) that every rank
     must agree on in the same check, for a caller whose ranks choose between paths before any
-    collective (RingMultiheadAttention); not with a head_group. agree_only: a tuple of tensors
+    collective (RingMultiheadAttention), with a head_group too. agree_only: a tuple of tensors
     (or Nones) that the caller's other path takes (its collectives' inputs): runs the check
     and returns them, with the dropout seed every rank uses (an int64 scalar tensor; None
     without dropout) after them; both come out of the operator that runs the check (compiled,
@@ -534,6 +536,7 @@ def _ring_flash_attn(
                 dropout_p=dropout_p,
                 generator=generator,
                 deterministic=deterministic,
+                caller_fields=caller_fields,
             )
     rank, world = group_rank_world(group)
 

@@ -148,10 +148,10 @@ def _errors(rank, world):
     # a local length that differs on one rank
     q6, k6 = torch.randn(1, 6, 4, 16), torch.randn(1, 6, 2, 16)
     _expect_raise(call(q6 if rank == 0 else q, k6 if rank == 0 else k), r"q local length: rank 0=6")
-    # the causal flag on one rank
-    _expect_raise(call(q, k, causal=rank == 2), r"causal / window_size right: rank 0=0 \(causal\)")
+    # the causal flag on one rank: found on its ring (rank 2 its second rank), quoted on the others
+    _expect_raise(call(q, k, causal=rank == 2), r"causal / window_size right: rank 0=-1 \(not causal\), rank 1=0 \(c")
     # the same group given as ring and heads: its ranks sit at different ring positions
-    _expect_raise(call(q, k, head_group=group), r"rank in group: rank 0=0, rank 1=1")
+    _expect_raise(call(q, k, head_group=group), r"rank in head_group: rank 0=0, rank 1=1")
     # U differing between ring positions: ranks 0, 1 in one head group, ranks 2, 3 alone
     solo = [dist.new_group([i]) for i in range(world)][rank]
     _expect_raise(call(q, k, head_group=head_group if rank < 2 else solo), r"head_group size: rank 0=2, rank 1=1")
@@ -178,6 +178,25 @@ def _errors(rank, world):
 
 def test_errors_raise_on_every_rank(worlds):
     worlds(4, **TORCH).run(_errors)
+
+
+def _head_group_on_one_head_group(rank, world):
+    """On a 2 x 2 grid, the ranks of one head group (2 and 3) not given it: every ring then
+    holds a rank without it, and every rank raises at the ring's first all_gather (where a
+    plain call agrees), naming head_group, instead of ranks 0 and 1 waiting for ranks 2 and 3
+    over their head group or the ring."""
+    group, head_group = grid(2, 2)
+    q, k = torch.randn(1, 4, 4, 16), torch.randn(1, 4, 2, 16)
+    lost = rank >= 2
+    given = r"disagree \(head_group size: rank 0=2, rank 1=none.*head_group given on rank\(s\) \[0\] of the group only"
+    _expect_raise(lambda: ring_flash_attn_func(q, k, k, group=group, head_group=None if lost else head_group), given)
+    _expect_raise(lambda: unshard(torch.zeros(1, 4), group=group, head_group=None if lost else head_group), given)
+    # the grid still works afterwards
+    assert ring_flash_attn_func(q, k, k, group=group, head_group=head_group, causal=True).shape == q.shape
+
+
+def test_head_group_missing_on_a_head_group_raises_on_every_rank(worlds):
+    worlds(4, timeout=120, **TORCH).run(_head_group_on_one_head_group)
 
 
 def _placement(rank, world):
