@@ -293,7 +293,9 @@ def resolve_groups(group, head_group, api: str):
     group; a 2-D mesh (with head_group None) is (ring dim 0, head dim 1), so the head groups
     are the mesh's rows: consecutive ranks, one node's GPUs under the usual placement.
     head_group may be a process group, a 1-D DeviceMesh, or None (the plain ring). A head
-    group without a ring group is a ValueError (the ring over the rest would be a guess)."""
+    group without a ring group is a ValueError (the ring over the rest would be a guess), and
+    so is, with a head group, a group or head_group that is no process group this rank is in
+    (new_group gives the ranks outside a group GroupMember.NON_GROUP_MEMBER)."""
     if is_mesh(head_group):
         if head_group.ndim != 1:
             raise ValueError(f"{api}: head_group as a DeviceMesh must be 1-D, got {head_group.ndim}-D")
@@ -312,7 +314,43 @@ def resolve_groups(group, head_group, api: str):
             f"{api}: head_group given without group; pass the ring's process group too (group=, R ranks "
             "whose head groups are disjoint), or a 2-D DeviceMesh as group"
         )
+    if head_group is not None:
+        _check_member("group", group, api)
+        _check_member("head_group", head_group, api)
     return group, head_group
+
+
+def _check_member(name: str, group, api: str) -> None:
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    if not isinstance(group, dist.ProcessGroup) or dist.get_rank(group) < 0:
+        got = "GroupMember.NON_GROUP_MEMBER" if group is dist.GroupMember.NON_GROUP_MEMBER else type(group).__name__
+        raise ValueError(
+            f"{api}: {name} must be a process group that this rank is in (or a DeviceMesh), got {got}; "
+            "torch.distributed.new_group gives the ranks outside the group GroupMember.NON_GROUP_MEMBER"
+        )
+
+
+def resolve_groups_or_error(group, head_group, api: str):
+    """resolve_groups for a call whose ranks agree before any other collective: (ring group,
+    head group or None, None); or, where this rank's group or head_group is refused, (the
+    group this rank agrees over, None, the error), for the caller to carry the error into its
+    agreement over that group (as an error of its own input), so that the ranks sharing it
+    raise too instead of waiting there: `group` as given (None: the default group), a
+    DeviceMesh's first dimension (the ring's, by the 2-D mesh's convention). Where `group`
+    names no process group this rank is in, the error is raised here: there is no group to
+    agree over."""
+    try:
+        return (*resolve_groups(group, head_group, api), None)
+    except (TypeError, ValueError) as error:
+        if is_mesh(group):
+            return group.get_group(0), None, error
+        if group is not None:
+            try:
+                _check_member("group", group, api)
+            except ValueError:
+                raise error from None
+        return group, None, error
 
 
 def _agree_stage(group, fields: dict, error, api: str, device, show):

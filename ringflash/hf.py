@@ -71,7 +71,15 @@ except ImportError as e:  # pragma: no cover - the extra is not installed
     raise ImportError("ringflash.hf needs transformers: pip install 'ringflash[hf]'") from e
 
 from .balance import balanced_layout
-from .comm import INPUT_ERRORS, agree_across_grid, agree_across_ranks, group_rank_world, resolve_group, resolve_groups
+from .comm import (
+    INPUT_ERRORS,
+    agree_across_grid,
+    agree_across_ranks,
+    group_rank_world,
+    resolve_group,
+    resolve_groups,
+    resolve_groups_or_error,
+)
 from .hybrid import head_plan
 from .layout import local_positions, shard
 from .local import flash_attn_func, flash_attn_varlen_func
@@ -843,8 +851,9 @@ def allreduce_grads(model, group=None, *, head_group=None, bucket_mb: float = 25
     sum over DP instead of averaging.
     """
     api = "ringflash.hf.allreduce_grads"
-    group, head_group = resolve_groups(group, head_group, api)
-    error = _check_reduction_covers(model, group, head_group, api)
+    # groups this rank cannot use: their error agreed over `group` as the others' (below)
+    group, head_group, error = resolve_groups_or_error(group, head_group, api)
+    error = error or _check_reduction_covers(model, group, head_group, api)
     if _sharded_world(group, head_group) == 1:
         if error is not None:
             raise error

@@ -21,7 +21,14 @@ import torch
 import torch.distributed as dist
 
 from ._checks import check_tensor
-from .comm import group_rank_world, resolve_group, resolve_groups, validated_across_grid, validated_across_ranks
+from .comm import (
+    group_rank_world,
+    resolve_group,
+    resolve_groups,
+    resolve_groups_or_error,
+    validated_across_grid,
+    validated_across_ranks,
+)
 from .schedule import check_divisible, check_layout, is_balanced, layout_code, segments, show_layout_code
 
 
@@ -164,17 +171,20 @@ class _Unshard(torch.autograd.Function):
         return shard(grad_full, group=group, layout=layout, dim=dim), None, None, None
 
 
-def _validated_unshard(x_local, layout, dim, world, api, device, place, group, head_group=None) -> int:
+def _validated_unshard(x_local, layout, dim, world, api, device, place, group, head_group=None, error=None) -> int:
     """unshard's checks of this rank's x_local, agreed across `group` (with a head_group: across
     the grid): the layout, dim, ndim and dtype, then every size but a balanced layout's own
     lengths. place: (rank in group, rank in head_group, head_group size U); a balanced layout
-    gives this rank its piece of the ring position's shard (all of it with U = 1). Returns the
-    dim, non-negative."""
+    gives this rank its piece of the ring position's shard (all of it with U = 1). error: one
+    found before (groups this rank cannot use), raised as its input's. Returns the dim,
+    non-negative."""
     rank, u, U = place
     agreed = validated_across_ranks if head_group is None else validated_across_grid
     groups = (group,) if head_group is None else (group, head_group)
 
     def validate_rank():
+        if error is not None:
+            raise error
         check_tensor("x_local", x_local, api)
         check_layout(layout, api)
         d = _norm_dim(x_local, dim, api)
@@ -214,7 +224,8 @@ def unshard(x_local, *, group=None, layout="zigzag", dim=1, head_group=None):
     the head group's pieces are gathered first (their ring position's shard), then the ring's.
     """
     api = "unshard"
-    group, head_group = resolve_groups(group, head_group, api)
+    # groups this rank cannot use: their error agreed over `group` as a bad x_local's would be
+    group, head_group, error = resolve_groups_or_error(group, head_group, api)
     device = getattr(x_local, "device", None)
     if head_group is not None:
         # agreed over the whole grid before any gather: a rank's bad input then raises on every
@@ -227,7 +238,7 @@ def unshard(x_local, *, group=None, layout="zigzag", dim=1, head_group=None):
             pieces = layout.head_pieces(r, U)
         x_local = unshard(x_local, group=head_group, layout=pieces, dim=d)
     rank, world = group_rank_world(group)
-    dim = _validated_unshard(x_local, layout, dim, world, api, device, (rank, 0, 1), group)
+    dim = _validated_unshard(x_local, layout, dim, world, api, device, (rank, 0, 1), group, error=error)
     if world == 1:  # every layout of one rank is the identity
         return x_local
     return _Unshard.apply(x_local, group, layout, dim)

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ._checks import MAX_HEAD_DIM, SUPPORTED_DTYPES, AttnDims, check_bool, key_bias_from_mask, resolve_scale
-from .comm import INPUT_ERRORS, agree_across_grid, agree_across_ranks, group_rank_world, resolve_groups
+from .comm import INPUT_ERRORS, agree_across_grid, agree_across_ranks, group_rank_world, resolve_groups_or_error
 from .dense import dense_attention, gather_sequence, pair_bias
 from .dropout import draw_seed
 from .layout import local_positions
@@ -346,11 +346,15 @@ class RingMultiheadAttention(nn.MultiheadAttention):
         """Raise `error`, found in this rank's own input before the ranks agree, on every rank:
         on several ranks (eager) this rank first takes part in the one check the other ranks'
         calls run (ring._ring_flash_attn's, with this module's fields; with a head group the
-        grid's), so that they raise too rather than wait for it in a collective. like: the
-        query (its device carries the check)."""
+        grid's), so that they raise too rather than wait for it in a collective (with groups
+        this rank cannot use: over the group it would carry that error over,
+        comm.resolve_groups_or_error). like: the query (its device carries the check)."""
         if not torch.compiler.is_compiling():
             api, device = "RingMultiheadAttention", getattr(like, "device", None)
-            group, head_group = resolve_groups(self.group, self.head_group, api)
+            try:
+                group, head_group, _ = resolve_groups_or_error(self.group, self.head_group, api)
+            except INPUT_ERRORS:  # no group to agree over: this rank's own error, here
+                raise error from None
             fields = dict.fromkeys(_agreed_names(CALLER_FIELDS), 0)
             if head_group is not None:
                 agree_across_grid(group, head_group, fields, error, api, device=device)

@@ -35,7 +35,7 @@ from .comm import (
     check_backend_device,
     group_rank_world,
     is_mesh,
-    resolve_groups,
+    resolve_groups_or_error,
     ring_group_name,
     validated_across_ranks,
     warn_placement,
@@ -476,7 +476,8 @@ def ring_flash_attn_func(
     Every call checks with one small all_gather that all ranks passed the same shapes (head dims too), dtype,
     causal flag and window, layout, scale, mask presence, grad_accum_dtype and grad_chunks,
     and whether a head_group is given (its size, this rank's place in it), and raises on every
-    rank if not.
+    rank if not; so does a group or head_group that one rank cannot use (the ranks sharing its
+    `group` raise its error).
     head_group: a process group of U ranks sharing this rank's ring position (or pass a 2-D
     DeviceMesh as group: dim 0 the ring, dim 1 the heads): the sequence is then sharded over
     R x U ranks (shard(..., head_group=)), heads travel by all-to-all inside the head group
@@ -514,8 +515,11 @@ def _ring_flash_attn(
     without dropout) after them; both come out of the operator that runs the check (compiled,
     it runs there), so no collective of that path can run before it.
     api: the name its errors start with (the caller's: a module's)."""
+    # a group or head_group this rank cannot use is an error of its input, carried into the
+    # agreement over `group` (comm.resolve_groups_or_error): the ranks waiting there raise it too
+    resolve_error = None
     if head_group is not None or is_mesh(group):
-        group, head_group = resolve_groups(group, head_group, api)
+        group, head_group, resolve_error = resolve_groups_or_error(group, head_group, api)
         if head_group is not None:
             from .hybrid import hybrid_attn
 
@@ -541,6 +545,8 @@ def _ring_flash_attn(
     rank, world = group_rank_world(group)
 
     def validate():
+        if resolve_error is not None:
+            raise resolve_error
         check_bool("return_lse", return_lse, api)
         p = check_dropout(dropout_p, generator, api)
         if is_balanced(layout):
@@ -642,9 +648,10 @@ def check_packed_call(
 
 @dataclasses.dataclass(frozen=True)
 class _LayoutError:
-    """A named layout whose building failed on this rank (bad cu_seqlens or window_size): it
-    stands in for the layout until check_packed_call raises its error inside the ranks'
-    agreement, so that every rank raises rather than the others waiting in a collective."""
+    """A named layout whose building failed on this rank (bad cu_seqlens or window_size), or
+    any layout of a call whose group or head_group this rank could not use: it stands in for
+    the layout until check_packed_call raises its error inside the ranks' agreement, so that
+    every rank raises rather than the others waiting in a collective."""
 
     error: Exception
 
@@ -712,9 +719,12 @@ def ring_flash_attn_varlen_func(
     """
     api = "ring_flash_attn_varlen_func"
     check_not_capturing(api, _PACKED_ON_HOST)
-    if head_group is not None or is_mesh(group):
-        group, head_group = resolve_groups(group, head_group, api)
+    resolve_error = None
+    if head_group is not None or is_mesh(group):  # an error carried as ring_flash_attn_func's
+        group, head_group, resolve_error = resolve_groups_or_error(group, head_group, api)
     try:
+        if resolve_error is not None:
+            raise resolve_error
         layout, cu_seqlens = _packed_layout(layout, cu_seqlens, causal, window_size, group, head_group, api)
     except INPUT_ERRORS as error:
         if torch.compiler.is_compiling():

@@ -398,3 +398,78 @@ def _unshard_device_on_one_rank(rank, world):
 
 def test_unshard_device_on_one_rank_raises_on_every_rank(worlds):
     worlds(2, timeout=60, **TORCH).run(_unshard_device_on_one_rank)
+
+
+def _head_group_on_one_rank(rank, world):
+    """A head_group given on rank 1 alone, or one that rank 1 cannot use: rank 1 would take the
+    hybrid path (or raise) while rank 0 agrees on the plain ring's call. Every rank raises,
+    naming head_group, at the one agreement over `group` that both enter."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import ringflash
+    from ringflash.nn import RingMultiheadAttention
+
+    solo = [dist.new_group([r]) for r in range(world)][rank]  # a head group of one: a 2 x 1 grid
+    only0 = dist.new_group([0])  # rank 1 is not in it (it gets GroupMember.NON_GROUP_MEMBER)
+    mesh = init_device_mesh("cpu", (world, 1))  # 2-D: (ring, heads)
+    one = rank == 1
+    q = torch.randn(1, 4, 2, 16)
+
+    def raises(call, mine, theirs):
+        with pytest.raises(ValueError, match=mine if one else theirs):
+            call()
+
+    given = r"disagree \(head_group size: rank 0=none, rank 1=1.*head_group given on rank\(s\) \[1\] of the group only"
+    world_group = dist.group.WORLD
+    raises(lambda: ring_flash_attn_func(q, q, q, group=world_group, head_group=solo if one else None), given, given)
+    raises(  # group=None on every rank (the default group), a head_group on rank 1 alone
+        lambda: ring_flash_attn_func(q, q, q, head_group=solo if one else None),
+        "head_group given without group",
+        r"rank\(s\) \[1\] .*rejected their inputs \(rank 1: .*head_group given without group",
+    )
+    raises(  # a 2-D DeviceMesh as head_group
+        lambda: ring_flash_attn_func(q, q, q, group=world_group, head_group=mesh if one else None),
+        "head_group as a DeviceMesh must be 1-D",
+        r"rank\(s\) \[1\] .*head_group as a DeviceMesh must be 1-D",
+    )
+    raises(  # a group rank 1 is not in
+        lambda: ring_flash_attn_func(q, q, q, group=world_group, head_group=only0 if one else None),
+        "head_group must be a process group that this rank is in",
+        r"rank\(s\) \[1\] .*head_group must be a process group that this rank is in",
+    )
+    raises(  # the 2-D mesh on both (a 2 x 1 grid), and a head_group besides on rank 1
+        lambda: ring_flash_attn_func(q, q, q, group=mesh, head_group=solo if one else None),
+        "2-D .* without head_group",
+        r"rank\(s\) \[1\] .*2-D \(ring dim, head dim\) without head_group",
+    )
+    # packed documents, the module and unshard: the same agreement
+    layout = ringflash.balanced_layout([0, 3, 8], world)
+    packed = torch.randn(layout.local_len(rank), 2, 16)
+    raises(
+        lambda: ring_flash_attn_varlen_func(
+            packed, packed, packed, [0, 3, 8], layout=layout, group=world_group, head_group=solo if one else None
+        ),
+        given,
+        given,
+    )
+    raises(
+        lambda: ring_flash_attn_varlen_func(
+            packed, packed, packed, [0, 3, 8], layout=layout, head_group=solo if one else None
+        ),
+        "head_group given without group",
+        r"rank\(s\) \[1\] .*head_group given without group",
+    )
+    module = RingMultiheadAttention(32, 2, batch_first=True, group=world_group, head_group=solo if one else None)
+    x = torch.randn(1, 4, 32)
+    raises(lambda: module(x, x, x, need_weights=False), given, given)
+    # need_weights=True: rank 1's NotImplementedError (not with a head group), quoted on rank 0
+    with pytest.raises(NotImplementedError if one else ValueError, match=r"(rank\(s\) \[1\] .*)?need_weights=True"):
+        module(x, x, x)
+    raises(lambda: unshard(torch.zeros(1, 4), group=world_group, head_group=solo if one else None), given, given)
+    # the group still works afterwards
+    assert ring_flash_attn_func(q, q, q, causal=True).shape == q.shape
+
+
+def test_head_group_on_one_rank_raises_on_every_rank(worlds):
+    worlds(2, timeout=60, **TORCH).run(_head_group_on_one_rank)

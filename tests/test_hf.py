@@ -980,3 +980,34 @@ def _frozen_on_one_rank(rank, world):
 
 def test_frozen_layer_on_one_rank_raises_on_every_rank(worlds):
     worlds(2, timeout=60, **ENV).run(_frozen_on_one_rank)
+
+
+def _head_group_on_one_rank(rank, world):
+    """A head_group given to allreduce_grads or apply on rank 1 alone (a 2 x 1 grid there, the
+    plain ring on rank 0), or one rank 1 cannot use (a 2-D DeviceMesh): every rank raises,
+    naming head_group, none waits in another collective."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    solo = [dist.new_group([r]) for r in range(world)][rank]
+    mesh = init_device_mesh("cpu", (world, 1))
+    one, everyone = rank == 1, dist.group.WORLD
+    given = r"disagree \(head_group size: rank 0=none, rank 1=1.*given on rank\(s\) \[1\] of the group only"
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(4, 2)
+    linear(torch.randn(3, 4)).sum().backward()
+    with pytest.raises(ValueError, match=given):
+        rhf.allreduce_grads(linear, group=everyone, head_group=solo if one else None)
+    pattern = (
+        "must be 1-D" if one else r"rank\(s\) \[1\] of the group rejected .*head_group as a DeviceMesh must be 1-D"
+    )
+    with pytest.raises(ValueError, match=pattern):
+        rhf.allreduce_grads(linear, group=everyone, head_group=mesh if one else None)
+    rhf.allreduce_grads(linear, group=everyone)  # the group still works
+    model = rhf.apply(make_model("llama", num_hidden_layers=1), group=everyone, head_group=solo if one else None)
+    ids, _ = make_batch(3, "none")
+    with pytest.raises(ValueError, match=given):
+        model(**rhf.shard_inputs(ids, group=everyone, head_group=solo if one else None))
+
+
+def test_head_group_on_one_rank_raises_on_every_rank(worlds):
+    worlds(2, timeout=60, **ENV).run(_head_group_on_one_rank)

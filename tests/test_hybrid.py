@@ -181,15 +181,24 @@ def test_errors_raise_on_every_rank(worlds):
 
 
 def _head_group_on_one_head_group(rank, world):
-    """On a 2 x 2 grid, the ranks of one head group (2 and 3) not given it: every ring then
-    holds a rank without it, and every rank raises at the ring's first all_gather (where a
-    plain call agrees), naming head_group, instead of ranks 0 and 1 waiting for ranks 2 and 3
-    over their head group or the ring."""
+    """On a 2 x 2 grid, the ranks of one head group (2 and 3) not given it, or given one they
+    cannot use: every ring then holds a rank without it, and every rank raises at the ring's
+    first all_gather (where a plain call agrees), naming head_group, instead of ranks 0 and 1
+    waiting for ranks 2 and 3 over their head group or the ring."""
+    from torch.distributed.device_mesh import init_device_mesh
+
     group, head_group = grid(2, 2)
+    mesh = init_device_mesh("cpu", (2, 2))
     q, k = torch.randn(1, 4, 4, 16), torch.randn(1, 4, 2, 16)
     lost = rank >= 2
     given = r"disagree \(head_group size: rank 0=2, rank 1=none.*head_group given on rank\(s\) \[0\] of the group only"
     _expect_raise(lambda: ring_flash_attn_func(q, k, k, group=group, head_group=None if lost else head_group), given)
+    _expect_raise(
+        lambda: ring_flash_attn_func(q, k, k, group=group, head_group=mesh if lost else head_group),
+        r"head_group as a DeviceMesh must be 1-D"
+        if lost
+        else r"rank\(s\) \[1\] .*head_group as a DeviceMesh must be 1-D",
+    )
     _expect_raise(lambda: unshard(torch.zeros(1, 4), group=group, head_group=None if lost else head_group), given)
     # the grid still works afterwards
     assert ring_flash_attn_func(q, k, k, group=group, head_group=head_group, causal=True).shape == q.shape
