@@ -25,7 +25,7 @@ def _cases():
         for layout in ("zigzag", "contiguous"):
             for causal in (False, True):
                 out.append((world, Case(layout, causal, 2, 5, 4, 2, 16, torch.float32, seed=world)))
-        out.append((world, Case("zigzag", True, 1, 24, 3, 1, 32, torch.float64, seed=7, tol=1e-10)))  # MQA, float64
+        out.append((world, Case("zigzag", True, 1, 24, 3, 1, 32, torch.float64, seed=7)))  # MQA, float64
         out.append(
             (world, Case("zigzag", False, 2, 3, 2, 2, 16, torch.float32, seed=8, mask="bool", kv_chunk=7))
         )  # cross-attention, padded keys
