@@ -409,7 +409,9 @@ def test_causal_hint_with_the_lowest_float():
 def test_grad_accum_dtype_reaches_the_ring():
     """The module passes grad_accum_dtype on: an invalid one is refused by name, the inputs'
     own dtype is taken (the module's gradients, with either, within the bound derived from torch's
-    own bfloat16 layer against float64)."""
+    own bfloat16 layer against float64). In one process the two give the same bits (one ring
+    step, nothing accumulated across steps): test_grad_accum_dtype_reaches_the_ring_accumulation
+    shows the setting reaching the accumulation, on 2 ranks."""
     x = torch.randn(1, 8, E, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="grad_accum_dtype must be None"):
         RingMultiheadAttention(E, H, batch_first=True, dtype=torch.bfloat16, grad_accum_dtype=torch.float16)(
@@ -432,6 +434,53 @@ def test_grad_accum_dtype_reaches_the_ring():
     for (n, p64), a, b, plain in zip(mha64.named_parameters(), exact.parameters(), low.parameters(), mha.parameters()):
         assert_within(f"{n} (float32 accumulation)", a.grad, p64.grad, plain.grad)
         assert_within(f"{n} (bfloat16 accumulation)", b.grad, p64.grad, plain.grad)
+
+
+def _grad_accum_world2(rank, world):
+    """RingMultiheadAttention(grad_accum_dtype=bfloat16) on 2 ranks against the default (float32
+    accumulation): the input's and the parameters' gradients of both within the bound derived
+    from torch's own bfloat16 layer against a float64 copy (both on the whole sequence), and
+    the two not equal."""
+    torch.manual_seed(0)
+    exact = RingMultiheadAttention(E, H, batch_first=True, dtype=torch.bfloat16)
+    low = RingMultiheadAttention(E, H, batch_first=True, dtype=torch.bfloat16, grad_accum_dtype=torch.bfloat16)
+    low.load_state_dict(exact.state_dict())
+    mha = nn.MultiheadAttention(E, H, batch_first=True, dtype=torch.bfloat16)  # the plain computation
+    mha.load_state_dict(exact.state_dict())
+    mha64 = copy.deepcopy(mha).double()  # the reference
+    L = 16 * world  # zigzag: 2 chunks of 8 tokens a rank
+    x = torch.randn(2, L, E, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    grads = {}
+    for m in (mha, mha64):  # torch's layer wants the causal mask beside is_causal
+        xd = x.to(m.out_proj.weight.dtype).clone().requires_grad_()
+        mask = nn.Transformer.generate_square_subsequent_mask(L, dtype=xd.dtype)
+        m(xd, xd, xd, need_weights=False, is_causal=True, attn_mask=mask)[0].double().square().sum().backward()
+        grads[m] = [xd.grad, *(p.grad for p in m.parameters())]
+    for m in (exact, low):
+        xl = shard(x, dim=1).clone().requires_grad_()
+        m(xl, xl, xl, need_weights=False, is_causal=True)[0].double().square().sum().backward()
+        params = [p.grad.clone() for p in m.parameters()]
+        for g in params:
+            dist.all_reduce(g)  # each rank's gradient covers its own tokens (all before any check)
+        grads[m] = [unshard(xl.grad, dim=1), *params]
+    names = ["input", *(n for n, _ in mha.named_parameters())]
+    for n, a, b, want, plain in zip(names, grads[exact], grads[low], grads[mha64], grads[mha]):
+        assert_within(f"{n} (float32 accumulation)", a, want, plain)
+        assert_within(f"{n} (bfloat16 accumulation)", b, want, plain)
+    # The setting reached the ring's accumulation: on 2 ranks dQ sums over 2 ring steps and each
+    # rank's dK/dV accumulator travels to the other rank and back, gathering a part at each step
+    # (and a part per task within one). In bfloat16 every partial sum is rounded to 8 bits before
+    # the next part is added, in float32 only the total, so bf16(bf16(a) + b) against bf16(a + b)
+    # on each of thousands of elements: many differ (1808 of the input's 4096 and 5407 of
+    # in_proj_weight's 12288 when written); all equal would take every partial sum's rounding to
+    # vanish in the final one, on any machine. (In one process there is one step: nothing is
+    # accumulated across steps and the two give the same bits.)
+    assert not torch.equal(grads[exact][0], grads[low][0]), "input gradient"
+    assert not torch.equal(grads[exact][1], grads[low][1]), "in_proj_weight gradient"
+
+
+def test_grad_accum_dtype_reaches_the_ring_accumulation(worlds):
+    worlds(2, timeout=120, **TORCH).run(_grad_accum_world2)
 
 
 def test_bad_ranks_raise_as_torch_does():
