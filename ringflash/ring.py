@@ -464,7 +464,7 @@ def ring_flash_attn_func(
     raises); it travels around the ring with its keys.
     Returns this rank's shard of the output, (B, Sq_local, Hq, Dv) in q's dtype, exactly as
     attention over the whole sequence on one device would give it; with return_lse=True also
-    lse (B, Hq, Sq_local), float32. Differentiable in q, k, v.
+    lse (B, Hq, Sq_local), float32 (float64 for float64 inputs). Differentiable in q, k, v.
     grad_accum_dtype: the dtype the backward accumulates dQ and the travelling dK/dV in across
     the ring's steps. None (default): float32 (float64 for float64), and the gradients' error
     does not grow with the number of ranks. q's own dtype (float16 / bfloat16) saves memory

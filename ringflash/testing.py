@@ -102,7 +102,7 @@ def replay_ring(
     q, k, v, do: full (B, S, H, D) tensors (v and do: v's head dim Dv). Returns out, dq, dk, dv as full tensors
     (positions of ranks not replayed are zero; dk/dv then hold only the replayed ranks'
     contributions). window_size, grad_accum_dtype, grad_chunks, deterministic: as in ring_flash_attn_func
-    (the summing of dK/dV over the replayed ranks is float32). layout: a name or a
+    (the summing of dK/dV over the replayed ranks is float32, float64 for float64 inputs). layout: a name or a
     ringflash.balanced_layout built for `world` (packed documents: B = 1, S the packed total; the
     K/V blocks padded as ring_flash_attn_varlen_func pads them: BalancedLayout.block_len).
     overlap: ReplayComm's.
