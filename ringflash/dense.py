@@ -15,7 +15,6 @@ import torch.distributed as dist
 
 from ._checks import _shape, check_mask_not_differentiated, check_tensor
 from .comm import group_rank_world, resolve_group
-from .dropout import keep_mask
 from .layout import _place, _shard_of
 from .merge import state_dtype
 
@@ -85,9 +84,10 @@ def dense_attention(q, k, v, bias, *, scale, group=None, layout="zigzag", extra_
     weights (B, Hq, L, S), both in q's dtype; a query that sees no key gets output 0 and
     weights 0 (torch's gives NaN), with zero gradients. extra_kv: optional (k, v)
     (B, n, Hkv, D) held by every rank, appended after the gathered keys (bias then covers
-    S + n columns). dropout: optional (seed, p, q_idx): the probabilities are multiplied by
-    ringflash.dropout.keep_mask(seed, p, ...) / (1 - p) of the pairs (global query index
-    q_idx (L,), key index 0..S+n-1) before they weigh v, and returned so, as torch's.
+    S + n columns). dropout: optional (seed, p, q_idx), seed an int or an int64 scalar tensor:
+    the probabilities are multiplied by ringflash.dropout.keep_mask(seed, p, ...) / (1 - p) of
+    the pairs (global query index q_idx (L,), key index 0..S+n-1) before they weigh v, and
+    returned so, as torch's.
     """
     acc = state_dtype(q.dtype)
     k, v = gather_sequence(k, group=group, layout=layout), gather_sequence(v, group=group, layout=layout)
@@ -104,9 +104,11 @@ def dense_attention(q, k, v, bias, *, scale, group=None, layout="zigzag", extra_
     l = p.sum(dim=-1, keepdim=True)
     p = p / torch.where(l > 0, l, torch.ones_like(l))
     if dropout is not None:
+        from . import ops
+
         seed, rate, q_idx = dropout
-        idx = lambda n: torch.arange(n, device=q.device)  # noqa: E731
-        keep = keep_mask(seed, rate, idx(B), idx(Hq), q_idx.to(q.device), idx(S))
+        seed = seed if torch.is_tensor(seed) else torch.tensor(seed, dtype=torch.int64)
+        keep = ops.dropout_keep(seed, rate, B, Hq, q_idx.to(q.device), S)
         p = p * keep * (0.0 if rate >= 1.0 else 1.0 / (1.0 - rate))
     out = torch.einsum("bhgij,bjhd->bihgd", p.reshape(B, Hkv, G, L, S), v.to(acc)).reshape(B, L, Hq, v.shape[-1])
     return out.to(q.dtype), p.to(q.dtype)

@@ -11,7 +11,7 @@ from torch import nn
 from ._checks import MAX_HEAD_DIM, SUPPORTED_DTYPES, AttnDims, check_bool, key_bias_from_mask, resolve_scale
 from .comm import INPUT_ERRORS, agree_across_grid, agree_across_ranks, group_rank_world, resolve_groups_or_error
 from .dense import dense_attention, gather_sequence, pair_bias
-from .dropout import draw_seed
+from .dropout import seed_tensor
 from .layout import local_positions
 from .local import flash_attn_func, flash_attn_varlen_func
 from .merge import merge_attn_states, state_dtype
@@ -394,7 +394,7 @@ class RingMultiheadAttention(nn.MultiheadAttention):
             bias = torch.cat([bias.expand(-1, -1, L, S), bias.new_zeros(*bias.shape[:2], L, extra[0].shape[1])], -1)
         dropout = None
         if self.dropout > 0.0 and self.training:
-            dropout = (draw_seed() if seed is None else int(seed), float(self.dropout), q_idx)
+            dropout = (seed_tensor() if seed is None else seed, float(self.dropout), q_idx)
         return dense_attention(
             q, k, v, bias, scale=scale, group=self.group, layout=self.layout, extra_kv=extra, dropout=dropout
         )

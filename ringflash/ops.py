@@ -38,7 +38,7 @@ import torch
 from . import local
 from ._checks import check_cu_seqlens, check_max_seqlen, cu_values
 from .balance import CODE_PREFIX, layout_from_code
-from .dropout import Dropout, first_ranks_seed
+from .dropout import Dropout, first_ranks_seed, keep_mask
 from .masks import BlockMask, Window, packed_bounds
 from .merge import state_dtype
 
@@ -480,6 +480,22 @@ def agree(tensors, seed, group_name: str, layout: str, agree: list[int]):
     *copies, agreed = ring_agree(given, seed, group_name, layout, agree)
     copies = iter(copies)
     return (*(None if t is None else next(copies) for t in tensors), None if seed is None else agreed)
+
+
+@torch.library.custom_op(f"{NAMESPACE}::dropout_keep", mutates_args=())
+def dropout_keep(seed: torch.Tensor, p: float, batch: int, heads: int, q_idx: torch.Tensor, keys: int) -> torch.Tensor:
+    """ringflash.dropout.keep_mask(seed, p, 0..batch-1, 0..heads-1, q_idx, 0..keys-1) as one
+    operator, for the dense path's torch ops around it: a compiler keeps its 64-bit integer
+    arithmetic whole (inductor's CPU code generator rejects it), so the mask is the same bits
+    eager or compiled. seed: an int64 scalar tensor; q_idx: int64 (L,) global query indices.
+    Returns bool (batch, heads, L, keys) on q_idx's device."""
+    idx = lambda n: torch.arange(n, device=q_idx.device)  # noqa: E731
+    return keep_mask(int(seed), p, idx(batch), idx(heads), q_idx, idx(keys))
+
+
+@dropout_keep.register_fake
+def _(seed, p, batch, heads, q_idx, keys):
+    return q_idx.new_empty((batch, heads, q_idx.shape[0], keys), dtype=torch.bool)
 
 
 # ----------------------------------------------------------------------------- hybrid
