@@ -20,7 +20,8 @@ the autograd formula registered:
 Inside, the operators run the same engine as everywhere else: the autograd Functions'
 forward and backward (local._FlashAttn, ring._RingAttn), called as plain functions with a
 _Saved object in place of autograd's context, so there is one engine and no copy of it.
-Eager calls go through the same operators.
+Eager calls of the local and ring functions skip the operators' dispatch (flash(), ring()) and
+run the same engine through its autograd Functions; the hybrid ones go through the operators.
 
 Which backend runs (Triton or torch) is decided when the operator runs, by the device and
 use_backend / RINGFLASH_BACKEND, as in eager calls; the eager wrappers pass the name they
@@ -371,6 +372,29 @@ def ring_fwd(
         out, lse = ring._RingAttn.forward(ctx, q, k, v, key_bias, spec, comm)
     m, l = ctx.saved_tensors[4:6]
     return out, lse, m.clone(), l, torch.zeros((), dtype=torch.int64) if seed is None else seed.clone()
+
+
+def ring(
+    q, k, v, key_bias, cu_seqlens, group_name, left, right, scale, dropout_p, seed, layout, grad_chunks, grad_accum,
+    backend, deterministic, agree,
+):  # fmt: skip
+    """(out, lse) of ring_fwd (same arguments), for the ring functions. Traced by torch.compile:
+    the operator. Eager: the same check, forward and backward (ring._RingAttn) without the
+    operator's dispatch, whose handling of the arguments costs host time on every call (torch
+    rebuilds the schema's argument list for each argument it fills in)."""
+    if torch.compiler.is_compiling():
+        out, lse, _, _, _ = ring_fwd(
+            q, k, v, key_bias, cu_seqlens, group_name, left, right, scale, dropout_p, seed, layout, grad_chunks,
+            grad_accum, backend, deterministic, agree,
+        )  # fmt: skip
+        return out, lse
+    from . import ring as ring_module
+
+    comm, group = _ring_run(group_name)
+    seed = _agreed(agree, cu_seqlens, layout, q.device, seed, group)
+    spec = _ring_spec(left, right, scale, _dropout(dropout_p, seed), layout, grad_chunks, grad_accum, deterministic)
+    with local.use_backend(_backend(backend, q.device)):
+        return ring_module._RingAttn.apply(q, k, v, key_bias, spec, comm)
 
 
 @ring_fwd.register_fake

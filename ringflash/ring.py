@@ -593,7 +593,7 @@ def _ring_flash_attn(
             seed = operator_dropout(p, generator)[1]
             out, lse, _ = ops.agree([out, lse], seed, ring_group_name(group, world), spec.layout, agree)
         return (out, lse) if return_lse else out
-    out, lse, _, _, _ = ops.ring_fwd(
+    out, lse = ops.ring(
         q, k, v, key_bias, None, ring_group_name(group, world), *ops.window_args(spec.window),
         spec.scale, *operator_dropout(p, generator), spec.layout,
         -1 if spec.grad_chunks is None else spec.grad_chunks, spec.grad_accum,
@@ -771,7 +771,7 @@ def ring_flash_attn_varlen_func(
     # nothing is exchanged, so nothing is padded (layout.block_len), and the ring call is the
     # local one
     k_p, v_p = layout.pad_block(k, rank, window=spec.window), layout.pad_block(v, rank, window=spec.window)
-    out, lse, _, _, _ = ops.ring_fwd(
+    out, lse = ops.ring(
         q[None], k_p[None], v_p[None], None, cu_check, ring_group_name(group, world),
         *ops.window_args(spec.window), spec.scale, *operator_dropout(p, generator), layout.code,
         -1 if spec.grad_chunks is None else spec.grad_chunks, spec.grad_accum,
