@@ -7,6 +7,7 @@ import torch
 from ringflash.testing import dropout_factors, flash_plain, max_err, naive_attention, plain_errors, reference, rel_rms
 
 __all__ = [
+    "assert_float64_agree",
     "assert_within",
     "case_dtypes",
     "dropout_factors",
@@ -36,6 +37,15 @@ def assert_within(name, got, ref64, plain, factor=2.0, sum_len=None):
     sum_len = sum_len or (got.shape[-1] if got.dim() == 4 else 1)
     bound = factor * max(plain_err, 4 * eps * max(scale, 1.0) * sum_len**0.5)
     assert err <= bound, f"{name}: error {err:.3e} > bound {bound:.3e} (plain {plain_err:.3e})"
+
+
+def assert_float64_agree(name, got, want, sum_len):
+    """got against `want`, two float64 computations of one result that round differently (torch's
+    own float64 modules and ops, for instance): with no higher precision to measure either
+    against, the plain error is taken as 0 and the bound is assert_within's floor, float64's
+    ulps over a sum of `sum_len` terms (the computation's longest)."""
+    assert got.dtype == want.dtype == torch.float64, (name, got.dtype, want.dtype)
+    assert_within(name, got, want, 0.0, sum_len=sum_len)
 
 
 def case_dtypes(backend: str, dtypes, case: int) -> list:
