@@ -9,6 +9,10 @@ synchronize at the end), forward without gradients and forward+backward, of
   public     ringflash.flash_attn_func (eager: the autograd Function, no operator dispatch)
   operator   torch.ops.ringflash.flash_fwd with its registered autograd (what torch.compile
              traces; eager calls went through it before)
+  ring       ringflash.ring_flash_attn_func on one rank (no process group; eager: ring._RingAttn,
+             no operator dispatch)
+  ring_op    the same call through torch.ops.ringflash.ring_fwd and its registered autograd
+             (what torch.compile traces; eager ring calls went through it before)
   backend    the backend's forward alone (ringflash.local.block_forward; forward only)
   kernels    the same kernels through ringflash.kernels.forward / .backward in a bare autograd
              Function (GPU): what the layers above the backend cost is public's time less this
@@ -132,7 +136,23 @@ def callables(S, args, device, dtype):
     def operator():
         return ops.flash_fwd(q, k, v, None, None, None, 0, 0, -1, 0, scale, 0.0, None, backend, False, -1, -1)[0]
 
-    fns = {"public": public, "operator": operator}
+    def ring():
+        return ringflash.ring_flash_attn_func(q, k, v, causal=True)
+
+    eager_ring = ops.ring
+
+    def through_operator(*args):
+        out, lse, _, _, _ = ops.ring_fwd(*args)
+        return out, lse
+
+    def ring_op():  # the same call, its forward through the operator (and so its backward)
+        ops.ring = through_operator
+        try:
+            return ring()
+        finally:
+            ops.ring = eager_ring
+
+    fns = {"public": public, "operator": operator, "ring": ring, "ring_op": ring_op}
     compiler = "inductor" if device.type == "cuda" else "aot_eager"
     if args.compiled:
         fns["compiled"] = torch.compile(public, fullgraph=True, backend=compiler)

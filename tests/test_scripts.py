@@ -366,7 +366,7 @@ def test_host_overhead_smoke(tmp_path):
     command += ["--json", str(tmp_path / "h.json")]
     run([sys.executable, *command, "--baseline", str(tmp_path / "base")], tmp_path)
     rows = json.loads((tmp_path / "h.json").read_text())["rows"]
-    impls = {"public", "operator", "compiled", "bare", "backend"}
+    impls = {"public", "operator", "ring", "ring_op", "compiled", "bare", "backend"}
     impls |= {f"{name} (ringflash_before)" for name in ("public", "operator", "compiled")}
     assert {r["impl"] for r in rows} == impls and all(r["fwd_us"] > 0 for r in rows)
 
