@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from . import ops
 from ._checks import _shape, check_mask_not_differentiated, check_tensor
 from .comm import group_rank_world, resolve_group
 from .layout import _place, _shard_of
@@ -104,8 +105,6 @@ def dense_attention(q, k, v, bias, *, scale, group=None, layout="zigzag", extra_
     l = p.sum(dim=-1, keepdim=True)
     p = p / torch.where(l > 0, l, torch.ones_like(l))
     if dropout is not None:
-        from . import ops
-
         seed, rate, q_idx = dropout
         seed = seed if torch.is_tensor(seed) else torch.tensor(seed, dtype=torch.int64)
         keep = ops.dropout_keep(seed, rate, B, Hq, q_idx.to(q.device), S)
