@@ -390,7 +390,11 @@ def agree_across_grid(group, head_group, fields: dict, local_error, api: str, *,
     raise. A ring where some rank was given no head group (or could not use the one it was
     given) raises after the first, on every rank of it: that rank takes part in no other.
     A rank of a head group that was not given it can tell no one else: its head group's other
-    ranks, on other rings, wait for it in the second all_gather."""
+    ranks, on other rings, wait for it in the second all_gather. head_group None: the plain
+    ring's one agreement (agree_across_ranks)."""
+    if head_group is None:
+        agree_across_ranks(group, fields, local_error, api, device=device, show=show)
+        return
     r, R = group_rank_world(group)
     u, U = group_rank_world(head_group)
     if R > 1 or U > 1:

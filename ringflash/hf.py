@@ -74,7 +74,6 @@ from .balance import balanced_layout
 from .comm import (
     INPUT_ERRORS,
     agree_across_grid,
-    agree_across_ranks,
     group_rank_world,
     resolve_group,
     resolve_groups,
@@ -358,11 +357,7 @@ def _agree_inputs(kwargs, packed, ids, group, head_group, api, error) -> None:
         "position_ids length": 0 if position_ids is None or not sized else position_ids.shape[-1],
         "local length": 0 if ids is None or not sized else ids.shape[1],
     }
-    device = getattr(ids, "device", None)
-    if head_group is None:
-        agree_across_ranks(group, fields, error, api, device=device)
-    else:
-        agree_across_grid(group, head_group, fields, error, api, device=device)
+    agree_across_grid(group, head_group, fields, error, api, device=getattr(ids, "device", None))
 
 
 def _check_not_packed(position_ids, group, head_group, layout, world, api) -> None:
@@ -871,10 +866,7 @@ def allreduce_grads(model, group=None, *, head_group=None, bucket_mb: float = 25
         "their shapes and dtypes (a digest)": int.from_bytes(hashlib.sha256(shapes).digest()[:7], "little"),
     }
     device = params[0].device if params else None
-    if head_group is None:
-        agree_across_ranks(group, fields, error, api, device=device)
-    else:
-        agree_across_grid(group, head_group, fields, error, api, device=device)
+    agree_across_grid(group, head_group, fields, error, api, device=device)
     if not params:
         return
     # ranks agree on which gradients exist, so every rank reduces the same buckets

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ._checks import MAX_HEAD_DIM, SUPPORTED_DTYPES, AttnDims, check_bool, key_bias_from_mask, resolve_scale
-from .comm import INPUT_ERRORS, agree_across_grid, agree_across_ranks, group_rank_world, resolve_groups_or_error
+from .comm import INPUT_ERRORS, agree_across_grid, group_rank_world, resolve_groups_or_error
 from .dense import dense_attention, gather_sequence, pair_bias
 from .dropout import seed_tensor
 from .layout import local_positions
@@ -356,10 +356,8 @@ class RingMultiheadAttention(nn.MultiheadAttention):
             except INPUT_ERRORS:  # no group to agree over: this rank's own error, here
                 raise error from None
             fields = dict.fromkeys(_agreed_names(CALLER_FIELDS), 0)
-            if head_group is not None:
+            if head_group is not None or group_rank_world(group)[1] > 1:
                 agree_across_grid(group, head_group, fields, error, api, device=device)
-            elif group_rank_world(group)[1] > 1:
-                agree_across_ranks(group, fields, error, api, device=device)
         raise error
 
     def _masked_attention(self, q, k, v, key_padding_mask, mask_bias, is_causal, extra, scale, seed=None):

@@ -314,23 +314,32 @@ def _agreed(agree, cu_seqlens, layout: str, device, seed, group, head_group=None
     Returns the seed every rank uses, the first rank's over the ring then the head group (None
     without dropout; the seed as given without a process group)."""
     from . import ring
-    from .comm import agree_across_grid, agree_across_ranks
+    from .comm import agree_across_grid
 
     api = _api_name(layout)
     error = _cu_seqlens_error(cu_seqlens, layout, api)
     if agree:  # the call's own fields, then a caller's (ring.CALLER_FIELDS) when it sent them
         names = ring._agreed_names(ring.CALLER_FIELDS if len(agree) > len(ring._FIELD_NAMES) else ())
         fields = dict(zip(names, agree, strict=True))
-        if head_group is None:
-            agree_across_ranks(group, fields, error, api, device=device, show=ring._show_field)
-        else:
-            agree_across_grid(group, head_group, fields, error, api, device=device, show=ring._show_field)
+        agree_across_grid(group, head_group, fields, error, api, device=device, show=ring._show_field)
     elif error is not None:
         raise error
     if seed is None or group is None:
         return seed
     groups = (group,) if head_group is None else (group, head_group)
     return torch.tensor(first_ranks_seed(int(seed), device, *groups), dtype=torch.int64)
+
+
+def _ring_call(
+    q, cu_seqlens, group_name, left, right, scale, dropout_p, seed, layout, grad_chunks, grad_accum, deterministic,
+    agree,
+):  # fmt: skip
+    """What a ring forward runs before its first exchange, eager or as ring_fwd: (comm, RingSpec,
+    the seed every rank uses), the call checked (_agreed)."""
+    comm, group = _ring_run(group_name)
+    seed = _agreed(agree, cu_seqlens, layout, q.device, seed, group)
+    spec = _ring_spec(left, right, scale, _dropout(dropout_p, seed), layout, grad_chunks, grad_accum, deterministic)
+    return comm, spec, seed
 
 
 @torch.library.custom_op(f"{NAMESPACE}::ring_fwd", mutates_args=())
@@ -364,10 +373,11 @@ def ring_fwd(
     the seed used (an int64 scalar on the CPU, 0 without dropout) for the backward."""
     from . import ring
 
-    comm, group = _ring_run(group_name)
-    seed = _agreed(agree, cu_seqlens, layout, q.device, seed, group)
+    comm, spec, seed = _ring_call(
+        q, cu_seqlens, group_name, left, right, scale, dropout_p, seed, layout, grad_chunks, grad_accum,
+        deterministic, agree,
+    )  # fmt: skip
     ctx = _Saved()
-    spec = _ring_spec(left, right, scale, _dropout(dropout_p, seed), layout, grad_chunks, grad_accum, deterministic)
     with local.use_backend(_backend(backend, q.device)):
         out, lse = ring._RingAttn.forward(ctx, q, k, v, key_bias, spec, comm)
     m, l = ctx.saved_tensors[4:6]
@@ -390,9 +400,10 @@ def ring(
         return out, lse
     from . import ring as ring_module
 
-    comm, group = _ring_run(group_name)
-    seed = _agreed(agree, cu_seqlens, layout, q.device, seed, group)
-    spec = _ring_spec(left, right, scale, _dropout(dropout_p, seed), layout, grad_chunks, grad_accum, deterministic)
+    comm, spec, _ = _ring_call(
+        q, cu_seqlens, group_name, left, right, scale, dropout_p, seed, layout, grad_chunks, grad_accum,
+        deterministic, agree,
+    )  # fmt: skip
     with local.use_backend(_backend(backend, q.device)):
         return ring_module._RingAttn.apply(q, k, v, key_bias, spec, comm)
 
