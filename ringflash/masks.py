@@ -83,32 +83,41 @@ class RowBounds(NamedTuple):
     """Per-row visible intervals, int32, in global positions of the other side, half-open:
     query row i sees key positions [k_lo[i], k_hi[i]); key row j is seen by query positions
     [q_lo[j], q_hi[j]). An empty row has lo == hi (at its document's start). The kernels
-    subtract a block's start position and clip to the block. keys_per_row: the mean number of
-    keys a query row sees, where it was known on the host when the bounds were built
-    (on_device), else None; the kernels choose a tile shape by it."""
+    subtract a block's start position and clip to the block. Counted on the host when the bounds
+    were built (on_device), else None: keys_per_row, the mean number of keys a query row sees
+    (times the rows: the block's visible pairs); keys_per_seeing_row, the same mean over the rows
+    that see a key, by which the kernels choose a tile shape (the tiles of rows that see nothing
+    end at once, so a neighbour's block seen by a few rows is priced by those rows)."""
 
     k_lo: torch.Tensor
     k_hi: torch.Tensor
     q_lo: torch.Tensor
     q_hi: torch.Tensor
     keys_per_row: float | None = None
+    keys_per_seeing_row: float | None = None
 
     def query_rows(self, rows: slice) -> RowBounds:
-        return RowBounds(self.k_lo[rows], self.k_hi[rows], self.q_lo, self.q_hi, self.keys_per_row)
+        return self._replace(k_lo=self.k_lo[rows], k_hi=self.k_hi[rows])
 
     def key_rows(self, rows: slice) -> RowBounds:
-        return RowBounds(self.k_lo, self.k_hi, self.q_lo[rows], self.q_hi[rows], self.keys_per_row)
+        return self._replace(q_lo=self.q_lo[rows], q_hi=self.q_hi[rows])
 
     def on_device(self, device) -> RowBounds:
-        """These bounds (host tensors) on `device`, with keys_per_row counted here; on a GPU the
-        copies come from pinned memory and do not wait for the device's queue."""
-        keys = float((self.k_hi - self.k_lo).double().mean()) if len(self.k_lo) else 0.0
+        """These bounds (host tensors) on `device`, with keys_per_row and keys_per_seeing_row
+        counted here; on a GPU the copies come from pinned memory and do not wait for the
+        device's queue."""
+        seen = (self.k_hi - self.k_lo).double()
+        pairs, seeing = float(seen.sum()), int((seen > 0).sum())
         device = torch.device(device)
         if device.type == "cuda":
             move = lambda t: t.pin_memory().to(device, non_blocking=True)  # noqa: E731
         else:
             move = lambda t: t.to(device)  # noqa: E731
-        return RowBounds(*(move(t) for t in self[:4]), keys_per_row=keys)
+        return RowBounds(
+            *(move(t) for t in self[:4]),
+            keys_per_row=pairs / len(seen) if len(seen) else 0.0,
+            keys_per_seeing_row=pairs / seeing if seeing else 0.0,
+        )
 
 
 @dataclass(frozen=True)

@@ -523,3 +523,53 @@ def test_renamed_copy_registers_its_own_operators(tmp_path):
     env = {"PYTHONPATH": str(ROOT), "RINGFLASH_BACKEND": "torch", "PATH": "/usr/bin:/bin"}
     res = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
+
+
+# ----------------------------------------------------------------------------- one GPU, inductor
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_module_compiled_by_inductor_on_gpu(dtype):
+    """RingMultiheadAttention on one GPU (no process group) compiled by inductor, fullgraph: the
+    ring path (a causal self-attention) and the dense path (an attn_mask with padding; training
+    dropout with weights asked for, the mask drawn by the dropout_keep operator on the GPU's
+    generator) within the bound derived from the same module in eager float64, against the eager
+    call at this dtype; no graph break."""
+    torch.manual_seed(0)
+    E, heads, L, N = 128, 2, 256, 2
+    m = RingMultiheadAttention(E, heads, dropout=0.25, batch_first=True).to("cuda", dtype)
+    m64 = copy.deepcopy(m).double()
+    g = torch.Generator(device="cuda").manual_seed(1)
+    x = torch.randn(N, L, E, device="cuda", generator=g).to(dtype).requires_grad_()
+    x64 = x.detach().double().requires_grad_()
+    mask = torch.randn(L, L, device="cuda", generator=g)
+    pad = torch.zeros(N, L, dtype=torch.bool, device="cuda")
+    pad[0, 200:] = True
+    causal = torch.ones(L, L, dtype=torch.bool, device="cuda").triu(1)
+
+    def run(module, inp, fn=None, **kw):
+        torch.manual_seed(3)  # the dropout seed
+        module.zero_grad(set_to_none=True)
+        inp.grad = None
+        out, w = (fn or (lambda x, **kw: module(x, x, x, **kw)))(inp, **kw)
+        (out.float().sum() + (0 if w is None else w.float().square().sum())).backward()
+        weights = [] if w is None else [w.detach()]
+        return [out.detach(), inp.grad.clone(), *weights] + [p.grad for p in module.parameters()]
+
+    cases = (
+        (False, dict(attn_mask=causal, is_causal=True, need_weights=False)),  # the ring path
+        (False, dict(attn_mask=mask.to(dtype), key_padding_mask=pad)),
+        (True, dict(need_weights=True)),
+    )
+    for training, kw in cases:
+        m.train(training)
+        m64.train(training)
+        call = lambda x, **kw: m(x, x, x, **kw)  # noqa: E731
+        got = run(m, x, _compile(call, backend="inductor"), **kw)
+        _no_graph_break()
+        plain = run(m, x, **kw)
+        kw64 = {k: v.double() if torch.is_tensor(v) and v.is_floating_point() else v for k, v in kw.items()}
+        want64 = run(m64, x64, **kw64)
+        for i, (a, ref, p) in enumerate(zip(got, want64, plain, strict=True)):
+            assert_within(f"{sorted(kw)} training={training} result {i}", a, ref, p, sum_len=L)

@@ -331,6 +331,41 @@ def test_documents_configs(monkeypatch):
         monkeypatch.setattr(configs, "_FILE_CONFIGS", {})
 
 
+def test_documents_forward_priced_by_the_rows_that_see_keys(monkeypatch):
+    """A neighbour's block in a windowed packed ring: most query rows see none of its keys. The
+    forward's tile shape is chosen by the keys per row that sees one (those rows' tiles are the
+    work), not by the mean over every row, which the empty rows pull under the Gluon threshold;
+    the block's pairs (keys_per_row x rows, the fused backward's size rule) stay the mean's."""
+    from ringflash import kernels
+    from ringflash.kernels import configs
+    from ringflash.masks import held_bounds
+
+    window, n = 2048, 8192
+    cu = torch.tensor([0, 2 * n], dtype=torch.int64)  # one document over both shards
+    mine, theirs = torch.arange(n, 2 * n), torch.arange(n)
+    bounds = held_bounds(mine, theirs, n, cu, Window(window, 0)).on_device("cpu")
+    seen = (bounds.k_hi - bounds.k_lo).long()
+    assert int((seen > 0).sum()) == window  # the first `window` rows see the neighbour's keys
+    assert bounds.keys_per_row == pytest.approx(seen.sum().item() / n)
+    assert bounds.keys_per_seeing_row == pytest.approx((window + 1) / 2)
+    monkeypatch.setattr(configs, "INTERPRETING", False)
+    least = configs.GLUON_DOCUMENTS_MIN_KEYS_PER_ROW[128]
+    assert bounds.keys_per_row < least <= bounds.keys_per_seeing_row  # the case the rule changes
+    asked = []
+    spy = lambda *a, **kw: asked.append(kw["keys_per_row"])  # noqa: E731 - None: the Triton forward runs
+    monkeypatch.setattr(configs, "gluon_forward_variant", spy)
+    q = torch.zeros(1, n, 2, 128, dtype=torch.bfloat16)
+    assert not kernels._gluon_forward(q, q, q, None, 0, 0, None, bounds, 1.0, False, True, 128)
+    assert asked == [bounds.keys_per_seeing_row]
+    # every row seeing keys (a rank's own causal documents, where the threshold was tuned): the
+    # two means are one
+    own = held_bounds(mine, mine, n, cu, Window(None, 0)).on_device("cpu")
+    assert own.keys_per_row == own.keys_per_seeing_row
+    # no row seeing a key: both 0, no division by zero
+    none = held_bounds(mine, theirs, n, torch.tensor([0, n, 2 * n]), Window(None, 0)).on_device("cpu")
+    assert none.keys_per_row == none.keys_per_seeing_row == 0.0
+
+
 def test_gluon_forward_choice(monkeypatch):
     """Which Gluon forward variant a block asks for on a GPU: GLUON_FWD by head dim (up to
     GLUON_PERSISTENT_MAX_KEYS keys GLUON_FWD_SHORT's persistent programs), packed documents

@@ -164,7 +164,7 @@ def _gluon_forward(q, k, v, state, q_start, k_start, window, bounds, scale, fold
     variant = configs.gluon_forward_variant(
         config_d,
         documents=bounds is not None,
-        keys_per_row=None if bounds is None else bounds.keys_per_row,
+        keys_per_row=None if bounds is None else bounds.keys_per_seeing_row,
         # sliding windows (a left bound) take the one-tile default whatever the key count: the
         # persistent and three-consumer variants were measured on dense and causal blocks only
         # (and spill with a left bound: benchmarks/gluon_report.py --masks window)

@@ -143,9 +143,11 @@ GLUON_DENSE_MIN_KEYS = 16384
 # tokens, forward (python -m benchmarks.packed --no-peers --mixes longtail --modes fwd
 # --variants gluon=ws2_s3 gluon=ws2_n64 ...): D=128 1.12x / 1.11x; D=64 (no spills) 1.13x / 1.11x.
 GLUON_FWD_DOCUMENTS = {64: "ws2_s3", 128: "ws2_s3", 256: "ws2"}
-# Below this many keys per query row on average (RowBounds.keys_per_row; per head dim) packed
-# documents take the Triton forward: its 64-row tiles with few key blocks each beat the Gluon
-# kernel's 128-row tiles there, whose set-up per tile is paid for few blocks. One H200, bf16,
+# Below this many keys per query row that sees a key, on average (RowBounds.keys_per_seeing_row;
+# per head dim), packed documents take the Triton forward: its 64-row tiles with few key blocks
+# each beat the Gluon kernel's 128-row tiles there, whose set-up per tile is paid for few
+# blocks. (Rows that see nothing are left out of the mean: their tiles end at once in either
+# kernel, as most of a windowed ring's neighbour block does.) One H200, bf16,
 # 64K tokens of causal documents of N tokens each (N / 2 keys per row; python -m
 # benchmarks.packed --no-peers --mixes fixed:N ...), Gluon over Triton forward speed for
 # N = 1024 / 2048 / 4096: D=128 0.96 / 0.90 / 1.13; D=64 0.75 / 0.84 / 0.94 (long-tailed
@@ -342,7 +344,7 @@ def gluon_forward_variant(
     causal: bool = False,
 ) -> str | None:
     """The Gluon forward variant for this head dim (documents: a block masked by per-row
-    bounds whose rows see keys_per_row keys on average, where known; keys: the block's key
+    bounds whose rows that see a key see keys_per_row keys on average, where known; keys: the block's key
     count, where known (None for sliding windows): GLUON_FWD_SHORT up to
     GLUON_PERSISTENT_MAX_KEYS, GLUON_FWD_LONG from GLUON_LONG_MIN_KEYS; dense: a block with no
     mask whose head dims are block_d, one piece each: GLUON_FWD_DENSE from
