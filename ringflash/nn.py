@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ._checks import MAX_HEAD_DIM, SUPPORTED_DTYPES, AttnDims, check_bool, key_bias_from_mask, resolve_scale
-from .comm import INPUT_ERRORS, agree_across_grid, group_rank_world, resolve_groups_or_error
+from .comm import INPUT_ERRORS, agree_across_grid, group_rank_world, is_mesh, resolve_groups, resolve_groups_or_error
 from .dense import dense_attention, gather_sequence, pair_bias
 from .dropout import seed_tensor
 from .layout import local_positions
@@ -29,7 +29,9 @@ class RingMultiheadAttention(nn.MultiheadAttention):
     values are sharded the same way as their own sequence (see ringflash.shard). The output
     is this rank's shard. group, layout, grad_accum_dtype, head_group and deterministic
     (keyword-only) are passed to ring_flash_attn_func (with a head_group, inputs are sharded over R x U ranks as
-    ringflash.shard(..., head_group=) does, and num_heads must split over the head group).
+    ringflash.shard(..., head_group=) does, and num_heads must split over the head group). group
+    may be a DeviceMesh as there: 1-D, or 2-D (ring dim, head dim) without head_group; the
+    module keeps its process groups (self.group, self.head_group).
 
     need_weights=True (torch's default) also returns the attention weights of this rank's
     queries over every key of the sequence, keys in global (unsharded) order: (B, L_local, S)
@@ -116,6 +118,8 @@ class RingMultiheadAttention(nn.MultiheadAttention):
             device=device,
             dtype=dtype,
         )
+        if is_mesh(group) or is_mesh(head_group):  # the process groups the functions would take from it
+            group, head_group = resolve_groups(group, head_group, "RingMultiheadAttention")
         self.group = group
         self.head_group = head_group
         self.layout = layout

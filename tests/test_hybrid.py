@@ -258,6 +258,8 @@ def test_placement_problems():
 def _module(rank, world):
     """RingMultiheadAttention with a head_group: the unsharded output is nn.MultiheadAttention's
     on the whole sequence (float64, causal, padded keys)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
     from ringflash.nn import RingMultiheadAttention
 
     group, head_group = grid(2, 2)
@@ -286,6 +288,17 @@ def _module(rank, world):
         ring(sh(x), sh(x), sh(x), is_causal=True, need_weights=rank == 0)
     out_again, _ = ring(sh(x), sh(x), sh(x), key_padding_mask=sh(pad), is_causal=True, need_weights=False)
     assert torch.equal(out_again, out)  # the grid still in step
+    # the same grid as a 2-D DeviceMesh (ring dim, head dim): the same groups, the same output
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("ring", "heads"))
+    by_mesh = RingMultiheadAttention(E, H, batch_first=True, dtype=torch.float64, group=mesh)
+    by_mesh.load_state_dict(ring.state_dict())
+    assert [dist.get_process_group_ranks(g) for g in (by_mesh.group, by_mesh.head_group)] == [
+        dist.get_process_group_ranks(g) for g in (group, head_group)
+    ]
+    got_mesh, _ = by_mesh(sh(x), sh(x), sh(x), key_padding_mask=sh(pad), is_causal=True, need_weights=False)
+    assert torch.equal(got_mesh, out)
+    with pytest.raises(ValueError, match="RingMultiheadAttention: group as a DeviceMesh must be 1-D, or 2-D"):
+        RingMultiheadAttention(E, H, group=mesh, head_group=head_group)
 
 
 def test_module_with_head_group(worlds):
