@@ -303,6 +303,24 @@ def _empty_shard_world2(rank, world):
         assert xr.grad.shape == x.shape
 
 
+def _mesh_world2(rank, world):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    torch.manual_seed(0)
+    by_group = RingMultiheadAttention(E, H, batch_first=True)
+    by_mesh = RingMultiheadAttention(E, H, batch_first=True, group=init_device_mesh("cpu", (world,)))
+    by_mesh.load_state_dict(by_group.state_dict())
+    assert dist.get_process_group_ranks(by_mesh.group) == [0, 1] and by_mesh.head_group is None
+    x = shard(torch.randn(2, 8 * world, E, generator=torch.Generator().manual_seed(1)), dim=1)
+    (a, _), (b, _) = (m(x, x, x, need_weights=False) for m in (by_group, by_mesh))
+    assert torch.equal(a, b)
+
+
+def test_one_dim_mesh_as_group_world2(worlds):
+    """A 1-D DeviceMesh as group is its process group: the same output as the default group."""
+    worlds(2, **TORCH).run(_mesh_world2)
+
+
 def test_empty_shards_world2(worlds):
     """Empty shards on every rank give empty outputs, with weights and with an attn_mask too."""
     worlds(2, **TORCH).run(_empty_shard_world2)
