@@ -33,9 +33,11 @@ same copies on the compute stream, an upper bound on their cost). Reported per (
              document is whole and each rank's call is the local one)
 --balance-slack varies ringflash.balance.BALANCE_SLACK (the layout: how many documents stay
 whole; printed when not the default); --polish-moves varies ringflash.balance.POLISH_MOVES (how
-many moves improve a bounded window's deal; 0: the deal alone). --layouts balanced document-zigzag also replays every
-document cut over every rank in 2P zigzag chunks (ringflash.balance.document_zigzag_layout),
-as the context-parallel peers shard packed documents, with the same kernels: the layout's own
+many moves improve a bounded window's deal; 0: the deal alone); --neighbour-pair-cost varies
+ringflash.balance.NEIGHBOUR_PAIR_COST (the polish's price of a neighbour's pair, a rank's own =
+1). --layouts balanced document-zigzag also replays every document cut over every rank in 2P
+zigzag chunks (ringflash.balance.document_zigzag_layout), as the context-parallel peers shard
+packed documents, with the same kernels: the layout's own
 share of the result; "few-ranks" (an experiment: benchmarks.common.few_rank_layout) cuts each
 document the balanced layout cuts over a few consecutive ranks instead of all. With --kernels,
 "in lockstep" is the efficiency (less the transfers) if every ring step of the forward and of
@@ -250,18 +252,21 @@ def measure_total(args, device, dtype, total, documents_forward, documents_backw
         args.worlds,
         args.balance_slack or [None],
         args.polish_moves or [None],
+        args.neighbour_pair_cost or [None],
         args.own_call_work_log2 or [None],
         args.grad_chunks or [None],
         args.grad_accum_dtypes or [None],
     )
-    for layout_name, world, slack, polish, own_log2, chunks, accum_name in variants:
+    for layout_name, world, slack, polish, pair_cost, own_log2, chunks, accum_name in variants:
         accum = {None: None, "float32": torch.float32, "input": dtype}[accum_name]
         slack = ringflash.balance.BALANCE_SLACK if slack is None else slack
         polish = ringflash.balance.POLISH_MOVES if polish is None else polish
+        pair_cost = ringflash.balance.NEIGHBOUR_PAIR_COST if pair_cost is None else pair_cost
         with (
             cuts_aligned(args.align, args.align_min_piece),
             mock.patch("ringflash.balance.BALANCE_SLACK", slack),
             mock.patch("ringflash.balance.POLISH_MOVES", polish),
+            mock.patch("ringflash.balance.NEIGHBOUR_PAIR_COST", pair_cost),
         ):
             layout = LAYOUTS[layout_name](cu_list, world, causal=True, window_size=window)
         own = ringflash.balance.OWN_CALL_WORK if own_log2 is None else 2.0**own_log2
@@ -326,6 +331,7 @@ def measure_total(args, device, dtype, total, documents_forward, documents_backw
             own_call_work=own,
             balance_slack=slack,
             polish_moves=polish,
+            neighbour_pair_cost=pair_cost,
             grad_chunks=chunks,
             grad_accum_dtype=accum_name,
             documents_forward=documents_forward,
@@ -369,6 +375,7 @@ def measure_total(args, device, dtype, total, documents_forward, documents_backw
             + f"own calls from 2^{math.log2(own):.0f}"
             + ("" if slack == ringflash.balance.BALANCE_SLACK else f", balance slack {slack}")
             + ("" if polish == ringflash.balance.POLISH_MOVES else f", polish moves {polish}")
+            + ("" if pair_cost == ringflash.balance.NEIGHBOUR_PAIR_COST else f", neighbour pair cost {pair_cost}")
             + ("" if chunks is None else f", grad_chunks {chunks}")
             + ("" if accum_name is None else f", grad_accum_dtype {accum_name}")
             + f"; documents {label}"
@@ -434,6 +441,13 @@ def main():
         nargs="+",
         help="variants of ringflash.balance.POLISH_MOVES (at most this many moves improve a bounded window's deal; "
         "0: the deal alone)",
+    )
+    ap.add_argument(
+        "--neighbour-pair-cost",
+        type=float,
+        nargs="+",
+        help="variants of ringflash.balance.NEIGHBOUR_PAIR_COST (the polish prices a neighbour's pair at this many "
+        "of a rank's own)",
     )
     ap.add_argument("--grad-chunks", type=int, nargs="+", help="variants of grad_chunks (default: the ring's own)")
     ap.add_argument(

@@ -55,6 +55,9 @@ BALANCE_SLACK = 0.02  # how far above an equal share of the work a whole documen
 STEP0_DEALS = 8  # at most this many deals again for an even step 0 (balanced_layout)
 POLISH_MOVES = 24  # at most this many moves improve a bounded window's deal (_polished)
 POLISH_WHOLE = 8  # a polishing round tries to move this many whole documents of the busiest ranks (_polished)
+# _polished prices a pair of a neighbour's block at this many of a rank's own: a neighbour's block
+# is a call of its own, mostly of rows that see few of its keys (1.0: pairs alike)
+NEIGHBOUR_PAIR_COST = 1.0
 # A ring step's block tasks over packed documents run as they are (kernel calls of their own)
 # when they average this much work, visible pairs x q heads x head dim, else as one call over
 # per-row bounds (BalancedLayout.step_plan). Never, since the per-row-bounds call has the Gluon
@@ -500,7 +503,8 @@ def _polished(per_rank, world: int, window: Window) -> list[list[Segment]]:
     squares of the loads (evener), up to POLISH_MOVES moves. Each ring step with work is priced
     at BALANCE_SLACK of an even split besides its pairs, so a move that gives work to a step
     that had none (a hop of K/V where none travelled) is taken only where it saves more than
-    that (pure and deterministic)."""
+    that, and a neighbour's pairs at NEIGHBOUR_PAIR_COST of a rank's own (pure and
+    deterministic)."""
     m = max(window.left, window.right, 1)
     docs: dict[int, list[tuple[int, int, int]]] = {}
     for r, segs in enumerate(per_rank):
@@ -508,7 +512,11 @@ def _polished(per_rank, world: int, window: Window) -> list[list[Segment]]:
             docs.setdefault(s.doc, []).append((s.global_start, s.global_start + s.length, r))
     for runs in docs.values():
         runs.sort()
-    work = [_runs_work(runs, world, window) for runs in docs.values()]
+
+    def priced(work):  # step -> per-rank pairs, a neighbour's priced at NEIGHBOUR_PAIR_COST
+        return {step: row if step == 0 else [x * NEIGHBOUR_PAIR_COST for x in row] for step, row in work.items()}
+
+    work = [priced(_runs_work(runs, world, window)) for runs in docs.values()]
     steps = sorted({0, 1 % world, (world - 1) % world})  # where neighbouring pieces put work
     load = [[sum(w.get(s, [0] * world)[r] for w in work) for r in range(world)] for s in steps]
     even = sum(map(sum, load)) / world  # the ring's compute time split evenly
@@ -544,7 +552,7 @@ def _polished(per_rank, world: int, window: Window) -> list[list[Segment]]:
                 for q in sorted({(r - 1) % world, r, (spare - 1) % world, spare}):
                     cands.append([(a, c, q), (c, b, (q + 1) % world)])
             for new in cands:
-                yield 0, 1, new, _work_change(runs, new, world, window)
+                yield 0, 1, new, priced(_work_change(runs, new, world, window))
             return
         for i in range(len(runs) - 1):
             (a, c, r), (_, b, q) = runs[i], runs[i + 1]
@@ -560,7 +568,7 @@ def _polished(per_rank, world: int, window: Window) -> list[list[Segment]]:
                     near = [run for run in (*runs[lo:i], (a, c2, r), (c2, b, q), *runs[i + 2 : hi]) if run[1] > run[0]]
                     last = len(runs) - (hi - lo) + len(near) - 1  # the document's last run after it
                     if all(y - x >= m for j, (x, y, _) in enumerate(near, lo) if 0 < j < last):
-                        yield lo, hi, near, _work_change(runs[lo:hi], near, world, window)
+                        yield lo, hi, near, priced(_work_change(runs[lo:hi], near, world, window))
 
     best_score = score(load)
     for _ in range(POLISH_MOVES):

@@ -85,26 +85,28 @@ def test_layout_holds_every_token_once_and_balances_every_step(world, causal, wi
         _check_polished(L, dealt, seed)
 
 
-def _compute_time(L):
-    """The ring's compute time in visible pairs: the busiest rank's at every step, summed."""
-    return sum(max(L.work(r, s) for r in range(L.world)) for s in range(L.world))
+def _compute_time(L, neighbour_cost=1.0):
+    """The ring's compute time in visible pairs: the busiest rank's at every step, summed (a
+    neighbour's pairs, at steps other than 0, priced at neighbour_cost of a rank's own)."""
+    cost = lambda s: 1.0 if s == 0 else neighbour_cost  # noqa: E731
+    return sum(cost(s) * max(L.work(r, s) for r in range(L.world)) for s in range(L.world))
 
 
-def _priced_time(L):
+def _priced_time(L, neighbour_cost=1.0):
     """_compute_time plus BALANCE_SLACK of an even split for every ring step with work: what
-    the polish (balance._polished) lowers."""
+    the polish (balance._polished) lowers, with balance.NEIGHBOUR_PAIR_COST = neighbour_cost."""
     P = L.world
-    work = [[L.work(r, s) for r in range(P)] for s in range(P)]
+    work = [[L.work(r, s) * (1.0 if s == 0 else neighbour_cost) for r in range(P)] for s in range(P)]
     even = sum(map(sum, work)) / P
-    return _compute_time(L) + balance.BALANCE_SLACK * even * sum(map(any, work))
+    return _compute_time(L, neighbour_cost) + balance.BALANCE_SLACK * even * sum(map(any, work))
 
 
-def _check_polished(L, dealt, seed):
+def _check_polished(L, dealt, seed, neighbour_cost=1.0):
     """A polished bounded-window layout: every token once, each rank's pieces in order, pieces
     of at least m tokens but for a document's first and last (nothing lies beyond them, so a
     query still reaches at most a neighbour's piece: work only at steps 0, 1 and P - 1), and a
     compute time no longer than the deal's, each step with work priced in (a step added must
-    save more than its price)."""
+    save more than its price) and a neighbour's pairs at neighbour_cost."""
     P, window = L.world, L.window
     held = torch.cat([L.positions(r) for r in range(P)])
     assert torch.equal(held.sort().values, torch.arange(L.total))
@@ -118,7 +120,30 @@ def _check_polished(L, dealt, seed):
         assert all(n >= m for n in lengths[1:-1]), (seed, d, lengths)
     busy = {s for s in range(P) if any(L.work(r, s) for r in range(P))}
     assert busy <= {0, 1 % P, P - 1}, seed
-    assert _priced_time(L) <= _priced_time(dealt), seed
+    assert _priced_time(L, neighbour_cost) <= _priced_time(dealt, neighbour_cost), seed
+
+
+@pytest.mark.parametrize("neighbour_cost", [1.5, 2.0])
+def test_polish_prices_a_neighbours_pairs(neighbour_cost):
+    """With a neighbour's pairs priced above a rank's own (balance.NEIGHBOUR_PAIR_COST), the
+    polish lowers that priced time and keeps its rules; and on the 128K-token long-tailed mix
+    with a 4K window, P = 8, whose polish at price 1 fills every rank's neighbour step, it
+    moves fewer pairs onto neighbours: no more in total at steps 1 and P - 1 than at price 1."""
+    from benchmarks.layout_balance import cu_of
+    from benchmarks.packed import document_lengths
+
+    cases = [(_cu(_long_tailed(40, 800 + seed) + [0, 1, 2000]), (100, 0)) for seed in range(6)]
+    cases += [(cu_of(document_lengths("longtail", 131072, seed)), (4095, 0)) for seed in range(2)]
+    for seed, (cu, window_size) in enumerate(cases):
+        with mock.patch.object(balance, "POLISH_MOVES", 0):
+            dealt = balanced_layout(cu, 8, causal=True, window_size=window_size)
+        with mock.patch.object(balance, "NEIGHBOUR_PAIR_COST", neighbour_cost):
+            priced = balanced_layout(cu, 8, causal=True, window_size=window_size)
+        _check_polished(priced, dealt, seed, neighbour_cost)
+        if window_size == (4095, 0):
+            alike = balanced_layout(cu, 8, causal=True, window_size=window_size)
+            near = lambda L: sum(L.work(r, s) for r in range(8) for s in (1, 7))  # noqa: E731
+            assert near(priced) <= near(alike), seed
 
 
 @pytest.mark.parametrize("causal,window_size,world,before,after", [
