@@ -12,7 +12,8 @@ state across hops as always; one all-to-all brings out (and lse) back to (S/(RU)
 heads). The all-to-all is its own adjoint, so the backward runs the same exchanges in reverse.
 
 A call runs as the operators ops.hybrid_fwd / ops.hybrid_bwd (eager and under torch.compile
-alike): hybrid_forward and hybrid_backward below, with no autograd inside.
+alike), which run the forward and backward of the autograd Function _HybridAttn below as plain
+functions.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
+from torch.autograd.function import once_differentiable
 
 from ._checks import AttnDims, check_bool, key_bias_from_mask
 from .balance import pad_rows
@@ -34,7 +36,7 @@ from .comm import (
     warn_placement,
 )
 from .dropout import all_dropped, check_dropout, operator_dropout
-from .local import backend_for, packed_outputs
+from .local import packed_outputs, without_autocast
 from .merge import state_dtype
 from .ops import _Saved
 from .schedule import chunks_per_rank, is_balanced
@@ -145,67 +147,82 @@ def _ring_key_bias(mask: torch.Tensor, head_group, U: int, dtype) -> torch.Tenso
     return key_bias_from_mask(mask_r, AttnDims(B, n, n, 1, 1, 1, 1), mask.device, "ring_flash_attn_func", dtype)
 
 
-def hybrid_forward(q, k, v, key_padding_mask, spec, comm, plan, head_group, lens_q, lens_k, ring_len, return_lse):
-    """The hybrid call once validated and agreed (run inside ops.hybrid_fwd; no autograd):
-    q (B, lens_q[u], Hq, D), k, v (B, lens_k[u], Hkv, D / Dv) this rank's tokens,
-    key_padding_mask (B, lens_k[u]) or None; the head all-to-all, the ring over the ring
-    position's shard at this rank's heads (K/V padded to ring_len rows), the all-to-all back.
-    Returns out (B, lens_q[u], Hq, Dv), lse (B, Hq, lens_q[u]) or None, and what hybrid_backward
-    needs: the ring's saved tensors (q_r, k_r, v_r, out_r, m, l, key_bias_r)."""
-    from .ring import _RingAttn
+class _HybridAttn(torch.autograd.Function):
+    """A call with a head group once validated and agreed: the head all-to-all, the ring over the
+    ring position's shard at this rank's heads, the all-to-all back; its backward runs the same
+    exchanges in reverse. The operators ops.hybrid_fwd / hybrid_bwd run its forward and backward
+    as plain functions, an ops._Saved in place of ctx."""
 
-    U, Lq, Lk = len(lens_q), max(lens_q), max(lens_k)
-    L = q.shape[1]
-    key_bias = None
-    if key_padding_mask is not None:
-        key_bias = _ring_key_bias(key_padding_mask, head_group, U, state_dtype(q.dtype))
-    q_r = _ring_shard(all_to_all(_to_heads(q, plan.q_of, U, Lq), head_group), lens_q)
-    k_r, v_r = (
-        pad_rows(_ring_shard(all_to_all(_to_heads(t, plan.kv_of, U, Lk), head_group), lens_k), ring_len) for t in (k, v)
-    )
-    ctx = _Saved()
-    out_r, lse_r = _RingAttn.forward(ctx, q_r, k_r, v_r, key_bias, spec, comm)
-    # back: (B, sum(lens_q), h, D) -> rows per head-group rank (its tokens) -> (B, L, Hq, D)
-    out = _from_heads(all_to_all(_from_ring_shard(out_r, lens_q), head_group), L)
-    lse = None
-    if return_lse:
-        lse = _from_heads(all_to_all(_from_ring_shard(lse_r.transpose(1, 2), lens_q), head_group), L)
-        lse = lse.transpose(1, 2).contiguous()
-    return out, lse, ctx.saved_tensors
+    @staticmethod
+    @without_autocast
+    def forward(ctx, q, k, v, key_padding_mask, spec, comm, plan, head_group, lens_q, lens_k, ring_len, return_lse):
+        """q (B, lens_q[u], Hq, D), k, v (B, lens_k[u], Hkv, D / Dv) this rank's tokens,
+        key_padding_mask (B, lens_k[u]) or None; K/V travel the ring padded to ring_len rows.
+        Returns out (B, lens_q[u], Hq, Dv) and lse (B, Hq, lens_q[u]) float32, or None without
+        return_lse; saves the ring's tensors (q_r, k_r, v_r, out_r, m, l, key bias or None)."""
+        from .ring import _RingAttn
 
+        U, Lq, Lk = len(lens_q), max(lens_q), max(lens_k)
+        L = q.shape[1]
+        key_bias = None
+        if key_padding_mask is not None:
+            key_bias = _ring_key_bias(key_padding_mask, head_group, U, state_dtype(q.dtype))
+        q_r = _ring_shard(all_to_all(_to_heads(q, plan.q_of, U, Lq), head_group), lens_q)
+        k_r, v_r = (
+            pad_rows(_ring_shard(all_to_all(_to_heads(t, plan.kv_of, U, Lk), head_group), lens_k), ring_len)
+            for t in (k, v)
+        )
+        ring_ctx = _Saved()
+        out_r, lse_r = _RingAttn.forward(ring_ctx, q_r, k_r, v_r, key_bias, spec, comm)
+        # back: (B, sum(lens_q), h, D) -> rows per head-group rank (its tokens) -> (B, L, Hq, D)
+        out = _from_heads(all_to_all(_from_ring_shard(out_r, lens_q), head_group), L)
+        lse = None
+        if return_lse:
+            lse = _from_heads(all_to_all(_from_ring_shard(lse_r.transpose(1, 2), lens_q), head_group), L)
+            lse = lse.transpose(1, 2).contiguous()
+        ctx.spec, ctx.comm, ctx.plan, ctx.head_group = spec, comm, plan, head_group
+        ctx.lens_q, ctx.lens_k, ctx.return_lse, ctx.q_len, ctx.kv_len = lens_q, lens_k, return_lse, L, k.shape[1]
+        ctx.backend = ring_ctx.backend  # the forward's, for the backward: the same arithmetic in both
+        ctx.set_materialize_grads(False)  # a missing gradient becomes zeros only where an exchange needs it
+        ctx.save_for_backward(*ring_ctx.saved_tensors)
+        return out, lse
 
-def hybrid_backward(saved, dout, dlse, spec, comm, plan, head_group, lens_q, lens_k, q_len, kv_len, return_lse):
-    """dq, dk, dv (this rank's q_len and kv_len tokens, as hybrid_forward's q, k, v) of
-    hybrid_forward, given its saved tensors and the gradients of out and lse (None: zeros):
-    the same exchanges in reverse (an all-to-all is its own adjoint: row j of rank i's output
-    is row i of rank j's input). Every rank takes part in every exchange, whatever gradients
-    it has. Replicated 16-bit kv heads: the ring's dK/dV come back unrounded (float32, and
-    travel so) and their copies are summed before the one rounding to the inputs' dtype."""
-    from .ring import _RingAttn
+    @staticmethod
+    @once_differentiable  # as the ring's: its gradients are not differentiable again
+    @without_autocast
+    def backward(ctx, dout, dlse):
+        """dq, dk, dv (this rank's tokens, as the forward's q, k, v) given the gradients of out
+        and lse (None: zeros). An all-to-all is its own adjoint: row j of rank i's output is row
+        i of rank j's input. Every rank takes part in every exchange, whatever gradients it
+        has. Replicated 16-bit kv heads: the ring's dK/dV come back unrounded (float32, and
+        travel so) and their copies are summed before the one rounding to the inputs' dtype."""
+        from .ring import _RingAttn
 
-    q_r, k_r, v_r, out_r = saved[:4]
-    U, Lq = len(lens_q), max(lens_q)
-    B, L = q_r.shape[0], q_len
-    if dout is None:
-        dout = out_r.new_zeros(B, L, U * out_r.shape[2], out_r.shape[3])
-    do_r = _ring_shard(all_to_all(_to_heads(dout, plan.q_of, U, Lq), head_group), lens_q)
-    dlse_r = None
-    if return_lse:
-        if dlse is None:
-            dlse = q_r.new_zeros(B, U * q_r.shape[2], L, dtype=saved[4].dtype)
-        dlse_r = _ring_shard(all_to_all(_to_heads(dlse.transpose(1, 2), plan.q_of, U, Lq), head_group), lens_q)
-        dlse_r = dlse_r.transpose(1, 2)
-    ctx = _Saved(saved_tensors=saved, spec=spec, comm=comm, backend=backend_for(q_r.device))
-    if plan.kv_ranks_per_head > 1 and k_r.dtype in (torch.float16, torch.bfloat16):
-        ctx.kv_grad_dtype = torch.float32
-    dq_r, dk_r, dv_r = _RingAttn.backward(ctx, do_r, dlse_r)[:3]
-    dq = _from_heads(all_to_all(_from_ring_shard(dq_r, lens_q), head_group), L)
-    n = sum(lens_k)
-    dk, dv = (
-        _kv_from_heads(all_to_all(_from_ring_shard(g[:, :n], lens_k), head_group), kv_len, plan, k_r.dtype)
-        for g in (dk_r, dv_r)
-    )
-    return dq, dk, dv
+        saved = ctx.saved_tensors
+        q_r, k_r, v_r, out_r = saved[:4]
+        plan, head_group, lens_q, lens_k = ctx.plan, ctx.head_group, ctx.lens_q, ctx.lens_k
+        U, Lq = len(lens_q), max(lens_q)
+        B, L = q_r.shape[0], ctx.q_len
+        if dout is None:
+            dout = out_r.new_zeros(B, L, U * out_r.shape[2], out_r.shape[3])
+        do_r = _ring_shard(all_to_all(_to_heads(dout, plan.q_of, U, Lq), head_group), lens_q)
+        dlse_r = None
+        if ctx.return_lse:
+            if dlse is None:
+                dlse = q_r.new_zeros(B, U * q_r.shape[2], L, dtype=saved[4].dtype)
+            dlse_r = _ring_shard(all_to_all(_to_heads(dlse.transpose(1, 2), plan.q_of, U, Lq), head_group), lens_q)
+            dlse_r = dlse_r.transpose(1, 2)
+        ring_ctx = _Saved(saved_tensors=saved, spec=ctx.spec, comm=ctx.comm, backend=ctx.backend)
+        if plan.kv_ranks_per_head > 1 and k_r.dtype in (torch.float16, torch.bfloat16):
+            ring_ctx.kv_grad_dtype = torch.float32
+        dq_r, dk_r, dv_r = _RingAttn.backward(ring_ctx, do_r, dlse_r)[:3]
+        dq = _from_heads(all_to_all(_from_ring_shard(dq_r, lens_q), head_group), L)
+        n = sum(lens_k)
+        dk, dv = (
+            _kv_from_heads(all_to_all(_from_ring_shard(g[:, :n], lens_k), head_group), ctx.kv_len, plan, k_r.dtype)
+            for g in (dk_r, dv_r)
+        )
+        return (dq, dk, dv) + (None,) * 9
 
 
 def _validated(group, head_group, api: str, validate, device, caller_fields=()):

@@ -14,14 +14,14 @@ the autograd formula registered:
                                                   another path (RingMultiheadAttention's dense one)
     ringflash::hybrid_fwd / ringflash::hybrid_bwd a call with a head_group: the ring group and
                                                   the head group named so; the head all-to-alls
-                                                  and the ring inside (hybrid.hybrid_forward /
-                                                  hybrid_backward)
+                                                  and the ring inside (hybrid._HybridAttn)
 
 Inside, the operators run the same engine as everywhere else: the autograd Functions'
-forward and backward (local._FlashAttn, ring._RingAttn), called as plain functions with a
-_Saved object in place of autograd's context, so there is one engine and no copy of it.
-Eager calls of the local and ring functions skip the operators' dispatch (flash(), ring()) and
-run the same engine through its autograd Functions; the hybrid ones go through the operators.
+forward and backward (local._FlashAttn, ring._RingAttn, hybrid._HybridAttn), called as plain
+functions with a _Saved object in place of autograd's context, so there is one engine and no
+copy of it. Eager calls of the local and ring functions skip the operators' dispatch (flash(),
+ring()) and run the same engine through its autograd Functions; the hybrid ones go through the
+operators.
 
 Which backend runs (Triton or torch) is decided when the operator runs, by the device and
 use_backend / RINGFLASH_BACKEND, as in eager calls; the eager wrappers pass the name they
@@ -567,6 +567,21 @@ def _hybrid_spec(
     return _ring_spec(left, right, scale, drop, layout, grad_chunks, grad_accum, deterministic), plan
 
 
+def _hybrid_call(
+    q, k, cu_seqlens, group_name, head_group_name, left, right, scale, dropout_p, seed, layout, grad_chunks,
+    grad_accum, deterministic, agree,
+):  # fmt: skip
+    """What a hybrid forward runs before its first exchange, eager or as hybrid_fwd: (head
+    group, comm, RingSpec, HeadPlan, the seed every rank uses), the call checked (_agreed)."""
+    group, head_group, comm = _grid_run(group_name, head_group_name)
+    seed = _agreed(agree, cu_seqlens, layout, q.device, seed, group, head_group)
+    spec, plan = _hybrid_spec(
+        left, right, scale, dropout_p, seed, layout, grad_chunks, grad_accum, deterministic, q.shape[2], k.shape[2],
+        head_group,
+    )  # fmt: skip
+    return head_group, comm, spec, plan, seed
+
+
 @torch.library.custom_op(f"{NAMESPACE}::hybrid_fwd", mutates_args=())
 def hybrid_fwd(
     q: torch.Tensor,
@@ -606,19 +621,18 @@ def hybrid_fwd(
     Returns out (B, lens_q[u], Hq, Dv), lse (B, Hq, lens_q[u]; (B, Hq, 0) without return_lse)
     and for hybrid_bwd the ring's q_r, k_r, v_r, out_r, m, l, key bias ((0,) without a mask)
     and the seed used (an int64 scalar on the CPU, 0 without dropout)."""
-    from . import hybrid
+    from .hybrid import _HybridAttn
 
-    group, head_group, comm = _grid_run(group_name, head_group_name)
-    seed = _agreed(agree, cu_seqlens, layout, q.device, seed, group, head_group)
-    spec, plan = _hybrid_spec(
-        left, right, scale, dropout_p, seed, layout, grad_chunks, grad_accum, deterministic, q.shape[2], k.shape[2],
-        head_group,
+    head_group, comm, spec, plan, seed = _hybrid_call(
+        q, k, cu_seqlens, group_name, head_group_name, left, right, scale, dropout_p, seed, layout, grad_chunks,
+        grad_accum, deterministic, agree,
     )  # fmt: skip
+    ctx = _Saved()
     with local.use_backend(_backend(backend, q.device)):
-        out, lse, saved = hybrid.hybrid_forward(
-            q, k, v, key_padding_mask, spec, comm, plan, head_group, lens_q, lens_k, ring_len, return_lse
+        out, lse = _HybridAttn.forward(
+            ctx, q, k, v, key_padding_mask, spec, comm, plan, head_group, lens_q, lens_k, ring_len, return_lse
         )
-    q_r, k_r, v_r, out_r, m, l, key_bias = saved
+    q_r, k_r, v_r, out_r, m, l, key_bias = ctx.saved_tensors
     if lse is None:
         lse = m.new_empty(q.shape[0], q.shape[2], 0)
     if key_bias is None:
@@ -678,19 +692,29 @@ def hybrid_bwd(
     """dq (B, q_len, Hq, D), dk, dv (B, kv_len, kv_heads, D) of hybrid_fwd (this rank's tokens),
     given its ring tensors and the gradients of out and lse (None: zeros); seed: the one
     hybrid_fwd used."""
-    from . import hybrid
+    from .hybrid import _HybridAttn
 
-    group, head_group, comm = _grid_run(group_name, head_group_name)
-    U = len(lens_q)
+    _, head_group, comm = _grid_run(group_name, head_group_name)
     spec, plan = _hybrid_spec(
-        left, right, scale, dropout_p, seed, layout, grad_chunks, grad_accum, deterministic, U * q_r.shape[2],
+        left, right, scale, dropout_p, seed, layout, grad_chunks, grad_accum, deterministic, len(lens_q) * q_r.shape[2],
         kv_heads, head_group,
     )  # fmt: skip
-    saved = (q_r, k_r, v_r, out_r, m, l, key_bias)
     with local.use_backend(_backend(backend, q_r.device)):
-        return hybrid.hybrid_backward(
-            saved, dout, dlse, spec, comm, plan, head_group, lens_q, lens_k, q_len, kv_len, return_lse
+        ctx = _Saved(
+            saved_tensors=(q_r, k_r, v_r, out_r, m, l, key_bias),
+            spec=spec,
+            comm=comm,
+            plan=plan,
+            head_group=head_group,
+            lens_q=lens_q,
+            lens_k=lens_k,
+            return_lse=return_lse,
+            q_len=q_len,
+            kv_len=kv_len,
+            backend=local.backend_for(q_r.device),
         )
+        dq, dk, dv = _HybridAttn.backward(ctx, dout, dlse)[:3]
+    return dq, dk, dv
 
 
 @hybrid_bwd.register_fake

@@ -81,8 +81,8 @@ def hybrid_precision(rank, world, R, U, Hq, Hkv):
     """bf16 inputs, relative RMS error against float64: the hybrid call reassembled within
     1.2x of one device's, the bound the plain ring meets at the same rank count
     (test_ring.test_precision_does_not_fall_with_ranks). With Hkv < U the replicated heads'
-    dK/dV are summed from U / Hkv partial gradients in float32 and rounded once (hybrid.hybrid_backward;
-    rounded each, dK came out at 1.4x one device's error)."""
+    dK/dV are summed from U / Hkv partial gradients in float32 and rounded once
+    (hybrid._HybridAttn.backward; rounded each, dK came out at 1.4x one device's error)."""
     group, head_group = grid(R, U)
     q, k, v, do = full_inputs(1, 64 * world, 64 * world, Hq, Hkv, 32, torch.bfloat16, 11)
     ref = reference(q, k, v, do, causal=True)
