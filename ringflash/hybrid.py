@@ -11,9 +11,9 @@ need); the one ring engine (ring._RingAttn) runs over `group` on those heads, it
 state across hops as always; one all-to-all brings out (and lse) back to (S/(RU) tokens, all
 heads). The all-to-all is its own adjoint, so the backward runs the same exchanges in reverse.
 
-A call runs as the operators ops.hybrid_fwd / ops.hybrid_bwd (eager and under torch.compile
-alike), which run the forward and backward of the autograd Function _HybridAttn below as plain
-functions.
+A call runs as the autograd Function _HybridAttn below when eager (ops.hybrid: without the
+operators' dispatch), and as the operators ops.hybrid_fwd / ops.hybrid_bwd under torch.compile,
+which run the same Function's forward and backward as plain functions.
 """
 
 from __future__ import annotations
@@ -150,8 +150,9 @@ def _ring_key_bias(mask: torch.Tensor, head_group, U: int, dtype) -> torch.Tenso
 class _HybridAttn(torch.autograd.Function):
     """A call with a head group once validated and agreed: the head all-to-all, the ring over the
     ring position's shard at this rank's heads, the all-to-all back; its backward runs the same
-    exchanges in reverse. The operators ops.hybrid_fwd / hybrid_bwd run its forward and backward
-    as plain functions, an ops._Saved in place of ctx."""
+    exchanges in reverse. Eager calls apply it (ops.hybrid); the operators ops.hybrid_fwd /
+    hybrid_bwd run its forward and backward as plain functions, an ops._Saved in place of ctx, so
+    that both run this one body."""
 
     @staticmethod
     @without_autocast
@@ -242,24 +243,24 @@ def _validated(group, head_group, api: str, validate, device, caller_fields=()):
     return result, []
 
 
-def _call_operator(
+def _call(
     q, k, v, key_padding_mask, cu_seqlens, group, head_group, spec, p, generator, lens_q, lens_k, ring_len, return_lse,
     agree,
 ):  # fmt: skip
-    """The validated call as the hybrid operator (ops.hybrid_fwd, eager and compiled alike):
+    """The validated call (ops.hybrid: the operator under torch.compile, _HybridAttn eager):
     q (B, lens_q[u], Hq, D), k, v (B, lens_k[u], Hkv, D); returns out and lse (or None)."""
     from . import ops
     from .local import backend_name
 
     layout = spec.layout if isinstance(spec.layout, str) else spec.layout.code
-    out, lse, *_ = ops.hybrid_fwd(
+    out, lse = ops.hybrid(
         q, k, v, key_padding_mask, cu_seqlens, resolve_group(group).group_name, resolve_group(head_group).group_name,
         *ops.window_args(spec.window), spec.scale, *operator_dropout(p, generator), layout,
         -1 if spec.grad_chunks is None else spec.grad_chunks, spec.grad_accum,
         "" if torch.compiler.is_compiling() else backend_name(q.device), spec.deterministic, list(lens_q),
         list(lens_k), ring_len, return_lse, agree,
     )  # fmt: skip
-    return all_dropped(out, p), (lse if return_lse else None)
+    return all_dropped(out, p), lse
 
 
 def hybrid_attn(
@@ -319,7 +320,7 @@ def hybrid_attn(
     if R == 1:  # one ring position: every layout is the identity
         spec = dataclasses.replace(spec, layout="contiguous")
     L, Lk = q.shape[1], k.shape[1]
-    out, lse = _call_operator(
+    out, lse = _call(
         q, k, v, key_padding_mask, None, group, head_group, spec, p, generator, (L,) * U, (Lk,) * U, U * Lk,
         return_lse, agree,
     )  # fmt: skip
@@ -375,7 +376,7 @@ def hybrid_varlen_attn(
     cu_check = cu_seqlens if torch.compiler.is_compiling() and isinstance(cu_seqlens, torch.Tensor) else None
     lens = layout.head_piece_lens(r, U)
     # the ring position's K/V rows padded as the plain varlen ring pads them
-    out, lse = _call_operator(
+    out, lse = _call(
         q[None], k[None], v[None], None, cu_check, group, head_group, spec, p, generator, lens, lens,
         layout.block_len(r, spec.window), return_lse, agree,
     )  # fmt: skip

@@ -19,9 +19,8 @@ the autograd formula registered:
 Inside, the operators run the same engine as everywhere else: the autograd Functions'
 forward and backward (local._FlashAttn, ring._RingAttn, hybrid._HybridAttn), called as plain
 functions with a _Saved object in place of autograd's context, so there is one engine and no
-copy of it. Eager calls of the local and ring functions skip the operators' dispatch (flash(),
-ring()) and run the same engine through its autograd Functions; the hybrid ones go through the
-operators.
+copy of it. Eager calls skip the operators' dispatch (flash(), ring(), hybrid()) and run the
+same engine through its autograd Functions.
 
 Which backend runs (Triton or torch) is decided when the operator runs, by the device and
 use_backend / RINGFLASH_BACKEND, as in eager calls; the eager wrappers pass the name they
@@ -639,6 +638,32 @@ def hybrid_fwd(
         key_bias = m.new_empty(0)
     seed = torch.zeros((), dtype=torch.int64) if seed is None else seed
     return out, lse, q_r, k_r, v_r, out_r, m.clone(), l, key_bias, seed  # m, l share one buffer
+
+
+def hybrid(
+    q, k, v, key_padding_mask, cu_seqlens, group_name, head_group_name, left, right, scale, dropout_p, seed, layout,
+    grad_chunks, grad_accum, backend, deterministic, lens_q, lens_k, ring_len, return_lse, agree,
+):  # fmt: skip
+    """(out, lse or None without return_lse) of hybrid_fwd (same arguments), for the calls with
+    a head group. Traced by torch.compile: the operator. Eager: the same check, forward and
+    backward (hybrid._HybridAttn) without the operator's dispatch, whose handling of its 22
+    arguments costs host time on every call, as ring()'s."""
+    if torch.compiler.is_compiling():
+        out, lse, *_ = hybrid_fwd(
+            q, k, v, key_padding_mask, cu_seqlens, group_name, head_group_name, left, right, scale, dropout_p, seed,
+            layout, grad_chunks, grad_accum, backend, deterministic, lens_q, lens_k, ring_len, return_lse, agree,
+        )  # fmt: skip
+        return out, (lse if return_lse else None)
+    from .hybrid import _HybridAttn
+
+    head_group, comm, spec, plan, _ = _hybrid_call(
+        q, k, cu_seqlens, group_name, head_group_name, left, right, scale, dropout_p, seed, layout, grad_chunks,
+        grad_accum, deterministic, agree,
+    )  # fmt: skip
+    with local.use_backend(_backend(backend, q.device)):
+        return _HybridAttn.apply(
+            q, k, v, key_padding_mask, spec, comm, plan, head_group, lens_q, lens_k, ring_len, return_lse
+        )
 
 
 @hybrid_fwd.register_fake

@@ -12,8 +12,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch._dynamo.utils import counters
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import ringflash
+from ringflash import ops
 from ringflash.nn import RingMultiheadAttention
 
 from oracle import assert_within
@@ -50,6 +52,30 @@ def _run(fn, inputs, seed=1):
 def _assert_equal(got, want):
     for a, b in zip(got, want, strict=True):
         assert torch.equal(a, b), (a - b).abs().max()
+
+
+class _OperatorCalls(TorchDispatchMode):
+    """The package's operators dispatched inside the block, by name (forward and backward: the
+    backward of a CPU tensor runs on the calling thread, under the mode)."""
+
+    def __init__(self):
+        super().__init__()
+        self.names = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == ops.NAMESPACE:
+            self.names.append(func.name())
+        return func(*args, **(kwargs or {}))
+
+
+def _eager_run(fn, inputs):
+    """_run of an eager call that must dispatch none of the package's operators (eager calls run
+    the operators' forward and backward through autograd Functions), so that comparing it with
+    the compiled call compares those two routes."""
+    with _OperatorCalls() as calls:
+        result = _run(fn, inputs)
+    assert not calls.names, calls.names
+    return result
 
 
 @BACKENDS
@@ -367,7 +393,7 @@ def _hybrid_compiled(rank, world):
     leaves = [sh(t).requires_grad_() for t in (q, k, v)]
     f = lambda q, k, v: ringflash.ring_flash_attn_func(q, k, v, causal=True, return_lse=True, **kw)
     got_out, got_grads = _run(_compile(f), leaves)
-    want_out, want_grads = _run(f, leaves)
+    want_out, want_grads = _eager_run(f, leaves)
     _assert_equal(got_out + got_grads, want_out + want_grads)
     _no_graph_break()
     # Hkv < U in 16-bit (the kv head replicated, its gradients summed in float32 and rounded
@@ -384,7 +410,7 @@ def _hybrid_compiled(rank, world):
     torch.manual_seed(7 + rank)  # the ranks draw different seeds: they agree on the first rank's
     got_out, got_grads = _run(cf, leaves)
     torch.manual_seed(7 + rank)
-    want_out, want_grads = _run(fd, leaves)
+    want_out, want_grads = _eager_run(fd, leaves)
     _assert_equal(got_out + got_grads, want_out + want_grads)
     _no_graph_break()
     # one rank's shard is shorter: the grid agreement inside the operator raises on every rank
@@ -409,7 +435,7 @@ def _hybrid_compiled(rank, world):
     )
     cf = _compile(fv)
     got_out, got_grads = _run(lambda *t: cf(*t, cu), packed)
-    want_out, want_grads = _run(lambda *t: fv(*t, cu), packed)
+    want_out, want_grads = _eager_run(lambda *t: fv(*t, cu), packed)
     _assert_equal(got_out + got_grads, want_out + want_grads)
     _no_graph_break()
     with pytest.raises(ValueError, match="is not the one the layout was built from"):
@@ -421,7 +447,7 @@ def _hybrid_compiled(rank, world):
     x = sh(torch.randn(2, 32, 64, generator=g)).requires_grad_()
     fm = lambda x, *params: (mha(x, x, x, need_weights=False, is_causal=True)[0],)
     got_out, got_grads = _run(_compile(fm), [x, *mha.parameters()])
-    want_out, want_grads = _run(fm, [x, *mha.parameters()])
+    want_out, want_grads = _eager_run(fm, [x, *mha.parameters()])
     _assert_equal(got_out + got_grads, want_out + want_grads)
     _no_graph_break()
     dist.barrier()
@@ -447,10 +473,12 @@ def _hybrid_inductor(rank, world):
 
 def test_hybrid_fullgraph_2x2(worlds):
     """ring_flash_attn_func / ring_flash_attn_varlen_func with a head_group compiled with
-    fullgraph on a 2 x 2 grid of gloo ranks: compiled == eager (out, lse, dq, dk, dv), no
-    graph break; kv heads split (Hkv = U) and replicated (Hkv < U, float16) with a padding mask
-    and dropout; packed documents; a disagreement or a wrong cu_seqlens on one rank raises on
-    every rank; RingMultiheadAttention with the head group (parameter gradients too)."""
+    fullgraph on a 2 x 2 grid of gloo ranks: compiled (the hybrid operators) == eager (their
+    forward and backward through hybrid._HybridAttn, no operator dispatched) bitwise (out, lse,
+    dq, dk, dv), no graph break; kv heads split (Hkv = U) and replicated (Hkv < U, float16) with
+    a padding mask and dropout; packed documents; a disagreement or a wrong cu_seqlens on one
+    rank raises on every rank; RingMultiheadAttention with the head group (parameter gradients
+    too)."""
     lens = worlds(4, **TORCH).run(_hybrid_compiled)
     layout = ringflash.balanced_layout([0, 5, 6, 26, 26, 31], 2, causal=True)
     pieces = [[layout.head_pieces(r, 2).local_len(u) for u in range(2)] for r in range(2)]
