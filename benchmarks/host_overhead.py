@@ -2,6 +2,7 @@
 
     python -m benchmarks.host_overhead --json benchmarks/results/host_overhead_h200.json
     python -m benchmarks.host_overhead --smoke          # tiny CPU run (CI keeps it working)
+    python -m benchmarks.host_overhead --hybrid         # also the rows of a call with a head_group
 
 At short sequences a call's time is the host's: checks, dispatch, launches. For each S (B=1,
 H=32, D=128, causal, bf16 on a GPU) this times --calls calls in a row on the host clock (one
@@ -13,6 +14,12 @@ synchronize at the end), forward without gradients and forward+backward, of
              no operator dispatch)
   ring_op    the same call through torch.ops.ringflash.ring_fwd and its registered autograd
              (what torch.compile traces; eager ring calls went through it before)
+  hybrid     (--hybrid) ringflash.ring_flash_attn_func with a head_group on a 1 x 1 grid of a
+             one-rank process group started here (eager: hybrid._HybridAttn, no operator
+             dispatch); its head all-to-alls run, over the one rank. The ring rows then run on
+             that default group of one rank
+  hybrid_op  the same call through torch.ops.ringflash.hybrid_fwd and its registered autograd
+             (what torch.compile traces; eager calls with a head_group went through it before)
   backend    the backend's forward alone (ringflash.local.block_forward; forward only)
   kernels    the same kernels through ringflash.kernels.forward / .backward in a bare autograd
              Function (GPU): what the layers above the backend cost is public's time less this
@@ -122,7 +129,18 @@ class _Bare(torch.autograd.Function):
         return tuple(torch.empty_like(t) for t in ctx.saved_tensors[:3])
 
 
-def callables(S, args, device, dtype):
+def one_rank_grid():
+    """(ring group, head group) of a 1 x 1 grid for the hybrid rows: the default group, started
+    here with one rank (torch's default backend per device) when none is, and a group of rank 0."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        dist.init_process_group(store=dist.HashStore(), rank=0, world_size=1)
+    return dist.group.WORLD, dist.new_group([0])
+
+
+def callables(S, args, device, dtype, grid=None):
+    """{row: {mode: fn}}; grid: one_rank_grid()'s groups for the hybrid rows, or None."""
     g = torch.Generator(device=device).manual_seed(0)
     shape = (1, S, args.heads, args.head_dim)
     q, k, v, do = (torch.randn(shape, device=device, dtype=dtype, generator=g) for _ in range(4))
@@ -153,6 +171,26 @@ def callables(S, args, device, dtype):
             ops.ring = eager_ring
 
     fns = {"public": public, "operator": operator, "ring": ring, "ring_op": ring_op}
+    if grid is not None:
+        group, head_group = grid
+
+        def hybrid():
+            return ringflash.ring_flash_attn_func(q, k, v, causal=True, group=group, head_group=head_group)
+
+        eager_hybrid = ops.hybrid
+
+        def hybrid_through_operator(*args):
+            out, lse, *_ = ops.hybrid_fwd(*args)
+            return out, lse
+
+        def hybrid_op():  # the same call, its forward through the operator (and so its backward)
+            ops.hybrid = hybrid_through_operator
+            try:
+                return hybrid()
+            finally:
+                ops.hybrid = eager_hybrid
+
+        fns |= {"hybrid": hybrid, "hybrid_op": hybrid_op}
     compiler = "inductor" if device.type == "cuda" else "aot_eager"
     if args.compiled:
         fns["compiled"] = torch.compile(public, fullgraph=True, backend=compiler)
@@ -234,19 +272,22 @@ def main():
     ap.add_argument("--baseline", type=Path, help="a folder holding an older package directory (compare_versions)")
     ap.add_argument("--baseline-name", default="ringflash_before")
     ap.add_argument("--compiled", action="store_true", help="also the public call under torch.compile")
+    ap.add_argument("--hybrid", action="store_true", help="also the rows hybrid and hybrid_op (a one-rank grid)")
     ap.add_argument("--json", type=Path)
     ap.add_argument("--smoke", action="store_true", help="tiny CPU sizes")
     args = ap.parse_args()
     device, dtype = bench_device(args.smoke)
     if args.smoke:
         args.seqlens, args.heads, args.head_dim, args.calls, args.repeats = [16], 2, 16, 3, 2
+    grid = one_rank_grid() if args.hybrid else None
     out = []
     clock = "the host's own" if args.host_only else "wall, device drained"
     print(f"host time per call (us, {clock}) on {device_name(device)}: B=1, H={args.heads}, D={args.head_dim}, "
           f"causal, {dtype}")  # fmt: skip
     print(f"median (min-max) of {args.repeats} timings in rotation, {args.calls} calls each")
     for S in args.seqlens:
-        times = timed_in_rotation(callables(S, args, device, dtype), args.repeats, args.calls, device, args.host_only)
+        fns = callables(S, args, device, dtype, grid)
+        times = timed_in_rotation(fns, args.repeats, args.calls, device, args.host_only)
         for name, modes in times.items():
             row = {"seq_len": S, "impl": name}
             for m, ts in modes.items():

@@ -362,11 +362,11 @@ def test_host_overhead_smoke(tmp_path):
     import shutil
 
     shutil.copytree(ROOT / "ringflash", tmp_path / "base" / "ringflash_before")
-    command = ["-m", "benchmarks.host_overhead", "--smoke", "--host-only", "--compiled"]
+    command = ["-m", "benchmarks.host_overhead", "--smoke", "--host-only", "--compiled", "--hybrid"]
     command += ["--json", str(tmp_path / "h.json")]
     run([sys.executable, *command, "--baseline", str(tmp_path / "base")], tmp_path)
     rows = json.loads((tmp_path / "h.json").read_text())["rows"]
-    impls = {"public", "operator", "ring", "ring_op", "compiled", "bare", "backend"}
+    impls = {"public", "operator", "ring", "ring_op", "hybrid", "hybrid_op", "compiled", "bare", "backend"}
     impls |= {f"{name} (ringflash_before)" for name in ("public", "operator", "compiled")}
     assert {r["impl"] for r in rows} == impls and all(r["fwd_us"] > 0 for r in rows)
 
