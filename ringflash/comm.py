@@ -109,10 +109,23 @@ def _show_head_field(name, value) -> str:
     return "none" if name == "head_group size" and value == 0 else str(value)
 
 
+class RejectedByRanks(ValueError):
+    """Other ranks rejected their inputs: origins, [(global rank, its error's message)], the
+    ranks whose own checks failed (a rank that relays this error sends these on, so a grid's
+    stages quote each origin once, not a quote of a quote)."""
+
+    def __init__(self, api: str, origins: list[tuple[int, str]]):
+        self.origins = origins
+        quoted = "; ".join(f"rank {g}: {message}" for g, message in origins)
+        ranks = sorted({g for g, _ in origins})
+        super().__init__(f"{api}: global rank(s) {ranks} of the group rejected their inputs ({quoted})")
+
+
 def _gather_rows(group, fields: dict, local_error, api: str, device):
     """One agreement's exchange over `group`: every rank's row (1 when its own check passed,
-    then its fields) and, when some rank's check failed, every rank's message (a second
-    collective, on that path only). A collective that fails raises ringflash's RuntimeError."""
+    then its fields) and, when some rank's check failed, every rank's origins (a second
+    collective, on that path only: RejectedByRanks.origins, or this rank's global rank and
+    message). A collective that fails raises ringflash's RuntimeError."""
     group = resolve_group(group)
     row = [1 if local_error is None else 0] + [int(v) for v in fields.values()]
     mine = torch.tensor(row, dtype=torch.int64, device=_exchange_device(group, device))
@@ -122,7 +135,8 @@ def _gather_rows(group, fields: dict, local_error, api: str, device):
         rows = [t.tolist() for t in every]
         messages = [None] * len(rows)
         if any(other[0] == 0 for other in rows):
-            dist.all_gather_object(messages, None if local_error is None else str(local_error), group=group)
+            mine = getattr(local_error, "origins", None) or [(dist.get_rank(), str(local_error))]
+            dist.all_gather_object(messages, None if local_error is None else mine, group=group)
     except RuntimeError as e:
         raise _collective_failure(group, api, e) from e
     return rows, messages
@@ -136,8 +150,8 @@ def _outcome(rows, messages, names, local_error, api: str, show):
         return local_error
     failed = [r for r, other in enumerate(rows) if other[0] == 0]
     if failed:
-        quoted = "; ".join(f"rank {r}: {messages[r]}" for r in failed)
-        return ValueError(f"{api}: rank(s) {failed} of the group rejected their inputs ({quoted})")
+        origins = [origin for r in failed for origin in messages[r]]
+        return RejectedByRanks(api, list(dict.fromkeys(origins)))
     show = show or (lambda name, v: str(v))
     diffs = [i for i in range(len(names)) if len({other[i + 1] for other in rows}) > 1]
     if not diffs:

@@ -3,6 +3,7 @@ each head group of U ranks, the ring over R), against the float64 oracle. The 8-
 (2x4, 4x2) run in test_ring.py, beside its other 8-process tests (one set of processes)."""
 
 import itertools
+import re
 
 import pytest
 import torch
@@ -299,6 +300,28 @@ def _module(rank, world):
     assert torch.equal(got_mesh, out)
     with pytest.raises(ValueError, match="RingMultiheadAttention: group as a DeviceMesh must be 1-D, or 2-D"):
         RingMultiheadAttention(E, H, group=mesh, head_group=head_group)
+
+
+def _rejection_quoted_once(rank, world):
+    """A 2 x 2 grid where global rank 1 rejects its input: every other rank raises a
+    ValueError naming global rank 1 and quoting its message once (the stages that relay it
+    send its origin on, not a quote of a quote); the grid still works after."""
+    group, head_group = grid(2, 2)
+    q = torch.randn(1, 8, 4, 264 if rank == 1 else 16)
+    call = lambda q: ring_flash_attn_func(q, q, q, causal=True, group=group, head_group=head_group)  # noqa: E731
+    with pytest.raises(ValueError) as caught:
+        call(q)
+    message = str(caught.value)
+    if rank == 1:
+        assert "head_dim 264" in message and "rejected" not in message, message
+    else:
+        assert re.search(r"global rank\(s\) \[1\] of the group rejected their inputs \(rank 1: .*head_dim 264", message)
+        assert message.count("rejected their inputs") == 1 and message.count("head_dim 264") == 1, message
+    assert call(q[..., :16]).shape == (1, 8, 4, 16)
+
+
+def test_rejection_quoted_once_across_the_grid(worlds):
+    worlds(4, **TORCH).run(_rejection_quoted_once)
 
 
 def test_module_with_head_group(worlds):
