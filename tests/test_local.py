@@ -340,7 +340,7 @@ def test_documents_forward_priced_by_the_rows_that_see_keys(monkeypatch):
     from ringflash.kernels import configs
     from ringflash.masks import held_bounds
 
-    window, n = 2048, 8192
+    window, n = 4096, 8192
     cu = torch.tensor([0, 2 * n], dtype=torch.int64)  # one document over both shards
     mine, theirs = torch.arange(n, 2 * n), torch.arange(n)
     bounds = held_bounds(mine, theirs, n, cu, Window(window, 0)).on_device("cpu")
