@@ -95,7 +95,7 @@ def test_flash_attn_func_fullgraph(backend):
         q, k, v = _leaves((2, S, 4, 16), (2, S, 2, 16), (2, S, 2, 16), seed=S)
         mask = torch.nn.functional.pad(pad, (0, S - 20))
         got_out, got_grads = _run(lambda *t: cf(*t, mask), (q, k, v))
-        want_out, want_grads = _run(lambda *t: f(*t, mask), (q, k, v))
+        want_out, want_grads = _eager_run(lambda *t: f(*t, mask), (q, k, v))
         _assert_equal(got_out + got_grads, want_out + want_grads)
     _no_graph_break()
     assert counters["stats"]["unique_graphs"] >= 1
@@ -109,7 +109,7 @@ def test_flash_attn_func_inductor():
     f = lambda q, k, v: ringflash.flash_attn_func(q, k, v, causal=True, return_lse=True)
     q, k, v = _leaves(*[(1, 24, 2, 16)] * 3)
     got_out, got_grads = _run(_compile(f, "inductor"), (q, k, v))
-    want_out, want_grads = _run(f, (q, k, v))
+    want_out, want_grads = _eager_run(f, (q, k, v))
     _assert_equal(got_out + got_grads, want_out + want_grads)
     _no_graph_break()
 
@@ -126,7 +126,7 @@ def test_flash_attn_varlen_func_fullgraph(backend):
     q, k, v = _leaves((30, 4, 16), (30, 2, 16), (30, 2, 16))
     cf = _compile(f)
     got_out, got_grads = _run(lambda *t: cf(*t, cu), (q, k, v))
-    want_out, want_grads = _run(lambda *t: f(*t, cu), (q, k, v))
+    want_out, want_grads = _eager_run(lambda *t: f(*t, cu), (q, k, v))
     _assert_equal(got_out + got_grads, want_out + want_grads)
     _no_graph_break()
     with pytest.raises(ValueError, match="cu_seqlens_q must end at the total length 30, got 31"):
@@ -140,7 +140,7 @@ def test_ring_without_group_fullgraph():
     f = lambda q, k, v: ringflash.ring_flash_attn_func(q, k, v, causal=True, return_lse=True)
     q, k, v = _leaves((2, 16, 4, 16), (2, 16, 2, 16), (2, 16, 2, 16))
     got_out, got_grads = _run(_compile(f), (q, k, v))
-    want_out, want_grads = _run(f, (q, k, v))
+    want_out, want_grads = _eager_run(f, (q, k, v))
     _assert_equal(got_out + got_grads, want_out + want_grads)
     _no_graph_break()
 
@@ -165,7 +165,7 @@ def test_dropout_fullgraph_draws_as_eager(fn):
     torch.manual_seed(3)
     got_out, got_grads = _run(cf, (q, k, v))
     torch.manual_seed(3)
-    want_out, want_grads = _run(f, (q, k, v))
+    want_out, want_grads = _eager_run(f, (q, k, v))
     _assert_equal(got_out + got_grads, want_out + want_grads)
     _no_graph_break()
     assert not torch.equal(cf(q, k, v)[0], got_out[0])  # the next call drops other pairs
@@ -243,13 +243,13 @@ def _ring_compiled(rank, world):
 
     cf = _compile(f)
     got_out, got_grads = _run(cf, leaves)
-    want_out, want_grads = _run(f, leaves)
+    want_out, want_grads = _eager_run(f, leaves)
     _assert_equal(got_out + got_grads, want_out + want_grads)
     _no_graph_break()
     # a sliding window: its bounds are operator arguments, in the compiled graph as constants
     fw = lambda q, k, v: ringflash.ring_flash_attn_func(q, k, v, window_size=(5, 3), return_lse=True)
     got_out, got_grads = _run(_compile(fw), leaves)
-    want_out, want_grads = _run(fw, leaves)
+    want_out, want_grads = _eager_run(fw, leaves)
     _assert_equal(got_out + got_grads, want_out + want_grads)
     _no_graph_break()
     # the ranks disagree (rank 0 passes a shorter shard): every rank raises, compiled too
@@ -269,7 +269,7 @@ def _ring_compiled(rank, world):
             q, k, v, cu_arg, layout=layout, causal=True, window_size=(7, 0), return_lse=True
         )
         got_out, got_grads = _run(_compile(fv), packed)
-        want_out, want_grads = _run(fv, packed)
+        want_out, want_grads = _eager_run(fv, packed)
         _assert_equal(got_out + got_grads, want_out + want_grads)
         _no_graph_break()
     # one rank's cu_seqlens differ from the layout's: every rank raises, compiled too
