@@ -170,21 +170,25 @@ def documents_backward(name: str):
         yield
 
 
-DOCUMENTS_FORWARDS = ("default", "gluon", "triton")
+DOCUMENTS_FORWARDS = ("default", "gluon", "triton", "seeing-rows")
 
 
 @contextlib.contextmanager
 def documents_forward(name: str):
     """Inside the block packed documents' forward (configs.GLUON_FWD_DOCUMENTS and its
     GLUON_DOCUMENTS_MIN_KEYS_PER_ROW) is as configured ("default"), the Gluon kernel wherever
-    it runs, whatever the keys per row ("gluon"), or the Triton kernel ("triton")."""
+    it runs, whatever the keys per row ("gluon"), the Triton kernel ("triton"), or as configured
+    with the keys per row counted over the rows that see a key ("seeing-rows":
+    configs.GLUON_DOCUMENTS_SEEING_ROWS on)."""
     from ringflash.kernels import configs
 
     variants = {} if name == "triton" else configs.GLUON_FWD_DOCUMENTS
     least = {} if name == "gluon" else configs.GLUON_DOCUMENTS_MIN_KEYS_PER_ROW
+    seeing = name == "seeing-rows" or configs.GLUON_DOCUMENTS_SEEING_ROWS
     with (
         mock.patch.object(configs, "GLUON_FWD_DOCUMENTS", dict(variants)),
         mock.patch.object(configs, "GLUON_DOCUMENTS_MIN_KEYS_PER_ROW", dict(least)),
+        mock.patch.object(configs, "GLUON_DOCUMENTS_SEEING_ROWS", seeing),
     ):
         yield
 

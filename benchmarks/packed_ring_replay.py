@@ -471,7 +471,8 @@ def main():
         default=["default"],
         choices=DOCUMENTS_FORWARDS,
         help="variants: the packed documents' forward as configured, the Gluon kernel wherever it runs (any keys "
-        "per row), or the Triton kernel",
+        "per row), the Triton kernel, or as configured by the keys per row that sees a key (a neighbour's "
+        "block: configs.GLUON_DOCUMENTS_SEEING_ROWS)",
     )
     ap.add_argument("--kernels", action="store_true", help="print each rank's kernels by device time (CUDA)")
     ap.add_argument(

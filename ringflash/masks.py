@@ -86,8 +86,7 @@ class RowBounds(NamedTuple):
     subtract a block's start position and clip to the block. Counted on the host when the bounds
     were built (on_device), else None: keys_per_row, the mean number of keys a query row sees
     (times the rows: the block's visible pairs); keys_per_seeing_row, the same mean over the rows
-    that see a key, by which the kernels choose a tile shape (the tiles of rows that see nothing
-    end at once, so a neighbour's block seen by a few rows is priced by those rows)."""
+    that see a key. The kernels choose a tile shape by one of them (configs.GLUON_DOCUMENTS_SEEING_ROWS)."""
 
     k_lo: torch.Tensor
     k_hi: torch.Tensor

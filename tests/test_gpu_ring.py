@@ -267,6 +267,44 @@ def test_replayed_packed_ring_matches_single_gpu(world, causal, window_size, mak
         assert e_ring <= 1.2 * e_single + 1e-6, f"{name}: ring {e_ring:.3e} vs single GPU {e_single:.3e}"
 
 
+def test_replayed_windowed_packed_ring_gluon_on_neighbour_blocks(monkeypatch):
+    """configs.GLUON_DOCUMENTS_SEEING_ROWS: a windowed ring's neighbour blocks, whose rows mostly
+    see none of its keys, take the Gluon forward by the keys of the rows that see some (here
+    ~2K, over the threshold; ~1K over every row, under it), its tiles of empty rows folding
+    nothing into the state: within 1.2x of one GPU's flash_attn_varlen_func error against
+    float64, and such a block did run on the Gluon kernel."""
+    from ringflash.kernels import configs, gluon_forward
+
+    monkeypatch.setattr(configs, "GLUON_DOCUMENTS_SEEING_ROWS", True)
+    ran = []
+    real = gluon_forward.forward
+
+    def spy(*a, bounds=None, **kw):
+        if bounds is not None:
+            ran.append((bounds.keys_per_row, bounds.keys_per_seeing_row))
+        return real(*a, bounds=bounds, **kw)
+
+    monkeypatch.setattr(gluon_forward, "forward", spy)
+    lengths = [20000, 300, 7000, 5468]  # 32768 tokens: the long document crosses the shards
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], device="cuda", dtype=torch.int32)
+    q, k, v, do = (t[0] for t in _inputs(1, int(cu[-1]), 4, 2, 128, torch.bfloat16, seed=31))
+    kw = dict(causal=True, window_size=(4095, 0))
+    ref = varlen_reference(q, k, v, do, cu, cu, **kw)
+    ref = [ref[0], *ref[2:]]
+    qs, ks, vs = (t.clone().requires_grad_() for t in (q, k, v))
+    out = flash_attn_varlen_func(qs, ks, vs, cu, cu, **kw)
+    single = [out.detach(), *torch.autograd.grad(out, (qs, ks, vs), do)]
+    ran.clear()
+    L = balanced_layout(cu, 2, **kw)
+    ring = replay_ring(q[None], k[None], v[None], do[None], world=2, layout=L, **kw)
+    least = configs.GLUON_DOCUMENTS_MIN_KEYS_PER_ROW[128]
+    assert any(mean < least <= seeing for mean, seeing in ran), ran  # a neighbour block on Gluon
+    for name, r, sgl, g in zip(("out", "dq", "dk", "dv"), ref, single, ring):
+        e_single, e_ring = _rel_rms(sgl, r), _rel_rms(g[0], r)
+        assert torch.isfinite(g).all()
+        assert e_ring <= 1.2 * e_single + 1e-6, f"{name}: ring {e_ring:.3e} vs single GPU {e_single:.3e}"
+
+
 @pytest.mark.parametrize("world,chunks", [(2, None), (4, 2)])
 @pytest.mark.parametrize("causal,window_size", [(True, (-1, -1)), (True, (511, 0))])
 def test_replayed_packed_ring_fused_backward(world, chunks, causal, window_size, monkeypatch):

@@ -331,11 +331,15 @@ def test_documents_configs(monkeypatch):
         monkeypatch.setattr(configs, "_FILE_CONFIGS", {})
 
 
-def test_documents_forward_priced_by_the_rows_that_see_keys(monkeypatch):
-    """A neighbour's block in a windowed packed ring: most query rows see none of its keys. The
-    forward's tile shape is chosen by the keys per row that sees one (those rows' tiles are the
-    work), not by the mean over every row, which the empty rows pull under the Gluon threshold;
-    the block's pairs (keys_per_row x rows, the fused backward's size rule) stay the mean's."""
+@pytest.mark.parametrize("seeing_rows", [False, True])
+def test_documents_forward_by_the_rows_that_see_keys(seeing_rows, monkeypatch):
+    """A neighbour's block in a windowed packed ring: most query rows see none of its keys.
+    RowBounds counts the keys per row over every row (times the rows: the block's pairs, the
+    fused backward's size rule) and over the rows that see a key; the forward's tile choice goes
+    by the first, or by the second with configs.GLUON_DOCUMENTS_SEEING_ROWS (the tiles of rows
+    that see nothing end at once), which the empty rows' mean no longer pulls under the Gluon
+    threshold. Where every row sees keys (a rank's own causal documents, where the threshold was
+    tuned) the two are one."""
     from ringflash import kernels
     from ringflash.kernels import configs
     from ringflash.masks import held_bounds
@@ -349,6 +353,7 @@ def test_documents_forward_priced_by_the_rows_that_see_keys(monkeypatch):
     assert bounds.keys_per_row == pytest.approx(seen.sum().item() / n)
     assert bounds.keys_per_seeing_row == pytest.approx((window + 1) / 2)
     monkeypatch.setattr(configs, "INTERPRETING", False)
+    monkeypatch.setattr(configs, "GLUON_DOCUMENTS_SEEING_ROWS", seeing_rows)
     least = configs.GLUON_DOCUMENTS_MIN_KEYS_PER_ROW[128]
     assert bounds.keys_per_row < least <= bounds.keys_per_seeing_row  # the case the rule changes
     asked = []
@@ -356,9 +361,7 @@ def test_documents_forward_priced_by_the_rows_that_see_keys(monkeypatch):
     monkeypatch.setattr(configs, "gluon_forward_variant", spy)
     q = torch.zeros(1, n, 2, 128, dtype=torch.bfloat16)
     assert not kernels._gluon_forward(q, q, q, None, 0, 0, None, bounds, 1.0, False, True, 128)
-    assert asked == [bounds.keys_per_seeing_row]
-    # every row seeing keys (a rank's own causal documents, where the threshold was tuned): the
-    # two means are one
+    assert asked == [bounds.keys_per_seeing_row if seeing_rows else bounds.keys_per_row]
     own = held_bounds(mine, mine, n, cu, Window(None, 0)).on_device("cpu")
     assert own.keys_per_row == own.keys_per_seeing_row
     # no row seeing a key: both 0, no division by zero

@@ -156,6 +156,14 @@ def forward(q, k, v, state, *, q_start, k_start, window, bounds, scale, fold, no
         )
 
 
+def _documents_keys_per_row(bounds) -> float | None:
+    """The keys per row a packed-documents block's forward tile choice goes by: over every row,
+    or over the rows that see a key (configs.GLUON_DOCUMENTS_SEEING_ROWS); None without bounds."""
+    if bounds is None:
+        return None
+    return bounds.keys_per_seeing_row if configs.GLUON_DOCUMENTS_SEEING_ROWS else bounds.keys_per_row
+
+
 def _gluon_forward(q, k, v, state, q_start, k_start, window, bounds, scale, fold, normalize, config_d) -> bool:
     """Run the block on the Gluon forward where it is faster and takes these inputs (Hopper,
     16-bit, any mask; v's head dim may differ from q/k's: configs.gluon_forward_variant by the
@@ -164,7 +172,7 @@ def _gluon_forward(q, k, v, state, q_start, k_start, window, bounds, scale, fold
     variant = configs.gluon_forward_variant(
         config_d,
         documents=bounds is not None,
-        keys_per_row=None if bounds is None else bounds.keys_per_seeing_row,
+        keys_per_row=_documents_keys_per_row(bounds),
         # sliding windows (a left bound) take the one-tile default whatever the key count: the
         # persistent and three-consumer variants were measured on dense and causal blocks only
         # (and spill with a left bound: benchmarks/gluon_report.py --masks window)

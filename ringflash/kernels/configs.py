@@ -143,17 +143,21 @@ GLUON_DENSE_MIN_KEYS = 16384
 # tokens, forward (python -m benchmarks.packed --no-peers --mixes longtail --modes fwd
 # --variants gluon=ws2_s3 gluon=ws2_n64 ...): D=128 1.12x / 1.11x; D=64 (no spills) 1.13x / 1.11x.
 GLUON_FWD_DOCUMENTS = {64: "ws2_s3", 128: "ws2_s3", 256: "ws2"}
-# Below this many keys per query row that sees a key, on average (RowBounds.keys_per_seeing_row;
-# per head dim), packed documents take the Triton forward: its 64-row tiles with few key blocks
-# each beat the Gluon kernel's 128-row tiles there, whose set-up per tile is paid for few
-# blocks. (Rows that see nothing are left out of the mean: their tiles end at once in either
-# kernel, as most of a windowed ring's neighbour block does.) One H200, bf16,
+# Below this many keys per query row on average (RowBounds.keys_per_row; per head dim), packed
+# documents take the Triton forward: its 64-row tiles with few key blocks each beat the Gluon
+# kernel's 128-row tiles there, whose set-up per tile is paid for few blocks. One H200, bf16,
 # 64K tokens of causal documents of N tokens each (N / 2 keys per row; python -m
 # benchmarks.packed --no-peers --mixes fixed:N ...), Gluon over Triton forward speed for
 # N = 1024 / 2048 / 4096: D=128 0.96 / 0.90 / 1.13; D=64 0.75 / 0.84 / 0.94 (long-tailed
 # documents, 4381 and 6539 keys per row: 1.05 / 1.05); D=256 2.2x already at N = 1024 (its
 # Triton forward is slow).
 GLUON_DOCUMENTS_MIN_KEYS_PER_ROW = {64: 4096, 128: 1536, 256: 0}
+# ...counted over the rows that see a key (RowBounds.keys_per_seeing_row) instead: the tiles of
+# rows that see nothing end at once in either kernel, and a windowed ring's neighbour block is
+# mostly such rows, whose mean over every row sends it to the Triton forward. The same where
+# every row sees keys (where the threshold was tuned). Off until timed on a GPU, with the Gluon
+# forward's correctness on such blocks (benchmarks/NOTES.md, "Next GPU run").
+GLUON_DOCUMENTS_SEEING_ROWS = False
 
 # The fused Gluon backward's variant per padded head dim on Hopper (one kernel per key block:
 # dK, dV in registers, dQ added in float32 by atomics, so not bitwise reproducible; callers
@@ -344,7 +348,7 @@ def gluon_forward_variant(
     causal: bool = False,
 ) -> str | None:
     """The Gluon forward variant for this head dim (documents: a block masked by per-row
-    bounds whose rows that see a key see keys_per_row keys on average, where known; keys: the block's key
+    bounds whose rows see keys_per_row keys on average, where known; keys: the block's key
     count, where known (None for sliding windows): GLUON_FWD_SHORT up to
     GLUON_PERSISTENT_MAX_KEYS, GLUON_FWD_LONG from GLUON_LONG_MIN_KEYS; dense: a block with no
     mask whose head dims are block_d, one piece each: GLUON_FWD_DENSE from
