@@ -73,9 +73,12 @@ def kernel_times(fn, device, calls=1) -> list[tuple[str, int, float]]:
 def profiled_kernels(fn, device, calls=1, blocks=None) -> tuple[list[tuple[str, int, float]], dict[str, float]]:
     """kernel_times' rows, and with `blocks` (a test on a torch.profiler.record_function
     block's name) how their total splits over such blocks: {name: ms} of the work inside each,
-    counted to the innermost one (a block inside another is not counted in it). On CUDA the
-    device ms of the kernels and copies launched inside (from as many calls profiled again with
-    the host's events), on the CPU the torch operators' own CPU ms there."""
+    counted to the innermost one (a block inside another is not counted in it), and {None: ms}
+    the rest, so that the split sums to one profile's total. On CUDA the device ms of the
+    kernels and copies launched inside (from as many calls profiled again with the host's
+    events: the rows' total can differ from the split's, as copies beside kernels on another
+    stream last longer or shorter from one run to the next, so figures that subtract a block
+    take every part from the split), on the CPU the torch operators' own CPU ms there."""
     from torch.profiler import ProfilerActivity, profile
 
     cuda = torch.device(device).type == "cuda"
@@ -99,8 +102,8 @@ def profiled_kernels(fn, device, calls=1, blocks=None) -> tuple[list[tuple[str, 
             split = _device_ms_by_block(profiled([ProfilerActivity.CPU, ProfilerActivity.CUDA]), blocks)
         else:
             for e in prof.events():
-                name = _innermost_block(e, blocks) if e.name.startswith("aten::") else None
-                if name is not None:
+                if e.name.startswith("aten::"):
+                    name = _innermost_block(e, blocks)
                     split[name] = split.get(name, 0.0) + e.self_cpu_time_total / 1e3
     return rows, split
 
@@ -109,8 +112,9 @@ def _device_ms_by_block(prof, blocks) -> dict[str, float]:
     """{block name: device ms} of a CUDA profile's kernels, copies and fills, each counted to the
     innermost record_function block (whose name passes `blocks`) open on the host when its
     launch was made: every launch, the package's own Triton and Gluon ones too, which no torch
-    operator encloses. Time alone places a launch (the replay runs one host thread at a time:
-    the backward's thread while the caller waits)."""
+    operator encloses; None: the ones outside every block (or whose launch was not seen). Time
+    alone places a launch (the replay runs one host thread at a time: the backward's thread
+    while the caller waits)."""
     events = prof.profiler.kineto_results.events()
     on_device = [e for e in events if e.device_type() == torch.autograd.DeviceType.CUDA]
     on_host = [e for e in events if e.device_type() == torch.autograd.DeviceType.CPU]
@@ -128,12 +132,9 @@ def _device_ms_by_block(prof, blocks) -> dict[str, float]:
     }
     split = {}
     for e in on_device:
-        if e.correlation_id() not in launched_at:
-            continue
-        t = launched_at[e.correlation_id()]
-        name = next((n for start, end, n in spans if start <= t <= end), None)
-        if name is not None:
-            split[name] = split.get(name, 0.0) + e.duration_ns() / 1e6
+        t = launched_at.get(e.correlation_id())
+        name = None if t is None else next((n for start, end, n in spans if start <= t <= end), None)
+        split[name] = split.get(name, 0.0) + e.duration_ns() / 1e6
     return split
 
 

@@ -147,13 +147,17 @@ def _labelled_ring_kv(*args, **kwargs):
 
 def measured_kernels(
     run, device, calls: int = 1
-) -> tuple[list[tuple[str, int, float]], float, dict[tuple[int, str], float]]:
+) -> tuple[list[tuple[str, int, float]], float, float, dict[tuple[int, str], float]]:
     """run()'s kernels by device time under torch.profiler (on the CPU: its operators by CPU
     time), after one call outside the profile, per call over `calls` calls profiled in a row
     (one call's figures move with the GPU's clock: at 512K one rank's single call came out
-    12-16% slow in every kernel); the part of their total that its replayed transfers took
-    (TRANSFER); and {(step, phase): the rest of the part inside that ring step's forward or
-    backward} (common.profiled_kernels)."""
+    12-16% slow in every kernel); then from one profile with the host's events
+    (common.profiled_kernels' split) the total, the part of it that the replayed transfers took
+    (TRANSFER), and {(step, phase): the part inside that ring step's forward or backward less
+    its transfers}: one profile for every figure that is subtracted from another, since the
+    copies beside the kernels last longer or shorter from run to run (one rank's in one run
+    took 1.26 ms in the first profile and 0.23 in the second, which showed as a millisecond
+    outside the steps)."""
     run()
     with mock.patch.object(ring_module, "_ring_kv", _labelled_ring_kv):
         kernels, split = profiled_kernels(
@@ -162,17 +166,18 @@ def measured_kernels(
     kernels = [(name, n // calls, ms / calls) for name, n, ms in kernels]
     steps = {}
     for name, ms in split.items():
-        if name.startswith(STEP):
+        if name is not None and name.startswith(STEP):
             step, phase = name[len(STEP) :].split()
             steps[int(step), phase] = ms / calls
-    return kernels, split.get(TRANSFER, 0.0) / calls, steps
+    return kernels, sum(split.values()) / calls, split.get(TRANSFER, 0.0) / calls, steps
 
 
-def print_kernel_times(kernels, label: str, per: int = 1, transfer_ms: float = 0.0) -> None:
-    """One line: the total of `kernels` (measured_kernels) and the six largest, each divided by
-    `per`, and the replayed transfers' share of the total."""
+def print_kernel_times(kernels, label: str, per: int = 1, total_ms: float = 0.0, transfer_ms: float = 0.0) -> None:
+    """One line: total_ms (measured_kernels' total) and the six largest of `kernels` (from
+    measured_kernels' first profile), each divided by `per`, and the replayed transfers' share
+    of the total."""
     print(
-        f"  {label}: {sum(ms for _, _, ms in kernels) / per:.2f} ms"
+        f"  {label}: {total_ms / per:.2f} ms"
         + (f" (the replay's transfers {transfer_ms / per:.2f})" if transfer_ms else "")
         + ": "
         + ", ".join(f"{name[:28]} x{n} {ms / per:.2f}" for name, n, ms in kernels[:6]),
@@ -188,9 +193,9 @@ def print_kernels(q, k, v, do, cu, layout, world, window, chunks, label, calls=1
     totals, transfers, by_step = [], [], []
     for r in range(world):
         run = replay_rank(q, k, v, do, cu, layout, r, world, window, True, chunks)
-        kernels, transfer_ms, steps = measured_kernels(run, q.device, calls)
-        print_kernel_times(kernels, f"[{label}] rank {r}", transfer_ms=transfer_ms)
-        totals.append(sum(ms for _, _, ms in kernels))
+        kernels, total_ms, transfer_ms, steps = measured_kernels(run, q.device, calls)
+        print_kernel_times(kernels, f"[{label}] rank {r}", total_ms=total_ms, transfer_ms=transfer_ms)
+        totals.append(total_ms)
         transfers.append(transfer_ms)
         by_step.append({phase: [steps.get((s, phase), 0.0) for s in range(world)] for phase in PHASES})
     return totals, transfers, by_step
@@ -243,10 +248,9 @@ def measure_total(args, device, dtype, total, documents_forward, documents_backw
     single_ms = timed(single, device, args.repeats, args.calls)
     single_device_ms = None
     if args.kernels:  # the one-GPU call's kernels over P, beside each rank's below
-        single_kernels = measured_kernels(single, device, args.kernel_calls)[0]
-        single_device_ms = sum(ms for _, _, ms in single_kernels)
+        single_kernels, single_device_ms, _, _ = measured_kernels(single, device, args.kernel_calls)
         for world in args.worlds:
-            print_kernel_times(single_kernels, f"[{label}] one GPU / {world}", per=world)
+            print_kernel_times(single_kernels, f"[{label}] one GPU / {world}", per=world, total_ms=single_device_ms)
     variants = itertools.product(
         args.layouts,
         args.worlds,
