@@ -157,19 +157,21 @@ def callables(S, args, device, dtype, grid=None):
     def ring():
         return ringflash.ring_flash_attn_func(q, k, v, causal=True)
 
-    eager_ring = ops.ring
+    def through_operator(call, entry: str, operator):
+        """call() with ops.<entry> (the eager path's entry) replaced by its operator's forward
+        (out, lse): the same call through the operator's dispatch (and so its backward)."""
+        eager = getattr(ops, entry)
 
-    def through_operator(*args):
-        out, lse, _, _, _ = ops.ring_fwd(*args)
-        return out, lse
+        def run():
+            setattr(ops, entry, lambda *a: operator(*a)[:2])
+            try:
+                return call()
+            finally:
+                setattr(ops, entry, eager)
 
-    def ring_op():  # the same call, its forward through the operator (and so its backward)
-        ops.ring = through_operator
-        try:
-            return ring()
-        finally:
-            ops.ring = eager_ring
+        return run
 
+    ring_op = through_operator(ring, "ring", ops.ring_fwd)
     fns = {"public": public, "operator": operator, "ring": ring, "ring_op": ring_op}
     if grid is not None:
         group, head_group = grid
@@ -177,20 +179,7 @@ def callables(S, args, device, dtype, grid=None):
         def hybrid():
             return ringflash.ring_flash_attn_func(q, k, v, causal=True, group=group, head_group=head_group)
 
-        eager_hybrid = ops.hybrid
-
-        def hybrid_through_operator(*args):
-            out, lse, *_ = ops.hybrid_fwd(*args)
-            return out, lse
-
-        def hybrid_op():  # the same call, its forward through the operator (and so its backward)
-            ops.hybrid = hybrid_through_operator
-            try:
-                return hybrid()
-            finally:
-                ops.hybrid = eager_hybrid
-
-        fns |= {"hybrid": hybrid, "hybrid_op": hybrid_op}
+        fns |= {"hybrid": hybrid, "hybrid_op": through_operator(hybrid, "hybrid", ops.hybrid_fwd)}
     compiler = "inductor" if device.type == "cuda" else "aot_eager"
     if args.compiled:
         fns["compiled"] = torch.compile(public, fullgraph=True, backend=compiler)
