@@ -198,7 +198,7 @@ def _head_group_on_one_head_group(rank, world):
         lambda: ring_flash_attn_func(q, k, k, group=group, head_group=mesh if lost else head_group),
         r"head_group as a DeviceMesh must be 1-D"
         if lost
-        else r"rank\(s\) \[1\] .*head_group as a DeviceMesh must be 1-D",
+        else rf"global rank\(s\) \[{rank + 2}\] .*\(rank {rank + 2}: .*head_group as a DeviceMesh must be 1-D",
     )
     _expect_raise(lambda: unshard(torch.zeros(1, 4), group=group, head_group=None if lost else head_group), given)
     # the grid still works afterwards
