@@ -3,6 +3,8 @@
 import re
 import sys
 
+import pytest
+
 from commands import TWO_RANKS, run
 
 TRAIN = "examples/train_long_context.py"
@@ -53,9 +55,28 @@ def test_train_loss_falls(tmp_path):
     assert (first, last) == (losses[0], losses[-1])
 
 
-def test_train_one_process_check(tmp_path):
-    out = run([sys.executable, TRAIN, "--check", "--steps", "2", "--check-steps", "2", "--seq-len", "128"], tmp_path)
+@pytest.mark.parametrize("packed", [[], ["--packed"]], ids=["sequence", "packed"])
+def test_train_one_process_check(tmp_path, packed):
+    out = run(
+        [sys.executable, TRAIN, "--check", "--steps", "2", "--check-steps", "2", "--seq-len", "128", *packed], tmp_path
+    )
     assert "world 1" in out and "check passed" in out
+
+
+def test_train_packed_check_matches_one_process(tmp_path):
+    out = run(TWO_RANKS + [TRAIN, "--packed", "--check", "--steps", "3", "--seq-len", "256"], tmp_path)
+    assert "layout balanced" in out and "packed documents" in out, out
+    assert "check: 2-rank ring vs 1-process flash_attn_varlen_func, first 3 steps" in out
+    for step in (1, 2, 3):
+        assert re.search(rf"step {step}: ring [0-9.]+ +single [0-9.]+", out), out
+    assert "check passed" in out
+
+
+def test_train_packed_window_check_matches_one_process(tmp_path):
+    out = run(
+        TWO_RANKS + [TRAIN, "--packed", "--window", "32", "--check", "--steps", "3", "--seq-len", "256"], tmp_path
+    )
+    assert "causal window of 32 keys" in out and "check passed" in out, out
 
 
 # A user's classic mistake, made in a wrapper around the unchanged example: RoPE positions of
@@ -78,5 +99,33 @@ def test_train_check_catches_wrong_positions(tmp_path):
     wrapper.write_text(LOCAL_POSITIONS_BUG)
     out = run(
         TWO_RANKS + [str(wrapper), TRAIN, "--check", "--steps", "3", "--seq-len", "256"], tmp_path, expect_ok=False
+    )
+    assert "check FAILED" in out
+
+
+# The packed user's mistake, in a wrapper around the unchanged example: the ring given the
+# packed row as ONE document (layout and attention), so tokens attend across documents while
+# the one-process reference keeps them apart: --check must fail. (Positions that do not restart
+# at each document would not do: RoPE scores depend only on offsets within a document.)
+ONE_DOCUMENT_BUG = """
+import runpy, sys
+import torch
+import ringflash
+build, attend = ringflash.balanced_layout, ringflash.ring_flash_attn_varlen_func
+whole = lambda cu: torch.tensor([0, int(cu[-1])], dtype=cu.dtype, device=cu.device)
+ringflash.balanced_layout = lambda cu_seqlens, world, **kw: build(whole(cu_seqlens), world, **kw)
+ringflash.ring_flash_attn_varlen_func = lambda q, k, v, cu_seqlens, **kw: attend(q, k, v, whole(cu_seqlens), **kw)
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def test_train_packed_check_catches_attention_across_documents(tmp_path):
+    wrapper = tmp_path / "one_document.py"
+    wrapper.write_text(ONE_DOCUMENT_BUG)
+    out = run(
+        TWO_RANKS + [str(wrapper), TRAIN, "--packed", "--check", "--steps", "3", "--seq-len", "256"],
+        tmp_path,
+        expect_ok=False,
     )
     assert "check FAILED" in out
