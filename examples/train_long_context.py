@@ -256,7 +256,9 @@ def step_batch(args, corpus, device, step: int, *, distributed: bool):
         inputs, targets, cu_seqlens = get_packed_row(corpus, step, args.seq_len, args.seed)
     else:
         inputs, targets = get_sequence(corpus, step, args.seq_len, args.seed)
-    n_targets = int((targets != IGNORE).sum())  # counted before sharding: the same on every rank
+    # counted before sharding: the same on every rank (at least 1: a row of one-token documents
+    # has no target, and its loss is then 0, not 0 / 0)
+    n_targets = max(int((targets != IGNORE).sum()), 1)
     inputs, targets = inputs.to(device), targets.to(device)
     if not distributed:
         positions = torch.arange(args.seq_len, device=device)
