@@ -28,9 +28,15 @@ def test_quickstart_one_process(tmp_path):
     assert "world 1" in out and "max abs error" in out
 
 
-def test_train_check_matches_one_process(tmp_path):
-    out = run(TWO_RANKS + [TRAIN, "--check", "--steps", "3", "--seq-len", "256"], tmp_path)
-    assert "check: 2-rank ring vs 1-process flash_attn_func, first 3 steps" in out
+@pytest.mark.parametrize(
+    "flags,reference,shown",
+    [([], "flash_attn_func", []), (["--packed"], "flash_attn_varlen_func", ["layout balanced", "packed documents"])],
+    ids=["sequence", "packed"],
+)
+def test_train_check_matches_one_process(tmp_path, flags, reference, shown):
+    out = run(TWO_RANKS + [TRAIN, *flags, "--check", "--steps", "3", "--seq-len", "256"], tmp_path)
+    assert all(text in out for text in shown), out
+    assert f"check: 2-rank ring vs 1-process {reference}, first 3 steps" in out
     for step in (1, 2, 3):
         assert re.search(rf"step {step}: ring [0-9.]+ +single [0-9.]+", out), out
     assert "check passed" in out
@@ -63,15 +69,6 @@ def test_train_one_process_check(tmp_path, packed):
     assert "world 1" in out and "check passed" in out
 
 
-def test_train_packed_check_matches_one_process(tmp_path):
-    out = run(TWO_RANKS + [TRAIN, "--packed", "--check", "--steps", "3", "--seq-len", "256"], tmp_path)
-    assert "layout balanced" in out and "packed documents" in out, out
-    assert "check: 2-rank ring vs 1-process flash_attn_varlen_func, first 3 steps" in out
-    for step in (1, 2, 3):
-        assert re.search(rf"step {step}: ring [0-9.]+ +single [0-9.]+", out), out
-    assert "check passed" in out
-
-
 def test_train_packed_window_check_matches_one_process(tmp_path):
     out = run(
         TWO_RANKS + [TRAIN, "--packed", "--window", "32", "--check", "--steps", "3", "--seq-len", "256"], tmp_path
@@ -94,13 +91,20 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 """
 
 
-def test_train_check_catches_wrong_positions(tmp_path):
-    wrapper = tmp_path / "wrong_positions.py"
-    wrapper.write_text(LOCAL_POSITIONS_BUG)
+def _check_fails_under(bug: str, tmp_path, *flags):
+    """The training example run with --check inside a wrapper that plants `bug`: the check fails."""
+    wrapper = tmp_path / "wrapper.py"
+    wrapper.write_text(bug)
     out = run(
-        TWO_RANKS + [str(wrapper), TRAIN, "--check", "--steps", "3", "--seq-len", "256"], tmp_path, expect_ok=False
+        TWO_RANKS + [str(wrapper), TRAIN, *flags, "--check", "--steps", "3", "--seq-len", "256"],
+        tmp_path,
+        expect_ok=False,
     )
     assert "check FAILED" in out
+
+
+def test_train_check_catches_wrong_positions(tmp_path):
+    _check_fails_under(LOCAL_POSITIONS_BUG, tmp_path)
 
 
 # The packed user's mistake, in a wrapper around the unchanged example: the ring given the
@@ -121,11 +125,4 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 
 
 def test_train_packed_check_catches_attention_across_documents(tmp_path):
-    wrapper = tmp_path / "one_document.py"
-    wrapper.write_text(ONE_DOCUMENT_BUG)
-    out = run(
-        TWO_RANKS + [str(wrapper), TRAIN, "--packed", "--check", "--steps", "3", "--seq-len", "256"],
-        tmp_path,
-        expect_ok=False,
-    )
-    assert "check FAILED" in out
+    _check_fails_under(ONE_DOCUMENT_BUG, tmp_path, "--packed")
