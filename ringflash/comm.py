@@ -135,8 +135,10 @@ def _gather_rows(group, fields: dict, local_error, api: str, device):
         rows = [t.tolist() for t in every]
         messages = [None] * len(rows)
         if any(other[0] == 0 for other in rows):
-            mine = getattr(local_error, "origins", None) or [(dist.get_rank(), str(local_error))]
-            dist.all_gather_object(messages, None if local_error is None else mine, group=group)
+            origins = None
+            if local_error is not None:
+                origins = getattr(local_error, "origins", None) or [(dist.get_rank(), str(local_error))]
+            dist.all_gather_object(messages, origins, group=group)
     except RuntimeError as e:
         raise _collective_failure(group, api, e) from e
     return rows, messages
