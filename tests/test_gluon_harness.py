@@ -10,8 +10,10 @@ from commands import run
 
 # a dry-run case takes seconds; the harnesses' own 90 s before a case counts as hung (meant for
 # a GPU kernel that never returns) can pass on a loaded CPU, after which every case of its
-# family is skipped: pytest's own timeout guards these runs instead
+# family is skipped, and so can their deadline for starting a case (gluon_bwd_check's 330 s),
+# after which the rest are skipped: pytest's own timeout guards these runs instead
 CASE_TIMEOUT = "600"
+DEADLINE = "3600"
 
 
 def test_gluon_check_catches_a_wrong_forward_at_head_dims_in_pieces(tmp_path):
@@ -21,8 +23,8 @@ def test_gluon_check_catches_a_wrong_forward_at_head_dims_in_pieces(tmp_path):
     for mode, want_all in (("ok", True), ("bug", False)):
         out = tmp_path / f"{mode}.json"
         run([sys.executable, "benchmarks/gluon_check.py", "--cpu-dry-run", mode, "--quick", "--head-dims", "96", "192",
-             "--variants", "ws2_s3", "--skip-timing", "--jobs", "0", "--case-timeout", CASE_TIMEOUT, "--json",
-             str(out)], tmp_path)  # fmt: skip
+             "--variants", "ws2_s3", "--skip-timing", "--jobs", "0", "--case-timeout", CASE_TIMEOUT, "--deadline",
+             DEADLINE, "--json", str(out)], tmp_path)  # fmt: skip
         rows = json.loads(out.read_text())["correctness"]
         assert {r["D"] for r in rows} == {96, 192} and len(rows) >= 10, rows
         if want_all:
@@ -40,7 +42,7 @@ def test_gluon_bwd_check_catches_a_wrong_backward_with_v_head_dim_apart(tmp_path
         out = tmp_path / f"{mode}.json"
         run([sys.executable, "benchmarks/gluon_bwd_check.py", "--cpu-dry-run", mode, "--quick", "--head-dim", "192",
              "--v-head-dim", "128", "--variants", *variants, "--skip-timing", "--jobs", "0", "--case-timeout",
-             CASE_TIMEOUT, "--json", str(out)], tmp_path)  # fmt: skip
+             CASE_TIMEOUT, "--deadline", DEADLINE, "--json", str(out)], tmp_path)  # fmt: skip
         rows = json.loads(out.read_text())["correctness"]
         assert {r["variant"] for r in rows} == set(variants) and len(rows) >= 7 * len(variants), rows
         if mode == "emulate":
