@@ -97,6 +97,33 @@ def test_gluon_forward_early_p_frees_registers(tmp_path):
         assert early["sass_regs"] < late["sass_regs"], (early["sass_regs"], late["sass_regs"])
 
 
+def test_gluon_forward_dynamic_tiles_compile_for_hopper(tmp_path):
+    """Persistent programs taking their tiles from a counter (ws2_pd) compile for sm_90a at D=64
+    and 128, dense and causal, local (bf16) and folded (fp16): within the shared memory, a wgmma
+    left in flight, the producer's counter in the SASS (two ATOMG.E.ADD: the fetch before its
+    loop and the one in it; one STG.E.STRONG.GPU: the counter put back to zero), which ws2_p
+    (tiles in a fixed order) has not; no spills except at D=128 causal, within
+    PERSISTENT_SPILL_BYTES as ws2_p's (16-32 bytes, a few tile scalars across the key loop)."""
+    from ringflash.kernels.gluon_forward import HOPPER_SHARED_BYTES
+
+    PERSISTENT_SPILL_BYTES = 32
+    cases = [f"ws2_pd:{D}:{c}:{mode}" for D in (64, 128) for c in (0, 1) for mode in ("bf16:1:0", "fp16:0:1")]
+    cases += ["ws2_p:128:1:bf16:1:0"]
+    run([sys.executable, "benchmarks/gluon_report.py", "--jobs", "2", "--json", str(tmp_path / "g.json")]
+        + [a for c in cases for a in ("--case", c)], tmp_path, expect_ok=False)  # fmt: skip
+    rows = json.loads((tmp_path / "g.json").read_text())  # (the report exits 1 on any spill)
+    assert len(rows) == len(cases) and not any("error" in r for r in rows), rows
+    for r in rows:
+        assert r["shared"] <= HOPPER_SHARED_BYTES and any(int(n) > 0 for n in r["sass_waits"]), r
+        assert all(p.startswith("spills") for p in r["problems"]), r
+        if r["name"] == "ws2_p":
+            assert r["tile_atomics"] == 0 and r["strong_stores"] == 0, r
+            continue
+        assert r["config"]["dynamic"] and r["tile_atomics"] == 2 and r["strong_stores"] == 1, r
+        allowed = PERSISTENT_SPILL_BYTES if (r["D"], r["causal"]) == (128, True) else 0
+        assert r["spill_bytes"] <= allowed, r
+
+
 def test_gluon_forward_short_group_last_compiles(tmp_path):
     """The launch order with the short group of heads last (GluonConfig.tile_order "short_last",
     the kernel's SHORT_GROUP_FIRST constexpr off; the defaults have it on and compile in the

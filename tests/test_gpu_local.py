@@ -577,6 +577,51 @@ def test_gluon_forward_tile_order(D, variant, causal, window_size, monkeypatch):
     assert_within("lse", results[0][1], ref_lse, plain_lse, sum_len=1)
 
 
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+def test_gluon_forward_dynamic_tiles(D, causal, monkeypatch):
+    """Persistent programs taking their tiles from a counter (ws2_pd; ws2_pd7, seven programs;
+    three programs; dense and causal, GQA 4/2, queries and keys that end inside a tile and a
+    block): output and lse against float64 within the plain bf16 bound, bitwise equal to ws2_p's
+    (the same tiles, each computed alone by one program), the outputs poisoned before every
+    call; three calls back to back per case (the plan kept from the second call on), after each
+    the device's counter back at zero (the launch's last fetch resets it: a missing reset would
+    leave the next call no tiles)."""
+    import math
+    from dataclasses import replace
+
+    from ringflash.kernels import gluon_forward as gf
+    from ringflash.kernels.plans import Plans
+
+    monkeypatch.setattr(gf, "_PLANS", Plans())
+    counter = gf.tile_counter(torch.device("cuda", torch.cuda.current_device()))
+    g = torch.Generator(device="cuda").manual_seed(D + 10 * causal)
+    variants = ["ws2_pd", "ws2_pd7", replace(gf.config_for(D, "ws2_pd"), max_programs=3)]
+    for B, Sq, Sk in ((2, 1031, 1031), (1, 257, 2049), (1, 128, 128), (2, 2048, 4096)):
+        q = torch.randn(B, Sq, 4, D, device="cuda", generator=g, dtype=torch.bfloat16)
+        k, v = (torch.randn(B, Sk, 2, D, device="cuda", generator=g, dtype=torch.bfloat16) for _ in range(2))
+        ref, ref_lse = naive_attention(q, k, v, causal=causal)
+        plain, plain_lse = naive_attention(q, k, v, causal=causal, dtype=torch.bfloat16)
+        results = {}
+        for variant in ["ws2_p", *variants]:
+            for call in range(3):
+                o = torch.full((B, Sq, 4, D), float("nan"), device="cuda", dtype=torch.bfloat16)
+                m, l = (torch.full((B, 4, Sq), float("nan"), device="cuda") for _ in range(2))
+                gf.forward(q, k, v, q_start=Sk - Sq, k_start=0, scale=1 / math.sqrt(D), out_o=o, out_m=m, out_l=l,
+                           normalize=True, fold=False, causal=causal, config=variant)  # fmt: skip
+                torch.cuda.synchronize()
+                assert counter.item() == 0, (variant, call, counter.item())
+                lse = (m + torch.log2(l)) * math.log(2)  # m and l in base 2
+                name = f"{variant} {B}x{Sq}x{Sk} call {call}"
+                assert_within(f"out {name}", o, ref, plain)
+                assert_within(f"lse {name}", lse, ref_lse, plain_lse, sum_len=1)
+                results.setdefault(variant if isinstance(variant, str) else "3 programs", []).append((o, m, l))
+        for variant, got in results.items():
+            for o, m, l in got:
+                want = results["ws2_p"][0]
+                assert torch.equal(o, want[0]) and torch.equal(m, want[1]) and torch.equal(l, want[2]), variant
+
+
 # (causal, window_size, extra keys per document) of the packed-documents tests: 37 extra keys
 # give documents whose keys no query sees (37 keys and no query); -40 queries that see no key
 # (bottom-right alignment; documents of 1-40 queries and no key)

@@ -271,6 +271,54 @@ def test_gluon_forward_persistent_plan():
     assert not kwargs["PERSISTENT"] and grid == (gf.triton_cdiv(S, 128), H)
 
 
+def test_gluon_forward_dynamic_plan():
+    """Persistent programs taking their tiles from a counter (GluonConfig.dynamic, ws2_pd) launch
+    ws2_p's grid with DYNAMIC set and the device's one zeroed int32 counter as TILE_COUNTER (no
+    counter otherwise), causal tiles in the one-tile launch's head groups (heads_per_group as a
+    one-tile launch's, where ws2_p takes 1); a kept plan puts the counter back in (launch_planned
+    gets the forward's eight tensors); sliding windows and documents keep one tile a program
+    (DYNAMIC off); dynamic without persistent is refused."""
+    from dataclasses import replace
+
+    from ringflash.kernels import gluon_forward as gf
+    from ringflash.kernels.plans import Plan
+
+    if not gf.HAS_GLUON:
+        pytest.skip(f"Gluon not importable: {gf.GLUON_ERROR}")
+    B, S, H = 2, 1031, 4
+    q, k, common, bounds = _forward_plan_inputs(B, S, H, 1, 128)
+    counter = gf.tile_counter(q.device)
+    assert counter is gf.tile_counter(q.device) and counter.dtype == torch.int32 and counter.tolist() == [0]
+    for variant, dynamic in (("ws2_p", False), ("ws2_pd", True), ("ws2_pd7", True)):
+        cfg = gf.config_for(128, variant)
+        _, grid, args, kwargs = gf.launch_plan(q, k, k.clone(), causal=True, cfg=cfg, **common)
+        _, p_grid, p_args, _ = gf.launch_plan(q, k, k.clone(), causal=True, cfg=gf.config_for(128, "ws2_p"), **common)
+        assert kwargs["PERSISTENT"] and kwargs["DYNAMIC"] == dynamic
+        assert grid == ((7,) if variant == "ws2_pd7" else p_grid)
+        assert any(a is counter for a in args) == dynamic and args[-1] is (counter if dynamic else None)
+        # the one-tile launch's head groups (L2's share: every head here), ws2_p head by head
+        assert args[-11] == (H * B if dynamic else 1) and p_args[-11] == 1, (args[-11], p_args[-11])
+    # a kept plan: the counter is no tensor of the call's signature; launch_planned puts it back
+    v = k.clone()
+    kernel, grid, args, kwargs = gf.launch_plan(q, k, v, cfg=gf.config_for(128, "ws2_pd"), **common)
+    tensors = (q, k, v, common["out_o"], common["out_m"], common["out_l"], None, None)
+    plan = Plan(kernel, grid, args, kwargs, (*tensors, counter))
+    assert plan.args_for((*tensors, counter))[-1] is counter
+    launched = []
+    plan.launch = lambda kernel, grid, args, kwargs: launched.append(args)
+    gf.launch_planned(plan, tensors)
+    assert launched[0][-1] is counter and launched[0][0].base is q
+    # sliding windows and per-row bounds: one tile a program, no counter
+    from ringflash.masks import Window
+
+    cfg = gf.config_for(128, "ws2_pd")
+    for extra in (dict(window=Window(300, 0)), dict(bounds=bounds)):
+        _, grid, args, kwargs = gf.launch_plan(q, k, k.clone(), cfg=cfg, **extra, **common)
+        assert not kwargs["PERSISTENT"] and not kwargs["DYNAMIC"] and args[-1] is None and len(grid) == 2
+    with pytest.raises(ValueError, match="persistent"):
+        replace(gf.config_for(128, "ws2_s3"), dynamic=True)
+
+
 def test_gluon_forward_three_consumers_plan():
     """ws3 runs three 64-row consumer warpgroups on 192-row tiles: grid cdiv(S, 192) tiles, Q's
     descriptor 64 rows, CONSUMERS=3 and 160 registers a consumer thread (the entry cap 128 over

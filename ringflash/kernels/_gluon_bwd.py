@@ -62,7 +62,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from ._gluon_fwd import _alloc_bars, _hull_and_core, _max_combine, _mma_layout
+from ._gluon_counter import TILE_WORDS, _fetch_tile, _publish_tile, _receive_tile
+from ._gluon_fwd import _alloc_bars, _hull_and_core, _mma_layout, _opaque
 from .tiles import MASK_ROWS, in_bounds, key_query_bounds
 
 # ----------------------------------------------------------------------------------------------
@@ -198,26 +199,8 @@ def _grid_coords(t, grid0, grid1):
     return t % grid0, rest % grid1, rest // grid1
 
 
-# Persistent programs: the producer takes the program's next key block from
-# a counter in global memory and passes it to both consumers through one of two shared slots.
-
-
-@gluon.jit
-def _fetch_tile(counter):
-    """The next key block of the launch: the counter's value before adding 1, read by lane 0 of the
-    producer warp and passed to every lane (one atomic a warp, not 32)."""
-    return gl.inline_asm_elementwise(
-        "{ .reg .pred p; .reg .b32 r, l; mov.b32 r, 0; mov.u32 l, %laneid; setp.eq.u32 p, l, 0;"
-        " @p atom.global.relaxed.gpu.add.u32 r, [$1], 1; shfl.sync.idx.b32 $0, r, 0, 0x1f, 0xffffffff; }",
-        "=r,l",
-        [counter.to(gl.int64, bitcast=True)],
-        gl.int32,
-        is_pure=False,
-        pack=1,
-    )
-
-
-TILE_WORDS = gl.constexpr(8)  # a shared slot's int32 words: the key block and its _block_rows
+# Persistent programs: the producer takes the program's next key block from a counter in global
+# memory and passes it to both consumers through one of two shared slots (_gluon_counter).
 
 
 @gluon.jit
@@ -225,47 +208,6 @@ def _block_rows(t, grid0, Sq, Sk, q_start, k_start, QLO, QHI, BLOCK_M: gl.conste
     """Packed documents, a persistent program's producer warp: key block t's query blocks
     (_key_tile_query_range's six integers; the grid's first coordinate is the key block)."""
     return _key_tile_query_range((t % grid0) * BLOCK_N, Sq, Sk, q_start, k_start, QLO, QHI, BLOCK_M, BLOCK_N, False, 1)
-
-
-@gluon.jit
-def _publish_tile(tile_ids, tile_full, tile_empty, k, t, rows, ROWS: gl.constexpr):
-    """The producer: key block t as the program's k-th into slot k % 2 (ROWS: with its six
-    _block_rows after it), once both consumers have read what the slot held (tile_empty: count
-    2; a fresh barrier passes parity 1); tile_full (count 1) completes its (k // 2)-th phase."""
-    slot = k % 2
-    mbarrier.wait(tile_empty.index(slot), ((k // 2) & 1) ^ 1)
-    one: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
-    tile_ids.index(slot * TILE_WORDS).store(gl.full([1], t, gl.int32, one))
-    if ROWS:
-        for j in gl.static_range(6):
-            tile_ids.index(slot * TILE_WORDS + 1 + j).store(gl.full([1], rows[j], gl.int32, one))
-    mbarrier.arrive(tile_full.index(slot))
-
-
-@gluon.jit
-def _read_word(tile_ids, i):
-    """Word i of the shared slots, read by a consumer warpgroup (every thread gets it)."""
-    four: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
-    return gl.reduce(tile_ids.index(i).load(four), 0, _max_combine)
-
-
-@gluon.jit
-def _receive_tile(tile_ids, tile_full, tile_empty, k, ROWS: gl.constexpr):
-    """A consumer warpgroup: the program's k-th key block from slot k % 2 (_publish_tile) and
-    (ROWS) its six _block_rows (else zeros), then the slot released."""
-    slot = k % 2
-    mbarrier.wait(tile_full.index(slot), (k // 2) & 1)
-    at = slot * TILE_WORDS
-    t = _read_word(tile_ids, at)
-    if ROWS:
-        rows = (
-            _read_word(tile_ids, at + 1), _read_word(tile_ids, at + 2), _read_word(tile_ids, at + 3),
-            _read_word(tile_ids, at + 4), _read_word(tile_ids, at + 5), _read_word(tile_ids, at + 6),
-        )  # fmt: skip
-    else:
-        rows = (0, 0, 0, 0, 0, 0)
-    mbarrier.arrive(tile_empty.index(slot))
-    return t, rows
 
 
 # ----------------------------------------------------------------------------------------------
@@ -471,13 +413,6 @@ def _red_add_blocked(
         is_pure=False,
         pack=1,
     )
-
-
-@gluon.jit
-def _opaque(x):
-    """x, through a non-pure move the compiler cannot hoist out of a loop: loop-invariant index
-    vectors are cheap to recompute but expensive to keep (LLVM hoists them, ptxas then spills)."""
-    return gl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [x], gl.int32, is_pure=False, pack=1)
 
 
 @gluon.jit

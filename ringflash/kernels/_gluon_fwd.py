@@ -11,7 +11,9 @@ single-partition and one-consumer schedules measured slower on one H200 (450-495
 against 594-602 at D=128, 16K; benchmarks/NOTES.md) and were removed. One query tile a
 program, or (PERSISTENT) at most one program per multiprocessor taking every programs-th tile,
 the rings running on across its tiles, so that the next tile's loads overlap the last one's
-output (faster on short key ranges only: configs.GLUON_FWD_SHORT).
+output (faster on short key ranges only: configs.GLUON_FWD_SHORT); with DYNAMIC, such programs
+taking their tiles from a counter in global memory in the one-tile launch's order (_gluon_counter:
+FlashAttention-3's dynamic scheduler; not a default).
 
 Tensors: q (B, Sq, Hq, D), k (B, Sk, Hkv, D) and v (B, Sk, Hkv, Dv), bf16 or fp16, as 4-D TMA
 descriptors with blocks [1, BLOCK_M or BLOCK_N, 1, BLOCK_D or BLOCK_DV], BLOCK_D the head dim D
@@ -46,6 +48,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
+from ._gluon_counter import TILE_WORDS, _fetch_tile, _publish_tile, _receive_tile, _reset_counter
 from .tiles import MASK_NONE, MASK_ROWS, MASK_WINDOW, in_bounds, row_key_bounds
 
 # ----------------------------------------------------------------------------------------------
@@ -122,11 +125,44 @@ def _tile_plan(
     (b, h, hk, off_m) as _tile's, then _tile_key_range's (lo, n, full_lo0, full_hi0,
     full_lo1, full_hi1). Each partition computes it for itself (windows only: a few scalar
     operations, no loads)."""
-    b, h, hk, off_m = _tile(t % num_m, t // num_m, num_m, Hq, group, MASK != MASK_NONE, BLOCK_M)
+    return _tile_plan_at(
+        t % num_m, t // num_m, num_m, Hq, group, Sq, Sk, q_start, k_start, win_left, win_right, KLO, KHI, MASK, LEFT,
+        BLOCK_M, BLOCK_N, num_warps,
+    )  # fmt: skip
+
+
+@gluon.jit
+def _tile_plan_at(
+    pid_m, pid_bh, num_m, Hq, group, Sq, Sk, q_start, k_start, win_left, win_right, KLO, KHI, MASK: gl.constexpr,
+    LEFT: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, num_warps: gl.constexpr,
+):  # fmt: skip
+    """_tile_plan's tuple for query tile pid_m of batch-and-head pid_bh."""
+    b, h, hk, off_m = _tile(pid_m, pid_bh, num_m, Hq, group, MASK != MASK_NONE, BLOCK_M)
     lo, n, full_lo0, full_hi0, full_lo1, full_hi1 = _tile_key_range(
         off_m, Sq, Sk, q_start, k_start, win_left, win_right, KLO, KHI, MASK, LEFT, BLOCK_M, BLOCK_N, num_warps
     )
     return b, h, hk, off_m, lo, n, full_lo0, full_hi0, full_lo1, full_hi1
+
+
+@gluon.jit
+def _handed_tile_plan(
+    t, num_m, num_tiles, heads_per_group, Hq, group, Sq, Sk, q_start, k_start, win_left, win_right, KLO, KHI,
+    MASK: gl.constexpr, LEFT: gl.constexpr, SHORT_GROUP_FIRST: gl.constexpr, BLOCK_M: gl.constexpr,
+    BLOCK_N: gl.constexpr, num_warps: gl.constexpr,
+):  # fmt: skip
+    """_tile_plan's tuple for the t-th tile handed out from the counter (DYNAMIC): the t-th
+    program of the one-tile launch, in its order (_launch_order: masked blocks heads_per_group
+    heads together, heaviest tiles first; dense blocks as the grid lists them), so that the
+    tiles taken side by side share their heads' K/V in L2 as the one-tile programs do."""
+    if MASK == MASK_WINDOW:
+        pid_m, pid_bh = _order_of(t, num_m, num_tiles // num_m, heads_per_group, SHORT_GROUP_FIRST)
+    else:
+        pid_m = t % num_m
+        pid_bh = t // num_m
+    return _tile_plan_at(
+        pid_m, pid_bh, num_m, Hq, group, Sq, Sk, q_start, k_start, win_left, win_right, KLO, KHI, MASK, LEFT,
+        BLOCK_M, BLOCK_N, num_warps,
+    )  # fmt: skip
 
 
 # ----------------------------------------------------------------------------------------------
@@ -178,6 +214,12 @@ def _launch_order(heads_per_group, SHORT_GROUP_FIRST: gl.constexpr):
     num_m = gl.num_programs(0)
     num_bh = gl.num_programs(1)
     linear = gl.program_id(1) * num_m + gl.program_id(0)
+    return _order_of(linear, num_m, num_bh, heads_per_group, SHORT_GROUP_FIRST)
+
+
+@gluon.jit
+def _order_of(linear, num_m, num_bh, heads_per_group, SHORT_GROUP_FIRST: gl.constexpr):
+    """_launch_order's (pid_m, pid_bh) for the linear-th program of a (num_m, num_bh) launch."""
     per_group = heads_per_group * num_m
     if SHORT_GROUP_FIRST:
         short = num_bh % heads_per_group  # (0: every group full)
@@ -298,6 +340,13 @@ def _probabilities(s, m_use, qk_scale, POSITIVE_SCALE: gl.constexpr):
 
 
 @gluon.jit
+def _opaque(x):
+    """x, through a non-pure move the compiler cannot hoist out of a loop: loop-invariant index
+    vectors are cheap to recompute but expensive to keep (LLVM hoists them, ptxas then spills)."""
+    return gl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [x], gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
 def _rows(x, layout: gl.constexpr):
     # row statistics move between the S and O accumulator layouts; both give a row to the
     # same threads, so this is free
@@ -345,6 +394,7 @@ def _write_out(
     s_layout: gl.constexpr,
     o_layout: gl.constexpr,
     ot_layout: gl.constexpr,
+    OPAQUE: gl.constexpr = False,
 ):
     """Store O (acc / l, or acc), M and L for the tile's valid rows and O's HEAD_DIM columns:
     acc holds the first BLOCK_D of them, acc_t (when BLOCK_DT > 0) the BLOCK_DT after those
@@ -353,12 +403,17 @@ def _write_out(
     HAS_STATE: (acc, m_i, l_i) covers this call's keys only; the incoming state in (O, M, L)
     is merged in here, which is the online softmax continued from it (up to rounding).
     Merging at the end rather than starting the loop from the state keeps nothing of it live
-    across the key loop, where the consumer warps have no registers to spare. seen: whether the
+    across the key loop, where the consumer warps have no registers to spare. OPAQUE: the row
+    and column index vectors made per call (_opaque), so that a persistent program does not keep
+    them from one tile to the next across its key loops. seen: whether the
     tile saw any key; one that did not folds nothing in, so with HAS_STATE and not NORMALIZE it
     reads and writes nothing (a ring step's idle rows; masked rather than branched around,
     which cost registers).
     """
-    rows = off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
+    rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
+    if OPAQUE:
+        rows = _opaque(rows)
+    rows = off_m + rows
     ok = rows < Sq
     m_ptrs = M + b.to(gl.int64) * stride_mb + h * stride_mh + rows * stride_ms
     l_ptrs = L + b.to(gl.int64) * stride_lb + h * stride_lh + rows * stride_ls
@@ -377,12 +432,12 @@ def _write_out(
         m_i = m_new
     _store_o(
         acc, O, b, h, off_m, Sq, seen, a_in, a_new, l_i, stride_ob, stride_os, stride_oh, 0, NORMALIZE, HAS_STATE,
-        BLOCK_M, HEAD_DIM, BLOCK_D, o_layout,
+        BLOCK_M, HEAD_DIM, BLOCK_D, o_layout, OPAQUE,
     )  # fmt: skip
     if BLOCK_DT > 0:
         _store_o(
             acc_t, O, b, h, off_m, Sq, seen, a_in, a_new, l_i, stride_ob, stride_os, stride_oh, BLOCK_D, NORMALIZE,
-            HAS_STATE, BLOCK_M, HEAD_DIM, BLOCK_DT, ot_layout,
+            HAS_STATE, BLOCK_M, HEAD_DIM, BLOCK_DT, ot_layout, OPAQUE,
         )  # fmt: skip
     gl.store(m_ptrs, m_i, mask=ok)
     gl.store(l_ptrs, l_i, mask=ok)
@@ -392,13 +447,18 @@ def _write_out(
 def _store_o(
     acc, O, b, h, off_m, Sq, seen, a_in, a_new, l_i, stride_ob, stride_os, stride_oh, COL0: gl.constexpr,
     NORMALIZE: gl.constexpr, HAS_STATE: gl.constexpr, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr,
-    WIDTH: gl.constexpr, o_layout: gl.constexpr,
+    WIDTH: gl.constexpr, o_layout: gl.constexpr, OPAQUE: gl.constexpr = False,
 ):  # fmt: skip
     """_write_out's store of O's columns [COL0, COL0 + WIDTH) from acc (those past HEAD_DIM
     not stored), merged with the incoming state's (a_in, a_new: its row factors) and
     normalized by l_i as the flags say."""
-    rows_o = off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, o_layout))
-    cols = COL0 + gl.arange(0, WIDTH, layout=gl.SliceLayout(0, o_layout))
+    rows_o = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, o_layout))
+    cols = gl.arange(0, WIDTH, layout=gl.SliceLayout(0, o_layout))
+    if OPAQUE:  # (recomputed per tile, not kept across a persistent program's key loops)
+        rows_o = _opaque(rows_o)
+        cols = _opaque(cols)
+    rows_o = off_m + rows_o
+    cols = COL0 + cols
     o_ptrs = (
         O
         + b.to(gl.int64) * stride_ob
@@ -718,12 +778,44 @@ def _ws_producer(
     k_start, win_left, win_right, KLO, KHI, MASK: gl.constexpr, LEFT: gl.constexpr, BLOCK_M: gl.constexpr,
     BLOCK_N: gl.constexpr, BLOCK_NT: gl.constexpr, BLOCK_D: gl.constexpr, BLOCK_DT: gl.constexpr,
     BLOCK_DV: gl.constexpr, BLOCK_DVT: gl.constexpr, STAGES: gl.constexpr, PERSISTENT: gl.constexpr,
-    CONSUMERS: gl.constexpr,
+    CONSUMERS: gl.constexpr, DYNAMIC: gl.constexpr, tile_counter, tile_ids, tile_full, tile_empty, heads_per_group,
+    SHORT_GROUP_FIRST: gl.constexpr,
 ):  # fmt: skip
     """The TMA producer warp: this program's tile (b, h, hk, off_m, lo, n), or with PERSISTENT
     every num_programs-th of the num_tiles tiles from program_id on, each planned here as
-    the consumers plan it (_tile_plan)."""
-    if PERSISTENT:
+    the consumers plan it (_tile_plan); or with DYNAMIC too each tile it takes from
+    tile_counter, passed on to the consumers (_gluon_counter; the tile_ and heads_per_group
+    arguments: stand-ins without DYNAMIC)."""
+    if DYNAMIC:
+        num_m = (Sq + BLOCK_M - 1) // BLOCK_M
+        it = 0
+        uses = 0
+        k = 0  # tiles taken
+        t = _fetch_tile(tile_counter)
+        while t < num_tiles:
+            b, h, hk, off_m, lo, n, _, _, _, _ = _handed_tile_plan(
+                t, num_m, num_tiles, heads_per_group, Hq, group, Sq, Sk, q_start, k_start, win_left, win_right, KLO,
+                KHI, MASK, LEFT, SHORT_GROUP_FIRST, BLOCK_M, BLOCK_N + BLOCK_NT, 1,
+            )  # fmt: skip
+            # the consumers take the plan as it is: planned by each of them, 32-128 bytes spilled
+            # at D=128 (its values kept across the key loop)
+            _publish_tile(tile_ids, tile_full, tile_empty, k, t, (b, h, off_m, lo, n, 0), True)
+            _produce_tile(
+                q_desc, k_desc, v_desc, qt_desc, kt_desc, vt_desc, q_bufs, k_bufs, v_bufs, qt_bufs, kt_bufs, vt_bufs,
+                q_bar, k_ready, v_ready, k_empty, v_empty, q_empty, b, h, hk, off_m, lo, n, it, uses, BLOCK_M,
+                BLOCK_N, BLOCK_NT, BLOCK_D, BLOCK_DT, BLOCK_DV, BLOCK_DVT, STAGES, PERSISTENT, CONSUMERS,
+            )  # fmt: skip
+            # the next tile taken only once this one's loads are issued (the consumers have
+            # about STAGES key blocks of it left): one taken earlier would be held back from a
+            # program that is free
+            t = _fetch_tile(tile_counter)
+            it += n
+            uses += gl.minimum(n, 1)
+            k += 1
+        # past the last tile: the consumers stop; the launch's last fetch puts the counter back
+        _publish_tile(tile_ids, tile_full, tile_empty, k, t, (0, 0, 0, 0, 0, 0), False)
+        _reset_counter(tile_counter, t == num_tiles + gl.num_programs(0) - 1)
+    elif PERSISTENT:
         num_m = (Sq + BLOCK_M - 1) // BLOCK_M
         it = 0
         uses = 0
@@ -762,10 +854,11 @@ def _consume_tile(
     HEAD_DIM_V: gl.constexpr, BLOCK_DV: gl.constexpr, BLOCK_DVT: gl.constexpr, BLOCK_M: gl.constexpr,
     BLOCK_N: gl.constexpr, BLOCK_NT: gl.constexpr, STAGES: gl.constexpr, MASK: gl.constexpr, LEFT: gl.constexpr,
     NORMALIZE: gl.constexpr, HAS_STATE: gl.constexpr, POSITIVE_SCALE: gl.constexpr, PERSISTENT: gl.constexpr,
-    CONSUMERS: gl.constexpr, P_EARLY: gl.constexpr,
+    CONSUMERS: gl.constexpr, P_EARLY: gl.constexpr, OPAQUE: gl.constexpr = False,
 ):  # fmt: skip
     """Warpgroup WG's rows of one query tile: its key loop over the tile's n blocks (after the
-    `it` this program took before; its Q the program's `uses`-th), then its output."""
+    `it` this program took before; its Q the program's `uses`-th), then its output (OPAQUE: its
+    index vectors recomputed per tile, _write_out)."""
     ROWS: gl.constexpr = BLOCK_M // CONSUMERS
     s_layout: gl.constexpr = _mma_layout(4, BLOCK_N)
     st_layout: gl.constexpr = _mma_layout(4, BLOCK_NT if BLOCK_NT > 0 else BLOCK_N)  # (unused without a key tail)
@@ -796,7 +889,7 @@ def _consume_tile(
     _write_out(
         acc, acc_t, m_i, l_i, O, M, L, b, h, my_m, Sq, n > 0, stride_ob, stride_os, stride_oh, stride_mb, stride_mh,
         stride_ms, stride_lb, stride_lh, stride_ls, NORMALIZE, HAS_STATE, ROWS, HEAD_DIM_V, BLOCK_DV, BLOCK_DVT,
-        s_layout, o_layout, ot_layout,
+        s_layout, o_layout, ot_layout, OPAQUE,
     )  # fmt: skip
 
 
@@ -827,11 +920,36 @@ def _ws2_consumer(
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_NT: gl.constexpr, STAGES: gl.constexpr,
     MASK: gl.constexpr, LEFT: gl.constexpr, NORMALIZE: gl.constexpr, HAS_STATE: gl.constexpr,
     POSITIVE_SCALE: gl.constexpr, PERSISTENT: gl.constexpr, CONSUMERS: gl.constexpr, P_EARLY: gl.constexpr,
+    DYNAMIC: gl.constexpr, tile_ids, tile_full, tile_empty,
 ):  # fmt: skip
     """Consumer warpgroup WG: this program's tile, or with PERSISTENT the producer's sequence of
-    tiles, each planned here as the producer plans it (_tile_plan)."""
+    tiles, each planned here as the producer plans it (_tile_plan); with DYNAMIC too the tiles
+    the producer passes through tile_ids with their plan (b, h, off_m, lo, n: _ws_producer; the
+    tile_ arguments are stand-ins without DYNAMIC)."""
     ROWS: gl.constexpr = BLOCK_M // CONSUMERS
-    if PERSISTENT:
+    if DYNAMIC:
+        it = 0
+        uses = 0
+        k = 0
+        t, plan = _receive_tile(tile_ids, tile_full, tile_empty, k, True)
+        while t < num_tiles:
+            b, h, off_m, lo, n, _ = plan
+            # the keys every row of this warpgroup sees (as _wg_key_core's three consumers find theirs)
+            _, _, full_lo, full_hi = _rows_range(off_m + WG * ROWS, Sq, Sk, q_start, k_start, win_left, win_right,
+                                                 KLO, KHI, MASK, ROWS, 4)  # fmt: skip
+            _consume_tile(
+                WG, q_bufs, k_bufs, qt_bufs, kt_bufs, v_bufs, vt_bufs, q_bar, k_ready, v_ready, k_empty, v_empty,
+                q_empty, O, M, L, KLO, KHI, stride_ob, stride_os, stride_oh, stride_mb, stride_mh, stride_ms,
+                stride_lb, stride_lh, stride_ls, b, h, off_m, lo, n, it, uses, full_lo, full_hi, Sq, Sk, q_start,
+                k_start, win_left, win_right, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_DT, HEAD_DIM_V, BLOCK_DV, BLOCK_DVT,
+                BLOCK_M, BLOCK_N, BLOCK_NT, STAGES, MASK, LEFT, NORMALIZE, HAS_STATE, POSITIVE_SCALE, PERSISTENT,
+                CONSUMERS, P_EARLY, True,
+            )  # fmt: skip
+            it += n
+            uses += gl.minimum(n, 1)
+            k += 1
+            t, plan = _receive_tile(tile_ids, tile_full, tile_empty, k, True)
+    elif PERSISTENT:
         num_m = (Sq + BLOCK_M - 1) // BLOCK_M
         it = 0
         uses = 0
@@ -898,6 +1016,7 @@ def _fwd_ws2(
     win_left,
     win_right,
     qk_scale,
+    TILE_COUNTER,
     HEAD_DIM: gl.constexpr,
     BLOCK_D: gl.constexpr,
     BLOCK_DT: gl.constexpr,
@@ -914,6 +1033,7 @@ def _fwd_ws2(
     HAS_STATE: gl.constexpr,
     POSITIVE_SCALE: gl.constexpr,
     PERSISTENT: gl.constexpr,
+    DYNAMIC: gl.constexpr,
     CONSUMERS: gl.constexpr,
     P_EARLY: gl.constexpr,
     SHORT_GROUP_FIRST: gl.constexpr,
@@ -941,11 +1061,16 @@ def _fwd_ws2(
     dense and causal blocks) a 1-D grid of at most one
     program per multiprocessor, program p taking tiles p, p + programs, .. of the num_tiles =
     cdiv(Sq, BLOCK_M) * B * Hq: the producer loads the next tile's Q and first K/V blocks while
-    the consumers write the last tile's output."""
+    the consumers write the last tile's output. With DYNAMIC too (PERSISTENT only) the programs
+    take the tiles from TILE_COUNTER instead (int32 (1,), zero at the launch and put back to
+    zero by the launch's last fetch: _gluon_counter), in the one-tile launch's order
+    (_handed_tile_plan), each as soon as its producer is free for it; without DYNAMIC
+    TILE_COUNTER is None."""
     gl.static_assert(num_warps == 4, "ws2: the default partition is one consumer warpgroup")
     gl.static_assert(q_desc.block_type.shape[1] * CONSUMERS == BLOCK_M)
     gl.static_assert(v_desc.block_type.shape[3] == BLOCK_DV)
     gl.static_assert(not (PERSISTENT and MASK == MASK_ROWS), "persistent programs plan windows only")
+    gl.static_assert(PERSISTENT or not DYNAMIC, "tiles from a counter: persistent programs only")
     gl.static_assert(BLOCK_NT == 0 or BLOCK_DT + BLOCK_DVT == 0, "a key tail or head-dim tails, not both")
     dtype: gl.constexpr = q_desc.dtype
     if PERSISTENT:  # each partition plans its tiles (_tile_plan); stand-ins here
@@ -995,6 +1120,18 @@ def _fwd_ws2(
     v_ready = _alloc_bars(STAGES)
     k_empty = _alloc_bars(STAGES, CONSUMERS)  # released when every consumer warpgroup is done
     v_empty = _alloc_bars(STAGES, CONSUMERS)
+    if DYNAMIC:  # the producer's tiles passed to the consumers (_gluon_counter)
+        tile_ids = gl.allocate_shared_memory(gl.int32, [2 * TILE_WORDS, 1], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
+        tile_full = _alloc_bars(2)
+        tile_empty = _alloc_bars(2, CONSUMERS)
+        tile_counter = TILE_COUNTER
+        tile_heads = heads_per_group
+    else:  # stand-ins, never used (constants: no argument passed to the partitions)
+        tile_ids = 0
+        tile_full = 0
+        tile_empty = 0
+        tile_counter = 0
+        tile_heads = 0
     fence_async_shared()
     # The consumer warpgroups take the same arguments after their index WG. Annotated
     # constexpr only so that the assignment keeps the tuple as built: a plain one turns its
@@ -1063,6 +1200,10 @@ def _fwd_ws2(
         PERSISTENT,
         CONSUMERS,
         P_EARLY,
+        DYNAMIC,
+        tile_ids,
+        tile_full,
+        tile_empty,
     )
     # The producer's arguments, likewise (a constexpr tuple; Gluon takes no comprehensions, so
     # each consumer count spells its partition list out).
@@ -1114,6 +1255,13 @@ def _fwd_ws2(
         STAGES,
         PERSISTENT,
         CONSUMERS,
+        DYNAMIC,
+        tile_counter,
+        tile_ids,
+        tile_full,
+        tile_empty,
+        tile_heads,
+        SHORT_GROUP_FIRST,
     )
     if CONSUMERS == 3:
         gl.warp_specialize(

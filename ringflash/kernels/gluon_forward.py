@@ -77,6 +77,9 @@ class GluonConfig:
     # overlap the last one's output
     persistent: bool = False
     max_programs: int | None = None  # persistent: at most this many programs (None: one per multiprocessor)
+    # persistent: each program's producer takes its next tile from a counter in global memory
+    # (one atomic a tile, in the one-tile launch's order) rather than every programs-th tile
+    dynamic: bool = False
     consumers: int = 2  # consumer warpgroups of 64 query rows each (block_m = 64 x consumers)
     # each block's P made the 16-bit PV operand right after the previous PV lands rather than
     # before the next PV: 16-bit P (not float32) live across the key loop's back edge
@@ -97,6 +100,8 @@ class GluonConfig:
             raise ValueError(f"unknown tile_order {self.tile_order!r}")
         if self.consumers not in (2, 3) or self.num_warps != 4 or self.block_m != 64 * self.consumers:
             raise ValueError("ws2 runs two or three 4-warp consumer partitions of 64 rows each")
+        if self.dynamic and not self.persistent:
+            raise ValueError("dynamic: tiles from a counter need persistent programs")
         nt = self.block_nt
         if nt and (nt & (nt - 1) or not 16 <= nt < self.block_n):  # (a tile's shape: a power of two)
             raise ValueError(f"block_nt {nt}: a power of two from 16 below block_n {self.block_n}")
@@ -157,6 +162,11 @@ VARIANTS: dict[str, dict[int | tuple[int, int], GluonConfig]] = {
 # takes many tiles (their number rarely a multiple of seven)
 VARIANTS["ws2_p"] = {d: replace(cfg, persistent=True) for d, cfg in VARIANTS["ws2_s3"].items()}
 VARIANTS["ws2_p7"] = {d: replace(cfg, max_programs=7) for d, cfg in VARIANTS["ws2_p"].items()}
+# the same persistent programs taking their tiles from a counter (GluonConfig.dynamic): tiles in
+# the one-tile launch's order, each to the first program free for it, as FlashAttention-3's
+# schedulers do; ws2_pd7 checks it on seven programs
+VARIANTS["ws2_pd"] = {d: replace(cfg, dynamic=True) for d, cfg in VARIANTS["ws2_p"].items()}
+VARIANTS["ws2_pd7"] = {d: replace(cfg, max_programs=7) for d, cfg in VARIANTS["ws2_pd"].items()}
 # three consumer warpgroups (192-row tiles, FA3's D=64 shape): more matmuls in flight per
 # softmax at D=64, where the softmax is as long as at 128 and the matmuls half; 160 registers
 # a consumer thread (the entry cap 128 over 16 warps). 128-key blocks fit those only with P
@@ -374,7 +384,8 @@ def forward(
         cfg=cfg,
     )
     if _PLANS.wants(signature):
-        plan = Plan(kernel, grid, args, kwargs, tensors)
+        # (a dynamic launch's counter is the device's: launch_planned puts it in)
+        plan = Plan(kernel, grid, args, kwargs, (*tensors, tile_counter(q.device)) if kwargs["DYNAMIC"] else tensors)
         _PLANS.put(signature, plan)
         record("forward", plan, tensors)
     with on_device(q):
@@ -385,6 +396,8 @@ def launch_planned(plan: Plan, tensors) -> None:
     """forward()'s launch from a kept plan, for tensors (q, k, v, out_o, out_m, out_l, k_lo,
     k_hi) of the signature the plan was kept for (forward() checked that one; a caller replaying
     a recorded plans.PlanUse checks that its tensors are alike)."""
+    if plan.kwargs["DYNAMIC"]:  # tiles from the device's counter
+        tensors = (*tensors, tile_counter(tensors[0].device))
     with on_device(tensors[0]):
         plan.launch(plan.kernel, plan.grid, plan.args_for(tensors), plan.kwargs)
 
@@ -425,6 +438,7 @@ def launch_plan(
         raise Unsupported("per-row bounds need 128-row tiles: two consumer warpgroups")
     # dense and causal only (no left bound): what was measured; sliding windows spill more
     persistent = cfg.persistent and mask != MASK_ROWS and not left
+    dynamic = persistent and cfg.dynamic
     num_tiles = triton_cdiv(Sq, cfg.block_m) * B * Hq
     kwargs = dict(
         HEAD_DIM=D,
@@ -443,6 +457,7 @@ def launch_plan(
         HAS_STATE=bool(fold),
         POSITIVE_SCALE=bool(scale > 0),
         PERSISTENT=persistent,
+        DYNAMIC=dynamic,
         CONSUMERS=cfg.consumers,
         P_EARLY=cfg.p_early,
         SHORT_GROUP_FIRST=cfg.tile_order == "short_first",
@@ -485,6 +500,7 @@ def launch_plan(
         win_left,
         win_right,
         float(scale) * LOG2E,
+        tile_counter(q.device) if dynamic else None,
     )
     if persistent:
         grid = (min(num_tiles, cfg.max_programs or multiprocessors(q.device)),)
@@ -511,10 +527,12 @@ TILE_ORDER_L2_BYTES = 24 << 20
 
 def heads_per_group(cfg: GluonConfig, mask: int, persistent: bool, heads: int, keys: int, kv_row_bytes: int) -> int:
     """How many of the B x Hq heads a one-tile launch takes tile by tile together
-    (_gluon_fwd._launch_order): causal and windowed blocks (whose later query tiles see more
-    keys and so start first) as many as keep their K and V (keys x kv_row_bytes each) within
-    TILE_ORDER_L2_BYTES, so that the launch ends on light tiles; 1 (head by head) otherwise."""
-    if mask != MASK_WINDOW or persistent or cfg.tile_order == "by_head":
+    (_gluon_fwd._launch_order), and persistent programs that take the tiles from a counter
+    (cfg.dynamic) in the same order: causal and windowed blocks (whose later query tiles see
+    more keys and so start first) as many as keep their K and V (keys x kv_row_bytes each)
+    within TILE_ORDER_L2_BYTES, so that the launch ends on light tiles; 1 (head by head)
+    otherwise."""
+    if mask != MASK_WINDOW or (persistent and not cfg.dynamic) or cfg.tile_order == "by_head":
         return 1
     return heads_within_l2(heads, keys * kv_row_bytes)
 
@@ -523,6 +541,17 @@ def heads_within_l2(heads: int, bytes_per_head: int) -> int:
     """How many of `heads` (at least one) keep their bytes_per_head each within
     TILE_ORDER_L2_BYTES: the L2 budget of the forward's and the backward's tile orders."""
     return max(1, min(heads, TILE_ORDER_L2_BYTES // max(bytes_per_head, 1)))
+
+
+@functools.lru_cache(maxsize=16)
+def tile_counter(device: torch.device) -> torch.Tensor:
+    """The int32 (1,) counter that persistent programs with cfg.dynamic take their tiles from,
+    one per device, zeroed once here: each launch's last fetch puts it back to zero
+    (_gluon_counter._reset_counter), so a call needs no memset. Assumes one such launch at a
+    time per device (launches on one stream, or ordered between streams); two running at once
+    would share its tiles. Made outside CUDA graph capture (a first call under capture would
+    allocate it from the graph's pool)."""
+    return torch.zeros(1, dtype=torch.int32, device=device)
 
 
 def triton_cdiv(a: int, b: int) -> int:
@@ -809,7 +838,10 @@ def hopper_report(
     mask: str = "",
     head_dim_v: int | None = None,
 ) -> dict:
-    """compiled_report of one variant compiled by compile_for_hopper (mask, head_dim_v: as its)."""
+    """compiled_report of one variant compiled by compile_for_hopper (mask, head_dim_v: as its),
+    with the SASS's tile_atomics (ATOMG.E.ADD: persistent programs' tile counter, one fetch
+    before the producer's loop and one in it) and strong_stores (STG.E.STRONG.GPU: the
+    counter put back to zero at the launch's end) counted."""
     kern = compile_for_hopper(
         cfg, head_dim, causal=causal, dtype=dtype, normalize=normalize, fold=fold, mask=mask, head_dim_v=head_dim_v
     )
@@ -822,7 +854,8 @@ def hopper_report(
         f"{f'+{cfg.block_nt}' if cfg.block_nt else ''}"
         f"_w{cfg.num_warps}_s{cfg.stages}"
     )
-    return compiled_report(kern, cfg, case, dump=dump, stem=stem)
+    counts = {"tile_atomics": r"\bATOMG\.E\.ADD\b", "strong_stores": r"\bSTG\.E\.STRONG\.GPU\b"}
+    return compiled_report(kern, cfg, case, dump=dump, stem=stem, sass_counts=counts)
 
 
 def report_problems(row: dict) -> list[str]:
