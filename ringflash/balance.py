@@ -32,7 +32,12 @@ Any other document is cut, so that the ring steps stay even:
   per such document. Then the deal is polished move by move (_polished): boundaries moved,
   whole documents moved or cut in two, a document's first and last pieces free to be shorter
   than m (nothing lies beyond them), each move taken only where it shortens the ring's compute
-  time and gives no work to a step that had none.
+  time and gives no work to a step that had none. Where a rank's share is only a few windows
+  long, window-long pieces are too coarse (a document under 2m tokens stays whole, about a
+  rank's share of work): pieces of m / 2 or m / 3 tokens are dealt and polished too, a query
+  then reaching 2 or 3 pieces away (steps 0 to 3 and P - 3 to P - 1), and the layout whose
+  compute time, each step with work priced at its fixed cost (STEP_KEYS_PER_ROW), is least
+  is kept (_bounded_deal).
 
 No length needs to divide by anything: shard sizes may differ between ranks. Each rank's
 local tensor holds its pieces in global order.
@@ -44,15 +49,27 @@ import functools
 import hashlib
 import json
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
 from ._checks import check_bool
-from .masks import Window, held_bounds, window_from
-from .schedule import Segment, check_divisible, check_layout, segments, step_tasks, steps_needed
+from .masks import RowBounds, Window, held_bounds, window_from
+from .schedule import BlockTask, Segment, check_divisible, check_layout, segments, step_tasks, steps_needed
 
 BALANCE_SLACK = 0.02  # how far above an equal share of the work a whole document may leave a rank
 STEP0_DEALS = 8  # at most this many deals again for an even step 0 (balanced_layout)
+# A bounded window's pieces may be shorter than the window (a query's keys then up to `reach`
+# pieces away, one more ring step each way a reach) where window-long pieces are too coarse to
+# even the steps: balanced_layout tries reaches 1 to MAX_REACH (_bounded_deal)
+MAX_REACH = 3
+SHORT_SHARE_WINDOWS = 4  # ... where a rank's share is under this many windows (m tokens)
+# What a ring step with work costs besides its pairs, in a rank's own pairs per query row it
+# holds: its kernel calls' fixed part (launches, and programs over every row, most of which
+# see nothing of a neighbour's block). Fit on one H200 (benchmarks.packed_ring_replay --kernels,
+# 128K tokens, P = 8, 4K window, H = 32 / 8 kv heads, D = 128, forward + backward): 0.38 ms a
+# neighbour's step besides its pairs, 16K rows a rank, 0.11-0.12 ms per million own pairs
+STEP_KEYS_PER_ROW = 200
 POLISH_MOVES = 24  # at most this many moves improve a bounded window's deal (_polished)
 POLISH_WHOLE = 8  # a polishing round tries to move this many whole documents of the busiest ranks (_polished)
 # _polished prices a pair of a neighbour's block at this many of a rank's own: a neighbour's block
@@ -67,6 +84,15 @@ NEIGHBOUR_PAIR_COST = 1.0
 # -2.1%; a causal window of 4096 with 8 kv heads -10 / -9 / -12%; 128K within +-3%. Own calls
 # had won at 33M-58M pairs per task with the two Triton passes and the Triton forward there.
 OWN_CALL_WORK = float("inf")
+# A ring step's per-row-bounds call (BalancedLayout.step_plan) over only the rows and keys that
+# see each other, their box widened to CROP_ALIGN rows (whole blocks of the fused backward's
+# blocked dQ, whole key tiles), at steps other than 0: a neighbour's block under a bounded window
+# is seen by a window's rows at each of a rank's piece starts, and the kernels launch programs
+# over every row and key given them. Off until timed on a GPU (benchmarks.packed_ring_replay
+# --crop-step-calls 0 1): it also moves the kernels' tile choice, which counts keys per row of
+# the call (RowBounds.keys_per_row).
+CROP_STEP_CALLS = False
+CROP_ALIGN = 128
 CODE_PREFIX = "balanced:"  # BalancedLayout.code: the layout as the ring operators' layout string
 
 
@@ -81,6 +107,35 @@ def pad_rows(x: torch.Tensor, n: int, dim: int = 1) -> torch.Tensor:
     if extra < 0:
         raise ValueError(f"pad_rows: x has {x.shape[dim]} rows on dim {dim}, more than the {n} to pad to")
     return x if extra == 0 else torch.nn.functional.pad(x, [0, 0] * (x.dim() - 1 - dim) + [0, extra])
+
+
+class StepPlan(NamedTuple):
+    """A rank's ring step over packed documents (BalancedLayout.step_plan): block tasks with
+    position masks, or (bounds not None) one call over the query rows and key rows of `box`
+    (a BlockTask) with `bounds`, its per-row intervals in the box's own indices."""
+
+    tasks: tuple[BlockTask, ...]
+    bounds: RowBounds | None
+    box: BlockTask | None
+
+
+def _cropped(b: RowBounds, box: BlockTask) -> tuple[RowBounds, BlockTask]:
+    """Bounds b of every query row against every key row of `box` (block starts 0), cut to the
+    query rows that see a key and the key rows some query sees, the box widened to CROP_ALIGN
+    rows on each side (within its rows): the bounds rebased to the new box, each row's interval
+    within it (a row that sees nothing keeps lo == hi). Unchanged where nothing is seen."""
+    rows, keys = (b.k_hi > b.k_lo).nonzero().flatten(), (b.q_hi > b.q_lo).nonzero().flatten()
+    if not len(rows):
+        return b, box
+
+    def widened(first: int, last: int, n: int) -> tuple[int, int]:
+        return first // CROP_ALIGN * CROP_ALIGN, min(n, -(-(last + 1) // CROP_ALIGN) * CROP_ALIGN)
+
+    r0, r1 = widened(int(rows[0]), int(rows[-1]), box.q_rows.stop)
+    k0, k1 = widened(int(keys[0]), int(keys[-1]), box.kv_rows.stop)
+    k_lo, k_hi = ((t[r0:r1] - k0).clamp(0, k1 - k0) for t in (b.k_lo, b.k_hi))
+    q_lo, q_hi = ((t[k0:k1] - r0).clamp(0, r1 - r0) for t in (b.q_lo, b.q_hi))
+    return RowBounds(k_lo, k_hi, q_lo, q_hi), BlockTask(slice(r0, r1), slice(k0, k1), 0, 0, True)
 
 
 @dataclass(frozen=True)
@@ -223,29 +278,32 @@ class BalancedLayout:
                     pairs += _pairs(qs.global_start, qs.length, ks.global_start, ks.length, window)
         return pairs
 
-    def step_plan(self, rank: int, step: int, window: Window, n_k: int, device, pair_work: int):
+    def step_plan(self, rank: int, step: int, window: Window, n_k: int, device, pair_work: int) -> StepPlan:
         """How `rank` computes ring step `step`, when it holds rank (rank - step) mod world's
-        shard padded to n_k rows, with the call's `window` per document: (tasks, bounds), one
-        of them empty (or None).
+        shard padded to n_k rows, with the call's `window` per document: a StepPlan.
 
         When the step's block tasks (schedule.step_tasks: a pair of pieces of one document
         each, window masks by position) average at least OWN_CALL_WORK (visible pairs x
-        pair_work, pair_work being q heads x head dim): those tasks and bounds None, the
-        fastest kernels on large pieces. Otherwise no tasks and one call over every row,
-        `bounds` (masks.RowBounds in local row indices, block start 0): many small pieces
-        would each pay a launch. (), None: no row sees a key. Kept on the layout per (rank,
-        step, window, n_k, device, pair_work): a model's layers and the backward build it
-        once (16 bytes per row)."""
+        pair_work, pair_work being q heads x head dim): those tasks, bounds and box None, the
+        fastest kernels on large pieces. Otherwise no tasks and one call over the rows and keys
+        of `box` (every row and key, or with CROP_STEP_CALLS at steps other than 0 those that
+        see each other, _cropped), `bounds` its masks.RowBounds in the box's own row indices
+        (block start 0): many small pieces would each pay a launch. No tasks and bounds None:
+        no row sees a key. Kept on the layout per (rank, step, window, n_k, device, pair_work):
+        a model's layers and the backward build it once (16 bytes per row)."""
         src = (rank - step) % self.world
-        key = (rank, src, window, n_k, str(device), pair_work, OWN_CALL_WORK)
+        key = (rank, src, window, n_k, str(device), pair_work, OWN_CALL_WORK, CROP_STEP_CALLS)
         if key not in self._held:
             tasks = step_tasks(self, rank, self.world, step, 0, 0, window)
             if not tasks or self._pairs_at(rank, src, window) * pair_work >= OWN_CALL_WORK * len(tasks):
-                self._held[key] = (tuple(tasks), None)
+                self._held[key] = StepPlan(tuple(tasks), None, None)
             else:
                 cu = torch.tensor(self.cu_seqlens, dtype=torch.int64)
                 b = held_bounds(self.positions(rank), self.positions(src), n_k, cu, window)
-                self._held[key] = ((), b.on_device(device))
+                box = BlockTask(slice(0, self.local_len(rank)), slice(0, n_k), 0, 0, True)
+                if CROP_STEP_CALLS and src != rank:
+                    b, box = _cropped(b, box)
+                self._held[key] = StepPlan((), b.on_device(device), box)
         return self._held[key]
 
     def head_pieces(self, rank: int, U: int) -> BalancedLayout:
@@ -318,11 +376,12 @@ def _pairs_below(q0: int, nq: int, k0: int, nk: int, t: int) -> int:
     """Pairs (q, k) in [q0, q0 + nq) x [k0, k0 + nk) with q - k <= t, in closed form: query q
     counts clamp(k0 + nk + t - q, 0, nk) keys, a difference of two runs of positive parts."""
 
-    def tri(x: int) -> int:  # sum of max(0, x - j) over j >= 0
-        return x * (x + 1) // 2 if x > 0 else 0
-
+    # tri(x) = sum of max(0, x - j) over j >= 0 = x (x + 1) / 2 for x > 0, written out: the
+    # layouts call this hundreds of thousands of times
     k1, q1 = k0 + nk, q0 + nq
-    return tri(k1 + t - q0) - tri(k1 + t - q1) - tri(k0 + t - q0) + tri(k0 + t - q1)
+    a, b, c, d = k1 + t - q0, k1 + t - q1, k0 + t - q0, k0 + t - q1
+    twice = (a * (a + 1) if a > 0 else 0) - (b * (b + 1) if b > 0 else 0)
+    return (twice - (c * (c + 1) if c > 0 else 0) + (d * (d + 1) if d > 0 else 0)) // 2
 
 
 def _cuts(start: int, n: int, parts: int) -> list[tuple[int, int]]:
@@ -405,18 +464,19 @@ def _fill(level: list[int], fixed: list[int], least: list[int], n: int, c: int) 
     return x
 
 
-def _window_cut(start: int, n: int, world: int, window: Window, load, parts: int, offset: int):
+def _window_cut(start: int, n: int, world: int, window: Window, load, parts: int, offset: int, piece: int):
     """A window bounded on both sides: the document in `parts` pieces on consecutive ranks from
-    `offset`, each at least m = max(left, right, 1) tokens, lengths evening out step 0 (_fill).
-    With parts == P and n >= (P + 1) m the ring closes: P + 1 pieces, the first and the last
-    on one rank, so that every rank holds a piece with a left and one with a right neighbour."""
+    `offset`, each at least `piece` tokens (m = max(left, right, 1), or m / reach:
+    _bounded_deal), lengths evening out step 0 (_fill: its pair counts are exact for pieces of
+    at least m, a guide for shorter ones). With parts == P and n >= (P + 1) piece the ring
+    closes: P + 1 pieces, the first and the last on one rank, so that every rank holds a piece
+    with a left and one with a right neighbour."""
     left, right = window.left, window.right
-    m = max(left, right, 1)
-    ring = parts == world and n >= (world + 1) * m
+    ring = parts == world and n >= (world + 1) * piece
     ranks = [(offset + i) % world for i in range(parts)]
     count = [2 if ring and i == parts - 1 else 1 for i in range(parts)]
     edge = left * (left + 1) // 2 + right * (right + 1) // 2  # pairs a piece's edges lack at step 0
-    x = _fill([load[0][r] for r in ranks], [c * edge for c in count], [c * m for c in count], n,
+    x = _fill([load[0][r] for r in ranks], [c * edge for c in count], [c * piece for c in count], n,
               left + right + 1)  # fmt: skip
     if ring:  # the last rank's share: the document's head, and its tail
         head = x[-1] // 2
@@ -428,7 +488,9 @@ def _window_cut(start: int, n: int, world: int, window: Window, load, parts: int
     return runs
 
 
-def _place_cut(start: int, n: int, world: int, window: Window, load, least: int, turn: int, extra: list[int]):
+def _place_cut(
+    start: int, n: int, world: int, window: Window, load, least: int, turn: int, extra: list[int], piece: int
+):
     """Where a document that does not fit whole goes, as runs (a, b, rank), given the ring
     step loads so far (`load`: step -> visible pairs per rank).
 
@@ -453,9 +515,11 @@ def _place_cut(start: int, n: int, world: int, window: Window, load, least: int,
     keys one ring step later and its right one's P - 1 steps later, no more steps than the
     window needs. Each pair of neighbouring pieces adds exactly T(left) pairs at step 1 and
     T(right) at step P - 1 (T(w) = w(w+1)/2), whatever the lengths, which are then free to even
-    out step 0 (_window_cut). The candidates: whole on rank `least` (a document kept whole never
-    adds a step), and k pieces on consecutive ranks from any offset, for k = min(P, n // m) and
-    k = 2 (fewer ranks to carry the m-token minimum); taken: the least ring time after it (sum
+    out step 0 (_window_cut). With pieces of `piece` < m tokens (_bounded_deal) a query reaches
+    up to ceil(m / piece) pieces away, as many steps each way, and pairs are counted exactly.
+    The candidates: whole on rank `least` (a document kept whole never adds a step), and k
+    pieces on consecutive ranks from any offset, for k = min(P, n // piece) and k = 2 (fewer
+    ranks to carry the minimum); taken: the least ring time after it (sum
     over steps of max_r of the loads), then the least idle at steps >= 1 (sum of P * max_r -
     sum_r: whole documents can only fill step 0), then the candidate's order (pure and
     deterministic)."""
@@ -469,11 +533,11 @@ def _place_cut(start: int, n: int, world: int, window: Window, load, least: int,
             offset = min(range(world), key=lambda o: (max(extra_at(o)), (o - turn) % world))
             extra[:] = extra_at(offset)
         return _cut(start, n, world, window, offset)
-    top = min(world, n // max(window.left, window.right, 1))
+    top = min(world, n // piece)
     candidates = [[(start, start + n, least)]]
     for parts in sorted({top, 2}, reverse=True):
         if 2 <= parts <= top:
-            candidates += [_window_cut(start, n, world, window, load, parts, o) for o in range(world)]
+            candidates += [_window_cut(start, n, world, window, load, parts, o, piece) for o in range(world)]
     best = None
     for order, runs in enumerate(candidates):
         time = idle = 0
@@ -488,24 +552,23 @@ def _place_cut(start: int, n: int, world: int, window: Window, load, least: int,
     return best[1]
 
 
-def _polished(per_rank, world: int, window: Window) -> list[list[Segment]]:
-    """A bounded window's dealt pieces (per rank its Segments), improved move by move: the
-    deal places one document at a time and cuts only into pieces of at least m = max(left,
-    right, 1) tokens, which leaves steps uneven by whole neighbour pairs (T(left), as much
-    work as m tokens' own) where the window is a fair part of a rank's share (a 4K window
-    over 16K-token shares, P = 8: 1.23x an even split). Each round tries, for the documents on
-    a rank that is the busiest at some step, every boundary moved by +-4^k tokens (a
-    document's first and last pieces may then be shorter than m: nothing lies beyond them, so
-    a query still reaches at most a neighbour's piece), the POLISH_WHOLE most-work whole
-    documents on such ranks moved to the rank least busy at step 0, or cut in two (at 1/2,
-    1/3, 2/3) onto two neighbouring ranks; it takes the move that lowers the ring's compute
-    time (the sum over steps of the busiest rank's pairs) most, ties broken by the sum of
-    squares of the loads (evener), up to POLISH_MOVES moves. Each ring step with work is priced
-    at BALANCE_SLACK of an even split besides its pairs, so a move that gives work to a step
-    that had none (a hop of K/V where none travelled) is taken only where it saves more than
-    that, and a neighbour's pairs at NEIGHBOUR_PAIR_COST of a rank's own (pure and
-    deterministic)."""
-    m = max(window.left, window.right, 1)
+def _polished(per_rank, world: int, window: Window, piece: int, reach: int, tokens: int):
+    """A bounded window's dealt pieces (per rank its Segments), improved move by move; returns (the
+    polished Segments per rank, their priced compute time, how many ring steps have work). The deal
+    places one document at a time and cuts only into pieces of at least `piece` tokens (m =
+    max(left, right, 1), or m / reach: _bounded_deal), which leaves steps uneven by whole
+    neighbour pairs (T(left), as much work as m tokens' own) where the window is a fair part of
+    a rank's share (a 4K window over 16K-token shares, P = 8: 1.23x an even split). Each round
+    tries, for the documents on a rank that is the busiest at some step, every boundary moved by
+    +-4^k tokens (a document's first and last pieces may then be shorter than `piece`: nothing
+    lies beyond them, so a query still reaches at most `reach` pieces away), the POLISH_WHOLE
+    most-work whole documents on such ranks moved to the rank least busy at step 0, or cut in
+    two (at 1/2, 1/3, 2/3) onto two neighbouring ranks; it takes the move that lowers the ring's
+    compute time (the sum over steps of the busiest rank's pairs) most, ties broken by the sum
+    of squares of the loads (evener), up to POLISH_MOVES moves. Each ring step with work is
+    priced at _step_price besides its pairs, so a move that gives work to a step that had none
+    (a hop of K/V where none travelled) is taken only where it saves more than that, and a
+    neighbour's pairs at NEIGHBOUR_PAIR_COST of a rank's own (pure and deterministic)."""
     docs: dict[int, list[tuple[int, int, int]]] = {}
     for r, segs in enumerate(per_rank):
         for s in segs:
@@ -517,12 +580,12 @@ def _polished(per_rank, world: int, window: Window) -> list[list[Segment]]:
         return {step: row if step == 0 else [x * NEIGHBOUR_PAIR_COST for x in row] for step, row in work.items()}
 
     work = [priced(_runs_work(runs, world, window)) for runs in docs.values()]
-    steps = sorted({0, 1 % world, (world - 1) % world})  # where neighbouring pieces put work
+    steps = sorted({s % world for s in range(-reach, reach + 1)})  # where pieces within reach put work
     load = [[sum(w.get(s, [0] * world)[r] for w in work) for r in range(world)] for s in steps]
     even = sum(map(sum, load)) / world  # the ring's compute time split evenly
-    # a ring step costs a hop of K/V (mostly hidden behind the step before it) and a kernel
-    # call per rank: priced as the slack a whole document may leave (BALANCE_SLACK)
-    price = BALANCE_SLACK * even
+    # a ring step costs a hop of K/V (mostly hidden behind the step before it) and kernel
+    # calls per rank whose fixed part pairs do not count
+    price = _step_price(even, tokens, world)
 
     def time(rows):
         return sum(max(row) for row in rows)
@@ -558,16 +621,16 @@ def _polished(per_rank, world: int, window: Window) -> list[list[Segment]]:
             (a, c, r), (_, b, q) = runs[i], runs[i + 1]
             if r not in busiest and q not in busiest:
                 continue
-            # the runs whose pairs can change: these two and one on each side (a query reaches
-            # no further than a neighbour's piece, before the move and after)
-            lo, hi = max(0, i - 1), i + 3
+            # the runs whose pairs can change: these two and `reach` on each side (a query
+            # reaches no further, before the move and after)
+            lo, hi = max(0, i - reach), i + 2 + reach
             for k in range(0, (b - a).bit_length(), 2):
                 for c2 in (c - (1 << k), c + (1 << k)):
                     if not a <= c2 <= b:
                         continue
                     near = [run for run in (*runs[lo:i], (a, c2, r), (c2, b, q), *runs[i + 2 : hi]) if run[1] > run[0]]
                     last = len(runs) - (hi - lo) + len(near) - 1  # the document's last run after it
-                    if all(y - x >= m for j, (x, y, _) in enumerate(near, lo) if 0 < j < last):
+                    if all(y - x >= piece for j, (x, y, _) in enumerate(near, lo) if 0 < j < last):
                         yield lo, hi, near, priced(_work_change(runs[lo:hi], near, world, window))
 
     best_score = score(load)
@@ -582,7 +645,7 @@ def _polished(per_rank, world: int, window: Window) -> list[list[Segment]]:
         for d in sorted(cut | set(whole)):
             for lo, hi, near, change in moves(docs[d], busiest):
                 if any(s not in steps and any(row) for s, row in change.items()):
-                    continue  # a query would reach past its neighbour's piece
+                    continue  # a query would reach past `reach` pieces
                 sc = scored(change)
                 if sc < best_score and (best is None or sc < best[0]):
                     best = (sc, d, lo, hi, near, change)
@@ -595,7 +658,7 @@ def _polished(per_rank, world: int, window: Window) -> list[list[Segment]]:
     for d, runs in docs.items():
         for a, b, r in runs:
             polished[r].append(Segment(0, a, b - a, d))
-    return polished
+    return polished, best_score[0], sum(map(any, load))
 
 
 def _work_change(old, new, world: int, window: Window) -> dict[int, list[int]]:
@@ -633,12 +696,13 @@ def checked_cu_seqlens(cu_seqlens, api: str, read=None) -> list[int]:
     return cu
 
 
-def _deal(docs, work, world: int, window: Window, step0_cap: float | None = None):
+def _deal(docs, work, world: int, window: Window, step0_cap: float | None = None, piece: int = 1):
     """Documents (doc, start, n) dealt to the ranks, most work first: (per rank its Segments,
     load: ring step -> each rank's visible pairs, how many documents were cut). A document
     stays whole on the rank with the least work if it fits there within BALANCE_SLACK of an
     equal share of all the work (and, given step0_cap, leaves that rank's step-0 pairs at most
-    step0_cap), else it is cut (_place_cut)."""
+    step0_cap), else it is cut (_place_cut; a bounded window's pieces at least `piece`
+    tokens)."""
     share = sum(work.values()) / world
     per_rank: list[list[Segment]] = [[] for _ in range(world)]
     load: dict[int, list[int]] = {0: [0] * world}  # ring step -> each rank's visible pairs at it
@@ -659,7 +723,7 @@ def _deal(docs, work, world: int, window: Window, step0_cap: float | None = None
             total[r] += work[d]
             load[0][r] += work[d]
             continue
-        runs = _place_cut(start, n, world, window, load, r, turn, extra)
+        runs = _place_cut(start, n, world, window, load, r, turn, extra, piece)
         turn += 1
         for a, b, i in runs:
             per_rank[i].append(Segment(0, a, b - a, d))
@@ -688,9 +752,10 @@ def balanced_layout(cu_seqlens, world: int, *, causal: bool = True, window_size=
     longest = max((n for _, _, n in docs), default=0)
     window = Window(*(None if w is not None and w >= longest - 1 else w for w in (window.left, window.right)))
     work = {d: _document_work(n, window) for d, _, n in docs}
+    if window.left is not None and window.right is not None and world > 1:
+        return _assembled(cu, world, mask, _bounded_deal(docs, work, world, window, cu[-1]))
     per_rank, load, cut = _deal(docs, work, world, window)
-    bounded = window.left is not None and window.right is not None
-    if cut and not bounded:
+    if cut:
         # A document cut over every rank sends every shard around the whole ring, so cutting
         # more of them sends nothing more; whole documents put all their work at step 0, where
         # a few large ones leave some ranks busier than the rest (only BALANCE_SLACK of a share
@@ -711,9 +776,44 @@ def balanced_layout(cu_seqlens, world: int, *, causal: bool = True, window_size=
             if excess(dealt) < excess(best):
                 best = dealt
         per_rank, load, cut = best
-    if bounded and world > 1:
-        per_rank = _polished(per_rank, world, window)
     return _assembled(cu, world, mask, per_rank)
+
+
+def _bounded_deal(docs, work, world: int, window: Window, tokens: int) -> list[list[Segment]]:
+    """A window bounded on both sides, P > 1: each rank's Segments. Pieces of at least
+    ceil(m / reach) tokens (m = max(left, right, 1)), dealt (_deal) and polished (_polished),
+    for reach = 1 (window-long pieces: steps 0, 1 and P - 1 only) and, where a rank's share is
+    under SHORT_SHARE_WINDOWS windows (m tokens), up to MAX_REACH; kept: the least priced
+    compute time (_polished's: each step with work at _step_price), the smaller reach on a tie.
+    A larger reach is tried only while the best so far's compute time exceeds an even split by
+    more than the price of the steps it would add (one a reach for each bounded side that is
+    not 0), and while it shortens the pieces (pure and deterministic)."""
+    m = max(window.left, window.right, 1)
+    even = sum(work.values()) / world
+    price = _step_price(even, tokens, world)
+    sides = (window.left > 0) + (window.right > 0)
+    top = MAX_REACH if tokens < SHORT_SHARE_WINDOWS * m * world else 1
+    best, last_piece = None, None  # best: (priced time, steps with work, reach, segments)
+    for reach in range(1, top + 1):
+        piece = -(-m // reach)
+        if best is not None:
+            spent, busy, at, _ = best
+            if piece == last_piece or spent - price * busy - even <= price * sides * (reach - at):
+                break
+        dealt, _, _ = _deal(docs, work, world, window, piece=piece)
+        segments, spent, busy = _polished(dealt, world, window, piece, reach, tokens)
+        if best is None or spent < best[0]:
+            best = (spent, busy, reach, segments)
+        last_piece = piece
+    return best[3]
+
+
+def _step_price(even: float, tokens: int, world: int) -> float:
+    """What _polished and _bounded_deal add to the ring's compute time (visible pairs) for each
+    ring step with work, given the work split evenly (`even` pairs a rank) and `tokens` over
+    `world` ranks: STEP_KEYS_PER_ROW pairs a query row of an even share, and at least the slack a
+    whole document may leave (BALANCE_SLACK of `even`)."""
+    return max(BALANCE_SLACK * even, STEP_KEYS_PER_ROW * tokens / world)
 
 
 def document_zigzag_layout(cu_seqlens, world: int, *, causal: bool = True, window_size=(-1, -1)) -> BalancedLayout:

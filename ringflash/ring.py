@@ -60,7 +60,6 @@ from .merge import SoftmaxState, state_dtype
 from .relay import GradRelay, default_grad_chunks
 from .schedule import (
     LAYOUTS,
-    BlockTask,
     check_layout,
     chunks_per_rank,
     is_balanced,
@@ -129,13 +128,15 @@ def _tasks(spec: RingSpec, comm, step, q, kv_len):
     """This rank's block tasks at `step` for queries q (B, Sq, Hq, D), each with its BlockMask
     and its Dropout (or None): with dropout every task keeps its global start positions (no
     coalescing). Packed documents without dropout: the step's tasks when they are large, else
-    one task over every row, its mask each row's interval of the held keys
-    (BalancedLayout.step_plan)."""
+    one task over every row (or, balance.CROP_STEP_CALLS, the rows and keys that see each
+    other), its mask each row's interval of the held keys (BalancedLayout.step_plan)."""
     drop = spec.dropout
     if is_balanced(spec.layout) and drop is None:
-        tasks, bounds = spec.layout.step_plan(comm.rank, step, spec.window, kv_len, q.device, q.shape[2] * q.shape[3])
+        tasks, bounds, box = spec.layout.step_plan(
+            comm.rank, step, spec.window, kv_len, q.device, q.shape[2] * q.shape[3]
+        )
         if bounds is not None:
-            yield BlockTask(slice(0, q.shape[1]), slice(0, kv_len), 0, 0, True), BlockMask(bounds=bounds), None
+            yield box, BlockMask(bounds=bounds), None
             return
     else:
         tasks = step_tasks(spec.layout, comm.rank, comm.world, step, q.shape[1], kv_len, spec.window, drop is None)

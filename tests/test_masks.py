@@ -74,15 +74,21 @@ def test_document_bounds_match_brute_force(window):
         assert on_dev.keys_per_row == pytest.approx(sees.sum().item() / max(cu_q[-1], 1))
 
 
+@pytest.mark.parametrize("crop", [False, True], ids=["every_row", "cropped"])
 @pytest.mark.parametrize("window", WINDOWS, ids=str)
-def test_ring_step_plan_covers_every_visible_pair_once(window, monkeypatch):
+def test_ring_step_plan_covers_every_visible_pair_once(window, crop, monkeypatch):
     """A balanced layout's step_plan at every rank and step: its own tasks (position masks) and
-    its per-row intervals of the held block (padded by one row) together cover exactly the
-    pairs of one document that the window lets attend, each once, whichever documents are
-    large enough for tasks of their own (a finite OWN_CALL_WORK, so that both kinds of call
-    occur); padding rows are seen by none."""
+    its per-row intervals of the held block (padded by one row) over its box together cover
+    exactly the pairs of one document that the window lets attend, each once, whichever
+    documents are large enough for tasks of their own (a finite OWN_CALL_WORK, so that both
+    kinds of call occur); padding rows are seen by none. Cropped (balance.CROP_STEP_CALLS, a
+    CROP_ALIGN of 4 rows so that these short shards crop): the box at steps other than 0 holds
+    every row that sees a key and every key some row sees, widened to whole 4-row blocks (step
+    0's box: every row)."""
     OWN_WORK = 2**36
     monkeypatch.setattr(balance, "OWN_CALL_WORK", OWN_WORK)
+    monkeypatch.setattr(balance, "CROP_STEP_CALLS", crop)
+    monkeypatch.setattr(balance, "CROP_ALIGN", 4)
     rng = random.Random(str(window) + "ring")
     for trial in range(12):
         cu = _random_cu(rng, rng.randint(1, 7), 30)
@@ -100,7 +106,7 @@ def test_ring_step_plan_covers_every_visible_pair_once(window, monkeypatch):
                 for i, qp in enumerate(q_pos):
                     for j, kp in enumerate(k_pos):
                         sees[i, j] = doc(qp) == doc(kp) and _sees(window, qp, kp)
-                tasks, b = L.step_plan(rank, step, window, n_k, "cpu", pair_work)
+                tasks, b, box = L.step_plan(rank, step, window, n_k, "cpu", pair_work)
                 covered = torch.zeros_like(sees)
                 for t in tasks:
                     for i in range(t.q_rows.start, t.q_rows.stop):
@@ -108,16 +114,25 @@ def test_ring_step_plan_covers_every_visible_pair_once(window, monkeypatch):
                             qp, kp = t.q_start + i - t.q_rows.start, t.k_start + j - t.kv_rows.start
                             covered[i, j] += not t.masked or _sees(window, qp, kp)
                 if b is not None:
-                    for i in range(len(q_pos)):
-                        covered[i, int(b.k_lo[i]) : int(b.k_hi[i])] += 1
-                    for j in range(n_k):
+                    (r0, r1), (k0, k1) = (box.q_rows.start, box.q_rows.stop), (box.kv_rows.start, box.kv_rows.stop)
+                    assert len(b.k_lo) == r1 - r0 and len(b.q_lo) == k1 - k0
+                    for i in range(r1 - r0):
+                        covered[r0 + i, k0 + int(b.k_lo[i]) : k0 + int(b.k_hi[i])] += 1
+                    for j in range(k1 - k0):
                         col = torch.arange(len(q_pos))
-                        seen_by = ((col >= int(b.q_lo[j])) & (col < int(b.q_hi[j]))).long()
-                        assert torch.equal(
-                            seen_by, covered[:, j] - sum(_task_column(t, j, len(q_pos), window) for t in tasks)
+                        seen_by = ((col >= r0 + int(b.q_lo[j])) & (col < r0 + int(b.q_hi[j]))).long()
+                        others = sum(_task_column(t, k0 + j, len(q_pos), window) for t in tasks)
+                        assert torch.equal(seen_by, covered[:, k0 + j] - others)
+                    assert all(int(b.q_lo[j - k0]) == int(b.q_hi[j - k0]) for j in range(len(k_pos), k1))  # padding
+                    assert b.keys_per_row == pytest.approx(sees.sum().item() / (r1 - r0))
+                    if crop and step:  # the box: the rows and keys that see each other, in whole blocks
+                        seeing, seen = sees.any(1).nonzero().flatten(), sees.any(0).nonzero().flatten()
+                        assert r0 == int(seeing[0]) // 4 * 4 and r1 == min(
+                            len(q_pos), -(-(int(seeing[-1]) + 1) // 4) * 4
                         )
-                    assert all(int(b.q_lo[j]) == int(b.q_hi[j]) for j in range(len(k_pos), n_k))  # padding
-                    assert b.keys_per_row == pytest.approx(sees.sum().item() / len(q_pos))
+                        assert k0 == int(seen[0]) // 4 * 4 and k1 == min(n_k, -(-(int(seen[-1]) + 1) // 4) * 4)
+                    else:
+                        assert (r0, r1, k0, k1) == (0, len(q_pos), 0, n_k)
                 assert torch.equal(covered, sees), (cu, world, rank, step, pair_work)
                 assert L.step_plan(rank, step, window, n_k, "cpu", pair_work)[1] is b  # built once
         copied = pickle.loads(pickle.dumps(L))  # without the plans, equal

@@ -79,10 +79,16 @@ def test_layout_holds_every_token_once_and_balances_every_step(world, causal, wi
             _check_layout(L, lengths, seed)
             continue
         # a bounded window: the deal by its rules, then the polish (balance._polished) by its own
-        with mock.patch.object(balance, "POLISH_MOVES", 0):
+        with _dealt_only():
             dealt = balanced_layout(_cu(lengths), world, causal=causal, window_size=window_size)
         _check_layout(dealt, lengths, seed)
         _check_polished(L, dealt, seed)
+
+
+def _dealt_only():
+    """balanced_layout's first deal of a bounded window: window-long pieces (reach 1), not
+    polished."""
+    return mock.patch.multiple(balance, POLISH_MOVES=0, MAX_REACH=1)
 
 
 def _compute_time(L, neighbour_cost=1.0):
@@ -93,33 +99,43 @@ def _compute_time(L, neighbour_cost=1.0):
 
 
 def _priced_time(L, neighbour_cost=1.0):
-    """_compute_time plus BALANCE_SLACK of an even split for every ring step with work: what
-    the polish (balance._polished) lowers, with balance.NEIGHBOUR_PAIR_COST = neighbour_cost."""
+    """_compute_time plus a price for every ring step with work (balance._step_price: the larger
+    of BALANCE_SLACK of an even split and STEP_KEYS_PER_ROW pairs a row of an even share): what
+    the polish (balance._polished) lowers and balance._bounded_deal compares, with
+    balance.NEIGHBOUR_PAIR_COST = neighbour_cost."""
     P = L.world
     work = [[L.work(r, s) * (1.0 if s == 0 else neighbour_cost) for r in range(P)] for s in range(P)]
     even = sum(map(sum, work)) / P
-    return _compute_time(L, neighbour_cost) + balance.BALANCE_SLACK * even * sum(map(any, work))
+    return _compute_time(L, neighbour_cost) + balance._step_price(even, L.total, P) * sum(map(any, work))
+
+
+def _reach(L):
+    """How many pieces away a query of L reaches at most (balance._bounded_deal): ceil(m / the
+    shortest piece of a document that is neither its first nor its last), 1 where no
+    document has a middle piece."""
+    m = max(L.window.left, L.window.right, 1)
+    docs = {}
+    for r in range(L.world):
+        for s in L.segments(r):
+            docs.setdefault(s.doc, []).append(s)
+    middle = [s.length for segs in docs.values() for s in sorted(segs, key=lambda s: s.global_start)[1:-1]]
+    return max(1, -(-m // min(middle))) if middle else 1
 
 
 def _check_polished(L, dealt, seed, neighbour_cost=1.0):
     """A polished bounded-window layout: every token once, each rank's pieces in order, pieces
-    of at least m tokens but for a document's first and last (nothing lies beyond them, so a
-    query still reaches at most a neighbour's piece: work only at steps 0, 1 and P - 1), and a
-    compute time no longer than the deal's, each step with work priced in (a step added must
-    save more than its price) and a neighbour's pairs at neighbour_cost."""
-    P, window = L.world, L.window
+    of at least m / reach tokens (reach <= MAX_REACH) but for a document's first and last
+    (nothing lies beyond them, so a query reaches at most `reach` pieces away: work only at
+    steps 0 to reach and P - reach to P - 1), and a compute time no longer than the first
+    deal's (window-long pieces), each step with work priced in (a step added must save more
+    than its price) and a neighbour's pairs at neighbour_cost."""
+    P = L.world
     held = torch.cat([L.positions(r) for r in range(P)])
     assert torch.equal(held.sort().values, torch.arange(L.total))
-    m = max(window.left, window.right, 1)
-    docs = {}
-    for r in range(P):
-        for s in L.segments(r):
-            docs.setdefault(s.doc, []).append(s)
-    for d, segs in docs.items():
-        lengths = [s.length for s in sorted(segs, key=lambda s: s.global_start)]
-        assert all(n >= m for n in lengths[1:-1]), (seed, d, lengths)
+    reach = _reach(L)
+    assert reach <= balance.MAX_REACH, seed
     busy = {s for s in range(P) if any(L.work(r, s) for r in range(P))}
-    assert busy <= {0, 1 % P, P - 1}, seed
+    assert busy <= {s % P for s in range(-reach, reach + 1)}, (seed, reach, busy)
     assert _priced_time(L, neighbour_cost) <= _priced_time(dealt, neighbour_cost), seed
 
 
@@ -135,7 +151,7 @@ def test_polish_prices_a_neighbours_pairs(neighbour_cost):
     cases = [(_cu(_long_tailed(40, 800 + seed) + [0, 1, 2000]), (100, 0)) for seed in range(6)]
     cases += [(cu_of(document_lengths("longtail", 131072, seed)), (4095, 0)) for seed in range(2)]
     for seed, (cu, window_size) in enumerate(cases):
-        with mock.patch.object(balance, "POLISH_MOVES", 0):
+        with _dealt_only():
             dealt = balanced_layout(cu, 8, causal=True, window_size=window_size)
         with mock.patch.object(balance, "NEIGHBOUR_PAIR_COST", neighbour_cost):
             priced = balanced_layout(cu, 8, causal=True, window_size=window_size)
@@ -167,13 +183,41 @@ def test_polish_evens_a_bounded_window(causal, window_size, world, before, after
     worst = {"dealt": 0.0, "polished": 0.0}
     for lengths in mixes:
         L = balanced_layout(cu_of(lengths), world, causal=causal, window_size=window_size)
-        with mock.patch.object(balance, "POLISH_MOVES", 0):
+        with _dealt_only():
             dealt = balanced_layout(cu_of(lengths), world, causal=causal, window_size=window_size)
         even = sum(L.work(r, s) for r in range(world) for s in range(world)) / world
         worst["dealt"] = max(worst["dealt"], _compute_time(dealt) / even)
         worst["polished"] = max(worst["polished"], _compute_time(L) / even)
         assert _priced_time(L) <= _priced_time(dealt)
     assert worst["dealt"] >= before and worst["polished"] <= after, worst
+
+
+@pytest.mark.parametrize(
+    "total,world,first,after", [(32768, 8, 3.7, 1.75), (65536, 8, 1.9, 1.35), (32768, 4, 1.85, 1.15)]
+)
+def test_pieces_shorter_than_the_window_where_a_share_is_a_few_windows(total, world, first, after):
+    """A 4K window over shares of one to two windows (32K or 64K tokens over 8 ranks, 32K over
+    4): a document under two windows cannot be cut into window-long pieces and stays whole,
+    about a rank's share of work, so the first deal leaves the ring's compute time at `first`
+    x an even split or worse. With pieces down to a third of the window (a query then reaching
+    up to 3 pieces away) the worst over the mixes comes down to `after`, and every layout's
+    priced time (each step with work priced at its fixed cost) is at most the first deal's
+    (pure: the same on any machine). Mixes: benchmarks.layout_balance's wide ones (documents of
+    16-8192 tokens), 4 seeds, two mixes a row at 64K."""
+    from benchmarks.layout_balance import cu_of, mix
+
+    worst = {"dealt": 0.0, "chosen": 0.0}
+    for seed in range(4):
+        lengths = [n for s in range(total // 32768) for n in mix("wide", seed + 100 * s)]
+        cu = cu_of(lengths)
+        L = balanced_layout(cu, world, causal=True, window_size=(4095, 0))
+        with _dealt_only():
+            dealt = balanced_layout(cu, world, causal=True, window_size=(4095, 0))
+        _check_polished(L, dealt, seed)
+        even = sum(L.work(r, s) for r in range(world) for s in range(world)) / world
+        worst["dealt"] = max(worst["dealt"], _compute_time(dealt) / even)
+        worst["chosen"] = max(worst["chosen"], _compute_time(L) / even)
+    assert worst["dealt"] >= first and worst["chosen"] <= after, worst
 
 
 def test_step_zero_redeals_only_even_it_out(monkeypatch):
@@ -405,17 +449,21 @@ def test_cut_documents_turn_the_ring(world, monkeypatch):
 
 
 def test_polish_adds_a_hop_only_where_it_saves_more_than_its_price():
-    """A 150-token document under a window of 100 (too short for two 100-token pieces) stays
-    whole in the deal: one rank does 10100 of 10310 pairs and no K/V travels. Cut in two
-    (the first and last pieces are free), step 0 is even and step 1 carries the neighbour
-    pairs: 7305 pairs of compute time, a hop well worth its price. Where the deal is within
+    """A 1500-token document under a window of 1000 (too short for two 1000-token pieces)
+    stays whole in the deal: one rank does 1001000 of the pairs and no K/V travels. Cut (the
+    first and last pieces are free, a middle one half a window: reach 2), the ring's compute
+    time halves, a hop well worth its price (STEP_KEYS_PER_ROW = 200 pairs a row of a 760-token
+    share: 152000 pairs). A 150-token document under a window of 100 would save 2795 pairs
+    (10100 -> 7305) for a hop priced at 17000: it stays whole. Where the deal is within
     BALANCE_SLACK already (128K tokens of long-tailed documents over 2 ranks, a 4K window,
     nothing cut), no hop is added."""
-    with mock.patch.object(balance, "POLISH_MOVES", 0):
-        dealt = balanced_layout([0, 150, 170], 2, window_size=(100, 0))
-    L = balanced_layout([0, 150, 170], 2, window_size=(100, 0))
-    assert dealt.hops == 1 and _compute_time(dealt) == 10100
-    assert L.hops == 2 and _compute_time(L) == 7305, L
+    with _dealt_only():
+        dealt = balanced_layout([0, 1500, 1520], 2, window_size=(1000, 0))
+    L = balanced_layout([0, 1500, 1520], 2, window_size=(1000, 0))
+    assert dealt.hops == 1 and _compute_time(dealt) == 1001000
+    assert L.hops == 2 and _compute_time(L) == 508830, L
+    short = balanced_layout([0, 150, 170], 2, window_size=(100, 0))
+    assert short.hops == 1 and _compute_time(short) == 10100, short
     from benchmarks.layout_balance import cu_of
     from benchmarks.packed import document_lengths
 
@@ -484,10 +532,18 @@ def test_balanced_layout_rejects_bad_input():
         balanced_layout([0, 4], 2, window_size=(1,))
 
 
-def _ring_varlen_vs_oracle(rank, world, lengths, causal, window_size, Hq, Hkv, dtype, seed, Dv=None, own_work=None):
+def _ring_varlen_vs_oracle(
+    rank, world, lengths, causal, window_size, Hq, Hkv, dtype, seed, Dv=None, own_work=None, crop=False
+):
     """Dv: v's head dim (default q and k's, 16). own_work: balance.OWN_CALL_WORK for the call
-    (None: as it is, which at these sizes puts every document in the per-row-bounds call)."""
-    with mock.patch("ringflash.balance.OWN_CALL_WORK", own_work) if own_work else contextlib.nullcontext():
+    (None: as it is, which at these sizes puts every document in the per-row-bounds call).
+    crop: balance.CROP_STEP_CALLS on, with a CROP_ALIGN of 8 rows (these shards are short)."""
+    with (
+        mock.patch("ringflash.balance.OWN_CALL_WORK", own_work) if own_work else contextlib.nullcontext(),
+        mock.patch.multiple("ringflash.balance", CROP_STEP_CALLS=True, CROP_ALIGN=8)
+        if crop
+        else contextlib.nullcontext(),
+    ):
         return _ring_varlen_check(rank, world, lengths, causal, window_size, Hq, Hkv, dtype, seed, Dv, own_work)
 
 
@@ -537,12 +593,12 @@ def _ring_varlen_check(rank, world, lengths, causal, window_size, Hq, Hkv, dtype
     # per kv-head chunk), not one per piece pair
     window = window_from(causal, window_size, "test")
     plans = [L.step_plan(rank, s, window, L.max_local_len, q.device, Hq * q.shape[-1]) for s in range(world)]
-    per_step = [len(tasks) + (bounds is not None) for tasks, bounds in plans]
+    per_step = [len(p.tasks) + (p.bounds is not None) for p in plans]
     assert all((n > 0) == (L.work(rank, s) > 0) for s, n in enumerate(per_step))
     if own_work is None:
         assert max(per_step) <= 1
     else:  # both kinds of step in this call
-        assert any(tasks for tasks, _ in plans) and any(bounds is not None for _, bounds in plans), plans
+        assert any(p.tasks for p in plans) and any(p.bounds is not None for p in plans), plans
     chunks = default_grad_chunks(kl, torch.float64 if dtype == torch.float64 else torch.float32, vl)
     n = sum(per_step)
     if L.hops == 1 and n == 1:  # one block, every document whole: the local call, one backward call
@@ -577,6 +633,35 @@ def test_ring_varlen_torch_backend(worlds, world, mix, causal, window_size):
         assert hops == [1] * world
     if mix == "long_and_short" and window_size == (6, 0) and world == 3:
         assert hops == [2] * world  # each piece of the cut document needs its left neighbour only
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("causal,window_size", [(True, (6, 0)), (False, (5, 3)), (True, (-1, -1))])
+def test_ring_varlen_step_calls_cropped(worlds, backend, causal, window_size):
+    """balance.CROP_STEP_CALLS: each step after the first runs its per-row-bounds call over the
+    rows and keys that see each other only (a box in whole 8-row blocks), exact against the
+    float64 oracle, forward and gradients, on the torch backend and on the Triton kernels (the
+    interpreter, float32). Under the bounded windows some step's box holds fewer rows or keys
+    than the shards."""
+    lengths = MIXES["long_and_short"] + [40, 2, 33]
+    L = balanced_layout(_cu(lengths), 3, causal=causal, window_size=window_size)
+    with mock.patch.multiple(balance, CROP_STEP_CALLS=True, CROP_ALIGN=8):
+        plans = [L.step_plan(r, s, L.window, L.max_local_len, "cpu", 4 * 16) for r in range(3) for s in range(1, 3)]
+    boxes = [(r, p.box) for r, p in zip([r for r in range(3) for _ in range(2)], plans) if p.box is not None]
+    cropped = [b for r, b in boxes if b.q_rows != slice(0, L.local_len(r)) or b.kv_rows != slice(0, L.max_local_len)]
+    assert cropped or window_size == (-1, -1), boxes
+    dtype, kinds = (torch.float64, TORCH) if backend == "torch" else (torch.float32, TRITON)
+    worlds(3, **kinds).run(_ring_varlen_vs_oracle, lengths, causal, window_size, 4, 2, dtype, 7, None, None, True)
+
+
+def test_ring_varlen_pieces_shorter_than_the_window(worlds):
+    """A 1167-token document under a window of 600 over 3 ranks (1341 tokens): the layout cuts
+    it into pieces of 389 tokens (reach 2: a query's keys up to two pieces back), so the ring
+    runs steps 0, 1 and 2, exact against the float64 oracle, K/V sent on both hops."""
+    L = balanced_layout(_cu([1167, 174]), 3, window_size=(600, 0))
+    assert _reach(L) == 2 and L.hops == 3, L
+    hops = worlds(3, **TORCH).run(_ring_varlen_vs_oracle, [1167, 174], True, (600, 0), 4, 2, torch.float64, 3)
+    assert hops == [3] * 3
 
 
 @pytest.mark.parametrize("causal,window_size,own_pairs", [(True, (-1, -1), 100), (True, (6, 0), 22)])
