@@ -35,26 +35,26 @@ same copies on the compute stream, an upper bound on their cost). Reported per (
 whole; printed when not the default); --polish-moves varies ringflash.balance.POLISH_MOVES (how
 many moves improve a bounded window's deal; 0: the deal alone); --neighbour-pair-cost varies
 ringflash.balance.NEIGHBOUR_PAIR_COST (the polish's price of a neighbour's pair, a rank's own =
-1). --layouts balanced document-zigzag also replays every document cut over every rank in 2P
-zigzag chunks (ringflash.balance.document_zigzag_layout), as the context-parallel peers shard
-packed documents, with the same kernels: the layout's own
-share of the result; "few-ranks" (an experiment: benchmarks.common.few_rank_layout) cuts each
-document the balanced layout cuts over a few consecutive ranks instead of all. With --kernels,
-"in lockstep" is the efficiency (less the transfers) if every ring step of the forward and of
-the backward lasted as long as its busiest rank's part: the sum over them of the per-step
-maximum, plus the most any rank spends outside the steps; it is at most the busiest rank's
-efficiency, which assumes no rank waits.
-"by the ring's dependencies" lets each step wait only for the block it computes on
+1); --max-reach varies ringflash.balance.MAX_REACH (1: a bounded window's pieces window-long);
+--crop-step-calls varies ringflash.balance.CROP_STEP_CALLS (1: each ring step after the first
+calls the kernels over the rows and keys that see each other only). --layouts balanced document-
+zigzag also replays every document cut over every rank in 2P zigzag chunks
+(ringflash.balance.document_zigzag_layout), as the context-parallel peers shard packed
+documents, with the same kernels: the layout's own share of the result; "few-ranks" (an
+experiment: benchmarks.common.few_rank_layout) cuts each document the balanced layout cuts over
+a few consecutive ranks instead of all. With --kernels, "in lockstep" is the efficiency (less
+the transfers) if every ring step of the forward and of the backward lasted as long as its
+busiest rank's part: the sum over them of the per-step maximum, plus the most any rank spends
+outside the steps; it is at most the busiest rank's efficiency, which assumes no rank waits. "by
+the ring's dependencies" lets each step wait only for the block it computes on
 (benchmarks.common.ring_time on the measured steps: the forward's K/V as its sender started the
-step before, the backward's dK/dV as its sender finished it), each rank's time outside the
-steps added after; it lies between the two. "two-ranks" (the same experiment) cuts every such
-document over two ranks, offsets chosen by the kernel programs' cost model: the ring runs
-steps 0, 1 and P - 1 only.
-Times are host-clock medians (benchmarks.common.host_seconds) of --repeats timings of --calls
-calls in a row, the device synchronized before and after each timing, after a warm-up: with
---calls 1 (default) a host-bound rank's host time shows, and varies with the host; more calls
-in a row let the host run ahead of the device as a training loop's next layers would.
-"""
+step before, the backward's dK/dV as its sender finished it), each rank's time outside the steps
+added after; it lies between the two. "two-ranks" (the same experiment) cuts every such document
+over two ranks, offsets chosen by the kernel programs' cost model: the ring runs steps 0, 1 and
+P - 1 only. Times are host-clock medians (benchmarks.common.host_seconds) of --repeats timings
+of --calls calls in a row, the device synchronized before and after each timing, after a warm-
+up: with --calls 1 (default) a host-bound rank's host time shows, and varies with the host; more
+calls in a row let the host run ahead of the device as a training loop's next layers would."""
 
 from __future__ import annotations
 
@@ -211,6 +211,29 @@ def measure(args, device, dtype):
     return rows
 
 
+# the ringflash.balance constants the options of these names vary (--balance-slack etc.), each
+# held over its variant's whole replay: the constant, its type, what it sets
+BALANCE_KNOBS = {
+    "balance_slack": (
+        "BALANCE_SLACK", float,
+        "how far above an equal share a whole document may leave a rank: more keeps more documents whole, fewer cut "
+        "into small pieces",
+    ),
+    "polish_moves": ("POLISH_MOVES", int, "at most this many moves improve a bounded window's deal; 0: the deal alone"),
+    "neighbour_pair_cost": (
+        "NEIGHBOUR_PAIR_COST", float, "the polish prices a neighbour's pair at this many of a rank's own",
+    ),
+    "max_reach": (
+        "MAX_REACH", int,
+        "a bounded window's pieces down to the window / this where a rank's share is a few windows: a query then "
+        "reaches up to this many pieces away; 1: window-long pieces",
+    ),
+    "crop_step_calls": (
+        "CROP_STEP_CALLS", int,
+        "1: a ring step's per-row-bounds call over the rows and keys that see each other only; 0: over every row",
+    ),
+}  # fmt: skip
+
 # --layouts: how the documents are laid out over the ranks ("few-ranks": an experiment)
 LAYOUTS = {
     "balanced": ringflash.balanced_layout,
@@ -254,27 +277,22 @@ def measure_total(args, device, dtype, total, documents_forward, documents_backw
     variants = itertools.product(
         args.layouts,
         args.worlds,
-        args.balance_slack or [None],
-        args.polish_moves or [None],
-        args.neighbour_pair_cost or [None],
+        itertools.product(*(getattr(args, name) or [None] for name in BALANCE_KNOBS)),
         args.own_call_work_log2 or [None],
         args.grad_chunks or [None],
         args.grad_accum_dtypes or [None],
     )
-    for layout_name, world, slack, polish, pair_cost, own_log2, chunks, accum_name in variants:
+    for layout_name, world, knob_values, own_log2, chunks, accum_name in variants:
         accum = {None: None, "float32": torch.float32, "input": dtype}[accum_name]
-        slack = ringflash.balance.BALANCE_SLACK if slack is None else slack
-        polish = ringflash.balance.POLISH_MOVES if polish is None else polish
-        pair_cost = ringflash.balance.NEIGHBOUR_PAIR_COST if pair_cost is None else pair_cost
-        with (
-            cuts_aligned(args.align, args.align_min_piece),
-            mock.patch("ringflash.balance.BALANCE_SLACK", slack),
-            mock.patch("ringflash.balance.POLISH_MOVES", polish),
-            mock.patch("ringflash.balance.NEIGHBOUR_PAIR_COST", pair_cost),
-        ):
-            layout = LAYOUTS[layout_name](cu_list, world, causal=True, window_size=window)
+        defaults = {name: getattr(ringflash.balance, constant) for name, (constant, _, _) in BALANCE_KNOBS.items()}
+        knobs = {name: defaults[name] if x is None else x for name, x in zip(BALANCE_KNOBS, knob_values)}
+        constants = {BALANCE_KNOBS[name][0]: x for name, x in knobs.items()}
         own = ringflash.balance.OWN_CALL_WORK if own_log2 is None else 2.0**own_log2
-        with mock.patch("ringflash.balance.OWN_CALL_WORK", own):
+        # the balance constants of the variant hold for its whole replay: the layout's build and
+        # every ring call's step plans (OWN_CALL_WORK, CROP_STEP_CALLS)
+        with mock.patch.multiple(ringflash.balance, OWN_CALL_WORK=own, **constants):
+            with cuts_aligned(args.align, args.align_min_piece):
+                layout = LAYOUTS[layout_name](cu_list, world, causal=True, window_size=window)
             per_rank, inline = (
                 [
                     timed(
@@ -289,120 +307,117 @@ def measure_total(args, device, dtype, total, documents_forward, documents_backw
                 else None
                 for overlap in (True, False)
             )
-        rank_device = rank_compute = transfers = lockstep = dependent = None
-        by_step = {}  # "both" and each phase: [rank][step] ms
-        step_uneven_device = {}  # ...and each step's busiest rank over its mean rank
-        if args.kernels:
-            rank_device, transfers, phased = print_kernels(
-                q, k, v, do, cu, layout, world, window, chunks, label, args.kernel_calls
-            )
-            rank_compute = [t - x for t, x in zip(rank_device, transfers)]
-            by_step["both"] = [[f + b for f, b in zip(r["forward"], r["backward"])] for r in phased]
-            by_step.update({phase: [r[phase] for r in phased] for phase in PHASES})
-            for name, ranks in by_step.items():
-                per_step = [[ranks[r][s] for r in range(world)] for s in range(world)]
-                step_uneven_device[name] = [max(w) / statistics.mean(w) if any(w) else None for w in per_step]
-            # ranks in lockstep (each step of the forward and of the backward waits for its slowest
-            # rank), less the transfers: the sum over those steps of the busiest rank's time inside
-            # it, plus the most any rank spends outside the steps (the call's set-up and finish)
-            steps = by_step["both"]
-            outside = [c - sum(steps[r]) for r, c in enumerate(rank_compute)]
-            lockstep = max(outside) + sum(
-                max(by_step[phase][r][s] for r in range(world)) for phase in PHASES for s in range(world)
-            )
-            # ...and by the ring's own dependencies (common.ring_time) from each rank's measured
-            # steps, forward and backward, its time outside the steps added after them
-            run = [s for s in range(world) if s == 0 or any(steps[r][s] for r in range(world))]
-            ends = ring_time(by_step["forward"], by_step["backward"], [0.0] * world, run)
-            dependent = max(e + o for e, o in zip(ends, outside))
-        work = [sum(layout.work(r, s) for s in range(world)) for r in range(world)]
-        step_work = [[layout.work(r, s) for r in range(world)] for s in range(world)]
-        step_uneven = max(max(w) / statistics.mean(w) for w in step_work if any(w))
-        hops = layout.hops - 1
-        # every document cut in 2P zigzag pieces: each rank holds total / P tokens, and every
-        # step has work, so P - 1 hops each send that shard's K/V
-        zigzag_bytes = (world - 1) * total // world * args.kv_heads * args.head_dim * 2 * q.element_size()
-        row = dict(
-            layout=layout_name,
-            total=total,
-            world=world,
-            docs=len(lengths),
-            window=args.window,
-            single_ms=single_ms,
-            rank_ms=per_rank,
-            max_over_mean=max(per_rank) / statistics.mean(per_rank),
-            efficiency=single_ms / world / max(per_rank),
-            own_call_work=own,
-            balance_slack=slack,
-            polish_moves=polish,
-            neighbour_pair_cost=pair_cost,
-            grad_chunks=chunks,
-            grad_accum_dtype=accum_name,
-            documents_forward=documents_forward,
-            documents_backward=documents_backward,
-            rank_ms_inline_copies=inline,
-            efficiency_inline_copies=inline and single_ms / world / max(inline),
-            predicted_max_over_mean=max(work) / statistics.mean(work),
-            predicted_step_max_over_mean=step_uneven,
-            hops=hops,
-            bytes_sent_per_rank=kv_bytes_sent(layout, args.kv_heads, args.head_dim, q.element_size()),
-            zigzag_per_doc_bytes_per_rank=zigzag_bytes,
-            local_lens=[layout.local_len(r) for r in range(world)],
-            # --kernels: the same by the kernels' summed device time (no host time, no gaps)
-            rank_device_ms=rank_device,
-            device_max_over_mean=rank_device and max(rank_device) / statistics.mean(rank_device),
-            device_efficiency=rank_device and single_device_ms / world / max(rank_device),
-            # ...and without the replay's stand-ins for the network (TRANSFER)
-            rank_transfer_ms=transfers,
-            device_max_over_mean_less_transfers=rank_compute and max(rank_compute) / statistics.mean(rank_compute),
-            device_efficiency_less_transfers=rank_compute and single_device_ms / world / max(rank_compute),
-            # ...and with the ranks in lockstep: each step as long as its busiest rank's
-            device_efficiency_lockstep=lockstep and single_device_ms / world / lockstep,
-            # ...and with each step waiting only for the block it computes on (common.ring_time)
-            device_efficiency_ring_dependencies=dependent and single_device_ms / world / dependent,
-            # ...and inside each ring step, forward and backward together, then apart: [rank][step]
-            # ms, and each step's max/mean over the ranks
-            rank_step_device_ms=by_step.get("both"),
-            device_step_max_over_mean=step_uneven_device.get("both"),
-            **{f"rank_step_{phase}_ms": by_step.get(phase) for phase in PHASES},
-            **{f"device_step_max_over_mean_{phase}": step_uneven_device.get(phase) for phase in PHASES},
-        )
-        rows.append(row)
-        print(
-            f"S={total:>7} P={world} docs={len(lengths):>3} window={args.window}"
-            + ("" if layout_name == "balanced" else f" layout={layout_name}")
-            + ": ranks "
-            + " ".join(f"{t:.2f}" for t in per_rank)
-            + f" ms; max/mean {row['max_over_mean']:.3f} (pred {row['predicted_max_over_mean']:.3f}, "
-            f"step {step_uneven:.3f}); single/P {single_ms / world:.2f} ms, eff {row['efficiency']:.3f}"
-            + (f" (inline {row['efficiency_inline_copies']:.3f}); " if inline else "; ")
-            + f"own calls from 2^{math.log2(own):.0f}"
-            + ("" if slack == ringflash.balance.BALANCE_SLACK else f", balance slack {slack}")
-            + ("" if polish == ringflash.balance.POLISH_MOVES else f", polish moves {polish}")
-            + ("" if pair_cost == ringflash.balance.NEIGHBOUR_PAIR_COST else f", neighbour pair cost {pair_cost}")
-            + ("" if chunks is None else f", grad_chunks {chunks}")
-            + ("" if accum_name is None else f", grad_accum_dtype {accum_name}")
-            + f"; documents {label}"
-            + (
-                ""
-                if rank_device is None
-                else f"; by device time max/mean {row['device_max_over_mean']:.3f}, eff {row['device_efficiency']:.3f}"
-                f" (less the transfers: max/mean {row['device_max_over_mean_less_transfers']:.3f}, "
-                f"eff {row['device_efficiency_less_transfers']:.3f}"
-                + f", in lockstep {row['device_efficiency_lockstep']:.3f}"
-                + f", by the ring's dependencies {row['device_efficiency_ring_dependencies']:.3f}"
-                + "; per step max/mean "
-                + "; ".join(
-                    f"{name} " + " ".join("-" if u is None else f"{u:.3f}" for u in uneven)
-                    for name, uneven in step_uneven_device.items()
+            rank_device = rank_compute = transfers = lockstep = dependent = None
+            by_step = {}  # "both" and each phase: [rank][step] ms
+            step_uneven_device = {}  # ...and each step's busiest rank over its mean rank
+            if args.kernels:
+                rank_device, transfers, phased = print_kernels(
+                    q, k, v, do, cu, layout, world, window, chunks, label, args.kernel_calls
                 )
-                + ")"
+                rank_compute = [t - x for t, x in zip(rank_device, transfers)]
+                by_step["both"] = [[f + b for f, b in zip(r["forward"], r["backward"])] for r in phased]
+                by_step.update({phase: [r[phase] for r in phased] for phase in PHASES})
+                for name, ranks in by_step.items():
+                    per_step = [[ranks[r][s] for r in range(world)] for s in range(world)]
+                    step_uneven_device[name] = [max(w) / statistics.mean(w) if any(w) else None for w in per_step]
+                # ranks in lockstep (each step of the forward and of the backward waits for its slowest
+                # rank), less the transfers: the sum over those steps of the busiest rank's time inside
+                # it, plus the most any rank spends outside the steps (the call's set-up and finish)
+                steps = by_step["both"]
+                outside = [c - sum(steps[r]) for r, c in enumerate(rank_compute)]
+                lockstep = max(outside) + sum(
+                    max(by_step[phase][r][s] for r in range(world)) for phase in PHASES for s in range(world)
+                )
+                # ...and by the ring's own dependencies (common.ring_time) from each rank's measured
+                # steps, forward and backward, its time outside the steps added after them
+                run = [s for s in range(world) if s == 0 or any(steps[r][s] for r in range(world))]
+                ends = ring_time(by_step["forward"], by_step["backward"], [0.0] * world, run)
+                dependent = max(e + o for e, o in zip(ends, outside))
+            work = [sum(layout.work(r, s) for s in range(world)) for r in range(world)]
+            step_work = [[layout.work(r, s) for r in range(world)] for s in range(world)]
+            step_uneven = max(max(w) / statistics.mean(w) for w in step_work if any(w))
+            hops = layout.hops - 1
+            # every document cut in 2P zigzag pieces: each rank holds total / P tokens, and every
+            # step has work, so P - 1 hops each send that shard's K/V
+            zigzag_bytes = (world - 1) * total // world * args.kv_heads * args.head_dim * 2 * q.element_size()
+            row = dict(
+                layout=layout_name,
+                total=total,
+                world=world,
+                docs=len(lengths),
+                window=args.window,
+                single_ms=single_ms,
+                rank_ms=per_rank,
+                max_over_mean=max(per_rank) / statistics.mean(per_rank),
+                efficiency=single_ms / world / max(per_rank),
+                own_call_work=own,
+                **knobs,
+                grad_chunks=chunks,
+                grad_accum_dtype=accum_name,
+                documents_forward=documents_forward,
+                documents_backward=documents_backward,
+                rank_ms_inline_copies=inline,
+                efficiency_inline_copies=inline and single_ms / world / max(inline),
+                predicted_max_over_mean=max(work) / statistics.mean(work),
+                predicted_step_max_over_mean=step_uneven,
+                hops=hops,
+                bytes_sent_per_rank=kv_bytes_sent(layout, args.kv_heads, args.head_dim, q.element_size()),
+                zigzag_per_doc_bytes_per_rank=zigzag_bytes,
+                local_lens=[layout.local_len(r) for r in range(world)],
+                # --kernels: the same by the kernels' summed device time (no host time, no gaps)
+                rank_device_ms=rank_device,
+                device_max_over_mean=rank_device and max(rank_device) / statistics.mean(rank_device),
+                device_efficiency=rank_device and single_device_ms / world / max(rank_device),
+                # ...and without the replay's stand-ins for the network (TRANSFER)
+                rank_transfer_ms=transfers,
+                device_max_over_mean_less_transfers=rank_compute and max(rank_compute) / statistics.mean(rank_compute),
+                device_efficiency_less_transfers=rank_compute and single_device_ms / world / max(rank_compute),
+                # ...and with the ranks in lockstep: each step as long as its busiest rank's
+                device_efficiency_lockstep=lockstep and single_device_ms / world / lockstep,
+                # ...and with each step waiting only for the block it computes on (common.ring_time)
+                device_efficiency_ring_dependencies=dependent and single_device_ms / world / dependent,
+                # ...and inside each ring step, forward and backward together, then apart: [rank][step]
+                # ms, and each step's max/mean over the ranks
+                rank_step_device_ms=by_step.get("both"),
+                device_step_max_over_mean=step_uneven_device.get("both"),
+                **{f"rank_step_{phase}_ms": by_step.get(phase) for phase in PHASES},
+                **{f"device_step_max_over_mean_{phase}": step_uneven_device.get(phase) for phase in PHASES},
             )
-            + f"; hops {hops}, "
-            f"{row['bytes_sent_per_rank'] / 2**20:.1f} MiB sent per rank (zigzag per document "
-            f"{zigzag_bytes / 2**20:.1f})",
-            flush=True,
-        )
+            rows.append(row)
+            print(
+                f"S={total:>7} P={world} docs={len(lengths):>3} window={args.window}"
+                + ("" if layout_name == "balanced" else f" layout={layout_name}")
+                + ": ranks "
+                + " ".join(f"{t:.2f}" for t in per_rank)
+                + f" ms; max/mean {row['max_over_mean']:.3f} (pred {row['predicted_max_over_mean']:.3f}, "
+                f"step {step_uneven:.3f}); single/P {single_ms / world:.2f} ms, eff {row['efficiency']:.3f}"
+                + (f" (inline {row['efficiency_inline_copies']:.3f}); " if inline else "; ")
+                + f"own calls from 2^{math.log2(own):.0f}"
+                + "".join(f", {name.replace('_', ' ')} {x}" for name, x in knobs.items() if x != defaults[name])
+                + ("" if chunks is None else f", grad_chunks {chunks}")
+                + ("" if accum_name is None else f", grad_accum_dtype {accum_name}")
+                + f"; documents {label}"
+                + (
+                    ""
+                    if rank_device is None
+                    else f"; by device time max/mean {row['device_max_over_mean']:.3f}, "
+                    f"eff {row['device_efficiency']:.3f}"
+                    f" (less the transfers: max/mean {row['device_max_over_mean_less_transfers']:.3f}, "
+                    f"eff {row['device_efficiency_less_transfers']:.3f}"
+                    + f", in lockstep {row['device_efficiency_lockstep']:.3f}"
+                    + f", by the ring's dependencies {row['device_efficiency_ring_dependencies']:.3f}"
+                    + "; per step max/mean "
+                    + "; ".join(
+                        f"{name} " + " ".join("-" if u is None else f"{u:.3f}" for u in uneven)
+                        for name, uneven in step_uneven_device.items()
+                    )
+                    + ")"
+                )
+                + f"; hops {hops}, "
+                f"{row['bytes_sent_per_rank'] / 2**20:.1f} MiB sent per rank (zigzag per document "
+                f"{zigzag_bytes / 2**20:.1f})",
+                flush=True,
+            )
     return rows
 
 
@@ -432,27 +447,13 @@ def main():
         nargs="+",
         help="variants of ringflash.balance.OWN_CALL_WORK (log2; inf: every document in the per-row-bounds call)",
     )
-    ap.add_argument(
-        "--balance-slack",
-        type=float,
-        nargs="+",
-        help="variants of ringflash.balance.BALANCE_SLACK (how far above an equal share a whole document may leave "
-        "a rank: more keeps more documents whole, fewer cut into small pieces)",
-    )
-    ap.add_argument(
-        "--polish-moves",
-        type=int,
-        nargs="+",
-        help="variants of ringflash.balance.POLISH_MOVES (at most this many moves improve a bounded window's deal; "
-        "0: the deal alone)",
-    )
-    ap.add_argument(
-        "--neighbour-pair-cost",
-        type=float,
-        nargs="+",
-        help="variants of ringflash.balance.NEIGHBOUR_PAIR_COST (the polish prices a neighbour's pair at this many "
-        "of a rank's own)",
-    )
+    for name, (constant, kind, what) in BALANCE_KNOBS.items():
+        ap.add_argument(
+            f"--{name.replace('_', '-')}",
+            type=kind,
+            nargs="+",
+            help=f"variants of ringflash.balance.{constant} ({what})",
+        )
     ap.add_argument("--grad-chunks", type=int, nargs="+", help="variants of grad_chunks (default: the ring's own)")
     ap.add_argument(
         "--grad-accum-dtypes",

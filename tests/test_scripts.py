@@ -390,6 +390,23 @@ def test_packed_ring_replay_layouts_smoke(tmp_path):
     assert printed.count("layout=document-zigzag") == 1
 
 
+def test_packed_ring_replay_varies_the_layouts_constants(tmp_path):
+    """--max-reach and --crop-step-calls (as --balance-slack, --polish-moves and
+    --neighbour-pair-cost) replay a variant per value of their ringflash.balance constants: a
+    row each, the values recorded, a value other than the package's named in its printed line."""
+    from ringflash import balance
+
+    out = tmp_path / "r.json"
+    printed = run([sys.executable, "-m", "benchmarks.packed_ring_replay", "--smoke", "--no-inline", "--json", str(out),
+                   "--window", "200", "--max-reach", "1", str(balance.MAX_REACH), "--crop-step-calls", "1"],
+                  tmp_path)  # fmt: skip
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["max_reach"] for r in rows] == [1, balance.MAX_REACH]
+    assert [r["polish_moves"] for r in rows] == [balance.POLISH_MOVES] * 2
+    assert [r["crop_step_calls"] for r in rows] == [1, 1]
+    assert printed.count("max reach") == 1 and "max reach 1, crop step calls 1;" in printed, printed
+
+
 def test_ring_time_follows_the_blocks_dependencies():
     """common.ring_time: the forward's step waits for the K/V its sender started the step before
     with, the backward's for the dK/dV its sender finished it with (a skipped step: the rank
