@@ -149,6 +149,12 @@ def main(argv=None):
     long = document_lengths("longtail", 524288, 0)
     secs = ", ".join(f"{m} {timing(long, 32, m):.3f} s" for m in ("causal", "win(31,31)", "win(100,0)"))
     print(f"balanced_layout, {len(long)} long documents (512K tokens) on 32 ranks: {secs}")
+    # and where a 4K window is a few rank shares' worth, so that pieces shorter than it are tried
+    for total, world in ((131072, 16), (524288, 64)):
+        long = document_lengths("longtail", total, 0)
+        secs = timing(long, world, "win(4095,0)")
+        print(f"balanced_layout, {len(long)} long documents ({total // 1024}K tokens) on {world} ranks: "
+              f"win(4095,0) {secs:.3f} s")  # fmt: skip
     write_json(args.json, rows)
 
 

@@ -594,14 +594,36 @@ def _polished(per_rank, world: int, window: Window, piece: int, reach: int, toke
         return time(rows) + price * sum(map(any, rows)), sum(x * x for row in rows for x in row)
 
     def scored(change):
-        """score(rows) after the change (step -> each rank's change), from the current one."""
+        """score(rows) after the change (step -> (rank, its change) where nonzero), from the
+        current one: only the changed ranks are read unless one of them was a step's busiest."""
         spent, squares = best_score
         for i, s in enumerate(steps):
             if s in change:
-                row = [x + y for x, y in zip(load[i], change[s])]
-                spent += max(row) - max(load[i]) + price * (any(row) - any(load[i]))
-                squares += sum(y * (2 * x + y) for x, y in zip(load[i], change[s]) if y)
+                row, top, ys = load[i], tops[i], change[s]
+                new = [row[r] + y for r, y in ys]
+                if any(row[r] == top for r, _ in ys):
+                    full = row.copy()
+                    for (r, _), x in zip(ys, new):
+                        full[r] = x
+                    new_top = max(full)
+                else:
+                    new_top = max(top, *new)
+                now_busy = busy[i] - sum(1 for r, _ in ys if row[r]) + sum(1 for x in new if x)
+                spent += new_top - top + price * ((now_busy > 0) - (busy[i] > 0))
+                squares += sum(y * (2 * row[r] + y) for r, y in ys)
         return spent, squares
+
+    # a move's priced change by (the runs it replaces, their replacement), kept across rounds:
+    # a round moves one document, so most of the next round's candidates are the same
+    changes: dict[tuple, dict[int, tuple[tuple[int, float], ...]]] = {}
+
+    def change_of(old, new):
+        key = (tuple(old), tuple(new))
+        if key not in changes:
+            dense = priced(_work_change(old, new, world, window))
+            sparse = {step: tuple((r, y) for r, y in enumerate(row) if y) for step, row in dense.items()}
+            changes[key] = {step: ys for step, ys in sparse.items() if ys}
+        return changes[key]
 
     def moves(runs, busiest):
         """(lo, hi, near, change): runs[lo:hi] replaced by `near` changes the document's
@@ -615,7 +637,7 @@ def _polished(per_rank, world: int, window: Window, piece: int, reach: int, toke
                 for q in sorted({(r - 1) % world, r, (spare - 1) % world, spare}):
                     cands.append([(a, c, q), (c, b, (q + 1) % world)])
             for new in cands:
-                yield 0, 1, new, priced(_work_change(runs, new, world, window))
+                yield 0, 1, new, change_of(runs, new)
             return
         for i in range(len(runs) - 1):
             (a, c, r), (_, b, q) = runs[i], runs[i + 1]
@@ -631,9 +653,10 @@ def _polished(per_rank, world: int, window: Window, piece: int, reach: int, toke
                     near = [run for run in (*runs[lo:i], (a, c2, r), (c2, b, q), *runs[i + 2 : hi]) if run[1] > run[0]]
                     last = len(runs) - (hi - lo) + len(near) - 1  # the document's last run after it
                     if all(y - x >= piece for j, (x, y, _) in enumerate(near, lo) if 0 < j < last):
-                        yield lo, hi, near, priced(_work_change(runs[lo:hi], near, world, window))
+                        yield lo, hi, near, change_of(runs[lo:hi], near)
 
     best_score = score(load)
+    tops, busy = [max(row) for row in load], [sum(1 for x in row if x) for row in load]
     for _ in range(POLISH_MOVES):
         if time(load) <= even * (1 + BALANCE_SLACK):
             break
@@ -644,7 +667,7 @@ def _polished(per_rank, world: int, window: Window, piece: int, reach: int, toke
         cut = {d for d, runs in docs.items() if len(runs) > 1 and busiest & {r for *_, r in runs}}
         for d in sorted(cut | set(whole)):
             for lo, hi, near, change in moves(docs[d], busiest):
-                if any(s not in steps and any(row) for s, row in change.items()):
+                if any(s not in steps for s in change):
                     continue  # a query would reach past `reach` pieces
                 sc = scored(change)
                 if sc < best_score and (best is None or sc < best[0]):
@@ -653,7 +676,10 @@ def _polished(per_rank, world: int, window: Window, piece: int, reach: int, toke
             break
         best_score, d, lo, hi, near, change = best
         docs[d] = [*docs[d][:lo], *near, *docs[d][hi:]]
-        load = [[x + y for x, y in zip(load[i], change.get(s, [0] * world))] for i, s in enumerate(steps)]
+        for i, s in enumerate(steps):
+            for r, y in change.get(s, ()):
+                load[i][r] += y
+        tops, busy = [max(row) for row in load], [sum(1 for x in row if x) for row in load]
     polished: list[list[Segment]] = [[] for _ in range(world)]
     for d, runs in docs.items():
         for a, b, r in runs:
