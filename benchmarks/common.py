@@ -115,13 +115,22 @@ def _device_ms_by_block(prof, blocks) -> dict[str, float]:
     operator encloses; None: the ones outside every block (or whose launch was not seen). Time
     alone places a launch (the replay runs one host thread at a time: the backward's thread
     while the caller waits)."""
-    events = prof.profiler.kineto_results.events()
+    return split_device_events(prof.profiler.kineto_results.events(), blocks)
+
+
+def split_device_events(events, blocks) -> dict[str, float]:
+    """_device_ms_by_block over kineto events (name(), device_type(), start_ns(), end_ns(),
+    duration_ns(), correlation_id()). A record_function block also shows on the device's
+    timeline as an event of its own name spanning the work launched inside it (a GPU user
+    annotation, in some torch versions): such events are no work and are not counted, or every
+    block's time would be counted twice, once more outside every block."""
     on_device = [e for e in events if e.device_type() == torch.autograd.DeviceType.CUDA]
     on_host = [e for e in events if e.device_type() == torch.autograd.DeviceType.CPU]
     spans = sorted(
         ((e.start_ns(), e.end_ns(), e.name()) for e in on_host if blocks(e.name())),
         key=lambda span: span[1] - span[0],  # the innermost (shortest) first
     )
+    annotations = {name for _, _, name in spans}
     # the CUDA runtime's and driver's launch calls (cudaLaunchKernel, cuLaunchKernelEx,
     # cudaMemcpyAsync, ...), by the correlation id their device work carries too
     launch_calls = ("Launch", "Memcpy", "Memset")
@@ -133,6 +142,8 @@ def _device_ms_by_block(prof, blocks) -> dict[str, float]:
     split = {}
     for e in on_device:
         t = launched_at.get(e.correlation_id())
+        if t is None and e.name() in annotations:
+            continue
         name = None if t is None else next((n for start, end, n in spans if start <= t <= end), None)
         split[name] = split.get(name, 0.0) + e.duration_ns() / 1e6
     return split

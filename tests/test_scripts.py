@@ -639,3 +639,53 @@ def test_layout_balance_long_rows_smoke(tmp_path):
     assert "worst over 2 mixes per row (long, 2 seeds each)" in out, out
     row = next(line.split() for line in out.splitlines() if line.startswith("win(100,0)"))
     assert row[1] == "4" and 1.0 <= float(row[5]) < 1.1, row  # compute time over an even split
+
+
+def test_device_split_skips_the_blocks_own_device_spans():
+    """The device time split over record_function blocks: each kernel counted to the innermost
+    block open when its launch was made, kernels launched outside every block to None; a
+    block's own span on the device's timeline (a GPU user annotation, same name, no launch) is
+    no work: counted, it doubled every block's time into None."""
+    import torch
+
+    from benchmarks.common import split_device_events
+
+    cpu, cuda = torch.autograd.DeviceType.CPU, torch.autograd.DeviceType.CUDA
+
+    class Event:
+        def __init__(self, name, device, start, end, correlation=0):
+            self._name, self._device, self._start, self._end, self._correlation = name, device, start, end, correlation
+
+        def name(self):
+            return self._name
+
+        def device_type(self):
+            return self._device
+
+        def start_ns(self):
+            return self._start
+
+        def end_ns(self):
+            return self._end
+
+        def duration_ns(self):
+            return self._end - self._start
+
+        def correlation_id(self):
+            return self._correlation
+
+    events = [
+        Event("step 0", cpu, 0, 1000),  # a block, and a transfer block inside it
+        Event("transfer", cpu, 100, 200),
+        Event("cudaLaunchKernel", cpu, 50, 60, correlation=1),
+        Event("cudaMemcpyAsync", cpu, 150, 160, correlation=2),
+        Event("cuLaunchKernelEx", cpu, 2000, 2010, correlation=3),  # outside every block
+        Event("fwd_kernel", cuda, 0, 3_000_000, correlation=1),
+        Event("Memcpy DtoD", cuda, 0, 500_000, correlation=2),
+        Event("bwd_kernel", cuda, 0, 250_000, correlation=3),
+        Event("step 0", cuda, 0, 4_000_000, correlation=7),  # the blocks' device spans
+        Event("transfer", cuda, 0, 600_000, correlation=8),
+        Event("unseen_kernel", cuda, 0, 1_000_000, correlation=9),  # its launch not in the profile
+    ]
+    split = split_device_events(events, lambda name: name in ("step 0", "transfer"))
+    assert split == {"step 0": 3.0, "transfer": 0.5, None: 1.25}, split
