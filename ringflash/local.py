@@ -156,6 +156,7 @@ def block_backward(
     backend=None,
     dropout=None,
     deterministic=False,
+    whole_call=False,
 ):
     """Gradients of the block (`mask` and `dropout` as in block_forward) given the final row statistics m, l
     (SoftmaxState.m / .l) and delta, (B, Hq, Sq) each, of the query rows (delta a tensor, or a
@@ -164,7 +165,9 @@ def block_backward(
     dk (B, Sk, Hkv, D) and dv (B, Sk, Hkv, Dv); do is (B, Sq, Hq, Dv). dq=None skips
     the dQ pass, dk=dv=None the dK/dV pass. With all three given, a block fuses_backward accepts
     runs as one fused kernel whose dQ is not bitwise reproducible; deterministic=True keeps the
-    separate passes, which are. Returns whether anything was computed."""
+    separate passes, which are. whole_call: the block is a one-device call's whole attention
+    (a short one takes the fused kernel however few its programs). Returns whether anything
+    was computed."""
     backend = backend or backend_for(q.device)
     if isinstance(dq, DQPart):
         if not accumulate:
@@ -181,7 +184,7 @@ def block_backward(
     backend.backward(
         _unit_stride(q), _unit_stride(k), _unit_stride(v), m, l, _unit_stride(do), delta, dq, dk, dv,
         q_start=mask.q_start, k_start=mask.k_start, window=window, bounds=mask.bounds, scale=scale,
-        accumulate=accumulate, key_bias=key_bias, dropout=dropout, deterministic=deterministic,
+        accumulate=accumulate, key_bias=key_bias, dropout=dropout, deterministic=deterministic, whole_call=whole_call,
     )  # fmt: skip
     return True
 
@@ -264,7 +267,7 @@ def local_backward(
     delta = DeltaOf(out, dlse)
     dq, dk, dv = _gradients(q, k, v, kv_grad_dtype)
     block_backward(q, k, v, m, l, do, delta, dq, dk, dv, mask, scale=scale, accumulate=False, key_bias=key_bias,
-                   backend=backend, dropout=dropout, deterministic=deterministic)  # fmt: skip
+                   backend=backend, dropout=dropout, deterministic=deterministic, whole_call=True)  # fmt: skip
     return dq, dk, dv
 
 

@@ -128,7 +128,9 @@ def delta(o, do):
 _rowsum = delta  # for the backward, whose argument of that name shadows it
 
 
-def fuses_backward(q, k, v, *, window, bounds, key_bias=None, dropout=None, deterministic=False) -> bool:
+def fuses_backward(
+    q, k, v, *, window, bounds, key_bias=None, dropout=None, deterministic=False, whole_call=False
+) -> bool:
     """Whether a block's dQ and dK/dV are best computed in one call: never here (the callers'
     separate dQ and dK/dV calls are the ones this backend was measured and tested with)."""
     return False
@@ -155,10 +157,12 @@ def backward(
     key_bias=None,
     dropout=None,
     deterministic=False,
+    whole_call=False,
 ):
     """Gradients of one block (positions, window, bounds and dropout as in forward) given the
     final row statistics m, l and delta (B, Hq, Sq), or a merge.DeltaOf to compute it from.
-    Always bitwise reproducible (deterministic is accepted for the backends' common signature).
+    Always bitwise reproducible (deterministic and whole_call are accepted for the backends'
+    common signature).
 
     dq (B, Sq, Hq, D), dk (B, Sk, Hkv, D) and dv (B, Sk, Hkv, Dv) (do: (B, Sq, Hq, Dv)) are added
     to (accumulate=True) or overwritten;

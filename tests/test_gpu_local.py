@@ -187,19 +187,22 @@ def test_fused_backward_windows_vs_float64(dtype, causal, window_size, case, mon
 
 def test_fused_backward_is_the_default_where_it_fills_the_gpu(monkeypatch):
     """By default: B=1, S=4096, 32 kv heads (1024 programs) take the fused kernel, dense and with
-    a window; 2 kv heads (64 programs, configs.GLUON_BWD_MIN_PROGRAMS_PER_SM) and a key padding
-    mask take the two passes."""
+    a window, and so does a call as short as configs.GLUON_BWD_SHORT_CALL_PAIRS with 2 kv heads
+    (64 programs); past it, 32 query heads on one kv head at 8K (64 programs, under
+    configs.GLUON_BWD_MIN_PROGRAMS_PER_SM) and a key padding mask take the two passes."""
     calls = spy_fused_backward(monkeypatch)
 
-    def run(H, **kw):
+    def run(H, Hkv=None, S=4096, **kw):
         calls.clear()
-        q, k, v = (torch.randn(1, 4096, H, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-                   for _ in range(3))  # fmt: skip
+        q = torch.randn(1, S, H, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        k, v = (torch.randn(1, S, Hkv or H, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+                for _ in range(2))  # fmt: skip
         flash_attn_func(q, k, v, **kw).sum().backward()
         return bool(calls)
 
     assert run(32, causal=True) and run(32, window_size=(255, 0))
-    assert not run(2, causal=True)
+    assert run(32, 2, causal=True) and run(2, causal=True)
+    assert not run(32, 1, S=8192, causal=True)
     assert not run(32, key_padding_mask=torch.zeros(1, 4096, dtype=torch.bool, device="cuda"))
 
 

@@ -630,8 +630,10 @@ def test_fused_backward_only_where_it_runs(monkeypatch):
     deterministic=True; its device-independent part (fused_backward_fits, any device): never for
     float32, head dims not padded to a tuned width, unequal ones unless the larger's variant splits
     the head dim (256), or a GPU it does not run on (0 SMs); dense blocks need
-    GLUON_BWD_MIN_PROGRAMS_PER_SM programs per SM, per-row bounds also
-    GLUON_BWD_DOCUMENTS_MIN_PAIRS pairs x heads; a gluon_bwd override forces it at any size."""
+    GLUON_BWD_MIN_PROGRAMS_PER_SM programs per SM unless the block is a one-device call's whole
+    attention of at most GLUON_BWD_SHORT_CALL_PAIRS (batch x query heads x queries x keys), per-row
+    bounds also GLUON_BWD_DOCUMENTS_MIN_PAIRS pairs x heads; a gluon_bwd override forces it at any
+    size."""
     from ringflash import kernels
     from ringflash.dropout import Dropout
     from ringflash.kernels import configs
@@ -642,6 +644,21 @@ def test_fused_backward_only_where_it_runs(monkeypatch):
     small = torch.empty(1, 1024, 8, 128, dtype=torch.bfloat16)  # 8 x 8
     fits = kernels.fused_backward_fits
     assert fits(big, big, big, None, 132) and not fits(small, small, small, None, 132)
+    # a short one-device call: few programs, fused all the same; up to the bound, not past it
+    assert fits(small, small, small, None, 132, whole_call=True)
+    assert configs.GLUON_BWD_SHORT_CALL_PAIRS == 32 * 4096 * 4096
+    short_q, one_kv = (
+        torch.empty(1, 4096, 32, 128, dtype=torch.bfloat16),
+        torch.empty(1, 4096, 1, 128, dtype=torch.bfloat16),
+    )
+    assert fits(short_q, one_kv, one_kv, None, 132, whole_call=True) and not fits(short_q, one_kv, one_kv, None, 132)
+    long_q, long_kv = (
+        torch.empty(1, 4097, 32, 128, dtype=torch.bfloat16),
+        torch.empty(1, 4097, 1, 128, dtype=torch.bfloat16),
+    )
+    assert not fits(long_q, long_kv, long_kv, None, 132, whole_call=True)  # 33 programs, device-bound
+    assert not fits(small.float(), small.float(), small.float(), None, 132, whole_call=True)
+    assert not fits(small, small, small, None, 0, whole_call=True)
     assert not fits(big, big, big, None, 0)
     assert not fits(big.float(), big.float(), big.float(), None, 132)
     assert not fits(big, big, big[..., :64], None, 132)

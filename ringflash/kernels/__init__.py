@@ -219,25 +219,30 @@ def combined_stats(m, l):
     return out.copy_(torch.where(l > 0, m + torch.log2(l), float("inf")))
 
 
-def fuses_backward(q, k, v, *, window, bounds, key_bias=None, dropout=None, deterministic=False) -> bool:
+def fuses_backward(
+    q, k, v, *, window, bounds, key_bias=None, dropout=None, deterministic=False, whole_call=False
+) -> bool:
     """Whether backward() given dq, dk and dv together runs this block as one fused kernel
     (the Gluon backward on Hopper: 16-bit, the larger head dim padded to a tuned width
     (configs.GLUON_BWD; v's differing from q/k's only where that variant splits the head dim,
     i.e. 256), dense,
     causal, a sliding window or per-row bounds (configs.GLUON_BWD_DOCUMENTS), no key bias or
     dropout, enough key blocks x kv heads to fill the GPU: configs.GLUON_BWD_MIN_PROGRAMS_PER_SM,
-    unless override(gluon_bwd=) forces it). Its dQ is added in float32 by atomics, whose order
-    varies: not bitwise reproducible, so deterministic=True says no. A caller that
-    can compute dQ and dK/dV in one call should then do so (the ring's backward). Per-row
+    or whole_call (the block is a one-device call's whole attention) and at most
+    configs.GLUON_BWD_SHORT_CALL_PAIRS, unless override(gluon_bwd=) forces it). Its dQ is added
+    in float32 by atomics, whose order varies: not bitwise reproducible, so deterministic=True
+    says no. A caller that can compute dQ and dK/dV in one call should then do so (the ring's
+    backward). Per-row
     bounds also need configs.GLUON_BWD_DOCUMENTS_MIN_PAIRS visible pairs x query heads."""
     if deterministic or key_bias is not None or dropout is not None or not q.is_cuda:
         return False
-    return fused_backward_fits(q, k, v, bounds, _fused_backward_sms(q.device))
+    return fused_backward_fits(q, k, v, bounds, _fused_backward_sms(q.device), whole_call)
 
 
-def fused_backward_fits(q, k, v, bounds, sm_count: int) -> bool:
+def fused_backward_fits(q, k, v, bounds, sm_count: int, whole_call: bool = False) -> bool:
     """fuses_backward's choice for a block without key bias or dropout on a GPU of sm_count SMs
-    (0: not one the fused kernel runs on), from shapes, dtypes and the bounds alone (any device)."""
+    (0: not one the fused kernel runs on), from shapes, dtypes and the bounds alone (any device);
+    whole_call: the block is a one-device call's whole attention."""
     D = max(q.shape[-1], v.shape[-1])
     if not sm_count or q.dtype == torch.float32:
         return False
@@ -257,6 +262,10 @@ def fused_backward_fits(q, k, v, bounds, sm_count: int) -> bool:
         pairs = q.shape[0] * q.shape[1] * q.shape[2] * bounds.keys_per_row
         if pairs < configs.GLUON_BWD_DOCUMENTS_MIN_PAIRS:
             return False
+    # a short one-device call: one launch instead of the passes' several saves more host time
+    # than the SMs left idle cost
+    if whole_call and q.shape[0] * q.shape[2] * q.shape[1] * k.shape[1] <= configs.GLUON_BWD_SHORT_CALL_PAIRS:
+        return True
     # one program per key block and kv head: too few to fill the GPU lose to the two passes
     key_blocks = -(-k.shape[1] // cfg.block_n)
     return k.shape[0] * k.shape[2] * key_blocks >= configs.GLUON_BWD_MIN_PROGRAMS_PER_SM * sm_count
@@ -296,20 +305,20 @@ def _gluon_backward(q, k, v, m, l, do, delta, dq, dk, dv, q_start, k_start, wind
 
 
 def backward(q, k, v, m, l, do, delta, dq, dk, dv, *, q_start, k_start, window, bounds, scale, accumulate,
-             key_bias=None, dropout=None, deterministic=False):
+             key_bias=None, dropout=None, deterministic=False, whole_call=False):
     """See ringflash.reference.backward. m, l and delta: (B, Hq, Sq) views with equal strides
     (delta may be a merge.DeltaOf: the fused kernel's statistics launch computes it, else it is
     computed here first; dq may be a dq_sum.DQPart: the fused kernel adds to its blocked buffer,
     the passes to its row-major view).
     Given dq, dk and dv together, a block fuses_backward accepts runs as one fused kernel
     (dQ not bitwise reproducible); otherwise, or with deterministic=True, the dK/dV and dQ
-    passes run (bitwise reproducible)."""
+    passes run (bitwise reproducible). whole_call: as fuses_backward's."""
     _check_dtype(q, "backward")
     if (
         dq is not None
         and dk is not None
         and fuses_backward(q, k, v, window=window, bounds=bounds, key_bias=key_bias, dropout=dropout,
-                           deterministic=deterministic)  # fmt: skip
+                           deterministic=deterministic, whole_call=whole_call)  # fmt: skip
         and _gluon_backward(q, k, v, m, l, do, delta, dq, dk, dv, q_start, k_start, window, bounds, scale, accumulate)
     ):
         return
