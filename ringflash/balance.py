@@ -34,10 +34,11 @@ Any other document is cut, so that the ring steps stay even:
   than m (nothing lies beyond them), each move taken only where it shortens the ring's compute
   time and gives no work to a step that had none. Where a rank's share is only a few windows
   long, window-long pieces are too coarse (a document under 2m tokens stays whole, about a
-  rank's share of work): pieces of m / 2 or m / 3 tokens are dealt and polished too, a query
-  then reaching 2 or 3 pieces away (steps 0 to 3 and P - 3 to P - 1), and the layout whose
-  compute time, each step with work priced at its fixed cost (STEP_KEYS_PER_ROW), is least
-  is kept (_bounded_deal).
+  rank's share of work): with MAX_REACH > 1 (off by default: the extra steps' calls cost more
+  on a GPU than the evener steps save) pieces of m / 2 or m / 3 tokens are dealt and polished
+  too, a query then reaching 2 or 3 pieces away (steps 0 to 3 and P - 3 to P - 1), and the
+  layout whose compute time, each step with work priced at its fixed cost
+  (STEP_KEYS_PER_ROW), is least is kept (_bounded_deal).
 
 No length needs to divide by anything: shard sizes may differ between ranks. Each rank's
 local tensor holds its pieces in global order.
@@ -61,8 +62,12 @@ BALANCE_SLACK = 0.02  # how far above an equal share of the work a whole documen
 STEP0_DEALS = 8  # at most this many deals again for an even step 0 (balanced_layout)
 # A bounded window's pieces may be shorter than the window (a query's keys then up to `reach`
 # pieces away, one more ring step each way a reach) where window-long pieces are too coarse to
-# even the steps: balanced_layout tries reaches 1 to MAX_REACH (_bounded_deal)
-MAX_REACH = 3
+# even the steps: balanced_layout tries reaches 1 to MAX_REACH (_bounded_deal). 1 by default:
+# one H200 (benchmarks.packed_ring_replay --totals 32768 --worlds 8 --window 4096 --kv-heads 8
+# --kernels --max-reach 1 3), reach 3 took the busiest rank's ring steps from 3.01 to 2.95 ms of
+# device time but the mean rank's from 1.68 to 2.55 (two more steps' calls a rank), the ranks in
+# lockstep 3.03 -> 3.32 ms and the busiest rank's host-clock time 4.87 -> 5.93 ms; 64K unchanged
+MAX_REACH = 1
 SHORT_SHARE_WINDOWS = 4  # ... where a rank's share is under this many windows (m tokens)
 # What a ring step with work costs besides its pairs, in a rank's own pairs per query row it
 # holds: its kernel calls' fixed part (launches, and programs over every row, most of which

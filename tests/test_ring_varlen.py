@@ -195,17 +195,19 @@ def test_polish_evens_a_bounded_window(causal, window_size, world, before, after
 @pytest.mark.parametrize(
     "total,world,first,after", [(32768, 8, 3.7, 1.75), (65536, 8, 1.9, 1.35), (32768, 4, 1.85, 1.15)]
 )
-def test_pieces_shorter_than_the_window_where_a_share_is_a_few_windows(total, world, first, after):
+def test_pieces_shorter_than_the_window_where_a_share_is_a_few_windows(total, world, first, after, monkeypatch):
     """A 4K window over shares of one to two windows (32K or 64K tokens over 8 ranks, 32K over
     4): a document under two windows cannot be cut into window-long pieces and stays whole,
     about a rank's share of work, so the first deal leaves the ring's compute time at `first`
-    x an even split or worse. With pieces down to a third of the window (a query then reaching
-    up to 3 pieces away) the worst over the mixes comes down to `after`, and every layout's
+    x an even split or worse. With pieces down to a third of the window allowed (MAX_REACH 3,
+    off by default; a query then reaching up to 3 pieces away) the worst over the mixes comes
+    down to `after`, and every layout's
     priced time (each step with work priced at its fixed cost) is at most the first deal's
     (pure: the same on any machine). Mixes: benchmarks.layout_balance's wide ones (documents of
     16-8192 tokens), 4 seeds, two mixes a row at 64K."""
     from benchmarks.layout_balance import cu_of, mix
 
+    monkeypatch.setattr(balance, "MAX_REACH", 3)
     worst = {"dealt": 0.0, "chosen": 0.0}
     for seed in range(4):
         lengths = [n for s in range(total // 32768) for n in mix("wide", seed + 100 * s)]
@@ -448,15 +450,17 @@ def test_cut_documents_turn_the_ring(world, monkeypatch):
     assert sum(excess["turned"]) <= 0.5 * sum(excess["unturned"]), excess
 
 
-def test_polish_adds_a_hop_only_where_it_saves_more_than_its_price():
+def test_polish_adds_a_hop_only_where_it_saves_more_than_its_price(monkeypatch):
     """A 1500-token document under a window of 1000 (too short for two 1000-token pieces)
     stays whole in the deal: one rank does 1001000 of the pairs and no K/V travels. Cut (the
-    first and last pieces are free, a middle one half a window: reach 2), the ring's compute
+    first and last pieces are free, a middle one half a window: reach 2, allowed here with
+    MAX_REACH 3), the ring's compute
     time halves, a hop well worth its price (STEP_KEYS_PER_ROW = 200 pairs a row of a 760-token
     share: 152000 pairs). A 150-token document under a window of 100 would save 2795 pairs
     (10100 -> 7305) for a hop priced at 17000: it stays whole. Where the deal is within
     BALANCE_SLACK already (128K tokens of long-tailed documents over 2 ranks, a 4K window,
     nothing cut), no hop is added."""
+    monkeypatch.setattr(balance, "MAX_REACH", 3)
     with _dealt_only():
         dealt = balanced_layout([0, 1500, 1520], 2, window_size=(1000, 0))
     L = balanced_layout([0, 1500, 1520], 2, window_size=(1000, 0))
@@ -533,13 +537,15 @@ def test_balanced_layout_rejects_bad_input():
 
 
 def _ring_varlen_vs_oracle(
-    rank, world, lengths, causal, window_size, Hq, Hkv, dtype, seed, Dv=None, own_work=None, crop=False
+    rank, world, lengths, causal, window_size, Hq, Hkv, dtype, seed, Dv=None, own_work=None, crop=False, max_reach=None
 ):
     """Dv: v's head dim (default q and k's, 16). own_work: balance.OWN_CALL_WORK for the call
     (None: as it is, which at these sizes puts every document in the per-row-bounds call).
-    crop: balance.CROP_STEP_CALLS on, with a CROP_ALIGN of 8 rows (these shards are short)."""
+    crop: balance.CROP_STEP_CALLS on, with a CROP_ALIGN of 8 rows (these shards are short).
+    max_reach: balance.MAX_REACH for the layout (None: as it is)."""
     with (
         mock.patch("ringflash.balance.OWN_CALL_WORK", own_work) if own_work else contextlib.nullcontext(),
+        mock.patch("ringflash.balance.MAX_REACH", max_reach) if max_reach else contextlib.nullcontext(),
         mock.patch.multiple("ringflash.balance", CROP_STEP_CALLS=True, CROP_ALIGN=8)
         if crop
         else contextlib.nullcontext(),
@@ -654,13 +660,16 @@ def test_ring_varlen_step_calls_cropped(worlds, backend, causal, window_size):
     worlds(3, **kinds).run(_ring_varlen_vs_oracle, lengths, causal, window_size, 4, 2, dtype, 7, None, None, True)
 
 
-def test_ring_varlen_pieces_shorter_than_the_window(worlds):
-    """A 1167-token document under a window of 600 over 3 ranks (1341 tokens): the layout cuts
-    it into pieces of 389 tokens (reach 2: a query's keys up to two pieces back), so the ring
-    runs steps 0, 1 and 2, exact against the float64 oracle, K/V sent on both hops."""
+def test_ring_varlen_pieces_shorter_than_the_window(worlds, monkeypatch):
+    """A 1167-token document under a window of 600 over 3 ranks (1341 tokens), pieces shorter
+    than the window allowed (MAX_REACH 3, off by default): the layout cuts it into pieces of 389
+    tokens (reach 2: a query's keys up to two pieces back), so the ring runs steps 0, 1 and 2,
+    exact against the float64 oracle, K/V sent on both hops."""
+    monkeypatch.setattr(balance, "MAX_REACH", 3)
     L = balanced_layout(_cu([1167, 174]), 3, window_size=(600, 0))
     assert _reach(L) == 2 and L.hops == 3, L
-    hops = worlds(3, **TORCH).run(_ring_varlen_vs_oracle, [1167, 174], True, (600, 0), 4, 2, torch.float64, 3)
+    case = ([1167, 174], True, (600, 0), 4, 2, torch.float64, 3, None, None, False, 3)
+    hops = worlds(3, **TORCH).run(_ring_varlen_vs_oracle, *case)
     assert hops == [3] * 3
 
 

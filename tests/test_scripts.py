@@ -398,13 +398,14 @@ def test_packed_ring_replay_varies_the_layouts_constants(tmp_path):
 
     out = tmp_path / "r.json"
     printed = run([sys.executable, "-m", "benchmarks.packed_ring_replay", "--smoke", "--no-inline", "--json", str(out),
-                   "--window", "200", "--max-reach", "1", str(balance.MAX_REACH), "--crop-step-calls", "1"],
+                   "--window", "200", "--max-reach", str(balance.MAX_REACH), "3", "--crop-step-calls", "1"],
                   tmp_path)  # fmt: skip
+    assert balance.MAX_REACH != 3
     rows = json.loads(out.read_text())["rows"]
-    assert [r["max_reach"] for r in rows] == [1, balance.MAX_REACH]
+    assert [r["max_reach"] for r in rows] == [balance.MAX_REACH, 3]
     assert [r["polish_moves"] for r in rows] == [balance.POLISH_MOVES] * 2
     assert [r["crop_step_calls"] for r in rows] == [1, 1]
-    assert printed.count("max reach") == 1 and "max reach 1, crop step calls 1;" in printed, printed
+    assert printed.count("max reach") == 1 and "max reach 3, crop step calls 1;" in printed, printed
 
 
 def test_ring_time_follows_the_blocks_dependencies():
