@@ -212,10 +212,11 @@ GLUON_BWD_MIN_PROGRAMS_PER_SM = 2
 # fused kernel's one launch saves more host time than its idle SMs cost. One H200, bf16, D=64
 # and 128, causal and not, forward+backward with the threshold at 0 against as above
 # (python -m benchmarks.compare_versions --baseline .baseline --seqlens 1024 2048 4096
-# --kv-heads 8 --variants bwd_min_programs=0; and --kv-heads 32 --seqlens 1024): 1.14-2.34x
+# --kv-heads 8 --variants bwd_min_programs=0; and --kv-heads 32 --seqlens 1024): 1.11-2.34x
 # with 8 kv heads (64-256 programs), 1.73-3.31x at 1K with 32; the largest row, 4K keys and 32
-# query heads, is this bound. Above it a call is device-bound and the threshold holds (a ring
-# rank's 2K-key tasks at 128 programs: fused 11.2 ms against 10.3).
+# query heads, is this bound. Above it the threshold holds, as where it was set (a ring rank's
+# device-bound 2K-key tasks at 128 programs: fused 11.2 ms against 10.3); larger local calls of
+# few programs (one or two kv heads) are not timed.
 GLUON_BWD_SHORT_CALL_PAIRS = 32 * 4096 * 4096
 # Packed documents (per-row bounds) in the fused backward: checked against float64 on one H200
 # (tests/test_gpu_local.py -k documents). One H200, bf16, H=32, D=128, causal documents,
