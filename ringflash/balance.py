@@ -632,7 +632,7 @@ def _polished(per_rank, world: int, window: Window, piece: int, reach: int, toke
 
     def moves(runs, busiest):
         """(lo, hi, near, change): runs[lo:hi] replaced by `near` changes the document's
-        work by `change` (step -> per rank)."""
+        work by `change` (step -> (rank, its change) where nonzero: change_of)."""
         if len(runs) == 1:
             a, b, r = runs[0]
             spare = min(range(world), key=lambda q: (load[0][q], q))
