@@ -660,8 +660,11 @@ def _polished(per_rank, world: int, window: Window, piece: int, reach: int, toke
                     if all(y - x >= piece for j, (x, y, _) in enumerate(near, lo) if 0 < j < last):
                         yield lo, hi, near, change_of(runs[lo:hi], near)
 
+    def summary():  # each step's busiest rank's load, and how many ranks have work at it
+        return [max(row) for row in load], [sum(1 for x in row if x) for row in load]
+
     best_score = score(load)
-    tops, busy = [max(row) for row in load], [sum(1 for x in row if x) for row in load]
+    tops, busy = summary()
     for _ in range(POLISH_MOVES):
         if time(load) <= even * (1 + BALANCE_SLACK):
             break
@@ -684,7 +687,7 @@ def _polished(per_rank, world: int, window: Window, piece: int, reach: int, toke
         for i, s in enumerate(steps):
             for r, y in change.get(s, ()):
                 load[i][r] += y
-        tops, busy = [max(row) for row in load], [sum(1 for x in row if x) for row in load]
+        tops, busy = summary()
     polished: list[list[Segment]] = [[] for _ in range(world)]
     for d, runs in docs.items():
         for a, b, r in runs:

@@ -232,8 +232,8 @@ def fuses_backward(
     configs.GLUON_BWD_SHORT_CALL_PAIRS, unless override(gluon_bwd=) forces it). Its dQ is added
     in float32 by atomics, whose order varies: not bitwise reproducible, so deterministic=True
     says no. A caller that can compute dQ and dK/dV in one call should then do so (the ring's
-    backward). Per-row
-    bounds also need configs.GLUON_BWD_DOCUMENTS_MIN_PAIRS visible pairs x query heads."""
+    backward). Per-row bounds also need configs.GLUON_BWD_DOCUMENTS_MIN_PAIRS visible pairs x
+    query heads."""
     if deterministic or key_bias is not None or dropout is not None or not q.is_cuda:
         return False
     return fused_backward_fits(q, k, v, bounds, _fused_backward_sms(q.device), whole_call)
