@@ -73,7 +73,7 @@ def _publish_tile(tile_ids, tile_full, tile_empty, k, t, rows, ROWS: gl.constexp
 
 
 @gluon.jit
-def _word_max(a, b):
+def _max_combine(a, b):  # (also the forward's row maxima: _gluon_fwd imports it)
     return gl.maximum(a, b)
 
 
@@ -81,7 +81,7 @@ def _word_max(a, b):
 def _read_word(tile_ids, i):
     """Word i of the shared slots, read by a consumer warpgroup (every thread gets it)."""
     four: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
-    return gl.reduce(tile_ids.index(i).load(four), 0, _word_max)
+    return gl.reduce(tile_ids.index(i).load(four), 0, _max_combine)
 
 
 @gluon.jit

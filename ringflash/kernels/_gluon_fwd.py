@@ -48,7 +48,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from ._gluon_counter import TILE_WORDS, _fetch_tile, _publish_tile, _receive_tile, _reset_counter
+from ._gluon_counter import TILE_WORDS, _fetch_tile, _max_combine, _publish_tile, _receive_tile, _reset_counter
 from .tiles import MASK_NONE, MASK_ROWS, MASK_WINDOW, in_bounds, row_key_bounds
 
 # ----------------------------------------------------------------------------------------------
@@ -169,11 +169,6 @@ def _handed_tile_plan(
 # Shared pieces. Reductions and cdiv are written here rather than taken from gl.max / gl.sum /
 # gl.cdiv: those wrap triton.language.standard, whose helpers become interpreter objects when
 # TRITON_INTERPRET=1 is set (as the CPU test suite does), and then fail to compile.
-
-
-@gluon.jit
-def _max_combine(a, b):
-    return gl.maximum(a, b)
 
 
 @gluon.jit
