@@ -806,3 +806,42 @@ def test_direct_launch_passes_what_tritons_launcher_passes(monkeypatch):
     launcher._run(compiled, 1, (3,), values)
     assert [c[:4] for c in ours.calls] == [(3, 1, 1, 100), (3, 1, 1, 101)] and len(ours.calls[0]) == 13 + 5 + 1
     assert launcher._DIRECT[id(compiled)][1] is not None
+
+
+def test_direct_launch_encodes_a_tma_map_once_per_address_shape_and_strides(monkeypatch):
+    """A descriptor met again at the same address, shape, strides and padding launches with the
+    TMA map encoded the first time (the driver's encoder not called again); any of them changed,
+    a map of its own is encoded; at most TMA_MAPS_KEPT are kept per descriptor slot."""
+    import types
+
+    from triton.backends.nvidia import driver as nvidia
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    encoded = []
+
+    def encode(*a):
+        encoded.append(a)
+        return ("map", len(encoded))
+
+    utils = types.SimpleNamespace(fill_tma_descriptor=encode)
+    monkeypatch.setattr(triton.runtime.driver, "_active", types.SimpleNamespace(utils=utils))
+    monkeypatch.setattr(launcher, "_tma_encoder", lambda: encode)
+    monkeypatch.setattr(launcher, "TMA_MAPS_KEPT", 3)
+    calls = []
+    meta = {"swizzle": 3, "elem_size": 2, "elem_type": 10, "block_size": [16, 16], "fp4_padded": False}
+    signature = {0: "tensordesc<bf16[16, 16]>", 1: "i32"}
+    direct = launcher.DirectLaunch.of(_fake_cuda_launcher(nvidia, lambda *a: calls.append(a), signature, [meta]))
+    t = torch.zeros(64, 32, dtype=torch.bfloat16)
+
+    def launch(base, shape, strides, padding="zero"):
+        direct(1, 1, 1, 0, "fn", "meta", (TensorDescriptor(base, shape, strides, [16, 16], padding=padding), 5))
+        return calls[-1][13]  # the TMA map, first value after the launcher's fixed head
+
+    first = launch(t, [64, 32], [32, 1])
+    assert launch(t, [64, 32], [32, 1]) is first and len(encoded) == 1  # a new descriptor, same tensor
+    assert launch(t.clone(), [64, 32], [32, 1]) != first  # another address
+    assert launch(t, [32, 32], [32, 1]) != first  # another shape
+    assert launch(t, [32, 32], [64, 1]) != first and len(encoded) == 4  # other strides: a map each
+    assert launch(t, [32, 32], [64, 1], "nan") != first and len(encoded) == 5  # padding too
+    assert launch(t, [64, 32], [32, 1]) != first and len(encoded) == 6  # the slot was full: cleared
+    assert encoded[-1] == encoded[0] and calls[-1][14:] == (64, 32, 32, 1, 5)

@@ -207,20 +207,36 @@ def _tma_encoder():
     return triton.runtime.driver.active.utils.fill_tma_descriptor
 
 
+TMA_MAPS_KEPT = 64  # TMA maps kept per descriptor slot of a compiled kernel (_descriptor_expander)
+
+
 def _descriptor_expander(meta, fill, tma_dtypes):
     """The values a host tensor descriptor becomes at a launch, as triton's
-    make_tensordesc_arg builds them for this descriptor's metadata (None: no TMA map)."""
+    make_tensordesc_arg builds them for this descriptor's metadata (None: no TMA map).
+
+    The TMA maps are kept by what they encode besides the metadata (address, shape, strides,
+    padding; at most TMA_MAPS_KEPT per descriptor slot): the map is a pure function of those,
+    and the launch copies it into the kernel's parameters, so a tensor met again at the same
+    address (a training loop's activations come back to the caching allocator's blocks) skips
+    the driver's encoding."""
     if meta is None:
         return lambda d: (d.base, *d.shape, *d.strides, d.padding == "nan", *d.shape, *d.strides)
     swizzle, elem_size, block_size = meta["swizzle"], meta["elem_size"], meta["block_size"]
     elem_type, fp4_padded = tma_dtypes[meta["elem_type"]], meta["fp4_padded"]
+    maps: dict = {}
 
     def expand(d):
         shape, strides = d.shape, d.strides
         if fp4_padded:
             shape = [*shape[:-1], shape[-1] * 2]
         padding = int(d.padding == "nan")
-        tma_map = fill(d.base.data_ptr(), swizzle, elem_size, elem_type, block_size, shape, strides, padding)
+        key = (d.base.data_ptr(), padding, *shape, *strides)
+        tma_map = maps.get(key)
+        if tma_map is None:
+            if len(maps) >= TMA_MAPS_KEPT:
+                maps.clear()
+            tma_map = fill(key[0], swizzle, elem_size, elem_type, block_size, shape, strides, padding)
+            maps[key] = tma_map
         return (tma_map, *shape, *strides)
 
     return expand
