@@ -159,15 +159,16 @@ def _innermost_block(event, blocks):
     return None
 
 
-DOCUMENTS_BACKWARDS = ("default", "fused", "persistent", "one-block", "two-pass")
+DOCUMENTS_BACKWARDS = ("default", "fused", "persistent", "heavy-first", "one-block", "two-pass")
 
 
 @contextlib.contextmanager
 def documents_backward(name: str):
     """Inside the block packed documents' backward (configs.GLUON_BWD_DOCUMENTS) is as configured
     ("default"), the fused Gluon kernel wherever it runs ("fused"), at D = 64 and 128 the fused
-    kernel in persistent programs ("persistent": ws2_lag_pc) or one key block a program
-    ("one-block": ws2_lag), or the two Triton passes ("two-pass")."""
+    kernel in persistent programs ("persistent": ws2_lag_pc; "heavy-first": ws2_lag_pch, the key
+    blocks handed out most query blocks first) or one key block a program ("one-block": ws2_lag),
+    or the two Triton passes ("two-pass")."""
     from ringflash.kernels import configs
 
     at = lambda variant: {**configs.GLUON_BWD_DOCUMENTS, 64: variant, 128: variant}  # noqa: E731
@@ -175,6 +176,7 @@ def documents_backward(name: str):
         "default": configs.GLUON_BWD_DOCUMENTS,
         "fused": configs.GLUON_BWD,
         "persistent": at("ws2_lag_pc"),
+        "heavy-first": at("ws2_lag_pch"),
         "one-block": at("ws2_lag"),
         "two-pass": {},
     }

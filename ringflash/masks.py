@@ -79,6 +79,10 @@ def block_visibility(q_start: int, n_q: int, k_start: int, n_k: int, window: Win
     return Visibility.PARTIAL
 
 
+KEY_ORDER_BLOCK = 128  # RowBounds.key_order's key blocks: the fused backward's (ws2: 128 keys a program)
+KEY_ORDER_ROWS = 64  # ... priced by the query blocks of this many rows their hull spans
+
+
 class RowBounds(NamedTuple):
     """Per-row visible intervals, int32, in global positions of the other side, half-open:
     query row i sees key positions [k_lo[i], k_hi[i]); key row j is seen by query positions
@@ -86,7 +90,10 @@ class RowBounds(NamedTuple):
     subtract a block's start position and clip to the block. Counted on the host when the bounds
     were built (on_device), else None: keys_per_row, the mean number of keys a query row sees
     (times the rows: the block's visible pairs); keys_per_seeing_row, the same mean over the rows
-    that see a key. The kernels choose a tile shape by one of them (configs.GLUON_DOCUMENTS_SEEING_ROWS)."""
+    that see a key. The kernels choose a tile shape by one of them (configs.GLUON_DOCUMENTS_SEEING_ROWS).
+    key_order: the key blocks of KEY_ORDER_BLOCK keys, most query blocks first (int32 on the
+    bounds' device, a permutation of range(ceil(len(q_lo) / KEY_ORDER_BLOCK)): key_block_order),
+    for persistent programs that take the heaviest blocks first."""
 
     k_lo: torch.Tensor
     k_hi: torch.Tensor
@@ -94,17 +101,12 @@ class RowBounds(NamedTuple):
     q_hi: torch.Tensor
     keys_per_row: float | None = None
     keys_per_seeing_row: float | None = None
-
-    def query_rows(self, rows: slice) -> RowBounds:
-        return self._replace(k_lo=self.k_lo[rows], k_hi=self.k_hi[rows])
-
-    def key_rows(self, rows: slice) -> RowBounds:
-        return self._replace(q_lo=self.q_lo[rows], q_hi=self.q_hi[rows])
+    key_order: torch.Tensor | None = None
 
     def on_device(self, device) -> RowBounds:
-        """These bounds (host tensors) on `device`, with keys_per_row and keys_per_seeing_row
-        counted here; on a GPU the copies come from pinned memory and do not wait for the
-        device's queue."""
+        """These bounds (host tensors) on `device`, with keys_per_row, keys_per_seeing_row and
+        key_order counted here; on a GPU the copies come from pinned memory and do not wait for
+        the device's queue."""
         seen = (self.k_hi - self.k_lo).double()
         pairs, seeing = float(seen.sum()), int((seen > 0).sum())
         device = torch.device(device)
@@ -116,7 +118,27 @@ class RowBounds(NamedTuple):
             *(move(t) for t in self[:4]),
             keys_per_row=pairs / len(seen) if len(seen) else 0.0,
             keys_per_seeing_row=pairs / seeing if seeing else 0.0,
+            key_order=move(key_block_order(self.q_lo, self.q_hi)),
         )
+
+
+def key_block_order(q_lo: torch.Tensor, q_hi: torch.Tensor) -> torch.Tensor:
+    """The key blocks of KEY_ORDER_BLOCK keys (the last may be shorter) ordered by how many
+    query blocks of KEY_ORDER_ROWS rows the hull of their keys' [q_lo, q_hi) spans, most first,
+    ties and blocks that no query sees in key order: int32 (ceil(len(q_lo) / KEY_ORDER_BLOCK),).
+    A persistent launch handing its blocks out in this order starts the longest programs first,
+    instead of ending on one (a window's blocks at a piece's end see the most rows)."""
+    n = len(q_lo)
+    blocks = -(-n // KEY_ORDER_BLOCK)
+    seen = q_hi > q_lo
+    far = 2**62  # unseen keys and the padding of the last block widen no hull
+    first = torch.where(seen, q_lo.to(torch.int64), far)
+    last = torch.where(seen, q_hi.to(torch.int64), -far)
+    pad = torch.full((blocks * KEY_ORDER_BLOCK - n,), far, dtype=torch.int64)
+    first = torch.cat([first, pad]).view(blocks, KEY_ORDER_BLOCK).amin(1)
+    last = torch.cat([last, -pad]).view(blocks, KEY_ORDER_BLOCK).amax(1)
+    spans = torch.where(last > first, (last + KEY_ORDER_ROWS - 1) // KEY_ORDER_ROWS - first // KEY_ORDER_ROWS, 0)
+    return torch.sort(spans, descending=True, stable=True).indices.to(torch.int32)
 
 
 @dataclass(frozen=True)

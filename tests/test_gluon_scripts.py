@@ -207,7 +207,8 @@ def test_gluon_backward_compiles_for_hopper(tmp_path):
     persistent programs' per-block strides once lost their alignment). The default among them
     (its grouped heads and downward walk), the same in persistent programs taking key blocks from
     a counter (D=64's default for causal launches), and packed documents' per-row bounds in
-    persistent programs (ws2_lag_pc, its producer planning each block's query blocks)."""
+    persistent programs (ws2_lag_pc, its producer planning each block's query blocks; ws2_lag_pch,
+    the blocks handed out in the bounds' key order)."""
     from ringflash.kernels import configs
 
     variants = ["ws2", "ws2_blk", "ws2_lag", "ws2_lagq", "ws2_lag_grouped_down", "ws2_lag_grouped_down_pc"]
@@ -224,11 +225,12 @@ def test_gluon_backward_compiles_for_hopper(tmp_path):
          "1", "--dtypes", "bf16", "--accumulate", "1", "--jobs", "1", "--json", str(tmp_path / "p.json")],
         tmp_path)  # fmt: skip
     rows += json.loads((tmp_path / "p.json").read_text())
-    run([sys.executable, "benchmarks/gluon_bwd_report.py", "--variants", "ws2_lag_pc", "--head-dims", "128", "--rows",
-         "--causal", "0", "--dtypes", "bf16", "--accumulate", "1", "--jobs", "1", "--json", str(tmp_path / "r.json")],
-        tmp_path)  # fmt: skip
+    run([sys.executable, "benchmarks/gluon_bwd_report.py", "--variants", "ws2_lag_pc", "ws2_lag_pch", "--head-dims",
+         "128", "--rows", "--causal", "0", "--dtypes", "bf16", "--accumulate", "1", "--jobs", "1", "--json",
+         str(tmp_path / "r.json")], tmp_path)  # fmt: skip
     rows += json.loads((tmp_path / "r.json").read_text())
-    assert len(rows) == len(variants) + len(padded) + 1 and rows[-1]["rows"] and rows[-1]["config"]["persistent"]
+    assert len(rows) == len(variants) + len(padded) + 2
+    assert all(r["rows"] and r["config"]["persistent"] for r in rows[-2:]) and rows[-1]["config"]["order"] == "heavy"
     for r in rows:
         assert not r["problems"] and r["spill_bytes"] == 0 and r["sass_waits"].get("1", 0) > 0, r
         assert r["stg_16"] == 0, r

@@ -699,10 +699,12 @@ def test_documents_backward_vs_float64(dtype, causal, window_size, len_k_extra, 
 @pytest.mark.parametrize("D", [128, 64])
 def test_fused_backward_persistent_documents(causal, window_size, len_k_extra, D, monkeypatch):
     """Packed documents' per-row bounds in persistent programs (ws2_lag_pc: the producer plans
-    each key block's query blocks and passes them on with the block), three programs for the
-    documents' key blocks of two kv heads, blocks that no query sees among them: dK and dV bitwise
-    equal to one block a program's (ws2_lag), everything against float64 within the plain bound,
-    keys no query sees get dK = dV = 0; the launches were one-dimensional, three programs."""
+    each key block's query blocks and passes them on with the block; ws2_lag_pch: the blocks
+    handed out most query blocks first), three programs for the documents' key blocks of two kv
+    heads, blocks that no query sees among them: dK and dV bitwise equal to one block a
+    program's (ws2_lag), everything against float64 within the plain bound, keys no query sees
+    get dK = dV = 0; the launches were one-dimensional, three programs, the last in the bounds'
+    key order."""
     from ringflash.kernels import configs
     from ringflash.local import flash_attn_varlen_func
     from ringflash.testing import varlen_plain_errors, varlen_reference
@@ -715,21 +717,26 @@ def test_fused_backward_persistent_documents(causal, window_size, len_k_extra, D
     do = torch.randn(q.shape, device="cuda", generator=g, dtype=torch.bfloat16)
     kw = dict(causal=causal, window_size=window_size)
     grads = {}
-    for variant in ("ws2_lag", "ws2_lag_pc"):
+    variants = ("ws2_lag", "ws2_lag_pc", "ws2_lag_pch")
+    for variant in variants:
         monkeypatch.setattr(configs, "GLUON_BWD_DOCUMENTS", {D: variant})
         out = flash_attn_varlen_func(q, k, v, cu_q, cu_k, **kw)
         grads[variant] = torch.autograd.grad(out, (q, k, v), do)
-    assert [p[3]["ROWS"] for p in plans] == [True, True], [p[3] for p in plans]
-    assert [p[3]["PERSISTENT"] for p in plans] == [False, True]
-    assert plans[1][1] == (3,)
-    for i in (1, 2):
-        assert torch.equal(grads["ws2_lag"][i], grads["ws2_lag_pc"][i])
+    assert [p[3]["ROWS"] for p in plans] == [True, True, True], [p[3] for p in plans]
+    assert [p[3]["PERSISTENT"] for p in plans] == [False, True, True]
+    assert [p[3]["ORDERED"] for p in plans] == [False, False, True]
+    assert plans[1][1] == plans[2][1] == (3,)
+    order = dict(zip(plans[2][0].arg_names, plans[2][2]))["KEY_ORDER"]
+    assert sorted(order.tolist()) == list(range(-(-k.shape[0] // 128))) != order.tolist()  # (not the grid's)
     ref = varlen_reference(q.detach(), k.detach(), v.detach(), do, cu_q, cu_k, **kw)
     plain = varlen_plain_errors(q.detach(), k.detach(), v.detach(), do, cu_q, cu_k, ref, **kw)
-    for name, got, r in zip(("dq", "dk", "dv"), grads["ws2_lag_pc"], ref[2:]):
-        assert_within(f"ws2_lag_pc {name}", got, r, plain[name])
     lonely_k = (ref[4] == 0).flatten(1).all(1)
-    assert (grads["ws2_lag_pc"][1][lonely_k] == 0).all() and (grads["ws2_lag_pc"][2][lonely_k] == 0).all()
+    for variant in variants[1:]:
+        for i in (1, 2):
+            assert torch.equal(grads["ws2_lag"][i], grads[variant][i]), variant
+        for name, got, r in zip(("dq", "dk", "dv"), grads[variant], ref[2:]):
+            assert_within(f"{variant} {name}", got, r, plain[name])
+        assert (grads[variant][1][lonely_k] == 0).all() and (grads[variant][2][lonely_k] == 0).all()
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

@@ -117,20 +117,25 @@ def test_plans_rebind_exactly_what_a_fresh_plan_would_build():
         t.update(dv=mk(B, S, 2, D), stats=mk(B * H * 2 * S, dt=f32), dq32=mk(B, H, S, D, dt=f32))
         t.update(o=mk(B, S, H, D, dt=f32), m=mk(B, H, S, dt=f32), l=mk(B, H, S, dt=f32))
         lo = torch.zeros(S, dtype=torch.int32)
-        t["bounds"] = RowBounds(lo, lo + 7, lo.clone(), lo + 9)
+        order = torch.arange(S // 128 - 1, -1, -1, dtype=torch.int32)
+        t["bounds"] = RowBounds(lo, lo + 7, lo.clone(), lo + 9, key_order=order)
+        t["counter"] = torch.zeros(1, dtype=torch.int32)
         return t
 
     first, second = call_tensors(), call_tensors()
-    bwd_cfg = gb.config_for(D, "ws2_lag")
     fwd_cfg = gf.config_for(D, gf.DEFAULT_VARIANT)
-    for masks in (dict(causal=True), dict(causal=False, window=(100, 3)), dict(causal=False, bounds="rows")):
+    for masks in (dict(causal=True), dict(causal=False, window=(100, 3)), dict(causal=False, bounds="rows"),
+                  dict(causal=False, bounds="rows", variant="ws2_lag_pch")):  # fmt: skip
 
         def backward_plan(t, masks=masks):
-            kw = {**masks, "bounds": t["bounds"] if "bounds" in masks else None}
-            b = kw["bounds"]
+            cfg = gb.config_for(D, masks.get("variant", "ws2_lag"))
+            kw = {k: v for k, v in masks.items() if k != "variant"}
+            kw["bounds"] = b = t["bounds"] if "bounds" in masks else None
             tensors = (t["q"], t["k"], t["v"], t["stats"], t["do"], t["dq32"], t["dk"], t["dv"],
-                       *((None, None) if b is None else (b.q_lo, b.q_hi)))  # fmt: skip
-            built = gb.launch_plan(*tensors[:8], q_start=5, k_start=0, scale=0.1, accumulate=True, cfg=bwd_cfg, **kw)
+                       *((None, None, None) if b is None else (b.q_lo, b.q_hi, b.key_order)), t["counter"])  # fmt: skip
+            built = gb.launch_plan(*tensors[:8], q_start=5, k_start=0, scale=0.1, accumulate=True, cfg=cfg, **kw,
+                                   tile_counter=t["counter"] if cfg.persistent else None)  # fmt: skip
+            assert built[3]["ORDERED"] == ("variant" in masks)
             return tensors, built
 
         def forward_plan(t, masks=masks):
@@ -510,6 +515,25 @@ def test_gluon_backward_persistent_plan(monkeypatch):
     assert plan("ws2_lag_pc", bounds=bounds) == ((tiles,), True, False, (tiles, blocks, B * Hkv))
     assert plan("ws2_lag_grouped_down_pcc", bounds=bounds)[:2] == ((blocks, B * Hkv), False)
     assert plan("ws2_lag")[:2] == ((blocks, B * Hkv), False)
+
+    # key blocks handed out in the bounds' key order (ws2_lag_pch): the same grid, ORDERED and the
+    # order among the arguments; the grid's order without a key order, one of another length,
+    # or under another config
+    def order_of(variant, bounds):
+        kernel, grid, args, kwargs = _backward_plan(variant, bounds=bounds)
+        named = dict(zip(kernel.arg_names, args))
+        return grid, kwargs["ORDERED"], named["KEY_ORDER"] if kwargs["ORDERED"] else named["KEY_ORDER"] is named["DQ"]
+
+    order = torch.arange(blocks - 1, -1, -1, dtype=torch.int32)
+    ordered = bounds._replace(key_order=order)
+    assert order_of("ws2_lag_pch", ordered) == ((tiles,), True, order)
+    assert order_of("ws2_lag_pch", bounds) == ((tiles,), False, True)
+    assert order_of("ws2_lag_pch", ordered._replace(key_order=order[1:])) == ((tiles,), False, True)
+    assert order_of("ws2_lag_pc", ordered) == ((tiles,), False, True)
+    with pytest.raises(ValueError, match="order='heavy' hands out packed documents' key blocks"):
+        gb.GluonBwdConfig(persistent="causal", order="heavy")
+    with pytest.raises(ValueError, match="order must be 'grid' or 'heavy', got 'light'"):
+        gb.GluonBwdConfig(order="light")
     with pytest.raises(ValueError, match="persistent programs run the ws2 schedule"):
         gb.GluonBwdConfig(schedule="ws2_split_d", block_n=64, persistent="all")
     with pytest.raises(ValueError, match="persistent must be None, 'all' or 'causal', got 'sometimes'"):

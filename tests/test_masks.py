@@ -10,10 +10,13 @@ from ringflash import balance, balanced_layout
 from ringflash.masks import (
     CAUSAL,
     FULL,
+    KEY_ORDER_BLOCK,
+    KEY_ORDER_ROWS,
     Visibility,
     Window,
     block_visibility,
     document_bounds,
+    key_block_order,
     packed_bounds,
     window_from,
 )
@@ -72,6 +75,29 @@ def test_document_bounds_match_brute_force(window):
         on_dev = packed_bounds(tuple(cu_q), tuple(cu_k), window, torch.device("cpu"))
         assert all(torch.equal(x, y) for x, y in zip(on_dev[:4], b[:4]))
         assert on_dev.keys_per_row == pytest.approx(sees.sum().item() / max(cu_q[-1], 1))
+
+
+def test_key_block_order_puts_the_blocks_spanning_most_query_blocks_first():
+    """key_block_order against brute force: for random per-key [q_lo, q_hi) (empty ones among
+    them, key counts not a multiple of the block), a permutation of the key blocks whose query
+    block spans (the hull of the block's seen rows, in KEY_ORDER_ROWS blocks) never increase,
+    equal spans in key order; on_device keeps it with the bounds, int32."""
+    rng = random.Random("order")
+    for n in [0, 1, KEY_ORDER_BLOCK, 3 * KEY_ORDER_BLOCK + 5, 700]:
+        for _ in range(5):
+            lo = torch.tensor([rng.randint(0, 2000) for _ in range(n)], dtype=torch.int32)
+            hi = lo + torch.tensor([rng.choice([0, 0, 1, rng.randint(0, 900)]) for _ in range(n)], dtype=torch.int32)
+            spans = []
+            for b in range(-(-n // KEY_ORDER_BLOCK)):
+                rows = [r for j in range(b * KEY_ORDER_BLOCK, min(n, (b + 1) * KEY_ORDER_BLOCK))
+                        for r in range(int(lo[j]), int(hi[j]))]  # fmt: skip
+                blocks = {r // KEY_ORDER_ROWS for r in rows}
+                spans.append(max(blocks) - min(blocks) + 1 if blocks else 0)
+            want = sorted(range(len(spans)), key=lambda b: (-spans[b], b))
+            got = key_block_order(lo, hi)
+            assert got.dtype == torch.int32 and got.tolist() == want, (n, spans)
+            bounds = document_bounds(torch.tensor([0, 0]), torch.tensor([0, n]), FULL)._replace(q_lo=lo, q_hi=hi)
+            assert bounds.on_device("cpu").key_order.tolist() == want
 
 
 @pytest.mark.parametrize("crop", [False, True], ids=["every_row", "cropped"])

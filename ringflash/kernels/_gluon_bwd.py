@@ -42,6 +42,8 @@ Options (constexprs; gluon_backward.VARIANTS names the combinations):
   _receive_tile; with packed documents' per-row bounds also the block's query blocks, which the
   producer warp plans: _block_rows); the barriers' phases run on from block to block and
   kv_empty holds the next block's K / V load until both consumers are done with the last.
+  ORDERED (with per-row bounds): the counter's n-th block is the n-th of the launcher's order
+  (masks.RowBounds.key_order: most query blocks first), each block's heads side by side.
 
 Statistics: `offset` = m + log2(l) per query row (+inf for rows that saw no key and for the
 padding rows past Sq, so their probabilities are exactly 0), `delta` = rowsum(dO * O); both
@@ -62,7 +64,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from ._gluon_counter import TILE_WORDS, _fetch_tile, _publish_tile, _receive_tile
+from ._gluon_counter import TILE_WORDS, _fetch_tile, _max_combine, _publish_tile, _receive_tile
 from ._gluon_fwd import _alloc_bars, _hull_and_core, _mma_layout, _opaque
 from .tiles import MASK_ROWS, in_bounds, key_query_bounds
 
@@ -210,6 +212,16 @@ def _block_rows(t, grid0, Sq, Sk, q_start, k_start, QLO, QHI, BLOCK_M: gl.conste
     return _key_tile_query_range((t % grid0) * BLOCK_N, Sq, Sk, q_start, k_start, QLO, QHI, BLOCK_M, BLOCK_N, False, 1)
 
 
+@gluon.jit
+def _ordered_tile(t, KEY_ORDER, grid0, grid1):
+    """The grid index (key block fastest, grid0 x grid1) of the t-th block handed out in
+    KEY_ORDER's order (int32, grid0 key blocks): key block KEY_ORDER[t // grid1], head t % grid1
+    (each block's heads side by side). Read by the producer warp."""
+    one: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
+    block = gl.reduce(gl.load(KEY_ORDER + t // grid1 + gl.arange(0, 1, layout=one)), 0, _max_combine)
+    return (t % grid1) * grid0 + block
+
+
 # ----------------------------------------------------------------------------------------------
 # Producer: one warp issuing TMA copies.
 
@@ -265,26 +277,30 @@ def _produce_kv(
 
 @gluon.jit
 def _producer(
-    block_args, rows_args, TILE_COUNTER, num_tiles, grid0, grid1, tile_ids, tile_full, tile_empty,
-    ROWS: gl.constexpr, PERSISTENT: gl.constexpr,
+    block_args, rows_args, TILE_COUNTER, KEY_ORDER, ORDERED: gl.constexpr, num_tiles, grid0, grid1, tile_ids,
+    tile_full, tile_empty, ROWS: gl.constexpr, PERSISTENT: gl.constexpr,
 ):  # fmt: skip
     """The TMA producer warp: the program's key block (PERSISTENT: each key block it takes from
     the counter, passed on to the consumers; ROWS: with its query blocks, _block_rows of
     rows_args), each its K and V once, then Q, dO and the two per-row statistics of every query
     block through a STAGES-deep ring (ready / empty mbarriers) whose stages and phases run on
     from block to block (_produce_key_block). block_args: _produce_key_block's arguments between
-    the block's rows and PERSISTENT (the kernel's producer_args)."""
+    the block's rows and PERSISTENT (the kernel's producer_args). ORDERED: the counter's n-th
+    block is _ordered_tile's (KEY_ORDER), not the grid's n-th."""
     if PERSISTENT:
         it = 0  # the steps of this program's earlier key blocks
         uses = 0  # ... its earlier key blocks with steps (K and V loaded)
         k = 0  # key blocks taken
         t = _fetch_tile(TILE_COUNTER)
         while t < num_tiles:
+            tile = t
+            if ORDERED:
+                tile = _ordered_tile(t, KEY_ORDER, grid0, grid1)
             rows = (0, 0, 0, 0, 0, 0)
             if ROWS:
-                rows = _block_rows(t, grid0, *rows_args)
-            _publish_tile(tile_ids, tile_full, tile_empty, k, t, rows, ROWS)
-            p0, p1, p2 = _grid_coords(t, grid0, grid1)
+                rows = _block_rows(tile, grid0, *rows_args)
+            _publish_tile(tile_ids, tile_full, tile_empty, k, tile, rows, ROWS)
+            p0, p1, p2 = _grid_coords(tile, grid0, grid1)
             n_iter = _produce_key_block(p0, p1, p2, grid0, it, uses, rows, *block_args, PERSISTENT)
             # the next block taken only now: the consumers have about STAGES steps of this one
             # left, and a block taken earlier would be held back from a program that is free
@@ -1100,6 +1116,7 @@ def _bwd_ws2(
     grid0,
     grid1,
     TILE_COUNTER,
+    KEY_ORDER,
     HEAD_DIM: gl.constexpr,
     BLOCK_D: gl.constexpr,
     BLOCK_DT: gl.constexpr,
@@ -1119,6 +1136,7 @@ def _bwd_ws2(
     SPLIT_D: gl.constexpr,
     GROUPED_HEADS: gl.constexpr,
     PERSISTENT: gl.constexpr,
+    ORDERED: gl.constexpr,
     PRODUCER_REGS: gl.constexpr,
     CONSUMER_REGS: gl.constexpr,
     num_warps: gl.constexpr,
@@ -1135,12 +1153,15 @@ def _bwd_ws2(
     PERSISTENT (ws2): a 1-D grid of programs that each take several of the
     num_tiles key blocks of a grid0 x grid1 x .. launch, handed out at run time from
     TILE_COUNTER (int32, zero at the launch); without it num_tiles,
-    grid0, grid1 and TILE_COUNTER are unused."""
+    grid0, grid1 and TILE_COUNTER are unused. ORDERED (persistent, packed documents): handed out
+    in KEY_ORDER's order of the key blocks (int32 (grid0,)), each block's heads side by side
+    (_ordered_tile); else KEY_ORDER is unused."""
     gl.static_assert(num_warps == 4, "the default partition is one consumer warpgroup")
     gl.static_assert(q_desc.block_type.shape[1] == BLOCK_M)
     gl.static_assert(k_desc.block_type.shape[1] == BLOCK_N)
     gl.static_assert(not (ROWS and GROUPED_HEADS), "packed documents keep the grid's order")
     gl.static_assert(not (PERSISTENT and SPLIT_D), "persistent programs: the ws2 schedule")
+    gl.static_assert(not ORDERED or (PERSISTENT and ROWS), "key blocks in an order: persistent, packed documents")
     dtype: gl.constexpr = q_desc.dtype
     q_bufs = gl.allocate_shared_memory(dtype, [STAGES] + q_desc.block_type.shape, q_desc.layout)
     do_bufs = gl.allocate_shared_memory(dtype, [STAGES] + do_desc.block_type.shape, do_desc.layout)
@@ -1266,7 +1287,7 @@ def _bwd_ws2(
     rows_args: gl.constexpr = (Sq, Sk, q_start, k_start, QLO, QHI, BLOCK_M, BLOCK_N)  # (_block_rows)
     # both drivers' arguments after their own: the key blocks handed out and the slots passing them
     handout: gl.constexpr = (num_tiles, grid0, grid1, tile_ids, tile_full, tile_empty, ROWS, PERSISTENT)
-    producer_rest: gl.constexpr = (gl.tuple(rows_args), TILE_COUNTER) + handout
+    producer_rest: gl.constexpr = (gl.tuple(rows_args), TILE_COUNTER, KEY_ORDER, ORDERED) + handout
     persistent_args: gl.constexpr = (kv_empty,) + handout
     if SPLIT_D:
         gl.warp_specialize(

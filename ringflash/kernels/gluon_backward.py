@@ -37,6 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..masks import KEY_ORDER_BLOCK
 from ..merge import DeltaOf
 from ..reference import delta as torch_delta
 from . import head_dim_pieces
@@ -128,6 +129,11 @@ class GluonBwdConfig:
     # the last one's final steps and dK / dV stores run; "all" includes packed documents' per-row
     # bounds (the producer warp then plans each block's query blocks and passes them on with it)
     persistent: str | None = None
+    # persistent programs over packed documents' per-row bounds: the key blocks handed out most
+    # query blocks first (masks.RowBounds.key_order; "heavy"), each block's heads side by side,
+    # rather than in the grid's order ("grid": key blocks, then heads), so that the launch does
+    # not end on one long program
+    order: str = "grid"
 
     def __post_init__(self):
         if self.schedule not in ("ws2", "ws2_split_d"):
@@ -147,6 +153,10 @@ class GluonBwdConfig:
             raise ValueError(f"persistent must be None, 'all' or 'causal', got {self.persistent!r}")
         if self.persistent and self.split_d:
             raise ValueError("persistent programs run the ws2 schedule (ws2_split_d keeps one key block a program)")
+        if self.order not in ("grid", "heavy"):
+            raise ValueError(f"order must be 'grid' or 'heavy', got {self.order!r}")
+        if self.order == "heavy" and self.persistent != "all":
+            raise ValueError("order='heavy' hands out packed documents' key blocks: it needs persistent='all'")
         if self.walk not in WALKS:
             raise ValueError(f"unknown walk {self.walk!r} (one of {WALKS})")
 
@@ -175,6 +185,8 @@ _CONFIGS = {
     "ws2_lag": GluonBwdConfig(stages=2, dq_blocked=True, lag=True),
     # ... in persistent programs (packed documents' launches: their key blocks keep the grid's order)
     "ws2_lag_pc": GluonBwdConfig(stages=2, dq_blocked=True, lag=True, persistent="all"),
+    # ... their key blocks handed out most query blocks first
+    "ws2_lag_pch": GluonBwdConfig(stages=2, dq_blocked=True, lag=True, persistent="all", order="heavy"),
     "ws2_lagq": GluonBwdConfig(stages=2, dq_blocked=True, lag=True, dq_first=True),
     # ws2_lag's tiles, causal launches a few heads' key block j at a time
     "ws2_lag_grouped": GluonBwdConfig(stages=2, dq_blocked=True, lag=True, group_heads=True),
@@ -590,6 +602,18 @@ def persistent_launch(cfg: GluonBwdConfig, causal: bool, bounds) -> bool:
     return cfg.persistent == "all" or (cfg.persistent == "causal" and causal and bounds is None)
 
 
+def ordered_key_blocks(cfg: GluonBwdConfig, persistent: bool, bounds, key_blocks: int):
+    """The order a launch hands out its key blocks in where cfg orders them (order="heavy":
+    the bounds' key_order, persistent programs over per-row bounds whose key_order has one
+    entry per key block of cfg's), else None (the grid's order)."""
+    if cfg.order != "heavy" or not persistent or bounds is None or bounds.key_order is None:
+        return None
+    order = bounds.key_order
+    if cfg.block_n != KEY_ORDER_BLOCK or order.shape != (key_blocks,) or order.device != bounds.q_lo.device:
+        return None
+    return order
+
+
 def launch_plan(
     q, k, v, stats, do, dq32, dk, dv, *, q_start, k_start, causal, scale, accumulate, cfg, window=None, bounds=None,
     tile_counter=None,
@@ -689,8 +713,11 @@ def launch_plan(
     persistent = persistent_launch(cfg, kwargs["CAUSAL"], bounds)
     if persistent and tile_counter is None:
         tile_counter = torch.zeros(1, dtype=torch.int32, device=q.device)
-    # (read only by persistent programs)
+    key_order = ordered_key_blocks(cfg, persistent, bounds, grid[0])
+    # (read only by persistent programs; the order only by ordered ones)
     args += (num_tiles, grid[0], grid[1], tile_counter if persistent else dq32)
+    args += (dq32 if key_order is None else key_order,)
+    kwargs["ORDERED"] = key_order is not None
     if persistent:
         kwargs["PERSISTENT"] = True
         grid = (min(num_tiles, multiprocessors(q.device)),)
@@ -848,7 +875,8 @@ def _prepared(
             delta = delta.value(do, torch_delta)  # torch ops, any strides
         stats = row_stats(m, l, delta, cfg)
     zeroed = one_launch and counter is not None
-    tensors = (q, k, v, stats, do, dq32, dk, dv, *((None, None) if bounds is None else (bounds.q_lo, bounds.q_hi)),
+    tensors = (q, k, v, stats, do, dq32, dk, dv,
+               *((None, None, None) if bounds is None else (bounds.q_lo, bounds.q_hi, bounds.key_order)),
                counter)  # fmt: skip
     if plan is not None:
         return Prepared(
@@ -894,7 +922,7 @@ def _signature(q, k, v, m, l, do, delta, dq, dk, dv, q_start, k_start, causal, s
         *(tensor_key(t) for t in (q, k, v, m, l, do, dk, dv)),
         ("pending", tensor_key(delta.out), tensor_key(delta.dlse)) if pending else tensor_key(delta),
         ("blocked", tensor_key(dq.acc)) if isinstance(dq, BlockedDQ) else tensor_key(dq),
-        None if bounds is None else (tensor_key(bounds.q_lo), tensor_key(bounds.q_hi)),
+        None if bounds is None else (tensor_key(bounds.q_lo), tensor_key(bounds.q_hi), tensor_key(bounds.key_order)),
         int(q_start),
         int(k_start),
         bool(causal),
@@ -1067,7 +1095,8 @@ def _compile_bounds(Sq: int, Sk: int):
     """Per-row bounds of the right sizes and dtype for a CPU compile (values unused)."""
     from ..masks import RowBounds
 
-    return RowBounds(*(torch.zeros(n, dtype=torch.int32) for n in (Sq, Sq, Sk, Sk)))
+    return RowBounds(*(torch.zeros(n, dtype=torch.int32) for n in (Sq, Sq, Sk, Sk)),
+                     key_order=torch.arange(-(-Sk // KEY_ORDER_BLOCK), dtype=torch.int32))  # fmt: skip
 
 
 def hopper_report(
