@@ -618,6 +618,32 @@ def test_tile_order_model():
     main(["--seqlens", "8192", "--rows", "192", "--head-dim", "64"])
 
 
+def test_key_order_model(capsys):
+    """benchmarks.key_order_model: a key block's steps are its keys' query-block hull times the
+    group (unseen keys widen nothing, a block no query sees has none), and on a small windowed
+    packed ring the most-first order never ends later than the grid's and never before the even
+    share."""
+    import numpy as np
+    import torch
+
+    from benchmarks.key_order_model import block_steps, finish_times, main
+    from ringflash.masks import RowBounds
+
+    lo = np.array([0] * 128 + [70] * 60 + [5] * 10, dtype=np.int32)
+    hi = np.array([0] * 128 + [200] * 60 + [5] * 10, dtype=np.int32)
+    assert block_steps(lo, hi, 4) == [0, (4 - 1) * 4]
+    t = lambda a: torch.from_numpy(a)  # noqa: E731
+    grid, first, even = finish_times(RowBounds(t(lo), t(lo), t(lo), t(hi)), 2, 4, 3, 1.0)
+    assert even <= first <= grid and even == (1 + 13) * 2 / 3
+    main(["--totals", "8192", "--worlds", "4", "--window", "1024", "--seeds", "0", "--processors", "16"])
+    lines = [x for x in capsys.readouterr().out.splitlines() if x.startswith("  step ")]
+    assert lines
+    for line in lines:
+        for cell in line.split(": ", 1)[1].split("|")[0].split():
+            g, h, e = map(float, cell.split("/"))
+            assert e - 1 <= h <= g + 1e-9, line
+
+
 def test_launch_python_smoke(tmp_path):
     """benchmarks.launch_python compiles the Gluon forward and backward for sm_90a on the CPU
     and times triton's launcher beside DirectLaunch on each compiled kernel's own signature and
