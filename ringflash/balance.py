@@ -308,7 +308,9 @@ class BalancedLayout:
                 box = BlockTask(slice(0, self.local_len(rank)), slice(0, n_k), 0, 0, True)
                 if CROP_STEP_CALLS and src != rank:
                     b, box = _cropped(b, box)
-                self._held[key] = StepPlan((), b.on_device(device), box)
+                # its key blocks most query blocks first (RowBounds.key_order): a neighbour's
+                # block under a window is seen by few of its key blocks, each by a window of rows
+                self._held[key] = StepPlan((), b.on_device(device, key_order=True), box)
         return self._held[key]
 
     def head_pieces(self, rank: int, U: int) -> BalancedLayout:

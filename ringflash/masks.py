@@ -91,9 +91,10 @@ class RowBounds(NamedTuple):
     were built (on_device), else None: keys_per_row, the mean number of keys a query row sees
     (times the rows: the block's visible pairs); keys_per_seeing_row, the same mean over the rows
     that see a key. The kernels choose a tile shape by one of them (configs.GLUON_DOCUMENTS_SEEING_ROWS).
-    key_order: the key blocks of KEY_ORDER_BLOCK keys, most query blocks first (int32 on the
-    bounds' device, a permutation of range(ceil(len(q_lo) / KEY_ORDER_BLOCK)): key_block_order),
-    for persistent programs that take the heaviest blocks first."""
+    key_order (None, or where on_device was asked for it): the key blocks of KEY_ORDER_BLOCK
+    keys, most query blocks first (int32 on the bounds' device, a permutation of
+    range(ceil(len(q_lo) / KEY_ORDER_BLOCK)): key_block_order), for persistent programs that
+    take the heaviest blocks first."""
 
     k_lo: torch.Tensor
     k_hi: torch.Tensor
@@ -103,10 +104,10 @@ class RowBounds(NamedTuple):
     keys_per_seeing_row: float | None = None
     key_order: torch.Tensor | None = None
 
-    def on_device(self, device) -> RowBounds:
-        """These bounds (host tensors) on `device`, with keys_per_row, keys_per_seeing_row and
-        key_order counted here; on a GPU the copies come from pinned memory and do not wait for
-        the device's queue."""
+    def on_device(self, device, key_order: bool = False) -> RowBounds:
+        """These bounds (host tensors) on `device`, with keys_per_row and keys_per_seeing_row
+        (and with key_order, the key_order) counted here; on a GPU the copies come from pinned
+        memory and do not wait for the device's queue."""
         seen = (self.k_hi - self.k_lo).double()
         pairs, seeing = float(seen.sum()), int((seen > 0).sum())
         device = torch.device(device)
@@ -118,7 +119,7 @@ class RowBounds(NamedTuple):
             *(move(t) for t in self[:4]),
             keys_per_row=pairs / len(seen) if len(seen) else 0.0,
             keys_per_seeing_row=pairs / seeing if seeing else 0.0,
-            key_order=move(key_block_order(self.q_lo, self.q_hi)),
+            key_order=move(key_block_order(self.q_lo, self.q_hi)) if key_order else None,
         )
 
 

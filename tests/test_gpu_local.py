@@ -700,15 +700,23 @@ def test_documents_backward_vs_float64(dtype, causal, window_size, len_k_extra, 
 def test_fused_backward_persistent_documents(causal, window_size, len_k_extra, D, monkeypatch):
     """Packed documents' per-row bounds in persistent programs (ws2_lag_pc: the producer plans
     each key block's query blocks and passes them on with the block; ws2_lag_pch: the blocks
-    handed out most query blocks first), three programs for the documents' key blocks of two kv
-    heads, blocks that no query sees among them: dK and dV bitwise equal to one block a
-    program's (ws2_lag), everything against float64 within the plain bound, keys no query sees
-    get dK = dV = 0; the launches were one-dimensional, three programs, the last in the bounds'
-    key order."""
+    handed out most query blocks first, the bounds given their key order as a ring step's are),
+    three programs for the documents' key blocks of two kv heads, blocks that no query sees among
+    them: dK and dV bitwise equal to one block a program's (ws2_lag), everything against float64
+    within the plain bound, keys no query sees get dK = dV = 0; the launches were
+    one-dimensional, three programs, the last in the bounds' key order."""
+    from ringflash import ops
     from ringflash.kernels import configs
     from ringflash.local import flash_attn_varlen_func
+    from ringflash.masks import key_block_order
     from ringflash.testing import varlen_plain_errors, varlen_reference
 
+    def ordered(*args):
+        b = real(*args)
+        return b._replace(key_order=key_block_order(b.q_lo.cpu(), b.q_hi.cpu()).to(b.q_lo.device))
+
+    real = ops.packed_bounds
+    monkeypatch.setattr(ops, "packed_bounds", ordered)
     plans = _three_programs_recorded(monkeypatch)
     len_q, len_k, cu_q, cu_k = _documents(len_k_extra)
     g = torch.Generator(device="cuda").manual_seed(len(len_q) + len_k_extra + D + 41)

@@ -81,7 +81,7 @@ def test_key_block_order_puts_the_blocks_spanning_most_query_blocks_first():
     """key_block_order against brute force: for random per-key [q_lo, q_hi) (empty ones among
     them, key counts not a multiple of the block), a permutation of the key blocks whose query
     block spans (the hull of the block's seen rows, in KEY_ORDER_ROWS blocks) never increase,
-    equal spans in key order; on_device keeps it with the bounds, int32."""
+    equal spans in key order; on_device keeps it with the bounds where asked, int32."""
     rng = random.Random("order")
     for n in [0, 1, KEY_ORDER_BLOCK, 3 * KEY_ORDER_BLOCK + 5, 700]:
         for _ in range(5):
@@ -97,7 +97,8 @@ def test_key_block_order_puts_the_blocks_spanning_most_query_blocks_first():
             got = key_block_order(lo, hi)
             assert got.dtype == torch.int32 and got.tolist() == want, (n, spans)
             bounds = document_bounds(torch.tensor([0, 0]), torch.tensor([0, n]), FULL)._replace(q_lo=lo, q_hi=hi)
-            assert bounds.on_device("cpu").key_order.tolist() == want
+            assert bounds.on_device("cpu", key_order=True).key_order.tolist() == want
+            assert bounds.on_device("cpu").key_order is None
 
 
 @pytest.mark.parametrize("crop", [False, True], ids=["every_row", "cropped"])
@@ -110,7 +111,7 @@ def test_ring_step_plan_covers_every_visible_pair_once(window, crop, monkeypatch
     kinds of call occur); padding rows are seen by none. Cropped (balance.CROP_STEP_CALLS, a
     CROP_ALIGN of 4 rows so that these short shards crop): the box at steps other than 0 holds
     every row that sees a key and every key some row sees, widened to whole 4-row blocks (step
-    0's box: every row)."""
+    0's box: every row). Each call's bounds carry their key blocks' order (RowBounds.key_order)."""
     OWN_WORK = 2**36
     monkeypatch.setattr(balance, "OWN_CALL_WORK", OWN_WORK)
     monkeypatch.setattr(balance, "CROP_STEP_CALLS", crop)
@@ -151,6 +152,7 @@ def test_ring_step_plan_covers_every_visible_pair_once(window, crop, monkeypatch
                         assert torch.equal(seen_by, covered[:, k0 + j] - others)
                     assert all(int(b.q_lo[j - k0]) == int(b.q_hi[j - k0]) for j in range(len(k_pos), k1))  # padding
                     assert b.keys_per_row == pytest.approx(sees.sum().item() / (r1 - r0))
+                    assert torch.equal(b.key_order, key_block_order(b.q_lo, b.q_hi))  # (heaviest first)
                     if crop and step:  # the box: the rows and keys that see each other, in whole blocks
                         seeing, seen = sees.any(1).nonzero().flatten(), sees.any(0).nonzero().flatten()
                         assert r0 == int(seeing[0]) // 4 * 4 and r1 == min(

@@ -232,7 +232,18 @@ GLUON_BWD_SHORT_CALL_PAIRS = 32 * 4096 * 4096
 # the order swapped; benchmarks/results/packed_ring_replay_d64_persistent_documents_*): each
 # rank's backward 0.91-0.93x at P=8, 0.92-0.95x at P=4, by device time; one GPU, two runs:
 # long-tailed 0.98-1.08x, short 1.01-1.08x (results/packed_persistent_documents_d64*_h200.txt).
-GLUON_BWD_DOCUMENTS = {64: "ws2_lag_pc", 128: "ws2_lag_pc", 256: GLUON_BWD[256]}
+# Their key blocks handed out most query blocks first where the bounds have a key order (a ring
+# step's: masks.RowBounds.key_order; ws2_lag_pch), so that a launch does not end on the last
+# head's heaviest blocks. One H200, bf16, H=32 / 8 kv heads, D=128, 128K tokens, P=8, the
+# busiest rank by device time over ws2_lag_pc's key-block order (python -m
+# benchmarks.packed_ring_replay --totals 131072 --worlds 8 --kv-heads 8 --kernels --kernel-calls 3
+# --no-inline --documents-backward default heavy-first, with and without --window 4096): a 4K
+# window 8.23 -> 7.19 and 8.78 -> 7.82 ms (two runs, the order swapped), causal documents 20.20
+# -> 16.87 ms. A whole packed batch on one device keeps the grid's order: the same order there
+# made the one-device call 11% (window) and 32% (causal) slower, its 8 kv heads' blocks side by
+# side streaming 8x the query rows through L2 (benchmarks/NOTES.md "key order"). D=64: correct
+# on the GPU (tests/test_gpu_local.py -k fused_backward_persistent_documents), not timed yet.
+GLUON_BWD_DOCUMENTS = {64: "ws2_lag_pc", 128: "ws2_lag_pch", 256: GLUON_BWD[256]}
 # ... for calls of at least this many visible (query, key) pairs x query heads (B x Sq x Hq x
 # RowBounds.keys_per_row): below, the fused launch's host time (row statistics, dQ scratch, five
 # TMA descriptors) outweighs its faster kernel. One H200, bf16, H=32, D=128, causal documents,
