@@ -240,7 +240,7 @@ GLUON_BWD_SHORT_CALL_PAIRS = 32 * 4096 * 4096
 # --no-inline --documents-backward default heavy-first, with and without --window 4096): a 4K
 # window 8.23 -> 7.19 and 8.78 -> 7.82 ms (two runs, the order swapped), causal documents 20.20
 # -> 16.87 ms. A whole packed batch on one device keeps the grid's order: the same order there
-# made the one-device call 11% (window) and 32% (causal) slower, its 8 kv heads' blocks side by
+# made the one-device call 9-12% (window) and 30% (causal) slower, its 8 kv heads' blocks side by
 # side streaming 8x the query rows through L2 (benchmarks/NOTES.md "key order"). D=64: correct
 # on the GPU (tests/test_gpu_local.py -k fused_backward_persistent_documents), not timed yet.
 GLUON_BWD_DOCUMENTS = {64: "ws2_lag_pc", 128: "ws2_lag_pch", 256: GLUON_BWD[256]}
