@@ -22,31 +22,24 @@ from __future__ import annotations
 import argparse
 
 import numpy as np
+import torch
 
 from benchmarks.packed import document_lengths
 from benchmarks.tile_order_model import finish_time
 from ringflash import balanced_layout
-from ringflash.masks import KEY_ORDER_BLOCK, KEY_ORDER_ROWS, key_block_order
+from ringflash.masks import key_block_order, key_block_spans
 
 
 def block_steps(q_lo, q_hi, group: int) -> list[int]:
     """Per key block of KEY_ORDER_BLOCK keys: the steps of one head's program (query blocks of
-    KEY_ORDER_ROWS rows the hull of its keys' [q_lo, q_hi) spans, times the group)."""
-    steps = []
-    for j in range(0, len(q_lo), KEY_ORDER_BLOCK):
-        lo, hi = q_lo[j : j + KEY_ORDER_BLOCK], q_hi[j : j + KEY_ORDER_BLOCK]
-        seen = hi > lo
-        if not seen.any():
-            steps.append(0)
-        else:
-            steps.append(int(-(-hi[seen].max() // KEY_ORDER_ROWS) - lo[seen].min() // KEY_ORDER_ROWS) * group)
-    return steps
+    KEY_ORDER_ROWS rows the hull of its keys' [q_lo, q_hi) spans, masks.key_block_spans, times
+    the group)."""
+    return (key_block_spans(torch.as_tensor(q_lo), torch.as_tensor(q_hi)) * group).tolist()
 
 
 def finish_times(bounds, kv_heads: int, group: int, processors: int, fixed: float) -> tuple[float, float, float]:
     """(grid order, most first, even share) of one launch over `bounds` (masks.RowBounds)."""
-    q_lo, q_hi = bounds.q_lo.numpy(), bounds.q_hi.numpy()
-    cost = [s + fixed for s in block_steps(q_lo, q_hi, group)]
+    cost = [s + fixed for s in block_steps(bounds.q_lo, bounds.q_hi, group)]
     grid = [c for _ in range(kv_heads) for c in cost]
     order = key_block_order(bounds.q_lo, bounds.q_hi).tolist()
     heavy = [cost[b] for b in order for _ in range(kv_heads)]

@@ -124,11 +124,16 @@ class RowBounds(NamedTuple):
 
 
 def key_block_order(q_lo: torch.Tensor, q_hi: torch.Tensor) -> torch.Tensor:
-    """The key blocks of KEY_ORDER_BLOCK keys (the last may be shorter) ordered by how many
-    query blocks of KEY_ORDER_ROWS rows the hull of their keys' [q_lo, q_hi) spans, most first,
-    ties and blocks that no query sees in key order: int32 (ceil(len(q_lo) / KEY_ORDER_BLOCK),).
-    A persistent launch handing its blocks out in this order starts the longest programs first,
+    """The key blocks of KEY_ORDER_BLOCK keys ordered by key_block_spans, most first, ties and
+    blocks that no query sees in key order: int32 (ceil(len(q_lo) / KEY_ORDER_BLOCK),). A
+    persistent launch handing its blocks out in this order starts the longest programs first,
     instead of ending on one (a window's blocks at a piece's end see the most rows)."""
+    return torch.sort(key_block_spans(q_lo, q_hi), descending=True, stable=True).indices.to(torch.int32)
+
+
+def key_block_spans(q_lo: torch.Tensor, q_hi: torch.Tensor) -> torch.Tensor:
+    """Per key block of KEY_ORDER_BLOCK keys (the last may be shorter), how many query blocks of
+    KEY_ORDER_ROWS rows the hull of its keys' [q_lo, q_hi) spans (0: no query sees it): int64."""
     n = len(q_lo)
     blocks = -(-n // KEY_ORDER_BLOCK)
     seen = q_hi > q_lo
@@ -138,8 +143,7 @@ def key_block_order(q_lo: torch.Tensor, q_hi: torch.Tensor) -> torch.Tensor:
     pad = torch.full((blocks * KEY_ORDER_BLOCK - n,), far, dtype=torch.int64)
     first = torch.cat([first, pad]).view(blocks, KEY_ORDER_BLOCK).amin(1)
     last = torch.cat([last, -pad]).view(blocks, KEY_ORDER_BLOCK).amax(1)
-    spans = torch.where(last > first, (last + KEY_ORDER_ROWS - 1) // KEY_ORDER_ROWS - first // KEY_ORDER_ROWS, 0)
-    return torch.sort(spans, descending=True, stable=True).indices.to(torch.int32)
+    return torch.where(last > first, (last + KEY_ORDER_ROWS - 1) // KEY_ORDER_ROWS - first // KEY_ORDER_ROWS, 0)
 
 
 @dataclass(frozen=True)
