@@ -252,20 +252,31 @@ def per_document_grads(do_bhsd, cu):
     return [do_bhsd[:, :, a:b] for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
 
 
+# create_block_mask evaluates mask_mod over the whole total x total grid unless compiled:
+# 128K tokens make a 16 Gi-element mask and its temporaries (~128 GiB); compiled, it works
+# block by block. Small totals stay eager (no compile time).
+EAGER_MASK_ELEMENTS = 1 << 30
+
+
+def block_mask(create_block_mask, mask_mod, total, device):
+    compile_mask = total * total > EAGER_MASK_ELEMENTS
+    return create_block_mask(mask_mod, None, None, total, total, device=device, _compile=compile_mask)
+
+
 def document_block_mask(create_block_mask, cu, total, device):
     doc = torch.repeat_interleave(torch.arange(len(cu) - 1, device=device), (cu[1:] - cu[:-1]).long())
 
     def mask_mod(b, h, q_idx, kv_idx):
         return (doc[q_idx] == doc[kv_idx]) & (q_idx >= kv_idx)
 
-    return create_block_mask(mask_mod, None, None, total, total, device=device)
+    return block_mask(create_block_mask, mask_mod, total, device)
 
 
 def window_block_mask(create_block_mask, width, total, device):
     def mask_mod(b, h, q_idx, kv_idx):
         return (q_idx >= kv_idx) & (q_idx - kv_idx < width)
 
-    return create_block_mask(mask_mod, None, None, total, total, device=device)
+    return block_mask(create_block_mask, mask_mod, total, device)
 
 
 def main():
