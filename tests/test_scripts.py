@@ -716,3 +716,13 @@ def test_device_split_skips_the_blocks_own_device_spans():
     ]
     split = split_device_events(events, lambda name: name in ("step 0", "transfer"))
     assert split == {"step 0": 3.0, "transfer": 0.5, None: 1.25}, split
+
+
+def test_merged_keys_smoke(tmp_path):
+    """benchmarks.merged_keys --smoke: each rank's one call over every key its ring steps reach
+    gives the one-device call's rows (the script asserts it on the CPU), a row per rank."""
+    out = tmp_path / "m.json"
+    run([sys.executable, "-m", "benchmarks.merged_keys", "--smoke", "--json", str(out)], tmp_path)
+    (row,) = json.loads(out.read_text())["rows"]
+    assert [r["rank"] for r in row["ranks"]] == list(range(row["world"]))
+    assert all(r["merged_ms"] > 0 and r["ring_ms"] > 0 for r in row["ranks"])
