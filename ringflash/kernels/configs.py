@@ -241,9 +241,10 @@ GLUON_BWD_SHORT_CALL_PAIRS = 32 * 4096 * 4096
 # window 8.23 -> 7.19 and 8.78 -> 7.82 ms (two runs, the order swapped), causal documents 20.20
 # -> 16.87 ms. A whole packed batch on one device keeps the grid's order: the same order there
 # made the one-device call 9-12% (window) and 30% (causal) slower, its 8 kv heads' blocks side by
-# side streaming 8x the query rows through L2 (benchmarks/NOTES.md "key order"). D=64: correct
-# on the GPU (tests/test_gpu_local.py -k fused_backward_persistent_documents), not timed yet.
-GLUON_BWD_DOCUMENTS = {64: "ws2_lag_pc", 128: "ws2_lag_pch", 256: GLUON_BWD[256]}
+# side streaming 8x the query rows through L2 (benchmarks/NOTES.md "key order"). D=64, the same
+# replay with --head-dim 64 on one H100: busiest rank 5.49 -> 4.73 ms (window), 12.61 -> 11.57
+# (causal documents).
+GLUON_BWD_DOCUMENTS = {64: "ws2_lag_pch", 128: "ws2_lag_pch", 256: GLUON_BWD[256]}
 # ... for calls of at least this many visible (query, key) pairs x query heads (B x Sq x Hq x
 # RowBounds.keys_per_row): below, the fused launch's host time (row statistics, dQ scratch, five
 # TMA descriptors) outweighs its faster kernel. One H200, bf16, H=32, D=128, causal documents,
