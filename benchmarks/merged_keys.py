@@ -14,7 +14,8 @@ seed and sizes), device time under torch.profiler, per call over --calls calls:
            order into one buffer (the gather and the neighbours' dK/dV rows picked out again
            counted in), one local forward+backward over per-row bounds (masks.held_bounds: each
            row's visible keys are one interval there), key blocks most query blocks first as a
-           ring step's (RowBounds.key_order); no transfer, no merge
+           ring step's (RowBounds.key_order; --grid-order: the grid's, as a one-device call's);
+           no transfer, no merge
 and beside them the whole batch's one-device call / P by device time (the ring's efficiency
 reference, as the replay computes it). The merged call gives up what the ring overlaps (the
 neighbour's block arriving during step 0's compute); on NVLink that block is ~0.1-0.3 ms.
@@ -44,16 +45,17 @@ def device_ms(run, device, calls: int) -> float:
     return sum(ms for _, _, ms in rows) / calls
 
 
-def merged_call(q, k, v, do, cu, layout, rank, world, window, want=False):
+def merged_call(q, k, v, do, cu, layout, rank, world, window, key_order=True, want=False):
     """A callable: `rank`'s queries against the keys of every rank its ring steps reach, in one
     local forward+backward (the module docstring's "merged"); with want, it returns (out, dq)
-    in the rows of the rank's positions."""
+    in the rows of the rank's positions; key_order: the key blocks most query blocks first (as a
+    ring step's), else in the grid's order (as a one-device call's)."""
     positions = [layout.positions(r) for r in range(world)]
     n_q = len(positions[rank])
     steps = ring_steps(layout, world, n_q, layout.block_len(rank, window), window)
     key_pos = torch.sort(torch.cat([positions[(rank - s) % world] for s in steps])).values
     bounds = held_bounds(positions[rank], key_pos, len(key_pos), torch.tensor(layout.cu_seqlens), window)
-    mask = BlockMask(bounds=bounds.on_device(q.device, key_order=True))
+    mask = BlockMask(bounds=bounds.on_device(q.device, key_order=key_order))
     rows, keys = positions[rank].to(q.device), key_pos.to(q.device)
     # the neighbours' rows of the merged keys, whose dK / dV would go back to their ranks
     theirs = torch.nonzero(~torch.isin(key_pos, positions[rank])).flatten().to(q.device)
@@ -101,9 +103,9 @@ def measure(args, device, dtype):
             ring_ms, transfer_ms = measured_kernels(
                 replay_rank(q, k, v, do, cu, layout, r, args.world, window_size, True), device, args.calls
             )[1:3]
-            run = merged_call(q, k, v, do, cu, layout, r, args.world, window)
+            run = merged_call(q, k, v, do, cu, layout, r, args.world, window, not args.grid_order)
             merged_ms = device_ms(run, device, args.calls)
-            out, dq = merged_call(q, k, v, do, cu, layout, r, args.world, window, want=True)()
+            out, dq = merged_call(q, k, v, do, cu, layout, r, args.world, window, not args.grid_order, want=True)()
             pos = layout.positions(r, device=device)
             out_err = float((out.float() - out_ref[pos].float()).abs().max()) if len(pos) else 0.0
             dq_err = float((dq.float() - dq_ref[pos].float()).abs().max()) if len(pos) else 0.0
@@ -130,7 +132,16 @@ def measure(args, device, dtype):
             f"merged {one_gpu / busiest_merged:.3f}",
             flush=True,
         )
-        rows.append({"total": total, "world": args.world, "window": args.window, "one_gpu_ms": one_gpu, "ranks": ranks})
+        rows.append(
+            {
+                "total": total,
+                "world": args.world,
+                "window": args.window,
+                "grid_order": args.grid_order,
+                "one_gpu_ms": one_gpu,
+                "ranks": ranks,
+            }
+        )
     return rows
 
 
@@ -144,6 +155,7 @@ def main():
     ap.add_argument("--window", type=int, default=4096, help="a causal window of this many keys (0: none)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--calls", type=int, default=3, help="calls profiled in a row, figures per call")
+    ap.add_argument("--grid-order", action="store_true", help="the merged call's key blocks in the grid's order")
     ap.add_argument("--json", type=Path)
     ap.add_argument("--smoke", action="store_true", help="tiny CPU sizes")
     args = ap.parse_args()
