@@ -19,14 +19,15 @@ DEADLINE = "3600"
 def test_gluon_check_catches_a_wrong_forward_at_head_dims_in_pieces(tmp_path):
     """benchmarks/gluon_check.py's correctness harness on the CPU (a float64 stand-in for the
     kernel, --cpu-dry-run) at head dims the forward runs in two pieces: every case passes with
-    the right stand-in, and a stand-in that ignores the causal mask fails the causal ones."""
-    for mode, want_all in (("ok", True), ("bug", False)):
+    the right stand-in, and a stand-in that ignores the causal mask fails the causal ones (at
+    192 alone: the catch does not depend on the head dim, and each case costs CI seconds)."""
+    for mode, want_all, dims in (("ok", True, ["96", "192"]), ("bug", False, ["192"])):
         out = tmp_path / f"{mode}.json"
-        run([sys.executable, "benchmarks/gluon_check.py", "--cpu-dry-run", mode, "--quick", "--head-dims", "96", "192",
+        run([sys.executable, "benchmarks/gluon_check.py", "--cpu-dry-run", mode, "--quick", "--head-dims", *dims,
              "--variants", "ws2_s3", "--skip-timing", "--jobs", "0", "--case-timeout", CASE_TIMEOUT, "--deadline",
              DEADLINE, "--json", str(out)], tmp_path)  # fmt: skip
         rows = json.loads(out.read_text())["correctness"]
-        assert {r["D"] for r in rows} == {96, 192} and len(rows) >= 10, rows
+        assert {r["D"] for r in rows} == set(map(int, dims)) and len(rows) >= 5 * len(dims), rows
         if want_all:
             assert all(r["status"] == "PASS" for r in rows), [(r["status"], r) for r in rows if r["status"] != "PASS"]
         else:
