@@ -98,6 +98,15 @@ OWN_CALL_WORK = float("inf")
 # the call (RowBounds.keys_per_row).
 CROP_STEP_CALLS = False
 CROP_ALIGN = 128
+# A ring over packed documents whose steps (schedule.ring_steps, step 0 counted) number from 2
+# to this many computes each rank's attention in one call once every block it needs has come
+# (BalancedLayout.gather_plan, ring._gathered_kv): no call per step, no float32 state, no merge.
+# It gives up the overlap of the blocks' transfers with the steps' compute and holds every block
+# it reaches at once (with their float32 dK / dV in the backward): 2 fits a bounded window at
+# reach 1 (two shards). 0: never. Off until timed on a ring: on one H100 the compute alone of
+# such a call (benchmarks/merged_keys.py: 128K tokens, P = 8, 32 / 8 heads, D = 128) was
+# 0.83-0.88x a rank's ring steps under a 4K window, 0.75-0.77x for causal documents.
+GATHER_MAX_STEPS = 0
 CODE_PREFIX = "balanced:"  # BalancedLayout.code: the layout as the ring operators' layout string
 
 
@@ -122,6 +131,17 @@ class StepPlan(NamedTuple):
     tasks: tuple[BlockTask, ...]
     bounds: RowBounds | None
     box: BlockTask | None
+
+
+class GatherPlan(NamedTuple):
+    """A rank's ring over packed documents computed in one call (BalancedLayout.gather_plan):
+    the blocks of the ring's steps gathered into `keys` rows in global order, rows[i] (int64 on
+    the device) where step i's block's real rows go, and `bounds` the RowBounds of the rank's
+    query rows against them (the key blocks in the grid's order)."""
+
+    rows: tuple[torch.Tensor, ...]
+    bounds: RowBounds
+    keys: int
 
 
 def _cropped(b: RowBounds, box: BlockTask) -> tuple[RowBounds, BlockTask]:
@@ -311,6 +331,24 @@ class BalancedLayout:
                 # its key blocks most query blocks first (RowBounds.key_order): a neighbour's
                 # block under a window is seen by few of its key blocks, each by a window of rows
                 self._held[key] = StepPlan((), b.on_device(device, key_order=True), box)
+        return self._held[key]
+
+    def gather_plan(self, rank: int, steps: tuple[int, ...], window: Window, device) -> GatherPlan:
+        """How `rank` computes a ring of `steps` (schedule.ring_steps) in one call with the
+        call's `window`: a GatherPlan over the real rows of the blocks its steps hold (rank
+        (rank - step) mod world's at each step). Every key a query row sees is in one of those
+        blocks, so in global order a row's visible keys are one interval (masks.held_bounds).
+        The key blocks keep the grid's order: in a call of a whole rank's keys that order was
+        the faster one (benchmarks/NOTES.md, "One call over every key a rank needs"). Kept on
+        the layout like step_plan's."""
+        key = ("gather", rank, tuple(steps), window, str(device))
+        if key not in self._held:
+            held = [self.positions((rank - step) % self.world) for step in steps]
+            keys = torch.sort(torch.cat(held)).values
+            cu = torch.tensor(self.cu_seqlens, dtype=torch.int64)
+            bounds = held_bounds(self.positions(rank), keys, len(keys), cu, window)
+            rows = tuple(torch.searchsorted(keys, p).to(device) for p in held)
+            self._held[key] = GatherPlan(rows, bounds.on_device(device), len(keys))
         return self._held[key]
 
     def head_pieces(self, rank: int, U: int) -> BalancedLayout:

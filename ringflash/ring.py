@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch.autograd.function import once_differentiable
 
-from . import ops
+from . import balance, ops
 from ._checks import (
     SUPPORTED_DTYPES,
     check_bool,
@@ -162,6 +162,31 @@ def _whole_block(spec: RingSpec, comm, q, kv_len):
     return (mask, drop) if every else None
 
 
+def _gathered(spec: RingSpec, comm, q, kv_len, key_bias):
+    """(steps, balance.GatherPlan) when this ring call computes in one call over every block
+    its steps hold (balance.GATHER_MAX_STEPS: packed documents without dropout or key bias, from
+    2 to that many ring steps), else None. The forward and the backward decide alike, and so
+    does every rank: the steps are the ring's, the same everywhere."""
+    if not is_balanced(spec.layout) or spec.dropout is not None or key_bias is not None:
+        return None
+    steps = ring_steps(spec.layout, comm.world, q.shape[1], kv_len, spec.window)
+    if not 1 < len(steps) <= balance.GATHER_MAX_STEPS:
+        return None
+    return steps, spec.layout.gather_plan(comm.rank, steps, spec.window, q.device)
+
+
+def _gathered_kv(comm, k, v, steps, plan):
+    """Every block of `steps` gathered in global order through the one ring loop: K (B,
+    plan.keys, Hkv, D), V (B, plan.keys, Hkv, Dv)."""
+    k_all = k.new_empty(k.shape[0], plan.keys, *k.shape[2:])
+    v_all = v.new_empty(v.shape[0], plan.keys, *v.shape[2:])
+    for i, (_, k_blk, v_blk, _) in enumerate(_ring_kv(comm, k, v, None, steps)):
+        rows = plan.rows[i]
+        k_all.index_copy_(1, rows, k_blk[:, : len(rows)])
+        v_all.index_copy_(1, rows, v_blk[:, : len(rows)])
+    return k_all, v_all
+
+
 class _RingAttn(torch.autograd.Function):
     @staticmethod
     @without_autocast
@@ -176,6 +201,14 @@ class _RingAttn(torch.autograd.Function):
         if whole is not None:
             mask, drop = whole
             state = local_forward(q, k, v, key_bias, mask, scale=spec.scale, backend=backend, dropout=drop)
+            ctx.save_for_backward(q, k, v, state.o, state.m, state.l, key_bias)
+            return state.o, state.lse()
+        gathered = _gathered(spec, comm, q, k.shape[1], key_bias)
+        if gathered is not None:
+            steps, plan = gathered
+            k_all, v_all = _gathered_kv(comm, k, v, steps, plan)
+            mask = BlockMask(bounds=plan.bounds)
+            state = local_forward(q, k_all, v_all, None, mask, scale=spec.scale, backend=backend)
             ctx.save_for_backward(q, k, v, state.o, state.m, state.l, key_bias)
             return state.o, state.lse()
         state = SoftmaxState.zeros((*q.shape[:3], v.shape[3]), state_dtype(q.dtype), q.device)  # o: (.., Dv)
@@ -217,6 +250,25 @@ class _RingAttn(torch.autograd.Function):
             return dq, dk, dv, None, None, None
         acc = spec.grad_accum or state_dtype(q.dtype)
         chunks = default_grad_chunks(k, acc, v) if spec.grad_chunks is None else spec.grad_chunks
+        gathered = _gathered(spec, comm, q, k.shape[1], key_bias)
+        if gathered is not None:
+            steps, plan = gathered
+            relay = GradRelay(comm, k, v, acc, chunks, steps)
+            k_all, v_all = _gathered_kv(comm, k, v, steps, plan)
+            mask = BlockMask(bounds=plan.bounds)
+            dq, dk_all, dv_all = local_backward(q, k_all, v_all, out, m, l, None, do, dlse, mask, scale=spec.scale,
+                                                backend=backend, deterministic=spec.deterministic,
+                                                kv_grad_dtype=acc)  # fmt: skip
+            k_all = v_all = None
+            # each block's rows of dK / dV into its accumulators, which travel as the ring's do
+            for step, rows in zip(steps, plan.rows):
+                for h, dk, dv in relay.arriving(step):
+                    dk[:, : len(rows)].add_(dk_all[:, :, h].index_select(1, rows))
+                    dv[:, : len(rows)].add_(dv_all[:, :, h].index_select(1, rows))
+                relay.send(step)
+            dk_all = dv_all = None
+            dk, dv = relay.finish(kv_grad_dtype or k.dtype)
+            return dq, dk, dv, None, None, None
         do, delta = backward_inputs(out, do, dlse, backend)
         # one dQ sum per call: the fused kernel adds to one blocked buffer, finished once at the end
         dq = DQSum(q.shape, acc, q.device, spec.scale)

@@ -537,23 +537,29 @@ def test_balanced_layout_rejects_bad_input():
 
 
 def _ring_varlen_vs_oracle(
-    rank, world, lengths, causal, window_size, Hq, Hkv, dtype, seed, Dv=None, own_work=None, crop=False, max_reach=None
-):
+    rank, world, lengths, causal, window_size, Hq, Hkv, dtype, seed, Dv=None, own_work=None, crop=False, max_reach=None,
+    gather=False, grad_chunks=None,
+):  # fmt: skip
     """Dv: v's head dim (default q and k's, 16). own_work: balance.OWN_CALL_WORK for the call
     (None: as it is, which at these sizes puts every document in the per-row-bounds call).
     crop: balance.CROP_STEP_CALLS on, with a CROP_ALIGN of 8 rows (these shards are short).
-    max_reach: balance.MAX_REACH for the layout (None: as it is)."""
+    max_reach: balance.MAX_REACH for the layout (None: as it is). gather: balance.GATHER_MAX_STEPS
+    at the world size (every ring of more than one step computed in one call). grad_chunks: the
+    call's (None: its default)."""
     with (
         mock.patch("ringflash.balance.OWN_CALL_WORK", own_work) if own_work else contextlib.nullcontext(),
         mock.patch("ringflash.balance.MAX_REACH", max_reach) if max_reach else contextlib.nullcontext(),
         mock.patch.multiple("ringflash.balance", CROP_STEP_CALLS=True, CROP_ALIGN=8)
         if crop
         else contextlib.nullcontext(),
+        mock.patch("ringflash.balance.GATHER_MAX_STEPS", world) if gather else contextlib.nullcontext(),
     ):
-        return _ring_varlen_check(rank, world, lengths, causal, window_size, Hq, Hkv, dtype, seed, Dv, own_work)
+        return _ring_varlen_check(
+            rank, world, lengths, causal, window_size, Hq, Hkv, dtype, seed, Dv, own_work, grad_chunks
+        )
 
 
-def _ring_varlen_check(rank, world, lengths, causal, window_size, Hq, Hkv, dtype, seed, Dv, own_work):
+def _ring_varlen_check(rank, world, lengths, causal, window_size, Hq, Hkv, dtype, seed, Dv, own_work, grad_chunks=None):
     cu, cu_t, q, k, v, do, ref, plain = packed_case(lengths, causal, window_size, Hq, Hkv, dtype, seed, Dv=Dv)
     L = balanced_layout(cu, world, causal=causal, window_size=window_size)
     T, kw = cu[-1], dict(causal=causal, window_size=window_size)
@@ -589,12 +595,16 @@ def _ring_varlen_check(rank, world, lengths, causal, window_size, Hq, Hkv, dtype
         mock.patch.object(backend, "forward", counted_forward),
         mock.patch.object(backend, "backward", counted_backward),
     ):
-        out, lse = ring_flash_attn_varlen_func(ql, kl, vl, cu_t, layout=L, return_lse=True, **kw)
+        out, lse = ring_flash_attn_varlen_func(
+            ql, kl, vl, cu_t, layout=L, return_lse=True, grad_chunks=grad_chunks, **kw
+        )
         assert out.shape == (*ql.shape[:-1], v.shape[-1]) and lse.shape == (Hq, ql.shape[0])
         grads = torch.autograd.grad(out, (ql, kl, vl), sh(do))
-    # K/V: hops - 1 exchanges in the forward and again in the backward; dK/dV: one chain per step
+    # K/V: hops - 1 exchanges in the forward and again in the backward; dK/dV: one chain per
+    # step, an exchange per kv-head chunk
+    chunks = grad_chunks or default_grad_chunks(kl, torch.float64 if dtype == torch.float64 else torch.float32, vl)
     assert kinds.count("kv") == 2 * (L.hops - 1)
-    assert kinds.count("grad") == (0 if L.hops == 1 else L.hops)
+    assert kinds.count("grad") == (0 if L.hops == 1 else L.hops * min(chunks, Hkv))
     # per step with work: a call per task when they are large, else one over every row (dK/dV:
     # per kv-head chunk), not one per piece pair
     window = window_from(causal, window_size, "test")
@@ -605,11 +615,13 @@ def _ring_varlen_check(rank, world, lengths, causal, window_size, Hq, Hkv, dtype
         assert max(per_step) <= 1
     else:  # both kinds of step in this call
         assert any(p.tasks for p in plans) and any(p.bounds is not None for p in plans), plans
-    chunks = default_grad_chunks(kl, torch.float64 if dtype == torch.float64 else torch.float32, vl)
     n = sum(per_step)
     if L.hops == 1 and n == 1:  # one block, every document whole: the local call, one backward call
         assert calls == {"forward": 1, "dq": 0, "dkdv": 0, "whole": 1}, (calls, per_step)
         assert k_seen == [kl.data_ptr()]  # K/V as given, not a padded copy
+    elif 1 < L.hops <= balance.GATHER_MAX_STEPS:  # every block gathered: one call each way (none without rows)
+        one = int(ql.shape[0] > 0)
+        assert calls == {"forward": one, "dq": 0, "dkdv": 0, "whole": one}, (calls, per_step)
     else:
         assert calls == {"forward": n, "dq": n, "dkdv": n * chunks, "whole": 0}, (calls, per_step, chunks)
     full = [unshard(t, layout=L, dim=0) for t in (out, *grads)]
@@ -658,6 +670,44 @@ def test_ring_varlen_step_calls_cropped(worlds, backend, causal, window_size):
     assert cropped or window_size == (-1, -1), boxes
     dtype, kinds = (torch.float64, TORCH) if backend == "torch" else (torch.float32, TRITON)
     worlds(3, **kinds).run(_ring_varlen_vs_oracle, lengths, causal, window_size, 4, 2, dtype, 7, None, None, True)
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.parametrize("causal,window_size", [(True, (6, 0)), (False, (5, 3)), (True, (-1, -1))])
+def test_ring_varlen_gathered(worlds, world, causal, window_size):
+    """balance.GATHER_MAX_STEPS at the world size: each rank computes once every block its ring
+    steps hold has come, one call over them in global order (one forward and one backward
+    call), its dK / dV rows sent home on the ring's relay in two kv-head chunks; exact against
+    the float64 oracle, forward and gradients, the K/V and dK/dV exchanges the ring's own. The
+    170-token document is longer than any rank's share: its pieces need other ranks' keys."""
+    lengths = [5, 170, 1, 30, 0, 9, 25]
+    hops = worlds(world, **TORCH).run(
+        _ring_varlen_vs_oracle, lengths, causal, window_size, 4, 2, torch.float64, world, None, None, False, None,
+        True, 2,
+    )  # fmt: skip
+    assert max(hops) > 1
+
+
+@pytest.mark.parametrize("kinds,dtype", [(TORCH, torch.float64), (TRITON, torch.float32)])
+def test_ring_varlen_gathered_with_empty_ranks(worlds, kinds, dtype):
+    """One 3-token document over 4 ranks: ranks 1 and 3 hold no token, yet take part in the
+    gathered ring's exchanges (a zero-row call each way) without a hang or a wrong answer."""
+    L = balanced_layout(_cu([3]), 4)
+    assert [L.local_len(r) for r in range(4)] == [1, 0, 2, 0] and L.hops == 2, L
+    hops = worlds(4, **kinds).run(
+        _ring_varlen_vs_oracle, [3], True, (-1, -1), 4, 2, dtype, 1, None, None, False, None, True
+    )
+    assert hops == [2] * 4
+
+
+def test_ring_varlen_gathered_triton_interpreter(worlds):
+    """The gathered call on the Triton kernels (the interpreter, float32), under a bounded window:
+    the per-row bounds of the gathered keys as the kernels read them."""
+    lengths = [5, 170, 1, 30, 0, 9, 25]
+    hops = worlds(2, **TRITON).run(
+        _ring_varlen_vs_oracle, lengths, True, (6, 0), 4, 2, torch.float32, 5, None, None, False, None, True
+    )
+    assert hops == [2, 2]
 
 
 def test_ring_varlen_pieces_shorter_than_the_window(worlds, monkeypatch):
