@@ -37,7 +37,10 @@ many moves improve a bounded window's deal; 0: the deal alone); --neighbour-pair
 ringflash.balance.NEIGHBOUR_PAIR_COST (the polish's price of a neighbour's pair, a rank's own =
 1); --max-reach varies ringflash.balance.MAX_REACH (1: a bounded window's pieces window-long);
 --crop-step-calls varies ringflash.balance.CROP_STEP_CALLS (1: each ring step after the first
-calls the kernels over the rows and keys that see each other only). --layouts balanced document-
+calls the kernels over the rows and keys that see each other only); --gather-max-steps varies
+ringflash.balance.GATHER_MAX_STEPS (2: a bounded window's ring of steps 0 and 1 computed in one
+call once the neighbour's block has come; the replay's transfers are copies on this GPU, so what
+the gathered ring gives up, their overlap with the steps, is not in its figures). --layouts balanced document-
 zigzag also replays every document cut over every rank in 2P zigzag chunks
 (ringflash.balance.document_zigzag_layout), as the context-parallel peers shard packed
 documents, with the same kernels: the layout's own share of the result; "few-ranks" (an
@@ -231,6 +234,11 @@ BALANCE_KNOBS = {
     "crop_step_calls": (
         "CROP_STEP_CALLS", int,
         "1: a ring step's per-row-bounds call over the rows and keys that see each other only; 0: over every row",
+    ),
+    "gather_max_steps": (
+        "GATHER_MAX_STEPS", int,
+        "a ring of 2 to this many steps computes each rank's attention in one call once every block has come; "
+        "0: never",
     ),
 }  # fmt: skip
 

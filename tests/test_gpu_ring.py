@@ -328,6 +328,28 @@ def test_replayed_windowed_packed_ring_cropped_steps(lengths, world, window_size
 
 @pytest.mark.parametrize("world,chunks", [(2, None), (4, 2)])
 @pytest.mark.parametrize("causal,window_size", [(True, (-1, -1)), (True, (511, 0))])
+def test_replayed_packed_ring_gathered(world, chunks, causal, window_size, monkeypatch):
+    """balance.GATHER_MAX_STEPS at the world size: each rank's attention in one call over every
+    block its steps hold, gathered in global order (the kernels the package picks for a one-
+    device call of those bounds, the fused backward among them), dK / dV rows sent home on the
+    relay: within 1.2x of one GPU's flash_attn_varlen_func error against float64, and the
+    blocks did travel."""
+    from ringflash import balance
+
+    monkeypatch.setattr(balance, "GATHER_MAX_STEPS", world)
+    lengths = [3000, 1, 700, 64, 2200, 130, 1, 900, 1197]
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], device="cuda", dtype=torch.int32)
+    q, k, v, do = (t[0] for t in _inputs(1, int(cu[-1]), 8, 4, 128, torch.bfloat16, seed=world + 50))
+    kw = dict(causal=causal, window_size=window_size)
+    ref, single = _packed_reference_and_single_gpu(q, k, v, do, cu, **kw)
+    L = balanced_layout(cu, world, **kw)
+    assert 1 < L.hops <= world, L
+    ring = replay_ring(q[None], k[None], v[None], do[None], world=world, layout=L, grad_chunks=chunks, **kw)
+    _within_single_gpu(ref, single, [g[0] for g in ring])
+
+
+@pytest.mark.parametrize("world,chunks", [(2, None), (4, 2)])
+@pytest.mark.parametrize("causal,window_size", [(True, (-1, -1)), (True, (511, 0))])
 def test_replayed_packed_ring_fused_backward(world, chunks, causal, window_size, monkeypatch):
     """Packed documents over a balanced layout with the fused kernel (forced at this size): each
     step's per-row-bounds blocks compute dQ with dK/dV per kv-head chunk (a layout of one step,

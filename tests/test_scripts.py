@@ -391,21 +391,22 @@ def test_packed_ring_replay_layouts_smoke(tmp_path):
 
 
 def test_packed_ring_replay_varies_the_layouts_constants(tmp_path):
-    """--max-reach and --crop-step-calls (as --balance-slack, --polish-moves and
-    --neighbour-pair-cost) replay a variant per value of their ringflash.balance constants: a
-    row each, the values recorded, a value other than the package's named in its printed line."""
+    """--max-reach, --crop-step-calls and --gather-max-steps (as --balance-slack, --polish-moves
+    and --neighbour-pair-cost) replay a variant per value of their ringflash.balance constants:
+    a row each, the values recorded, a value other than the package's named in its printed line."""
     from ringflash import balance
 
     out = tmp_path / "r.json"
     printed = run([sys.executable, "-m", "benchmarks.packed_ring_replay", "--smoke", "--no-inline", "--json", str(out),
-                   "--window", "200", "--max-reach", str(balance.MAX_REACH), "3", "--crop-step-calls", "1"],
-                  tmp_path)  # fmt: skip
-    assert balance.MAX_REACH != 3
+                   "--window", "200", "--max-reach", str(balance.MAX_REACH), "3", "--crop-step-calls", "1",
+                   "--gather-max-steps", "2"], tmp_path)  # fmt: skip
+    assert balance.MAX_REACH != 3 and balance.GATHER_MAX_STEPS != 2
     rows = json.loads(out.read_text())["rows"]
     assert [r["max_reach"] for r in rows] == [balance.MAX_REACH, 3]
     assert [r["polish_moves"] for r in rows] == [balance.POLISH_MOVES] * 2
     assert [r["crop_step_calls"] for r in rows] == [1, 1]
-    assert printed.count("max reach") == 1 and "max reach 3, crop step calls 1;" in printed, printed
+    assert [r["gather_max_steps"] for r in rows] == [2, 2]
+    assert printed.count("max reach") == 1 and "max reach 3, crop step calls 1, gather max steps 2;" in printed, printed
 
 
 def test_ring_time_follows_the_blocks_dependencies():
