@@ -13,7 +13,8 @@ seed and sizes), device time under torch.profiler, per call over --calls calls:
   merged   r's queries against the keys of every rank its ring steps reach, gathered in global
            order into one buffer (the gather and the neighbours' dK/dV rows picked out again
            counted in), one local forward+backward over per-row bounds (masks.held_bounds: each
-           row's visible keys are one interval there), key blocks most query blocks first as a
+           row's visible keys are one interval there; BalancedLayout.gather_plan, the plan of the
+           ring's gathered path), key blocks most query blocks first as a
            ring step's (RowBounds.key_order; --grid-order: the grid's, as a one-device call's);
            no transfer, no merge
 and beside them the whole batch's one-device call / P by device time (the ring's efficiency
@@ -34,7 +35,7 @@ import ringflash
 from benchmarks.common import bench_device, device_name, profiled_kernels, result_meta, write_json
 from benchmarks.packed_ring_replay import measured_kernels, packed_batch, replay_rank
 from ringflash.local import backend_for, local_backward, local_forward
-from ringflash.masks import BlockMask, held_bounds, window_from
+from ringflash.masks import BlockMask, key_block_order, window_from
 from ringflash.schedule import ring_steps
 
 
@@ -45,20 +46,28 @@ def device_ms(run, device, calls: int) -> float:
     return sum(ms for _, _, ms in rows) / calls
 
 
-def merged_call(q, k, v, do, cu, layout, rank, world, window, key_order=True, want=False):
+def merged_call(q, k, v, do, layout, rank, world, window, key_order=True):
     """A callable: `rank`'s queries against the keys of every rank its ring steps reach, in one
-    local forward+backward (the module docstring's "merged"); with want, it returns (out, dq)
-    in the rows of the rank's positions; key_order: the key blocks most query blocks first (as a
-    ring step's), else in the grid's order (as a one-device call's)."""
-    positions = [layout.positions(r) for r in range(world)]
-    n_q = len(positions[rank])
+    local forward+backward over the keys and bounds of the layout's own plan for that call
+    (BalancedLayout.gather_plan, the module docstring's "merged"); it returns (out, dq) in the
+    rows of the rank's positions. key_order: the key blocks most query blocks first (as a ring
+    step's), else in the grid's order (the plan's, as a one-device call's)."""
+    n_q = layout.local_len(rank)
     steps = ring_steps(layout, world, n_q, layout.block_len(rank, window), window)
-    key_pos = torch.sort(torch.cat([positions[(rank - s) % world] for s in steps])).values
-    bounds = held_bounds(positions[rank], key_pos, len(key_pos), torch.tensor(layout.cu_seqlens), window)
-    mask = BlockMask(bounds=bounds.on_device(q.device, key_order=key_order))
-    rows, keys = positions[rank].to(q.device), key_pos.to(q.device)
-    # the neighbours' rows of the merged keys, whose dK / dV would go back to their ranks
-    theirs = torch.nonzero(~torch.isin(key_pos, positions[rank])).flatten().to(q.device)
+    plan = layout.gather_plan(rank, steps, window, q.device)
+    bounds = plan.bounds
+    if key_order:
+        order = key_block_order(bounds.q_lo.cpu(), bounds.q_hi.cpu()).to(q.device)
+        bounds = bounds._replace(key_order=order)
+    mask = BlockMask(bounds=bounds)
+    # the gathered keys' global positions, block by block into the plan's rows
+    keys = torch.empty(plan.keys, dtype=torch.int64, device=q.device)
+    for step, rows in zip(steps, plan.rows):
+        keys[rows] = layout.positions((rank - step) % world, device=q.device)
+    # the other ranks' rows of the gathered keys (steps[0] is 0: the rank's own block), whose
+    # dK / dV would go back to their ranks
+    theirs = torch.cat([torch.zeros(0, dtype=torch.int64, device=q.device), *plan.rows[1:]])
+    rows = layout.positions(rank, device=q.device)
     q_r, do_r = q.index_select(0, rows)[None], do.index_select(0, rows)[None]
     backend, scale = backend_for(q.device), 1 / math.sqrt(q.shape[-1])
 
@@ -69,8 +78,7 @@ def merged_call(q, k, v, do, cu, layout, rank, world, window, key_order=True, wa
             q_r, k_m, v_m, state.o, state.m, state.l, None, do_r, None, mask, scale=scale, backend=backend
         )
         dk.index_select(1, theirs), dv.index_select(1, theirs)
-        if want:
-            return state.o[0], dq[0]
+        return state.o[0], dq[0]
 
     return run
 
@@ -103,9 +111,9 @@ def measure(args, device, dtype):
             ring_ms, transfer_ms = measured_kernels(
                 replay_rank(q, k, v, do, cu, layout, r, args.world, window_size, True), device, args.calls
             )[1:3]
-            run = merged_call(q, k, v, do, cu, layout, r, args.world, window, not args.grid_order)
+            run = merged_call(q, k, v, do, layout, r, args.world, window, not args.grid_order)
             merged_ms = device_ms(run, device, args.calls)
-            out, dq = merged_call(q, k, v, do, cu, layout, r, args.world, window, not args.grid_order, want=True)()
+            out, dq = run()
             pos = layout.positions(r, device=device)
             out_err = float((out.float() - out_ref[pos].float()).abs().max()) if len(pos) else 0.0
             dq_err = float((dq.float() - dq_ref[pos].float()).abs().max()) if len(pos) else 0.0
