@@ -277,9 +277,16 @@ def measure_total(args, device, dtype, total, documents_forward, documents_backw
         ringflash.flash_attn_varlen_func(qg, kg, vg, cu, cu, causal=True, window_size=window).backward(do)
 
     single_ms = timed(single, device, args.repeats, args.calls)
-    single_device_ms = None
+    single_device_ms = single_forward_device_ms = None
+
+    def single_forward():
+        with torch.no_grad():
+            ringflash.flash_attn_varlen_func(q, k, v, cu, cu, causal=True, window_size=window)
+
     if args.kernels:  # the one-GPU call's kernels over P, beside each rank's below
         single_kernels, single_device_ms, _, _ = measured_kernels(single, device, args.kernel_calls)
+        # its forward alone: what a rank's step forwards (rank_step_forward_ms) add up against
+        single_forward_device_ms = measured_kernels(single_forward, device, args.kernel_calls)[1]
         for world in args.worlds:
             print_kernel_times(single_kernels, f"[{label}] one GPU / {world}", per=world, total_ms=single_device_ms)
     variants = itertools.product(
@@ -389,6 +396,7 @@ def measure_total(args, device, dtype, total, documents_forward, documents_backw
                 rank_step_device_ms=by_step.get("both"),
                 device_step_max_over_mean=step_uneven_device.get("both"),
                 **{f"rank_step_{phase}_ms": by_step.get(phase) for phase in PHASES},
+                single_forward_device_ms=single_forward_device_ms,
                 **{f"device_step_max_over_mean_{phase}": step_uneven_device.get(phase) for phase in PHASES},
             )
             rows.append(row)

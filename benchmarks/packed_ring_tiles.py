@@ -24,6 +24,10 @@ Then, step by step, each ring step's busiest rank over its mean rank by the same
 --measured (a `packed_ring_replay --kernels --json` file) the replay's measured per-step figure
 for the same total and P beside it; and the same for the forward's calls, whose programs are
 query tiles (--forward-tile rows) walking key blocks, charged --fixed-steps key blocks a tile.
+Each rank's line also gives its forward's covered pairs and model over the one-GPU forward's / P
+and, with --measured, the rank's step forwards' summed device ms (over the one-GPU forward's / P
+where the file has single_forward_device_ms): a step's query tiles walk few key blocks, so the
+fixed cost a tile (its Q and incoming-state loads, its state stores) weighs there most.
 """
 
 from __future__ import annotations
@@ -149,6 +153,9 @@ def main():
         single, single_vis, single_programs = covered_pairs(b.q_lo, b.q_hi, total, total, 0, args.block_m,
                                                             args.block_n)  # fmt: skip
         single_model = model_steps(single, single_programs, args.block_m, args.block_n, args.fixed_steps)
+        # the forward's: query tiles walking key blocks (the sides swapped, as count_forward's)
+        single_forward = covered_pairs(b.k_lo, b.k_hi, total, total, 0, args.forward_tile[1], args.forward_tile[0])
+        single_forward_model = model_steps(single_forward[0], single_forward[2], *args.forward_tile, args.fixed_steps)
         print(f"S={total} docs={len(lengths)} one GPU: covered / visible {single / single_vis:.3f}, "
               f"{single_programs} programs")  # fmt: skip
         q, k, v, do = (torch.zeros(total, 1, args.head_dim) for _ in range(4))
@@ -171,10 +178,14 @@ def main():
                 forward_models.append(
                     [model_steps(sc, sp, *args.forward_tile, args.fixed_steps) for sc, _, sp in forward_by_step]
                 )
+                forward_covered = sum(sc for sc, _, _ in forward_by_step)
                 print(
                     f"  P={world} rank {rank}: covered / visible {c / max(vis, 1):.3f}, "
                     f"covered / (one GPU's / P) {c / (single / world):.3f}, {programs} programs, "
-                    f"model (F={args.fixed_steps:g}) / (one GPU's / P) {model / (single_model / world):.3f}",
+                    f"model (F={args.fixed_steps:g}) / (one GPU's / P) {model / (single_model / world):.3f}; "
+                    f"forward: covered / (one GPU's / P) {forward_covered / (single_forward[0] / world):.3f}, "
+                    f"model / (one GPU's / P) {sum(forward_models[-1]) / (single_forward_model / world):.3f}"
+                    + _measured_forward(args.measured, total, world, rank),
                     flush=True,
                 )
             lockstep = sum(max(m[s] for m in step_models) for s in range(world))
@@ -191,6 +202,20 @@ def main():
 
 def _uneven(parts) -> str:
     return f"{max(parts) / statistics.mean(parts):.3f}" if any(parts) else "-"
+
+
+def _measured_forward(path, total, world, rank) -> str:
+    """packed_ring_replay --kernels' measured forward device ms of `rank` (its step calls
+    summed) for (total, world) from its --json file `path`, over its one-GPU call's forward
+    kernels / P where the file has them (single_forward_device_ms)."""
+    if path is None:
+        return ""
+    for row in json.loads(Path(path).read_text())["rows"]:
+        if row["total"] == total and row["world"] == world and row.get("rank_step_forward_ms"):
+            ms = sum(row["rank_step_forward_ms"][rank])
+            single = row.get("single_forward_device_ms")
+            return f"; measured {ms:.2f} ms" + (f" = {ms / (single / world):.3f} x one GPU's / P" if single else "")
+    return ""
 
 
 def _measured_steps(path, total, world, phase=None) -> str:

@@ -38,6 +38,9 @@ def test_packed_ring_tiles_counts(tmp_path):
     ratio = r"\(one GPU's / P\) ([\d.]+)"
     pairs = re.findall(rf"covered / {ratio}, (\d+) programs, model \(F=0\) / {ratio}", out)
     assert len(pairs) == 2 and all(c == m and int(n) > 0 for c, n, m in pairs), out
+    # ...and the forward's query tiles alike
+    forward = re.findall(rf"forward: covered / {ratio}, model / {ratio}", out)
+    assert len(forward) == 2 and all(c == m and float(c) > 0 for c, m in forward), out
     # one program per key block some query sees, each charged the fixed cost once
     from benchmarks.packed_ring_tiles import covered_pairs, model_steps
 
