@@ -40,7 +40,10 @@ ringflash.balance.NEIGHBOUR_PAIR_COST (the polish's price of a neighbour's pair,
 calls the kernels over the rows and keys that see each other only); --gather-max-steps varies
 ringflash.balance.GATHER_MAX_STEPS (2: a bounded window's ring of steps 0 and 1 computed in one
 call once the neighbour's block has come; the replay's transfers are copies on this GPU, so what
-the gathered ring gives up, their overlap with the steps, is not in its figures). --layouts balanced document-
+the gathered ring gives up, their overlap with the steps, is not in its figures);
+--forward-group-steps varies ringflash.balance.FORWARD_GROUP_STEPS (the forward's steps after
+the first in calls over runs of that many blocks; a run's call waits for its last block, which
+these figures do not show either). --layouts balanced document-
 zigzag also replays every document cut over every rank in 2P zigzag chunks
 (ringflash.balance.document_zigzag_layout), as the context-parallel peers shard packed
 documents, with the same kernels: the layout's own share of the result; "few-ranks" (an
@@ -239,6 +242,11 @@ BALANCE_KNOBS = {
         "GATHER_MAX_STEPS", int,
         "a ring of 2 to this many steps computes each rank's attention in one call once every block has come; "
         "0: never",
+    ),
+    "forward_group_steps": (
+        "FORWARD_GROUP_STEPS", int,
+        "the forward computes the blocks of its steps after the first in calls over this many at once; 1: a call "
+        "a step",
     ),
 }  # fmt: skip
 

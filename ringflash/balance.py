@@ -107,6 +107,14 @@ CROP_ALIGN = 128
 # such a call (benchmarks/merged_keys.py: 128K tokens, P = 8, 32 / 8 heads, D = 128) was
 # 0.83-0.88x a rank's ring steps under a 4K window, 0.75-0.77x for causal documents.
 GATHER_MAX_STEPS = 0
+# A packed ring's forward takes the blocks of its steps after step 0 in calls over this many at
+# once (gathered in global order, BalancedLayout.gather_plan), folding into the float32 state
+# once a call instead of once a step: a step's query tiles each walk few key blocks, so the
+# fixed cost a tile (its Q and state loads, its state stores) weighs there
+# (benchmarks/packed_ring_tiles.py's forward model). Step 0's own block goes alone, so that
+# the first hops arrive while it computes; a call waits for the last block of its run, and
+# holds that many blocks at once. 1: a call a step. The backward keeps a call a step.
+FORWARD_GROUP_STEPS = 1
 CODE_PREFIX = "balanced:"  # BalancedLayout.code: the layout as the ring operators' layout string
 
 

@@ -162,17 +162,42 @@ def _whole_block(spec: RingSpec, comm, q, kv_len):
     return (mask, drop) if every else None
 
 
+def _gatherable(spec: RingSpec, key_bias) -> bool:
+    """Whether this ring's blocks may be gathered into calls over several blocks at once:
+    packed documents (BalancedLayout.gather_plan) without dropout or key bias, whose masks and
+    biases follow each block's own positions."""
+    return is_balanced(spec.layout) and spec.dropout is None and key_bias is None
+
+
 def _gathered(spec: RingSpec, comm, q, kv_len, key_bias):
     """(steps, balance.GatherPlan) when this ring call computes in one call over every block
     its steps hold (balance.GATHER_MAX_STEPS: packed documents without dropout or key bias, from
     2 to that many ring steps), else None. The forward and the backward decide alike, and so
     does every rank: the steps are the ring's, the same everywhere."""
-    if not is_balanced(spec.layout) or spec.dropout is not None or key_bias is not None:
+    if not _gatherable(spec, key_bias):
         return None
     steps = ring_steps(spec.layout, comm.world, q.shape[1], kv_len, spec.window)
     if not 1 < len(steps) <= balance.GATHER_MAX_STEPS:
         return None
     return steps, spec.layout.gather_plan(comm.rank, steps, spec.window, q.device)
+
+
+def _forward_groups(spec: RingSpec, steps, key_bias) -> dict[int, tuple[int, ...]]:
+    """{step: the run of steps whose blocks the forward computes in one call with it}, for the
+    steps in runs of 2 or more (balance.FORWARD_GROUP_STEPS: step 0 alone, then runs of that
+    many in ring order); the steps not in it compute a call a step. Every rank groups alike."""
+    size = balance.FORWARD_GROUP_STEPS
+    if size < 2 or not _gatherable(spec, key_bias):
+        return {}
+    runs = [tuple(steps[i : i + size]) for i in range(1, len(steps), size)]
+    return {step: run for run in runs if len(run) > 1 for step in run}
+
+
+def _gather_block(k_all, v_all, rows, k_blk, v_blk) -> None:
+    """A block's real rows (the first len(rows); blocks travel padded) into the gathered K / V
+    at `rows` (a GatherPlan's rows[i])."""
+    k_all.index_copy_(1, rows, k_blk[:, : len(rows)])
+    v_all.index_copy_(1, rows, v_blk[:, : len(rows)])
 
 
 def _gathered_kv(comm, k, v, steps, plan):
@@ -181,9 +206,7 @@ def _gathered_kv(comm, k, v, steps, plan):
     k_all = k.new_empty(k.shape[0], plan.keys, *k.shape[2:])
     v_all = v.new_empty(v.shape[0], plan.keys, *v.shape[2:])
     for i, (_, k_blk, v_blk, _) in enumerate(_ring_kv(comm, k, v, None, steps)):
-        rows = plan.rows[i]
-        k_all.index_copy_(1, rows, k_blk[:, : len(rows)])
-        v_all.index_copy_(1, rows, v_blk[:, : len(rows)])
+        _gather_block(k_all, v_all, plan.rows[i], k_blk, v_blk)
     return k_all, v_all
 
 
@@ -213,7 +236,21 @@ class _RingAttn(torch.autograd.Function):
             return state.o, state.lse()
         state = SoftmaxState.zeros((*q.shape[:3], v.shape[3]), state_dtype(q.dtype), q.device)  # o: (.., Dv)
         steps = ring_steps(spec.layout, comm.world, q.shape[1], k.shape[1], spec.window)
+        groups = _forward_groups(spec, steps, key_bias)
         for step, k_blk, v_blk, bias_blk in _ring_kv(comm, k, v, key_bias, steps):
+            run = groups.get(step)
+            if run is not None:  # gathered until its run's last block has come, then one call
+                plan = spec.layout.gather_plan(comm.rank, run, spec.window, q.device)
+                i = run.index(step)
+                if i == 0:
+                    k_run = k.new_empty(k.shape[0], plan.keys, *k.shape[2:])
+                    v_run = v.new_empty(v.shape[0], plan.keys, *v.shape[2:])
+                _gather_block(k_run, v_run, plan.rows[i], k_blk, v_blk)
+                if i + 1 == len(run):
+                    mask = BlockMask(bounds=plan.bounds)
+                    block_forward(q, k_run, v_run, state, mask, scale=spec.scale, fold=True, backend=backend)
+                    k_run = v_run = None
+                continue
             for t, mask, drop in _tasks(spec, comm, step, q, k.shape[1]):
                 block_forward(
                     q[:, t.q_rows],

@@ -326,6 +326,21 @@ def test_replayed_windowed_packed_ring_cropped_steps(lengths, world, window_size
     _within_single_gpu(ref, single, [g[0] for g in ring])
 
 
+def _replayed_packed_ring_vs_single_gpu(world, chunks, causal, window_size, seed):
+    """The packed ring over a balanced layout of a mix with documents longer than a shard,
+    replayed (bf16, 8 / 4 heads, D=128): within 1.2x of one GPU's flash_attn_varlen_func error
+    against float64, forward and gradients. Returns the layout."""
+    lengths = [3000, 1, 700, 64, 2200, 130, 1, 900, 1197]
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], device="cuda", dtype=torch.int32)
+    q, k, v, do = (t[0] for t in _inputs(1, int(cu[-1]), 8, 4, 128, torch.bfloat16, seed=seed))
+    kw = dict(causal=causal, window_size=window_size)
+    ref, single = _packed_reference_and_single_gpu(q, k, v, do, cu, **kw)
+    L = balanced_layout(cu, world, **kw)
+    ring = replay_ring(q[None], k[None], v[None], do[None], world=world, layout=L, grad_chunks=chunks, **kw)
+    _within_single_gpu(ref, single, [g[0] for g in ring])
+    return L
+
+
 @pytest.mark.parametrize("world,chunks", [(2, None), (4, 2)])
 @pytest.mark.parametrize("causal,window_size", [(True, (-1, -1)), (True, (511, 0))])
 def test_replayed_packed_ring_gathered(world, chunks, causal, window_size, monkeypatch):
@@ -337,15 +352,25 @@ def test_replayed_packed_ring_gathered(world, chunks, causal, window_size, monke
     from ringflash import balance
 
     monkeypatch.setattr(balance, "GATHER_MAX_STEPS", world)
-    lengths = [3000, 1, 700, 64, 2200, 130, 1, 900, 1197]
-    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], device="cuda", dtype=torch.int32)
-    q, k, v, do = (t[0] for t in _inputs(1, int(cu[-1]), 8, 4, 128, torch.bfloat16, seed=world + 50))
-    kw = dict(causal=causal, window_size=window_size)
-    ref, single = _packed_reference_and_single_gpu(q, k, v, do, cu, **kw)
-    L = balanced_layout(cu, world, **kw)
+    L = _replayed_packed_ring_vs_single_gpu(world, chunks, causal, window_size, world + 50)
     assert 1 < L.hops <= world, L
-    ring = replay_ring(q[None], k[None], v[None], do[None], world=world, layout=L, grad_chunks=chunks, **kw)
-    _within_single_gpu(ref, single, [g[0] for g in ring])
+
+
+@pytest.mark.parametrize("world,size", [(4, 3), (8, 4)])
+def test_replayed_packed_ring_forward_groups(world, size, monkeypatch):
+    """balance.FORWARD_GROUP_STEPS: the forward's steps after the first in calls over runs of
+    `size` blocks gathered in global order, folding into the float32 state (the per-row-bounds
+    kernels the package picks for those bounds): within 1.2x of one GPU's error against
+    float64, and blocks were gathered."""
+    from ringflash import balance
+    from ringflash import ring as ring_module
+
+    gathered = []
+    gather_block = ring_module._gather_block
+    monkeypatch.setattr(balance, "FORWARD_GROUP_STEPS", size)
+    monkeypatch.setattr(ring_module, "_gather_block", lambda *a: gathered.append(1) or gather_block(*a))
+    L = _replayed_packed_ring_vs_single_gpu(world, None, True, (-1, -1), world + 60)
+    assert L.hops > size and gathered, L
 
 
 @pytest.mark.parametrize("world,chunks", [(2, None), (4, 2)])

@@ -16,7 +16,7 @@ from ringflash.comm import RingComm
 from ringflash.local import backend_for
 from ringflash.masks import Window, held_bounds, window_from
 from ringflash.relay import default_grad_chunks
-from ringflash.schedule import Segment, steps_needed
+from ringflash.schedule import Segment, ring_steps, steps_needed
 
 from oracle import assert_within
 from ring_cases import TORCH, TRITON, packed_case
@@ -538,15 +538,18 @@ def test_balanced_layout_rejects_bad_input():
 
 def _ring_varlen_vs_oracle(
     rank, world, lengths, causal, window_size, Hq, Hkv, dtype, seed, Dv=None, own_work=None, crop=False, max_reach=None,
-    gather=False, grad_chunks=None,
+    gather=False, grad_chunks=None, forward_group=None,
 ):  # fmt: skip
     """Dv: v's head dim (default q and k's, 16). own_work: balance.OWN_CALL_WORK for the call
     (None: as it is, which at these sizes puts every document in the per-row-bounds call).
     crop: balance.CROP_STEP_CALLS on, with a CROP_ALIGN of 8 rows (these shards are short).
     max_reach: balance.MAX_REACH for the layout (None: as it is). gather: balance.GATHER_MAX_STEPS
     at the world size (every ring of more than one step computed in one call). grad_chunks: the
-    call's (None: its default)."""
+    call's (None: its default). forward_group: balance.FORWARD_GROUP_STEPS (None: as it is)."""
     with (
+        mock.patch("ringflash.balance.FORWARD_GROUP_STEPS", forward_group)
+        if forward_group
+        else contextlib.nullcontext(),
         mock.patch("ringflash.balance.OWN_CALL_WORK", own_work) if own_work else contextlib.nullcontext(),
         mock.patch("ringflash.balance.MAX_REACH", max_reach) if max_reach else contextlib.nullcontext(),
         mock.patch.multiple("ringflash.balance", CROP_STEP_CALLS=True, CROP_ALIGN=8)
@@ -623,7 +626,14 @@ def _ring_varlen_check(rank, world, lengths, causal, window_size, Hq, Hkv, dtype
         one = int(ql.shape[0] > 0)
         assert calls == {"forward": one, "dq": 0, "dkdv": 0, "whole": one}, (calls, per_step)
     else:
-        assert calls == {"forward": n, "dq": n, "dkdv": n * chunks, "whole": 0}, (calls, per_step, chunks)
+        # the forward: step 0 alone, then a call per run of FORWARD_GROUP_STEPS steps that holds
+        # a visible pair (a run of one: its step's calls)
+        steps = list(ring_steps(L, world, ql.shape[0], L.max_local_len, window))
+        size = max(balance.FORWARD_GROUP_STEPS, 1)
+        runs = [steps[:1]] + [steps[i : i + size] for i in range(1, len(steps), size)]
+        forward = sum(per_step[r[0]] if len(r) == 1 else int(any(per_step[s] for s in r)) for r in runs)
+        assert n == sum(per_step[s] for s in steps)
+        assert calls == {"forward": forward, "dq": n, "dkdv": n * chunks, "whole": 0}, (calls, per_step, chunks)
     full = [unshard(t, layout=L, dim=0) for t in (out, *grads)]
     full_lse = unshard(lse, layout=L, dim=1)
     for name, got, r in zip(("out", "dq", "dk", "dv"), full, (ref[0], *ref[2:])):
@@ -712,6 +722,28 @@ def test_ring_varlen_gathered_triton_interpreter(worlds):
         _ring_varlen_vs_oracle, lengths, True, (6, 0), 4, 2, torch.float32, 5, None, None, False, None, True
     )
     assert hops == [2, 2]
+
+
+@pytest.mark.parametrize(
+    "world,size,causal,window_size,kinds,dtype",
+    [
+        (4, 2, True, (-1, -1), TORCH, torch.float64),
+        (4, 3, True, (-1, -1), TORCH, torch.float64),
+        (4, 2, False, (30, 12), TORCH, torch.float64),
+        (3, 2, True, (-1, -1), TRITON, torch.float32),
+    ],
+)
+def test_ring_varlen_forward_groups(worlds, world, size, causal, window_size, kinds, dtype):
+    """balance.FORWARD_GROUP_STEPS: the forward computes step 0 alone, then the blocks of each
+    run of `size` steps gathered into one call that folds into the state (the backward a call a
+    step); exact against the float64 oracle, forward and gradients, on the torch backend and the
+    Triton kernels (the interpreter, float32), with the call counts checked."""
+    lengths = [5, 170, 1, 30, 0, 9, 25]
+    hops = worlds(world, **kinds).run(
+        _ring_varlen_vs_oracle, lengths, causal, window_size, 4, 2, dtype, world, None, None, False, None, False,
+        None, size,
+    )  # fmt: skip
+    assert max(hops) > 2  # a run of at least two steps
 
 
 def test_ring_varlen_pieces_shorter_than_the_window(worlds, monkeypatch):
