@@ -128,6 +128,12 @@ def delta(o, do):
 _rowsum = delta  # for the backward, whose argument of that name shadows it
 
 
+def scatter_rows(dst, rows, src):
+    """dst[:, rows[i]] = src[:, i] for i < len(rows): dst (B, N, ...), src (B, >= len(rows),
+    ...), rows int64 (distinct)."""
+    dst.index_copy_(1, rows, src[:, : len(rows)])
+
+
 def fuses_backward(
     q, k, v, *, window, bounds, key_bias=None, dropout=None, deterministic=False, whole_call=False
 ) -> bool:

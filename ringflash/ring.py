@@ -193,20 +193,20 @@ def _forward_groups(spec: RingSpec, steps, key_bias) -> dict[int, tuple[int, ...
     return {step: run for run in runs if len(run) > 1 for step in run}
 
 
-def _gather_block(k_all, v_all, rows, k_blk, v_blk) -> None:
+def _gather_block(backend, k_all, v_all, rows, k_blk, v_blk) -> None:
     """A block's real rows (the first len(rows); blocks travel padded) into the gathered K / V
-    at `rows` (a GatherPlan's rows[i])."""
-    k_all.index_copy_(1, rows, k_blk[:, : len(rows)])
-    v_all.index_copy_(1, rows, v_blk[:, : len(rows)])
+    at `rows` (a GatherPlan's rows[i]), by the backend's scatter_rows."""
+    backend.scatter_rows(k_all, rows, k_blk)
+    backend.scatter_rows(v_all, rows, v_blk)
 
 
-def _gathered_kv(comm, k, v, steps, plan):
+def _gathered_kv(comm, k, v, steps, plan, backend):
     """Every block of `steps` gathered in global order through the one ring loop: K (B,
     plan.keys, Hkv, D), V (B, plan.keys, Hkv, Dv)."""
     k_all = k.new_empty(k.shape[0], plan.keys, *k.shape[2:])
     v_all = v.new_empty(v.shape[0], plan.keys, *v.shape[2:])
     for i, (_, k_blk, v_blk, _) in enumerate(_ring_kv(comm, k, v, None, steps)):
-        _gather_block(k_all, v_all, plan.rows[i], k_blk, v_blk)
+        _gather_block(backend, k_all, v_all, plan.rows[i], k_blk, v_blk)
     return k_all, v_all
 
 
@@ -229,7 +229,7 @@ class _RingAttn(torch.autograd.Function):
         gathered = _gathered(spec, comm, q, k.shape[1], key_bias)
         if gathered is not None:
             steps, plan = gathered
-            k_all, v_all = _gathered_kv(comm, k, v, steps, plan)
+            k_all, v_all = _gathered_kv(comm, k, v, steps, plan, backend)
             mask = BlockMask(bounds=plan.bounds)
             state = local_forward(q, k_all, v_all, None, mask, scale=spec.scale, backend=backend)
             ctx.save_for_backward(q, k, v, state.o, state.m, state.l, key_bias)
@@ -245,7 +245,7 @@ class _RingAttn(torch.autograd.Function):
                 if i == 0:
                     k_run = k.new_empty(k.shape[0], plan.keys, *k.shape[2:])
                     v_run = v.new_empty(v.shape[0], plan.keys, *v.shape[2:])
-                _gather_block(k_run, v_run, plan.rows[i], k_blk, v_blk)
+                _gather_block(backend, k_run, v_run, plan.rows[i], k_blk, v_blk)
                 if i + 1 == len(run):
                     mask = BlockMask(bounds=plan.bounds)
                     block_forward(q, k_run, v_run, state, mask, scale=spec.scale, fold=True, backend=backend)
@@ -291,7 +291,7 @@ class _RingAttn(torch.autograd.Function):
         if gathered is not None:
             steps, plan = gathered
             relay = GradRelay(comm, k, v, acc, chunks, steps)
-            k_all, v_all = _gathered_kv(comm, k, v, steps, plan)
+            k_all, v_all = _gathered_kv(comm, k, v, steps, plan, backend)
             mask = BlockMask(bounds=plan.bounds)
             dq, dk_all, dv_all = local_backward(q, k_all, v_all, out, m, l, None, do, dlse, mask, scale=spec.scale,
                                                 backend=backend, deterministic=spec.deterministic,

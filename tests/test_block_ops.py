@@ -227,3 +227,37 @@ def test_block_backward_adds_to_a_dq_part_on_the_torch_backend():
     with pytest.raises(ValueError, match="only added to"):
         block_backward(*args, dq.part(slice(8, 40)), None, None, rows_mask, scale=0.25, accumulate=False,
                        backend=reference)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "shape,n,dtype",
+    [
+        ((2, 50, 3, 16), 37, torch.float32),
+        ((1, 70, 8, 130), 70, torch.bfloat16),
+        ((1, 9, 1, 5), 0, torch.float16),
+        ((1, 0, 2, 4), 0, torch.float32),  # a rank that holds no token: no rows to gather into
+    ],
+)
+def test_scatter_rows_matches_index_copy(shape, n, dtype):
+    """kernels.scatter_rows (the Triton kernel, interpreted: a gathered ring's blocks into their
+    global order) equals torch's index_copy_ (the torch backend's): batches, a row width that is
+    no power of two, 16-bit rows, no rows at all (and none to gather into); a source with rows
+    not contiguous (falls back to index_copy_); only the first len(rows) source rows move
+    (blocks travel padded)."""
+    from ringflash import kernels, reference
+
+    g = torch.Generator().manual_seed(n)
+    src = torch.randn(shape[0], n + 3, *shape[2:], generator=g).to(dtype)
+    rows = torch.randperm(shape[1], generator=g)[:n]
+    got, want = torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)
+    kernels.scatter_rows(got, rows, src)
+    reference.scatter_rows(want, rows, src)
+    assert torch.equal(got, want) and torch.equal(got[:, rows], src[:, :n])
+    untouched = torch.ones(shape[1], dtype=torch.bool)
+    untouched[rows] = False
+    assert not got[:, untouched].any()
+    strided = src.transpose(2, 3).contiguous().transpose(2, 3)  # rows' trailing dims not one run
+    if shape[2] > 1 and n:
+        again = torch.zeros(shape, dtype=dtype)
+        kernels.scatter_rows(again, rows, strided)
+        assert torch.equal(again, want)

@@ -341,8 +341,11 @@ def _replayed_packed_ring_vs_single_gpu(world, chunks, causal, window_size, seed
     return L
 
 
-@pytest.mark.parametrize("world,chunks", [(2, None), (4, 2)])
-@pytest.mark.parametrize("causal,window_size", [(True, (-1, -1)), (True, (511, 0))])
+@pytest.mark.parametrize(
+    "world,chunks,causal,window_size",
+    # the window: over 2 ranks this mix keeps every document whole (one step), so 4 and 8
+    [(2, None, True, (-1, -1)), (4, 2, True, (-1, -1)), (4, None, True, (511, 0)), (8, 2, True, (511, 0))],
+)
 def test_replayed_packed_ring_gathered(world, chunks, causal, window_size, monkeypatch):
     """balance.GATHER_MAX_STEPS at the world size: each rank's attention in one call over every
     block its steps hold, gathered in global order (the kernels the package picks for a one-

@@ -17,6 +17,7 @@ from . import configs
 from .backward import _delta_kernel, _dkdv_kernel, _dq_kernel
 from .forward import _fwd_kernel
 from .launcher import launch, on_device
+from .rows import _scatter_rows_kernel
 from .tiles import MASK_NONE, MASK_ROWS, MASK_WINDOW, UNBOUNDED
 
 TAKES_DQ_PARTS = True  # backward() takes a dq_sum.DQPart as dq (the fused kernel adds to its blocked buffer)
@@ -209,6 +210,37 @@ def delta(o, do):
 
 
 _rowsum = delta  # for the backward, whose argument of that name shadows it
+
+
+def scatter_rows(dst, rows, src):
+    """dst[:, rows[i]] = src[:, i] for i < len(rows): dst (B, N, ...), src (B, >= len(rows),
+    ...) of dst's dtype, rows int64 (distinct). Each row's trailing dims must be one contiguous
+    run in both (else torch's index_copy_)."""
+    n = len(rows)
+    width = dst[0].numel() // max(dst.shape[1], 1) if dst.shape[0] else 0
+    if not (_rows_contiguous(dst) and _rows_contiguous(src)) or src.dtype != dst.dtype:
+        dst.index_copy_(1, rows, src[:, :n])
+        return
+    if n == 0 or width == 0:
+        return
+    block_w = min(1024, triton.next_power_of_2(width))
+    block_r = max(1, 4096 // block_w)
+    with on_device(dst):
+        launch(
+            _scatter_rows_kernel, (triton.cdiv(n, block_r), triton.cdiv(width, block_w), dst.shape[0]),
+            src, dst, rows, n, width, src.stride(0), src.stride(1), dst.stride(0), dst.stride(1),
+            BLOCK_R=block_r, BLOCK_W=block_w,
+        )  # fmt: skip
+
+
+def _rows_contiguous(t: torch.Tensor) -> bool:
+    """Whether each row t[b, i] (its trailing dims) is one contiguous run."""
+    expected = 1
+    for size, stride in reversed(list(zip(t.shape[2:], t.stride()[2:]))):
+        if size != 1 and stride != expected:
+            return False
+        expected *= size
+    return True
 
 
 def combined_stats(m, l):
