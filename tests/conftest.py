@@ -30,6 +30,17 @@ def _no_remembered_calls():
     local._CALLS.clear()
 
 
+@pytest.fixture(autouse=True)
+def _gpu_memory_handed_back(request):
+    """After a GPU test, the memory its process's allocator keeps cached goes back to the driver:
+    the GPU tests run in several processes at once (pytest -n 8), each caching what its largest
+    test took, and together those caches can exceed an 80 GB GPU's memory, so that another
+    process's allocation fails mid-test."""
+    yield
+    if HAS_CUDA and "gpu" in request.keywords and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
+
+
 @pytest.fixture
 def backend(request):
     """Parametrize with indirect=True over 'torch' / 'triton': the block operations run there."""
