@@ -206,8 +206,9 @@ def _uneven(parts) -> str:
 
 def _measured_forward(path, total, world, rank) -> str:
     """packed_ring_replay --kernels' measured forward device ms of `rank` (its step calls
-    summed) for (total, world) from its --json file `path`, over its one-GPU call's forward
-    kernels / P where the file has them (single_forward_device_ms)."""
+    summed) for (total, world) from its --json file `path` (the file's first row of them: the
+    first variant replayed), over its one-GPU call's forward kernels / P where the file has them
+    (single_forward_device_ms)."""
     if path is None:
         return ""
     for row in json.loads(Path(path).read_text())["rows"]:

@@ -113,7 +113,10 @@ GATHER_MAX_STEPS = 0
 # fixed cost a tile (its Q and state loads, its state stores) weighs there
 # (benchmarks/packed_ring_tiles.py's forward model). Step 0's own block goes alone, so that
 # the first hops arrive while it computes; a call waits for the last block of its run, and
-# holds that many blocks at once. 1: a call a step. The backward keeps a call a step.
+# holds that many blocks at once. 1: a call a step. The backward keeps a call a step. Off: on one
+# H100 (replayed P = 8, 128K causal documents) runs of four cut a rank's forward 17% by device
+# time, but ring._ring_kv starts each hop only when the next block is asked for, so a run's call
+# would wait for its hops about as long as it saves (benchmarks/NOTES.md, item 43).
 FORWARD_GROUP_STEPS = 1
 CODE_PREFIX = "balanced:"  # BalancedLayout.code: the layout as the ring operators' layout string
 
