@@ -7,6 +7,7 @@ Kernels never import distributed code.
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 import triton
@@ -217,7 +218,7 @@ def scatter_rows(dst, rows, src):
     ...) of dst's dtype, rows int64 (distinct). Each row's trailing dims must be one contiguous
     run in both (else torch's index_copy_)."""
     n = len(rows)
-    width = dst[0].numel() // max(dst.shape[1], 1) if dst.shape[0] else 0
+    width = math.prod(dst.shape[2:])
     if not (_rows_contiguous(dst) and _rows_contiguous(src)) or src.dtype != dst.dtype:
         dst.index_copy_(1, rows, src[:, :n])
         return

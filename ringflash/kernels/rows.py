@@ -1,6 +1,7 @@
 """Moving whole rows between tensors: a ring block's rows into the keys gathered in global order
-(ring._gather_block). torch's index_copy_ moved them at about a third of the memory's bandwidth
-(on one H100, 0.12 ms for a packed ring block's K and V, 64 MiB); a row here is one contiguous run of columns."""
+(ring._gather_block), each row one contiguous run of columns. On one H100 torch's index_copy_
+took 0.12 ms for a packed ring block's K and V (64 MiB each way, a third of the memory's
+bandwidth), this copy ~0.056 ms (benchmarks/RESULTS.md, "The forward's steps in runs")."""
 
 import triton
 import triton.language as tl
