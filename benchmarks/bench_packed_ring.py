@@ -13,17 +13,25 @@ rank runs flash_attn_varlen_func forward+backward on the whole batch (the same o
 slowest rank, over P): ring efficiency = (one-GPU time / P) / ring time, what
 packed_ring_replay's three device-time figures bracket on one GPU (the busiest rank, the ring's
 dependencies, lockstep). Also printed: the bytes of K/V each rank sends (hops x the longest
-shard's K/V).
+shard's K/V). The ringflash.balance options of packed_ring_replay (--forward-group-steps,
+--gather-max-steps, ...) vary those constants here too, each variant held over its layout's
+build and its timed calls on every rank: what the replay on one GPU cannot show (a gathered
+call's wait for its blocks) shows here.
+
+    ringflash-run -m benchmarks.bench_packed_ring --layouts balanced --forward-group-steps 1 4
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 from pathlib import Path
+from unittest import mock
 
+import ringflash
 from benchmarks.common import kv_bytes_sent, run_meta, start_ring, step_fn, timed_on_ranks, write_json
-from benchmarks.packed_ring_replay import LAYOUTS, packed_batch
+from benchmarks.packed_ring_replay import BALANCE_KNOBS, LAYOUTS, add_balance_knob_args, balance_variants, packed_batch
 from ringflash import flash_attn_varlen_func, ring_flash_attn_varlen_func, shard
 from ringflash.dist_env import close
 
@@ -41,6 +49,7 @@ def main():
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--json", type=Path)
     ap.add_argument("--smoke", action="store_true", help="toy sizes (CPU with gloo)")
+    add_balance_knob_args(ap)
     args = ap.parse_args()
     rank, world, device, dtype = start_ring(args, "bench_packed_ring", timeout_s=900)
     if args.smoke:
@@ -57,26 +66,29 @@ def main():
             step_fn(lambda: flash_attn_varlen_func(*whole, cu, cu, **kw), whole, do, "fwd+bwd"),
             iters=args.iters, warmup=args.warmup, device=device,
         )  # fmt: skip
-        for name in args.layouts:
-            try:
-                layout = LAYOUTS[name](cu_list, world, **kw)
-            except ValueError as e:  # (the experimental cuts take causal attention without a window only)
-                if rank == 0:
-                    print(f"S={total} P={world} layout={name}: skipped ({e})", flush=True)
-                continue
-            local = [shard(t, layout=layout, dim=0).detach().requires_grad_() for t in (q, k, v)]
-            local_do = shard(do, layout=layout, dim=0)
+        for name, (knobs, constants) in itertools.product(args.layouts, balance_variants(args)):
+            # the variant's constants hold for its layout's build and every timed call
+            with mock.patch.multiple(ringflash.balance, **constants):
+                try:
+                    layout = LAYOUTS[name](cu_list, world, **kw)
+                except ValueError as e:  # (the experimental cuts take causal attention without a window only)
+                    if rank == 0:
+                        print(f"S={total} P={world} layout={name}: skipped ({e})", flush=True)
+                    continue
+                local = [shard(t, layout=layout, dim=0).detach().requires_grad_() for t in (q, k, v)]
+                local_do = shard(do, layout=layout, dim=0)
 
-            def call():
-                return ring_flash_attn_varlen_func(*local, cu, layout=layout, **kw)
+                def call():
+                    return ring_flash_attn_varlen_func(*local, cu, layout=layout, **kw)
 
-            ring = timed_on_ranks(
-                step_fn(call, local, local_do, "fwd+bwd"), iters=args.iters, warmup=args.warmup, device=device
-            )
+                ring = timed_on_ranks(
+                    step_fn(call, local, local_do, "fwd+bwd"), iters=args.iters, warmup=args.warmup, device=device
+                )
             row = dict(
                 total=total,
                 world=world,
                 layout=name,
+                **knobs,
                 docs=len(lengths),
                 window=args.window,
                 ring_ms=ring,
@@ -94,11 +106,15 @@ def main():
         write_json(args.json, {"meta": meta, "rows": rows})
         print(f"\npacked ring over the process group, P={world}, H={args.heads}/{args.kv_heads}, D={args.head_dim}, "
               f"{dtype}, forward+backward")  # fmt: skip
-        print(f"{'S':>7} {'layout':>16} | {'ring ms':>9} {'one GPU / P':>11} {'eff':>6} | {'hops':>4} {'MiB sent':>9}")
+        varied = [n for n in BALANCE_KNOBS if getattr(args, n, None)]  # the constants given on the command line
+        print(f"{'S':>7} {'layout':>16} {' '.join(varied)} | {'ring ms':>9} {'one GPU / P':>11} {'eff':>6} | "
+              f"{'hops':>4} {'MiB sent':>9}")  # fmt: skip
         for r in rows:
+            knob_values = " ".join(f"{r[n]!s:>{len(n)}}" for n in varied)
             print(
-                f"{r['total']:>7} {r['layout']:>16} | {r['ring_ms']:9.2f} {r['one_gpu_ms'] / world:11.2f} "
-                f"{r['efficiency']:6.3f} | {r['hops']:>4} {r['bytes_sent_per_rank'] / 2**20:9.1f}"
+                f"{r['total']:>7} {r['layout']:>16} {knob_values} | {r['ring_ms']:9.2f} "
+                f"{r['one_gpu_ms'] / world:11.2f} {r['efficiency']:6.3f} | {r['hops']:>4} "
+                f"{r['bytes_sent_per_rank'] / 2**20:9.1f}"
             )
     close()
 

@@ -250,6 +250,30 @@ BALANCE_KNOBS = {
     ),
 }  # fmt: skip
 
+
+def add_balance_knob_args(ap: argparse.ArgumentParser) -> None:
+    """--balance-slack etc. (BALANCE_KNOBS): each takes variants of its ringflash.balance constant."""
+    for name, (constant, kind, what) in BALANCE_KNOBS.items():
+        ap.add_argument(
+            f"--{name.replace('_', '-')}",
+            type=kind,
+            nargs="+",
+            help=f"variants of ringflash.balance.{constant} ({what})",
+        )
+
+
+def balance_variants(args) -> list[tuple[dict, dict]]:
+    """Every combination of the values add_balance_knob_args' options were given (an option not
+    given: its constant as it is): ({option name: value}, {constant: value}, the latter for
+    mock.patch.multiple(ringflash.balance, ...))."""
+    defaults = {name: getattr(ringflash.balance, constant) for name, (constant, _, _) in BALANCE_KNOBS.items()}
+    variants = []
+    for values in itertools.product(*(getattr(args, name, None) or [None] for name in BALANCE_KNOBS)):
+        knobs = {name: defaults[name] if x is None else x for name, x in zip(BALANCE_KNOBS, values)}
+        variants.append((knobs, {BALANCE_KNOBS[name][0]: x for name, x in knobs.items()}))
+    return variants
+
+
 # --layouts: how the documents are laid out over the ranks ("few-ranks": an experiment)
 LAYOUTS = {
     "balanced": ringflash.balanced_layout,
@@ -300,16 +324,14 @@ def measure_total(args, device, dtype, total, documents_forward, documents_backw
     variants = itertools.product(
         args.layouts,
         args.worlds,
-        itertools.product(*(getattr(args, name) or [None] for name in BALANCE_KNOBS)),
+        balance_variants(args),
         args.own_call_work_log2 or [None],
         args.grad_chunks or [None],
         args.grad_accum_dtypes or [None],
     )
-    for layout_name, world, knob_values, own_log2, chunks, accum_name in variants:
+    defaults = {name: getattr(ringflash.balance, constant) for name, (constant, _, _) in BALANCE_KNOBS.items()}
+    for layout_name, world, (knobs, constants), own_log2, chunks, accum_name in variants:
         accum = {None: None, "float32": torch.float32, "input": dtype}[accum_name]
-        defaults = {name: getattr(ringflash.balance, constant) for name, (constant, _, _) in BALANCE_KNOBS.items()}
-        knobs = {name: defaults[name] if x is None else x for name, x in zip(BALANCE_KNOBS, knob_values)}
-        constants = {BALANCE_KNOBS[name][0]: x for name, x in knobs.items()}
         own = ringflash.balance.OWN_CALL_WORK if own_log2 is None else 2.0**own_log2
         # the balance constants of the variant hold for its whole replay: the layout's build and
         # every ring call's step plans (OWN_CALL_WORK, CROP_STEP_CALLS)
@@ -471,13 +493,7 @@ def main():
         nargs="+",
         help="variants of ringflash.balance.OWN_CALL_WORK (log2; inf: every document in the per-row-bounds call)",
     )
-    for name, (constant, kind, what) in BALANCE_KNOBS.items():
-        ap.add_argument(
-            f"--{name.replace('_', '-')}",
-            type=kind,
-            nargs="+",
-            help=f"variants of ringflash.balance.{constant} ({what})",
-        )
+    add_balance_knob_args(ap)
     ap.add_argument("--grad-chunks", type=int, nargs="+", help="variants of grad_chunks (default: the ring's own)")
     ap.add_argument(
         "--grad-accum-dtypes",

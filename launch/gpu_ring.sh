@@ -8,7 +8,9 @@
 #          peak memory per GPU
 # train:   the long-context example at 128K tokens, bf16, with --check against one process
 # packed:  packed documents over NCCL (benchmarks.bench_packed_ring): the balanced layout, every
-#          document cut over every rank, and the two-rank cut, at 128K and 512K tokens
+#          document cut over every rank, and the two-rank cut, at 128K and 512K tokens;
+#          PACKED_ARGS adds options, e.g. PACKED_ARGS="--forward-group-steps 1 4" (variants of a
+#          ringflash.balance constant, timed over NCCL)
 # scaling: weak (S = P x 32K) and strong (S = 256K) scaling points for this P, MHA and GQA 32/8,
 #          beside context_parallel with cuDNN (python -m benchmarks.plot_scaling turns the files
 #          of several P into a table and a plot)
@@ -47,7 +49,7 @@ for step in "$@"; do
                  | tee "$OUT/scaling_p${NGPU}_kv${kv}.log" | tail -10 || status=1
              done ;;
     packed) limit $RUN -m benchmarks.bench_packed_ring --totals 131072 524288 \
-             --layouts balanced document-zigzag two-ranks --json "$OUT/packed_ring.json" 2>&1 \
+             --layouts balanced document-zigzag two-ranks ${PACKED_ARGS:-} --json "$OUT/packed_ring.json" 2>&1 \
              | tee "$OUT/packed_ring.log" | tail -10 || status=1 ;;
     *) echo "unknown step $step"; status=2 ;;
   esac

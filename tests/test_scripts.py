@@ -144,13 +144,16 @@ def test_bench_ring_smoke_on_gloo(tmp_path):
 
 
 def test_bench_packed_ring_smoke_on_gloo(tmp_path):
-    """Packed documents on the ring over the process group, a row per layout: the ring's time
-    beside the one-GPU call over P, and the layout's shards."""
+    """Packed documents on the ring over the process group, a row per layout and variant of a
+    balance constant (--gather-max-steps 0 2): the ring's time beside the one-GPU call over P,
+    and the layout's shards."""
     out = run(TWO_RANKS + ["-m", "benchmarks.bench_packed_ring", "--smoke", "--layouts", "balanced", "two-ranks",
-                           "--json", str(tmp_path / "p.json")], tmp_path)  # fmt: skip
+                           "--gather-max-steps", "0", "2", "--json", str(tmp_path / "p.json")], tmp_path)  # fmt: skip
     data = json.loads((tmp_path / "p.json").read_text())
     assert data["meta"]["world"] == 2 and data["meta"]["backend"] == "gloo"
-    assert [r["layout"] for r in data["rows"]] == ["balanced", "two-ranks"]
+    assert [(r["layout"], r["gather_max_steps"]) for r in data["rows"]] == [
+        ("balanced", 0), ("balanced", 2), ("two-ranks", 0), ("two-ranks", 2)
+    ]  # fmt: skip
     for r in data["rows"]:
         assert r["ring_ms"] > 0 and r["efficiency"] == pytest.approx(r["one_gpu_ms"] / 2 / r["ring_ms"])
         assert sum(r["local_lens"]) == r["total"]
