@@ -427,6 +427,10 @@ def test_ring_time_follows_the_blocks_dependencies():
     # steps 0 and 2 of 3 ranks: at step 2 rank r holds rank r + 1's block
     ends = ring_time([[0, 0, 0]] * 3, [[5, 0, 1], [1, 0, 1], [1, 0, 1]], [0, 0, 0], [0, 2])
     assert ends == [6, 2, 6]  # rank 2 waits for rank 0's step 0 (5), rank 1 for nobody slow
+    # hops that take time: a forward step waits for its block's hop from the sender's start of
+    # the step before, the backward's for the dK/dV hop from the sender's end
+    ends = ring_time([[1, 1], [1, 1]], [[1, 1], [1, 1]], [0, 0], [0, 1], kv_hop_ms=3, grad_hop_ms=2)
+    assert ends == [8, 8]  # forward step 1 at 3, ends 4; backward step 0 4-5, step 1 at 5 + 2
 
 
 def test_few_rank_layout_cuts_over_a_few_consecutive_ranks():
@@ -733,3 +737,25 @@ def test_merged_keys_smoke(tmp_path):
     (row,) = json.loads(out.read_text())["rows"]
     assert [r["rank"] for r in row["ranks"]] == list(range(row["world"]))
     assert all(r["merged_ms"] > 0 and r["ring_ms"] > 0 for r in row["ranks"])
+
+
+def test_ring_time_model_on_a_replay(tmp_path):
+    """benchmarks.ring_time_model on a committed replay file: with hops free it gives the
+    replay's own "by the ring's dependencies" efficiency; slower links only lengthen the ring;
+    a row whose whole ring is one gathered call is skipped, not modelled."""
+    import re
+    from pathlib import Path
+
+    from benchmarks.ring_time_model import modelled
+
+    results = Path(__file__).resolve().parent.parent / "benchmarks" / "results"
+    p4 = results / "packed_ring_replay_forward_groups_p4_h100.json"
+    rows = json.loads(p4.read_text())["rows"]
+    for row in rows:
+        got = modelled(row, 2, [50.0, 400.0])
+        assert got[0.0][1] == pytest.approx(row["device_efficiency_ring_dependencies"], rel=1e-9)
+        assert got[50.0][0] > got[400.0][0] > got[0.0][0], got
+    gathered = json.loads((results / "packed_ring_replay_gathered_window_h100.json").read_text())["rows"]
+    assert modelled(gathered[1], 2, [400.0]) is None and modelled(gathered[0], 2, [400.0]) is not None
+    out = run([sys.executable, "-m", "benchmarks.ring_time_model", str(p4), "--link-gb-s", "200"], tmp_path)
+    assert len(re.findall(r"forward_group_steps=\d.*: [\d.]+ \([\d.]+\) \| [\d.]+ \([\d.]+\)", out)) == 2, out
