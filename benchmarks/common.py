@@ -346,29 +346,36 @@ def few_rank_layout(
     return balance._assembled(cu, world, CAUSAL, per_rank)
 
 
-def ring_time(forward, backward, ready, steps, kv_hop_ms: float = 0.0, grad_hop_ms: float = 0.0) -> float:
+def ring_time(
+    forward, backward, ready, steps, kv_hop_ms: float = 0.0, grad_hop_ms: float = 0.0, grad_chunks: int = 1
+) -> float:
     """A ring call's time from each rank's time inside each ring step, forward[r][s] and
     backward[r][s] (ms), and the time each rank spends before its forward's first step
     (ready[r]), with the ring's own dependencies: a step starts after the rank's previous run
     step and once the block it computes on has arrived: in the forward the K/V its sender
     (the rank that held it at the previous run step) started that step with, kv_hop_ms after
     that start (ring._ring_kv starts a hop as it hands the caller the block before it); in the
-    backward the dK/dV accumulators its sender finished that step with, grad_hop_ms after that
-    end. Hops take no time by default; steps: the ring steps that run, ascending from 0.
-    Returns each rank's end of its backward."""
+    backward the dK/dV accumulators its sender finished that step with, in grad_chunks kv-head
+    chunks sent one after another from that end (relay.GradRelay), each grad_hop_ms /
+    grad_chunks, the step's time split evenly over them, each chunk computed once it has come.
+    Hops take no time by default; steps: the ring steps that run, ascending from 0. Returns
+    each rank's end of its backward."""
     world = len(forward)
 
-    def phase(cost, begin, after_end, hop_ms):
+    def phase(cost, begin, after_end, hop_ms, chunks):
         start = {(r, steps[0]): begin[r] for r in range(world)}
         end = {(r, steps[0]): begin[r] + cost[r][steps[0]] for r in range(world)}
         for prev, s in zip(steps, steps[1:]):
             for r in range(world):
                 src = (r - (s - prev)) % world
-                start[(r, s)] = max(end[(r, prev)], (end if after_end else start)[(src, prev)] + hop_ms)
-                end[(r, s)] = start[(r, s)] + cost[r][s]
+                sent = (end if after_end else start)[(src, prev)]
+                t = end[(r, prev)]
+                for c in range(chunks):  # chunk c arrives (c + 1) chunk hops after the send began
+                    t = max(t, sent + (c + 1) * hop_ms / chunks) + cost[r][s] / chunks
+                start[(r, s)], end[(r, s)] = max(end[(r, prev)], sent + hop_ms / chunks), t
         return [end[(r, steps[-1])] for r in range(world)]
 
-    return phase(backward, phase(forward, ready, False, kv_hop_ms), True, grad_hop_ms)
+    return phase(backward, phase(forward, ready, False, kv_hop_ms, 1), True, grad_hop_ms, max(1, grad_chunks))
 
 
 def kv_bytes_sent(layout, kv_heads: int, head_dim: int, itemsize: int) -> int:

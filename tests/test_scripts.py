@@ -431,6 +431,10 @@ def test_ring_time_follows_the_blocks_dependencies():
     # the step before, the backward's for the dK/dV hop from the sender's end
     ends = ring_time([[1, 1], [1, 1]], [[1, 1], [1, 1]], [0, 0], [0, 1], kv_hop_ms=3, grad_hop_ms=2)
     assert ends == [8, 8]  # forward step 1 at 3, ends 4; backward step 0 4-5, step 1 at 5 + 2
+    # ...the dK/dV in two chunks, one after the other: the first at 5 + 1, computed till 6.5, the
+    # second at 5 + 2, computed till 7.5
+    ends = ring_time([[1, 1], [1, 1]], [[1, 1], [1, 1]], [0, 0], [0, 1], 3, 2, grad_chunks=2)
+    assert ends == [7.5, 7.5]
 
 
 def test_few_rank_layout_cuts_over_a_few_consecutive_ranks():
@@ -750,12 +754,13 @@ def test_ring_time_model_on_a_replay(tmp_path):
 
     results = Path(__file__).resolve().parent.parent / "benchmarks" / "results"
     p4 = results / "packed_ring_replay_forward_groups_p4_h100.json"
-    rows = json.loads(p4.read_text())["rows"]
-    for row in rows:
-        got = modelled(row, 2, [50.0, 400.0])
+    data = json.loads(p4.read_text())
+    for row in data["rows"]:
+        got = modelled(row, data["meta"], [50.0, 400.0])
         assert got[0.0][1] == pytest.approx(row["device_efficiency_ring_dependencies"], rel=1e-9)
         assert got[50.0][0] > got[400.0][0] > got[0.0][0], got
-    gathered = json.loads((results / "packed_ring_replay_gathered_window_h100.json").read_text())["rows"]
-    assert modelled(gathered[1], 2, [400.0]) is None and modelled(gathered[0], 2, [400.0]) is not None
+    gathered = json.loads((results / "packed_ring_replay_gathered_window_h100.json").read_text())
+    meta = gathered["meta"]
+    assert modelled(gathered["rows"][1], meta, [400.0]) is None and modelled(gathered["rows"][0], meta, [400.0])
     out = run([sys.executable, "-m", "benchmarks.ring_time_model", str(p4), "--link-gb-s", "200"], tmp_path)
     assert len(re.findall(r"forward_group_steps=\d.*: [\d.]+ \([\d.]+\) \| [\d.]+ \([\d.]+\)", out)) == 2, out
