@@ -378,6 +378,21 @@ def ring_time(
     return phase(backward, phase(forward, ready, False, kv_hop_ms, 1), True, grad_hop_ms, max(1, grad_chunks))
 
 
+def dependent_ring_ms(
+    forward, backward, compute, kv_hop_ms: float = 0.0, grad_hop_ms: float = 0.0, grad_chunks: int = 1
+) -> float:
+    """The busiest rank's time by the ring's own dependencies (ring_time, its hop arguments as
+    there) from each rank's measured time in each ring step, forward[r][s] and backward[r][s]
+    (ms), and its whole time compute[r] (ms): the steps that run (step 0 and any step some rank
+    has time in), each rank's time outside its steps added after them."""
+    world = len(forward)
+    both = [[f + b for f, b in zip(fr, br)] for fr, br in zip(forward, backward)]
+    outside = [c - sum(steps) for c, steps in zip(compute, both)]
+    run = [s for s in range(world) if s == 0 or any(both[r][s] for r in range(world))]
+    ends = ring_time(forward, backward, [0.0] * world, run, kv_hop_ms, grad_hop_ms, grad_chunks)
+    return max(e + o for e, o in zip(ends, outside))
+
+
 def kv_bytes_sent(layout, kv_heads: int, head_dim: int, itemsize: int) -> int:
     """K/V bytes each rank of a packed ring sends in one forward: one block a hop (layout.hops -
     1 hops), padded to the longest shard as the ring sends it."""

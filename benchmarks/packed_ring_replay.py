@@ -83,13 +83,13 @@ from benchmarks.common import (
     add_align_args,
     bench_device,
     cuts_aligned,
+    dependent_ring_ms,
     device_name,
     few_rank_layout,
     host_seconds,
     kv_bytes_sent,
     profiled_kernels,
     result_meta,
-    ring_time,
     write_json,
 )
 from benchmarks.common import documents_backward as common_documents_backward
@@ -375,9 +375,7 @@ def measure_total(args, device, dtype, total, documents_forward, documents_backw
                 )
                 # ...and by the ring's own dependencies (common.ring_time) from each rank's measured
                 # steps, forward and backward, its time outside the steps added after them
-                run = [s for s in range(world) if s == 0 or any(steps[r][s] for r in range(world))]
-                ends = ring_time(by_step["forward"], by_step["backward"], [0.0] * world, run)
-                dependent = max(e + o for e, o in zip(ends, outside))
+                dependent = dependent_ring_ms(by_step["forward"], by_step["backward"], rank_compute)
             work = [sum(layout.work(r, s) for s in range(world)) for r in range(world)]
             step_work = [[layout.work(r, s) for r in range(world)] for s in range(world)]
             step_uneven = max(max(w) / statistics.mean(w) for w in step_work if any(w))

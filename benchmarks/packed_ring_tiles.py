@@ -33,6 +33,7 @@ fixed cost a tile (its Q and incoming-state loads, its state stores) weighs ther
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 from pathlib import Path
@@ -204,31 +205,40 @@ def _uneven(parts) -> str:
     return f"{max(parts) / statistics.mean(parts):.3f}" if any(parts) else "-"
 
 
+def _measured_row(path, total, world, key) -> dict | None:
+    """The first row for (total, world) that has `key` in the packed_ring_replay --kernels
+    --json file `path` (None: no file, or no such row); the file read once."""
+    if path is None:
+        return None
+    return next((r for r in _replay_rows(path) if r["total"] == total and r["world"] == world and r.get(key)), None)
+
+
+@functools.lru_cache(maxsize=4)
+def _replay_rows(path) -> list[dict]:
+    return json.loads(Path(path).read_text())["rows"]
+
+
 def _measured_forward(path, total, world, rank) -> str:
     """packed_ring_replay --kernels' measured forward device ms of `rank` (its step calls
     summed) for (total, world) from its --json file `path` (the file's first row of them: the
     first variant replayed), over its one-GPU call's forward kernels / P where the file has them
     (single_forward_device_ms)."""
-    if path is None:
+    row = _measured_row(path, total, world, "rank_step_forward_ms")
+    if row is None:
         return ""
-    for row in json.loads(Path(path).read_text())["rows"]:
-        if row["total"] == total and row["world"] == world and row.get("rank_step_forward_ms"):
-            ms = sum(row["rank_step_forward_ms"][rank])
-            single = row.get("single_forward_device_ms")
-            return f"; measured {ms:.2f} ms" + (f" = {ms / (single / world):.3f} x one GPU's / P" if single else "")
-    return ""
+    ms = sum(row["rank_step_forward_ms"][rank])
+    single = row.get("single_forward_device_ms")
+    return f"; measured {ms:.2f} ms" + (f" = {ms / (single / world):.3f} x one GPU's / P" if single else "")
 
 
 def _measured_steps(path, total, world, phase=None) -> str:
     """packed_ring_replay --kernels' measured per-step max/mean for (total, world) from its
     --json file `path` (forward and backward together, or one `phase` apart), if it has it."""
-    if path is None:
-        return ""
     key = "device_step_max_over_mean" + ("" if phase is None else f"_{phase}")
-    for row in json.loads(Path(path).read_text())["rows"]:
-        if row["total"] == total and row["world"] == world and row.get(key):
-            return f"; measured ({Path(path).name}) " + " ".join("-" if u is None else f"{u:.3f}" for u in row[key])
-    return ""
+    row = _measured_row(path, total, world, key)
+    if row is None:
+        return ""
+    return f"; measured ({Path(path).name}) " + " ".join("-" if u is None else f"{u:.3f}" for u in row[key])
 
 
 if __name__ == "__main__":

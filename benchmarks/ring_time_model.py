@@ -6,12 +6,12 @@ one GPU cannot show, where its transfers are copies beside the kernels.
 
 For each row of a `packed_ring_replay --kernels --json` file: each rank's measured device time in
 each ring step, forward and backward (rank_step_forward_ms / rank_step_backward_ms), run through
-common.ring_time with every hop taking its bytes over --link-gb-s (a K/V block: the row's bytes
-sent over its hops; the dK/dV accumulators: the same rows in the accumulator dtype, float32 unless
-the row says "input", in the ring's kv-head chunks, one after another), plus each rank's device
-time outside the steps, less the replay's own transfers. Printed: the busiest rank's time and
-the efficiency (the one-device call over P, over it) with hops free (the replay's "by the
-ring's dependencies") and at each bandwidth.
+common.ring_time (by common.dependent_ring_ms) with every hop taking its bytes over --link-gb-s
+(a K/V block: the row's bytes sent over its hops; the dK/dV accumulators: the same rows in the
+accumulator dtype, float32 unless the row says "input", in the ring's kv-head chunks, one after
+another), plus each rank's device time outside the steps, less the replay's own transfers.
+Printed: the busiest rank's time and the efficiency (the one-device call over P, over it) with
+hops free (the replay's "by the ring's dependencies") and at each bandwidth.
 
 A ring step starts its hop as it is handed the block before (ring._ring_kv), and a forward run of
 several steps (balance.FORWARD_GROUP_STEPS) computes in its last step once its blocks have come:
@@ -26,7 +26,7 @@ import argparse
 import json
 from pathlib import Path
 
-from benchmarks.common import ring_time
+from benchmarks.common import dependent_ring_ms
 
 ITEMSIZE = {"torch.bfloat16": 2, "torch.float16": 2, "torch.float32": 4}
 
@@ -38,12 +38,10 @@ def modelled(row: dict, meta: dict, link_gb_s: list[float]) -> dict | None:
     if not fwd or not bwd:
         return None
     world = row["world"]
-    both = [[f + b for f, b in zip(fr, br)] for fr, br in zip(fwd, bwd)]
-    run = [s for s in range(world) if s == 0 or any(both[r][s] for r in range(world))]
+    run = [s for s in range(world) if s == 0 or any(fwd[r][s] + bwd[r][s] for r in range(world))]
     if 1 < len(run) <= (row.get("gather_max_steps") or 0):
         return None
     compute = [d - t for d, t in zip(row["rank_device_ms"], row["rank_transfer_ms"])]
-    outside = [c - sum(steps) for c, steps in zip(compute, both)]
     single_ms = row["device_efficiency"] * world * max(row["rank_device_ms"])
     itemsize = ITEMSIZE[meta.get("dtype", "torch.bfloat16")]
     kv_bytes = row["bytes_sent_per_rank"] / max(row["hops"], 1)
@@ -54,8 +52,7 @@ def modelled(row: dict, meta: dict, link_gb_s: list[float]) -> dict | None:
     out = {}
     for gb_s in [0.0, *link_gb_s]:
         hop = (lambda b: 0.0) if gb_s == 0 else (lambda b: b / (gb_s * 1e9) * 1e3)  # noqa: E731
-        ends = ring_time(fwd, bwd, [0.0] * world, run, hop(kv_bytes), hop(grad_bytes), chunks)
-        busiest = max(e + o for e, o in zip(ends, outside))
+        busiest = dependent_ring_ms(fwd, bwd, compute, hop(kv_bytes), hop(grad_bytes), chunks)
         out[gb_s] = (busiest, single_ms / world / busiest)
     return out
 

@@ -200,11 +200,15 @@ def _gather_block(backend, k_all, v_all, rows, k_blk, v_blk) -> None:
     backend.scatter_rows(v_all, rows, v_blk)
 
 
+def _gather_buffers(k, v, plan):
+    """Empty K (B, plan.keys, Hkv, D) and V (B, plan.keys, Hkv, Dv) for a GatherPlan's keys."""
+    return k.new_empty(k.shape[0], plan.keys, *k.shape[2:]), v.new_empty(v.shape[0], plan.keys, *v.shape[2:])
+
+
 def _gathered_kv(comm, k, v, steps, plan, backend):
     """Every block of `steps` gathered in global order through the one ring loop: K (B,
     plan.keys, Hkv, D), V (B, plan.keys, Hkv, Dv)."""
-    k_all = k.new_empty(k.shape[0], plan.keys, *k.shape[2:])
-    v_all = v.new_empty(v.shape[0], plan.keys, *v.shape[2:])
+    k_all, v_all = _gather_buffers(k, v, plan)
     for i, (_, k_blk, v_blk, _) in enumerate(_ring_kv(comm, k, v, None, steps)):
         _gather_block(backend, k_all, v_all, plan.rows[i], k_blk, v_blk)
     return k_all, v_all
@@ -240,11 +244,10 @@ class _RingAttn(torch.autograd.Function):
         for step, k_blk, v_blk, bias_blk in _ring_kv(comm, k, v, key_bias, steps):
             run = groups.get(step)
             if run is not None:  # gathered until its run's last block has come, then one call
-                plan = spec.layout.gather_plan(comm.rank, run, spec.window, q.device)
                 i = run.index(step)
                 if i == 0:
-                    k_run = k.new_empty(k.shape[0], plan.keys, *k.shape[2:])
-                    v_run = v.new_empty(v.shape[0], plan.keys, *v.shape[2:])
+                    plan = spec.layout.gather_plan(comm.rank, run, spec.window, q.device)
+                    k_run, v_run = _gather_buffers(k, v, plan)
                 _gather_block(backend, k_run, v_run, plan.rows[i], k_blk, v_blk)
                 if i + 1 == len(run):
                     mask = BlockMask(bounds=plan.bounds)
