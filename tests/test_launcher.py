@@ -680,6 +680,34 @@ def test_gluon_backward_head_dim_in_pieces_plan():
             assert tails == (None, None)
     with pytest.raises(ValueError, match="head-dim split schedule"):
         gb.GluonBwdConfig(pieces=True)
+    with pytest.raises(ValueError, match="scores_ahead"):
+        gb.GluonBwdConfig(scores_ahead=True)
+
+
+def test_gluon_backward_scores_ahead_plan():
+    """split_d_pieces_ahead issues a step's scores ahead where q/k runs in pieces (192) and not
+    where it runs padded (256: those accumulators would spill); its three-stage form fits the
+    shared memory at MLA's 192 / 128, counted at each head dim's own tile widths, and not at 256."""
+    from ringflash.kernels import gluon_backward as gb
+
+    if not gb.HAS_GLUON:
+        pytest.skip(f"Gluon not importable: {gb.GLUON_ERROR}")
+    B, S, H = 1, 200, 4
+    bf = dict(dtype=torch.bfloat16)
+    for D, Dv, ahead in ((192, 128, True), (192, 192, True), (256, 256, False)):
+        cfg = gb.config_for(D, "split_d_pieces_ahead")
+        q, k, v = torch.zeros(B, S, H, D, **bf), torch.zeros(B, S, 2, D, **bf), torch.zeros(B, S, 2, Dv, **bf)
+        do = torch.zeros(B, S, H, Dv, **bf)
+        dk, dv = torch.zeros(k.shape), torch.zeros(v.shape)
+        acc = torch.zeros(B, H, gb.blocked_rows(S), gb.padded_head_dim(D))
+        stats = torch.zeros(B * H * 2 * gb.padded_rows(S, cfg))
+        _, _, _, kwargs = gb.launch_plan(q, k, v, stats, do, acc, dk, dv, q_start=0, k_start=0, causal=True,
+                                         scale=0.1, accumulate=True, cfg=cfg)  # fmt: skip
+        assert kwargs["SCORES_AHEAD"] is ahead
+    s3 = gb.config_for(192, "split_d_pieces_ahead_s3")
+    # K, V: 64 keys x (192 + 128) columns; three stages of Q + dO and the statistics; P^T, dS^T x 2
+    assert gb.shared_bytes(s3, 192, head_dim_v=128) == 2 * 64 * 320 + 3 * (2 * 64 * 320 + 512) + 4 * 64 * 64 * 2
+    assert gb.shared_bytes(s3, 192, head_dim_v=128) <= gb.HOPPER_SHARED_BYTES - 1024 < gb.shared_bytes(s3, 256)
 
 
 def test_plans_are_kept_from_the_second_call_on():

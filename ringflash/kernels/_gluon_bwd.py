@@ -37,6 +37,11 @@ Options (constexprs; gluon_backward.VARIANTS names the combinations):
   follows the loop.
 - DQ_FIRST (with LAG): FlashAttention-3's order, dQ(i - 1) issued before dK(i); the dQ atomics
   then run while dK is in the tensor cores.
+- SCORES_AHEAD (SPLIT_D with q/k in pieces): step i + 1's S^T and dP^T are issued before the
+  wait for step i's dV, dK and dQ, which leaves them in flight, so the tensor cores have them
+  while dQ(i) is added and while the next softmax waits (without it both warpgroups' tensor
+  work stops at every step's dQ adds). The loop is peeled: step 0's scores before it, the last
+  step's gradients after it.
 - PERSISTENT (ws2): at most one program per multiprocessor, each taking key blocks from a
   counter that the producer reads and passes to the consumers (_fetch_tile, _publish_tile,
   _receive_tile; with packed documents' per-row bounds also the block's query blocks, which the
@@ -865,8 +870,137 @@ def _consumer(
 
 
 @gluon.jit
+def _split_d_scores(i, zero, bufs, s_zero, shape: gl.constexpr):
+    """_consumer_split_d's step i scores, issued once its stage has landed: S^T = K Q_wg^T (one
+    wgmma group per head-dim piece) and dP^T = V dO_wg^T, in flight. bufs: Q, dO, Q's tail
+    stages, K, V, K's tail, the stages' ready barriers; zero: an opaque 0 indexing K and V (as
+    _consumer: their wgmma descriptors are then rebuilt per step, not kept across the loop);
+    shape: (WG, QROWS, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, BLOCK_DT, STAGES)."""
+    WG: gl.constexpr = shape[0]
+    QROWS: gl.constexpr = shape[1]
+    BLOCK_M: gl.constexpr = shape[2]
+    BLOCK_N: gl.constexpr = shape[3]
+    BLOCK_D: gl.constexpr = shape[4]
+    BLOCK_DV: gl.constexpr = shape[5]
+    BLOCK_DT: gl.constexpr = shape[6]
+    STAGES: gl.constexpr = shape[7]
+    q_bufs, do_bufs, qt_bufs, k_smem, v_smem, kt_smem, ready = bufs
+    s = i % STAGES
+    mbarrier.wait(ready.index(s), (i // STAGES) & 1)
+    q_wg = q_bufs.index(s).reshape([BLOCK_M, BLOCK_D]).slice(WG * QROWS, QROWS, dim=0)
+    do_wg = do_bufs.index(s).reshape([BLOCK_M, BLOCK_DV]).slice(WG * QROWS, QROWS, dim=0)
+    k_all = k_smem.index(zero).reshape([BLOCK_N, BLOCK_D])
+    v_all = v_smem.index(zero).reshape([BLOCK_N, BLOCK_DV])
+    st_tok = warpgroup_mma(k_all, q_wg.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    if BLOCK_DT > 0:  # the tail piece's columns into the same scores
+        qt_wg = qt_bufs.index(s).reshape([BLOCK_M, BLOCK_DT]).slice(WG * QROWS, QROWS, dim=0)
+        kt_all = kt_smem.index(zero).reshape([BLOCK_N, BLOCK_DT])
+        st_tok = warpgroup_mma(kt_all, qt_wg.permute((1, 0)), st_tok, is_async=True)
+    dpt_tok = warpgroup_mma(v_all, do_wg.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    return st_tok, dpt_tok
+
+
+@gluon.jit
+def _split_d_probs(
+    st_tok, dpt_tok, i, off_m, st_bufs, ds_bufs, ds_bar, step_mask, qk_scale,
+    s_layout: gl.constexpr, shape: gl.constexpr, CAUSAL: gl.constexpr, HAS_LEFT: gl.constexpr, ROWS: gl.constexpr,
+):  # fmt: skip
+    """Step i's P^T and dS^T (its query block from off_m) from its scores (st_tok, dpt_tok: the
+    last groups in flight), this warpgroup's 32 columns of each written to shared memory;
+    returns once both warpgroups' halves are there. step_mask: _mask_scores' other arguments."""
+    WG: gl.constexpr = shape[0]
+    QROWS: gl.constexpr = shape[1]
+    BLOCK_M: gl.constexpr = shape[2]
+    STAGES: gl.constexpr = shape[7]
+    key_ragged, full_lo, full_hi, key_idx, q_idx, key_q_lo, key_q_hi, Sk, q_start, k_start, left = step_mask
+    dtype: gl.constexpr = ds_bufs.dtype
+    s = i % STAGES
+    offset = st_bufs.index(2 * s).slice(WG * QROWS, QROWS).load(gl.SliceLayout(0, s_layout))
+    st = warpgroup_mma_wait(1, deps=(st_tok,))
+    st = _mask_scores(
+        st, key_ragged, off_m, full_lo, full_hi, key_idx, q_idx, key_q_lo, key_q_hi, Sk, q_start, k_start, left,
+        BLOCK_M, CAUSAL, HAS_LEFT, ROWS,
+    )  # fmt: skip
+    pt = gl.exp2(gl.fma(st, qk_scale, -offset[None, :]))
+    delta = st_bufs.index(2 * s + 1).slice(WG * QROWS, QROWS).load(gl.SliceLayout(0, s_layout))
+    dpt = warpgroup_mma_wait(0, deps=(dpt_tok,))
+    ds = (pt * (dpt - delta[None, :])).to(dtype)
+    # P^T(i) and dS^T(i) in buffers 2 (i % 2) and 2 (i % 2) + 1; ds_bar[i % 2]: count 2, one
+    # arrival per warpgroup, its n-th use (n = i // 2) completes phase n. A buffer is rewritten at
+    # step i + 2, after both warpgroups passed ds_bar at step i + 1, which each reaches only after
+    # the wait for its gradients of step i, which read it (with scores ahead too: that wait comes
+    # before step i + 1's _split_d_probs).
+    ds_bufs.index(2 * (i % 2)).slice(WG * QROWS, QROWS, dim=1).store(pt.to(dtype))
+    ds_bufs.index(2 * (i % 2) + 1).slice(WG * QROWS, QROWS, dim=1).store(ds)
+    fence_async_shared()
+    mbarrier.arrive(ds_bar.index(i % 2))
+    mbarrier.wait(ds_bar.index(i % 2), (i // 2) & 1)
+
+
+@gluon.jit
+def _split_d_gradients(i, zero, dv, dk, dq_zero, bufs, ds_bufs, cols: gl.constexpr, shape: gl.constexpr):
+    """Step i's dV += P^T dO, dK += dS^T Q over this warpgroup's columns and its dQ = dS K, issued
+    in that order (one wgmma group each). Returns their tokens."""
+    WG: gl.constexpr = shape[0]
+    BLOCK_M: gl.constexpr = shape[2]
+    BLOCK_N: gl.constexpr = shape[3]
+    BLOCK_D: gl.constexpr = shape[4]
+    BLOCK_DV: gl.constexpr = shape[5]
+    BLOCK_DT: gl.constexpr = shape[6]
+    STAGES: gl.constexpr = shape[7]
+    COLS_V: gl.constexpr = cols[0]
+    DK_COL0: gl.constexpr = cols[1]
+    DK_COLS: gl.constexpr = cols[2]
+    DQ_COL0: gl.constexpr = cols[3]
+    DQ_COLS: gl.constexpr = cols[4]
+    q_bufs, do_bufs, qt_bufs, k_smem, v_smem, kt_smem, ready = bufs
+    s = i % STAGES
+    q_t = q_bufs.index(s).reshape([BLOCK_M, BLOCK_D])
+    k_all = k_smem.index(zero).reshape([BLOCK_N, BLOCK_D])
+    pt_buf = ds_bufs.index(2 * (i % 2))
+    ds_buf = ds_bufs.index(2 * (i % 2) + 1)
+    do_cols = do_bufs.index(s).reshape([BLOCK_M, BLOCK_DV]).slice(WG * COLS_V, COLS_V, dim=1)
+    dv_tok = warpgroup_mma(pt_buf, do_cols, dv, is_async=True)
+    if BLOCK_DT > 0:  # warpgroup 0: dK's main piece and dQ's tail; 1: dK's tail and dQ's main piece
+        if WG == 0:
+            q_cols = q_t
+            k_cols = kt_smem.index(zero).reshape([BLOCK_N, BLOCK_DT])
+        else:
+            q_cols = qt_bufs.index(s).reshape([BLOCK_M, BLOCK_DT])
+            k_cols = k_all
+    else:
+        q_cols = q_t.slice(DK_COL0, DK_COLS, dim=1)
+        k_cols = k_all.slice(DQ_COL0, DQ_COLS, dim=1)
+    dk_tok = warpgroup_mma(ds_buf, q_cols, dk, is_async=True)
+    dq_tok = warpgroup_mma(ds_buf.permute((1, 0)), k_cols, dq_zero, use_acc=False, is_async=True)
+    return dv_tok, dk_tok, dq_tok
+
+
+@gluon.jit
+def _split_d_step_done(
+    i, h, off_m, dq, empty, dq_add, cols: gl.constexpr, shape: gl.constexpr, DQ_BLOCKED: gl.constexpr
+):  # fmt: skip
+    """After step i's gradients have landed: its stage released and its dQ (head h, query block
+    from off_m) added (dq_add: _dq_add's other arguments)."""
+    WG: gl.constexpr = shape[0]
+    BLOCK_M: gl.constexpr = shape[2]
+    STAGES: gl.constexpr = shape[7]
+    DQ_COL0: gl.constexpr = cols[3]
+    DQ_COLS: gl.constexpr = cols[4]
+    DQ_TILE: gl.constexpr = cols[5]
+    DQ, b, Sq, stride_dqb, stride_dqs, stride_dqh, sm_scale, dq_rows, dq_cols = dq_add
+    dq_layout: gl.constexpr = dq.type.layout
+    mbarrier.arrive(empty.index(i % STAGES))  # stage read by every matmul of the step
+    # the blocked dQ's two tiles are half the padded width each (BLOCK_D with pieces): dQ's main
+    # piece fills tile 0, its tail the first columns of tile 1
+    _dq_add(dq, DQ, b, h, off_m, Sq, stride_dqb, stride_dqs, stride_dqh, sm_scale, dq_rows, dq_cols, WG, BLOCK_M,
+            DQ_COLS, DQ_BLOCKED, dq_layout, DQ_COL0 // DQ_TILE, DQ_TILE)  # fmt: skip
+
+
+@gluon.jit
 def _consumer_split_d(
     WG: gl.constexpr,
+    SCORES_AHEAD: gl.constexpr,
     q_bufs,
     do_bufs,
     st_bufs,
@@ -941,7 +1075,12 @@ def _consumer_split_d(
     BLOCK_DT after them (qt_bufs, kt_smem; BLOCK_D = 2 BLOCK_DT, e.g. 192 = 128 + 64), which do
     not halve into powers of two: S^T takes one wgmma per piece, and the pieces cross between
     the gradients: warpgroup 0 holds dK's main piece and computes dQ's tail, warpgroup 1 dK's
-    tail and dQ's main piece (each 3 x BLOCK_DT columns of dK and dQ); dV halves as before."""
+    tail and dQ's main piece (each 3 x BLOCK_DT columns of dK and dQ); dV halves as before.
+
+    SCORES_AHEAD: step i + 1's S^T and dP^T are issued before step i's dV, dK and dQ are waited
+    on, so that the tensor cores have them while this warpgroup adds dQ(i) and, at the top of
+    step i + 1, while it waits for them; without it both warpgroups' tensor work stops for every
+    step's dQ adds and softmax."""
     TAIL: gl.constexpr = BLOCK_DT > 0
     if TAIL:
         gl.static_assert(BLOCK_D == 2 * BLOCK_DT, "the crossed pieces balance at main = 2 x tail")
@@ -957,7 +1096,6 @@ def _consumer_split_d(
     COLS_V: gl.constexpr = BLOCK_DV // 2  # ... of dV (v's head dim may differ: MLA)
     DQ_TILE: gl.constexpr = BLOCK_D if TAIL else BLOCK_D // 2  # the blocked dQ's tiles: half the padded width
     QROWS: gl.constexpr = BLOCK_M // 2  # query rows of this warpgroup's S^T, dP^T
-    dtype: gl.constexpr = q_bufs.dtype
     s_layout: gl.constexpr = _mma_layout(4, QROWS)  # S^T, dP^T: (BLOCK_N, QROWS)
     acc_layout: gl.constexpr = _mma_layout(4, DK_COLS)  # dK: (BLOCK_N, DK_COLS)
     dq_layout: gl.constexpr = _mma_layout(4, DQ_COLS)  # dQ: (BLOCK_M, DQ_COLS)
@@ -982,71 +1120,55 @@ def _consumer_split_d(
     if HEAD_DIM != BLOCK_D + BLOCK_DT:
         # as _consumer: the exact-zero padding columns add onto the last real pair
         dq_cols = gl.where(dq_cols < HEAD_DIM, dq_cols, HEAD_DIM - 2 + dq_cols % 2)
-    key_q_lo = None  # (per-row bounds only)
-    key_q_hi = None
+    key_q_lo = key_idx  # (stand-ins, read with per-row bounds only; a tuple holds no None)
+    key_q_hi = key_idx
     if ROWS:
         key_q_lo, key_q_hi = key_query_bounds(key_idx, Sq, Sk, q_start, k_start, 0, 0, QLO, QHI, MASK_ROWS)
         full_lo = rows_full_lo0  # (both halves hold all keys of the block)
         full_hi = rows_full_hi0
+    bufs = (q_bufs, do_bufs, qt_bufs, k_smem, v_smem, kt_smem, ready)  # (the helpers' shared memory)
+    step_mask = (key_ragged, full_lo, full_hi, key_idx, q_idx, key_q_lo, key_q_hi, Sk, q_start, k_start, left)
+    dq_add = (DQ, b, Sq, stride_dqb, stride_dqs, stride_dqh, sm_scale, dq_rows, dq_cols)
+    # the head-dim columns each gradient's matmul takes (_split_d_gradients)
+    cols: gl.constexpr = (COLS_V, DK_COL0, DK_COLS, DQ_COL0, DQ_COLS, DQ_TILE)
+    shape: gl.constexpr = (WG, QROWS, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, BLOCK_DT, STAGES)
     if n_iter > 0:
         mbarrier.wait(kv_bar.index(0), 0)
-    for i in range(n_iter):
-        s = i % STAGES
-        h, off_m = _query_block(i, hk, group, m_first, n_m, p0, BLOCK_M, WALK)
-        mbarrier.wait(ready.index(s), (i // STAGES) & 1)
-        q_t = q_bufs.index(s).reshape([BLOCK_M, BLOCK_D])
-        do_t = do_bufs.index(s).reshape([BLOCK_M, BLOCK_DV])
-        zero = _opaque(i * 0)  # (as _consumer: K's and V's descriptors rebuilt per step)
-        k_all = k_smem.index(zero).reshape([BLOCK_N, BLOCK_D])
-        v_all = v_smem.index(zero).reshape([BLOCK_N, BLOCK_DV])
-        q_wg = q_t.slice(WG * QROWS, QROWS, dim=0)
-        do_wg = do_t.slice(WG * QROWS, QROWS, dim=0)
-        st_tok = warpgroup_mma(k_all, q_wg.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        if TAIL:  # the tail piece's columns into the same scores
-            qt_t = qt_bufs.index(s).reshape([BLOCK_M, BLOCK_DT])
-            kt_all = kt_smem.index(zero).reshape([BLOCK_N, BLOCK_DT])
-            st_tok = warpgroup_mma(kt_all, qt_t.slice(WG * QROWS, QROWS, dim=0).permute((1, 0)), st_tok, is_async=True)
-        dpt_tok = warpgroup_mma(v_all, do_wg.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        offset = st_bufs.index(2 * s).slice(WG * QROWS, QROWS).load(gl.SliceLayout(0, s_layout))
-        st = warpgroup_mma_wait(1, deps=(st_tok,))
-        st = _mask_scores(
-            st, key_ragged, off_m, full_lo, full_hi, key_idx, q_idx, key_q_lo, key_q_hi, Sk, q_start, k_start, left,
-            BLOCK_M, CAUSAL, HAS_LEFT, ROWS,
-        )  # fmt: skip
-        pt = gl.exp2(gl.fma(st, qk_scale, -offset[None, :]))
-        delta = st_bufs.index(2 * s + 1).slice(WG * QROWS, QROWS).load(gl.SliceLayout(0, s_layout))
-        dpt = warpgroup_mma_wait(0, deps=(dpt_tok,))
-        ds = (pt * (dpt - delta[None, :])).to(dtype)
-        # P^T(i) and dS^T(i) in buffers 2 (i % 2) and 2 (i % 2) + 1; ds_bar[i % 2]: count 2, one
-        # arrival per warpgroup, its n-th use (n = i // 2) completes phase n. A buffer is
-        # rewritten at step i + 2, after both warpgroups passed ds_bar at step i + 1, which each
-        # reaches only after its matmuls of step i (wait(0) below) read it.
-        pt_buf = ds_bufs.index(2 * (i % 2))
-        ds_buf = ds_bufs.index(2 * (i % 2) + 1)
-        pt_buf.slice(WG * QROWS, QROWS, dim=1).store(pt.to(dtype))
-        ds_buf.slice(WG * QROWS, QROWS, dim=1).store(ds)
-        fence_async_shared()
-        mbarrier.arrive(ds_bar.index(i % 2))
-        mbarrier.wait(ds_bar.index(i % 2), (i // 2) & 1)
-        dv_tok = warpgroup_mma(pt_buf, do_t.slice(WG * COLS_V, COLS_V, dim=1), dv, is_async=True)
-        if TAIL:  # warpgroup 0: dK's main piece and dQ's tail; 1: dK's tail and dQ's main piece
-            if WG == 0:
-                q_cols = q_t
-                k_cols = kt_all
-            else:
-                q_cols = qt_t
-                k_cols = k_all
-        else:
-            q_cols = q_t.slice(DK_COL0, DK_COLS, dim=1)
-            k_cols = k_all.slice(DQ_COL0, DQ_COLS, dim=1)
-        dk_tok = warpgroup_mma(ds_buf, q_cols, dk, is_async=True)
-        dq_tok = warpgroup_mma(ds_buf.permute((1, 0)), k_cols, dq_zero, use_acc=False, is_async=True)
-        dv, dk, dq = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok, dq_tok))
-        mbarrier.arrive(empty.index(s))  # stage s read by every matmul of this step
-        # the blocked dQ's two tiles are half the padded width each (BLOCK_D with pieces): dQ's
-        # main piece fills tile 0, its tail the first columns of tile 1
-        _dq_add(dq, DQ, b, h, off_m, Sq, stride_dqb, stride_dqs, stride_dqh, sm_scale, dq_rows, dq_cols, WG,
-                BLOCK_M, DQ_COLS, DQ_BLOCKED, dq_layout, DQ_COL0 // DQ_TILE, DQ_TILE)  # fmt: skip
+    if SCORES_AHEAD:
+        # step i's gradients, then step i + 1's scores, then the wait that leaves those in flight
+        # (groups complete in order: dV, dK and dQ are done) and dQ(i)'s adds beside them
+        AHEAD_GROUPS: gl.constexpr = 3 if TAIL else 2  # S^T's pieces and dP^T
+        h, off_m = _query_block(0, hk, group, m_first, n_m, p0, BLOCK_M, WALK)
+        if n_iter > 0:
+            st_tok, dpt_tok = _split_d_scores(0, _opaque(0), bufs, s_zero, shape)
+            _split_d_probs(st_tok, dpt_tok, 0, off_m, st_bufs, ds_bufs, ds_bar, step_mask, qk_scale, s_layout, shape,
+                           CAUSAL, HAS_LEFT, ROWS)  # fmt: skip
+        for i in range(1, n_iter):
+            h_prev = h
+            off_m_prev = off_m
+            h, off_m = _query_block(i, hk, group, m_first, n_m, p0, BLOCK_M, WALK)
+            zero = _opaque(i * 0)
+            dv_tok, dk_tok, dq_tok = _split_d_gradients(i - 1, zero, dv, dk, dq_zero, bufs, ds_bufs, cols, shape)
+            st_tok, dpt_tok = _split_d_scores(i, zero, bufs, s_zero, shape)
+            dv, dk, dq = warpgroup_mma_wait(AHEAD_GROUPS, deps=(dv_tok, dk_tok, dq_tok))
+            _split_d_step_done(i - 1, h_prev, off_m_prev, dq, empty, dq_add, cols, shape, DQ_BLOCKED)
+            _split_d_probs(st_tok, dpt_tok, i, off_m, st_bufs, ds_bufs, ds_bar, step_mask, qk_scale, s_layout, shape,
+                           CAUSAL, HAS_LEFT, ROWS)  # fmt: skip
+        if n_iter > 0:
+            zero = _opaque(n_iter * 0)
+            dv_tok, dk_tok, dq_tok = _split_d_gradients(n_iter - 1, zero, dv, dk, dq_zero, bufs, ds_bufs, cols, shape)
+            dv, dk, dq = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok, dq_tok))
+            _split_d_step_done(n_iter - 1, h, off_m, dq, empty, dq_add, cols, shape, DQ_BLOCKED)
+    else:
+        for i in range(n_iter):
+            h, off_m = _query_block(i, hk, group, m_first, n_m, p0, BLOCK_M, WALK)
+            zero = _opaque(i * 0)
+            st_tok, dpt_tok = _split_d_scores(i, zero, bufs, s_zero, shape)
+            _split_d_probs(st_tok, dpt_tok, i, off_m, st_bufs, ds_bufs, ds_bar, step_mask, qk_scale, s_layout, shape,
+                           CAUSAL, HAS_LEFT, ROWS)  # fmt: skip
+            dv_tok, dk_tok, dq_tok = _split_d_gradients(i, zero, dv, dk, dq_zero, bufs, ds_bufs, cols, shape)
+            dv, dk, dq = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok, dq_tok))
+            _split_d_step_done(i, h, off_m, dq, empty, dq_add, cols, shape, DQ_BLOCKED)
     b = _opaque(b)  # (as _consumer with LAG: the pointers' 64-bit parts computed here, not kept)
     hk = _opaque(hk)
     if n_iter > (0 if ACCUMULATE else -1):  # (as _consumer)
@@ -1134,6 +1256,7 @@ def _bwd_ws2(
     LAG: gl.constexpr,
     DQ_FIRST: gl.constexpr,
     SPLIT_D: gl.constexpr,
+    SCORES_AHEAD: gl.constexpr,
     GROUPED_HEADS: gl.constexpr,
     PERSISTENT: gl.constexpr,
     ORDERED: gl.constexpr,
@@ -1292,8 +1415,8 @@ def _bwd_ws2(
     if SPLIT_D:
         gl.warp_specialize(
             [
-                (_consumer_split_d, (0,) + consumer_args),
-                (_consumer_split_d, (1,) + consumer_args),
+                (_consumer_split_d, (0, SCORES_AHEAD) + consumer_args),
+                (_consumer_split_d, (1, SCORES_AHEAD) + consumer_args),
                 (_producer, (gl.tuple(producer_args),) + producer_rest),
             ],
             [4, 1],

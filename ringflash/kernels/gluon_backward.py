@@ -119,6 +119,10 @@ class GluonBwdConfig:
     # ws2_split_d: q/k's head dim in kernels.head_dim_pieces where it has a tail (192 = 128 + 64)
     # rather than padded; dK's and dQ's pieces cross between the warpgroups (_consumer_split_d)
     pieces: bool = False
+    # ws2_split_d where q/k runs in pieces: the next step's S^T and dP^T issued before this step's
+    # dV, dK and dQ are waited on, so the tensor cores have work while the dQ adds run (at a padded
+    # 256 their accumulators do not fit beside the gradients': spills)
+    scores_ahead: bool = False
     # causal blocks: a 3-D grid takes key block j of a few kv heads (as many as keep their
     # streamed Q, dO and dQ within gluon_forward.TILE_ORDER_L2_BYTES) before any key block j + 1,
     # so that the launch does not end on one head's heaviest key blocks (heads_per_group)
@@ -149,6 +153,8 @@ class GluonBwdConfig:
             raise ValueError("dq_first needs lag (without it dQ waits for both halves of dS every step)")
         if self.pieces and not self.split_d:
             raise ValueError("head dims in pieces run the head-dim split schedule (ws2_split_d)")
+        if self.scores_ahead and not self.split_d:
+            raise ValueError("scores_ahead is the head-dim split schedule's (ws2_split_d; ws2 has lag)")
         if self.persistent not in (None, "all", "causal"):
             raise ValueError(f"persistent must be None, 'all' or 'causal', got {self.persistent!r}")
         if self.persistent and self.split_d:
@@ -211,6 +217,13 @@ _SPLIT_D = {
     "split_d_pieces": GluonBwdConfig(
         schedule="ws2_split_d", block_n=64, stages=2, producer_regs=40, dq_blocked=True, pieces=True
     ),
+    # ... the next step's scores issued ahead of this step's dQ adds (two and three stages)
+    "split_d_pieces_ahead": GluonBwdConfig(
+        schedule="ws2_split_d", block_n=64, stages=2, producer_regs=40, dq_blocked=True, pieces=True, scores_ahead=True
+    ),
+    "split_d_pieces_ahead_s3": GluonBwdConfig(
+        schedule="ws2_split_d", block_n=64, stages=3, producer_regs=40, dq_blocked=True, pieces=True, scores_ahead=True
+    ),
 }
 VARIANTS: dict[str, dict[int, GluonBwdConfig]] = {
     **{name: dict.fromkeys((64, 128), c) for name, c in _CONFIGS.items()},
@@ -230,13 +243,24 @@ def config_for(head_dim: int, variant: str | None = None) -> GluonBwdConfig:
     return by_d[block_d]
 
 
-def shared_bytes(cfg: GluonBwdConfig, head_dim: int, elem: int = 2) -> int:
-    """Shared memory of the tiles: K + V, STAGES x (Q + dO + statistics), 2 dS buffers (3 with lag;
-    split_d: 2 dS and 2 P^T)."""
-    kv = 2 * cfg.block_n * head_dim * elem
-    ring = cfg.stages * (2 * cfg.block_m * head_dim * elem + 2 * cfg.block_m * 4)
+def shared_bytes(cfg: GluonBwdConfig, head_dim: int, elem: int = 2, head_dim_v: int | None = None) -> int:
+    """Shared memory of the tiles at these widths (q/k's: qk_tile_columns; v's default: q/k's): K +
+    V, STAGES x (Q + dO + statistics), 2 dS buffers (3 with lag; split_d: 2 dS and 2 P^T)."""
+    head_dim_v = head_dim if head_dim_v is None else head_dim_v
+    kv = cfg.block_n * (head_dim + head_dim_v) * elem
+    ring = cfg.stages * (cfg.block_m * (head_dim + head_dim_v) * elem + 2 * cfg.block_m * 4)
     ds = (4 if cfg.split_d else 3 if cfg.lag else 2) * cfg.block_n * cfg.block_m * elem
     return kv + ring + ds
+
+
+def qk_tile_columns(cfg: GluonBwdConfig, head_dim: int) -> tuple[int, int]:
+    """(main, tail) tile widths of q/k's head dim: in kernels.head_dim_pieces where cfg takes
+    pieces and they balance (main = 2 x tail, as 192 = 128 + 64), else (padded, 0)."""
+    if cfg.pieces:
+        main, tail = head_dim_pieces(head_dim)
+        if tail and main == 2 * tail:
+            return main, tail
+    return padded_head_dim(head_dim), 0
 
 
 def _resolve(q, v, config) -> GluonBwdConfig:
@@ -289,7 +313,9 @@ def check_shapes(q, k, v, m, l, do, delta, dq, dk, dv, *, scale, cfg=None) -> No
         raise Unsupported(f"the Gluon backward adds dQ in column pairs: head_dim {D} must be even")
     if not scale > 0:
         raise Unsupported(f"the Gluon backward takes a positive scale, got {scale}")
-    if cfg is not None and shared_bytes(cfg, max(block_d, padded_head_dim(Dv))) > HOPPER_SHARED_BYTES - 1024:
+    if cfg is not None and shared_bytes(cfg, sum(qk_tile_columns(cfg, D)), head_dim_v=padded_head_dim(Dv)) > (
+        HOPPER_SHARED_BYTES - 1024
+    ):
         raise Unsupported(f"config {cfg} needs too much shared memory at D={D}")
     for name, t in (("q", q), ("k", k), ("v", v), ("do", do)):
         if not _tma_ok(t):
@@ -627,12 +653,8 @@ def launch_plan(
     a persistent launch takes its key blocks from (None: a new one)."""
     B, Sq, Hq, D = q.shape
     Dv = v.shape[3]
-    block_d, block_dv = padded_head_dim(D), padded_head_dim(Dv)
-    block_dt = 0
-    if cfg.pieces:
-        main, tail = head_dim_pieces(D)
-        if tail and main == 2 * tail:  # (the crossed pieces balance at main = 2 x tail)
-            block_d, block_dt = main, tail
+    block_dv = padded_head_dim(Dv)
+    block_d, block_dt = qk_tile_columns(cfg, D)
     Sk, Hkv = k.shape[1], k.shape[2]
     if bounds is not None:
         if causal or window is not None:
@@ -666,6 +688,7 @@ def launch_plan(
         LAG=cfg.lag,
         DQ_FIRST=cfg.dq_first,
         SPLIT_D=cfg.split_d,
+        SCORES_AHEAD=cfg.scores_ahead and block_dt > 0,
         GROUPED_HEADS=False,
         PERSISTENT=False,
         PRODUCER_REGS=cfg.producer_regs,
