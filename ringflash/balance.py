@@ -118,7 +118,24 @@ GATHER_MAX_STEPS = 0
 # time, but ring._ring_kv starts each hop only when the next block is asked for, so a run's call
 # would wait for its hops about as long as it saves (benchmarks/NOTES.md, item 43).
 FORWARD_GROUP_STEPS = 1
-CODE_PREFIX = "balanced:"  # BalancedLayout.code: the layout as the ring operators' layout string
+CODE_PREFIX = "balanced:"
+
+
+def gather_runs(steps) -> list[tuple[int, ...]]:
+    """The one rule for which of a packed ring's steps (schedule.ring_steps, ascending from 0)
+    compute in one call over their blocks gathered in global order: consecutive runs covering
+    them in ring order. From 2 to GATHER_MAX_STEPS steps: one run of all of them (the whole ring
+    in one call each way, the backward gathered too: no float32 state, no merge); else, with
+    FORWARD_GROUP_STEPS from 2, step 0 alone and then runs of that many (the forward's calls,
+    each folded into the state once; the backward keeps a call a step); else a run a step.
+    Pure: every rank, the forward and the backward decide alike."""
+    steps = tuple(steps)
+    if 1 < len(steps) <= GATHER_MAX_STEPS:
+        return [steps]
+    size = max(FORWARD_GROUP_STEPS, 1)
+    return (
+        [steps[:1]] + [steps[i : i + size] for i in range(1, len(steps), size)] if steps else []
+    )  # BalancedLayout.code: the layout as the ring operators' layout string
 
 
 def _document_work(n: int, window: Window) -> int:

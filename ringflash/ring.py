@@ -169,28 +169,20 @@ def _gatherable(spec: RingSpec, key_bias) -> bool:
     return is_balanced(spec.layout) and spec.dropout is None and key_bias is None
 
 
+def _runs(spec: RingSpec, steps, key_bias) -> list[tuple[int, ...]]:
+    """The ring's steps in the runs computed in one call each (balance.gather_runs) where the
+    blocks may be gathered (_gatherable), else a run a step."""
+    return balance.gather_runs(steps) if _gatherable(spec, key_bias) else [(s,) for s in steps]
+
+
 def _gathered(spec: RingSpec, comm, q, kv_len, key_bias):
-    """(steps, balance.GatherPlan) when this ring call computes in one call over every block
-    its steps hold (balance.GATHER_MAX_STEPS: packed documents without dropout or key bias, from
-    2 to that many ring steps), else None. The forward and the backward decide alike, and so
-    does every rank: the steps are the ring's, the same everywhere."""
-    if not _gatherable(spec, key_bias):
-        return None
+    """(steps, balance.GatherPlan) when this ring call computes in one call over every block its
+    steps hold (one run of two steps or more: _runs), else None."""
     steps = ring_steps(spec.layout, comm.world, q.shape[1], kv_len, spec.window)
-    if not 1 < len(steps) <= balance.GATHER_MAX_STEPS:
+    runs = _runs(spec, steps, key_bias)
+    if len(steps) < 2 or len(runs) != 1:
         return None
     return steps, spec.layout.gather_plan(comm.rank, steps, spec.window, q.device)
-
-
-def _forward_groups(spec: RingSpec, steps, key_bias) -> dict[int, tuple[int, ...]]:
-    """{step: the run of steps whose blocks the forward computes in one call with it}, for the
-    steps in runs of 2 or more (balance.FORWARD_GROUP_STEPS: step 0 alone, then runs of that
-    many in ring order); the steps not in it compute a call a step. Every rank groups alike."""
-    size = balance.FORWARD_GROUP_STEPS
-    if size < 2 or not _gatherable(spec, key_bias):
-        return {}
-    runs = [tuple(steps[i : i + size]) for i in range(1, len(steps), size)]
-    return {step: run for run in runs if len(run) > 1 for step in run}
 
 
 def _gather_block(backend, k_all, v_all, rows, k_blk, v_blk) -> None:
@@ -240,7 +232,8 @@ class _RingAttn(torch.autograd.Function):
             return state.o, state.lse()
         state = SoftmaxState.zeros((*q.shape[:3], v.shape[3]), state_dtype(q.dtype), q.device)  # o: (.., Dv)
         steps = ring_steps(spec.layout, comm.world, q.shape[1], k.shape[1], spec.window)
-        groups = _forward_groups(spec, steps, key_bias)
+        # {step: its run} for the runs of several steps (_runs); the others a call a step
+        groups = {step: run for run in _runs(spec, steps, key_bias) if len(run) > 1 for step in run}
         for step, k_blk, v_blk, bias_blk in _ring_kv(comm, k, v, key_bias, steps):
             run = groups.get(step)
             if run is not None:  # gathered until its run's last block has come, then one call

@@ -649,6 +649,20 @@ def test_gluon_backward_takes_v_head_dim_apart_only_split():
             gb.check_shapes(q, k, v, m, m, do, m, dq, dk, dv, scale=0.1, cfg=gb.config_for(128, "ws2_lag"))
 
 
+def _causal_launch_plan(gb, cfg, D, Dv, B=1, S=200, H=4):
+    """(args, kwargs) of the Gluon backward's causal, accumulating launch of cfg for bf16 q (B,
+    S, H, D), k (B, S, 2, D), v (B, S, 2, Dv), built on the CPU (no kernel runs)."""
+    bf = dict(dtype=torch.bfloat16)
+    q, k, v = torch.zeros(B, S, H, D, **bf), torch.zeros(B, S, 2, D, **bf), torch.zeros(B, S, 2, Dv, **bf)
+    do = torch.zeros(B, S, H, Dv, **bf)
+    dk, dv = torch.zeros(k.shape), torch.zeros(v.shape)
+    acc = torch.zeros(B, H, gb.blocked_rows(S), gb.padded_head_dim(D))
+    stats = torch.zeros(B * H * 2 * gb.padded_rows(S, cfg))
+    _, _, args, kwargs = gb.launch_plan(q, k, v, stats, do, acc, dk, dv, q_start=0, k_start=0, causal=True, scale=0.1,
+                                        accumulate=True, cfg=cfg)  # fmt: skip
+    return args, kwargs
+
+
 def test_gluon_backward_head_dim_in_pieces_plan():
     """split_d_pieces runs q/k's head dim as a main piece twice its tail (192 = 128 + 64: BLOCK_D
     128, BLOCK_DT 64, tail descriptors from column 128 on) beside v's own padded width; other
@@ -658,18 +672,10 @@ def test_gluon_backward_head_dim_in_pieces_plan():
 
     if not gb.HAS_GLUON:
         pytest.skip(f"Gluon not importable: {gb.GLUON_ERROR}")
-    B, S, H = 1, 200, 4
     cfg = gb.config_for(192, "split_d_pieces")
     assert cfg.pieces and cfg.split_d and cfg.dq_blocked
     for D, Dv, want in ((192, 128, (128, 64)), (192, 192, (128, 64)), (256, 256, (256, 0)), (160, 160, (256, 0))):
-        bf = dict(dtype=torch.bfloat16)
-        q, k, v = torch.zeros(B, S, H, D, **bf), torch.zeros(B, S, 2, D, **bf), torch.zeros(B, S, 2, Dv, **bf)
-        do = torch.zeros(B, S, H, Dv, **bf)
-        dk, dv = torch.zeros(k.shape), torch.zeros(v.shape)
-        acc = torch.zeros(B, H, gb.blocked_rows(S), gb.padded_head_dim(D))
-        stats = torch.zeros(B * H * 2 * gb.padded_rows(S, cfg))
-        _, _, args, kwargs = gb.launch_plan(q, k, v, stats, do, acc, dk, dv, q_start=0, k_start=0, causal=True,
-                                            scale=0.1, accumulate=True, cfg=cfg)  # fmt: skip
+        args, kwargs = _causal_launch_plan(gb, cfg, D, Dv)
         assert (kwargs["BLOCK_D"], kwargs["BLOCK_DT"]) == want and kwargs["SPLIT_D"]
         pv = gb.padded_head_dim(Dv)
         assert [a.block_shape[-1] for a in args[:4]] == [want[0], want[0], pv, pv]  # q, k, v, do
@@ -692,17 +698,8 @@ def test_gluon_backward_scores_ahead_plan():
 
     if not gb.HAS_GLUON:
         pytest.skip(f"Gluon not importable: {gb.GLUON_ERROR}")
-    B, S, H = 1, 200, 4
-    bf = dict(dtype=torch.bfloat16)
     for D, Dv, ahead in ((192, 128, True), (192, 192, True), (256, 256, False)):
-        cfg = gb.config_for(D, "split_d_pieces_ahead")
-        q, k, v = torch.zeros(B, S, H, D, **bf), torch.zeros(B, S, 2, D, **bf), torch.zeros(B, S, 2, Dv, **bf)
-        do = torch.zeros(B, S, H, Dv, **bf)
-        dk, dv = torch.zeros(k.shape), torch.zeros(v.shape)
-        acc = torch.zeros(B, H, gb.blocked_rows(S), gb.padded_head_dim(D))
-        stats = torch.zeros(B * H * 2 * gb.padded_rows(S, cfg))
-        _, _, _, kwargs = gb.launch_plan(q, k, v, stats, do, acc, dk, dv, q_start=0, k_start=0, causal=True,
-                                         scale=0.1, accumulate=True, cfg=cfg)  # fmt: skip
+        _, kwargs = _causal_launch_plan(gb, gb.config_for(D, "split_d_pieces_ahead"), D, Dv)
         assert kwargs["SCORES_AHEAD"] is ahead
     s3 = gb.config_for(192, "split_d_pieces_ahead_s3")
     # K, V: 64 keys x (192 + 128) columns; three stages of Q + dO and the statistics; P^T, dS^T x 2

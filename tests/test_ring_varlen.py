@@ -746,6 +746,23 @@ def test_ring_varlen_forward_groups(worlds, world, size, causal, window_size, ki
     assert max(hops) > 2  # a run of at least two steps
 
 
+def test_gather_runs_one_rule(monkeypatch):
+    """balance.gather_runs, the one rule for which ring steps compute in one call: a run a step
+    by default; the whole ring in one run from 2 to GATHER_MAX_STEPS steps (ahead of the
+    forward's runs when both are set); else step 0 alone and runs of FORWARD_GROUP_STEPS, the
+    last one shorter; every step once, in ring order."""
+    steps = (0, 1, 2, 4, 5, 7)
+    assert balance.gather_runs(steps) == [(s,) for s in steps] and balance.gather_runs(()) == []
+    monkeypatch.setattr(balance, "FORWARD_GROUP_STEPS", 2)
+    assert balance.gather_runs(steps) == [(0,), (1, 2), (4, 5), (7,)]
+    monkeypatch.setattr(balance, "GATHER_MAX_STEPS", 6)
+    assert balance.gather_runs(steps) == [steps] and balance.gather_runs((0,)) == [(0,)]
+    monkeypatch.setattr(balance, "GATHER_MAX_STEPS", 5)
+    assert balance.gather_runs(steps) == [(0,), (1, 2), (4, 5), (7,)]
+    monkeypatch.setattr(balance, "FORWARD_GROUP_STEPS", 4)
+    assert balance.gather_runs(steps[:2]) == [(0, 1)] and balance.gather_runs(steps) == [(0,), (1, 2, 4, 5), (7,)]
+
+
 def test_ring_varlen_pieces_shorter_than_the_window(worlds, monkeypatch):
     """A 1167-token document under a window of 600 over 3 ranks (1341 tokens), pieces shorter
     than the window allowed (MAX_REACH 3, off by default): the layout cuts it into pieces of 389

@@ -876,14 +876,7 @@ def _split_d_scores(i, zero, bufs, s_zero, shape: gl.constexpr):
     stages, K, V, K's tail, the stages' ready barriers; zero: an opaque 0 indexing K and V (as
     _consumer: their wgmma descriptors are then rebuilt per step, not kept across the loop);
     shape: (WG, QROWS, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, BLOCK_DT, STAGES)."""
-    WG: gl.constexpr = shape[0]
-    QROWS: gl.constexpr = shape[1]
-    BLOCK_M: gl.constexpr = shape[2]
-    BLOCK_N: gl.constexpr = shape[3]
-    BLOCK_D: gl.constexpr = shape[4]
-    BLOCK_DV: gl.constexpr = shape[5]
-    BLOCK_DT: gl.constexpr = shape[6]
-    STAGES: gl.constexpr = shape[7]
+    WG, QROWS, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, BLOCK_DT, STAGES = shape
     q_bufs, do_bufs, qt_bufs, k_smem, v_smem, kt_smem, ready = bufs
     s = i % STAGES
     mbarrier.wait(ready.index(s), (i // STAGES) & 1)
@@ -908,10 +901,7 @@ def _split_d_probs(
     """Step i's P^T and dS^T (its query block from off_m) from its scores (st_tok, dpt_tok: the
     last groups in flight), this warpgroup's 32 columns of each written to shared memory;
     returns once both warpgroups' halves are there. step_mask: _mask_scores' other arguments."""
-    WG: gl.constexpr = shape[0]
-    QROWS: gl.constexpr = shape[1]
-    BLOCK_M: gl.constexpr = shape[2]
-    STAGES: gl.constexpr = shape[7]
+    WG, QROWS, BLOCK_M, _, _, _, _, STAGES = shape
     key_ragged, full_lo, full_hi, key_idx, q_idx, key_q_lo, key_q_hi, Sk, q_start, k_start, left = step_mask
     dtype: gl.constexpr = ds_bufs.dtype
     s = i % STAGES
@@ -941,18 +931,8 @@ def _split_d_probs(
 def _split_d_gradients(i, zero, dv, dk, dq_zero, bufs, ds_bufs, cols: gl.constexpr, shape: gl.constexpr):
     """Step i's dV += P^T dO, dK += dS^T Q over this warpgroup's columns and its dQ = dS K, issued
     in that order (one wgmma group each). Returns their tokens."""
-    WG: gl.constexpr = shape[0]
-    BLOCK_M: gl.constexpr = shape[2]
-    BLOCK_N: gl.constexpr = shape[3]
-    BLOCK_D: gl.constexpr = shape[4]
-    BLOCK_DV: gl.constexpr = shape[5]
-    BLOCK_DT: gl.constexpr = shape[6]
-    STAGES: gl.constexpr = shape[7]
-    COLS_V: gl.constexpr = cols[0]
-    DK_COL0: gl.constexpr = cols[1]
-    DK_COLS: gl.constexpr = cols[2]
-    DQ_COL0: gl.constexpr = cols[3]
-    DQ_COLS: gl.constexpr = cols[4]
+    WG, _, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, BLOCK_DT, STAGES = shape
+    COLS_V, DK_COL0, DK_COLS, DQ_COL0, DQ_COLS, _ = cols
     q_bufs, do_bufs, qt_bufs, k_smem, v_smem, kt_smem, ready = bufs
     s = i % STAGES
     q_t = q_bufs.index(s).reshape([BLOCK_M, BLOCK_D])
@@ -982,12 +962,8 @@ def _split_d_step_done(
 ):  # fmt: skip
     """After step i's gradients have landed: its stage released and its dQ (head h, query block
     from off_m) added (dq_add: _dq_add's other arguments)."""
-    WG: gl.constexpr = shape[0]
-    BLOCK_M: gl.constexpr = shape[2]
-    STAGES: gl.constexpr = shape[7]
-    DQ_COL0: gl.constexpr = cols[3]
-    DQ_COLS: gl.constexpr = cols[4]
-    DQ_TILE: gl.constexpr = cols[5]
+    WG, _, BLOCK_M, _, _, _, _, STAGES = shape
+    _, _, _, DQ_COL0, DQ_COLS, DQ_TILE = cols
     DQ, b, Sq, stride_dqb, stride_dqs, stride_dqh, sm_scale, dq_rows, dq_cols = dq_add
     dq_layout: gl.constexpr = dq.type.layout
     mbarrier.arrive(empty.index(i % STAGES))  # stage read by every matmul of the step
