@@ -651,12 +651,16 @@ def test_gluon_backward_takes_v_head_dim_apart_only_split():
 
 def _causal_launch_plan(gb, cfg, D, Dv, B=1, S=200, H=4):
     """(args, kwargs) of the Gluon backward's causal, accumulating launch of cfg for bf16 q (B,
-    S, H, D), k (B, S, 2, D), v (B, S, 2, Dv), built on the CPU (no kernel runs)."""
+    S, H, D), k (B, S, 2, D), v (B, S, 2, Dv), checked (gluon_backward.check_shapes, as a call
+    is) and built on the CPU (no kernel runs)."""
+    from ringflash.merge import DeltaOf
+
     bf = dict(dtype=torch.bfloat16)
     q, k, v = torch.zeros(B, S, H, D, **bf), torch.zeros(B, S, 2, D, **bf), torch.zeros(B, S, 2, Dv, **bf)
-    do = torch.zeros(B, S, H, Dv, **bf)
+    do, out, m = torch.zeros(B, S, H, Dv, **bf), torch.zeros(B, S, H, Dv, **bf), torch.zeros(B, H, S)
     dk, dv = torch.zeros(k.shape), torch.zeros(v.shape)
     acc = torch.zeros(B, H, gb.blocked_rows(S), gb.padded_head_dim(D))
+    gb.check_shapes(q, k, v, m, m, do, DeltaOf(out, None), gb.BlockedDQ(acc), dk, dv, scale=0.1, cfg=cfg)
     stats = torch.zeros(B * H * 2 * gb.padded_rows(S, cfg))
     _, _, args, kwargs = gb.launch_plan(q, k, v, stats, do, acc, dk, dv, q_start=0, k_start=0, causal=True, scale=0.1,
                                         accumulate=True, cfg=cfg)  # fmt: skip
@@ -687,24 +691,40 @@ def test_gluon_backward_head_dim_in_pieces_plan():
     with pytest.raises(ValueError, match="head-dim split schedule"):
         gb.GluonBwdConfig(pieces=True)
     with pytest.raises(ValueError, match="scores_ahead"):
-        gb.GluonBwdConfig(scores_ahead=True)
+        gb.GluonBwdConfig(scores_ahead="dq")
+    with pytest.raises(ValueError, match="scores_ahead must be one of"):
+        gb.GluonBwdConfig(schedule="ws2_split_d", block_n=64, scores_ahead=True)
 
 
 def test_gluon_backward_scores_ahead_plan():
-    """split_d_pieces_ahead issues a step's scores ahead where q/k runs in pieces (192) and not
-    where it runs padded (256: those accumulators would spill); its three-stage form fits the
-    shared memory at MLA's 192 / 128, counted at each head dim's own tile widths, and not at 256."""
+    """The split schedule's scores go ahead where q/k runs in pieces (192: the kernel's
+    SCORES_AHEAD 1 ahead of the dQ adds, 2 ahead of the gradients) and not where it runs padded
+    (256: those accumulators would spill); the three-stage forms fit the shared memory at MLA's
+    192 / 128, counted at each head dim's own tile widths, and not at 256, and the early one
+    (three P^T / dS^T pairs) not at 192 / 192 either: its check refuses both."""
     from ringflash.kernels import gluon_backward as gb
 
     if not gb.HAS_GLUON:
         pytest.skip(f"Gluon not importable: {gb.GLUON_ERROR}")
-    for D, Dv, ahead in ((192, 128, True), (192, 192, True), (256, 256, False)):
-        _, kwargs = _causal_launch_plan(gb, gb.config_for(D, "split_d_pieces_ahead"), D, Dv)
-        assert kwargs["SCORES_AHEAD"] is ahead
-    s3 = gb.config_for(192, "split_d_pieces_ahead_s3")
+    for variant, D, Dv, want in (
+        ("split_d_pieces_ahead", 192, 128, 1),
+        ("split_d_pieces_ahead", 192, 192, 1),
+        ("split_d_pieces_ahead", 256, 256, 0),
+        ("split_d_pieces_early_s3", 192, 128, 2),
+    ):
+        _, kwargs = _causal_launch_plan(gb, gb.config_for(D, variant), D, Dv)
+        assert kwargs["SCORES_AHEAD"] == want, (variant, D, Dv)
+    s3, early = gb.config_for(192, "split_d_pieces_ahead_s3"), gb.config_for(192, "split_d_pieces_early_s3")
     # K, V: 64 keys x (192 + 128) columns; three stages of Q + dO and the statistics; P^T, dS^T x 2
-    assert gb.shared_bytes(s3, 192, head_dim_v=128) == 2 * 64 * 320 + 3 * (2 * 64 * 320 + 512) + 4 * 64 * 64 * 2
-    assert gb.shared_bytes(s3, 192, head_dim_v=128) <= gb.HOPPER_SHARED_BYTES - 1024 < gb.shared_bytes(s3, 256)
+    kv_stages = 2 * 64 * 320 + 3 * (2 * 64 * 320 + 512)
+    assert gb.shared_bytes(s3, 192, head_dim_v=128) == kv_stages + 4 * 64 * 64 * 2
+    assert gb.shared_bytes(early, 192, head_dim_v=128) == kv_stages + 6 * 64 * 64 * 2
+    limit = gb.HOPPER_SHARED_BYTES - 1024
+    assert max(gb.shared_bytes(c, 192, head_dim_v=128) for c in (s3, early)) <= limit < gb.shared_bytes(s3, 256)
+    assert gb.shared_bytes(early, 192, head_dim_v=256) > limit  # q/k in pieces (192), v's 192 padded to 256
+    for D, Dv in ((192, 192), (256, 256)):
+        with pytest.raises(gb.Unsupported, match="too much shared memory"):
+            _causal_launch_plan(gb, early, D, Dv)
 
 
 def test_plans_are_kept_from_the_second_call_on():
