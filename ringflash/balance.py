@@ -118,7 +118,7 @@ GATHER_MAX_STEPS = 0
 # time, but ring._ring_kv starts each hop only when the next block is asked for, so a run's call
 # would wait for its hops about as long as it saves (benchmarks/NOTES.md, item 43).
 FORWARD_GROUP_STEPS = 1
-CODE_PREFIX = "balanced:"
+CODE_PREFIX = "balanced:"  # BalancedLayout.code: the layout as the ring operators' layout string
 
 
 def gather_runs(steps) -> list[tuple[int, ...]]:
@@ -132,10 +132,10 @@ def gather_runs(steps) -> list[tuple[int, ...]]:
     steps = tuple(steps)
     if 1 < len(steps) <= GATHER_MAX_STEPS:
         return [steps]
+    if not steps:
+        return []
     size = max(FORWARD_GROUP_STEPS, 1)
-    return (
-        [steps[:1]] + [steps[i : i + size] for i in range(1, len(steps), size)] if steps else []
-    )  # BalancedLayout.code: the layout as the ring operators' layout string
+    return [steps[:1]] + [steps[i : i + size] for i in range(1, len(steps), size)]
 
 
 def _document_work(n: int, window: Window) -> int:

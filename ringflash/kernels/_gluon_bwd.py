@@ -1121,8 +1121,10 @@ def _consumer_split_d(
     SCORE_GROUPS: gl.constexpr = 3 if TAIL else 2
     if n_iter > 0:
         mbarrier.wait(kv_bar.index(0), 0)
-    if SCORES_AHEAD == 2:
-        # step i + 1's scores, then step i's gradients; step i + 1's softmax and exchange while
+    if SCORES_AHEAD:
+        # 1: step i's gradients, then step i + 1's scores, then the wait that leaves those in
+        # flight (groups complete in order: dV, dK and dQ are done) and dQ(i)'s adds beside them;
+        # 2: step i + 1's scores, then step i's gradients, step i + 1's softmax and exchange while
         # those run (S^T, then dP^T, waited on with the three gradient groups left in flight),
         # then the gradients awaited and dQ(i) added
         h, off_m = _query_block(0, hk, group, m_first, n_m, p0, BLOCK_M, WALK)
@@ -1135,36 +1137,20 @@ def _consumer_split_d(
             off_m_prev = off_m
             h, off_m = _query_block(i, hk, group, m_first, n_m, p0, BLOCK_M, WALK)
             zero = _opaque(i * 0)
-            st_tok, dpt_tok = _split_d_scores(i, zero, bufs, s_zero, shape)
+            if SCORES_AHEAD == 2:
+                st_tok, dpt_tok = _split_d_scores(i, zero, bufs, s_zero, shape)
             dv_tok, dk_tok, dq_tok = _split_d_gradients(i - 1, zero, dv, dk, dq_zero, bufs, ds_bufs, cols, shape)
-            _split_d_probs(st_tok, dpt_tok, i, off_m, st_bufs, ds_bufs, ds_bar, step_mask, qk_scale, s_layout, shape,
-                           CAUSAL, HAS_LEFT, ROWS, 3)  # fmt: skip
-            dv, dk, dq = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok, dq_tok))
-            _split_d_step_done(i - 1, h_prev, off_m_prev, dq, empty, dq_add, cols, shape, DQ_BLOCKED)
-        if n_iter > 0:
-            zero = _opaque(n_iter * 0)
-            dv_tok, dk_tok, dq_tok = _split_d_gradients(n_iter - 1, zero, dv, dk, dq_zero, bufs, ds_bufs, cols, shape)
-            dv, dk, dq = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok, dq_tok))
-            _split_d_step_done(n_iter - 1, h, off_m, dq, empty, dq_add, cols, shape, DQ_BLOCKED)
-    elif SCORES_AHEAD == 1:
-        # step i's gradients, then step i + 1's scores, then the wait that leaves those in flight
-        # (groups complete in order: dV, dK and dQ are done) and dQ(i)'s adds beside them
-        h, off_m = _query_block(0, hk, group, m_first, n_m, p0, BLOCK_M, WALK)
-        if n_iter > 0:
-            st_tok, dpt_tok = _split_d_scores(0, _opaque(0), bufs, s_zero, shape)
-            _split_d_probs(st_tok, dpt_tok, 0, off_m, st_bufs, ds_bufs, ds_bar, step_mask, qk_scale, s_layout, shape,
-                           CAUSAL, HAS_LEFT, ROWS)  # fmt: skip
-        for i in range(1, n_iter):
-            h_prev = h
-            off_m_prev = off_m
-            h, off_m = _query_block(i, hk, group, m_first, n_m, p0, BLOCK_M, WALK)
-            zero = _opaque(i * 0)
-            dv_tok, dk_tok, dq_tok = _split_d_gradients(i - 1, zero, dv, dk, dq_zero, bufs, ds_bufs, cols, shape)
-            st_tok, dpt_tok = _split_d_scores(i, zero, bufs, s_zero, shape)
-            dv, dk, dq = warpgroup_mma_wait(SCORE_GROUPS, deps=(dv_tok, dk_tok, dq_tok))
-            _split_d_step_done(i - 1, h_prev, off_m_prev, dq, empty, dq_add, cols, shape, DQ_BLOCKED)
-            _split_d_probs(st_tok, dpt_tok, i, off_m, st_bufs, ds_bufs, ds_bar, step_mask, qk_scale, s_layout, shape,
-                           CAUSAL, HAS_LEFT, ROWS)  # fmt: skip
+            if SCORES_AHEAD == 1:
+                st_tok, dpt_tok = _split_d_scores(i, zero, bufs, s_zero, shape)
+                dv, dk, dq = warpgroup_mma_wait(SCORE_GROUPS, deps=(dv_tok, dk_tok, dq_tok))
+                _split_d_step_done(i - 1, h_prev, off_m_prev, dq, empty, dq_add, cols, shape, DQ_BLOCKED)
+                _split_d_probs(st_tok, dpt_tok, i, off_m, st_bufs, ds_bufs, ds_bar, step_mask, qk_scale, s_layout,
+                               shape, CAUSAL, HAS_LEFT, ROWS)  # fmt: skip
+            else:
+                _split_d_probs(st_tok, dpt_tok, i, off_m, st_bufs, ds_bufs, ds_bar, step_mask, qk_scale, s_layout,
+                               shape, CAUSAL, HAS_LEFT, ROWS, 3)  # fmt: skip
+                dv, dk, dq = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok, dq_tok))
+                _split_d_step_done(i - 1, h_prev, off_m_prev, dq, empty, dq_add, cols, shape, DQ_BLOCKED)
         if n_iter > 0:
             zero = _opaque(n_iter * 0)
             dv_tok, dk_tok, dq_tok = _split_d_gradients(n_iter - 1, zero, dv, dk, dq_zero, bufs, ds_bufs, cols, shape)

@@ -240,7 +240,7 @@ _SPLIT_D = {
         dq_blocked=True,
         pieces=True,
         scores_ahead="gradients",
-    ),  # fmt: skip
+    ),
 }
 VARIANTS: dict[str, dict[int, GluonBwdConfig]] = {
     **{name: dict.fromkeys((64, 128), c) for name, c in _CONFIGS.items()},
@@ -267,9 +267,11 @@ def shared_bytes(cfg: GluonBwdConfig, head_dim: int, elem: int = 2, head_dim_v: 
     head_dim_v = head_dim if head_dim_v is None else head_dim_v
     kv = cfg.block_n * (head_dim + head_dim_v) * elem
     ring = cfg.stages * (cfg.block_m * (head_dim + head_dim_v) * elem + 2 * cfg.block_m * 4)
-    ds = ((6 if cfg.scores_ahead == "gradients" else 4) if cfg.split_d else 3 if cfg.lag else 2) * cfg.block_n
-    ds *= cfg.block_m * elem
-    return kv + ring + ds
+    if cfg.split_d:  # P^T and dS^T, a pair a step in flight
+        ds_tiles = 2 * (3 if cfg.scores_ahead == "gradients" else 2)
+    else:
+        ds_tiles = 3 if cfg.lag else 2
+    return kv + ring + ds_tiles * cfg.block_n * cfg.block_m * elem
 
 
 def qk_tile_columns(cfg: GluonBwdConfig, head_dim: int) -> tuple[int, int]:
