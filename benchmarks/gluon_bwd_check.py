@@ -21,7 +21,10 @@
    beside the package's Triton two-pass backward (delta + dK/dV pass + dQ pass) and SDPA's
    cuDNN backward (autograd.grad with retain_graph), triton.testing.do_bench medians;
    TFLOP/s = 2.5 x 4*B*H*S*S*D (half for causal). The Gluon gradients at each timed shape are
-   compared with the Triton ones.
+   compared with the Triton ones. --rounds N times each shape N times, the order reversed every
+   other round: the tables then give medians, and a last one each variant's TFLOP/s over the
+   first variant's in the same round (median, min-max), instead of two runs with the order
+   swapped.
 
 Every case runs in a child process under a timeout (benchmarks.gluon_check.Runner): a hung
 kernel is killed and recorded as HANG (the other variants of its schedule are then skipped;
@@ -36,6 +39,7 @@ import json
 import math
 import os
 import platform
+import statistics
 import sys
 import time
 import traceback
@@ -109,7 +113,12 @@ def correctness_cases(variant: str, lite: bool, D: int = 128, Dv: int | None = N
     return cases
 
 
-def timing_tasks(variants, seqlens, heads, gqa_heads, D: int = 128, Dv: int | None = None) -> list[dict]:
+def timing_tasks(
+    variants, seqlens, heads, gqa_heads, D: int = 128, Dv: int | None = None, rounds: int = 1
+) -> list[dict]:
+    """One timing per implementation and shape, `rounds` times each shape, the implementations'
+    order reversed every other round (a clock that drifts during a shape's timings then falls on
+    each implementation alike)."""
     tasks = []
     # 16K first, then the shorter ones, the GQA case, the longer ones: a deadline cuts the last
     order = sorted(seqlens, key=lambda S: (S != 16384, S > 16384, S))
@@ -117,23 +126,26 @@ def timing_tasks(variants, seqlens, heads, gqa_heads, D: int = 128, Dv: int | No
     if gqa_heads:
         shapes.append((16384 if 16384 in seqlens else order[0], True, gqa_heads))
     shapes += [(S, causal, heads) for S in order if S > 16384 for causal in (False, True)]
+    impls = ["sdpa_cudnn", "triton"] + [f"gluon:{v}" for v in variants]
     for S, causal, hkv in shapes:
-        for impl in ["sdpa_cudnn", "triton"] + [f"gluon:{v}" for v in variants]:
-            tasks.append(
-                dict(
-                    kind="time",
-                    impl=impl,
-                    D=D,
-                    Dv=Dv or D,
-                    S=S,
-                    causal=causal,
-                    B=1,
-                    H=heads,
-                    Hkv=hkv,
-                    dtype="bf16",
-                    id=f"time:{impl}:{S}:{int(causal)}:{hkv}",
+        for r in range(rounds):
+            for impl in impls if r % 2 == 0 else impls[::-1]:
+                tasks.append(
+                    dict(
+                        kind="time",
+                        impl=impl,
+                        D=D,
+                        Dv=Dv or D,
+                        S=S,
+                        causal=causal,
+                        B=1,
+                        H=heads,
+                        Hkv=hkv,
+                        dtype="bf16",
+                        id=f"time:{impl}:{S}:{int(causal)}:{hkv}" + (f":r{r}" if rounds > 1 else ""),
+                        round=r,
+                    )
                 )
-            )
     return tasks
 
 
@@ -601,7 +613,7 @@ def print_summary(out: dict, variants, seqlens):
     if not out["timing"]:
         return
     impls = ["sdpa_cudnn", "triton"] + [f"gluon:{v}" for v in variants]
-    by = {(r["impl"], r["S"], r["causal"], r["Hkv"]): r for r in out["timing"]}
+    by = _timing_medians(out["timing"])
     shapes = sorted({(r["S"], r["causal"], r["Hkv"]) for r in out["timing"]}, key=lambda x: (x[2] != 32, x))
     names = [i.replace("gluon:", "") for i in impls]
     print(
@@ -640,6 +652,54 @@ def print_summary(out: dict, variants, seqlens):
                 r = by.get((i, S, causal, hkv)) or {}
                 cells.append(f"{r['kernel_tflops']:7.1f} ({r['rest_ms']:5.2f})" if "kernel_ms" in r else f"{'-':>16}")
             print(f"{S:>6} {str(causal):>6} {hkv:>4} | " + " ".join(f"{c:>16}" for c in cells))
+    rounds = _round_ratios(out["timing"], gl_impls)
+    if rounds:
+        first = gl_impls[0][6:]
+        print(f"\n=== each variant over {first}, TFLOP/s of the same round: median (min-max) over the rounds ===")
+        print(f"{'S':>6} {'causal':>6} {'Hkv':>4} | " + " ".join(f"{i[6:][:18]:>18}" for i in gl_impls[1:]))
+        for S, causal, hkv in shapes:
+            cells = []
+            for i in gl_impls[1:]:
+                q = rounds.get((i, S, causal, hkv))
+                cells.append(f"{q[1]:.3f} ({q[0]:.3f}-{q[2]:.3f})" if q else "-")
+            print(f"{S:>6} {str(causal):>6} {hkv:>4} | " + " ".join(f"{c:>18}" for c in cells))
+
+
+def _timing_medians(rows) -> dict:
+    """{(impl, S, causal, Hkv): row}: a shape's one timing, or over several rounds a row with the
+    median TFLOP/s (and kernel TFLOP/s, ms outside the kernel), the rounds' count, and the
+    agreement with the Triton gradients of every round."""
+    groups = {}
+    for r in rows:
+        groups.setdefault((r["impl"], r["S"], r["causal"], r["Hkv"]), []).append(r)
+    by = {}
+    for key, rs in groups.items():
+        ok = [r for r in rs if "tflops" in r]
+        if len(rs) == 1 or not ok:
+            by[key] = rs[0]
+            continue
+        row = dict(ok[0], rounds=len(ok))
+        for f in ("tflops", "ms", "kernel_tflops", "kernel_ms", "rest_ms"):
+            if all(f in r for r in ok):
+                row[f] = statistics.median(r[f] for r in ok)
+        row["agrees_with_triton"] = all(r.get("agrees_with_triton", True) for r in ok)
+        by[key] = row
+    return by
+
+
+def _round_ratios(rows, gl_impls) -> dict:
+    """{(impl, S, causal, Hkv): (min, median, max)} of each Gluon variant's TFLOP/s over the first
+    variant's in the same round, for shapes timed in two rounds or more (timing_tasks' rounds)."""
+    if len(gl_impls) < 2:
+        return {}
+    tf = {(r["impl"], r["S"], r["causal"], r["Hkv"], r.get("round", 0)): r["tflops"] for r in rows if "tflops" in r}
+    out = {}
+    for impl in gl_impls[1:]:
+        for (i, S, causal, hkv, rnd), t in tf.items():
+            if i != impl or (gl_impls[0], S, causal, hkv, rnd) not in tf:
+                continue
+            out.setdefault((impl, S, causal, hkv), []).append(t / tf[(gl_impls[0], S, causal, hkv, rnd)])
+    return {k: (min(v), statistics.median(v), max(v)) for k, v in out.items() if len(v) > 1}
 
 
 def main():
@@ -657,6 +717,13 @@ def main():
     ap.add_argument("--v-head-dim", type=int, default=None, help="v's head dim apart (default: --head-dim), e.g. 128")
     ap.add_argument("--gqa-heads", type=int, default=8, help="kv heads of the one GQA timing (0: none)")
     ap.add_argument("--quick", action="store_true", help="S=16K only and the smaller correctness set")
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="time each shape this many times, the order reversed every other round (medians and per-round "
+        "ratios to the first variant in the summary)",
+    )
     ap.add_argument("--full-correctness-for", nargs="*", default=["ws2"], help="variants that get the full set")
     ap.add_argument(
         "--jobs",
@@ -811,7 +878,7 @@ def main():
     timed = [] if args.skip_timing else variants if args.time_failing else [v for v in variants if v in passing]
     if not args.skip_timing:
         gqa = args.gqa_heads if args.gqa_heads != args.heads else 0
-        tasks = timing_tasks(timed, seqlens, args.heads, gqa, args.head_dim, args.v_head_dim)
+        tasks = timing_tasks(timed, seqlens, args.heads, gqa, args.head_dim, args.v_head_dim, args.rounds)
         Runner(args.timing_timeout, deadline, sink("timing")).run(tasks)
     meta["elapsed_s"] = time.monotonic() - t0
     save()

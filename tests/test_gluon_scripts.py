@@ -356,3 +356,30 @@ def test_builtin_shapes_compile_for_hopper(tmp_path):
     )
     # 295936 bytes: the sixth sweep's OutOfResources on the H200
     assert not any(r["fits"] for r in json.loads((tmp_path / "big.json").read_text()))
+
+
+def test_gluon_bwd_check_rounds_alternate_and_summarize(capsys):
+    """benchmarks/gluon_bwd_check.py --rounds: each shape's implementations timed in rounds whose
+    order reverses every other round, and the summary's medians and per-round ratios to the
+    first variant (here: b 1.1x a in two rounds, 1.3x in one) computed from the rows."""
+    from benchmarks import gluon_bwd_check as gbc
+
+    base = ["sdpa_cudnn", "triton", "gluon:a", "gluon:b"]
+    tasks = gbc.timing_tasks(["a", "b"], [16384], 32, 0, rounds=3)
+    assert [t["impl"] for t in tasks if not t["causal"]] == base + base[::-1] + base
+    assert [t["round"] for t in tasks if not t["causal"]] == [0] * 4 + [1] * 4 + [2] * 4
+    assert len({t["id"] for t in tasks}) == len(tasks) == 24
+    assert [t["impl"] for t in gbc.timing_tasks(["a"], [16384], 32, 0)][:3] == base[:3]
+    speed = {"sdpa_cudnn": [300, 310, 320], "triton": [100, 100, 100], "gluon:a": [200, 210, 190],
+             "gluon:b": [220, 273, 209]}  # fmt: skip
+    rows = [
+        dict(impl=i, S=16384, causal=False, Hkv=32, round=r, status="OK", tflops=t, ms=1.0)
+        for i, ts in speed.items()
+        for r, t in enumerate(ts)
+    ]
+    out = {"meta": {"heads": 32, "head_dim": 192}, "correctness": [], "timing": rows}
+    gbc.print_summary(out, ["a", "b"], [16384])
+    text = capsys.readouterr().out
+    table = text.split("=== backward TFLOP/s")[1]
+    assert "310.0" in table and "200.0" in table and "220.0" in table  # medians of the rounds
+    assert "1.100 (1.100-1.300)" in text.split("over a, TFLOP/s of the same round")[1]
