@@ -39,7 +39,6 @@ import json
 import math
 import os
 import platform
-import statistics
 import sys
 import time
 import traceback
@@ -116,9 +115,7 @@ def correctness_cases(variant: str, lite: bool, D: int = 128, Dv: int | None = N
 def timing_tasks(
     variants, seqlens, heads, gqa_heads, D: int = 128, Dv: int | None = None, rounds: int = 1
 ) -> list[dict]:
-    """One timing per implementation and shape, `rounds` times each shape, the implementations'
-    order reversed every other round (a clock that drifts during a shape's timings then falls on
-    each implementation alike)."""
+    """One timing per implementation and shape, `rounds` times each shape (gluon_check.in_rounds)."""
     tasks = []
     # 16K first, then the shorter ones, the GQA case, the longer ones: a deadline cuts the last
     order = sorted(seqlens, key=lambda S: (S != 16384, S > 16384, S))
@@ -128,24 +125,23 @@ def timing_tasks(
     shapes += [(S, causal, heads) for S in order if S > 16384 for causal in (False, True)]
     impls = ["sdpa_cudnn", "triton"] + [f"gluon:{v}" for v in variants]
     for S, causal, hkv in shapes:
-        for r in range(rounds):
-            for impl in impls if r % 2 == 0 else impls[::-1]:
-                tasks.append(
-                    dict(
-                        kind="time",
-                        impl=impl,
-                        D=D,
-                        Dv=Dv or D,
-                        S=S,
-                        causal=causal,
-                        B=1,
-                        H=heads,
-                        Hkv=hkv,
-                        dtype="bf16",
-                        id=f"time:{impl}:{S}:{int(causal)}:{hkv}" + (f":r{r}" if rounds > 1 else ""),
-                        round=r,
-                    )
+        for r, impl in gc.in_rounds(impls, rounds):
+            tasks.append(
+                dict(
+                    kind="time",
+                    impl=impl,
+                    D=D,
+                    Dv=Dv or D,
+                    S=S,
+                    causal=causal,
+                    B=1,
+                    H=heads,
+                    Hkv=hkv,
+                    dtype="bf16",
+                    id=f"time:{impl}:{S}:{int(causal)}:{hkv}" + (f":r{r}" if rounds > 1 else ""),
+                    round=r,
                 )
+            )
     return tasks
 
 
@@ -613,7 +609,8 @@ def print_summary(out: dict, variants, seqlens):
     if not out["timing"]:
         return
     impls = ["sdpa_cudnn", "triton"] + [f"gluon:{v}" for v in variants]
-    by = _timing_medians(out["timing"])
+    shape = lambda r: (r["S"], r["causal"], r["Hkv"])  # noqa: E731
+    by = gc.timing_medians(out["timing"], shape)
     shapes = sorted({(r["S"], r["causal"], r["Hkv"]) for r in out["timing"]}, key=lambda x: (x[2] != 32, x))
     names = [i.replace("gluon:", "") for i in impls]
     print(
@@ -652,54 +649,7 @@ def print_summary(out: dict, variants, seqlens):
                 r = by.get((i, S, causal, hkv)) or {}
                 cells.append(f"{r['kernel_tflops']:7.1f} ({r['rest_ms']:5.2f})" if "kernel_ms" in r else f"{'-':>16}")
             print(f"{S:>6} {str(causal):>6} {hkv:>4} | " + " ".join(f"{c:>16}" for c in cells))
-    rounds = _round_ratios(out["timing"], gl_impls)
-    if rounds:
-        first = gl_impls[0][6:]
-        print(f"\n=== each variant over {first}, TFLOP/s of the same round: median (min-max) over the rounds ===")
-        print(f"{'S':>6} {'causal':>6} {'Hkv':>4} | " + " ".join(f"{i[6:][:18]:>18}" for i in gl_impls[1:]))
-        for S, causal, hkv in shapes:
-            cells = []
-            for i in gl_impls[1:]:
-                q = rounds.get((i, S, causal, hkv))
-                cells.append(f"{q[1]:.3f} ({q[0]:.3f}-{q[2]:.3f})" if q else "-")
-            print(f"{S:>6} {str(causal):>6} {hkv:>4} | " + " ".join(f"{c:>18}" for c in cells))
-
-
-def _timing_medians(rows) -> dict:
-    """{(impl, S, causal, Hkv): row}: a shape's one timing, or over several rounds a row with the
-    median TFLOP/s (and kernel TFLOP/s, ms outside the kernel), the rounds' count, and the
-    agreement with the Triton gradients of every round."""
-    groups = {}
-    for r in rows:
-        groups.setdefault((r["impl"], r["S"], r["causal"], r["Hkv"]), []).append(r)
-    by = {}
-    for key, rs in groups.items():
-        ok = [r for r in rs if "tflops" in r]
-        if len(rs) == 1 or not ok:
-            by[key] = rs[0]
-            continue
-        row = dict(ok[0], rounds=len(ok))
-        for f in ("tflops", "ms", "kernel_tflops", "kernel_ms", "rest_ms"):
-            if all(f in r for r in ok):
-                row[f] = statistics.median(r[f] for r in ok)
-        row["agrees_with_triton"] = all(r.get("agrees_with_triton", True) for r in ok)
-        by[key] = row
-    return by
-
-
-def _round_ratios(rows, gl_impls) -> dict:
-    """{(impl, S, causal, Hkv): (min, median, max)} of each Gluon variant's TFLOP/s over the first
-    variant's in the same round, for shapes timed in two rounds or more (timing_tasks' rounds)."""
-    if len(gl_impls) < 2:
-        return {}
-    tf = {(r["impl"], r["S"], r["causal"], r["Hkv"], r.get("round", 0)): r["tflops"] for r in rows if "tflops" in r}
-    out = {}
-    for impl in gl_impls[1:]:
-        for (i, S, causal, hkv, rnd), t in tf.items():
-            if i != impl or (gl_impls[0], S, causal, hkv, rnd) not in tf:
-                continue
-            out.setdefault((impl, S, causal, hkv), []).append(t / tf[(gl_impls[0], S, causal, hkv, rnd)])
-    return {k: (min(v), statistics.median(v), max(v)) for k, v in out.items() if len(v) > 1}
+    gc.print_round_ratios(out["timing"], gl_impls, shape, shapes, f"{'S':>6} {'causal':>6} {'Hkv':>6}")
 
 
 def main():

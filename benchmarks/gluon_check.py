@@ -15,7 +15,9 @@
 3. Timing beside SDPA (cuDNN and flash backends) and the package's Triton kernel, B=1, H=32,
    triton.testing.do_bench medians, TFLOP/s = 4*B*H*S*S*D (half for causal). Only variants
    that passed correctness are timed; each timed output is also compared with the Triton
-   kernel's at that shape.
+   kernel's at that shape. --rounds N times each shape N times, the order reversed every other
+   round: the table then gives medians, and a last one each variant's TFLOP/s over the first
+   variant's in the same round (median, min-max).
 
 Every case runs in a child process watched with a timeout (--case-timeout): a hung kernel
 is killed and recorded as HANG (the rest of that variant is skipped), a crash as CRASH, and
@@ -31,6 +33,7 @@ import os
 import platform
 import select
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -133,14 +136,66 @@ def correctness_cases(variant: str, lite: bool, head_dims) -> list[dict]:
     return cases
 
 
-def timing_tasks(variants, head_dims, seqlens, heads, dtype) -> list[dict]:
+def in_rounds(impls: list[str], rounds: int) -> list[tuple[int, str]]:
+    """(round, impl) in timing order: each implementation once a round, the order reversed every
+    other round, so that a clock drifting during a shape's timings falls on each alike."""
+    return [(r, i) for r in range(rounds) for i in (impls if r % 2 == 0 else impls[::-1])]
 
+
+def timing_medians(rows, shape) -> dict:
+    """{(impl, *shape(row)): row}: a shape's one timing, or over several rounds a row with the
+    median TFLOP/s (and ms, kernel TFLOP/s, ms outside the kernel where given), the rounds'
+    count, and the agreement with the Triton result of every round."""
+    groups = {}
+    for r in rows:
+        groups.setdefault((r["impl"], *shape(r)), []).append(r)
+    by = {}
+    for key, rs in groups.items():
+        ok = [r for r in rs if "tflops" in r]
+        if len(rs) == 1 or not ok:
+            by[key] = rs[0]
+            continue
+        row = dict(ok[0], rounds=len(ok))
+        for f in ("tflops", "ms", "kernel_tflops", "kernel_ms", "rest_ms"):
+            if all(f in r for r in ok):
+                row[f] = statistics.median(r[f] for r in ok)
+        row["agrees_with_triton"] = all(r.get("agrees_with_triton", True) for r in ok)
+        by[key] = row
+    return by
+
+
+def print_round_ratios(rows, gl_impls, shape, shapes, head: str) -> None:
+    """For shapes timed in two rounds or more: each Gluon variant's TFLOP/s over the first
+    variant's in the same round, median (min-max) over the rounds, a line per shape (its
+    columns: head, a formatted line start; shapes: the shape tuples in print order)."""
+    if len(gl_impls) < 2:
+        return
+    tf = {(r["impl"], *shape(r), r.get("round", 0)): r["tflops"] for r in rows if "tflops" in r}
+    ratios = {}
+    for (impl, *sh, rnd), t in tf.items():
+        base = tf.get((gl_impls[0], *sh, rnd))
+        if impl in gl_impls[1:] and base:
+            ratios.setdefault((impl, *sh), []).append(t / base)
+    if not any(len(v) > 1 for v in ratios.values()):
+        return
+    print(f"\n=== each variant over {gl_impls[0][6:]}, TFLOP/s of the same round: median (min-max) over the rounds ===")
+    print(head + " | " + " ".join(f"{i[6:][:18]:>18}" for i in gl_impls[1:]))
+    for sh in shapes:
+        cells = []
+        for impl in gl_impls[1:]:
+            q = ratios.get((impl, *sh), [])
+            cells.append(f"{statistics.median(q):.3f} ({min(q):.3f}-{max(q):.3f})" if len(q) > 1 else "-")
+        print(" ".join(f"{x!s:>{w}}" for x, w in zip(sh, (6, 6, 6))) + " | " + " ".join(f"{c:>18}" for c in cells))
+
+
+def timing_tasks(variants, head_dims, seqlens, heads, dtype, rounds: int = 1) -> list[dict]:
+    """One timing per implementation and shape, `rounds` times each shape (in_rounds)."""
     tasks = []
     for D in head_dims:
         for S in seqlens:
             for causal in (False, True):
                 gluon = [f"gluon:{v}" for v in variants if has_config(v, D)]
-                for impl in ["sdpa_cudnn", "sdpa_flash", "triton"] + gluon:
+                for r, impl in in_rounds(["sdpa_cudnn", "sdpa_flash", "triton"] + gluon, rounds):
                     tasks.append(
                         dict(
                             kind="time",
@@ -151,7 +206,8 @@ def timing_tasks(variants, head_dims, seqlens, heads, dtype) -> list[dict]:
                             B=1,
                             H=heads,
                             dtype=dtype,
-                            id=f"time:{impl}:{D}:{S}:{int(causal)}",
+                            id=f"time:{impl}:{D}:{S}:{int(causal)}" + (f":r{r}" if rounds > 1 else ""),
+                            round=r,
                         )
                     )
     return tasks
@@ -683,7 +739,8 @@ def print_summary(out: dict, variants, head_dims, seqlens):
     if not out["timing"]:
         return
     impls = ["sdpa_cudnn", "sdpa_flash", "triton"] + [f"gluon:{v}" for v in variants]
-    by = {(r["impl"], r["D"], r["S"], r["causal"]): r for r in out["timing"]}
+    shape = lambda r: (r["D"], r["S"], r["causal"])  # noqa: E731
+    by = timing_medians(out["timing"], shape)
     names = [i.replace("gluon:", "") for i in impls]
     print(f"\n=== forward TFLOP/s (B=1, H={out['meta']['heads']}, bf16 unless --dtype) ===")
     print(f"{'D':>4} {'S':>6} {'causal':>6} | " + " ".join(f"{n[:10]:>10}" for n in names) + " | best gluon / cudnn")
@@ -702,6 +759,9 @@ def print_summary(out: dict, variants, head_dims, seqlens):
                 tail = f"{best[0][6:]} {best[1] / cu:.2f}x" if best and cu else "-"
                 print(f"{D:>4} {S:>6} {str(causal):>6} | " + " ".join(vals) + f" | {tail}")
     print("('!' = output differs from the Triton kernel's by more than 2^-6 of its largest value)")
+    shapes = [(D, S, causal) for D in head_dims for S in seqlens for causal in (False, True)]
+    gl_impls = [i for i in impls if i.startswith("gluon:")]
+    print_round_ratios(out["timing"], gl_impls, shape, shapes, f"{'D':>6} {'S':>6} {'causal':>6}")
 
 
 def main():
@@ -713,6 +773,13 @@ def main():
     ap.add_argument("--heads", type=int, default=32)
     ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp16"], help="timing dtype")
     ap.add_argument("--quick", action="store_true", help="S=16K only and the smaller correctness set")
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="time each shape this many times, the order reversed every other round (medians and per-round "
+        "ratios to the first variant in the summary)",
+    )
     ap.add_argument(
         "--full-correctness-for",
         nargs="*",
@@ -869,7 +936,7 @@ def main():
         passing = {v for v in variants if all(r["status"] == "PASS" for r in out["correctness"] if r["variant"] == v)}
     timed = [] if args.skip_timing else variants if args.time_failing else [v for v in variants if v in passing]
     if not args.skip_timing:
-        tasks = timing_tasks(timed, args.head_dims, seqlens, args.heads, args.dtype)
+        tasks = timing_tasks(timed, args.head_dims, seqlens, args.heads, args.dtype, args.rounds)
         Runner(max(args.case_timeout, 300.0), deadline, sink("timing")).run(tasks)
     meta["elapsed_s"] = time.monotonic() - t0
     save()

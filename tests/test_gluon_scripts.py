@@ -383,3 +383,27 @@ def test_gluon_bwd_check_rounds_alternate_and_summarize(capsys):
     table = text.split("=== backward TFLOP/s")[1]
     assert "310.0" in table and "200.0" in table and "220.0" in table  # medians of the rounds
     assert "1.100 (1.100-1.300)" in text.split("over a, TFLOP/s of the same round")[1]
+    # the forward's check, through the same helpers (benchmarks.gluon_check)
+    from benchmarks import gluon_check as gc
+
+    variants = ["ws2", "ws2_s3"]
+    assert all(gc.has_config(v, 128) for v in variants)
+    fwd = gc.timing_tasks(variants, [128], [4096], 32, "bf16", rounds=2)
+    impls = ["sdpa_cudnn", "sdpa_flash", "triton"] + [f"gluon:{v}" for v in variants]
+    assert [t["impl"] for t in fwd if not t["causal"]] == impls + impls[::-1]
+    faster = {0: 1.1, 1: 1.2}  # the second variant over the first, by round
+    rows = [
+        dict(
+            impl=i,
+            D=128,
+            S=4096,
+            causal=False,
+            round=r,
+            status="OK",
+            tflops=100.0 * (faster[r] if i == impls[-1] else 1),
+        )
+        for r in range(2)
+        for i in impls
+    ]
+    gc.print_summary({"meta": {"heads": 32}, "correctness": [], "timing": rows}, variants, [128], [4096])
+    assert "1.150 (1.100-1.200)" in capsys.readouterr().out
