@@ -667,13 +667,7 @@ def main():
     ap.add_argument("--v-head-dim", type=int, default=None, help="v's head dim apart (default: --head-dim), e.g. 128")
     ap.add_argument("--gqa-heads", type=int, default=8, help="kv heads of the one GQA timing (0: none)")
     ap.add_argument("--quick", action="store_true", help="S=16K only and the smaller correctness set")
-    ap.add_argument(
-        "--rounds",
-        type=int,
-        default=1,
-        help="time each shape this many times, the order reversed every other round (medians and per-round "
-        "ratios to the first variant in the summary)",
-    )
+    gc.add_rounds_arg(ap)
     ap.add_argument("--full-correctness-for", nargs="*", default=["ws2"], help="variants that get the full set")
     ap.add_argument(
         "--jobs",

@@ -188,6 +188,17 @@ def print_round_ratios(rows, gl_impls, shape, shapes, head: str) -> None:
         print(" ".join(f"{x!s:>{w}}" for x, w in zip(sh, (6, 6, 6))) + " | " + " ".join(f"{c:>18}" for c in cells))
 
 
+def add_rounds_arg(ap) -> None:
+    """--rounds, the timings' rounds (in_rounds), of this script and the backward's."""
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="time each shape this many times, the order reversed every other round (medians and per-round "
+        "ratios to the first variant in the summary)",
+    )
+
+
 def timing_tasks(variants, head_dims, seqlens, heads, dtype, rounds: int = 1) -> list[dict]:
     """One timing per implementation and shape, `rounds` times each shape (in_rounds)."""
     tasks = []
@@ -773,13 +784,7 @@ def main():
     ap.add_argument("--heads", type=int, default=32)
     ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp16"], help="timing dtype")
     ap.add_argument("--quick", action="store_true", help="S=16K only and the smaller correctness set")
-    ap.add_argument(
-        "--rounds",
-        type=int,
-        default=1,
-        help="time each shape this many times, the order reversed every other round (medians and per-round "
-        "ratios to the first variant in the summary)",
-    )
+    add_rounds_arg(ap)
     ap.add_argument(
         "--full-correctness-for",
         nargs="*",
