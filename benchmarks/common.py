@@ -388,9 +388,16 @@ def dependent_ring_ms(
     world = len(forward)
     both = [[f + b for f, b in zip(fr, br)] for fr, br in zip(forward, backward)]
     outside = [c - sum(steps) for c, steps in zip(compute, both)]
-    run = [s for s in range(world) if s == 0 or any(both[r][s] for r in range(world))]
+    run = running_steps(forward, backward)
     ends = ring_time(forward, backward, [0.0] * world, run, kv_hop_ms, grad_hop_ms, grad_chunks)
     return max(e + o for e, o in zip(ends, outside))
+
+
+def running_steps(forward, backward) -> list[int]:
+    """The ring steps that run, from each rank's measured time in each step, forward[r][s] and
+    backward[r][s]: step 0 and any step some rank has time in."""
+    world = len(forward)
+    return [s for s in range(world) if s == 0 or any(forward[r][s] + backward[r][s] for r in range(world))]
 
 
 def kv_bytes_sent(layout, kv_heads: int, head_dim: int, itemsize: int) -> int:

@@ -26,7 +26,7 @@ import argparse
 import json
 from pathlib import Path
 
-from benchmarks.common import dependent_ring_ms
+from benchmarks.common import dependent_ring_ms, running_steps
 
 ITEMSIZE = {"torch.bfloat16": 2, "torch.float16": 2, "torch.float32": 4}
 
@@ -38,8 +38,7 @@ def modelled(row: dict, meta: dict, link_gb_s: list[float]) -> dict | None:
     if not fwd or not bwd:
         return None
     world = row["world"]
-    run = [s for s in range(world) if s == 0 or any(fwd[r][s] + bwd[r][s] for r in range(world))]
-    if 1 < len(run) <= (row.get("gather_max_steps") or 0):
+    if 1 < len(running_steps(fwd, bwd)) <= (row.get("gather_max_steps") or 0):
         return None
     compute = [d - t for d, t in zip(row["rank_device_ms"], row["rank_transfer_ms"])]
     single_ms = row["device_efficiency"] * world * max(row["rank_device_ms"])

@@ -177,10 +177,12 @@ def _runs(spec: RingSpec, steps, key_bias) -> list[tuple[int, ...]]:
 
 def _gathered(spec: RingSpec, comm, q, kv_len, key_bias):
     """(steps, balance.GatherPlan) when this ring call computes in one call over every block its
-    steps hold (one run of two steps or more: _runs), else None."""
+    steps hold (balance.gather_runs: one run of two steps or more), else None; a ring whose blocks
+    may not be gathered (_gatherable) asks no further."""
+    if not _gatherable(spec, key_bias):
+        return None
     steps = ring_steps(spec.layout, comm.world, q.shape[1], kv_len, spec.window)
-    runs = _runs(spec, steps, key_bias)
-    if len(steps) < 2 or len(runs) != 1:
+    if len(steps) < 2 or len(balance.gather_runs(steps)) != 1:
         return None
     return steps, spec.layout.gather_plan(comm.rank, steps, spec.window, q.device)
 
