@@ -28,7 +28,7 @@ from ringflash.kernels import gluon_backward as gb  # noqa: E402
 
 
 def one(case: tuple, dump: str | None = None) -> dict:
-    variant, D, causal, dtype, accumulate, group, window_left, rows, Dv = case
+    variant, D, causal, dtype, accumulate, group, window_left, rows, Dv, key_bias = case
     try:
         row = gb.hopper_report(
             gb.config_for(D, variant),
@@ -41,11 +41,12 @@ def one(case: tuple, dump: str | None = None) -> dict:
             window_left=window_left,
             rows=rows,
             head_dim_v=Dv,
+            key_bias=key_bias,
         )
         row["problems"] = gb.report_problems(row)
     except Exception as e:  # reported as a row: the caller decides
         row = {"error": f"{type(e).__name__}: {e}"[:4000], "D": D, "Dv": Dv or D, "causal": causal, "dtype": dtype}
-        row.update(accumulate=accumulate, group=group, window_left=window_left, rows=rows)
+        row.update(accumulate=accumulate, group=group, window_left=window_left, rows=rows, key_bias=key_bias)
     row["name"] = variant
     return row
 
@@ -57,6 +58,8 @@ def line(r: dict) -> str:
         head += f" window_left={r['window_left']}"
     if r.get("rows"):
         head += " rows"
+    if r.get("key_bias"):
+        head += " key_bias"
     if "error" in r:
         return f"{head} ERROR {r['error'][-600:]}"
     c = r["config"]
@@ -83,6 +86,7 @@ def main():
     ap.add_argument("--group", type=int, default=4, help="q heads per kv head of the compiled case")
     ap.add_argument("--window-left", type=int, help="a sliding window of this left reach (right: 0 if causal)")
     ap.add_argument("--rows", action="store_true", help="packed documents' per-row bounds (--causal then unused)")
+    ap.add_argument("--key-bias", action="store_true", help="with a key bias (a key padding mask's)")
     ap.add_argument("--jobs", type=int, default=1, help="compile processes (the CPU machine is shared: 1-2)")
     ap.add_argument("--dump", help="write PTX, TTGIR, SASS and ptxas's log here")
     ap.add_argument("--json", type=Path)
@@ -90,7 +94,7 @@ def main():
     if not gb.HAS_GLUON:
         sys.exit(f"Gluon not importable: {gb.GLUON_ERROR}")
     cases = [
-        (v, D, bool(c), dt, bool(a), args.group, args.window_left, args.rows, args.v_head_dim)
+        (v, D, bool(c), dt, bool(a), args.group, args.window_left, args.rows, args.v_head_dim, args.key_bias)
         for v in args.variants
         for D in args.head_dims
         if gb.padded_head_dim(D) in gb.VARIANTS[v]

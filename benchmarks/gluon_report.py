@@ -9,7 +9,8 @@ flight), HGMMA count, ptxas warnings.
 
 Cases: variant:D:causal:dtype:normalize:fold[:mask], D a head dim or "D/Dv" (v's head dim apart
 from q/k's, e.g. 192/128), mask "window" (a sliding window) or "rows" (per-row bounds of packed
-documents); without it, dense or causal by `causal`. Runs with
+documents), each optionally with "+bias" (or "bias" alone: a key bias, a key padding mask's);
+without it, dense or causal by `causal`. Runs with
 TRITON_INTERPRET unset (interpreted kernels patch triton.language in-process, which breaks Gluon
 compilation afterwards).
 """
@@ -41,6 +42,10 @@ def parse_case(text: str) -> tuple:
 def one(case: tuple, dump: str | None = None) -> dict:
     variant, D, causal, dtype, normalize, fold, *mask = case
     mask = mask[0] if mask else ""
+    # "bias", or a mask with "+bias": a key bias (a key padding mask's) beside it
+    kinds = mask.split("+")
+    key_bias = "bias" in kinds
+    mask = "+".join(k for k in kinds if k != "bias")
     D, Dv = D if isinstance(D, tuple) else (D, None)
     try:
         row = gf.hopper_report(
@@ -53,6 +58,7 @@ def one(case: tuple, dump: str | None = None) -> dict:
             dump=Path(dump) / variant if dump else None,
             mask=mask,
             head_dim_v=Dv,
+            key_bias=key_bias,
         )
         row["problems"] = gf.report_problems(row)
     except Exception as e:  # reported as a row: the caller decides
@@ -71,8 +77,9 @@ def one(case: tuple, dump: str | None = None) -> dict:
 
 def line(r: dict) -> str:
     dims = f"{r['D']}" if r.get("Dv") is None else f"{r['D']}/{r['Dv']}"
+    mask = "+".join(filter(None, (r["mask"], "bias" if r.get("key_bias") else "")))
     head = (
-        f"{r['name']:9s} D={dims:<7s} causal={int(r['causal'])} {r['mask'] or '-':6s} {r['dtype']} "
+        f"{r['name']:9s} D={dims:<7s} causal={int(r['causal'])} {mask or '-':6s} {r['dtype']} "
         f"norm={int(r['normalize'])} fold={int(r['fold'])}"
     )
     if "error" in r:
@@ -93,10 +100,14 @@ def main():
     ap.add_argument("--head-dims", type=int, nargs="+", default=list(gf.HEAD_DIMS))
     ap.add_argument("--modes", nargs="+", default=["local"], choices=list(MODES))
     ap.add_argument("--causal", nargs="+", type=int, default=[1], choices=[0, 1])
-    ap.add_argument("--masks", nargs="+", default=[""], choices=["", "window", "rows"],
-                    help="'' (dense or causal), a sliding window, per-row document bounds")  # fmt: skip
+    masks = ["", "window", "rows", "bias", "window+bias", "rows+bias"]
+    ap.add_argument("--masks", nargs="+", default=[""], choices=masks,
+                    help="'' (dense or causal), a sliding window, per-row document bounds; +bias: with a key "
+                         "bias (a key padding mask's)")  # fmt: skip
     ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp16"])
-    ap.add_argument("--case", action="append", default=[], help="variant:D:causal:dtype:normalize:fold (repeatable)")
+    ap.add_argument(
+        "--case", action="append", default=[], help="variant:D:causal:dtype:normalize:fold[:mask] (repeatable)"
+    )
     ap.add_argument("--jobs", type=int, default=min(4, os.cpu_count() or 1))
     ap.add_argument("--dump", help="write PTX, TTGIR and SASS here")
     ap.add_argument("--json", type=Path)

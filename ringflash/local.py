@@ -384,7 +384,7 @@ class _CallPlan:
         if learned is None or learned[0] != key:
             return None
         state = _output_state(q, v)
-        self._gluon_forward.launch_planned(learned[1], (q, k, v, state.o, state.m, state.l, None, None))
+        self._gluon_forward.launch_planned(learned[1], (q, k, v, state.o, state.m, state.l, None, None, None))
         return state
 
     def learn_forward(self, key, q, k, v, run) -> SoftmaxState:
@@ -394,7 +394,7 @@ class _CallPlan:
         with self._plans.recording() as uses:
             state = run()
         if len(uses) == 1 and uses[0].kind == "forward":
-            if _same_tensors(uses[0].args, (q, k, v, state.o, state.m, state.l, None, None)):
+            if _same_tensors(uses[0].args, (q, k, v, state.o, state.m, state.l, None, None, None)):
                 self._forward = (key, uses[0].plan)
                 return state
         self._tries[0] += 1
@@ -418,7 +418,7 @@ class _CallPlan:
         with self._plans.recording() as uses:
             dq, dk, dv = run()
         if len(uses) == 1 and uses[0].kind == "backward":
-            uq, uk, uv, um, ul, udo, udelta, udq, udk, udv, uscale, uaccumulate, ubounds = uses[0].args
+            uq, uk, uv, um, ul, udo, udelta, udq, udk, udv, uscale, uaccumulate, ubounds, ukey_bias = uses[0].args
             if (
                 _same_tensors((uq, uk, uv, um, ul, udq, udk, udv), (q, k, v, m, l, dq, dk, dv))
                 and isinstance(udelta, DeltaOf)
@@ -427,6 +427,7 @@ class _CallPlan:
                 and uscale == scale
                 and not uaccumulate
                 and ubounds is None
+                and ukey_bias is None
             ):
                 self._backward = (key, self._backward_keys(udo, dlse, out, m, l), uses[0].plan)
                 return dq, dk, dv

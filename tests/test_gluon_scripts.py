@@ -407,3 +407,43 @@ def test_gluon_bwd_check_rounds_alternate_and_summarize(capsys):
     ]
     gc.print_summary({"meta": {"heads": 32}, "correctness": [], "timing": rows}, variants, [128], [4096])
     assert "1.150 (1.100-1.200)" in capsys.readouterr().out
+
+
+def test_gluon_key_bias_compiles_for_hopper(tmp_path):
+    """A key bias (key padding masks) in the Gluon kernels compiles for sm_90a without spills:
+    the forward's default one-tile variant (local causal, and a folded ring step), its short
+    (persistent) and long (three consumers) variants, and MLA's head dims in pieces; the fused
+    backward's defaults at D=128 (accumulating) and MLA's 192 / 128. The forward's bias rides
+    in a TMA ring beside K: its shared memory is the same case's without a bias plus STAGES x
+    128 keys x 4 bytes, within the H200's limit."""
+    from ringflash.kernels.configs import GLUON_BWD, GLUON_FWD, GLUON_FWD_LONG, GLUON_FWD_SHORT
+    from ringflash.kernels.gluon_forward import HOPPER_SHARED_BYTES, config_for
+
+    v = GLUON_FWD[128]
+    plain = [f"{v}:128:1:bf16:1:0", f"{v}:128:0:fp16:0:1", f"{GLUON_FWD_SHORT[64]}:64:1:bf16:1:0",
+             f"{GLUON_FWD_LONG[64]}:64:0:bf16:1:0", f"{GLUON_FWD[256]}:192/128:1:bf16:1:0"]  # fmt: skip
+    cases = plain + [f"{c}:bias" for c in plain]
+    # (exits 1: MLA's plain case spills its known few bytes, test_gluon_forward_compiles_for_hopper)
+    run([sys.executable, "benchmarks/gluon_report.py", "--jobs", "2", "--json", str(tmp_path / "f.json")]
+        + [a for c in cases for a in ("--case", c)], tmp_path, expect_ok=False)  # fmt: skip
+    rows = json.loads((tmp_path / "f.json").read_text())
+    assert len(rows) == len(cases) and not any("error" in r for r in rows), rows
+    for without, with_bias in zip(rows[: len(plain)], rows[len(plain) :]):
+        assert with_bias.get("key_bias") and not without.get("key_bias"), (without, with_bias)
+        assert not with_bias["problems"] and with_bias["spill_bytes"] == 0, with_bias
+        cfg = config_for(with_bias["D"], with_bias["name"], head_dim_v=with_bias.get("Dv"))
+        ring = cfg.stages * cfg.block_n * 4  # (allocations are aligned: a few bytes more)
+        assert ring <= with_bias["shared"] - without["shared"] <= ring + 128, (without, with_bias)
+        assert with_bias["shared"] <= HOPPER_SHARED_BYTES, with_bias
+    bwd = tmp_path / "b.json"
+    run([sys.executable, "benchmarks/gluon_bwd_report.py", "--variants", GLUON_BWD[128], "--head-dims", "128",
+         "--causal", "1", "--dtypes", "bf16", "--accumulate", "1", "--key-bias", "--jobs", "1", "--json", str(bwd)],
+        tmp_path)  # fmt: skip
+    mla = tmp_path / "m.json"
+    run([sys.executable, "benchmarks/gluon_bwd_report.py", "--variants", GLUON_BWD[256], "--head-dims", "192",
+         "--v-head-dim", "128", "--causal", "1", "--dtypes", "bf16", "--accumulate", "0", "--key-bias", "--jobs", "1",
+         "--json", str(mla)], tmp_path)  # fmt: skip
+    rows = json.loads(bwd.read_text()) + json.loads(mla.read_text())
+    assert len(rows) == 2 and all(r["key_bias"] for r in rows)
+    for r in rows:
+        assert not r["problems"] and r["spill_bytes"] == 0 and r["sass_waits"].get("1", 0) > 0, r

@@ -188,8 +188,11 @@ def test_fused_backward_windows_vs_float64(dtype, causal, window_size, case, mon
 def test_fused_backward_is_the_default_where_it_fills_the_gpu(monkeypatch):
     """By default: B=1, S=4096, 32 kv heads (1024 programs) take the fused kernel, dense and with
     a window, and so does a call as short as configs.GLUON_BWD_SHORT_CALL_PAIRS with 2 kv heads
-    (64 programs); past it, 32 query heads on one kv head at 8K (64 programs, under
-    configs.GLUON_BWD_MIN_PROGRAMS_PER_SM) and a key padding mask take the two passes."""
+    (64 programs), and so does a key padding mask (configs.GLUON_KEY_BIAS); past it, 32 query
+    heads on one kv head at 8K (64 programs, under configs.GLUON_BWD_MIN_PROGRAMS_PER_SM) take
+    the two passes, and so does a key padding mask with GLUON_KEY_BIAS off."""
+    from ringflash.kernels import configs
+
     calls = spy_fused_backward(monkeypatch)
 
     def run(H, Hkv=None, S=4096, **kw):
@@ -203,7 +206,10 @@ def test_fused_backward_is_the_default_where_it_fills_the_gpu(monkeypatch):
     assert run(32, causal=True) and run(32, window_size=(255, 0))
     assert run(32, 2, causal=True) and run(2, causal=True)
     assert not run(32, 1, S=8192, causal=True)
-    assert not run(32, key_padding_mask=torch.zeros(1, 4096, dtype=torch.bool, device="cuda"))
+    padding = torch.zeros(1, 4096, dtype=torch.bool, device="cuda")
+    assert run(32, key_padding_mask=padding) == configs.GLUON_KEY_BIAS
+    monkeypatch.setattr(configs, "GLUON_KEY_BIAS", False)
+    assert not run(32, key_padding_mask=padding)
 
 
 @pytest.mark.parametrize("D", [256, 32, 1, 4, 12, 72, 200])  # below 16 or not a multiple of 8: padded inside
@@ -440,7 +446,7 @@ def test_gluon_forward_is_used_and_agrees(causal, window_size, D, Dv, monkeypatc
     and 256-wide tiles with zero columns) and with v's head dim apart from q/k's (V and O tiles
     of their own width): its output and lse against float64 within the plain bound, and beside
     the Triton kernel's (override(gluon=None)) within the same bound; a key padding mask takes
-    the Triton kernel."""
+    the Triton kernel only with configs.GLUON_KEY_BIAS off."""
     from ringflash.kernels import configs, gluon_forward
 
     calls = []
@@ -462,8 +468,74 @@ def test_gluon_forward_is_used_and_agrees(causal, window_size, D, Dv, monkeypatc
     assert_within("lse vs triton", lse, lse_t.double(), plain_lse, sum_len=1)
     assert torch.equal(torch.isneginf(lse), torch.isneginf(ref_lse))  # rows that see no key
     calls.clear()
-    flash_attn_func(q, k, v, key_padding_mask=torch.zeros(2, 1031, dtype=torch.bool, device="cuda"), **kw)
+    padding = torch.zeros(2, 1031, dtype=torch.bool, device="cuda")
+    flash_attn_func(q, k, v, key_padding_mask=padding, **kw)
+    assert bool(calls) == configs.GLUON_KEY_BIAS
+    calls.clear()
+    monkeypatch.setattr(configs, "GLUON_KEY_BIAS", False)
+    flash_attn_func(q, k, v, key_padding_mask=padding, **kw)
     assert not calls
+
+
+def _key_padding(kind, B, Sk, g):
+    """A key padding mask of each kind: "bool" (about a fifth of the keys hidden, the second
+    batch row's last 200 keys all hidden: right padding), "float" (finite biases, natural-log
+    units, and -inf on the same keys)."""
+    hidden = torch.rand(B, Sk, device="cuda", generator=g) < 0.2
+    hidden[-1, -200:] = True
+    if kind == "bool":
+        return hidden
+    bias = torch.randn(B, Sk, device="cuda", generator=g, dtype=torch.float32) * 3
+    return bias.masked_fill(hidden, float("-inf"))
+
+
+@pytest.mark.parametrize("tier", ["short", "middle", "long"])
+@pytest.mark.parametrize("D,Dv", [(64, 64), (128, 128), (192, 128), (256, 256)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_gluon_key_bias(tier, D, Dv, causal, monkeypatch):
+    """A key padding mask (bool, and finite float biases with -inf) on the Gluon kernels
+    (configs.GLUON_KEY_BIAS): the forward in each tier of its choice (ws2_p, the one-tile
+    default, ws3 at D=64) and the fused backward at the shapes' default variants. Out, lse and
+    gradients against float64 within the plain bf16 computation's error, out beside the Triton
+    kernels' (override(gluon=None), two passes) within the same bound, and both Gluon kernels
+    ran. Keys 1031 a row (the bias copied to 16-byte rows for its TMA descriptor)."""
+    from ringflash.kernels import configs, gluon_forward
+
+    monkeypatch.setattr(configs, "GLUON_KEY_BIAS", True)
+    most, least, dense_least = KEY_TIERS[tier]
+    monkeypatch.setattr(configs, "GLUON_PERSISTENT_MAX_KEYS", most)
+    monkeypatch.setattr(configs, "GLUON_LONG_MIN_KEYS", least)
+    monkeypatch.setattr(configs, "GLUON_DENSE_MIN_KEYS", dense_least)
+    force_fused_backward(monkeypatch)
+    bwd_calls = spy_fused_backward(monkeypatch)
+    fwd_calls = []
+    real = gluon_forward.forward
+    monkeypatch.setattr(gluon_forward, "forward", lambda *a, **kw: fwd_calls.append(kw["config"]) or real(*a, **kw))
+    g = torch.Generator(device="cuda").manual_seed(D + Dv + 3 * causal + len(tier))
+    B, S = 2, 1031
+    for kind in ("bool", "float"):
+        mk = lambda H, d: torch.randn(B, S, H, d, device="cuda", generator=g, dtype=torch.bfloat16).requires_grad_()  # noqa: E731
+        q, k, v = mk(4, D), mk(2, D), mk(2, Dv)
+        kpm = _key_padding(kind, B, S, g)
+        kw = dict(causal=causal, key_padding_mask=kpm)
+        fwd_calls.clear()
+        bwd_calls.clear()
+        out, lse = flash_attn_func(q, k, v, return_lse=True, **kw)
+        do = torch.randn_like(out)
+        grads = torch.autograd.grad(out, (q, k, v), do)
+        assert fwd_calls and bwd_calls, (kind, fwd_calls, bwd_calls)
+        with configs.override(gluon=None):
+            out_t = flash_attn_func(q, k, v, deterministic=True, **kw)
+        ref, ref_lse = naive_attention(q, k, v, **kw)
+        ref_grads = torch.autograd.grad(ref, (q, k, v), do.double())
+        plain, plain_lse = naive_attention(q, k, v, dtype=torch.bfloat16, **kw)
+        plain_grads = torch.autograd.grad(plain, (q, k, v), do)
+        assert_within(f"out {kind}", out, ref, plain)
+        assert_within(f"out vs triton {kind}", out, out_t.double(), plain)
+        assert_within(f"lse {kind}", lse, ref_lse, plain_lse, sum_len=1)
+        assert torch.equal(torch.isneginf(lse), torch.isneginf(ref_lse))
+        for name, got, r, p in zip(("dq", "dk", "dv"), grads, ref_grads, plain_grads):
+            assert_within(f"{name} {kind}", got, r, p)
 
 
 # the key-count thresholds that put a 1031-key block in each tier of the Gluon forward's choice:

@@ -100,7 +100,8 @@ def test_plans_rebind_exactly_what_a_fresh_plan_would_build():
     """A launch plan kept by signature (kernels.plans) gives another call of the same signature
     the arguments its own launch_plan would build: its tensors, descriptors over its tensors,
     the same values; a signature differs where the alignment, the strides or which arguments
-    are the same tensor differ. Gluon forward and backward, dense, windowed and packed rows."""
+    are the same tensor differ. Gluon forward and backward, dense, windowed and packed rows, and
+    with a key bias (the forward's through a TMA descriptor, the backward's a pointer)."""
     from ringflash.kernels import gluon_backward as gb
     from ringflash.kernels import gluon_forward as gf
     from ringflash.kernels.plans import Plan, alias_pattern, tensor_key
@@ -120,32 +121,41 @@ def test_plans_rebind_exactly_what_a_fresh_plan_would_build():
         order = torch.arange(S // 128 - 1, -1, -1, dtype=torch.int32)
         t["bounds"] = RowBounds(lo, lo + 7, lo.clone(), lo + 9, key_order=order)
         t["counter"] = torch.zeros(1, dtype=torch.int32)
+        t["bias"] = mk(B, S, dt=f32)
         return t
 
     first, second = call_tensors(), call_tensors()
     fwd_cfg = gf.config_for(D, gf.DEFAULT_VARIANT)
     for masks in (dict(causal=True), dict(causal=False, window=(100, 3)), dict(causal=False, bounds="rows"),
-                  dict(causal=False, bounds="rows", variant="ws2_lag_pch")):  # fmt: skip
+                  dict(causal=False, bounds="rows", variant="ws2_lag_pch"),
+                  dict(causal=True, key_bias=True)):  # fmt: skip
 
         def backward_plan(t, masks=masks):
             cfg = gb.config_for(D, masks.get("variant", "ws2_lag"))
-            kw = {k: v for k, v in masks.items() if k != "variant"}
+            kw = {k: v for k, v in masks.items() if k not in ("variant", "key_bias")}
             kw["bounds"] = b = t["bounds"] if "bounds" in masks else None
-            tensors = (t["q"], t["k"], t["v"], t["stats"], t["do"], t["dq32"], t["dk"], t["dv"],
-                       *((None, None, None) if b is None else (b.q_lo, b.q_hi, b.key_order)), t["counter"])  # fmt: skip
+            bias = t["bias"] if "key_bias" in masks else None
+            rows = (None, None, None) if b is None else (b.q_lo, b.q_hi, b.key_order)
+            tensors = (t["q"], t["k"], t["v"], t["stats"], t["do"], t["dq32"], t["dk"], t["dv"], *rows, t["counter"],
+                       bias)  # fmt: skip
             built = gb.launch_plan(*tensors[:8], q_start=5, k_start=0, scale=0.1, accumulate=True, cfg=cfg, **kw,
-                                   tile_counter=t["counter"] if cfg.persistent else None)  # fmt: skip
+                                   tile_counter=t["counter"] if cfg.persistent else None, key_bias=bias)  # fmt: skip
             assert built[3]["ORDERED"] == ("variant" in masks)
+            assert built[3]["HAS_BIAS"] == (bias is not None)
             return tensors, built
 
         def forward_plan(t, masks=masks):
             b = t["bounds"] if "bounds" in masks else None
             window = Window(*masks["window"]) if "window" in masks else None
             rows = (None, None) if b is None else (b.k_lo, b.k_hi)
-            tensors = (t["q"], t["k"], t["v"], t["o"], t["m"], t["l"], *rows)
+            bias = t["bias"] if "key_bias" in masks else None
+            tensors = (t["q"], t["k"], t["v"], t["o"], t["m"], t["l"], *rows, bias)
             built = gf.launch_plan(*tensors[:3], q_start=5, k_start=0, scale=0.1, out_o=t["o"], out_m=t["m"],
                                    out_l=t["l"], normalize=False, fold=True, cfg=fwd_cfg, causal=masks["causal"],
-                                   window=window, bounds=b)  # fmt: skip
+                                   window=window, bounds=b, key_bias=bias)  # fmt: skip
+            # a key bias is added to the scaled scores: the scale is applied first, as the Triton kernels'
+            assert built[3]["HAS_BIAS"] == (bias is not None) and built[3]["POSITIVE_SCALE"] == (bias is None)
+            assert sum(hasattr(a, "block_shape") and a.base is bias for a in built[2]) == (bias is not None)
             return tensors, built
 
         for make in (backward_plan, forward_plan):

@@ -189,6 +189,12 @@ def test_bench_packed_smoke(tmp_path):
         assert r["tflops"] == pytest.approx(2 * 2 * (16 + 8) * r["pairs"] / r["ms"] / 1e9), r
 
 
+def test_bench_key_padding_smoke(tmp_path):
+    run([sys.executable, "-m", "benchmarks.key_padding", "--smoke", "--json", str(tmp_path / "k.json")], tmp_path)
+    rows = json.loads((tmp_path / "k.json").read_text())["rows"]
+    assert len(rows) == 4 and all(r["ms"].keys() == {"gluon", "triton", "no_mask", "sdpa"} for r in rows)
+
+
 def test_bench_dropout_smoke(tmp_path):
     run([sys.executable, "-m", "benchmarks.dropout", "--smoke", "--json", str(tmp_path / "d.json")], tmp_path)
     rows = json.loads((tmp_path / "d.json").read_text())["rows"]

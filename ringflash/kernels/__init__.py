@@ -134,9 +134,11 @@ def forward(q, k, v, state, *, q_start, k_start, window, bounds, scale, fold, no
     Sk, Hkv, Dv = k.shape[1], k.shape[2], v.shape[3]
     block_d, block_dv = _block_d(D), _block_d(Dv)
     drop_args, has_dropout = _dropout_args(dropout)
-    gluon_ok = key_bias is None and not has_dropout
+    gluon_ok = not has_dropout and (key_bias is None or configs.GLUON_KEY_BIAS)
     config_d = _config_d(block_d, block_dv)
-    if gluon_ok and _gluon_forward(q, k, v, state, q_start, k_start, window, bounds, scale, fold, normalize, config_d):
+    if gluon_ok and _gluon_forward(
+        q, k, v, state, q_start, k_start, window, bounds, scale, fold, normalize, config_d, key_bias
+    ):
         return
     cfg = configs.forward_config(config_d, documents=bounds is not None,
                                  float32=q.dtype == torch.float32)
@@ -166,11 +168,13 @@ def _documents_keys_per_row(bounds) -> float | None:
     return bounds.keys_per_seeing_row if configs.GLUON_DOCUMENTS_SEEING_ROWS else bounds.keys_per_row
 
 
-def _gluon_forward(q, k, v, state, q_start, k_start, window, bounds, scale, fold, normalize, config_d) -> bool:
+def _gluon_forward(
+    q, k, v, state, q_start, k_start, window, bounds, scale, fold, normalize, config_d, key_bias=None
+) -> bool:
     """Run the block on the Gluon forward where it is faster and takes these inputs (Hopper,
-    16-bit, any mask; v's head dim may differ from q/k's: configs.gluon_forward_variant by the
-    larger padded head dim config_d; a head dim under its padding reads zero columns); False:
-    the caller runs the Triton one."""
+    16-bit, any mask, a key bias; v's head dim may differ from q/k's: configs.gluon_forward_variant
+    by the larger padded head dim config_d; a head dim under its padding reads zero columns);
+    False: the caller runs the Triton one."""
     variant = configs.gluon_forward_variant(
         config_d,
         documents=bounds is not None,
@@ -179,8 +183,9 @@ def _gluon_forward(q, k, v, state, q_start, k_start, window, bounds, scale, fold
         # persistent and three-consumer variants were measured on dense and causal blocks only
         # (and spill with a left bound: benchmarks/gluon_report.py --masks window)
         keys=None if window is not None and window.left is not None else k.shape[1],
-        # (the wide key blocks take no head-dim pieces: a head dim under its padding has them)
-        dense=window is None and bounds is None and q.shape[-1] == v.shape[-1] == config_d,
+        # (the wide key blocks take no head-dim pieces: a head dim under its padding has them;
+        # nor a key bias, loaded a key block of one piece at a time)
+        dense=window is None and bounds is None and key_bias is None and q.shape[-1] == v.shape[-1] == config_d,
         causal=window is not None and window.left is None,
     )
     if variant is None or not q.is_cuda:
@@ -190,7 +195,7 @@ def _gluon_forward(q, k, v, state, q_start, k_start, window, bounds, scale, fold
     try:  # it launches on q's device itself
         gluon_forward.forward(q, k, v, q_start=q_start, k_start=k_start, window=window, bounds=bounds,
                               scale=scale, out_o=state.o, out_m=state.m, out_l=state.l, normalize=normalize,
-                              fold=fold, config=variant)  # fmt: skip
+                              fold=fold, config=variant, key_bias=key_bias)  # fmt: skip
     except gluon_forward.Unsupported:  # raised before anything is written
         return False
     return True
@@ -260,14 +265,17 @@ def fuses_backward(
     (configs.GLUON_BWD; v's differing from q/k's only where that variant splits the head dim,
     i.e. 256), dense,
     causal, a sliding window or per-row bounds (configs.GLUON_BWD_DOCUMENTS), no key bias or
-    dropout, enough key blocks x kv heads to fill the GPU: configs.GLUON_BWD_MIN_PROGRAMS_PER_SM,
+    dropout (a key bias only with configs.GLUON_KEY_BIAS), enough key blocks x kv heads to fill
+    the GPU: configs.GLUON_BWD_MIN_PROGRAMS_PER_SM,
     or whole_call (the block is a one-device call's whole attention) and at most
     configs.GLUON_BWD_SHORT_CALL_PAIRS, unless override(gluon_bwd=) forces it). Its dQ is added
     in float32 by atomics, whose order varies: not bitwise reproducible, so deterministic=True
     says no. A caller that can compute dQ and dK/dV in one call should then do so (the ring's
     backward). Per-row bounds also need configs.GLUON_BWD_DOCUMENTS_MIN_PAIRS visible pairs x
     query heads."""
-    if deterministic or key_bias is not None or dropout is not None or not q.is_cuda:
+    if deterministic or dropout is not None or not q.is_cuda:
+        return False
+    if key_bias is not None and not configs.GLUON_KEY_BIAS:
         return False
     return fused_backward_fits(q, k, v, bounds, _fused_backward_sms(q.device), whole_call)
 
@@ -315,7 +323,9 @@ def _fused_backward_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def _gluon_backward(q, k, v, m, l, do, delta, dq, dk, dv, q_start, k_start, window, bounds, scale, accumulate) -> bool:
+def _gluon_backward(
+    q, k, v, m, l, do, delta, dq, dk, dv, q_start, k_start, window, bounds, scale, accumulate, key_bias=None
+) -> bool:
     """Run the block on the fused Gluon backward (the caller checked fuses_backward); False:
     it does not take these tensors (strides, alignment, sizes), nothing written, the caller runs
     the Triton passes. dq: a tensor, or a DQPart, whose call's blocked buffer the kernel adds to
@@ -331,7 +341,7 @@ def _gluon_backward(q, k, v, m, l, do, delta, dq, dk, dv, q_start, k_start, wind
             dq = dq.tensor() if blocked is None else blocked
         gluon_backward.backward(q, k, v, m, l, do, delta, dq, dk, dv, q_start=q_start, k_start=k_start,
                                 causal=False, scale=scale, accumulate=accumulate, config=variant,
-                                window=reaches, bounds=bounds)  # fmt: skip
+                                window=reaches, bounds=bounds, key_bias=key_bias)  # fmt: skip
     except gluon_backward.Unsupported:
         return False
     return True
@@ -352,7 +362,9 @@ def backward(q, k, v, m, l, do, delta, dq, dk, dv, *, q_start, k_start, window, 
         and dk is not None
         and fuses_backward(q, k, v, window=window, bounds=bounds, key_bias=key_bias, dropout=dropout,
                            deterministic=deterministic, whole_call=whole_call)  # fmt: skip
-        and _gluon_backward(q, k, v, m, l, do, delta, dq, dk, dv, q_start, k_start, window, bounds, scale, accumulate)
+        and _gluon_backward(
+            q, k, v, m, l, do, delta, dq, dk, dv, q_start, k_start, window, bounds, scale, accumulate, key_bias
+        )
     ):
         return
     if isinstance(dq, DQPart):

@@ -72,7 +72,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from ._gluon_counter import TILE_WORDS, _fetch_tile, _max_combine, _publish_tile, _receive_tile
 from ._gluon_fwd import _alloc_bars, _hull_and_core, _mma_layout, _opaque
-from .tiles import MASK_ROWS, in_bounds, key_query_bounds
+from .tiles import LOG2E, MASK_ROWS, in_bounds, key_query_bounds
 
 # ----------------------------------------------------------------------------------------------
 # Which query blocks a key block visits. Every partition computes the same plan from the same
@@ -438,6 +438,26 @@ def _red_add_blocked(
 
 
 @gluon.jit
+def _key_bias2(BIAS, b, stride_bias_b, keys, Sk):
+    """The key bias of `keys` (the block's key rows, in a slice of the scores' layout) in base-2
+    units: BIAS (B, Sk) float32 in natural-log units times log2(e), as the forward's
+    (tiles.key_bias2); keys past Sk read 0 (their scores are masked)."""
+    return gl.load(BIAS + b.to(gl.int64) * stride_bias_b + keys, mask=keys < Sk, other=0.0) * LOG2E
+
+
+@gluon.jit
+def _probs_t(st, offset, bias2, qk_scale, HAS_BIAS: gl.constexpr):
+    """P^T = exp2(S^T qk_scale - offset) of scores S^T (keys x query rows) and the rows' offsets
+    m + log2(l); with HAS_BIAS the keys' bias2 (base 2) added first by the forward's own FMA,
+    fma(q.k, qk_scale, bias2) (the Triton kernels' base2_scores)."""
+    if HAS_BIAS:
+        pt = gl.exp2(gl.fma(st, qk_scale, bias2[:, None]) - offset[None, :])
+    else:
+        pt = gl.exp2(gl.fma(st, qk_scale, -offset[None, :]))
+    return pt
+
+
+@gluon.jit
 def _mask_scores(
     st, key_ragged, off_m, full_lo, full_hi, key_idx, q_idx, key_q_lo, key_q_hi, Sk, q_start, k_start, left,
     BLOCK_M: gl.constexpr, CAUSAL: gl.constexpr, HAS_LEFT: gl.constexpr, ROWS: gl.constexpr,
@@ -588,6 +608,9 @@ def _consume_key_block(
     kt_smem,
     BLOCK_DT: gl.constexpr,
     GROUPED_HEADS: gl.constexpr,
+    BIAS,
+    stride_bias_b,
+    HAS_BIAS: gl.constexpr,
     p0,
     p1,
     p2,
@@ -632,6 +655,9 @@ def _consume_key_block(
     if ROWS and PERSISTENT:  # made per block, not kept across the program's blocks (at D=128 spilled)
         key_idx = _opaque(key_idx)
     key_idx = n0 + WG * KEYS + key_idx
+    bias2 = qk_scale  # (a stand-in without a key bias, never read)
+    if HAS_BIAS:  # this warpgroup's keys' bias, for every step of the block
+        bias2 = _key_bias2(BIAS, b, stride_bias_b, key_idx, Sk)
     q_idx = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
     dq_rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, dq_layout))
     dq_cols = WG * DQ_COLS + gl.arange(0, DQ_COLS, layout=gl.SliceLayout(0, dq_layout))
@@ -684,7 +710,7 @@ def _consume_key_block(
             st, key_ragged, off_m, full_lo, full_hi, key_idx, q_idx, key_q_lo, key_q_hi, Sk, q_start, k_start, left,
             BLOCK_M, CAUSAL, HAS_LEFT, ROWS,
         )  # fmt: skip
-        pt = gl.exp2(gl.fma(st, qk_scale, -offset[None, :]))
+        pt = _probs_t(st, offset, bias2, qk_scale, HAS_BIAS)
         pt_op = gl.convert_layout(pt.to(dtype), op_layout)
         dv_tok = warpgroup_mma(pt_op, do_t, dv, is_async=True)
         delta = st_bufs.index(2 * s + 1).load(gl.SliceLayout(0, s_layout))
@@ -878,7 +904,7 @@ def _split_d_scores(i, zero, bufs, s_zero, shape: gl.constexpr):
     _consumer: their wgmma descriptors are then rebuilt per step, not kept across the loop);
     shape: (WG, QROWS, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, BLOCK_DT, STAGES, NBUF: the P^T / dS^T
     buffer pairs)."""
-    WG, QROWS, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, BLOCK_DT, STAGES, _ = shape
+    WG, QROWS, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, BLOCK_DT, STAGES, _, _ = shape
     q_bufs, do_bufs, qt_bufs, k_smem, v_smem, kt_smem, ready = bufs
     s = i % STAGES
     mbarrier.wait(ready.index(s), (i // STAGES) & 1)
@@ -904,9 +930,9 @@ def _split_d_probs(
     """Step i's P^T and dS^T (its query block from off_m) from its scores (st_tok, dpt_tok, with
     IN_FLIGHT groups issued after them), this warpgroup's 32 columns of each written to shared
     memory; returns once both warpgroups' halves are there. step_mask: _mask_scores' other
-    arguments."""
-    WG, QROWS, BLOCK_M, _, _, _, _, STAGES, NBUF = shape
-    key_ragged, full_lo, full_hi, key_idx, q_idx, key_q_lo, key_q_hi, Sk, q_start, k_start, left = step_mask
+    arguments, then the keys' bias (_probs_t)."""
+    WG, QROWS, BLOCK_M, _, _, _, _, STAGES, NBUF, HAS_BIAS = shape
+    key_ragged, full_lo, full_hi, key_idx, q_idx, key_q_lo, key_q_hi, Sk, q_start, k_start, left, bias2 = step_mask
     dtype: gl.constexpr = ds_bufs.dtype
     s = i % STAGES
     offset = st_bufs.index(2 * s).slice(WG * QROWS, QROWS).load(gl.SliceLayout(0, s_layout))
@@ -915,7 +941,7 @@ def _split_d_probs(
         st, key_ragged, off_m, full_lo, full_hi, key_idx, q_idx, key_q_lo, key_q_hi, Sk, q_start, k_start, left,
         BLOCK_M, CAUSAL, HAS_LEFT, ROWS,
     )  # fmt: skip
-    pt = gl.exp2(gl.fma(st, qk_scale, -offset[None, :]))
+    pt = _probs_t(st, offset, bias2, qk_scale, HAS_BIAS)
     delta = st_bufs.index(2 * s + 1).slice(WG * QROWS, QROWS).load(gl.SliceLayout(0, s_layout))
     dpt = warpgroup_mma_wait(IN_FLIGHT, deps=(dpt_tok,))
     ds = (pt * (dpt - delta[None, :])).to(dtype)
@@ -938,7 +964,7 @@ def _split_d_probs(
 def _split_d_gradients(i, zero, dv, dk, dq_zero, bufs, ds_bufs, cols: gl.constexpr, shape: gl.constexpr):
     """Step i's dV += P^T dO, dK += dS^T Q over this warpgroup's columns and its dQ = dS K, issued
     in that order (one wgmma group each). Returns their tokens."""
-    WG, _, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, BLOCK_DT, STAGES, NBUF = shape
+    WG, _, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, BLOCK_DT, STAGES, NBUF, _ = shape
     COLS_V, DK_COL0, DK_COLS, DQ_COL0, DQ_COLS, _ = cols
     q_bufs, do_bufs, qt_bufs, k_smem, v_smem, kt_smem, ready = bufs
     s = i % STAGES
@@ -969,7 +995,7 @@ def _split_d_step_done(
 ):  # fmt: skip
     """After step i's gradients have landed: its stage released and its dQ (head h, query block
     from off_m) added (dq_add: _dq_add's other arguments)."""
-    WG, _, BLOCK_M, _, _, _, _, STAGES, _ = shape
+    WG, _, BLOCK_M, _, _, _, _, STAGES, _, _ = shape
     _, _, _, DQ_COL0, DQ_COLS, DQ_TILE = cols
     DQ, b, Sq, stride_dqb, stride_dqs, stride_dqh, sm_scale, dq_rows, dq_cols = dq_add
     dq_layout: gl.constexpr = dq.type.layout
@@ -1043,6 +1069,9 @@ def _consumer_split_d(
     kt_smem,
     BLOCK_DT: gl.constexpr,
     GROUPED_HEADS: gl.constexpr,
+    BIAS,
+    stride_bias_b,
+    HAS_BIAS: gl.constexpr,
 ):
     """The wide head dims' consumer (SPLIT_D): both warpgroups share the 64 keys of the block and
     own half of the head-dim columns each (dK, dV of 64 keys x 256 would need 256 registers a
@@ -1098,6 +1127,9 @@ def _consumer_split_d(
     s_zero = gl.zeros([BLOCK_N, QROWS], gl.float32, s_layout)
     dq_zero = gl.zeros([BLOCK_M, DQ_COLS], gl.float32, dq_layout)
     key_idx = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, s_layout))
+    bias2 = qk_scale  # (a stand-in without a key bias, never read)
+    if HAS_BIAS:  # the block's keys' bias, for every step
+        bias2 = _key_bias2(BIAS, b, stride_bias_b, key_idx, Sk)
     q_idx = WG * QROWS + gl.arange(0, QROWS, layout=gl.SliceLayout(0, s_layout))
     dq_rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, dq_layout))
     dq_cols = DQ_COL0 + gl.arange(0, DQ_COLS, layout=gl.SliceLayout(0, dq_layout))
@@ -1111,12 +1143,12 @@ def _consumer_split_d(
         full_lo = rows_full_lo0  # (both halves hold all keys of the block)
         full_hi = rows_full_hi0
     bufs = (q_bufs, do_bufs, qt_bufs, k_smem, v_smem, kt_smem, ready)  # (the helpers' shared memory)
-    step_mask = (key_ragged, full_lo, full_hi, key_idx, q_idx, key_q_lo, key_q_hi, Sk, q_start, k_start, left)
+    step_mask = (key_ragged, full_lo, full_hi, key_idx, q_idx, key_q_lo, key_q_hi, Sk, q_start, k_start, left, bias2)
     dq_add = (DQ, b, Sq, stride_dqb, stride_dqs, stride_dqh, sm_scale, dq_rows, dq_cols)
     # the head-dim columns each gradient's matmul takes (_split_d_gradients)
     cols: gl.constexpr = (COLS_V, DK_COL0, DK_COLS, DQ_COL0, DQ_COLS, DQ_TILE)
     NBUF: gl.constexpr = 3 if SCORES_AHEAD == 2 else 2
-    shape: gl.constexpr = (WG, QROWS, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, BLOCK_DT, STAGES, NBUF)
+    shape: gl.constexpr = (WG, QROWS, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, BLOCK_DT, STAGES, NBUF, HAS_BIAS)
     # wgmma groups of a step's scores (S^T's pieces, dP^T) and of its gradients (dV, dK, dQ)
     SCORE_GROUPS: gl.constexpr = 3 if TAIL else 2
     if n_iter > 0:
@@ -1229,6 +1261,8 @@ def _bwd_ws2(
     left,
     QLO,
     QHI,
+    BIAS,
+    stride_bias_b,
     qk_scale,
     sm_scale,
     num_tiles,
@@ -1257,6 +1291,7 @@ def _bwd_ws2(
     GROUPED_HEADS: gl.constexpr,
     PERSISTENT: gl.constexpr,
     ORDERED: gl.constexpr,
+    HAS_BIAS: gl.constexpr,
     PRODUCER_REGS: gl.constexpr,
     CONSUMER_REGS: gl.constexpr,
     num_warps: gl.constexpr,
@@ -1275,7 +1310,8 @@ def _bwd_ws2(
     TILE_COUNTER (int32, zero at the launch); without it num_tiles,
     grid0, grid1 and TILE_COUNTER are unused. ORDERED (persistent, packed documents): handed out
     in KEY_ORDER's order of the key blocks (int32 (grid0,)), each block's heads side by side
-    (_ordered_tile); else KEY_ORDER is unused."""
+    (_ordered_tile); else KEY_ORDER is unused. HAS_BIAS: BIAS (B, Sk) float32, rows stride_bias_b
+    apart, the forward's key bias (natural-log units; -inf hides a key); else any pointer."""
     gl.static_assert(num_warps == 4, "the default partition is one consumer warpgroup")
     gl.static_assert(q_desc.block_type.shape[1] == BLOCK_M)
     gl.static_assert(k_desc.block_type.shape[1] == BLOCK_N)
@@ -1398,6 +1434,9 @@ def _bwd_ws2(
         kt_smem,
         BLOCK_DT,
         GROUPED_HEADS,
+        BIAS,
+        stride_bias_b,
+        HAS_BIAS,
     )
     # _produce_key_block's arguments between the block's `uses` and PERSISTENT
     producer_args: gl.constexpr = (

@@ -49,7 +49,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from ._gluon_counter import TILE_WORDS, _fetch_tile, _max_combine, _publish_tile, _receive_tile, _reset_counter
-from .tiles import MASK_NONE, MASK_ROWS, MASK_WINDOW, in_bounds, row_key_bounds
+from .tiles import LOG2E, MASK_NONE, MASK_ROWS, MASK_WINDOW, in_bounds, row_key_bounds
 
 # ----------------------------------------------------------------------------------------------
 # Which keys a query tile visits: the one place that reads the mask; everything else asks it.
@@ -265,6 +265,7 @@ def _masked(
 def _softmax_step(
     s,
     s_t,
+    bias2,
     m_i,
     l_i,
     first_row,
@@ -285,17 +286,24 @@ def _softmax_step(
     POSITIVE_SCALE: gl.constexpr,
     BLOCK_N: gl.constexpr,
     BLOCK_NT: gl.constexpr,
+    HAS_BIAS: gl.constexpr,
 ):
     """One key block of the online softmax.
 
     s: raw scores q.k (BLOCK_M, BLOCK_N) float32 in the wgmma accumulator layout, of query rows
     first_row.. and keys start_n..; with BLOCK_NT > 0 s_t holds the block's BLOCK_NT keys after
     those (its key tail piece, in its own accumulator layout; else s_t is ignored); m_i, l_i:
-    (BLOCK_M,) in s's row slice. Returns (p, p_t, m_new, l_new, alpha) with p (and p_t, the
-    tail's; p again without one) float32 and alpha the factor the accumulator must be multiplied
-    by before p @ v is added.
+    (BLOCK_M,) in s's row slice. With HAS_BIAS (key blocks of one piece), bias2 is the keys' bias
+    in base-2 units (_block_bias2; else not read). Returns (p, p_t, m_new, l_new, alpha) with p (and
+    p_t, the tail's; p again without one) float32 and alpha the factor the accumulator must be
+    multiplied by before p @ v is added.
     """
-    if not POSITIVE_SCALE:
+    if HAS_BIAS:
+        # fma(q.k, scale, bias), as the Triton kernels' base2_scores (the launcher turns
+        # POSITIVE_SCALE off): the backward rebuilds these scores with the same FMA
+        gl.static_assert(BLOCK_NT == 0, "a key bias takes key blocks of one piece")
+        s = gl.fma(s, qk_scale, bias2[None, :])
+    elif not POSITIVE_SCALE:
         # max(s) * scale is the scaled max only for scale > 0: scale first (and mask after)
         s = s * qk_scale
         if BLOCK_NT > 0:
@@ -332,6 +340,20 @@ def _probabilities(s, m_use, qk_scale, POSITIVE_SCALE: gl.constexpr):
         return gl.exp2(gl.fma(s, qk_scale, -m_use[:, None]))
     else:
         return gl.exp2(s - m_use[:, None])
+
+
+@gluon.jit
+def _block_bias2(bias_bufs, i, qk_scale, HAS_BIAS: gl.constexpr, STAGES: gl.constexpr, s_layout: gl.constexpr):
+    """Key block i's bias in base-2 units, (BLOCK_N,) float32 in the key slice of s_layout, from
+    the stage of the key-bias ring that the producer filled with K's stage (on K's barrier):
+    read before that stage is released. Natural-log units times log2(e), as the Triton kernels'
+    tiles.key_bias2 (-inf hides a key; keys past Sk read 0 and are masked). Without HAS_BIAS
+    qk_scale stands in (never read)."""
+    bias2 = qk_scale
+    if HAS_BIAS:
+        width: gl.constexpr = bias_bufs.shape[2]
+        bias2 = bias_bufs.index(i % STAGES).reshape([width]).load(gl.SliceLayout(0, s_layout)) * LOG2E
+    return bias2
 
 
 @gluon.jit
@@ -480,20 +502,24 @@ def _store_o(
 @gluon.jit
 def _load_kv(
     desc, bufs, bars, i, b, hk, lo, STAGES: gl.constexpr, KEYS: gl.constexpr, tail_desc=None, tail_bufs=None,
-    TAIL_ROW: gl.constexpr = 0, TAIL_COL: gl.constexpr = 0,
+    TAIL_ROW: gl.constexpr = 0, TAIL_COL: gl.constexpr = 0, bias_desc=None, bias_bufs=None,
+    HAS_BIAS: gl.constexpr = False,
 ):  # fmt: skip
     """TMA of key block i (rows lo + i * KEYS ..) into stage i % STAGES of a ring; with
     TAIL_COL > 0 also the head dim's tail piece (columns TAIL_COL ..), or with TAIL_ROW > 0 the
-    block's key tail piece (its rows from TAIL_ROW on), into tail_bufs, on the same barrier."""
+    block's key tail piece (its rows from TAIL_ROW on), into tail_bufs; with HAS_BIAS the block's
+    key bias (bias_desc: (B, Sk) float32) into bias_bufs; all on the same barrier."""
     st = i % STAGES
     bar = bars.index(st)
+    TAIL_BYTES: gl.constexpr = tail_desc.block_type.nbytes if TAIL_ROW + TAIL_COL > 0 else 0
+    BIAS_BYTES: gl.constexpr = bias_desc.block_type.nbytes if HAS_BIAS else 0
+    mbarrier.expect(bar, desc.block_type.nbytes + TAIL_BYTES + BIAS_BYTES)
     if TAIL_ROW + TAIL_COL > 0:
-        mbarrier.expect(bar, desc.block_type.nbytes + tail_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(
             tail_desc, [b, lo + i * KEYS + TAIL_ROW, hk, TAIL_COL], bar, tail_bufs.index(st)
         )
-    else:
-        mbarrier.expect(bar, desc.block_type.nbytes)
+    if HAS_BIAS:
+        tma.async_copy_global_to_shared(bias_desc, [b, lo + i * KEYS], bar, bias_bufs.index(st))
     tma.async_copy_global_to_shared(desc, [b, lo + i * KEYS, hk, 0], bar, bufs.index(st))
 
 
@@ -599,6 +625,7 @@ def _overlap_loop(
     win_right,
     KLO,
     KHI,
+    bias_bufs,
     STAGES: gl.constexpr,
     MASK: gl.constexpr,
     LEFT: gl.constexpr,
@@ -615,6 +642,7 @@ def _overlap_loop(
     o_layout: gl.constexpr,
     ot_layout: gl.constexpr,
     P_EARLY: gl.constexpr,
+    HAS_BIAS: gl.constexpr,
 ):
     """The overlapped key loop over the n >= 1 blocks from key lo that the producer partition
     streams into the rings, after the `it` blocks this program took before (a persistent
@@ -627,7 +655,8 @@ def _overlap_loop(
     beside the next block's scores. With BLOCK_NT > 0 each key block is BLOCK_N + BLOCK_NT keys
     in two pieces (k_bufs / v_bufs the first BLOCK_N, kt_bufs / vt_bufs the BLOCK_NT after
     them; st_layout the tail's scores), scored into two accumulators and added into acc by two
-    PV wgmmas: a block wider than a power of two. Returns (acc, acc_t, m_i, l_i)."""
+    PV wgmmas: a block wider than a power of two. HAS_BIAS: bias_bufs holds each K stage's key
+    bias (_block_bias2). Returns (acc, acc_t, m_i, l_i)."""
     dtype: gl.constexpr = q2.dtype
     KEYS: gl.constexpr = BLOCK_N + BLOCK_NT  # a key block's rows, both pieces
     # a key block's PV is two wgmma groups when v or the keys run in two pieces
@@ -642,10 +671,11 @@ def _overlap_loop(
     s_tok, st_tok = _scores(q2, k_bufs, q2_tail, kt_bufs, it, s_zero, st_zero, STAGES, BLOCK_N, BLOCK_D, BLOCK_DT,
                             BLOCK_NT)  # fmt: skip
     s, s_t = _landed_scores(s_tok, st_tok, 0, BLOCK_NT)
+    bias2 = _block_bias2(bias_bufs, it, qk_scale, HAS_BIAS, STAGES, s_layout)
     mbarrier.arrive(k_empty.index(it % STAGES))
     p, p_t, m_i, l_i, alpha = _softmax_step(
-        s, s_t, m_i, l_i, first_row, lo, full_lo, full_hi, qk_scale, Sq, Sk, q_start, k_start, win_left, win_right,
-        KLO, KHI, MASK, LEFT, POSITIVE_SCALE, BLOCK_N, BLOCK_NT,
+        s, s_t, bias2, m_i, l_i, first_row, lo, full_lo, full_hi, qk_scale, Sq, Sk, q_start, k_start,
+        win_left, win_right, KLO, KHI, MASK, LEFT, POSITIVE_SCALE, BLOCK_N, BLOCK_NT, HAS_BIAS,
     )  # fmt: skip
     acc = acc * _rows(alpha, o_layout)[:, None]
     if BLOCK_DVT > 0:
@@ -672,10 +702,11 @@ def _overlap_loop(
         # groups complete in order: with PV(j-1)'s one or two groups left in flight, QK^T(j)
         # is done (every piece's group), PV(j-1) may not be
         s, s_t = _landed_scores(s_tok, st_tok, PV_GROUPS, BLOCK_NT)
+        bias2 = _block_bias2(bias_bufs, it + j, qk_scale, HAS_BIAS, STAGES, s_layout)
         mbarrier.arrive(k_empty.index((it + j) % STAGES))
         p, p_t, m_i, l_i, alpha = _softmax_step(
-            s, s_t, m_i, l_i, first_row, lo + j * KEYS, full_lo, full_hi, qk_scale, Sq, Sk, q_start, k_start,
-            win_left, win_right, KLO, KHI, MASK, LEFT, POSITIVE_SCALE, BLOCK_N, BLOCK_NT,
+            s, s_t, bias2, m_i, l_i, first_row, lo + j * KEYS, full_lo, full_hi, qk_scale, Sq, Sk,
+            q_start, k_start, win_left, win_right, KLO, KHI, MASK, LEFT, POSITIVE_SCALE, BLOCK_N, BLOCK_NT, HAS_BIAS,
         )  # fmt: skip
         if BLOCK_DVT > 0:
             acc, acc_t, p_op = warpgroup_mma_wait(0, deps=(acc_tok, acc_t_tok, p_op))
@@ -732,10 +763,11 @@ def _produce_tile(
     k_ready, v_ready, k_empty, v_empty, q_empty, b, h, hk, off_m, lo, n, it, uses, BLOCK_M: gl.constexpr,
     BLOCK_N: gl.constexpr, BLOCK_NT: gl.constexpr, BLOCK_D: gl.constexpr, BLOCK_DT: gl.constexpr,
     BLOCK_DV: gl.constexpr, BLOCK_DVT: gl.constexpr, STAGES: gl.constexpr, PERSISTENT: gl.constexpr,
-    CONSUMERS: gl.constexpr,
+    CONSUMERS: gl.constexpr, bias_desc, bias_bufs, HAS_BIAS: gl.constexpr,
 ):  # fmt: skip
     """One query tile's loads: its Q (the program's `uses`-th, when n > 0) and its n K/V blocks
-    into the rings after the `it` this program loaded before."""
+    (with HAS_BIAS each K block's key bias) into the rings after the `it` this program loaded
+    before."""
     # the column offsets of q/k's and v's tail pieces (0: no tail)
     TAIL_COL: gl.constexpr = BLOCK_D if BLOCK_DT > 0 else 0
     TAIL_COL_V: gl.constexpr = BLOCK_DV if BLOCK_DVT > 0 else 0
@@ -760,7 +792,7 @@ def _produce_tile(
         # STAGES waits (parity 1) pass at once
         mbarrier.wait(k_empty.index(i % STAGES), ((i // STAGES) & 1) ^ 1)
         _load_kv(k_desc, k_bufs, k_ready, i, b, hk, lo - it * KEYS, STAGES, KEYS, kt_desc, kt_bufs, TAIL_ROW,
-                 TAIL_COL)  # fmt: skip
+                 TAIL_COL, bias_desc, bias_bufs, HAS_BIAS)  # fmt: skip
         mbarrier.wait(v_empty.index(i % STAGES), ((i // STAGES) & 1) ^ 1)
         _load_kv(v_desc, v_bufs, v_ready, i, b, hk, lo - it * KEYS, STAGES, KEYS, vt_desc, vt_bufs, TAIL_ROW,
                  TAIL_COL_V)  # fmt: skip
@@ -774,7 +806,7 @@ def _ws_producer(
     BLOCK_N: gl.constexpr, BLOCK_NT: gl.constexpr, BLOCK_D: gl.constexpr, BLOCK_DT: gl.constexpr,
     BLOCK_DV: gl.constexpr, BLOCK_DVT: gl.constexpr, STAGES: gl.constexpr, PERSISTENT: gl.constexpr,
     CONSUMERS: gl.constexpr, DYNAMIC: gl.constexpr, tile_counter, tile_ids, tile_full, tile_empty, heads_per_group,
-    SHORT_GROUP_FIRST: gl.constexpr,
+    SHORT_GROUP_FIRST: gl.constexpr, bias_desc, bias_bufs, HAS_BIAS: gl.constexpr,
 ):  # fmt: skip
     """The TMA producer warp: this program's tile (b, h, hk, off_m, lo, n), or with PERSISTENT
     every num_programs-th of the num_tiles tiles from program_id on, each planned here as
@@ -798,7 +830,8 @@ def _ws_producer(
             _produce_tile(
                 q_desc, k_desc, v_desc, qt_desc, kt_desc, vt_desc, q_bufs, k_bufs, v_bufs, qt_bufs, kt_bufs, vt_bufs,
                 q_bar, k_ready, v_ready, k_empty, v_empty, q_empty, b, h, hk, off_m, lo, n, it, uses, BLOCK_M,
-                BLOCK_N, BLOCK_NT, BLOCK_D, BLOCK_DT, BLOCK_DV, BLOCK_DVT, STAGES, PERSISTENT, CONSUMERS,
+                BLOCK_N, BLOCK_NT, BLOCK_D, BLOCK_DT, BLOCK_DV, BLOCK_DVT, STAGES, PERSISTENT, CONSUMERS, bias_desc,
+                bias_bufs, HAS_BIAS,
             )  # fmt: skip
             # the next tile taken only once this one's loads are issued (the consumers have
             # about STAGES key blocks of it left): one taken earlier would be held back from a
@@ -822,7 +855,8 @@ def _ws_producer(
             _produce_tile(
                 q_desc, k_desc, v_desc, qt_desc, kt_desc, vt_desc, q_bufs, k_bufs, v_bufs, qt_bufs, kt_bufs, vt_bufs,
                 q_bar, k_ready, v_ready, k_empty, v_empty, q_empty, b, h, hk, off_m, lo, n, it, uses, BLOCK_M,
-                BLOCK_N, BLOCK_NT, BLOCK_D, BLOCK_DT, BLOCK_DV, BLOCK_DVT, STAGES, PERSISTENT, CONSUMERS,
+                BLOCK_N, BLOCK_NT, BLOCK_D, BLOCK_DT, BLOCK_DV, BLOCK_DVT, STAGES, PERSISTENT, CONSUMERS, bias_desc,
+                bias_bufs, HAS_BIAS,
             )  # fmt: skip
             it += n
             uses += gl.minimum(n, 1)
@@ -830,7 +864,8 @@ def _ws_producer(
         _produce_tile(
             q_desc, k_desc, v_desc, qt_desc, kt_desc, vt_desc, q_bufs, k_bufs, v_bufs, qt_bufs, kt_bufs, vt_bufs,
             q_bar, k_ready, v_ready, k_empty, v_empty, q_empty, b, h, hk, off_m, lo, n, 0, 0, BLOCK_M, BLOCK_N,
-            BLOCK_NT, BLOCK_D, BLOCK_DT, BLOCK_DV, BLOCK_DVT, STAGES, PERSISTENT, CONSUMERS,
+            BLOCK_NT, BLOCK_D, BLOCK_DT, BLOCK_DV, BLOCK_DVT, STAGES, PERSISTENT, CONSUMERS, bias_desc, bias_bufs,
+            HAS_BIAS,
         )  # fmt: skip
 
 
@@ -843,17 +878,18 @@ def _ws_producer(
 @gluon.jit
 def _consume_tile(
     WG: gl.constexpr, q_bufs, k_bufs, qt_bufs, kt_bufs, v_bufs, vt_bufs, q_bar, k_ready, v_ready, k_empty, v_empty,
-    q_empty, O, M, L, KLO, KHI, stride_ob, stride_os, stride_oh, stride_mb, stride_mh, stride_ms, stride_lb,
-    stride_lh, stride_ls, b, h, off_m, lo, n, it, uses, full_lo, full_hi, Sq, Sk, q_start, k_start, win_left,
-    win_right, qk_scale, HEAD_DIM: gl.constexpr, BLOCK_D: gl.constexpr, BLOCK_DT: gl.constexpr,
+    q_empty, O, M, L, KLO, KHI, bias_bufs, stride_ob, stride_os, stride_oh, stride_mb, stride_mh,
+    stride_ms, stride_lb, stride_lh, stride_ls, b, h, off_m, lo, n, it, uses, full_lo, full_hi, Sq, Sk, q_start,
+    k_start, win_left, win_right, qk_scale, HEAD_DIM: gl.constexpr, BLOCK_D: gl.constexpr, BLOCK_DT: gl.constexpr,
     HEAD_DIM_V: gl.constexpr, BLOCK_DV: gl.constexpr, BLOCK_DVT: gl.constexpr, BLOCK_M: gl.constexpr,
     BLOCK_N: gl.constexpr, BLOCK_NT: gl.constexpr, STAGES: gl.constexpr, MASK: gl.constexpr, LEFT: gl.constexpr,
     NORMALIZE: gl.constexpr, HAS_STATE: gl.constexpr, POSITIVE_SCALE: gl.constexpr, PERSISTENT: gl.constexpr,
-    CONSUMERS: gl.constexpr, P_EARLY: gl.constexpr, OPAQUE: gl.constexpr = False,
+    CONSUMERS: gl.constexpr, P_EARLY: gl.constexpr, HAS_BIAS: gl.constexpr, OPAQUE: gl.constexpr = False,
 ):  # fmt: skip
     """Warpgroup WG's rows of one query tile: its key loop over the tile's n blocks (after the
     `it` this program took before; its Q the program's `uses`-th), then its output (OPAQUE: its
-    index vectors recomputed per tile, _write_out)."""
+    index vectors recomputed per tile, _write_out). HAS_BIAS: bias_bufs the key bias ring
+    (_block_bias2)."""
     ROWS: gl.constexpr = BLOCK_M // CONSUMERS
     s_layout: gl.constexpr = _mma_layout(4, BLOCK_N)
     st_layout: gl.constexpr = _mma_layout(4, BLOCK_NT if BLOCK_NT > 0 else BLOCK_N)  # (unused without a key tail)
@@ -874,8 +910,9 @@ def _consume_tile(
         acc, acc_loop_t, m_i, l_i = _overlap_loop(
             q_bufs.index(WG).reshape([ROWS, BLOCK_D]), k_bufs, q_tail, kt_bufs, v_bufs, k_ready, v_ready, k_empty,
             v_empty, vt_bufs, acc, acc_t, m_i, l_i, my_m, lo, n, it, full_lo, full_hi, qk_scale, Sq, Sk, q_start,
-            k_start, win_left, win_right, KLO, KHI, STAGES, MASK, LEFT, POSITIVE_SCALE, ROWS, BLOCK_N, BLOCK_NT,
-            BLOCK_D, BLOCK_DT, BLOCK_DV, BLOCK_DVT, s_layout, st_layout, o_layout, ot_layout, P_EARLY,
+            k_start, win_left, win_right, KLO, KHI, bias_bufs, STAGES, MASK, LEFT, POSITIVE_SCALE, ROWS, BLOCK_N,
+            BLOCK_NT, BLOCK_D, BLOCK_DT, BLOCK_DV, BLOCK_DVT, s_layout, st_layout, o_layout, ot_layout, P_EARLY,
+            HAS_BIAS,
         )  # fmt: skip
         if PERSISTENT:  # this warpgroup is done with Q: the producer may load the next tile's
             mbarrier.arrive(q_empty.index(0))
@@ -908,14 +945,14 @@ def _wg_key_core(
 @gluon.jit
 def _ws2_consumer(
     WG: gl.constexpr, q_bufs, k_bufs, qt_bufs, kt_bufs, v_bufs, vt_bufs, q_bar, k_ready, v_ready, k_empty, v_empty,
-    q_empty, O, M, L, KLO, KHI, stride_ob, stride_os, stride_oh, stride_mb, stride_mh, stride_ms, stride_lb,
-    stride_lh, stride_ls, b, h, off_m, lo, n, full_lo0, full_hi0, full_lo1, full_hi1, num_tiles, Hq, group, Sq, Sk,
-    q_start, k_start, win_left, win_right, qk_scale, HEAD_DIM: gl.constexpr, BLOCK_D: gl.constexpr,
-    BLOCK_DT: gl.constexpr, HEAD_DIM_V: gl.constexpr, BLOCK_DV: gl.constexpr, BLOCK_DVT: gl.constexpr,
-    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_NT: gl.constexpr, STAGES: gl.constexpr,
-    MASK: gl.constexpr, LEFT: gl.constexpr, NORMALIZE: gl.constexpr, HAS_STATE: gl.constexpr,
+    q_empty, O, M, L, KLO, KHI, bias_bufs, stride_ob, stride_os, stride_oh, stride_mb, stride_mh,
+    stride_ms, stride_lb, stride_lh, stride_ls, b, h, off_m, lo, n, full_lo0, full_hi0, full_lo1, full_hi1,
+    num_tiles, Hq, group, Sq, Sk, q_start, k_start, win_left, win_right, qk_scale, HEAD_DIM: gl.constexpr,
+    BLOCK_D: gl.constexpr, BLOCK_DT: gl.constexpr, HEAD_DIM_V: gl.constexpr, BLOCK_DV: gl.constexpr,
+    BLOCK_DVT: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_NT: gl.constexpr,
+    STAGES: gl.constexpr, MASK: gl.constexpr, LEFT: gl.constexpr, NORMALIZE: gl.constexpr, HAS_STATE: gl.constexpr,
     POSITIVE_SCALE: gl.constexpr, PERSISTENT: gl.constexpr, CONSUMERS: gl.constexpr, P_EARLY: gl.constexpr,
-    DYNAMIC: gl.constexpr, tile_ids, tile_full, tile_empty,
+    HAS_BIAS: gl.constexpr, DYNAMIC: gl.constexpr, tile_ids, tile_full, tile_empty,
 ):  # fmt: skip
     """Consumer warpgroup WG: this program's tile, or with PERSISTENT the producer's sequence of
     tiles, each planned here as the producer plans it (_tile_plan); with DYNAMIC too the tiles
@@ -934,11 +971,11 @@ def _ws2_consumer(
                                                  KLO, KHI, MASK, ROWS, 4)  # fmt: skip
             _consume_tile(
                 WG, q_bufs, k_bufs, qt_bufs, kt_bufs, v_bufs, vt_bufs, q_bar, k_ready, v_ready, k_empty, v_empty,
-                q_empty, O, M, L, KLO, KHI, stride_ob, stride_os, stride_oh, stride_mb, stride_mh, stride_ms,
+                q_empty, O, M, L, KLO, KHI, bias_bufs, stride_ob, stride_os, stride_oh, stride_mb, stride_mh, stride_ms,
                 stride_lb, stride_lh, stride_ls, b, h, off_m, lo, n, it, uses, full_lo, full_hi, Sq, Sk, q_start,
                 k_start, win_left, win_right, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_DT, HEAD_DIM_V, BLOCK_DV, BLOCK_DVT,
                 BLOCK_M, BLOCK_N, BLOCK_NT, STAGES, MASK, LEFT, NORMALIZE, HAS_STATE, POSITIVE_SCALE, PERSISTENT,
-                CONSUMERS, P_EARLY, True,
+                CONSUMERS, P_EARLY, HAS_BIAS, True,
             )  # fmt: skip
             it += n
             uses += gl.minimum(n, 1)
@@ -957,11 +994,11 @@ def _ws2_consumer(
                                             k_start, win_left, win_right, KLO, KHI, MASK, ROWS, CONSUMERS)  # fmt: skip
             _consume_tile(
                 WG, q_bufs, k_bufs, qt_bufs, kt_bufs, v_bufs, vt_bufs, q_bar, k_ready, v_ready, k_empty, v_empty,
-                q_empty, O, M, L, KLO, KHI, stride_ob, stride_os, stride_oh, stride_mb, stride_mh, stride_ms,
+                q_empty, O, M, L, KLO, KHI, bias_bufs, stride_ob, stride_os, stride_oh, stride_mb, stride_mh, stride_ms,
                 stride_lb, stride_lh, stride_ls, b, h, off_m, lo, n, it, uses, full_lo, full_hi, Sq, Sk, q_start,
                 k_start, win_left, win_right, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_DT, HEAD_DIM_V, BLOCK_DV, BLOCK_DVT,
                 BLOCK_M, BLOCK_N, BLOCK_NT, STAGES, MASK, LEFT, NORMALIZE, HAS_STATE, POSITIVE_SCALE, PERSISTENT,
-                CONSUMERS, P_EARLY,
+                CONSUMERS, P_EARLY, HAS_BIAS,
             )  # fmt: skip
             it += n
             uses += gl.minimum(n, 1)
@@ -970,10 +1007,11 @@ def _ws2_consumer(
                                         win_left, win_right, KLO, KHI, MASK, ROWS, CONSUMERS)  # fmt: skip
         _consume_tile(
             WG, q_bufs, k_bufs, qt_bufs, kt_bufs, v_bufs, vt_bufs, q_bar, k_ready, v_ready, k_empty, v_empty,
-            q_empty, O, M, L, KLO, KHI, stride_ob, stride_os, stride_oh, stride_mb, stride_mh, stride_ms, stride_lb,
-            stride_lh, stride_ls, b, h, off_m, lo, n, 0, 0, full_lo, full_hi, Sq, Sk, q_start, k_start, win_left,
-            win_right, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_DT, HEAD_DIM_V, BLOCK_DV, BLOCK_DVT, BLOCK_M, BLOCK_N,
-            BLOCK_NT, STAGES, MASK, LEFT, NORMALIZE, HAS_STATE, POSITIVE_SCALE, PERSISTENT, CONSUMERS, P_EARLY,
+            q_empty, O, M, L, KLO, KHI, bias_bufs, stride_ob, stride_os, stride_oh, stride_mb, stride_mh, stride_ms,
+            stride_lb, stride_lh, stride_ls, b, h, off_m, lo, n, 0, 0, full_lo, full_hi, Sq, Sk, q_start, k_start,
+            win_left, win_right, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_DT, HEAD_DIM_V, BLOCK_DV, BLOCK_DVT, BLOCK_M,
+            BLOCK_N, BLOCK_NT, STAGES, MASK, LEFT, NORMALIZE, HAS_STATE, POSITIVE_SCALE, PERSISTENT, CONSUMERS,
+            P_EARLY, HAS_BIAS,
         )  # fmt: skip
 
 
@@ -986,6 +1024,7 @@ def _fwd_ws2(
     qt_desc,
     kt_desc,
     vt_desc,
+    bias_desc,
     O,
     M,
     L,
@@ -1031,6 +1070,7 @@ def _fwd_ws2(
     DYNAMIC: gl.constexpr,
     CONSUMERS: gl.constexpr,
     P_EARLY: gl.constexpr,
+    HAS_BIAS: gl.constexpr,
     SHORT_GROUP_FIRST: gl.constexpr,
     PRODUCER_REGS: gl.constexpr,
     CONSUMER_REGS: gl.constexpr,
@@ -1049,7 +1089,10 @@ def _fwd_ws2(
     [1, BLOCK_NT, 1, BLOCK_D or BLOCK_DV] read each block's rows from BLOCK_N on (e.g. 192 keys
     as 128 + 64, wider than the power of two below it and with no padded keys).
     MASK, LEFT, win_left, win_right, KLO, KHI: as the Triton forward's (tiles.MASK_*; KLO / KHI
-    (Sq,) int32 global key bounds for MASK_ROWS, any pointer otherwise).
+    (Sq,) int32 global key bounds for MASK_ROWS, any pointer otherwise). HAS_BIAS (key blocks of
+    one piece, POSITIVE_SCALE off): bias_desc a 2-D TMA descriptor over a (B, Sk) float32 bias
+    added to every query's scores of each key (natural-log units; -inf hides the key: a key
+    padding mask), blocks [1, BLOCK_N], loaded with each K block; else None.
     Grid (cdiv(Sq, BLOCK_M), B * Hq), one query tile a program (MASK_WINDOW: taken in
     _launch_order, heads_per_group heads together); or with PERSISTENT (windows,
     not MASK_ROWS, whose per-row reductions stay before the split; the launcher takes it for
@@ -1106,6 +1149,11 @@ def _fwd_ws2(
         vt_bufs = _alloc_ring(vt_desc, STAGES)
     else:
         vt_bufs = v_bufs
+    if HAS_BIAS:  # each K stage's key bias
+        gl.static_assert(BLOCK_NT == 0, "a key bias takes key blocks of one piece")
+        bias_bufs = _alloc_ring(bias_desc, STAGES)
+    else:  # a stand-in, never read
+        bias_bufs = k_bufs
     q_bar = _alloc_bars(1)
     if PERSISTENT:
         q_empty = _alloc_bars(1, CONSUMERS)  # every consumer warpgroup done with Q
@@ -1149,6 +1197,7 @@ def _fwd_ws2(
         L,
         KLO,
         KHI,
+        bias_bufs,
         stride_ob,
         stride_os,
         stride_oh,
@@ -1195,6 +1244,7 @@ def _fwd_ws2(
         PERSISTENT,
         CONSUMERS,
         P_EARLY,
+        HAS_BIAS,
         DYNAMIC,
         tile_ids,
         tile_full,
@@ -1257,6 +1307,9 @@ def _fwd_ws2(
         tile_empty,
         tile_heads,
         SHORT_GROUP_FIRST,
+        bias_desc,
+        bias_bufs,
+        HAS_BIAS,
     )
     if CONSUMERS == 3:
         gl.warp_specialize(

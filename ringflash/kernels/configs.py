@@ -208,6 +208,12 @@ GLUON_BWD = {64: "ws2_lag_grouped_down_pcc", 128: "ws2_lag_grouped_down", 256: "
 # per chunk (512 programs): fused 120 ms against 141 ms (python -m benchmarks.bench_blockops
 # --sections replay --backward default deterministic). The threshold sits between.
 GLUON_BWD_MIN_PROGRAMS_PER_SM = 2
+# A key bias (key padding masks) in the Gluon forward and the fused backward: each K block's
+# bias loaded by TMA beside it (forward), each key block's once (backward), added by the
+# Triton kernels' own FMA (compiled without spills: python benchmarks/gluon_report.py --masks
+# "" bias; python benchmarks/gluon_bwd_report.py --key-bias). Correct against float64 on one
+# H100 (tests/test_gpu_local.py -k gluon_key_bias); False: the Triton kernels take a key bias.
+GLUON_KEY_BIAS = True
 # ...except in a one-device call this small (batch x query heads x queries x keys), where the
 # fused kernel's one launch saves more host time than its idle SMs cost. One H200, bf16, D=64
 # and 128, causal and not, forward+backward with the threshold at 0 against as above

@@ -298,7 +298,7 @@ def _resolve(q, v, config) -> GluonBwdConfig:
 _DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
-def check_shapes(q, k, v, m, l, do, delta, dq, dk, dv, *, scale, cfg=None) -> None:
+def check_shapes(q, k, v, m, l, do, delta, dq, dk, dv, *, scale, cfg=None, key_bias=None) -> None:
     """Everything check_supported checks that does not need the device: dtypes, shapes,
     strides, alignment, the scale."""
     if q.dtype not in _DTYPES or any(t.dtype != q.dtype for t in (k, v, do)):
@@ -368,6 +368,13 @@ def check_shapes(q, k, v, m, l, do, delta, dq, dk, dv, *, scale, cfg=None) -> No
         raise Unsupported("a float32 dq needs an 8-byte aligned base and even strides")
     if max(Sq, Sk) >= 2**30:
         raise Unsupported("sizes beyond 32-bit row indices")
+    if key_bias is not None and (
+        tuple(key_bias.shape) != (B, Sk) or key_bias.dtype != torch.float32 or (Sk > 1 and key_bias.stride(1) != 1)
+    ):
+        raise Unsupported(
+            f"key_bias must be float32 (B, Sk) = {(B, Sk)} with a unit key stride, got {key_bias.dtype} "
+            f"{tuple(key_bias.shape)} strides {key_bias.stride()}"
+        )
 
 
 def _check_blocked(acc: torch.Tensor, B: int, Sq: int, Hq: int, D: int, cfg) -> None:
@@ -392,18 +399,20 @@ def _check_blocked(acc: torch.Tensor, B: int, Sq: int, Hq: int, D: int, cfg) -> 
         )
 
 
-def check_supported(q, k, v, m, l, do, delta, dq, dk, dv, *, scale, cfg=None) -> None:
+def check_supported(q, k, v, m, l, do, delta, dq, dk, dv, *, scale, cfg=None, key_bias=None) -> None:
     """Raise Unsupported unless the Gluon backward can run these tensors here."""
     if not HAS_GLUON:
         raise Unsupported(f"Gluon is not available: {GLUON_ERROR}")
     dq_tensor = dq.acc if isinstance(dq, BlockedDQ) else dq
-    tensors = (q, k, v, m, l, do, dq_tensor, dk, dv) + (tuple(delta) if isinstance(delta, DeltaOf) else (delta,))
+    tensors = (q, k, v, m, l, do, dq_tensor, dk, dv, key_bias) + (
+        tuple(delta) if isinstance(delta, DeltaOf) else (delta,)
+    )
     if any(t is not None and (not t.is_cuda or t.device != q.device) for t in tensors):
         raise Unsupported("the Gluon backward needs all tensors on one CUDA device")
     cap = device_capability(q.device)
     if cap != (9, 0):
         raise Unsupported(f"the Gluon backward is built for sm_90a (Hopper), this GPU is sm_{cap[0]}{cap[1]}")
-    check_shapes(q, k, v, m, l, do, delta, dq, dk, dv, scale=scale, cfg=cfg)
+    check_shapes(q, k, v, m, l, do, delta, dq, dk, dv, scale=scale, cfg=cfg, key_bias=key_bias)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -663,7 +672,7 @@ def ordered_key_blocks(cfg: GluonBwdConfig, persistent: bool, bounds, key_blocks
 
 def launch_plan(
     q, k, v, stats, do, dq32, dk, dv, *, q_start, k_start, causal, scale, accumulate, cfg, window=None, bounds=None,
-    tile_counter=None,
+    tile_counter=None, key_bias=None,
 ):  # fmt: skip
     """(kernel, grid, args, kwargs) of one launch for checked inputs; dq32: the float32 buffer
     the kernel adds dQ to; stats: row_stats(). Any device (the CPU compile binds CPU tensors).
@@ -671,7 +680,8 @@ def launch_plan(
     kp <= qp' = qp + right) and the left one relative to that (qp <= kp + left iff
     qp' <= kp + left + right). bounds: packed documents' masks.RowBounds (its key rows' q_lo /
     q_hi decide alone), without causal or a window. tile_counter: a zeroed int32 (1,) tensor that
-    a persistent launch takes its key blocks from (None: a new one)."""
+    a persistent launch takes its key blocks from (None: a new one). key_bias: None or the
+    forward's (B, Sk) float32 key bias."""
     B, Sq, Hq, D = q.shape
     Dv = v.shape[3]
     block_dv = padded_head_dim(Dv)
@@ -712,6 +722,7 @@ def launch_plan(
         SCORES_AHEAD=SCORES_AHEAD.index(cfg.scores_ahead) if block_dt > 0 else 0,
         GROUPED_HEADS=False,
         PERSISTENT=False,
+        HAS_BIAS=key_bias is not None,
         PRODUCER_REGS=cfg.producer_regs,
         CONSUMER_REGS=cfg.consumer_regs,
         num_warps=cfg.num_warps,
@@ -742,6 +753,8 @@ def launch_plan(
         left,
         dq32 if bounds is None else bounds.q_lo,  # (unused without bounds)
         dq32 if bounds is None else bounds.q_hi,
+        dq32 if key_bias is None else key_bias,  # (unused without a key bias)
+        0 if key_bias is None else key_bias.stride(0),
         float(scale) * LOG2E,
         float(scale),
     )
@@ -778,7 +791,7 @@ def heads_per_group(heads: int, streamed_bytes: int) -> int:
 
 def backward(
     q, k, v, m, l, do, delta, dq, dk, dv, *, q_start, k_start, causal, scale, accumulate, config=None, window=None,
-    bounds=None,
+    bounds=None, key_bias=None,
 ):  # fmt: skip
     """Gradients of attention over one block (semantics: module docstring) into dq, dk, dv.
 
@@ -795,7 +808,8 @@ def backward(
     unbounded; masks.Window's meaning) instead of causal: query position qp sees key position kp
     iff qp - left <= kp <= qp + right. bounds: packed documents' masks.RowBounds instead of
     both (q_start / k_start: the block's first positions, as the Triton kernels take them).
-    Raises Unsupported (nothing written) for inputs the kernel does not take.
+    key_bias: None or (B, Sk) float32, the forward's bias of each key (natural-log units; -inf
+    hides the key). Raises Unsupported (nothing written) for inputs the kernel does not take.
     """
     prep = prepare(
         q,
@@ -816,6 +830,7 @@ def backward(
         config=config,
         window=window,
         bounds=bounds,
+        key_bias=key_bias,
     )
     if prep is not None:
         prep()
@@ -856,35 +871,38 @@ class Prepared:
 
 def prepare(
     q, k, v, m, l, do, delta, dq, dk, dv, *, q_start, k_start, causal, scale, accumulate, config=None, window=None,
-    bounds=None,
+    bounds=None, key_bias=None,
 ):  # fmt: skip
     """backward() up to the launch (its arguments, checks and Unsupported alike): a Prepared, or
     None when there is nothing to launch (Sq or Sk = 0: the gradients are then already handled).
     A call of a signature seen before skips the checks and reuses that call's plan (plans.py)."""
     signature = _signature(q, k, v, m, l, do, delta, dq, dk, dv, q_start, k_start, causal, scale, accumulate, config,
-                           window, bounds)  # fmt: skip
+                           window, bounds, key_bias)  # fmt: skip
     plan = _PLANS.get(signature)
     if plan is not None:
-        record("backward", plan, (q, k, v, m, l, do, delta, dq, dk, dv, scale, accumulate, bounds))
+        record("backward", plan, (q, k, v, m, l, do, delta, dq, dk, dv, scale, accumulate, bounds, key_bias))
         return prepared_from(plan, q, k, v, m, l, do, delta, dq, dk, dv, scale=scale, accumulate=accumulate,
-                             bounds=bounds)  # fmt: skip
+                             bounds=bounds, key_bias=key_bias)  # fmt: skip
     cfg = _resolve(q, v, config)
-    check_supported(q, k, v, m, l, do, delta, dq, dk, dv, scale=scale, cfg=cfg)
+    check_supported(q, k, v, m, l, do, delta, dq, dk, dv, scale=scale, cfg=cfg, key_bias=key_bias)
     return _prepared(None, cfg, q, k, v, m, l, do, delta, dq, dk, dv, q_start=q_start, k_start=k_start,
                      causal=causal, scale=scale, accumulate=accumulate, window=window, bounds=bounds,
-                     signature=signature)  # fmt: skip
+                     key_bias=key_bias, signature=signature)  # fmt: skip
 
 
-def prepared_from(plan: Plan, q, k, v, m, l, do, delta, dq, dk, dv, *, scale, accumulate, bounds=None):
+def prepared_from(
+    plan: Plan, q, k, v, m, l, do, delta, dq, dk, dv, *, scale, accumulate, bounds=None, key_bias=None
+):  # fmt: skip
     """prepare() for arguments of the signature `plan` was kept for (prepare checked that one; a
     caller replaying a recorded plans.PlanUse checks that its arguments are alike)."""
     return _prepared(plan, plan.extra, q, k, v, m, l, do, delta, dq, dk, dv, q_start=None, k_start=None,
-                     causal=None, scale=scale, accumulate=accumulate, window=None, bounds=bounds)  # fmt: skip
+                     causal=None, scale=scale, accumulate=accumulate, window=None, bounds=bounds,
+                     key_bias=key_bias)  # fmt: skip
 
 
 def _prepared(
     plan, cfg, q, k, v, m, l, do, delta, dq, dk, dv, *, q_start, k_start, causal, scale, accumulate, window, bounds,
-    signature=None,
+    key_bias=None, signature=None,
 ):  # fmt: skip
     """prepare()'s work after its checks: from a kept plan (q_start, k_start, causal and window
     then unread: the plan has them), or building one (kept under `signature` when it repeats)."""
@@ -921,7 +939,7 @@ def _prepared(
     zeroed = one_launch and counter is not None
     tensors = (q, k, v, stats, do, dq32, dk, dv,
                *((None, None, None) if bounds is None else (bounds.q_lo, bounds.q_hi, bounds.key_order)),
-               counter)  # fmt: skip
+               counter, key_bias)  # fmt: skip
     if plan is not None:
         return Prepared(
             plan.kernel, plan.grid, plan.args_for(tensors), plan.kwargs, dq32, finish, counter, zeroed, plan.launch
@@ -944,11 +962,12 @@ def _prepared(
         window=window,
         bounds=bounds,
         tile_counter=counter,
+        key_bias=key_bias,
     )
     if _PLANS.wants(signature):
         plan = Plan(kernel, grid, args, kwargs, tensors, extra=cfg)
         _PLANS.put(signature, plan)
-        record("backward", plan, (q, k, v, m, l, do, delta, dq, dk, dv, scale, accumulate, bounds))
+        record("backward", plan, (q, k, v, m, l, do, delta, dq, dk, dv, scale, accumulate, bounds, key_bias))
     return Prepared(kernel, grid, args, kwargs, dq32, finish, counter, zeroed)
 
 
@@ -956,14 +975,14 @@ _PLANS = Plans()
 
 
 def _signature(q, k, v, m, l, do, delta, dq, dk, dv, q_start, k_start, causal, scale, accumulate, config, window,
-               bounds):  # fmt: skip
+               bounds, key_bias):  # fmt: skip
     """Everything prepare's checks and launch_plan read of a call (plans.py)."""
     pending = isinstance(delta, DeltaOf)
     dq_tensor = dq.acc if isinstance(dq, BlockedDQ) else dq
     q_lo, q_hi = (None, None) if bounds is None else (bounds.q_lo, bounds.q_hi)
     return (
-        alias_pattern((q, k, v, do, dq_tensor, dk, dv, q_lo, q_hi)),
-        *(tensor_key(t) for t in (q, k, v, m, l, do, dk, dv)),
+        alias_pattern((q, k, v, do, dq_tensor, dk, dv, q_lo, q_hi, key_bias)),
+        *(tensor_key(t) for t in (q, k, v, m, l, do, dk, dv, key_bias)),
         ("pending", tensor_key(delta.out), tensor_key(delta.dlse)) if pending else tensor_key(delta),
         ("blocked", tensor_key(dq.acc)) if isinstance(dq, BlockedDQ) else tensor_key(dq),
         None if bounds is None else (tensor_key(bounds.q_lo), tensor_key(bounds.q_hi), tensor_key(bounds.key_order)),
@@ -1023,7 +1042,7 @@ def reference(q, k, v, m, l, do, delta, *, q_start, k_start, causal, scale, chun
 
 def compile_launch(
     q, k, v, m, l, do, delta, dq, dk, dv, *, q_start, k_start, causal, scale, accumulate, config=None, key_only=False,
-    window=None, bounds=None,
+    window=None, bounds=None, key_bias=None,
 ):  # fmt: skip
     """Compile for sm_90a, on any machine, exactly what backward() with these arguments would
     launch (CPU tensors of the same shapes and strides will do: the specialization depends only
@@ -1032,7 +1051,7 @@ def compile_launch(
     if not HAS_GLUON:
         raise Unsupported(f"Gluon is not available: {GLUON_ERROR}")
     cfg = _resolve(q, v, config)
-    check_shapes(q, k, v, m, l, do, delta, dq, dk, dv, scale=scale, cfg=cfg)
+    check_shapes(q, k, v, m, l, do, delta, dq, dk, dv, scale=scale, cfg=cfg, key_bias=key_bias)
     B, Sq, Hq, D = q.shape
     if cfg.dq_blocked:
         dq32 = torch.empty(B, Hq, padded_rows(Sq, cfg), D, dtype=torch.float32, device=q.device)
@@ -1058,6 +1077,7 @@ def compile_launch(
         cfg=cfg,
         window=window,
         bounds=bounds,
+        key_bias=key_bias,
     )
     return compile_plan(kernel, args, kwargs, key_only)
 
@@ -1098,12 +1118,14 @@ def compile_for_hopper(
     window_left: int | None = None,
     rows: bool = False,
     head_dim_v: int | None = None,
+    key_bias: bool = False,
 ):
     """compile_launch for contiguous CPU tensors of these sizes (2 kv heads; v and do head_dim_v
     wide, default head_dim). grad_dtype: that
     of dk and dv (default: float32 when accumulating, else the input dtype); dq is float32.
     window_left: a sliding window of that left reach (right: 0 when causal, else unbounded).
-    rows: packed documents' per-row bounds instead (causal and window_left unused)."""
+    rows: packed documents' per-row bounds instead (causal and window_left unused). key_bias:
+    with a (1, Sk) float32 key bias."""
     tdt = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
     gdt = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, None: None}[grad_dtype]
     gdt = gdt or (torch.float32 if accumulate else tdt)
@@ -1132,6 +1154,7 @@ def compile_for_hopper(
         config=cfg,
         window=None if window_left is None or rows else (window_left, 0 if causal else None),
         bounds=_compile_bounds(Sq, Sk) if rows else None,
+        key_bias=torch.empty(1, Sk) if key_bias else None,
     )
 
 
@@ -1155,6 +1178,7 @@ def hopper_report(
     window_left: int | None = None,
     rows: bool = False,
     head_dim_v: int | None = None,
+    key_bias: bool = False,
 ) -> dict:
     """gluon_forward.compiled_report of one case compiled by compile_for_hopper, with the dQ
     atomics counted in the SASS: red_v2 / red_v4 (vectorized float32 adds), red_scalar; and
@@ -1162,17 +1186,17 @@ def hopper_report(
     not known)."""
     kern = compile_for_hopper(
         cfg, head_dim, causal=causal, dtype=dtype, accumulate=accumulate, group=group, window_left=window_left,
-        rows=rows, head_dim_v=head_dim_v,
+        rows=rows, head_dim_v=head_dim_v, key_bias=key_bias,
     )  # fmt: skip
     case = {"D": head_dim, "Dv": head_dim_v or head_dim, "causal": causal, "dtype": dtype, "accumulate": accumulate,
-            "group": group, "window_left": window_left, "rows": rows}  # fmt: skip
+            "group": group, "window_left": window_left, "rows": rows, "key_bias": key_bias}  # fmt: skip
     return compiled_report(
         kern,
         cfg,
         case,
         dump=dump,
         stem=f"bwd_{cfg.schedule}_d{head_dim}_v{head_dim_v or head_dim}_c{int(causal)}_w{window_left}_r{int(rows)}"
-        f"_{dtype}_a{int(accumulate)}_s{cfg.stages}",
+        f"{'_bias' if key_bias else ''}_{dtype}_a{int(accumulate)}_s{cfg.stages}",
         sass_counts={
             "red_v2": r"\bREDG?\.E\.ADD\.F32x2\b",
             "red_v4": r"\bREDG?\.E\.ADD\.F32x4\b",

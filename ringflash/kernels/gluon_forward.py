@@ -222,11 +222,15 @@ def tile_widths(head_dim: int, head_dim_v: int | None = None) -> tuple[int, int]
     return sum(head_dim_pieces(head_dim)), sum(head_dim_pieces(head_dim if head_dim_v is None else head_dim_v))
 
 
-def shared_bytes(cfg: GluonConfig, head_dim: int, elem: int = 2, head_dim_v: int | None = None) -> int:
-    """Shared memory the tiles take (Q + STAGES x (K + V)) at these tile widths (tile_widths;
-    v's default: q/k's), barriers excluded."""
+def shared_bytes(
+    cfg: GluonConfig, head_dim: int, elem: int = 2, head_dim_v: int | None = None, key_bias: bool = False
+) -> int:
+    """Shared memory the tiles take (Q + STAGES x (K + V), and with key_bias STAGES x the key
+    blocks' float32 bias) at these tile widths (tile_widths; v's default: q/k's), barriers
+    excluded."""
     head_dim_v = head_dim if head_dim_v is None else head_dim_v
-    return elem * (head_dim * (cfg.block_m + cfg.stages * cfg.keys) + head_dim_v * cfg.stages * cfg.keys)
+    tiles = elem * (head_dim * (cfg.block_m + cfg.stages * cfg.keys) + head_dim_v * cfg.stages * cfg.keys)
+    return tiles + (4 * cfg.stages * cfg.keys if key_bias else 0)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -255,6 +259,27 @@ def _descriptor(t: torch.Tensor, rows: int, block_d: int):
     )
 
 
+@functools.lru_cache(maxsize=4)
+def _bias_smem_layout(keys: int):
+    return _gl.NVMMASharedLayout.get_default_for([1, keys], _gl.float32)
+
+
+def _tma_rows(key_bias: torch.Tensor) -> torch.Tensor:
+    """A copy of a (B, Sk) float32 key bias whose rows a TMA descriptor can read: 16-byte
+    aligned (rows padded to a multiple of 4 keys; B x Sk floats copied)."""
+    B, Sk = key_bias.shape
+    rows = torch.empty(B, -(-Sk // 4) * 4, dtype=key_bias.dtype, device=key_bias.device)
+    return rows[:, :Sk].copy_(key_bias)
+
+
+def _bias_descriptor(key_bias: torch.Tensor, keys: int):
+    """2-D TMA descriptor over a (B, Sk) float32 key bias, blocks of one batch row's `keys` keys
+    (keys past Sk read as zeros)."""
+    return _TensorDescriptor(
+        key_bias, list(key_bias.shape), list(key_bias.stride()), [1, keys], _bias_smem_layout(keys)
+    )
+
+
 @functools.lru_cache(maxsize=16)
 def multiprocessors(device: torch.device) -> int:
     """The device's multiprocessor count (a CPU stand-in, as for the compile check: an H100 /
@@ -268,19 +293,20 @@ def device_capability(device: torch.device) -> tuple[int, int]:
     return torch.cuda.get_device_capability(device)
 
 
-def check_supported(q, k, v, out_o, out_m, out_l, *, normalize, fold, cfg=None) -> None:
+def check_supported(q, k, v, out_o, out_m, out_l, *, normalize, fold, cfg=None, key_bias=None) -> None:
     """Raise Unsupported unless the Gluon forward can run these tensors here."""
     if not HAS_GLUON:
         raise Unsupported(f"Gluon is not available: {GLUON_ERROR}")
-    if not all(t.is_cuda and t.device == q.device for t in (k, v, out_o, out_m, out_l)) or not q.is_cuda:
+    tensors = (k, v, out_o, out_m, out_l) + (() if key_bias is None else (key_bias,))
+    if not all(t.is_cuda and t.device == q.device for t in tensors) or not q.is_cuda:
         raise Unsupported("the Gluon forward needs all tensors on one CUDA device")
     cap = device_capability(q.device)
     if cap != (9, 0):
         raise Unsupported(f"the Gluon forward is built for sm_90a (Hopper), this GPU is sm_{cap[0]}{cap[1]}")
-    check_shapes(q, k, v, out_o, out_m, out_l, normalize=normalize, fold=fold, cfg=cfg)
+    check_shapes(q, k, v, out_o, out_m, out_l, normalize=normalize, fold=fold, cfg=cfg, key_bias=key_bias)
 
 
-def check_shapes(q, k, v, out_o, out_m, out_l, *, normalize, fold, cfg=None) -> None:
+def check_shapes(q, k, v, out_o, out_m, out_l, *, normalize, fold, cfg=None, key_bias=None) -> None:
     """The device-independent part of check_supported: dtypes, shapes, strides, alignment."""
     if q.dtype not in _DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
         raise Unsupported(f"q, k, v must all be bfloat16 or float16, got {q.dtype}, {k.dtype}, {v.dtype}")
@@ -301,7 +327,9 @@ def check_shapes(q, k, v, out_o, out_m, out_l, *, normalize, fold, cfg=None) -> 
                 f"padded to one of {HEAD_DIMS})"
             )
     width, width_v = tile_widths(D, Dv)
-    if cfg is not None and shared_bytes(cfg, width, head_dim_v=width_v) > (HOPPER_SHARED_BYTES - 1024):
+    if cfg is not None and shared_bytes(cfg, width, head_dim_v=width_v, key_bias=key_bias is not None) > (
+        HOPPER_SHARED_BYTES - 1024
+    ):
         raise Unsupported(f"config {cfg} needs too much shared memory at D={D}, Dv={Dv}")
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not _tma_ok(t):
@@ -319,24 +347,34 @@ def check_shapes(q, k, v, out_o, out_m, out_l, *, normalize, fold, cfg=None) -> 
             raise Unsupported(f"{name} must be float32 (B, Hq, Sq) = {(B, Hq, Sq)}, got {t.dtype} {tuple(t.shape)}")
     if max(Sq, Sk) >= 2**30 or max(out_m.stride(1) * Hq, out_l.stride(1) * Hq) >= 2**31:
         raise Unsupported("sizes beyond 32-bit row indices")
+    if key_bias is not None and (
+        tuple(key_bias.shape) != (B, Sk) or key_bias.dtype != torch.float32 or not _tma_ok(key_bias)
+    ):
+        raise Unsupported(
+            f"key_bias must be float32 (B, Sk) = {(B, Sk)} with a unit key stride and 16-byte aligned rows, got "
+            f"{key_bias.dtype} {tuple(key_bias.shape)} strides {key_bias.stride()}"
+        )
 
 
 def forward(
     q, k, v, *, q_start, k_start, scale, out_o, out_m, out_l, normalize, fold, causal=False, window=None, bounds=None,
-    config=None,
+    config=None, key_bias=None,
 ):  # fmt: skip
     """Attention of q (B, Sq, Hq, D) over k (B, Sk, Hkv, D), v (B, Sk, Hkv, Dv) by global
     positions; writes out_o (B, Sq, Hq, Dv), out_m and out_l (B, Hq, Sq) float32 (semantics:
     module docstring).
 
     causal=True is window=masks.CAUSAL; bounds (RowBounds, its k_lo / k_hi for q's rows)
-    decides alone when given. config: a GluonConfig or a variant name (default:
+    decides alone when given. key_bias: None or (B, Sk) float32, added to every score of its
+    key (natural-log units; -inf hides the key). config: a GluonConfig or a variant name (default:
     DEFAULT_VARIANT for this head dim). Raises Unsupported for inputs the kernel does not take
     (nothing is written then). A call of a signature seen before skips the checks and reuses
     that call's plan (plans.py).
     """
     k_lo, k_hi = (None, None) if bounds is None else (bounds.k_lo, bounds.k_hi)
-    tensors = (q, k, v, out_o, out_m, out_l, k_lo, k_hi)  # every tensor the launch reads
+    if key_bias is not None and key_bias.dtype == torch.float32 and not _tma_ok(key_bias):
+        key_bias = _tma_rows(key_bias)
+    tensors = (q, k, v, out_o, out_m, out_l, k_lo, k_hi, key_bias)  # every tensor the launch reads
     signature = (
         alias_pattern(tensors),
         *map(tensor_key, tensors),
@@ -355,7 +393,7 @@ def forward(
         launch_planned(plan, tensors)
         return
     cfg = _resolve(q, v, config)
-    check_supported(q, k, v, out_o, out_m, out_l, normalize=normalize, fold=fold, cfg=cfg)
+    check_supported(q, k, v, out_o, out_m, out_l, normalize=normalize, fold=fold, cfg=cfg, key_bias=key_bias)
     if q.numel() == 0:
         return
     if k.shape[1] == 0:  # no keys (a TMA descriptor cannot be empty): the state is unchanged
@@ -382,6 +420,7 @@ def forward(
         normalize=normalize,
         fold=fold,
         cfg=cfg,
+        key_bias=key_bias,
     )
     if _PLANS.wants(signature):
         # (a dynamic launch's counter is the device's: launch_planned puts it in)
@@ -394,7 +433,7 @@ def forward(
 
 def launch_planned(plan: Plan, tensors) -> None:
     """forward()'s launch from a kept plan, for tensors (q, k, v, out_o, out_m, out_l, k_lo,
-    k_hi) of the signature the plan was kept for (forward() checked that one; a caller replaying
+    k_hi, key_bias) of the signature the plan was kept for (forward() checked that one; a caller replaying
     a recorded plans.PlanUse checks that its tensors are alike)."""
     if plan.kwargs["DYNAMIC"]:  # tiles from the device's counter
         tensors = (*tensors, tile_counter(tensors[0].device))
@@ -414,7 +453,7 @@ def _resolve(q, v, config) -> GluonConfig:
 
 def launch_plan(
     q, k, v, *, q_start, k_start, scale, out_o, out_m, out_l, normalize, fold, cfg, causal=False, window=None,
-    bounds=None,
+    bounds=None, key_bias=None,
 ):  # fmt: skip
     """(kernel, grid, args, kwargs) of one launch, for checked inputs (any device: the CPU
     compile check binds CPU tensors through the same arguments)."""
@@ -434,6 +473,8 @@ def launch_plan(
     mask, win_left, win_right, left, _, (k_lo, k_hi), _ = _mask_args(CAUSAL if causal else window, bounds, out_m)
     if cfg.block_nt and (block_dt or block_dvt):
         raise Unsupported("a key block in two pieces takes head dims of one piece")
+    if cfg.block_nt and key_bias is not None:
+        raise Unsupported("a key bias takes key blocks of one piece")
     if mask == MASK_ROWS and cfg.consumers != 2:  # (the tile's per-row reductions take powers of two)
         raise Unsupported("per-row bounds need 128-row tiles: two consumer warpgroups")
     # dense and causal only (no left bound): what was measured; sliding windows spill more
@@ -455,11 +496,13 @@ def launch_plan(
         LEFT=left,
         NORMALIZE=bool(normalize),
         HAS_STATE=bool(fold),
-        POSITIVE_SCALE=bool(scale > 0),
+        # a key bias is added to the scaled scores: they are scaled first (the Triton kernels' PRESCALE)
+        POSITIVE_SCALE=bool(scale > 0) and key_bias is None,
         PERSISTENT=persistent,
         DYNAMIC=dynamic,
         CONSUMERS=cfg.consumers,
         P_EARLY=cfg.p_early,
+        HAS_BIAS=key_bias is not None,
         SHORT_GROUP_FIRST=cfg.tile_order == "short_first",
         num_warps=cfg.num_warps,
     )
@@ -475,6 +518,7 @@ def launch_plan(
         _descriptor(v, cfg.block_n, block_dv),
         _descriptor(q, cfg.q_rows, block_dt) if block_dt else None,
         *_second_pieces(k, v, cfg, block_d, block_dt, block_dv, block_dvt),
+        None if key_bias is None else _bias_descriptor(key_bias, cfg.block_n),
         out_o,
         out_m,
         out_l,
@@ -657,7 +701,7 @@ def timed_compile(compile_spec, spec: dict):
 
 def compile_launch(
     q, k, v, *, q_start, k_start, scale, out_o, out_m, out_l, normalize, fold, causal=False, window=None, bounds=None,
-    config=None, key_only=False,
+    config=None, key_only=False, key_bias=None,
 ):  # fmt: skip
     """Compile for sm_90a, on any machine, exactly what forward() with these arguments would
     launch (tensors may be CPU tensors of the same shapes and strides: the specialization
@@ -667,7 +711,7 @@ def compile_launch(
     if not HAS_GLUON:
         raise Unsupported(f"Gluon is not available: {GLUON_ERROR}")
     cfg = _resolve(q, v, config)
-    check_shapes(q, k, v, out_o, out_m, out_l, normalize=normalize, fold=fold, cfg=cfg)
+    check_shapes(q, k, v, out_o, out_m, out_l, normalize=normalize, fold=fold, cfg=cfg, key_bias=key_bias)
     kernel, _, args, kwargs = launch_plan(
         q,
         k,
@@ -684,6 +728,7 @@ def compile_launch(
         normalize=normalize,
         fold=fold,
         cfg=cfg,
+        key_bias=key_bias,
     )
     return compile_plan(kernel, args, kwargs, key_only)
 
@@ -722,11 +767,12 @@ def compile_for_hopper(
     Sk: int = 777,
     mask: str = "",
     head_dim_v: int | None = None,
+    key_bias: bool = False,
 ):
     """compile_launch for contiguous CPU tensors of these sizes (2 kv heads; v's head dim
     head_dim_v, default head_dim). mask: "" (causal or not, by `causal`), "window" (a sliding
     window: (300, 0) with causal, else (300, 77)) or "rows" (per-row bounds of packed
-    documents)."""
+    documents); key_bias: with a (1, Sk) float32 key bias."""
     from ..masks import RowBounds, Window
 
     tdt = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
@@ -756,6 +802,8 @@ def compile_for_hopper(
         normalize=normalize,
         fold=fold,
         config=cfg,
+        # rows 16-byte aligned (a TMA descriptor's), the keys still ragged
+        key_bias=torch.empty(1, -(-Sk // 4) * 4)[:, :Sk] if key_bias else None,
     )
 
 
@@ -837,20 +885,32 @@ def hopper_report(
     dump: Path | None = None,
     mask: str = "",
     head_dim_v: int | None = None,
+    key_bias: bool = False,
 ) -> dict:
-    """compiled_report of one variant compiled by compile_for_hopper (mask, head_dim_v: as its),
+    """compiled_report of one variant compiled by compile_for_hopper (mask, head_dim_v, key_bias: as its),
     with the SASS's tile_atomics (ATOMG.E.ADD: persistent programs' tile counter, one fetch
     before the producer's loop and one in it) and strong_stores (STG.E.STRONG.GPU: the
     counter put back to zero at the launch's end) counted."""
     kern = compile_for_hopper(
-        cfg, head_dim, causal=causal, dtype=dtype, normalize=normalize, fold=fold, mask=mask, head_dim_v=head_dim_v
+        cfg,
+        head_dim,
+        causal=causal,
+        dtype=dtype,
+        normalize=normalize,
+        fold=fold,
+        mask=mask,
+        head_dim_v=head_dim_v,
+        key_bias=key_bias,
     )
     case = {"D": head_dim, "causal": causal, "mask": mask, "dtype": dtype, "normalize": normalize, "fold": fold}
     if head_dim_v is not None:
         case["Dv"] = head_dim_v
+    if key_bias:
+        case["key_bias"] = True
     dv = "" if head_dim_v is None else f"_dv{head_dim_v}"
     stem = (
-        f"{cfg.schedule}_d{head_dim}{dv}_c{int(causal)}{mask and '_' + mask}_{cfg.block_m}x{cfg.block_n}"
+        f"{cfg.schedule}_d{head_dim}{dv}_c{int(causal)}{mask and '_' + mask}{'_bias' if key_bias else ''}"
+        f"_{cfg.block_m}x{cfg.block_n}"
         f"{f'+{cfg.block_nt}' if cfg.block_nt else ''}"
         f"_w{cfg.num_warps}_s{cfg.stages}"
     )
