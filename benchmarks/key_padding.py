@@ -1,0 +1,104 @@
+"""Key padding masks' cost: ringflash with a key padding mask on the Gluon kernels
+(configs.GLUON_KEY_BIAS) and on the Triton ones, beside ringflash without a mask and SDPA
+with the same mask as a boolean attn_mask (its memory-efficient backend, the one that takes
+a mask; cuDNN's takes none), in the same run.
+
+    python -m benchmarks.key_padding --json benchmarks/results/key_padding_h200.json
+    python -m benchmarks.key_padding --smoke        # tiny CPU run (CI keeps it working)
+
+A right-padded batch: B rows, row b holding S - b * S / (2 B) real keys (the rest padding,
+hidden from every query). Prints TFLOP/s of the attention as if every pair were computed
+(forward 4*B*H*S*S*D, half for causal; forward+backward 3.5x) and the ratios: the Gluon path
+over the Triton one, over ringflash without a mask, and over SDPA with the mask. Medians of
+triton.testing.do_bench on the GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from unittest import mock
+
+import torch
+import torch.nn.functional as F
+
+from benchmarks.bench_local import make_inputs
+from benchmarks.common import attention_flops, bench_device, bench_ms, device_name, step_fn, write_json
+from ringflash import flash_attn_func
+from ringflash.kernels import configs
+
+
+def right_padding(B: int, S: int, device) -> torch.Tensor:
+    """(B, S) bool, True = padding: row b holds S - b * S // (2 B) real keys."""
+    real = torch.tensor([S - b * S // (2 * B) for b in range(B)], device=device)
+    return torch.arange(S, device=device)[None, :] >= real[:, None]
+
+
+def runner(impl, tensors, causal, mask, mode):
+    q, k, v = tensors
+    do = torch.randn_like(q)
+    if impl == "sdpa":
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        backend = SDPBackend.EFFICIENT_ATTENTION if q.is_cuda else SDPBackend.MATH
+        S = q.shape[2]
+        keep = ~mask[:, None, None, :]  # SDPA's bool mask: True = may attend
+        if causal:
+            keep = keep & torch.ones(S, S, dtype=torch.bool, device=q.device).tril()
+
+        def call():
+            with sdpa_kernel(backend):
+                return F.scaled_dot_product_attention(q, k, v, attn_mask=keep)
+
+        return step_fn(call, (q, k, v), do, mode)
+    kpm = None if impl == "no_mask" else mask
+    step = step_fn(lambda: flash_attn_func(q, k, v, causal=causal, key_padding_mask=kpm), (q, k, v), do, mode)
+
+    def run():  # (the backward too: it decides by the flag when it runs)
+        with mock.patch.object(configs, "GLUON_KEY_BIAS", impl == "gluon"):
+            step()
+
+    return run
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--seqlens", type=int, nargs="+", default=[4096, 8192])
+    ap.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
+    ap.add_argument("--heads", type=int, default=32)
+    ap.add_argument("--json", type=Path)
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU")
+    args = ap.parse_args()
+    device, dtype = bench_device(args.smoke)
+    B, seqlens, dims, H = (2, [64], [16], 2) if args.smoke else (args.batch, args.seqlens, args.head_dims, args.heads)
+    impls = ("gluon", "triton", "no_mask", "sdpa")
+    rows = []
+    print(f"{'D':>4} {'S':>6} {'causal':>6} {'mode':>8} " + " ".join(f"{i:>8}" for i in impls)
+          + f" {'g/triton':>8} {'g/nomask':>8} {'g/sdpa':>7}")  # fmt: skip
+    for D in dims:
+        for S in seqlens:
+            mask = right_padding(B, S, device)
+            for causal in (False, True):
+                for mode in ("fwd", "fwd+bwd"):
+                    ours, sdpa = make_inputs(B, S, H, D, dtype, device)
+                    flops = attention_flops(B, H, S, D, causal, mode)
+                    ms = {i: bench_ms(runner(i, sdpa if i == "sdpa" else ours, causal, mask, mode), device)
+                          for i in impls}  # fmt: skip
+                    tf = {name: flops / (t * 1e-3) / 1e12 for name, t in ms.items()}
+                    row = dict(B=B, D=D, S=S, H=H, causal=causal, mode=mode, ms=ms, tflops=tf,
+                               gluon_over_triton=ms["triton"] / ms["gluon"],
+                               gluon_over_no_mask=ms["no_mask"] / ms["gluon"],
+                               gluon_over_sdpa=ms["sdpa"] / ms["gluon"])  # fmt: skip
+                    rows.append(row)
+                    print(
+                        f"{D:>4} {S:>6} {causal!s:>6} {mode:>8} " + " ".join(f"{tf[i]:8.1f}" for i in impls)
+                        + f" {row['gluon_over_triton']:8.2f} {row['gluon_over_no_mask']:8.2f}"
+                        f" {row['gluon_over_sdpa']:7.2f}",
+                        flush=True,
+                    )  # fmt: skip
+    write_json(args.json, dict(device=device_name(device), dtype=str(dtype), rows=rows))
+
+
+if __name__ == "__main__":
+    main()
