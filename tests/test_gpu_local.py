@@ -233,23 +233,14 @@ def test_v_head_dim_differs(D, Dv, causal, monkeypatch):
     assert calls, "the Gluon forward was not used"
 
 
-_PIECES_CASES = [
-    (variant, D, Dv)
-    for variant in ("split_d_pieces", "split_d_pieces_ahead", "split_d_pieces_ahead_s3", "split_d_pieces_early_s3")
-    for D, Dv in ((192, 128), (192, 192), (168, 128))
-    if not (variant == "split_d_pieces_early_s3" and Dv == 192)  # (its buffers do not fit there)
-]
-
-
-@pytest.mark.parametrize("variant,D,Dv", _PIECES_CASES)
+@pytest.mark.parametrize("D,Dv", [(192, 128), (192, 192), (168, 128)])
 @pytest.mark.parametrize("causal", [False, True])
-def test_fused_backward_head_dim_in_pieces(D, Dv, causal, variant, monkeypatch):
+def test_fused_backward_head_dim_in_pieces(D, Dv, causal, monkeypatch):
     """q/k's head dim in pieces (128 + 64; 168's tail columns past the head dim read as zeros)
     in the fused backward (split_d_pieces: dK's and dQ's pieces crossed between the two
-    warpgroups; _ahead: the next step's scores issued before the step's gradients are waited
-    on; _early: before the step's gradients), v's 128 (MLA) or 192: out and gradients against
-    float64 within 2x plain bf16 attention, and the fused kernel ran with the tail piece (and
-    the scores ahead)."""
+    warpgroups), v's 128 (MLA) or 192: out and gradients against float64 within 2x plain bf16
+    attention, and the fused kernel ran with the tail piece."""
+    variant = "split_d_pieces"
     from ringflash.kernels import configs, gluon_backward
 
     plans = []
@@ -257,10 +248,7 @@ def test_fused_backward_head_dim_in_pieces(D, Dv, causal, variant, monkeypatch):
     monkeypatch.setattr(gluon_backward, "launch_plan", lambda *a, **kw: plans.append(real(*a, **kw)) or plans[-1])
     with configs.override(gluon_bwd=variant):
         test_forward_backward_vs_float64(torch.bfloat16, causal, (1, 2049, 2049, 4, 2, D), Dv=Dv)
-    ahead = gluon_backward.SCORES_AHEAD.index(gluon_backward.config_for(D, variant).scores_ahead)
-    assert plans and all(kw["BLOCK_DT"] == 64 and kw["SCORES_AHEAD"] == ahead for *_, kw in plans), [
-        p[3] for p in plans
-    ]
+    assert plans and all(kw["BLOCK_DT"] == 64 for *_, kw in plans), [p[3] for p in plans]
 
 
 @pytest.mark.parametrize("D", [64, 128])

@@ -700,41 +700,27 @@ def test_gluon_backward_head_dim_in_pieces_plan():
             assert tails == (None, None)
     with pytest.raises(ValueError, match="head-dim split schedule"):
         gb.GluonBwdConfig(pieces=True)
-    with pytest.raises(ValueError, match="scores_ahead"):
-        gb.GluonBwdConfig(scores_ahead="dq")
-    with pytest.raises(ValueError, match="scores_ahead must be one of"):
-        gb.GluonBwdConfig(schedule="ws2_split_d", block_n=64, scores_ahead=True)
 
 
-def test_gluon_backward_scores_ahead_plan():
-    """The split schedule's scores go ahead where q/k runs in pieces (192: the kernel's
-    SCORES_AHEAD 1 ahead of the dQ adds, 2 ahead of the gradients) and not where it runs padded
-    (256: those accumulators would spill); the three-stage forms fit the shared memory at MLA's
-    192 / 128, counted at each head dim's own tile widths, and not at 256, and the early one
-    (three P^T / dS^T pairs) not at 192 / 192 either: its check refuses both."""
+def test_gluon_backward_shared_bytes_by_tile_widths():
+    """The split schedule's shared memory is counted at q/k's and v's own tile widths (MLA's 192
+    as 128 + 64 beside v's 128), not every tile at the larger padded width: three stages fit at
+    192 / 128 and not at 256, where the check refuses them."""
+    from dataclasses import replace
+
     from ringflash.kernels import gluon_backward as gb
 
     if not gb.HAS_GLUON:
         pytest.skip(f"Gluon not importable: {gb.GLUON_ERROR}")
-    for variant, D, Dv, want in (
-        ("split_d_pieces_ahead", 192, 128, 1),
-        ("split_d_pieces_ahead", 192, 192, 1),
-        ("split_d_pieces_ahead", 256, 256, 0),
-        ("split_d_pieces_early_s3", 192, 128, 2),
-    ):
-        _, kwargs = _causal_launch_plan(gb, gb.config_for(D, variant), D, Dv)
-        assert kwargs["SCORES_AHEAD"] == want, (variant, D, Dv)
-    s3, early = gb.config_for(192, "split_d_pieces_ahead_s3"), gb.config_for(192, "split_d_pieces_early_s3")
+    s3 = replace(gb.config_for(192, "split_d_pieces"), stages=3)
     # K, V: 64 keys x (192 + 128) columns; three stages of Q + dO and the statistics; P^T, dS^T x 2
     kv_stages = 2 * 64 * 320 + 3 * (2 * 64 * 320 + 512)
     assert gb.shared_bytes(s3, 192, head_dim_v=128) == kv_stages + 4 * 64 * 64 * 2
-    assert gb.shared_bytes(early, 192, head_dim_v=128) == kv_stages + 6 * 64 * 64 * 2
     limit = gb.HOPPER_SHARED_BYTES - 1024
-    assert max(gb.shared_bytes(c, 192, head_dim_v=128) for c in (s3, early)) <= limit < gb.shared_bytes(s3, 256)
-    assert gb.shared_bytes(early, 192, head_dim_v=256) > limit  # q/k in pieces (192), v's 192 padded to 256
-    for D, Dv in ((192, 192), (256, 256)):
-        with pytest.raises(gb.Unsupported, match="too much shared memory"):
-            _causal_launch_plan(gb, early, D, Dv)
+    assert gb.shared_bytes(s3, 192, head_dim_v=128) <= limit < gb.shared_bytes(s3, 256)
+    _causal_launch_plan(gb, s3, 192, 128)
+    with pytest.raises(gb.Unsupported, match="too much shared memory"):
+        _causal_launch_plan(gb, s3, 256, 256)
 
 
 def test_plans_are_kept_from_the_second_call_on():

@@ -37,12 +37,6 @@ Options (constexprs; gluon_backward.VARIANTS names the combinations):
   follows the loop.
 - DQ_FIRST (with LAG): FlashAttention-3's order, dQ(i - 1) issued before dK(i); the dQ atomics
   then run while dK is in the tensor cores.
-- SCORES_AHEAD (SPLIT_D with q/k in pieces; without it both warpgroups' tensor work stops at
-  every step's dQ adds and softmax): 1, step i + 1's S^T and dP^T issued before the wait for
-  step i's dV, dK and dQ, which leaves them in flight while dQ(i) is added; 2, issued before
-  step i's gradients themselves, so that step i + 1's softmax and exchange run beside those
-  (three P^T / dS^T buffer pairs). The loop is peeled: step 0's scores before it, the last
-  step's gradients after it.
 - PERSISTENT (ws2): at most one program per multiprocessor, each taking key blocks from a
   counter that the producer reads and passes to the consumers (_fetch_tile, _publish_tile,
   _receive_tile; with packed documents' per-row bounds also the block's query blocks, which the
@@ -925,10 +919,9 @@ def _split_d_scores(i, zero, bufs, s_zero, shape: gl.constexpr):
 def _split_d_probs(
     st_tok, dpt_tok, i, off_m, st_bufs, ds_bufs, ds_bar, step_mask, qk_scale,
     s_layout: gl.constexpr, shape: gl.constexpr, CAUSAL: gl.constexpr, HAS_LEFT: gl.constexpr, ROWS: gl.constexpr,
-    IN_FLIGHT: gl.constexpr = 0,
 ):  # fmt: skip
-    """Step i's P^T and dS^T (its query block from off_m) from its scores (st_tok, dpt_tok, with
-    IN_FLIGHT groups issued after them), this warpgroup's 32 columns of each written to shared
+    """Step i's P^T and dS^T (its query block from off_m) from its scores (st_tok, dpt_tok), this
+    warpgroup's 32 columns of each written to shared
     memory; returns once both warpgroups' halves are there. step_mask: _mask_scores' other
     arguments, then the keys' bias (_probs_t)."""
     WG, QROWS, BLOCK_M, _, _, _, _, STAGES, NBUF, HAS_BIAS = shape
@@ -936,23 +929,22 @@ def _split_d_probs(
     dtype: gl.constexpr = ds_bufs.dtype
     s = i % STAGES
     offset = st_bufs.index(2 * s).slice(WG * QROWS, QROWS).load(gl.SliceLayout(0, s_layout))
-    st = warpgroup_mma_wait(1 + IN_FLIGHT, deps=(st_tok,))  # (dP^T's group after S^T's)
+    st = warpgroup_mma_wait(1, deps=(st_tok,))  # (dP^T's group after S^T's)
     st = _mask_scores(
         st, key_ragged, off_m, full_lo, full_hi, key_idx, q_idx, key_q_lo, key_q_hi, Sk, q_start, k_start, left,
         BLOCK_M, CAUSAL, HAS_LEFT, ROWS,
     )  # fmt: skip
     pt = _probs_t(st, offset, bias2, qk_scale, HAS_BIAS)
     delta = st_bufs.index(2 * s + 1).slice(WG * QROWS, QROWS).load(gl.SliceLayout(0, s_layout))
-    dpt = warpgroup_mma_wait(IN_FLIGHT, deps=(dpt_tok,))
+    dpt = warpgroup_mma_wait(0, deps=(dpt_tok,))
     ds = (pt * (dpt - delta[None, :])).to(dtype)
     # P^T(i) and dS^T(i) in buffers 2 (i % NBUF) and 2 (i % NBUF) + 1; ds_bar[i % NBUF]: count 2,
     # one arrival per warpgroup, its n-th use (n = i // NBUF) completes phase n. No phase is
     # skipped: a warpgroup arrives for step i only after passing step i - 1's wait, which needs
     # the other's arrival for step i - 1, hence for step i - NBUF. A buffer is rewritten at step
     # i + NBUF, after both warpgroups passed ds_bar at step i + NBUF - 1, which each reaches only
-    # after its wait for step i's gradients, which read it: NBUF = 2 where that wait comes before
-    # the next step's _split_d_probs (a plain or dQ-ahead loop), 3 where it comes after it (scores
-    # ahead of the gradients: step i's are waited on at the end of step i + 1).
+    # after its wait for step i's gradients, which read it (NBUF = 2: that wait comes before the
+    # next step's _split_d_probs).
     ds_bufs.index(2 * (i % NBUF)).slice(WG * QROWS, QROWS, dim=1).store(pt.to(dtype))
     ds_bufs.index(2 * (i % NBUF) + 1).slice(WG * QROWS, QROWS, dim=1).store(ds)
     fence_async_shared()
@@ -1009,7 +1001,6 @@ def _split_d_step_done(
 @gluon.jit
 def _consumer_split_d(
     WG: gl.constexpr,
-    SCORES_AHEAD: gl.constexpr,
     q_bufs,
     do_bufs,
     st_bufs,
@@ -1087,13 +1078,7 @@ def _consumer_split_d(
     BLOCK_DT after them (qt_bufs, kt_smem; BLOCK_D = 2 BLOCK_DT, e.g. 192 = 128 + 64), which do
     not halve into powers of two: S^T takes one wgmma per piece, and the pieces cross between
     the gradients: warpgroup 0 holds dK's main piece and computes dQ's tail, warpgroup 1 dK's
-    tail and dQ's main piece (each 3 x BLOCK_DT columns of dK and dQ); dV halves as before.
-
-    SCORES_AHEAD (without it both warpgroups' tensor work stops for every step's dQ adds and
-    softmax): 1, step i + 1's S^T and dP^T issued after step i's dV, dK and dQ and before the
-    wait for those, so that the tensor cores have them while this warpgroup adds dQ(i); 2, step
-    i + 1's scores issued before step i's gradients, so that step i + 1's softmax and exchange
-    run beside those, and dQ(i) is added after (three P^T / dS^T buffer pairs)."""
+    tail and dQ's main piece (each 3 x BLOCK_DT columns of dK and dQ); dV halves as before."""
     TAIL: gl.constexpr = BLOCK_DT > 0
     if TAIL:
         gl.static_assert(BLOCK_D == 2 * BLOCK_DT, "the crossed pieces balance at main = 2 x tail")
@@ -1147,57 +1132,19 @@ def _consumer_split_d(
     dq_add = (DQ, b, Sq, stride_dqb, stride_dqs, stride_dqh, sm_scale, dq_rows, dq_cols)
     # the head-dim columns each gradient's matmul takes (_split_d_gradients)
     cols: gl.constexpr = (COLS_V, DK_COL0, DK_COLS, DQ_COL0, DQ_COLS, DQ_TILE)
-    NBUF: gl.constexpr = 3 if SCORES_AHEAD == 2 else 2
+    NBUF: gl.constexpr = 2
     shape: gl.constexpr = (WG, QROWS, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, BLOCK_DT, STAGES, NBUF, HAS_BIAS)
-    # wgmma groups of a step's scores (S^T's pieces, dP^T) and of its gradients (dV, dK, dQ)
-    SCORE_GROUPS: gl.constexpr = 3 if TAIL else 2
     if n_iter > 0:
         mbarrier.wait(kv_bar.index(0), 0)
-    if SCORES_AHEAD:
-        # 1: step i's gradients, then step i + 1's scores, then the wait that leaves those in
-        # flight (groups complete in order: dV, dK and dQ are done) and dQ(i)'s adds beside them;
-        # 2: step i + 1's scores, then step i's gradients, step i + 1's softmax and exchange while
-        # those run (S^T, then dP^T, waited on with the three gradient groups left in flight),
-        # then the gradients awaited and dQ(i) added
-        h, off_m = _query_block(0, hk, group, m_first, n_m, p0, BLOCK_M, WALK)
-        if n_iter > 0:
-            st_tok, dpt_tok = _split_d_scores(0, _opaque(0), bufs, s_zero, shape)
-            _split_d_probs(st_tok, dpt_tok, 0, off_m, st_bufs, ds_bufs, ds_bar, step_mask, qk_scale, s_layout, shape,
-                           CAUSAL, HAS_LEFT, ROWS)  # fmt: skip
-        for i in range(1, n_iter):
-            h_prev = h
-            off_m_prev = off_m
-            h, off_m = _query_block(i, hk, group, m_first, n_m, p0, BLOCK_M, WALK)
-            zero = _opaque(i * 0)
-            if SCORES_AHEAD == 2:
-                st_tok, dpt_tok = _split_d_scores(i, zero, bufs, s_zero, shape)
-            dv_tok, dk_tok, dq_tok = _split_d_gradients(i - 1, zero, dv, dk, dq_zero, bufs, ds_bufs, cols, shape)
-            if SCORES_AHEAD == 1:
-                st_tok, dpt_tok = _split_d_scores(i, zero, bufs, s_zero, shape)
-                dv, dk, dq = warpgroup_mma_wait(SCORE_GROUPS, deps=(dv_tok, dk_tok, dq_tok))
-                _split_d_step_done(i - 1, h_prev, off_m_prev, dq, empty, dq_add, cols, shape, DQ_BLOCKED)
-                _split_d_probs(st_tok, dpt_tok, i, off_m, st_bufs, ds_bufs, ds_bar, step_mask, qk_scale, s_layout,
-                               shape, CAUSAL, HAS_LEFT, ROWS)  # fmt: skip
-            else:
-                _split_d_probs(st_tok, dpt_tok, i, off_m, st_bufs, ds_bufs, ds_bar, step_mask, qk_scale, s_layout,
-                               shape, CAUSAL, HAS_LEFT, ROWS, 3)  # fmt: skip
-                dv, dk, dq = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok, dq_tok))
-                _split_d_step_done(i - 1, h_prev, off_m_prev, dq, empty, dq_add, cols, shape, DQ_BLOCKED)
-        if n_iter > 0:
-            zero = _opaque(n_iter * 0)
-            dv_tok, dk_tok, dq_tok = _split_d_gradients(n_iter - 1, zero, dv, dk, dq_zero, bufs, ds_bufs, cols, shape)
-            dv, dk, dq = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok, dq_tok))
-            _split_d_step_done(n_iter - 1, h, off_m, dq, empty, dq_add, cols, shape, DQ_BLOCKED)
-    else:
-        for i in range(n_iter):
-            h, off_m = _query_block(i, hk, group, m_first, n_m, p0, BLOCK_M, WALK)
-            zero = _opaque(i * 0)
-            st_tok, dpt_tok = _split_d_scores(i, zero, bufs, s_zero, shape)
-            _split_d_probs(st_tok, dpt_tok, i, off_m, st_bufs, ds_bufs, ds_bar, step_mask, qk_scale, s_layout, shape,
-                           CAUSAL, HAS_LEFT, ROWS)  # fmt: skip
-            dv_tok, dk_tok, dq_tok = _split_d_gradients(i, zero, dv, dk, dq_zero, bufs, ds_bufs, cols, shape)
-            dv, dk, dq = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok, dq_tok))
-            _split_d_step_done(i, h, off_m, dq, empty, dq_add, cols, shape, DQ_BLOCKED)
+    for i in range(n_iter):
+        h, off_m = _query_block(i, hk, group, m_first, n_m, p0, BLOCK_M, WALK)
+        zero = _opaque(i * 0)
+        st_tok, dpt_tok = _split_d_scores(i, zero, bufs, s_zero, shape)
+        _split_d_probs(st_tok, dpt_tok, i, off_m, st_bufs, ds_bufs, ds_bar, step_mask, qk_scale, s_layout, shape,
+                       CAUSAL, HAS_LEFT, ROWS)  # fmt: skip
+        dv_tok, dk_tok, dq_tok = _split_d_gradients(i, zero, dv, dk, dq_zero, bufs, ds_bufs, cols, shape)
+        dv, dk, dq = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok, dq_tok))
+        _split_d_step_done(i, h, off_m, dq, empty, dq_add, cols, shape, DQ_BLOCKED)
     b = _opaque(b)  # (as _consumer with LAG: the pointers' 64-bit parts computed here, not kept)
     hk = _opaque(hk)
     if n_iter > (0 if ACCUMULATE else -1):  # (as _consumer)
@@ -1287,7 +1234,6 @@ def _bwd_ws2(
     LAG: gl.constexpr,
     DQ_FIRST: gl.constexpr,
     SPLIT_D: gl.constexpr,
-    SCORES_AHEAD: gl.constexpr,
     GROUPED_HEADS: gl.constexpr,
     PERSISTENT: gl.constexpr,
     ORDERED: gl.constexpr,
@@ -1334,11 +1280,11 @@ def _bwd_ws2(
         qt_bufs = q_bufs
         kt_smem = k_smem
     if SPLIT_D:
-        # P^T and dS^T of two steps (three with SCORES_AHEAD == 2); each warpgroup writes 32 of
+        # P^T and dS^T of two steps; each warpgroup writes 32 of
         # the 64 columns, which a 64-byte swizzle keeps in whole swizzle blocks (the default
         # 128-byte one would cut them)
         ds_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=16, rank=2)
-        DS_BUFS: gl.constexpr = 6 if SCORES_AHEAD == 2 else 4  # (_consumer_split_d's NBUF pairs)
+        DS_BUFS: gl.constexpr = 4  # (_consumer_split_d's NBUF pairs)
     else:
         ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype)
         DS_BUFS: gl.constexpr = 3 if LAG else 2  # LAG: dS(i) is read during step i + 1 (_consumer)
@@ -1452,8 +1398,8 @@ def _bwd_ws2(
     if SPLIT_D:
         gl.warp_specialize(
             [
-                (_consumer_split_d, (0, SCORES_AHEAD) + consumer_args),
-                (_consumer_split_d, (1, SCORES_AHEAD) + consumer_args),
+                (_consumer_split_d, (0,) + consumer_args),
+                (_consumer_split_d, (1,) + consumer_args),
                 (_producer, (gl.tuple(producer_args),) + producer_rest),
             ],
             [4, 1],

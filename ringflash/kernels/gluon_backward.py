@@ -97,9 +97,6 @@ class BlockedDQ:
 WALKS = ("up", "rotated", "down")
 
 
-SCORES_AHEAD = (None, "dq", "gradients")  # GluonBwdConfig.scores_ahead; the kernel's 0, 1, 2
-
-
 @dataclass(frozen=True)
 class GluonBwdConfig:
     # producer warp + two consumer warpgroups that split the block's keys ("ws2": 64 each) or its
@@ -122,12 +119,6 @@ class GluonBwdConfig:
     # ws2_split_d: q/k's head dim in kernels.head_dim_pieces where it has a tail (192 = 128 + 64)
     # rather than padded; dK's and dQ's pieces cross between the warpgroups (_consumer_split_d)
     pieces: bool = False
-    # ws2_split_d where q/k runs in pieces: the next step's S^T and dP^T issued ahead, so the
-    # tensor cores have work while a warpgroup is busy elsewhere: "dq", after this step's dV, dK
-    # and dQ but before they are waited on (beside the dQ adds); "gradients", before those (beside
-    # the next softmax and exchange, the dQ adds after; three P^T / dS^T buffer pairs). At a
-    # padded 256 the extra accumulators do not fit beside the gradients' (spills): not there.
-    scores_ahead: str | None = None
     # causal blocks: a 3-D grid takes key block j of a few kv heads (as many as keep their
     # streamed Q, dO and dQ within gluon_forward.TILE_ORDER_L2_BYTES) before any key block j + 1,
     # so that the launch does not end on one head's heaviest key blocks (heads_per_group)
@@ -158,10 +149,6 @@ class GluonBwdConfig:
             raise ValueError("dq_first needs lag (without it dQ waits for both halves of dS every step)")
         if self.pieces and not self.split_d:
             raise ValueError("head dims in pieces run the head-dim split schedule (ws2_split_d)")
-        if self.scores_ahead not in SCORES_AHEAD:
-            raise ValueError(f"scores_ahead must be one of {SCORES_AHEAD}, got {self.scores_ahead!r}")
-        if self.scores_ahead and not self.split_d:
-            raise ValueError("scores_ahead is the head-dim split schedule's (ws2_split_d; ws2 has lag)")
         if self.persistent not in (None, "all", "causal"):
             raise ValueError(f"persistent must be None, 'all' or 'causal', got {self.persistent!r}")
         if self.persistent and self.split_d:
@@ -224,23 +211,6 @@ _SPLIT_D = {
     "split_d_pieces": GluonBwdConfig(
         schedule="ws2_split_d", block_n=64, stages=2, producer_regs=40, dq_blocked=True, pieces=True
     ),
-    # ... the next step's scores issued ahead of this step's dQ adds (two and three stages)
-    "split_d_pieces_ahead": GluonBwdConfig(
-        schedule="ws2_split_d", block_n=64, stages=2, producer_regs=40, dq_blocked=True, pieces=True, scores_ahead="dq"
-    ),
-    "split_d_pieces_ahead_s3": GluonBwdConfig(
-        schedule="ws2_split_d", block_n=64, stages=3, producer_regs=40, dq_blocked=True, pieces=True, scores_ahead="dq"
-    ),
-    # ... ahead of the step's gradients (its stage is then released a step later: three stages)
-    "split_d_pieces_early_s3": GluonBwdConfig(
-        schedule="ws2_split_d",
-        block_n=64,
-        stages=3,
-        producer_regs=40,
-        dq_blocked=True,
-        pieces=True,
-        scores_ahead="gradients",
-    ),
 }
 VARIANTS: dict[str, dict[int, GluonBwdConfig]] = {
     **{name: dict.fromkeys((64, 128), c) for name, c in _CONFIGS.items()},
@@ -262,13 +232,12 @@ def config_for(head_dim: int, variant: str | None = None) -> GluonBwdConfig:
 
 def shared_bytes(cfg: GluonBwdConfig, head_dim: int, elem: int = 2, head_dim_v: int | None = None) -> int:
     """Shared memory of the tiles at these widths (q/k's: qk_tile_columns; v's default: q/k's): K +
-    V, STAGES x (Q + dO + statistics), 2 dS buffers (3 with lag; split_d: 2 dS and 2 P^T, 3 and 3
-    with its scores ahead of the gradients)."""
+    V, STAGES x (Q + dO + statistics), 2 dS buffers (3 with lag; split_d: 2 dS and 2 P^T)."""
     head_dim_v = head_dim if head_dim_v is None else head_dim_v
     kv = cfg.block_n * (head_dim + head_dim_v) * elem
     ring = cfg.stages * (cfg.block_m * (head_dim + head_dim_v) * elem + 2 * cfg.block_m * 4)
     if cfg.split_d:  # P^T and dS^T, a pair a step in flight
-        ds_tiles = 2 * (3 if cfg.scores_ahead == "gradients" else 2)
+        ds_tiles = 4
     else:
         ds_tiles = 3 if cfg.lag else 2
     return kv + ring + ds_tiles * cfg.block_n * cfg.block_m * elem
@@ -719,7 +688,6 @@ def launch_plan(
         LAG=cfg.lag,
         DQ_FIRST=cfg.dq_first,
         SPLIT_D=cfg.split_d,
-        SCORES_AHEAD=SCORES_AHEAD.index(cfg.scores_ahead) if block_dt > 0 else 0,
         GROUPED_HEADS=False,
         PERSISTENT=False,
         HAS_BIAS=key_bias is not None,
