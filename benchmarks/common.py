@@ -417,6 +417,16 @@ def add_align_args(ap):
     )
 
 
+def add_local_args(ap, seqlens) -> None:
+    """The options of the one-GPU kernel benchmarks beside a peer (benchmarks.dropout,
+    benchmarks.key_padding): sequence lengths, head dims, heads, the JSON file, a CPU smoke run."""
+    ap.add_argument("--seqlens", type=int, nargs="+", default=seqlens)
+    ap.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
+    ap.add_argument("--heads", type=int, default=32)
+    ap.add_argument("--json", type=Path)
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU")
+
+
 def add_shape_args(ap):
     """The attention-shape options of the ring benchmarks."""
     ap.add_argument("--heads", type=int, default=32)

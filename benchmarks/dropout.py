@@ -12,13 +12,12 @@ ringflash / SDPA at the same p. Medians of triton.testing.do_bench on the GPU.
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from benchmarks.bench_local import make_inputs
-from benchmarks.common import attention_flops, bench_device, bench_ms, device_name, step_fn, write_json
+from benchmarks.common import add_local_args, attention_flops, bench_device, bench_ms, device_name, step_fn, write_json
 from ringflash import flash_attn_func
 
 
@@ -42,11 +41,7 @@ def runner(impl, tensors, causal, p, mode):
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--p", type=float, default=0.1)
-    ap.add_argument("--seqlens", type=int, nargs="+", default=[4096, 16384])
-    ap.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
-    ap.add_argument("--heads", type=int, default=32)
-    ap.add_argument("--json", type=Path)
-    ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU")
+    add_local_args(ap, [4096, 16384])
     args = ap.parse_args()
     device, dtype = bench_device(args.smoke)
     seqlens, dims, H = ([64], [16], 2) if args.smoke else (args.seqlens, args.head_dims, args.heads)

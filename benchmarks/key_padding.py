@@ -16,14 +16,13 @@ triton.testing.do_bench on the GPU.
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 from unittest import mock
 
 import torch
 import torch.nn.functional as F
 
 from benchmarks.bench_local import make_inputs
-from benchmarks.common import attention_flops, bench_device, bench_ms, device_name, step_fn, write_json
+from benchmarks.common import add_local_args, attention_flops, bench_device, bench_ms, device_name, step_fn, write_json
 from ringflash import flash_attn_func
 from ringflash.kernels import configs
 
@@ -64,11 +63,7 @@ def runner(impl, tensors, causal, mask, mode):
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batch", type=int, default=4)
-    ap.add_argument("--seqlens", type=int, nargs="+", default=[4096, 8192])
-    ap.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
-    ap.add_argument("--heads", type=int, default=32)
-    ap.add_argument("--json", type=Path)
-    ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU")
+    add_local_args(ap, [4096, 8192])
     args = ap.parse_args()
     device, dtype = bench_device(args.smoke)
     B, seqlens, dims, H = (2, [64], [16], 2) if args.smoke else (args.batch, args.seqlens, args.head_dims, args.heads)
