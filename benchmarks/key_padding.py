@@ -1,5 +1,6 @@
 """Key padding masks' cost: ringflash with a key padding mask on the Gluon kernels
-(configs.GLUON_KEY_BIAS) and on the Triton ones, beside ringflash without a mask and SDPA
+(configs.GLUON_KEY_BIAS; gluon_cut: with the trailing padding's key blocks skipped too,
+configs.GLUON_CUT_KEY_PADDING) and on the Triton ones, beside ringflash without a mask and SDPA
 with the same mask as a boolean attn_mask (its memory-efficient backend, the one that takes
 a mask; cuDNN's takes none), in the same run.
 
@@ -8,8 +9,9 @@ a mask; cuDNN's takes none), in the same run.
 
 A right-padded batch: B rows, row b holding S - b * S / (2 B) real keys (the rest padding,
 hidden from every query). Prints TFLOP/s of the attention as if every pair were computed
-(forward 4*B*H*S*S*D, half for causal; forward+backward 3.5x) and the ratios: the Gluon path
-over the Triton one, over ringflash without a mask, and over SDPA with the mask. Medians of
+(forward 4*B*H*S*S*D, half for causal; forward+backward 3.5x) and the ratios: the padding cut
+over the Gluon path without it, the Gluon path over the Triton one, over ringflash without a
+mask, and over SDPA with the mask. Medians of
 triton.testing.do_bench on the GPU.
 """
 
@@ -53,8 +55,11 @@ def runner(impl, tensors, causal, mask, mode):
     kpm = None if impl == "no_mask" else mask
     step = step_fn(lambda: flash_attn_func(q, k, v, causal=causal, key_padding_mask=kpm), (q, k, v), do, mode)
 
-    def run():  # (the backward too: it decides by the flag when it runs)
-        with mock.patch.object(configs, "GLUON_KEY_BIAS", impl == "gluon"):
+    def run():  # (the backward too: it decides by the flags when it runs)
+        with (
+            mock.patch.object(configs, "GLUON_KEY_BIAS", impl.startswith("gluon")),
+            mock.patch.object(configs, "GLUON_CUT_KEY_PADDING", impl == "gluon_cut"),
+        ):
             step()
 
     return run
@@ -67,10 +72,10 @@ def main():
     args = ap.parse_args()
     device, dtype = bench_device(args.smoke)
     B, seqlens, dims, H = (2, [64], [16], 2) if args.smoke else (args.batch, args.seqlens, args.head_dims, args.heads)
-    impls = ("gluon", "triton", "no_mask", "sdpa")
+    impls = ("gluon", "gluon_cut", "triton", "no_mask", "sdpa")
     rows = []
     print(f"{'D':>4} {'S':>6} {'causal':>6} {'mode':>8} " + " ".join(f"{i:>8}" for i in impls)
-          + f" {'g/triton':>8} {'g/nomask':>8} {'g/sdpa':>7}")  # fmt: skip
+          + f" {'cut/g':>6} {'g/triton':>8} {'g/nomask':>8} {'g/sdpa':>7}")  # fmt: skip
     for D in dims:
         for S in seqlens:
             mask = right_padding(B, S, device)
@@ -82,13 +87,15 @@ def main():
                           for i in impls}  # fmt: skip
                     tf = {name: flops / (t * 1e-3) / 1e12 for name, t in ms.items()}
                     row = dict(B=B, D=D, S=S, H=H, causal=causal, mode=mode, ms=ms, tflops=tf,
+                               cut_over_gluon=ms["gluon"] / ms["gluon_cut"],
                                gluon_over_triton=ms["triton"] / ms["gluon"],
                                gluon_over_no_mask=ms["no_mask"] / ms["gluon"],
                                gluon_over_sdpa=ms["sdpa"] / ms["gluon"])  # fmt: skip
                     rows.append(row)
                     print(
                         f"{D:>4} {S:>6} {causal!s:>6} {mode:>8} " + " ".join(f"{tf[i]:8.1f}" for i in impls)
-                        + f" {row['gluon_over_triton']:8.2f} {row['gluon_over_no_mask']:8.2f}"
+                        + f" {row['cut_over_gluon']:6.2f} {row['gluon_over_triton']:8.2f}"
+                        f" {row['gluon_over_no_mask']:8.2f}"
                         f" {row['gluon_over_sdpa']:7.2f}",
                         flush=True,
                     )  # fmt: skip

@@ -328,6 +328,11 @@ class _FlashAttn(torch.autograd.Function):
         return dq, dk, dv, None, None
 
 
+# the Gluon forward's mask tensors of a call without masks (gluon_forward.forward's tensors
+# after q, k, v and the state: row bounds, key bias and its key limits)
+_NO_MASKS = (None, None, None, None)
+
+
 def _same_tensors(recorded, tensors) -> bool:
     return len(recorded) == len(tensors) and all(a is b for a, b in zip(recorded, tensors, strict=True))
 
@@ -384,7 +389,7 @@ class _CallPlan:
         if learned is None or learned[0] != key:
             return None
         state = _output_state(q, v)
-        self._gluon_forward.launch_planned(learned[1], (q, k, v, state.o, state.m, state.l, None, None, None))
+        self._gluon_forward.launch_planned(learned[1], (q, k, v, state.o, state.m, state.l, *_NO_MASKS))
         return state
 
     def learn_forward(self, key, q, k, v, run) -> SoftmaxState:
@@ -394,7 +399,7 @@ class _CallPlan:
         with self._plans.recording() as uses:
             state = run()
         if len(uses) == 1 and uses[0].kind == "forward":
-            if _same_tensors(uses[0].args, (q, k, v, state.o, state.m, state.l, None, None, None)):
+            if _same_tensors(uses[0].args, (q, k, v, state.o, state.m, state.l, *_NO_MASKS)):
                 self._forward = (key, uses[0].plan)
                 return state
         self._tries[0] += 1

@@ -466,12 +466,15 @@ def test_gluon_forward_is_used_and_agrees(causal, window_size, D, Dv, monkeypatc
 
 
 def _key_padding(kind, B, Sk, g):
-    """A key padding mask of each kind: "bool" (about a fifth of the keys hidden, the second
-    batch row's last 200 keys all hidden: right padding), "float" (finite biases, natural-log
-    units, and -inf on the same keys)."""
+    """A key padding mask of each kind: "bool" (about a fifth of the keys hidden, the last batch
+    row's last 600 keys all hidden: right padding, whose key blocks the kernels skip), "float"
+    (finite biases, natural-log units, and -inf on the same keys), "empty" (bool, the first
+    batch row's keys all hidden: its rows see no key)."""
     hidden = torch.rand(B, Sk, device="cuda", generator=g) < 0.2
-    hidden[-1, -200:] = True
-    if kind == "bool":
+    hidden[-1, -600:] = True
+    if kind == "empty":
+        hidden[0] = True
+    if kind != "float":
         return hidden
     bias = torch.randn(B, Sk, device="cuda", generator=g, dtype=torch.float32) * 3
     return bias.masked_fill(hidden, float("-inf"))
@@ -486,10 +489,12 @@ def test_gluon_key_bias(tier, D, Dv, causal, monkeypatch):
     default, ws3 at D=64) and the fused backward at the shapes' default variants. Out, lse and
     gradients against float64 within the plain bf16 computation's error, out beside the Triton
     kernels' (override(gluon=None), two passes) within the same bound, and both Gluon kernels
-    ran. Keys 1031 a row (the bias copied to 16-byte rows for its TMA descriptor)."""
+    ran. Keys 1031 a row (the bias copied to 16-byte rows for its TMA descriptor); the key blocks
+    past a row's last visible key are skipped (configs.GLUON_CUT_KEY_PADDING)."""
     from ringflash.kernels import configs, gluon_forward
 
     monkeypatch.setattr(configs, "GLUON_KEY_BIAS", True)
+    monkeypatch.setattr(configs, "GLUON_CUT_KEY_PADDING", True)
     most, least, dense_least = KEY_TIERS[tier]
     monkeypatch.setattr(configs, "GLUON_PERSISTENT_MAX_KEYS", most)
     monkeypatch.setattr(configs, "GLUON_LONG_MIN_KEYS", least)
@@ -501,7 +506,7 @@ def test_gluon_key_bias(tier, D, Dv, causal, monkeypatch):
     monkeypatch.setattr(gluon_forward, "forward", lambda *a, **kw: fwd_calls.append(kw["config"]) or real(*a, **kw))
     g = torch.Generator(device="cuda").manual_seed(D + Dv + 3 * causal + len(tier))
     B, S = 2, 1031
-    for kind in ("bool", "float"):
+    for kind in ("bool", "float", "empty"):
         mk = lambda H, d: torch.randn(B, S, H, d, device="cuda", generator=g, dtype=torch.bfloat16).requires_grad_()  # noqa: E731
         q, k, v = mk(4, D), mk(2, D), mk(2, Dv)
         kpm = _key_padding(kind, B, S, g)

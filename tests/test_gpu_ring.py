@@ -61,11 +61,12 @@ def _single_gpu(q, k, v, do, causal, window_size=(-1, -1)):
 def test_replayed_ring_key_padding(layout, causal, world, monkeypatch):
     """A key padding mask on the ring (each rank's keys' slice of it travelling with them) on
     the Gluon kernels (configs.GLUON_KEY_BIAS: folded forward steps, accumulating fused backward
-    steps): out and gradients within 1.2x of one GPU's error against float64, and both Gluon
-    kernels ran."""
+    steps; each block's trailing padding skipped, configs.GLUON_CUT_KEY_PADDING): out and
+    gradients within 1.2x of one GPU's error against float64, and both Gluon kernels ran."""
     from ringflash.kernels import configs, gluon_forward
 
     monkeypatch.setattr(configs, "GLUON_KEY_BIAS", True)
+    monkeypatch.setattr(configs, "GLUON_CUT_KEY_PADDING", True)
     force_fused_backward(monkeypatch)
     bwd_calls = spy_fused_backward(monkeypatch)
     fwd_calls = []

@@ -122,6 +122,7 @@ def test_plans_rebind_exactly_what_a_fresh_plan_would_build():
         t["bounds"] = RowBounds(lo, lo + 7, lo.clone(), lo + 9, key_order=order)
         t["counter"] = torch.zeros(1, dtype=torch.int32)
         t["bias"] = mk(B, S, dt=f32)
+        t["key_hi"] = gf.key_limits(t["bias"])
         return t
 
     first, second = call_tensors(), call_tensors()
@@ -135,11 +136,13 @@ def test_plans_rebind_exactly_what_a_fresh_plan_would_build():
             kw = {k: v for k, v in masks.items() if k not in ("variant", "key_bias")}
             kw["bounds"] = b = t["bounds"] if "bounds" in masks else None
             bias = t["bias"] if "key_bias" in masks else None
+            hi = t["key_hi"] if "key_bias" in masks else None
             rows = (None, None, None) if b is None else (b.q_lo, b.q_hi, b.key_order)
             tensors = (t["q"], t["k"], t["v"], t["stats"], t["do"], t["dq32"], t["dk"], t["dv"], *rows, t["counter"],
-                       bias)  # fmt: skip
+                       bias, hi)  # fmt: skip
             built = gb.launch_plan(*tensors[:8], q_start=5, k_start=0, scale=0.1, accumulate=True, cfg=cfg, **kw,
-                                   tile_counter=t["counter"] if cfg.persistent else None, key_bias=bias)  # fmt: skip
+                                   tile_counter=t["counter"] if cfg.persistent else None, key_bias=bias,
+                                   key_hi=hi)  # fmt: skip
             assert built[3]["ORDERED"] == ("variant" in masks)
             assert built[3]["HAS_BIAS"] == (bias is not None)
             return tensors, built
@@ -149,10 +152,11 @@ def test_plans_rebind_exactly_what_a_fresh_plan_would_build():
             window = Window(*masks["window"]) if "window" in masks else None
             rows = (None, None) if b is None else (b.k_lo, b.k_hi)
             bias = t["bias"] if "key_bias" in masks else None
-            tensors = (t["q"], t["k"], t["v"], t["o"], t["m"], t["l"], *rows, bias)
+            hi = t["key_hi"] if "key_bias" in masks else None
+            tensors = (t["q"], t["k"], t["v"], t["o"], t["m"], t["l"], *rows, bias, hi)
             built = gf.launch_plan(*tensors[:3], q_start=5, k_start=0, scale=0.1, out_o=t["o"], out_m=t["m"],
                                    out_l=t["l"], normalize=False, fold=True, cfg=fwd_cfg, causal=masks["causal"],
-                                   window=window, bounds=b, key_bias=bias)  # fmt: skip
+                                   window=window, bounds=b, key_bias=bias, key_hi=hi)  # fmt: skip
             # a key bias is added to the scaled scores: the scale is applied first, as the Triton kernels'
             assert built[3]["HAS_BIAS"] == (bias is not None) and built[3]["POSITIVE_SCALE"] == (bias is None)
             assert sum(hasattr(a, "block_shape") and a.base is bias for a in built[2]) == (bias is not None)
@@ -910,3 +914,19 @@ def test_direct_launch_encodes_a_tma_map_once_per_address_shape_and_strides(monk
     assert launch(t, [32, 32], [64, 1], "nan") != first and len(encoded) == 5  # padding too
     assert launch(t, [64, 32], [32, 1]) != first and len(encoded) == 6  # the slot was full: cleared
     assert encoded[-1] == encoded[0] and calls[-1][14:] == (64, 32, 32, 1, 5)
+
+
+def test_key_limits_cut_trailing_padding_only(monkeypatch):
+    """gluon_forward.key_limits: each batch row's last key a key bias does not hide (-inf), plus
+    one: hidden keys before it (inner padding) and finite biases of any sign do not cut it; a
+    row with every key hidden gives 0. With configs.GLUON_CUT_KEY_PADDING off: every row's Sk."""
+    from ringflash.kernels import configs
+    from ringflash.kernels import gluon_forward as gf
+
+    inf = float("-inf")
+    bias = torch.tensor([[0.0, 0.0, inf, 0.0, inf, inf], [inf, -3.0, 5.0, inf, inf, inf], [inf] * 6, [-1e30] * 6])
+    monkeypatch.setattr(configs, "GLUON_CUT_KEY_PADDING", True)
+    assert gf.key_limits(bias).tolist() == [4, 3, 0, 6]
+    assert gf.key_limits(bias).dtype == torch.int32
+    monkeypatch.setattr(configs, "GLUON_CUT_KEY_PADDING", False)
+    assert gf.key_limits(bias).tolist() == [6] * 4 and gf.key_limits(bias).dtype == torch.int32

@@ -820,7 +820,7 @@ def test_call_plan_learns_and_replays_only_alike_calls(monkeypatch):
     def forward_run(*uses):  # uses: (kind, the tensors' indices into the call's, or None: a copy)
         def run():
             state = local._output_state(q, v)
-            own = (q, k, v, state.o, state.m, state.l, None, None, None)
+            own = (q, k, v, state.o, state.m, state.l, *local._NO_MASKS)
             for kind, copy_at in uses:
                 tensors = tuple(t.clone() if i == copy_at else t for i, t in enumerate(own))
                 plans.record(kind, forward_plan, tensors)
@@ -836,7 +836,7 @@ def test_call_plan_learns_and_replays_only_alike_calls(monkeypatch):
     q2, k2, v2 = mk(), mk(), mk()
     state = plan.replay_forward(plan.input_key(q2, k2, v2), q2, k2, v2)
     ((used, tensors),) = launched
-    assert used is forward_plan and tensors[:3] == (q2, k2, v2) and tensors[3:] == (*state, None, None, None)
+    assert used is forward_plan and tensors[:3] == (q2, k2, v2) and tensors[3:] == (*state, *local._NO_MASKS)
     assert state.o.shape == q2.shape and state.m.shape == (1, 2, 8)
     transposed = torch.randn(1, 2, 8, 16).transpose(1, 2)
     assert plan.input_key(transposed, k, v) != key and plan.input_key(q, q, v) != key

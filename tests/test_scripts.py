@@ -192,7 +192,7 @@ def test_bench_packed_smoke(tmp_path):
 def test_bench_key_padding_smoke(tmp_path):
     run([sys.executable, "-m", "benchmarks.key_padding", "--smoke", "--json", str(tmp_path / "k.json")], tmp_path)
     rows = json.loads((tmp_path / "k.json").read_text())["rows"]
-    assert len(rows) == 4 and all(r["ms"].keys() == {"gluon", "triton", "no_mask", "sdpa"} for r in rows)
+    assert len(rows) == 4 and all(r["ms"].keys() == {"gluon", "gluon_cut", "triton", "no_mask", "sdpa"} for r in rows)
 
 
 def test_bench_dropout_smoke(tmp_path):

@@ -136,6 +136,16 @@ def _plan(
 
 
 @gluon.jit
+def _unpadded(n_m, n0, b, KEY_HI, HAS_BIAS: gl.constexpr):
+    """n_m, or with HAS_BIAS 0 where the key block from n0 starts past its batch row's last key
+    the bias does not hide (KEY_HI[b]: that key + 1): its keys add exactly nothing, its dK and dV
+    are zeros. The producer and both consumers cut a block here alike."""
+    if HAS_BIAS:
+        n_m = gl.where(n0 < gl.load(KEY_HI + b), n_m, 0)
+    return n_m
+
+
+@gluon.jit
 def _keys_range(first, Sq, Sk, q_start, k_start, QLO, QHI, KEYS: gl.constexpr, num_warps: gl.constexpr):
     """Over the keys of [first, first + KEYS) below Sk, each seen by the local query rows [lo, hi)
     (tiles.key_query_bounds of per-row bounds): (min lo, max hi), the rows that see some key,
@@ -324,7 +334,8 @@ def _produce_key_block(
     do_desc, k_desc, v_desc, st_desc, qt_desc, kt_desc, q_bufs, do_bufs, st_bufs, qt_bufs, k_smem, v_smem, kt_smem,
     kv_bar, kv_empty, ready, empty, CAUSAL: gl.constexpr, HAS_LEFT: gl.constexpr, ROWS: gl.constexpr,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, BLOCK_DT: gl.constexpr,
-    STAGES: gl.constexpr, WALK: gl.constexpr, GROUPED_HEADS: gl.constexpr, PERSISTENT: gl.constexpr,
+    STAGES: gl.constexpr, WALK: gl.constexpr, GROUPED_HEADS: gl.constexpr, KEY_HI, HAS_BIAS: gl.constexpr,
+    PERSISTENT: gl.constexpr,
 ):  # fmt: skip
     """The loads of the key block at grid coordinates (p0, p1, p2) (_plan), after the `it` steps
     and `uses` K / V loads of the program's earlier blocks; returns its steps. With BLOCK_DT > 0
@@ -336,6 +347,7 @@ def _produce_key_block(
         p0, p1, p2, dim0, Hkv, Sq, Sk, q_start, k_start, left, rows_first, rows_n, CAUSAL, HAS_LEFT, ROWS, BLOCK_M,
         BLOCK_N, GROUPED_HEADS,
     )  # fmt: skip
+    n_m = _unpadded(n_m, n0, b, KEY_HI, HAS_BIAS)
     n_iter = group * n_m
     # K and V are loaded only when the consumers will wait for them (n_iter > 0): no copy may
     # still be in flight when the program ends
@@ -604,6 +616,7 @@ def _consume_key_block(
     GROUPED_HEADS: gl.constexpr,
     BIAS,
     stride_bias_b,
+    KEY_HI,
     HAS_BIAS: gl.constexpr,
     p0,
     p1,
@@ -640,6 +653,7 @@ def _consume_key_block(
         p0, p1, p2, dim0, Hkv, Sq, Sk, q_start, k_start, left, rows_first, rows_n, CAUSAL, HAS_LEFT, ROWS, BLOCK_M,
         BLOCK_N, GROUPED_HEADS,
     )  # fmt: skip
+    n_m = _unpadded(n_m, n0, b, KEY_HI, HAS_BIAS)
     n_iter = group * n_m
     dk = gl.zeros([KEYS, BLOCK_D], gl.float32, kv_layout)
     dv = gl.zeros([KEYS, BLOCK_D], gl.float32, kv_layout)
@@ -1062,6 +1076,7 @@ def _consumer_split_d(
     GROUPED_HEADS: gl.constexpr,
     BIAS,
     stride_bias_b,
+    KEY_HI,
     HAS_BIAS: gl.constexpr,
 ):
     """The wide head dims' consumer (SPLIT_D): both warpgroups share the 64 keys of the block and
@@ -1106,6 +1121,7 @@ def _consumer_split_d(
         p0, gl.program_id(1), gl.program_id(2), gl.num_programs(0), Hkv, Sq, Sk, q_start, k_start, left, rows_first,
         rows_n, CAUSAL, HAS_LEFT, ROWS, BLOCK_M, BLOCK_N, GROUPED_HEADS,
     )  # fmt: skip
+    n_m = _unpadded(n_m, n0, b, KEY_HI, HAS_BIAS)
     n_iter = group * n_m
     dk = gl.zeros([BLOCK_N, DK_COLS], gl.float32, acc_layout)
     dv = gl.zeros([BLOCK_N, COLS_V], gl.float32, v_layout)
@@ -1210,6 +1226,7 @@ def _bwd_ws2(
     QHI,
     BIAS,
     stride_bias_b,
+    KEY_HI,
     qk_scale,
     sm_scale,
     num_tiles,
@@ -1257,7 +1274,9 @@ def _bwd_ws2(
     grid0, grid1 and TILE_COUNTER are unused. ORDERED (persistent, packed documents): handed out
     in KEY_ORDER's order of the key blocks (int32 (grid0,)), each block's heads side by side
     (_ordered_tile); else KEY_ORDER is unused. HAS_BIAS: BIAS (B, Sk) float32, rows stride_bias_b
-    apart, the forward's key bias (natural-log units; -inf hides a key); else any pointer."""
+    apart, the forward's key bias (natural-log units; -inf hides a key), and KEY_HI (B,) int32 each
+    batch row's last key it does not hide, plus one (key blocks past it do nothing but store
+    zeros: _unpadded); else any pointers."""
     gl.static_assert(num_warps == 4, "the default partition is one consumer warpgroup")
     gl.static_assert(q_desc.block_type.shape[1] == BLOCK_M)
     gl.static_assert(k_desc.block_type.shape[1] == BLOCK_N)
@@ -1382,13 +1401,15 @@ def _bwd_ws2(
         GROUPED_HEADS,
         BIAS,
         stride_bias_b,
+        KEY_HI,
         HAS_BIAS,
     )
     # _produce_key_block's arguments between the block's `uses` and PERSISTENT
     producer_args: gl.constexpr = (
         Hq, Hkv, group, Sq, Sk, Sq_pad, q_start, k_start, left, rows_first, rows_n, q_desc, do_desc, k_desc, v_desc,
         st_desc, qt_desc, kt_desc, q_bufs, do_bufs, st_bufs, qt_bufs, k_smem, v_smem, kt_smem, kv_bar, kv_empty, ready,
-        empty, CAUSAL, HAS_LEFT, ROWS, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DT, STAGES, WALK, GROUPED_HEADS,
+        empty, CAUSAL, HAS_LEFT, ROWS, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DT, STAGES, WALK, GROUPED_HEADS, KEY_HI,
+        HAS_BIAS,
     )  # fmt: skip
     rows_args: gl.constexpr = (Sq, Sk, q_start, k_start, QLO, QHI, BLOCK_M, BLOCK_N)  # (_block_rows)
     # both drivers' arguments after their own: the key blocks handed out and the slots passing them

@@ -343,6 +343,17 @@ def _probabilities(s, m_use, qk_scale, POSITIVE_SCALE: gl.constexpr):
 
 
 @gluon.jit
+def _unpadded_blocks(n, lo, b, KEY_HI, KEYS: gl.constexpr, HAS_BIAS: gl.constexpr):
+    """n, or with HAS_BIAS the first of a tile's n key blocks from lo up to its batch row's last
+    key the bias does not hide (KEY_HI[b]: that key + 1): the blocks after it hold only hidden
+    keys, which add exactly nothing. The producer and the consumers each cut a tile here alike:
+    a block one of them skips and another waits for would stop the rings."""
+    if HAS_BIAS:
+        n = gl.minimum(n, gl.maximum(gl.load(KEY_HI + b) - lo + KEYS - 1, 0) // KEYS)
+    return n
+
+
+@gluon.jit
 def _block_bias2(bias_bufs, i, qk_scale, HAS_BIAS: gl.constexpr, STAGES: gl.constexpr, s_layout: gl.constexpr):
     """Key block i's bias in base-2 units, (BLOCK_N,) float32 in the key slice of s_layout, from
     the stage of the key-bias ring that the producer filled with K's stage (on K's barrier):
@@ -763,17 +774,19 @@ def _produce_tile(
     k_ready, v_ready, k_empty, v_empty, q_empty, b, h, hk, off_m, lo, n, it, uses, BLOCK_M: gl.constexpr,
     BLOCK_N: gl.constexpr, BLOCK_NT: gl.constexpr, BLOCK_D: gl.constexpr, BLOCK_DT: gl.constexpr,
     BLOCK_DV: gl.constexpr, BLOCK_DVT: gl.constexpr, STAGES: gl.constexpr, PERSISTENT: gl.constexpr,
-    CONSUMERS: gl.constexpr, bias_desc, bias_bufs, HAS_BIAS: gl.constexpr,
+    CONSUMERS: gl.constexpr, bias_desc, bias_bufs, KEY_HI, HAS_BIAS: gl.constexpr,
 ):  # fmt: skip
     """One query tile's loads: its Q (the program's `uses`-th, when n > 0) and its n K/V blocks
-    (with HAS_BIAS each K block's key bias) into the rings after the `it` this program loaded
-    before."""
+    (with HAS_BIAS each K block's key bias, up to the batch row's trailing padding:
+    _unpadded_blocks) into the rings after the `it` this program loaded before. Returns the
+    blocks loaded."""
     # the column offsets of q/k's and v's tail pieces (0: no tail)
     TAIL_COL: gl.constexpr = BLOCK_D if BLOCK_DT > 0 else 0
     TAIL_COL_V: gl.constexpr = BLOCK_DV if BLOCK_DVT > 0 else 0
     # the key tail's first row in its block (0: none); K's and V's alike
     TAIL_ROW: gl.constexpr = BLOCK_N if BLOCK_NT > 0 else 0
     KEYS: gl.constexpr = BLOCK_N + BLOCK_NT
+    n = _unpadded_blocks(n, lo, b, KEY_HI, KEYS, HAS_BIAS)
     if n > 0:  # one Q buffer per consumer warpgroup (and one per tail piece), all on one barrier
         if PERSISTENT:  # every consumer warpgroup done with the previous tile's Q
             mbarrier.wait(q_empty.index(0), (uses & 1) ^ 1)
@@ -796,6 +809,7 @@ def _produce_tile(
         mbarrier.wait(v_empty.index(i % STAGES), ((i // STAGES) & 1) ^ 1)
         _load_kv(v_desc, v_bufs, v_ready, i, b, hk, lo - it * KEYS, STAGES, KEYS, vt_desc, vt_bufs, TAIL_ROW,
                  TAIL_COL_V)  # fmt: skip
+    return n
 
 
 @gluon.jit
@@ -806,7 +820,7 @@ def _ws_producer(
     BLOCK_N: gl.constexpr, BLOCK_NT: gl.constexpr, BLOCK_D: gl.constexpr, BLOCK_DT: gl.constexpr,
     BLOCK_DV: gl.constexpr, BLOCK_DVT: gl.constexpr, STAGES: gl.constexpr, PERSISTENT: gl.constexpr,
     CONSUMERS: gl.constexpr, DYNAMIC: gl.constexpr, tile_counter, tile_ids, tile_full, tile_empty, heads_per_group,
-    SHORT_GROUP_FIRST: gl.constexpr, bias_desc, bias_bufs, HAS_BIAS: gl.constexpr,
+    SHORT_GROUP_FIRST: gl.constexpr, bias_desc, bias_bufs, KEY_HI, HAS_BIAS: gl.constexpr,
 ):  # fmt: skip
     """The TMA producer warp: this program's tile (b, h, hk, off_m, lo, n), or with PERSISTENT
     every num_programs-th of the num_tiles tiles from program_id on, each planned here as
@@ -827,11 +841,11 @@ def _ws_producer(
             # the consumers take the plan as it is: planned by each of them, 32-128 bytes spilled
             # at D=128 (its values kept across the key loop)
             _publish_tile(tile_ids, tile_full, tile_empty, k, t, (b, h, off_m, lo, n, 0), True)
-            _produce_tile(
+            n = _produce_tile(
                 q_desc, k_desc, v_desc, qt_desc, kt_desc, vt_desc, q_bufs, k_bufs, v_bufs, qt_bufs, kt_bufs, vt_bufs,
                 q_bar, k_ready, v_ready, k_empty, v_empty, q_empty, b, h, hk, off_m, lo, n, it, uses, BLOCK_M,
                 BLOCK_N, BLOCK_NT, BLOCK_D, BLOCK_DT, BLOCK_DV, BLOCK_DVT, STAGES, PERSISTENT, CONSUMERS, bias_desc,
-                bias_bufs, HAS_BIAS,
+                bias_bufs, KEY_HI, HAS_BIAS,
             )  # fmt: skip
             # the next tile taken only once this one's loads are issued (the consumers have
             # about STAGES key blocks of it left): one taken earlier would be held back from a
@@ -852,11 +866,11 @@ def _ws_producer(
                 t, num_m, Hq, group, Sq, Sk, q_start, k_start, win_left, win_right, KLO, KHI, MASK, LEFT, BLOCK_M,
                 BLOCK_N + BLOCK_NT, 1,
             )  # fmt: skip
-            _produce_tile(
+            n = _produce_tile(
                 q_desc, k_desc, v_desc, qt_desc, kt_desc, vt_desc, q_bufs, k_bufs, v_bufs, qt_bufs, kt_bufs, vt_bufs,
                 q_bar, k_ready, v_ready, k_empty, v_empty, q_empty, b, h, hk, off_m, lo, n, it, uses, BLOCK_M,
                 BLOCK_N, BLOCK_NT, BLOCK_D, BLOCK_DT, BLOCK_DV, BLOCK_DVT, STAGES, PERSISTENT, CONSUMERS, bias_desc,
-                bias_bufs, HAS_BIAS,
+                bias_bufs, KEY_HI, HAS_BIAS,
             )  # fmt: skip
             it += n
             uses += gl.minimum(n, 1)
@@ -865,7 +879,7 @@ def _ws_producer(
             q_desc, k_desc, v_desc, qt_desc, kt_desc, vt_desc, q_bufs, k_bufs, v_bufs, qt_bufs, kt_bufs, vt_bufs,
             q_bar, k_ready, v_ready, k_empty, v_empty, q_empty, b, h, hk, off_m, lo, n, 0, 0, BLOCK_M, BLOCK_N,
             BLOCK_NT, BLOCK_D, BLOCK_DT, BLOCK_DV, BLOCK_DVT, STAGES, PERSISTENT, CONSUMERS, bias_desc, bias_bufs,
-            HAS_BIAS,
+            KEY_HI, HAS_BIAS,
         )  # fmt: skip
 
 
@@ -878,7 +892,7 @@ def _ws_producer(
 @gluon.jit
 def _consume_tile(
     WG: gl.constexpr, q_bufs, k_bufs, qt_bufs, kt_bufs, v_bufs, vt_bufs, q_bar, k_ready, v_ready, k_empty, v_empty,
-    q_empty, O, M, L, KLO, KHI, bias_bufs, stride_ob, stride_os, stride_oh, stride_mb, stride_mh,
+    q_empty, O, M, L, KLO, KHI, bias_bufs, KEY_HI, stride_ob, stride_os, stride_oh, stride_mb, stride_mh,
     stride_ms, stride_lb, stride_lh, stride_ls, b, h, off_m, lo, n, it, uses, full_lo, full_hi, Sq, Sk, q_start,
     k_start, win_left, win_right, qk_scale, HEAD_DIM: gl.constexpr, BLOCK_D: gl.constexpr, BLOCK_DT: gl.constexpr,
     HEAD_DIM_V: gl.constexpr, BLOCK_DV: gl.constexpr, BLOCK_DVT: gl.constexpr, BLOCK_M: gl.constexpr,
@@ -889,8 +903,10 @@ def _consume_tile(
     """Warpgroup WG's rows of one query tile: its key loop over the tile's n blocks (after the
     `it` this program took before; its Q the program's `uses`-th), then its output (OPAQUE: its
     index vectors recomputed per tile, _write_out). HAS_BIAS: bias_bufs the key bias ring
-    (_block_bias2)."""
+    (_block_bias2), the tile cut at its batch row's trailing padding (_unpadded_blocks, as the
+    producer cuts it). Returns the key blocks consumed."""
     ROWS: gl.constexpr = BLOCK_M // CONSUMERS
+    n = _unpadded_blocks(n, lo, b, KEY_HI, BLOCK_N + BLOCK_NT, HAS_BIAS)
     s_layout: gl.constexpr = _mma_layout(4, BLOCK_N)
     st_layout: gl.constexpr = _mma_layout(4, BLOCK_NT if BLOCK_NT > 0 else BLOCK_N)  # (unused without a key tail)
     o_layout: gl.constexpr = _mma_layout(4, BLOCK_DV)
@@ -923,6 +939,7 @@ def _consume_tile(
         stride_ms, stride_lb, stride_lh, stride_ls, NORMALIZE, HAS_STATE, ROWS, HEAD_DIM_V, BLOCK_DV, BLOCK_DVT,
         s_layout, o_layout, ot_layout, OPAQUE,
     )  # fmt: skip
+    return n
 
 
 @gluon.jit
@@ -945,7 +962,7 @@ def _wg_key_core(
 @gluon.jit
 def _ws2_consumer(
     WG: gl.constexpr, q_bufs, k_bufs, qt_bufs, kt_bufs, v_bufs, vt_bufs, q_bar, k_ready, v_ready, k_empty, v_empty,
-    q_empty, O, M, L, KLO, KHI, bias_bufs, stride_ob, stride_os, stride_oh, stride_mb, stride_mh,
+    q_empty, O, M, L, KLO, KHI, bias_bufs, KEY_HI, stride_ob, stride_os, stride_oh, stride_mb, stride_mh,
     stride_ms, stride_lb, stride_lh, stride_ls, b, h, off_m, lo, n, full_lo0, full_hi0, full_lo1, full_hi1,
     num_tiles, Hq, group, Sq, Sk, q_start, k_start, win_left, win_right, qk_scale, HEAD_DIM: gl.constexpr,
     BLOCK_D: gl.constexpr, BLOCK_DT: gl.constexpr, HEAD_DIM_V: gl.constexpr, BLOCK_DV: gl.constexpr,
@@ -969,13 +986,13 @@ def _ws2_consumer(
             # the keys every row of this warpgroup sees (as _wg_key_core's three consumers find theirs)
             _, _, full_lo, full_hi = _rows_range(off_m + WG * ROWS, Sq, Sk, q_start, k_start, win_left, win_right,
                                                  KLO, KHI, MASK, ROWS, 4)  # fmt: skip
-            _consume_tile(
+            n = _consume_tile(
                 WG, q_bufs, k_bufs, qt_bufs, kt_bufs, v_bufs, vt_bufs, q_bar, k_ready, v_ready, k_empty, v_empty,
-                q_empty, O, M, L, KLO, KHI, bias_bufs, stride_ob, stride_os, stride_oh, stride_mb, stride_mh, stride_ms,
-                stride_lb, stride_lh, stride_ls, b, h, off_m, lo, n, it, uses, full_lo, full_hi, Sq, Sk, q_start,
-                k_start, win_left, win_right, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_DT, HEAD_DIM_V, BLOCK_DV, BLOCK_DVT,
-                BLOCK_M, BLOCK_N, BLOCK_NT, STAGES, MASK, LEFT, NORMALIZE, HAS_STATE, POSITIVE_SCALE, PERSISTENT,
-                CONSUMERS, P_EARLY, HAS_BIAS, True,
+                q_empty, O, M, L, KLO, KHI, bias_bufs, KEY_HI, stride_ob, stride_os, stride_oh, stride_mb, stride_mh,
+                stride_ms, stride_lb, stride_lh, stride_ls, b, h, off_m, lo, n, it, uses, full_lo, full_hi, Sq, Sk,
+                q_start, k_start, win_left, win_right, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_DT, HEAD_DIM_V, BLOCK_DV,
+                BLOCK_DVT, BLOCK_M, BLOCK_N, BLOCK_NT, STAGES, MASK, LEFT, NORMALIZE, HAS_STATE, POSITIVE_SCALE,
+                PERSISTENT, CONSUMERS, P_EARLY, HAS_BIAS, True,
             )  # fmt: skip
             it += n
             uses += gl.minimum(n, 1)
@@ -992,13 +1009,13 @@ def _ws2_consumer(
             )  # fmt: skip
             full_lo, full_hi = _wg_key_core(WG, off_m, full_lo0, full_hi0, full_lo1, full_hi1, Sq, Sk, q_start,
                                             k_start, win_left, win_right, KLO, KHI, MASK, ROWS, CONSUMERS)  # fmt: skip
-            _consume_tile(
+            n = _consume_tile(
                 WG, q_bufs, k_bufs, qt_bufs, kt_bufs, v_bufs, vt_bufs, q_bar, k_ready, v_ready, k_empty, v_empty,
-                q_empty, O, M, L, KLO, KHI, bias_bufs, stride_ob, stride_os, stride_oh, stride_mb, stride_mh, stride_ms,
-                stride_lb, stride_lh, stride_ls, b, h, off_m, lo, n, it, uses, full_lo, full_hi, Sq, Sk, q_start,
-                k_start, win_left, win_right, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_DT, HEAD_DIM_V, BLOCK_DV, BLOCK_DVT,
-                BLOCK_M, BLOCK_N, BLOCK_NT, STAGES, MASK, LEFT, NORMALIZE, HAS_STATE, POSITIVE_SCALE, PERSISTENT,
-                CONSUMERS, P_EARLY, HAS_BIAS,
+                q_empty, O, M, L, KLO, KHI, bias_bufs, KEY_HI, stride_ob, stride_os, stride_oh, stride_mb, stride_mh,
+                stride_ms, stride_lb, stride_lh, stride_ls, b, h, off_m, lo, n, it, uses, full_lo, full_hi, Sq, Sk,
+                q_start, k_start, win_left, win_right, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_DT, HEAD_DIM_V, BLOCK_DV,
+                BLOCK_DVT, BLOCK_M, BLOCK_N, BLOCK_NT, STAGES, MASK, LEFT, NORMALIZE, HAS_STATE, POSITIVE_SCALE,
+                PERSISTENT, CONSUMERS, P_EARLY, HAS_BIAS,
             )  # fmt: skip
             it += n
             uses += gl.minimum(n, 1)
@@ -1006,12 +1023,12 @@ def _ws2_consumer(
         full_lo, full_hi = _wg_key_core(WG, off_m, full_lo0, full_hi0, full_lo1, full_hi1, Sq, Sk, q_start, k_start,
                                         win_left, win_right, KLO, KHI, MASK, ROWS, CONSUMERS)  # fmt: skip
         _consume_tile(
-            WG, q_bufs, k_bufs, qt_bufs, kt_bufs, v_bufs, vt_bufs, q_bar, k_ready, v_ready, k_empty, v_empty,
-            q_empty, O, M, L, KLO, KHI, bias_bufs, stride_ob, stride_os, stride_oh, stride_mb, stride_mh, stride_ms,
+            WG, q_bufs, k_bufs, qt_bufs, kt_bufs, v_bufs, vt_bufs, q_bar, k_ready, v_ready, k_empty, v_empty, q_empty,
+            O, M, L, KLO, KHI, bias_bufs, KEY_HI, stride_ob, stride_os, stride_oh, stride_mb, stride_mh, stride_ms,
             stride_lb, stride_lh, stride_ls, b, h, off_m, lo, n, 0, 0, full_lo, full_hi, Sq, Sk, q_start, k_start,
             win_left, win_right, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_DT, HEAD_DIM_V, BLOCK_DV, BLOCK_DVT, BLOCK_M,
-            BLOCK_N, BLOCK_NT, STAGES, MASK, LEFT, NORMALIZE, HAS_STATE, POSITIVE_SCALE, PERSISTENT, CONSUMERS,
-            P_EARLY, HAS_BIAS,
+            BLOCK_N, BLOCK_NT, STAGES, MASK, LEFT, NORMALIZE, HAS_STATE, POSITIVE_SCALE, PERSISTENT, CONSUMERS, P_EARLY,
+            HAS_BIAS,
         )  # fmt: skip
 
 
@@ -1025,6 +1042,7 @@ def _fwd_ws2(
     kt_desc,
     vt_desc,
     bias_desc,
+    KEY_HI,
     O,
     M,
     L,
@@ -1092,7 +1110,9 @@ def _fwd_ws2(
     (Sq,) int32 global key bounds for MASK_ROWS, any pointer otherwise). HAS_BIAS (key blocks of
     one piece, POSITIVE_SCALE off): bias_desc a 2-D TMA descriptor over a (B, Sk) float32 bias
     added to every query's scores of each key (natural-log units; -inf hides the key: a key
-    padding mask), blocks [1, BLOCK_N], loaded with each K block; else None.
+    padding mask), blocks [1, BLOCK_N], loaded with each K block, and KEY_HI (B,) int32 each
+    batch row's last key the bias does not hide, plus one (its trailing padding: the key blocks
+    past it are skipped, _unpadded_blocks); else both None.
     Grid (cdiv(Sq, BLOCK_M), B * Hq), one query tile a program (MASK_WINDOW: taken in
     _launch_order, heads_per_group heads together); or with PERSISTENT (windows,
     not MASK_ROWS, whose per-row reductions stay before the split; the launcher takes it for
@@ -1198,6 +1218,7 @@ def _fwd_ws2(
         KLO,
         KHI,
         bias_bufs,
+        KEY_HI,
         stride_ob,
         stride_os,
         stride_oh,
@@ -1309,6 +1330,7 @@ def _fwd_ws2(
         SHORT_GROUP_FIRST,
         bias_desc,
         bias_bufs,
+        KEY_HI,
         HAS_BIAS,
     )
     if CONSUMERS == 3:

@@ -214,6 +214,12 @@ GLUON_BWD_MIN_PROGRAMS_PER_SM = 2
 # "" bias; python benchmarks/gluon_bwd_report.py --key-bias). Correct against float64 on one
 # H100 (tests/test_gpu_local.py -k gluon_key_bias); False: the Triton kernels take a key bias.
 GLUON_KEY_BIAS = True
+# ...and the key blocks past a batch row's last key its bias does not hide (a key padding
+# mask's trailing padding) skipped by both kernels (gluon_forward.key_limits). Compiled without
+# spills at the defaults; off until its GPU test has passed (tests/test_gpu_local.py -k
+# gluon_key_bias, tests/test_gpu_ring.py -k key_padding): a tile the producer and the consumers
+# cut differently would stop the kernel. Off, the kernels get every row's Sk and cut nothing.
+GLUON_CUT_KEY_PADDING = False
 # ...except in a one-device call this small (batch x query heads x queries x keys), where the
 # fused kernel's one launch saves more host time than its idle SMs cost. One H200, bf16, D=64
 # and 128, causal and not, forward+backward with the threshold at 0 against as above

@@ -50,6 +50,7 @@ from .gluon_forward import (
     compiled_report,
     device_capability,
     heads_within_l2,
+    key_limits,
     multiprocessors,
     padded_head_dim,
     timed_compile,
@@ -641,7 +642,7 @@ def ordered_key_blocks(cfg: GluonBwdConfig, persistent: bool, bounds, key_blocks
 
 def launch_plan(
     q, k, v, stats, do, dq32, dk, dv, *, q_start, k_start, causal, scale, accumulate, cfg, window=None, bounds=None,
-    tile_counter=None, key_bias=None,
+    tile_counter=None, key_bias=None, key_hi=None,
 ):  # fmt: skip
     """(kernel, grid, args, kwargs) of one launch for checked inputs; dq32: the float32 buffer
     the kernel adds dQ to; stats: row_stats(). Any device (the CPU compile binds CPU tensors).
@@ -650,7 +651,8 @@ def launch_plan(
     qp' <= kp + left + right). bounds: packed documents' masks.RowBounds (its key rows' q_lo /
     q_hi decide alone), without causal or a window. tile_counter: a zeroed int32 (1,) tensor that
     a persistent launch takes its key blocks from (None: a new one). key_bias: None or the
-    forward's (B, Sk) float32 key bias."""
+    forward's (B, Sk) float32 key bias; key_hi: gluon_forward.key_limits of it (computed here
+    when not given)."""
     B, Sq, Hq, D = q.shape
     Dv = v.shape[3]
     block_dv = padded_head_dim(Dv)
@@ -723,6 +725,7 @@ def launch_plan(
         dq32 if bounds is None else bounds.q_hi,
         dq32 if key_bias is None else key_bias,  # (unused without a key bias)
         0 if key_bias is None else key_bias.stride(0),
+        dq32 if key_bias is None else (key_limits(key_bias) if key_hi is None else key_hi),
         float(scale) * LOG2E,
         float(scale),
     )
@@ -905,9 +908,10 @@ def _prepared(
             delta = delta.value(do, torch_delta)  # torch ops, any strides
         stats = row_stats(m, l, delta, cfg)
     zeroed = one_launch and counter is not None
+    key_hi = None if key_bias is None else key_limits(key_bias)
     tensors = (q, k, v, stats, do, dq32, dk, dv,
                *((None, None, None) if bounds is None else (bounds.q_lo, bounds.q_hi, bounds.key_order)),
-               counter, key_bias)  # fmt: skip
+               counter, key_bias, key_hi)  # fmt: skip
     if plan is not None:
         return Prepared(
             plan.kernel, plan.grid, plan.args_for(tensors), plan.kwargs, dq32, finish, counter, zeroed, plan.launch
@@ -931,6 +935,7 @@ def _prepared(
         bounds=bounds,
         tile_counter=counter,
         key_bias=key_bias,
+        key_hi=key_hi,
     )
     if _PLANS.wants(signature):
         plan = Plan(kernel, grid, args, kwargs, tensors, extra=cfg)
