@@ -264,9 +264,9 @@ def fuses_backward(
     (the Gluon backward on Hopper: 16-bit, the larger head dim padded to a tuned width
     (configs.GLUON_BWD; v's differing from q/k's only where that variant splits the head dim,
     i.e. 256), dense,
-    causal, a sliding window or per-row bounds (configs.GLUON_BWD_DOCUMENTS), no key bias or
-    dropout (a key bias only with configs.GLUON_KEY_BIAS), enough key blocks x kv heads to fill
-    the GPU: configs.GLUON_BWD_MIN_PROGRAMS_PER_SM,
+    causal, a sliding window or per-row bounds (configs.GLUON_BWD_DOCUMENTS), a key bias only
+    with configs.GLUON_KEY_BIAS, no dropout, enough key blocks x kv heads to fill the GPU:
+    configs.GLUON_BWD_MIN_PROGRAMS_PER_SM,
     or whole_call (the block is a one-device call's whole attention) and at most
     configs.GLUON_BWD_SHORT_CALL_PAIRS, unless override(gluon_bwd=) forces it). Its dQ is added
     in float32 by atomics, whose order varies: not bitwise reproducible, so deterministic=True

@@ -208,18 +208,6 @@ GLUON_BWD = {64: "ws2_lag_grouped_down_pcc", 128: "ws2_lag_grouped_down", 256: "
 # per chunk (512 programs): fused 120 ms against 141 ms (python -m benchmarks.bench_blockops
 # --sections replay --backward default deterministic). The threshold sits between.
 GLUON_BWD_MIN_PROGRAMS_PER_SM = 2
-# A key bias (key padding masks) in the Gluon forward and the fused backward: each K block's
-# bias loaded by TMA beside it (forward), each key block's once (backward), added by the
-# Triton kernels' own FMA (compiled without spills: python benchmarks/gluon_report.py --masks
-# "" bias; python benchmarks/gluon_bwd_report.py --key-bias). Correct against float64 on one
-# H100 (tests/test_gpu_local.py -k gluon_key_bias); False: the Triton kernels take a key bias.
-GLUON_KEY_BIAS = True
-# ...and the key blocks past a batch row's last key its bias does not hide (a key padding
-# mask's trailing padding) skipped by both kernels (gluon_forward.key_limits). Compiled without
-# spills at the defaults; off until its GPU test has passed (tests/test_gpu_local.py -k
-# gluon_key_bias, tests/test_gpu_ring.py -k key_padding): a tile the producer and the consumers
-# cut differently would stop the kernel. Off, the kernels get every row's Sk and cut nothing.
-GLUON_CUT_KEY_PADDING = False
 # ...except in a one-device call this small (batch x query heads x queries x keys), where the
 # fused kernel's one launch saves more host time than its idle SMs cost. One H200, bf16, D=64
 # and 128, causal and not, forward+backward with the threshold at 0 against as above
@@ -230,6 +218,20 @@ GLUON_CUT_KEY_PADDING = False
 # device-bound 2K-key tasks at 128 programs: fused 11.2 ms against 10.3); larger local calls of
 # few programs (one or two kv heads) are not timed.
 GLUON_BWD_SHORT_CALL_PAIRS = 32 * 4096 * 4096
+# A key bias (key padding masks) in the Gluon forward and the fused backward: each K block's
+# bias loaded by TMA beside it (forward), each key block's once (backward), added by the
+# Triton kernels' own FMA (compiled without spills: python benchmarks/gluon_report.py --masks
+# "" bias; python benchmarks/gluon_bwd_report.py --key-bias). Correct against float64 on one
+# H100 in one-device calls (tests/test_gpu_local.py -k gluon_key_bias); the ring's steps run the
+# same kernels folded and accumulating, whose GPU test (tests/test_gpu_ring.py -k key_padding)
+# has not run yet. False: the Triton kernels take a key bias.
+GLUON_KEY_BIAS = True
+# ...and the key blocks past a batch row's last key its bias does not hide (a key padding
+# mask's trailing padding) skipped by both kernels (gluon_forward.key_limits). Compiled without
+# spills at the defaults; off until its GPU test has passed (tests/test_gpu_local.py -k
+# gluon_key_bias, tests/test_gpu_ring.py -k key_padding): a tile the producer and the consumers
+# cut differently would stop the kernel. Off, the kernels get every row's Sk and cut nothing.
+GLUON_CUT_KEY_PADDING = False
 # Packed documents (per-row bounds) in the fused backward: checked against float64 on one H200
 # (tests/test_gpu_local.py -k documents). One H200, bf16, H=32, D=128, causal documents,
 # forward+backward over the two Triton passes (python -m benchmarks.packed --variants
