@@ -84,6 +84,21 @@ def spy_dq_unblocks(monkeypatch) -> list:
     return calls
 
 
+def key_bias_on_gluon(monkeypatch) -> tuple[list, list]:
+    """Key padding masks on the Gluon kernels with their trailing padding cut
+    (configs.GLUON_KEY_BIAS, GLUON_CUT_KEY_PADDING) and the fused backward at any size; returns
+    (the Gluon forward's calls, each its config, the fused backward's calls: spy_fused_backward)."""
+    from ringflash.kernels import configs, gluon_forward
+
+    monkeypatch.setattr(configs, "GLUON_KEY_BIAS", True)
+    monkeypatch.setattr(configs, "GLUON_CUT_KEY_PADDING", True)
+    force_fused_backward(monkeypatch)
+    fwd_calls = []
+    real = gluon_forward.forward
+    monkeypatch.setattr(gluon_forward, "forward", lambda *a, **kw: fwd_calls.append(kw["config"]) or real(*a, **kw))
+    return fwd_calls, spy_fused_backward(monkeypatch)
+
+
 def force_fused_backward(monkeypatch) -> None:
     """The fused backward at any size: no occupancy threshold (configs.GLUON_BWD_MIN_PROGRAMS_PER_SM)
     and no least work for per-row bounds (configs.GLUON_BWD_DOCUMENTS_MIN_PAIRS)."""

@@ -13,6 +13,7 @@ from oracle import (
     assert_within,
     dropout_factors,
     force_fused_backward,
+    key_bias_on_gluon,
     naive_attention,
     plain_errors,
     reference,
@@ -491,19 +492,13 @@ def test_gluon_key_bias(tier, D, Dv, causal, monkeypatch):
     kernels' (override(gluon=None), two passes) within the same bound, and both Gluon kernels
     ran. Keys 1031 a row (the bias copied to 16-byte rows for its TMA descriptor); the key blocks
     past a row's last visible key are skipped (configs.GLUON_CUT_KEY_PADDING)."""
-    from ringflash.kernels import configs, gluon_forward
+    from ringflash.kernels import configs
 
-    monkeypatch.setattr(configs, "GLUON_KEY_BIAS", True)
-    monkeypatch.setattr(configs, "GLUON_CUT_KEY_PADDING", True)
+    fwd_calls, bwd_calls = key_bias_on_gluon(monkeypatch)
     most, least, dense_least = KEY_TIERS[tier]
     monkeypatch.setattr(configs, "GLUON_PERSISTENT_MAX_KEYS", most)
     monkeypatch.setattr(configs, "GLUON_LONG_MIN_KEYS", least)
     monkeypatch.setattr(configs, "GLUON_DENSE_MIN_KEYS", dense_least)
-    force_fused_backward(monkeypatch)
-    bwd_calls = spy_fused_backward(monkeypatch)
-    fwd_calls = []
-    real = gluon_forward.forward
-    monkeypatch.setattr(gluon_forward, "forward", lambda *a, **kw: fwd_calls.append(kw["config"]) or real(*a, **kw))
     g = torch.Generator(device="cuda").manual_seed(D + Dv + 3 * causal + len(tier))
     B, S = 2, 1031
     for kind in ("bool", "float", "empty"):

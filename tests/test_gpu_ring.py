@@ -13,7 +13,14 @@ from ringflash.balance import document_zigzag_layout
 from ringflash.testing import replay_ring, varlen_reference
 
 from dist_utils import run_world
-from oracle import force_fused_backward, naive_attention, rel_rms, spy_dq_unblocks, spy_fused_backward
+from oracle import (
+    force_fused_backward,
+    key_bias_on_gluon,
+    naive_attention,
+    rel_rms,
+    spy_dq_unblocks,
+    spy_fused_backward,
+)
 
 pytestmark = pytest.mark.gpu
 _rel_rms = rel_rms
@@ -63,15 +70,7 @@ def test_replayed_ring_key_padding(layout, causal, world, monkeypatch):
     the Gluon kernels (configs.GLUON_KEY_BIAS: folded forward steps, accumulating fused backward
     steps; each block's trailing padding skipped, configs.GLUON_CUT_KEY_PADDING): out and
     gradients within 1.2x of one GPU's error against float64, and both Gluon kernels ran."""
-    from ringflash.kernels import configs, gluon_forward
-
-    monkeypatch.setattr(configs, "GLUON_KEY_BIAS", True)
-    monkeypatch.setattr(configs, "GLUON_CUT_KEY_PADDING", True)
-    force_fused_backward(monkeypatch)
-    bwd_calls = spy_fused_backward(monkeypatch)
-    fwd_calls = []
-    real = gluon_forward.forward
-    monkeypatch.setattr(gluon_forward, "forward", lambda *a, **kw: fwd_calls.append(1) or real(*a, **kw))
+    fwd_calls, bwd_calls = key_bias_on_gluon(monkeypatch)
     q, k, v, do = _inputs(2, 4096, 4, 2, 128, torch.bfloat16, seed=world + 10 * causal)
     g = torch.Generator(device="cuda").manual_seed(world)
     pad = torch.rand(2, 4096, device="cuda", generator=g) < 0.2
