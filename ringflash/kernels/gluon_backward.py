@@ -46,6 +46,7 @@ from .gluon_forward import (
     LOG2E,
     _descriptor,
     _tma_ok,
+    check_key_bias,
     compile_plan,
     compiled_report,
     device_capability,
@@ -338,13 +339,7 @@ def check_shapes(q, k, v, m, l, do, delta, dq, dk, dv, *, scale, cfg=None, key_b
         raise Unsupported("a float32 dq needs an 8-byte aligned base and even strides")
     if max(Sq, Sk) >= 2**30:
         raise Unsupported("sizes beyond 32-bit row indices")
-    if key_bias is not None and (
-        tuple(key_bias.shape) != (B, Sk) or key_bias.dtype != torch.float32 or (Sk > 1 and key_bias.stride(1) != 1)
-    ):
-        raise Unsupported(
-            f"key_bias must be float32 (B, Sk) = {(B, Sk)} with a unit key stride, got {key_bias.dtype} "
-            f"{tuple(key_bias.shape)} strides {key_bias.stride()}"
-        )
+    check_key_bias(key_bias, B, Sk, tma=False)
 
 
 def _check_blocked(acc: torch.Tensor, B: int, Sq: int, Hq: int, D: int, cfg) -> None:

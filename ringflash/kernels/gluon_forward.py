@@ -359,12 +359,25 @@ def check_shapes(q, k, v, out_o, out_m, out_l, *, normalize, fold, cfg=None, key
             raise Unsupported(f"{name} must be float32 (B, Hq, Sq) = {(B, Hq, Sq)}, got {t.dtype} {tuple(t.shape)}")
     if max(Sq, Sk) >= 2**30 or max(out_m.stride(1) * Hq, out_l.stride(1) * Hq) >= 2**31:
         raise Unsupported("sizes beyond 32-bit row indices")
-    if key_bias is not None and (
-        tuple(key_bias.shape) != (B, Sk) or key_bias.dtype != torch.float32 or not _tma_ok(key_bias)
+    check_key_bias(key_bias, B, Sk, tma=True)
+
+
+def check_key_bias(key_bias, B: int, Sk: int, *, tma: bool) -> None:
+    """Raise Unsupported unless key_bias is None or a bias the Gluon kernels take: float32
+    (B, Sk) with a unit key stride, and with tma (the forward's descriptor) 16-byte aligned rows."""
+    if key_bias is None:
+        return
+    unit = Sk <= 1 or key_bias.stride(1) == 1
+    if (
+        tuple(key_bias.shape) != (B, Sk)
+        or key_bias.dtype != torch.float32
+        or not unit
+        or (tma and not _tma_ok(key_bias))
     ):
+        rows = " and 16-byte aligned rows" if tma else ""
         raise Unsupported(
-            f"key_bias must be float32 (B, Sk) = {(B, Sk)} with a unit key stride and 16-byte aligned rows, got "
-            f"{key_bias.dtype} {tuple(key_bias.shape)} strides {key_bias.stride()}"
+            f"key_bias must be float32 (B, Sk) = {(B, Sk)} with a unit key stride{rows}, got {key_bias.dtype} "
+            f"{tuple(key_bias.shape)} strides {key_bias.stride()}"
         )
 
 
