@@ -62,7 +62,7 @@ def compile_for_hopper(
             signature[name] = f"tensordesc<{dtype}[1,{rows},1,{block}]>"
         elif name in ("M", "L", "DELTA"):
             signature[name] = "*fp32"
-        elif name in ("KLO", "KHI", "QLO", "QHI"):
+        elif name in ("KLO", "KHI", "QLO", "QHI", "SPANS"):
             signature[name] = "*i32"
         elif name.isupper():  # the other tensors
             signature[name] = f"*{dtype}"

@@ -85,13 +85,15 @@ def spy_dq_unblocks(monkeypatch) -> list:
 
 
 def key_bias_on_gluon(monkeypatch) -> tuple[list, list]:
-    """Key padding masks on the Gluon kernels with their trailing padding cut
-    (configs.GLUON_KEY_BIAS, GLUON_CUT_KEY_PADDING) and the fused backward at any size; returns
+    """Key padding masks on the Gluon kernels with their trailing padding cut and their zero-bias
+    spans unbiased (configs.GLUON_KEY_BIAS, GLUON_CUT_KEY_PADDING, PLAIN_ZERO_BIAS_KEYS: the Triton
+    kernels take the spans too) and the fused backward at any size; returns
     (the Gluon forward's calls, each its config, the fused backward's calls: spy_fused_backward)."""
     from ringflash.kernels import configs, gluon_forward
 
     monkeypatch.setattr(configs, "GLUON_KEY_BIAS", True)
     monkeypatch.setattr(configs, "GLUON_CUT_KEY_PADDING", True)
+    monkeypatch.setattr(configs, "PLAIN_ZERO_BIAS_KEYS", True)
     force_fused_backward(monkeypatch)
     fwd_calls = []
     real = gluon_forward.forward

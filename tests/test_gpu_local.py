@@ -470,8 +470,13 @@ def _key_padding(kind, B, Sk, g):
     """A key padding mask of each kind: "bool" (about a fifth of the keys hidden, the last batch
     row's last 600 keys all hidden: right padding, whose key blocks the kernels skip), "float"
     (finite biases, natural-log units, and -inf on the same keys), "empty" (bool, the first
-    batch row's keys all hidden: its rows see no key)."""
+    batch row's keys all hidden: its rows see no key), "runs" (bool, padding only: the first
+    row's first 50 keys hidden, the last row's last 600, so that each row's visible keys hold a
+    zero-bias span of 384-key multiples, key_bias.key_spans, and keys outside it)."""
     hidden = torch.rand(B, Sk, device="cuda", generator=g) < 0.2
+    if kind == "runs":
+        hidden[:] = False
+        hidden[0, :50] = True
     hidden[-1, -600:] = True
     if kind == "empty":
         hidden[0] = True
@@ -491,7 +496,8 @@ def test_gluon_key_bias(tier, D, Dv, causal, monkeypatch):
     gradients against float64 within the plain bf16 computation's error, out beside the Triton
     kernels' (override(gluon=None), two passes) within the same bound, and both Gluon kernels
     ran. Keys 1031 a row (the bias copied to 16-byte rows for its TMA descriptor); the key blocks
-    past a row's last visible key are skipped (configs.GLUON_CUT_KEY_PADDING)."""
+    past a row's last visible key are skipped (configs.GLUON_CUT_KEY_PADDING), and those of a
+    zero-bias span computed without the bias (configs.PLAIN_ZERO_BIAS_KEYS; "runs")."""
     from ringflash.kernels import configs
 
     fwd_calls, bwd_calls = key_bias_on_gluon(monkeypatch)
@@ -501,7 +507,7 @@ def test_gluon_key_bias(tier, D, Dv, causal, monkeypatch):
     monkeypatch.setattr(configs, "GLUON_DENSE_MIN_KEYS", dense_least)
     g = torch.Generator(device="cuda").manual_seed(D + Dv + 3 * causal + len(tier))
     B, S = 2, 1031
-    for kind in ("bool", "float", "empty"):
+    for kind in ("bool", "float", "empty", "runs"):
         mk = lambda H, d: torch.randn(B, S, H, d, device="cuda", generator=g, dtype=torch.bfloat16).requires_grad_()  # noqa: E731
         q, k, v = mk(4, D), mk(2, D), mk(2, Dv)
         kpm = _key_padding(kind, B, S, g)

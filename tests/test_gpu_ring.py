@@ -68,12 +68,15 @@ def _single_gpu(q, k, v, do, causal, window_size=(-1, -1)):
 def test_replayed_ring_key_padding(layout, causal, world, monkeypatch):
     """A key padding mask on the ring (each rank's keys' slice of it travelling with them) on
     the Gluon kernels (configs.GLUON_KEY_BIAS: folded forward steps, accumulating fused backward
-    steps; each block's trailing padding skipped, configs.GLUON_CUT_KEY_PADDING): out and
-    gradients within 1.2x of one GPU's error against float64, and both Gluon kernels ran."""
+    steps; each block's trailing padding skipped, configs.GLUON_CUT_KEY_PADDING, its zero-bias
+    span unbiased, PLAIN_ZERO_BIAS_KEYS): out and gradients within 1.2x of one GPU's error
+    against float64, and both Gluon kernels ran."""
     fwd_calls, bwd_calls = key_bias_on_gluon(monkeypatch)
     q, k, v, do = _inputs(2, 4096, 4, 2, 128, torch.bfloat16, seed=world + 10 * causal)
     g = torch.Generator(device="cuda").manual_seed(world)
     pad = torch.rand(2, 4096, device="cuda", generator=g) < 0.2
+    pad[0] = False  # left padding only: each step's keys of row 0 mostly a zero-bias span
+    pad[0, :100] = True
     pad[1, -700:] = True
     qr, kr, vr = (t.double().requires_grad_() for t in (q, k, v))
     ref, _ = naive_attention(qr, kr, vr, causal=causal, key_padding_mask=pad)

@@ -7,6 +7,7 @@ import itertools
 import pytest
 import torch
 
+from ringflash.kernels.key_bias import key_spans
 from ringflash.masks import Window
 
 triton = pytest.importorskip("triton")
@@ -122,7 +123,7 @@ def test_plans_rebind_exactly_what_a_fresh_plan_would_build():
         t["bounds"] = RowBounds(lo, lo + 7, lo.clone(), lo + 9, key_order=order)
         t["counter"] = torch.zeros(1, dtype=torch.int32)
         t["bias"] = mk(B, S, dt=f32)
-        t["key_hi"] = gf.key_limits(t["bias"])
+        t["spans"] = key_spans(t["bias"], 0.1)
         return t
 
     first, second = call_tensors(), call_tensors()
@@ -136,13 +137,13 @@ def test_plans_rebind_exactly_what_a_fresh_plan_would_build():
             kw = {k: v for k, v in masks.items() if k not in ("variant", "key_bias")}
             kw["bounds"] = b = t["bounds"] if "bounds" in masks else None
             bias = t["bias"] if "key_bias" in masks else None
-            hi = t["key_hi"] if "key_bias" in masks else None
+            spans = t["spans"] if "key_bias" in masks else None
             rows = (None, None, None) if b is None else (b.q_lo, b.q_hi, b.key_order)
             tensors = (t["q"], t["k"], t["v"], t["stats"], t["do"], t["dq32"], t["dk"], t["dv"], *rows, t["counter"],
-                       bias, hi)  # fmt: skip
+                       bias, spans)  # fmt: skip
             built = gb.launch_plan(*tensors[:8], q_start=5, k_start=0, scale=0.1, accumulate=True, cfg=cfg, **kw,
                                    tile_counter=t["counter"] if cfg.persistent else None, key_bias=bias,
-                                   key_hi=hi)  # fmt: skip
+                                   spans=spans)  # fmt: skip
             assert built[3]["ORDERED"] == ("variant" in masks)
             assert built[3]["HAS_BIAS"] == (bias is not None)
             return tensors, built
@@ -152,11 +153,11 @@ def test_plans_rebind_exactly_what_a_fresh_plan_would_build():
             window = Window(*masks["window"]) if "window" in masks else None
             rows = (None, None) if b is None else (b.k_lo, b.k_hi)
             bias = t["bias"] if "key_bias" in masks else None
-            hi = t["key_hi"] if "key_bias" in masks else None
-            tensors = (t["q"], t["k"], t["v"], t["o"], t["m"], t["l"], *rows, bias, hi)
+            spans = t["spans"] if "key_bias" in masks else None
+            tensors = (t["q"], t["k"], t["v"], t["o"], t["m"], t["l"], *rows, bias, spans)
             built = gf.launch_plan(*tensors[:3], q_start=5, k_start=0, scale=0.1, out_o=t["o"], out_m=t["m"],
                                    out_l=t["l"], normalize=False, fold=True, cfg=fwd_cfg, causal=masks["causal"],
-                                   window=window, bounds=b, key_bias=bias, key_hi=hi)  # fmt: skip
+                                   window=window, bounds=b, key_bias=bias, spans=spans)  # fmt: skip
             # a key bias is added to the scaled scores: the scale is applied first, as the Triton kernels'
             assert built[3]["HAS_BIAS"] == (bias is not None) and built[3]["POSITIVE_SCALE"] == (bias is None)
             assert sum(hasattr(a, "block_shape") and a.base is bias for a in built[2]) == (bias is not None)
@@ -916,17 +917,39 @@ def test_direct_launch_encodes_a_tma_map_once_per_address_shape_and_strides(monk
     assert encoded[-1] == encoded[0] and calls[-1][14:] == (64, 32, 32, 1, 5)
 
 
-def test_key_limits_cut_trailing_padding_only(monkeypatch):
-    """gluon_forward.key_limits: each batch row's last key a key bias does not hide (-inf), plus
-    one: hidden keys before it (inner padding) and finite biases of any sign do not cut it; a
-    row with every key hidden gives 0. With configs.GLUON_CUT_KEY_PADDING off: every row's Sk."""
+def test_key_spans_cut_trailing_padding_and_zero_bias_runs(monkeypatch):
+    """key_bias.key_spans per batch row: [0] the last key the bias does not hide (-inf), plus one
+    (hidden keys before it and finite biases of any sign do not cut it; 0 when every key is
+    hidden; Sk with configs.GLUON_CUT_KEY_PADDING off); [1:] the first run of keys whose bias is
+    exactly 0, shrunk to multiples of 384 (its end rounded up past Sk when it runs to the end),
+    empty for a scale <= 0 or with configs.PLAIN_ZERO_BIAS_KEYS off."""
     from ringflash.kernels import configs
-    from ringflash.kernels import gluon_forward as gf
 
     inf = float("-inf")
-    bias = torch.tensor([[0.0, 0.0, inf, 0.0, inf, inf], [inf, -3.0, 5.0, inf, inf, inf], [inf] * 6, [-1e30] * 6])
+    Sk = 1000
+    bias = torch.zeros(7, Sk)
+    bias[0, 900:] = inf  # right padding: zeros [0, 900) -> [0, 768)
+    bias[1, :50] = inf  # left padding: zeros [50, 1000) run to the end -> [384, 1152)
+    bias[2, 400:] = inf  # zeros [0, 400) -> [0, 384)
+    bias[3] = torch.linspace(0.5, 2.0, Sk)  # no zero: empty
+    bias[4, :] = inf  # every key hidden: empty
+    bias[5, 100] = -0.5  # zeros [0, 100): shorter than 384, empty
+    bias[6, 3] = 2.0  # inner padding and a finite bias cut neither [0]; the first run [0, 3): empty
+    bias[6, 10:20] = inf
     monkeypatch.setattr(configs, "GLUON_CUT_KEY_PADDING", True)
-    assert gf.key_limits(bias).tolist() == [4, 3, 0, 6]
-    assert gf.key_limits(bias).dtype == torch.int32
+    monkeypatch.setattr(configs, "PLAIN_ZERO_BIAS_KEYS", True)
+    spans = key_spans(bias, 0.125)
+    assert spans.dtype == torch.int32 and spans.shape == (7, 3)
+    assert spans[:, 0].tolist() == [900, 1000, 400, 1000, 0, 1000, 1000]
+    plain = [tuple(r) for r in spans[:, 1:].tolist()]
+    assert plain[0] == (0, 768) and plain[1] == (384, 1152) and plain[2] == (0, 384)
+    for row in (3, 4, 5, 6):
+        assert plain[row][0] >= plain[row][1], row
+    # every key of a span has bias exactly 0 (the kernels leave it out there)
+    for row, (lo, hi) in enumerate(plain):
+        assert bool((bias[row, lo : min(hi, Sk)] == 0).all()), row
+    assert (key_spans(bias, -0.125)[:, 1:] == 0).all() and (key_spans(bias, 0.0)[:, 1:] == 0).all()
+    assert key_spans(bias[:, :0], 0.125).tolist() == [[0, 0, 0]] * 7
     monkeypatch.setattr(configs, "GLUON_CUT_KEY_PADDING", False)
-    assert gf.key_limits(bias).tolist() == [6] * 4 and gf.key_limits(bias).dtype == torch.int32
+    monkeypatch.setattr(configs, "PLAIN_ZERO_BIAS_KEYS", False)
+    assert key_spans(bias, 0.125).tolist() == [[Sk, 0, 0]] * 7

@@ -220,6 +220,37 @@ def test_key_padding_mask(backend, kind):
             assert torch.all(out[1] == 0) and torch.all(lse[1] == float("-inf"))
 
 
+@pytest.mark.parametrize("backend", ["triton"], indirect=True)
+@pytest.mark.parametrize("causal", [False, True])
+def test_key_padding_zero_bias_spans(backend, causal, monkeypatch):
+    """configs.PLAIN_ZERO_BIAS_KEYS: each batch row's keys of zero bias (key_bias.key_spans) scored
+    without the bias, the others with it, in the forward and both backward passes (the Gluon
+    kernels choose by the same spans): out, lse and gradients within tolerance of float64, for a
+    right-padded row, a left-padded one and one whose first run of zeros is too short for a
+    span; the spans are checked nonempty, so the unbiased scores did run."""
+    from ringflash import kernels
+    from ringflash.kernels import configs
+
+    monkeypatch.setattr(configs, "PLAIN_ZERO_BIAS_KEYS", True)
+    spans = []
+
+    def spy(key_bias, scale):
+        spans.append(key_spans(key_bias, scale))
+        return spans[-1]
+
+    key_spans = kernels.key_spans
+    monkeypatch.setattr(kernels, "key_spans", spy)
+    q, k, v = _inputs(3, 24, 800, 2, 1, 16, torch.float32, seed=8)
+    mask = torch.zeros(3, 800, dtype=torch.bool)  # True: a padded key
+    mask[0, 700:] = True  # span [0, 384)
+    mask[1, :30] = True  # span [384, 1152): past Sk, to the end
+    mask[2, 100:110] = True  # zeros [0, 100): no span
+    _check(q, k, v, causal, key_padding_mask=mask)
+    assert len(spans) == 2  # the forward; the backward, whose two passes share one
+    for s in spans:
+        assert s[:, 1:].tolist() == [[0, 384], [384, 1152], [0, 0]]
+
+
 def test_key_padding_mask_errors():
     q = torch.randn(2, 8, 2, 16)
     with pytest.raises(ValueError, match=r"key_padding_mask must have shape \(batch, k seqlen\) = \(2, 8\)"):

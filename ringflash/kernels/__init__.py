@@ -17,6 +17,7 @@ from ..merge import LOG2E, DeltaOf
 from . import configs
 from .backward import _delta_kernel, _dkdv_kernel, _dq_kernel
 from .forward import _fwd_kernel
+from .key_bias import key_spans
 from .launcher import launch, on_device
 from .rows import _scatter_rows_kernel
 from .tiles import MASK_NONE, MASK_ROWS, MASK_WINDOW, UNBOUNDED
@@ -87,10 +88,12 @@ def _maybe_descriptors(cfg, tensors, rows, block_ds):
                        for t, block_d in zip(tensors, block_ds, strict=True))
 
 
-def _bias_args(key_bias, q):
-    """(key bias pointer, its batch stride, HAS_BIAS); q stands in for the pointer when there is
-    no bias."""
-    return (q, 0, False) if key_bias is None else (key_bias, key_bias.stride(0), True)
+def _bias_args(key_bias, q, scale):
+    """(key bias pointer, its key_spans, its batch stride, HAS_BIAS); q stands in for the
+    pointers when there is no bias."""
+    if key_bias is None:
+        return q, q, 0, False
+    return key_bias, key_spans(key_bias, scale), key_bias.stride(0), True
 
 
 def _stat_strides(*stats):
@@ -143,13 +146,13 @@ def forward(q, k, v, state, *, q_start, k_start, window, bounds, scale, fold, no
     cfg = configs.forward_config(config_d, documents=bounds is not None,
                                  float32=q.dtype == torch.float32)
     grid = (triton.cdiv(Sq, cfg.block_m), B * Hq)
-    bias, stride_bias_b, has_bias = _bias_args(key_bias, q)
+    bias, spans, stride_bias_b, has_bias = _bias_args(key_bias, q, scale)
     mask, left, right, left_k, _, (k_lo, k_hi), _ = _mask_args(window, bounds, q)
     use_tma, (k_arg, v_arg) = _maybe_descriptors(cfg, (k, v), cfg.block_n, (block_d, block_dv))
     with on_device(q):
         launch(
             _fwd_kernel, grid,
-            q, k_arg, v_arg, state.o, state.m, state.l, bias, k_lo, k_hi,
+            q, k_arg, v_arg, state.o, state.m, state.l, bias, spans, k_lo, k_hi,
             *_bsh(q), *_bsh(k), *_bsh(v), *_bsh(state.o), *_stat_strides(state.m, state.l), stride_bias_b,
             Hq, Sq, Sk, q_start, k_start, left, right, scale * LOG2E, *drop_args,
             GROUP=Hq // Hkv, HEAD_DIM=D, BLOCK_D=block_d, HEAD_DIM_V=Dv, BLOCK_DV=block_dv, BLOCK_M=cfg.block_m,
@@ -375,7 +378,7 @@ def backward(q, k, v, m, l, do, delta, dq, dk, dv, *, q_start, k_start, window, 
     Sk, Hkv, Dv = k.shape[1], k.shape[2], v.shape[3]
     block_d, block_dv = _block_d(D), _block_d(Dv)
     config_d = _config_d(block_d, block_dv)
-    bias, stride_bias_b, has_bias = _bias_args(key_bias, q)
+    bias, spans, stride_bias_b, has_bias = _bias_args(key_bias, q, scale)
     mask, left, right, left_k, left_q, (k_lo, k_hi), (q_lo, q_hi) = _mask_args(window, bounds, q)
     drop_args, has_dropout = _dropout_args(dropout)
     common = dict(GROUP=Hq // Hkv, HEAD_DIM=D, BLOCK_D=block_d, HEAD_DIM_V=Dv, BLOCK_DV=block_dv, MASK=mask,
@@ -392,7 +395,7 @@ def backward(q, k, v, m, l, do, delta, dq, dk, dv, *, q_start, k_start, window, 
             tma, (q_arg, do_arg) = _maybe_descriptors(cfg, (q, do), cfg.block_m, (block_d, block_dv))
             launch(
                 _dkdv_kernel, (triton.cdiv(Sk, cfg.block_n), B * Hkv),
-                q_arg, k, v, do_arg, m_arg, l_arg, delta, dk, dv, bias, q_lo, q_hi,
+                q_arg, k, v, do_arg, m_arg, l_arg, delta, dk, dv, bias, spans, q_lo, q_hi,
                 *_bsh(q), *_bsh(k), *_bsh(v), *_bsh(do), *_bsh(dk), *_bsh(dv),
                 *stat_strides, stride_bias_b, Hkv, *positions,
                 BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, LEFT=left_q, TMA=tma, QK_ORDER=cfg.qk_order,
@@ -403,7 +406,7 @@ def backward(q, k, v, m, l, do, delta, dq, dk, dv, *, q_start, k_start, window, 
             tma, (k_arg, v_arg) = _maybe_descriptors(cfg, (k, v), cfg.block_n, (block_d, block_dv))
             launch(
                 _dq_kernel, (triton.cdiv(Sq, cfg.block_m), B * Hq),
-                q, k_arg, v_arg, do, m, l, delta, dq, bias, k_lo, k_hi,
+                q, k_arg, v_arg, do, m, l, delta, dq, bias, spans, k_lo, k_hi,
                 *_bsh(q), *_bsh(k), *_bsh(v), *_bsh(do), *_bsh(dq),
                 *stat_strides, stride_bias_b, Hq, *positions,
                 BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, LEFT=left_k, TMA=tma,

@@ -65,7 +65,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from ._gluon_counter import TILE_WORDS, _fetch_tile, _max_combine, _publish_tile, _receive_tile
-from ._gluon_fwd import _alloc_bars, _hull_and_core, _mma_layout, _opaque
+from ._gluon_fwd import PLAIN_ALIGN, _alloc_bars, _hull_and_core, _mma_layout, _opaque
 from .tiles import LOG2E, MASK_ROWS, in_bounds, key_query_bounds
 
 # ----------------------------------------------------------------------------------------------
@@ -136,13 +136,27 @@ def _plan(
 
 
 @gluon.jit
-def _unpadded(n_m, n0, b, KEY_HI, HAS_BIAS: gl.constexpr):
+def _unpadded(n_m, n0, b, KEY_SPANS, HAS_BIAS: gl.constexpr):
     """n_m, or with HAS_BIAS 0 where the key block from n0 starts past its batch row's last key
-    the bias does not hide (KEY_HI[b]: that key + 1): its keys add exactly nothing, its dK and dV
-    are zeros. The producer and both consumers cut a block here alike."""
+    the bias does not hide (KEY_SPANS[b, 0]: that key + 1, key_bias.key_spans): its keys add
+    exactly nothing, its dK and dV are zeros. The producer and both consumers cut a block here
+    alike."""
     if HAS_BIAS:
-        n_m = gl.where(n0 < gl.load(KEY_HI + b), n_m, 0)
+        n_m = gl.where(n0 < gl.load(KEY_SPANS + 3 * b), n_m, 0)
     return n_m
+
+
+@gluon.jit
+def _plain_block(KEY_SPANS, b, n0, BLOCK_N: gl.constexpr, HAS_BIAS: gl.constexpr):
+    """Whether the key block [n0, n0 + BLOCK_N) lies in its batch row's zero-bias span
+    (KEY_SPANS[b, 1:], key_bias.key_spans; multiples of PLAIN_ALIGN, which BLOCK_N divides): its
+    probabilities are rebuilt without the bias, as every kernel computed them (_probs_t).
+    False without HAS_BIAS."""
+    plain = n0 < 0
+    if HAS_BIAS:
+        gl.static_assert(PLAIN_ALIGN % BLOCK_N == 0, "a zero-bias span holds whole key blocks")
+        plain = (n0 >= gl.load(KEY_SPANS + 3 * b + 1)) & (n0 + BLOCK_N <= gl.load(KEY_SPANS + 3 * b + 2))
+    return plain
 
 
 @gluon.jit
@@ -334,7 +348,7 @@ def _produce_key_block(
     do_desc, k_desc, v_desc, st_desc, qt_desc, kt_desc, q_bufs, do_bufs, st_bufs, qt_bufs, k_smem, v_smem, kt_smem,
     kv_bar, kv_empty, ready, empty, CAUSAL: gl.constexpr, HAS_LEFT: gl.constexpr, ROWS: gl.constexpr,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, BLOCK_DT: gl.constexpr,
-    STAGES: gl.constexpr, WALK: gl.constexpr, GROUPED_HEADS: gl.constexpr, KEY_HI, HAS_BIAS: gl.constexpr,
+    STAGES: gl.constexpr, WALK: gl.constexpr, GROUPED_HEADS: gl.constexpr, KEY_SPANS, HAS_BIAS: gl.constexpr,
     PERSISTENT: gl.constexpr,
 ):  # fmt: skip
     """The loads of the key block at grid coordinates (p0, p1, p2) (_plan), after the `it` steps
@@ -347,7 +361,7 @@ def _produce_key_block(
         p0, p1, p2, dim0, Hkv, Sq, Sk, q_start, k_start, left, rows_first, rows_n, CAUSAL, HAS_LEFT, ROWS, BLOCK_M,
         BLOCK_N, GROUPED_HEADS,
     )  # fmt: skip
-    n_m = _unpadded(n_m, n0, b, KEY_HI, HAS_BIAS)
+    n_m = _unpadded(n_m, n0, b, KEY_SPANS, HAS_BIAS)
     n_iter = group * n_m
     # K and V are loaded only when the consumers will wait for them (n_iter > 0): no copy may
     # still be in flight when the program ends
@@ -452,15 +466,17 @@ def _key_bias2(BIAS, b, stride_bias_b, keys, Sk):
 
 
 @gluon.jit
-def _probs_t(st, offset, bias2, qk_scale, HAS_BIAS: gl.constexpr):
+def _probs_t(st, offset, bias2, plain, qk_scale, HAS_BIAS: gl.constexpr):
     """P^T = exp2(S^T qk_scale - offset) of scores S^T (keys x query rows) and the rows' offsets
-    m + log2(l); with HAS_BIAS the keys' bias2 (base 2) added first by the forward's own FMA,
-    fma(q.k, qk_scale, bias2) (the Triton kernels' base2_scores)."""
+    m + log2(l); with HAS_BIAS, unless the block is plain (_plain_block: its keys' bias is 0,
+    and every kernel leaves it out), the keys' bias2 (base 2) added first by the forward's own
+    FMA, fma(q.k, qk_scale, bias2) (the Triton kernels' base2_scores)."""
+    scale2 = qk_scale
     if HAS_BIAS:
-        pt = gl.exp2(gl.fma(st, qk_scale, bias2[:, None]) - offset[None, :])
-    else:
-        pt = gl.exp2(gl.fma(st, qk_scale, -offset[None, :]))
-    return pt
+        scale2 = gl.where(plain, qk_scale, 1.0)
+        if not plain:
+            st = gl.fma(st, qk_scale, bias2[:, None])
+    return gl.exp2(gl.fma(st, scale2, -offset[None, :]))
 
 
 @gluon.jit
@@ -616,7 +632,7 @@ def _consume_key_block(
     GROUPED_HEADS: gl.constexpr,
     BIAS,
     stride_bias_b,
-    KEY_HI,
+    KEY_SPANS,
     HAS_BIAS: gl.constexpr,
     p0,
     p1,
@@ -653,7 +669,7 @@ def _consume_key_block(
         p0, p1, p2, dim0, Hkv, Sq, Sk, q_start, k_start, left, rows_first, rows_n, CAUSAL, HAS_LEFT, ROWS, BLOCK_M,
         BLOCK_N, GROUPED_HEADS,
     )  # fmt: skip
-    n_m = _unpadded(n_m, n0, b, KEY_HI, HAS_BIAS)
+    n_m = _unpadded(n_m, n0, b, KEY_SPANS, HAS_BIAS)
     n_iter = group * n_m
     dk = gl.zeros([KEYS, BLOCK_D], gl.float32, kv_layout)
     dv = gl.zeros([KEYS, BLOCK_D], gl.float32, kv_layout)
@@ -666,6 +682,7 @@ def _consume_key_block(
     bias2 = qk_scale  # (a stand-in without a key bias, never read)
     if HAS_BIAS:  # this warpgroup's keys' bias, for every step of the block
         bias2 = _key_bias2(BIAS, b, stride_bias_b, key_idx, Sk)
+    plain = _plain_block(KEY_SPANS, b, n0, BLOCK_N, HAS_BIAS)
     q_idx = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
     dq_rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, dq_layout))
     dq_cols = WG * DQ_COLS + gl.arange(0, DQ_COLS, layout=gl.SliceLayout(0, dq_layout))
@@ -718,7 +735,7 @@ def _consume_key_block(
             st, key_ragged, off_m, full_lo, full_hi, key_idx, q_idx, key_q_lo, key_q_hi, Sk, q_start, k_start, left,
             BLOCK_M, CAUSAL, HAS_LEFT, ROWS,
         )  # fmt: skip
-        pt = _probs_t(st, offset, bias2, qk_scale, HAS_BIAS)
+        pt = _probs_t(st, offset, bias2, plain, qk_scale, HAS_BIAS)
         pt_op = gl.convert_layout(pt.to(dtype), op_layout)
         dv_tok = warpgroup_mma(pt_op, do_t, dv, is_async=True)
         delta = st_bufs.index(2 * s + 1).load(gl.SliceLayout(0, s_layout))
@@ -937,9 +954,11 @@ def _split_d_probs(
     """Step i's P^T and dS^T (its query block from off_m) from its scores (st_tok, dpt_tok), this
     warpgroup's 32 columns of each written to shared
     memory; returns once both warpgroups' halves are there. step_mask: _mask_scores' other
-    arguments, then the keys' bias (_probs_t)."""
+    arguments, then the keys' bias and whether the block is plain (_probs_t)."""
     WG, QROWS, BLOCK_M, _, _, _, _, STAGES, NBUF, HAS_BIAS = shape
-    key_ragged, full_lo, full_hi, key_idx, q_idx, key_q_lo, key_q_hi, Sk, q_start, k_start, left, bias2 = step_mask
+    key_ragged, full_lo, full_hi, key_idx, q_idx, key_q_lo, key_q_hi, Sk, q_start, k_start, left, bias2, plain = (
+        step_mask
+    )
     dtype: gl.constexpr = ds_bufs.dtype
     s = i % STAGES
     offset = st_bufs.index(2 * s).slice(WG * QROWS, QROWS).load(gl.SliceLayout(0, s_layout))
@@ -948,7 +967,7 @@ def _split_d_probs(
         st, key_ragged, off_m, full_lo, full_hi, key_idx, q_idx, key_q_lo, key_q_hi, Sk, q_start, k_start, left,
         BLOCK_M, CAUSAL, HAS_LEFT, ROWS,
     )  # fmt: skip
-    pt = _probs_t(st, offset, bias2, qk_scale, HAS_BIAS)
+    pt = _probs_t(st, offset, bias2, plain, qk_scale, HAS_BIAS)
     delta = st_bufs.index(2 * s + 1).slice(WG * QROWS, QROWS).load(gl.SliceLayout(0, s_layout))
     dpt = warpgroup_mma_wait(0, deps=(dpt_tok,))
     ds = (pt * (dpt - delta[None, :])).to(dtype)
@@ -1076,7 +1095,7 @@ def _consumer_split_d(
     GROUPED_HEADS: gl.constexpr,
     BIAS,
     stride_bias_b,
-    KEY_HI,
+    KEY_SPANS,
     HAS_BIAS: gl.constexpr,
 ):
     """The wide head dims' consumer (SPLIT_D): both warpgroups share the 64 keys of the block and
@@ -1121,7 +1140,7 @@ def _consumer_split_d(
         p0, gl.program_id(1), gl.program_id(2), gl.num_programs(0), Hkv, Sq, Sk, q_start, k_start, left, rows_first,
         rows_n, CAUSAL, HAS_LEFT, ROWS, BLOCK_M, BLOCK_N, GROUPED_HEADS,
     )  # fmt: skip
-    n_m = _unpadded(n_m, n0, b, KEY_HI, HAS_BIAS)
+    n_m = _unpadded(n_m, n0, b, KEY_SPANS, HAS_BIAS)
     n_iter = group * n_m
     dk = gl.zeros([BLOCK_N, DK_COLS], gl.float32, acc_layout)
     dv = gl.zeros([BLOCK_N, COLS_V], gl.float32, v_layout)
@@ -1131,6 +1150,7 @@ def _consumer_split_d(
     bias2 = qk_scale  # (a stand-in without a key bias, never read)
     if HAS_BIAS:  # the block's keys' bias, for every step
         bias2 = _key_bias2(BIAS, b, stride_bias_b, key_idx, Sk)
+    plain = _plain_block(KEY_SPANS, b, n0, BLOCK_N, HAS_BIAS)
     q_idx = WG * QROWS + gl.arange(0, QROWS, layout=gl.SliceLayout(0, s_layout))
     dq_rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, dq_layout))
     dq_cols = DQ_COL0 + gl.arange(0, DQ_COLS, layout=gl.SliceLayout(0, dq_layout))
@@ -1144,7 +1164,8 @@ def _consumer_split_d(
         full_lo = rows_full_lo0  # (both halves hold all keys of the block)
         full_hi = rows_full_hi0
     bufs = (q_bufs, do_bufs, qt_bufs, k_smem, v_smem, kt_smem, ready)  # (the helpers' shared memory)
-    step_mask = (key_ragged, full_lo, full_hi, key_idx, q_idx, key_q_lo, key_q_hi, Sk, q_start, k_start, left, bias2)
+    step_mask = (key_ragged, full_lo, full_hi, key_idx, q_idx, key_q_lo, key_q_hi, Sk, q_start, k_start, left, bias2,
+                 plain)  # fmt: skip
     dq_add = (DQ, b, Sq, stride_dqb, stride_dqs, stride_dqh, sm_scale, dq_rows, dq_cols)
     # the head-dim columns each gradient's matmul takes (_split_d_gradients)
     cols: gl.constexpr = (COLS_V, DK_COL0, DK_COLS, DQ_COL0, DQ_COLS, DQ_TILE)
@@ -1226,7 +1247,7 @@ def _bwd_ws2(
     QHI,
     BIAS,
     stride_bias_b,
-    KEY_HI,
+    KEY_SPANS,
     qk_scale,
     sm_scale,
     num_tiles,
@@ -1274,9 +1295,10 @@ def _bwd_ws2(
     grid0, grid1 and TILE_COUNTER are unused. ORDERED (persistent, packed documents): handed out
     in KEY_ORDER's order of the key blocks (int32 (grid0,)), each block's heads side by side
     (_ordered_tile); else KEY_ORDER is unused. HAS_BIAS: BIAS (B, Sk) float32, rows stride_bias_b
-    apart, the forward's key bias (natural-log units; -inf hides a key), and KEY_HI (B,) int32 each
-    batch row's last key it does not hide, plus one (key blocks past it do nothing but store
-    zeros: _unpadded); else any pointers."""
+    apart, the forward's key bias (natural-log units; -inf hides a key), and KEY_SPANS (B, 3)
+    int32, key_bias.key_spans: each batch row's last key it does not hide, plus one (key blocks
+    past it do nothing but store zeros: _unpadded), and its keys of zero bias (rebuilt without
+    it: _plain_block); else any pointers."""
     gl.static_assert(num_warps == 4, "the default partition is one consumer warpgroup")
     gl.static_assert(q_desc.block_type.shape[1] == BLOCK_M)
     gl.static_assert(k_desc.block_type.shape[1] == BLOCK_N)
@@ -1401,14 +1423,14 @@ def _bwd_ws2(
         GROUPED_HEADS,
         BIAS,
         stride_bias_b,
-        KEY_HI,
+        KEY_SPANS,
         HAS_BIAS,
     )
     # _produce_key_block's arguments between the block's `uses` and PERSISTENT
     producer_args: gl.constexpr = (
         Hq, Hkv, group, Sq, Sk, Sq_pad, q_start, k_start, left, rows_first, rows_n, q_desc, do_desc, k_desc, v_desc,
         st_desc, qt_desc, kt_desc, q_bufs, do_bufs, st_bufs, qt_bufs, k_smem, v_smem, kt_smem, kv_bar, kv_empty, ready,
-        empty, CAUSAL, HAS_LEFT, ROWS, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DT, STAGES, WALK, GROUPED_HEADS, KEY_HI,
+        empty, CAUSAL, HAS_LEFT, ROWS, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DT, STAGES, WALK, GROUPED_HEADS, KEY_SPANS,
         HAS_BIAS,
     )  # fmt: skip
     rows_args: gl.constexpr = (Sq, Sk, q_start, k_start, QLO, QHI, BLOCK_M, BLOCK_N)  # (_block_rows)

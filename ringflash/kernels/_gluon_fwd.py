@@ -49,7 +49,10 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from ._gluon_counter import TILE_WORDS, _fetch_tile, _max_combine, _publish_tile, _receive_tile, _reset_counter
+from .key_bias import PLAIN_ALIGN as _PLAIN_ALIGN
 from .tiles import LOG2E, MASK_NONE, MASK_ROWS, MASK_WINDOW, in_bounds, row_key_bounds
+
+PLAIN_ALIGN: gl.constexpr = gl.constexpr(_PLAIN_ALIGN)
 
 # ----------------------------------------------------------------------------------------------
 # Which keys a query tile visits: the one place that reads the mask; everything else asks it.
@@ -265,7 +268,7 @@ def _masked(
 def _softmax_step(
     s,
     s_t,
-    bias2,
+    scale2,
     m_i,
     l_i,
     first_row,
@@ -293,16 +296,14 @@ def _softmax_step(
     s: raw scores q.k (BLOCK_M, BLOCK_N) float32 in the wgmma accumulator layout, of query rows
     first_row.. and keys start_n..; with BLOCK_NT > 0 s_t holds the block's BLOCK_NT keys after
     those (its key tail piece, in its own accumulator layout; else s_t is ignored); m_i, l_i:
-    (BLOCK_M,) in s's row slice. With HAS_BIAS (key blocks of one piece), bias2 is the keys' bias
-    in base-2 units (_block_bias2; else not read). Returns (p, p_t, m_new, l_new, alpha) with p (and
+    (BLOCK_M,) in s's row slice. With HAS_BIAS (key blocks of one piece) s and scale2 come from
+    _biased_scores: the scores times scale2 are the block's base-2 scores (else scale2 is not
+    read). Returns (p, p_t, m_new, l_new, alpha) with p (and
     p_t, the tail's; p again without one) float32 and alpha the factor the accumulator must be
     multiplied by before p @ v is added.
     """
     if HAS_BIAS:
-        # fma(q.k, scale, bias), as the Triton kernels' base2_scores (the launcher turns
-        # POSITIVE_SCALE off): the backward rebuilds these scores with the same FMA
         gl.static_assert(BLOCK_NT == 0, "a key bias takes key blocks of one piece")
-        s = gl.fma(s, qk_scale, bias2[None, :])
     elif not POSITIVE_SCALE:
         # max(s) * scale is the scaled max only for scale > 0: scale first (and mask after)
         s = s * qk_scale
@@ -315,13 +316,18 @@ def _softmax_step(
         s_t = _masked(s_t, first_row, start_n + BLOCK_N, full_lo, full_hi, Sq, Sk, q_start, k_start, win_left,
                       win_right, KLO, KHI, MASK, LEFT, BLOCK_NT)  # fmt: skip
         block_max = gl.maximum(block_max, gl.convert_layout(_row_max(s_t), m_i.type.layout, assert_trivial=True))
-    if POSITIVE_SCALE:
+    if HAS_BIAS:  # (scale2 > 0 or 1: the max of the scaled scores)
+        m_new = gl.maximum(m_i, block_max * scale2)
+    elif POSITIVE_SCALE:
         m_new = gl.maximum(m_i, block_max * qk_scale)
     else:
         m_new = gl.maximum(m_i, block_max)
     # a row that has seen no key keeps m = -inf; pivot on 0 so exp2 gives 0, not NaN
     m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
-    p = _probabilities(s, m_use, qk_scale, POSITIVE_SCALE)
+    if HAS_BIAS:
+        p = _probabilities(s, m_use, scale2, True)
+    else:
+        p = _probabilities(s, m_use, qk_scale, POSITIVE_SCALE)
     alpha = gl.exp2(m_i - m_use)
     l_new = l_i * alpha + _row_sum(p)
     p_t = p
@@ -343,28 +349,52 @@ def _probabilities(s, m_use, qk_scale, POSITIVE_SCALE: gl.constexpr):
 
 
 @gluon.jit
-def _unpadded_blocks(n, lo, b, KEY_HI, KEYS: gl.constexpr, HAS_BIAS: gl.constexpr):
+def _unpadded_blocks(n, lo, b, KEY_SPANS, KEYS: gl.constexpr, HAS_BIAS: gl.constexpr):
     """n, or with HAS_BIAS the first of a tile's n key blocks from lo up to its batch row's last
-    key the bias does not hide (KEY_HI[b]: that key + 1): the blocks after it hold only hidden
-    keys, which add exactly nothing. The producer and the consumers each cut a tile here alike:
-    a block one of them skips and another waits for would stop the rings."""
+    key the bias does not hide (KEY_SPANS[b, 0]: that key + 1, key_bias.key_spans): the blocks
+    after it hold only hidden keys, which add exactly nothing. The producer and the consumers
+    each cut a tile here alike: a block one of them skips and another waits for would stop the
+    rings."""
     if HAS_BIAS:
-        n = gl.minimum(n, gl.maximum(gl.load(KEY_HI + b) - lo + KEYS - 1, 0) // KEYS)
+        n = gl.minimum(n, gl.maximum(gl.load(KEY_SPANS + 3 * b) - lo + KEYS - 1, 0) // KEYS)
     return n
 
 
 @gluon.jit
-def _block_bias2(bias_bufs, i, qk_scale, HAS_BIAS: gl.constexpr, STAGES: gl.constexpr, s_layout: gl.constexpr):
-    """Key block i's bias in base-2 units, (BLOCK_N,) float32 in the key slice of s_layout, from
-    the stage of the key-bias ring that the producer filled with K's stage (on K's barrier):
-    read before that stage is released. Natural-log units times log2(e), as the Triton kernels'
-    tiles.key_bias2 (-inf hides a key; keys past Sk read 0 and are masked). Without HAS_BIAS
-    qk_scale stands in (never read)."""
-    bias2 = qk_scale
+def _plain_span(KEY_SPANS, b, HAS_BIAS: gl.constexpr):
+    """(lo, hi): batch row b's keys of zero bias, multiples of key_bias.PLAIN_ALIGN
+    (KEY_SPANS[b, 1:], key_bias.key_spans), which take the unbiased arithmetic (_biased_scores);
+    an empty span without HAS_BIAS."""
+    lo = b * 0
+    hi = lo
+    if HAS_BIAS:
+        lo = gl.load(KEY_SPANS + 3 * b + 1)
+        hi = gl.load(KEY_SPANS + 3 * b + 2)
+    return lo, hi
+
+
+@gluon.jit
+def _biased_scores(
+    s, bias_bufs, i, start, plain_lo, plain_hi, qk_scale, HAS_BIAS: gl.constexpr, STAGES: gl.constexpr,
+    s_layout: gl.constexpr,
+):  # fmt: skip
+    """(s, scale2) for key block i's raw scores s (its keys from start): with HAS_BIAS, a block
+    inside its row's zero-bias span [plain_lo, plain_hi) (_plain_span; PLAIN_ALIGN is a multiple
+    of the block) keeps s with scale2 = qk_scale, the unbiased arithmetic (one FMA a score, in
+    exp2's argument); any other takes fma(s, qk_scale, bias) with scale2 = 1, as the Triton
+    kernels' base2_scores: either way key by key what the backward rebuilds. The bias (base 2,
+    (BLOCK_N,) in the key slice of s_layout) is read from the stage of the key-bias ring that
+    the producer filled with K's stage (on K's barrier), before that stage is released (-inf
+    hides a key; keys past Sk read 0 and are masked). Without HAS_BIAS: (s, qk_scale)."""
+    scale2 = qk_scale
     if HAS_BIAS:
         width: gl.constexpr = bias_bufs.shape[2]
-        bias2 = bias_bufs.index(i % STAGES).reshape([width]).load(gl.SliceLayout(0, s_layout)) * LOG2E
-    return bias2
+        plain = (start >= plain_lo) & (start + width <= plain_hi)
+        scale2 = gl.where(plain, qk_scale, 1.0)
+        if not plain:
+            bias2 = bias_bufs.index(i % STAGES).reshape([width]).load(gl.SliceLayout(0, s_layout)) * LOG2E
+            s = gl.fma(s, qk_scale, bias2[None, :])
+    return s, scale2
 
 
 @gluon.jit
@@ -637,6 +667,8 @@ def _overlap_loop(
     KLO,
     KHI,
     bias_bufs,
+    plain_lo,
+    plain_hi,
     STAGES: gl.constexpr,
     MASK: gl.constexpr,
     LEFT: gl.constexpr,
@@ -667,7 +699,7 @@ def _overlap_loop(
     in two pieces (k_bufs / v_bufs the first BLOCK_N, kt_bufs / vt_bufs the BLOCK_NT after
     them; st_layout the tail's scores), scored into two accumulators and added into acc by two
     PV wgmmas: a block wider than a power of two. HAS_BIAS: bias_bufs holds each K stage's key
-    bias (_block_bias2). Returns (acc, acc_t, m_i, l_i)."""
+    bias, [plain_lo, plain_hi) the keys whose bias is 0 (_biased_scores). Returns (acc, acc_t, m_i, l_i)."""
     dtype: gl.constexpr = q2.dtype
     KEYS: gl.constexpr = BLOCK_N + BLOCK_NT  # a key block's rows, both pieces
     # a key block's PV is two wgmma groups when v or the keys run in two pieces
@@ -682,10 +714,10 @@ def _overlap_loop(
     s_tok, st_tok = _scores(q2, k_bufs, q2_tail, kt_bufs, it, s_zero, st_zero, STAGES, BLOCK_N, BLOCK_D, BLOCK_DT,
                             BLOCK_NT)  # fmt: skip
     s, s_t = _landed_scores(s_tok, st_tok, 0, BLOCK_NT)
-    bias2 = _block_bias2(bias_bufs, it, qk_scale, HAS_BIAS, STAGES, s_layout)
+    s, scale2 = _biased_scores(s, bias_bufs, it, lo, plain_lo, plain_hi, qk_scale, HAS_BIAS, STAGES, s_layout)
     mbarrier.arrive(k_empty.index(it % STAGES))
     p, p_t, m_i, l_i, alpha = _softmax_step(
-        s, s_t, bias2, m_i, l_i, first_row, lo, full_lo, full_hi, qk_scale, Sq, Sk, q_start, k_start,
+        s, s_t, scale2, m_i, l_i, first_row, lo, full_lo, full_hi, qk_scale, Sq, Sk, q_start, k_start,
         win_left, win_right, KLO, KHI, MASK, LEFT, POSITIVE_SCALE, BLOCK_N, BLOCK_NT, HAS_BIAS,
     )  # fmt: skip
     acc = acc * _rows(alpha, o_layout)[:, None]
@@ -713,10 +745,11 @@ def _overlap_loop(
         # groups complete in order: with PV(j-1)'s one or two groups left in flight, QK^T(j)
         # is done (every piece's group), PV(j-1) may not be
         s, s_t = _landed_scores(s_tok, st_tok, PV_GROUPS, BLOCK_NT)
-        bias2 = _block_bias2(bias_bufs, it + j, qk_scale, HAS_BIAS, STAGES, s_layout)
+        s, scale2 = _biased_scores(s, bias_bufs, it + j, lo + j * KEYS, plain_lo, plain_hi, qk_scale, HAS_BIAS,
+                                   STAGES, s_layout)  # fmt: skip
         mbarrier.arrive(k_empty.index((it + j) % STAGES))
         p, p_t, m_i, l_i, alpha = _softmax_step(
-            s, s_t, bias2, m_i, l_i, first_row, lo + j * KEYS, full_lo, full_hi, qk_scale, Sq, Sk,
+            s, s_t, scale2, m_i, l_i, first_row, lo + j * KEYS, full_lo, full_hi, qk_scale, Sq, Sk,
             q_start, k_start, win_left, win_right, KLO, KHI, MASK, LEFT, POSITIVE_SCALE, BLOCK_N, BLOCK_NT, HAS_BIAS,
         )  # fmt: skip
         if BLOCK_DVT > 0:
@@ -774,7 +807,7 @@ def _produce_tile(
     k_ready, v_ready, k_empty, v_empty, q_empty, b, h, hk, off_m, lo, n, it, uses, BLOCK_M: gl.constexpr,
     BLOCK_N: gl.constexpr, BLOCK_NT: gl.constexpr, BLOCK_D: gl.constexpr, BLOCK_DT: gl.constexpr,
     BLOCK_DV: gl.constexpr, BLOCK_DVT: gl.constexpr, STAGES: gl.constexpr, PERSISTENT: gl.constexpr,
-    CONSUMERS: gl.constexpr, bias_desc, bias_bufs, KEY_HI, HAS_BIAS: gl.constexpr,
+    CONSUMERS: gl.constexpr, bias_desc, bias_bufs, KEY_SPANS, HAS_BIAS: gl.constexpr,
 ):  # fmt: skip
     """One query tile's loads: its Q (the program's `uses`-th, when n > 0) and its n K/V blocks
     (with HAS_BIAS each K block's key bias, up to the batch row's trailing padding:
@@ -786,7 +819,7 @@ def _produce_tile(
     # the key tail's first row in its block (0: none); K's and V's alike
     TAIL_ROW: gl.constexpr = BLOCK_N if BLOCK_NT > 0 else 0
     KEYS: gl.constexpr = BLOCK_N + BLOCK_NT
-    n = _unpadded_blocks(n, lo, b, KEY_HI, KEYS, HAS_BIAS)
+    n = _unpadded_blocks(n, lo, b, KEY_SPANS, KEYS, HAS_BIAS)
     if n > 0:  # one Q buffer per consumer warpgroup (and one per tail piece), all on one barrier
         if PERSISTENT:  # every consumer warpgroup done with the previous tile's Q
             mbarrier.wait(q_empty.index(0), (uses & 1) ^ 1)
@@ -820,7 +853,7 @@ def _ws_producer(
     BLOCK_N: gl.constexpr, BLOCK_NT: gl.constexpr, BLOCK_D: gl.constexpr, BLOCK_DT: gl.constexpr,
     BLOCK_DV: gl.constexpr, BLOCK_DVT: gl.constexpr, STAGES: gl.constexpr, PERSISTENT: gl.constexpr,
     CONSUMERS: gl.constexpr, DYNAMIC: gl.constexpr, tile_counter, tile_ids, tile_full, tile_empty, heads_per_group,
-    SHORT_GROUP_FIRST: gl.constexpr, bias_desc, bias_bufs, KEY_HI, HAS_BIAS: gl.constexpr,
+    SHORT_GROUP_FIRST: gl.constexpr, bias_desc, bias_bufs, KEY_SPANS, HAS_BIAS: gl.constexpr,
 ):  # fmt: skip
     """The TMA producer warp: this program's tile (b, h, hk, off_m, lo, n), or with PERSISTENT
     every num_programs-th of the num_tiles tiles from program_id on, each planned here as
@@ -845,7 +878,7 @@ def _ws_producer(
                 q_desc, k_desc, v_desc, qt_desc, kt_desc, vt_desc, q_bufs, k_bufs, v_bufs, qt_bufs, kt_bufs, vt_bufs,
                 q_bar, k_ready, v_ready, k_empty, v_empty, q_empty, b, h, hk, off_m, lo, n, it, uses, BLOCK_M,
                 BLOCK_N, BLOCK_NT, BLOCK_D, BLOCK_DT, BLOCK_DV, BLOCK_DVT, STAGES, PERSISTENT, CONSUMERS, bias_desc,
-                bias_bufs, KEY_HI, HAS_BIAS,
+                bias_bufs, KEY_SPANS, HAS_BIAS,
             )  # fmt: skip
             # the next tile taken only once this one's loads are issued (the consumers have
             # about STAGES key blocks of it left): one taken earlier would be held back from a
@@ -870,7 +903,7 @@ def _ws_producer(
                 q_desc, k_desc, v_desc, qt_desc, kt_desc, vt_desc, q_bufs, k_bufs, v_bufs, qt_bufs, kt_bufs, vt_bufs,
                 q_bar, k_ready, v_ready, k_empty, v_empty, q_empty, b, h, hk, off_m, lo, n, it, uses, BLOCK_M,
                 BLOCK_N, BLOCK_NT, BLOCK_D, BLOCK_DT, BLOCK_DV, BLOCK_DVT, STAGES, PERSISTENT, CONSUMERS, bias_desc,
-                bias_bufs, KEY_HI, HAS_BIAS,
+                bias_bufs, KEY_SPANS, HAS_BIAS,
             )  # fmt: skip
             it += n
             uses += gl.minimum(n, 1)
@@ -879,7 +912,7 @@ def _ws_producer(
             q_desc, k_desc, v_desc, qt_desc, kt_desc, vt_desc, q_bufs, k_bufs, v_bufs, qt_bufs, kt_bufs, vt_bufs,
             q_bar, k_ready, v_ready, k_empty, v_empty, q_empty, b, h, hk, off_m, lo, n, 0, 0, BLOCK_M, BLOCK_N,
             BLOCK_NT, BLOCK_D, BLOCK_DT, BLOCK_DV, BLOCK_DVT, STAGES, PERSISTENT, CONSUMERS, bias_desc, bias_bufs,
-            KEY_HI, HAS_BIAS,
+            KEY_SPANS, HAS_BIAS,
         )  # fmt: skip
 
 
@@ -892,7 +925,7 @@ def _ws_producer(
 @gluon.jit
 def _consume_tile(
     WG: gl.constexpr, q_bufs, k_bufs, qt_bufs, kt_bufs, v_bufs, vt_bufs, q_bar, k_ready, v_ready, k_empty, v_empty,
-    q_empty, O, M, L, KLO, KHI, bias_bufs, KEY_HI, stride_ob, stride_os, stride_oh, stride_mb, stride_mh,
+    q_empty, O, M, L, KLO, KHI, bias_bufs, KEY_SPANS, stride_ob, stride_os, stride_oh, stride_mb, stride_mh,
     stride_ms, stride_lb, stride_lh, stride_ls, b, h, off_m, lo, n, it, uses, full_lo, full_hi, Sq, Sk, q_start,
     k_start, win_left, win_right, qk_scale, HEAD_DIM: gl.constexpr, BLOCK_D: gl.constexpr, BLOCK_DT: gl.constexpr,
     HEAD_DIM_V: gl.constexpr, BLOCK_DV: gl.constexpr, BLOCK_DVT: gl.constexpr, BLOCK_M: gl.constexpr,
@@ -903,10 +936,10 @@ def _consume_tile(
     """Warpgroup WG's rows of one query tile: its key loop over the tile's n blocks (after the
     `it` this program took before; its Q the program's `uses`-th), then its output (OPAQUE: its
     index vectors recomputed per tile, _write_out). HAS_BIAS: bias_bufs the key bias ring
-    (_block_bias2), the tile cut at its batch row's trailing padding (_unpadded_blocks, as the
+    (_biased_scores), the tile cut at its batch row's trailing padding (_unpadded_blocks, as the
     producer cuts it). Returns the key blocks consumed."""
     ROWS: gl.constexpr = BLOCK_M // CONSUMERS
-    n = _unpadded_blocks(n, lo, b, KEY_HI, BLOCK_N + BLOCK_NT, HAS_BIAS)
+    n = _unpadded_blocks(n, lo, b, KEY_SPANS, BLOCK_N + BLOCK_NT, HAS_BIAS)
     s_layout: gl.constexpr = _mma_layout(4, BLOCK_N)
     st_layout: gl.constexpr = _mma_layout(4, BLOCK_NT if BLOCK_NT > 0 else BLOCK_N)  # (unused without a key tail)
     o_layout: gl.constexpr = _mma_layout(4, BLOCK_DV)
@@ -919,6 +952,7 @@ def _consume_tile(
     if BLOCK_DVT > 0:
         acc_t = gl.zeros([ROWS, BLOCK_DVT], gl.float32, ot_layout)
     if n > 0:
+        plain_lo, plain_hi = _plain_span(KEY_SPANS, b, HAS_BIAS)
         mbarrier.wait(q_bar.index(0), uses & 1)
         q_tail = None
         if BLOCK_DT > 0:
@@ -926,7 +960,8 @@ def _consume_tile(
         acc, acc_loop_t, m_i, l_i = _overlap_loop(
             q_bufs.index(WG).reshape([ROWS, BLOCK_D]), k_bufs, q_tail, kt_bufs, v_bufs, k_ready, v_ready, k_empty,
             v_empty, vt_bufs, acc, acc_t, m_i, l_i, my_m, lo, n, it, full_lo, full_hi, qk_scale, Sq, Sk, q_start,
-            k_start, win_left, win_right, KLO, KHI, bias_bufs, STAGES, MASK, LEFT, POSITIVE_SCALE, ROWS, BLOCK_N,
+            k_start, win_left, win_right, KLO, KHI, bias_bufs, plain_lo, plain_hi, STAGES, MASK, LEFT, POSITIVE_SCALE,
+            ROWS, BLOCK_N,
             BLOCK_NT, BLOCK_D, BLOCK_DT, BLOCK_DV, BLOCK_DVT, s_layout, st_layout, o_layout, ot_layout, P_EARLY,
             HAS_BIAS,
         )  # fmt: skip
@@ -962,7 +997,7 @@ def _wg_key_core(
 @gluon.jit
 def _ws2_consumer(
     WG: gl.constexpr, q_bufs, k_bufs, qt_bufs, kt_bufs, v_bufs, vt_bufs, q_bar, k_ready, v_ready, k_empty, v_empty,
-    q_empty, O, M, L, KLO, KHI, bias_bufs, KEY_HI, stride_ob, stride_os, stride_oh, stride_mb, stride_mh,
+    q_empty, O, M, L, KLO, KHI, bias_bufs, KEY_SPANS, stride_ob, stride_os, stride_oh, stride_mb, stride_mh,
     stride_ms, stride_lb, stride_lh, stride_ls, b, h, off_m, lo, n, full_lo0, full_hi0, full_lo1, full_hi1,
     num_tiles, Hq, group, Sq, Sk, q_start, k_start, win_left, win_right, qk_scale, HEAD_DIM: gl.constexpr,
     BLOCK_D: gl.constexpr, BLOCK_DT: gl.constexpr, HEAD_DIM_V: gl.constexpr, BLOCK_DV: gl.constexpr,
@@ -988,7 +1023,7 @@ def _ws2_consumer(
                                                  KLO, KHI, MASK, ROWS, 4)  # fmt: skip
             n = _consume_tile(
                 WG, q_bufs, k_bufs, qt_bufs, kt_bufs, v_bufs, vt_bufs, q_bar, k_ready, v_ready, k_empty, v_empty,
-                q_empty, O, M, L, KLO, KHI, bias_bufs, KEY_HI, stride_ob, stride_os, stride_oh, stride_mb, stride_mh,
+                q_empty, O, M, L, KLO, KHI, bias_bufs, KEY_SPANS, stride_ob, stride_os, stride_oh, stride_mb, stride_mh,
                 stride_ms, stride_lb, stride_lh, stride_ls, b, h, off_m, lo, n, it, uses, full_lo, full_hi, Sq, Sk,
                 q_start, k_start, win_left, win_right, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_DT, HEAD_DIM_V, BLOCK_DV,
                 BLOCK_DVT, BLOCK_M, BLOCK_N, BLOCK_NT, STAGES, MASK, LEFT, NORMALIZE, HAS_STATE, POSITIVE_SCALE,
@@ -1011,7 +1046,7 @@ def _ws2_consumer(
                                             k_start, win_left, win_right, KLO, KHI, MASK, ROWS, CONSUMERS)  # fmt: skip
             n = _consume_tile(
                 WG, q_bufs, k_bufs, qt_bufs, kt_bufs, v_bufs, vt_bufs, q_bar, k_ready, v_ready, k_empty, v_empty,
-                q_empty, O, M, L, KLO, KHI, bias_bufs, KEY_HI, stride_ob, stride_os, stride_oh, stride_mb, stride_mh,
+                q_empty, O, M, L, KLO, KHI, bias_bufs, KEY_SPANS, stride_ob, stride_os, stride_oh, stride_mb, stride_mh,
                 stride_ms, stride_lb, stride_lh, stride_ls, b, h, off_m, lo, n, it, uses, full_lo, full_hi, Sq, Sk,
                 q_start, k_start, win_left, win_right, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_DT, HEAD_DIM_V, BLOCK_DV,
                 BLOCK_DVT, BLOCK_M, BLOCK_N, BLOCK_NT, STAGES, MASK, LEFT, NORMALIZE, HAS_STATE, POSITIVE_SCALE,
@@ -1024,7 +1059,7 @@ def _ws2_consumer(
                                         win_left, win_right, KLO, KHI, MASK, ROWS, CONSUMERS)  # fmt: skip
         _consume_tile(
             WG, q_bufs, k_bufs, qt_bufs, kt_bufs, v_bufs, vt_bufs, q_bar, k_ready, v_ready, k_empty, v_empty, q_empty,
-            O, M, L, KLO, KHI, bias_bufs, KEY_HI, stride_ob, stride_os, stride_oh, stride_mb, stride_mh, stride_ms,
+            O, M, L, KLO, KHI, bias_bufs, KEY_SPANS, stride_ob, stride_os, stride_oh, stride_mb, stride_mh, stride_ms,
             stride_lb, stride_lh, stride_ls, b, h, off_m, lo, n, 0, 0, full_lo, full_hi, Sq, Sk, q_start, k_start,
             win_left, win_right, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_DT, HEAD_DIM_V, BLOCK_DV, BLOCK_DVT, BLOCK_M,
             BLOCK_N, BLOCK_NT, STAGES, MASK, LEFT, NORMALIZE, HAS_STATE, POSITIVE_SCALE, PERSISTENT, CONSUMERS, P_EARLY,
@@ -1042,7 +1077,7 @@ def _fwd_ws2(
     kt_desc,
     vt_desc,
     bias_desc,
-    KEY_HI,
+    KEY_SPANS,
     O,
     M,
     L,
@@ -1110,9 +1145,10 @@ def _fwd_ws2(
     (Sq,) int32 global key bounds for MASK_ROWS, any pointer otherwise). HAS_BIAS (key blocks of
     one piece, POSITIVE_SCALE off): bias_desc a 2-D TMA descriptor over a (B, Sk) float32 bias
     added to every query's scores of each key (natural-log units; -inf hides the key: a key
-    padding mask), blocks [1, BLOCK_N], loaded with each K block, and KEY_HI (B,) int32 each
-    batch row's last key the bias does not hide, plus one (its trailing padding: the key blocks
-    past it are skipped, _unpadded_blocks); else both None.
+    padding mask), blocks [1, BLOCK_N], loaded with each K block, and KEY_SPANS (B, 3) int32,
+    key_bias.key_spans: each batch row's last key the bias does not hide, plus one (its trailing
+    padding: the key blocks past it are skipped, _unpadded_blocks), and its keys of zero bias
+    (computed without it, _biased_scores); else both None.
     Grid (cdiv(Sq, BLOCK_M), B * Hq), one query tile a program (MASK_WINDOW: taken in
     _launch_order, heads_per_group heads together); or with PERSISTENT (windows,
     not MASK_ROWS, whose per-row reductions stay before the split; the launcher takes it for
@@ -1171,6 +1207,7 @@ def _fwd_ws2(
         vt_bufs = v_bufs
     if HAS_BIAS:  # each K stage's key bias
         gl.static_assert(BLOCK_NT == 0, "a key bias takes key blocks of one piece")
+        gl.static_assert(PLAIN_ALIGN % BLOCK_N == 0, "a zero-bias span holds whole key blocks")
         bias_bufs = _alloc_ring(bias_desc, STAGES)
     else:  # a stand-in, never read
         bias_bufs = k_bufs
@@ -1218,7 +1255,7 @@ def _fwd_ws2(
         KLO,
         KHI,
         bias_bufs,
-        KEY_HI,
+        KEY_SPANS,
         stride_ob,
         stride_os,
         stride_oh,
@@ -1330,7 +1367,7 @@ def _fwd_ws2(
         SHORT_GROUP_FIRST,
         bias_desc,
         bias_bufs,
-        KEY_HI,
+        KEY_SPANS,
         HAS_BIAS,
     )
     if CONSUMERS == 3:

@@ -23,6 +23,8 @@ from .tiles import (
     key_bias2,
     key_query_bounds,
     load_tile,
+    plain_keys,
+    plain_span,
     query_program,
     row_key_bounds,
     row_stats,
@@ -63,8 +65,8 @@ def _store_grad(ptrs, grad, mask, ACCUMULATE: tl.constexpr):
 
 @triton.jit
 def _dkdv_q_range(
-    dk, dv, k, v, q_lo, q_hi, bias2, bias2_t, Q_ptrs, DO_ptrs, M_ptrs, L_ptrs, DELTA_ptrs, stride_qs, stride_dos,
-    offs_m, d_ok, dv_ok, start, end, Sq, qk_scale, Q_desc, DO_desc, b32, h32, drop,
+    dk, dv, k, v, q_lo, q_hi, bias2, bias2_t, plain, plain_t, Q_ptrs, DO_ptrs, M_ptrs, L_ptrs, DELTA_ptrs, stride_qs,
+    stride_dos, offs_m, d_ok, dv_ok, start, end, Sq, qk_scale, Q_desc, DO_desc, b32, h32, drop,
     MASKED: tl.constexpr, LEFT: tl.constexpr, PAD_D: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_D: tl.constexpr, PRECISION: tl.constexpr, TMA: tl.constexpr, PRESCALE: tl.constexpr,
     QK_ORDER: tl.constexpr, COMBINED_STATS: tl.constexpr, DROPOUT: tl.constexpr,
@@ -76,7 +78,9 @@ def _dkdv_q_range(
     on entry. DROPOUT: drop = (seed low, seed high, threshold, the query index of query row 0,
     the tile's key indices, the head offset, 1 / (1 - p)): dV takes the kept probabilities scaled, dS the kept
     dP scaled (the forward's mask, rebuilt). Q tiles and dK are (.., BLOCK_D) over q/k's head dim,
-    dO tiles, v and dV (.., BLOCK_DV) over v's (dv_ok, PAD_DV)."""
+    dO tiles, v and dV (.., BLOCK_DV) over v's (dv_ok, PAD_DV). bias2 / plain (a row of the
+    tile's keys) and bias2_t / plain_t (a column): the keys' bias and which of them lie in the
+    zero-bias span (base2_scores)."""
     for start_m in range(start, end, BLOCK_M):
         rows = start_m + offs_m
         q = load_tile(Q_ptrs, Q_desc, b32, start_m, h32, rows, Sq, d_ok, MASKED, PAD_D, TMA, BLOCK_M, BLOCK_D)
@@ -97,13 +101,15 @@ def _dkdv_q_range(
             # probabilities are the forward's to the last bit wherever the matmul is
             # deterministic for a tile shape (the CPU interpreter's BLAS is not symmetric in
             # its operands)
-            s, scale = base2_scores(tl.dot(q, tl.trans(k), input_precision=PRECISION), qk_scale, bias2, PRESCALE)
+            s, scale = base2_scores(tl.dot(q, tl.trans(k), input_precision=PRECISION), qk_scale, bias2, PRESCALE,
+                                    plain)  # fmt: skip
             if COMBINED_STATS:
                 p_t = tl.trans(exp2_shifted(s, scale, m))
             else:
                 p_t = tl.trans(exp2_probs(s, scale, m, inv_l))
         else:
-            s_t, scale = base2_scores(tl.dot(k, tl.trans(q), input_precision=PRECISION), qk_scale, bias2_t, PRESCALE)
+            s_t, scale = base2_scores(tl.dot(k, tl.trans(q), input_precision=PRECISION), qk_scale, bias2_t, PRESCALE,
+                                      plain_t)  # fmt: skip
             e_t = tl.math.exp2(tl.fma(s_t, scale, -m[None, :]))
             if COMBINED_STATS:
                 p_t = e_t
@@ -138,7 +144,7 @@ _NOT_SPECIALIZED = ["Sq", "Sk", "q_start", "k_start", "win_left", "win_right", "
 
 @triton.jit(do_not_specialize=_NOT_SPECIALIZED)
 def _dkdv_kernel(
-    Q, K, V, DO, M, L, DELTA, DK, DV, BIAS, QLO, QHI,
+    Q, K, V, DO, M, L, DELTA, DK, DV, BIAS, SPANS, QLO, QHI,
     stride_qb, stride_qs, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
@@ -168,7 +174,7 @@ def _dkdv_kernel(
     (L unused) and the probabilities are exp2(s2 - (m + log2 l)), one offset per row and no
     multiply by 1/l per score; the rounding of m + log2 l (2^-24 |m| relative) then enters every
     probability: below a 16-bit rounding of them unless |m| > 2^13. SCALE_SIGN: the sign of
-    qk_scale (1, 0 or -1). DROPOUT, drop_*: as the forward's."""
+    qk_scale (1, 0 or -1). DROPOUT, drop_*: as the forward's. BIAS, SPANS: as the forward's."""
     PRESCALE: tl.constexpr = HAS_BIAS or SCALE_SIGN == 0
     pid_n = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -205,6 +211,8 @@ def _dkdv_kernel(
         bias2_t = tl.trans(bias2)
     else:
         bias2_t = 0.0
+    span = plain_span(SPANS, b, Sk, HAS_BIAS)
+    plain, plain_t = plain_keys(offs_n[None, :], span), plain_keys(offs_n[:, None], span)
 
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
@@ -223,7 +231,8 @@ def _dkdv_kernel(
         if LEFT:  # masked: the diagonal of a causal block, a window's edge
             at = start.to(tl.int64)
             dk, dv = _dkdv_q_range(
-                dk, dv, k, v, q_lo, q_hi, bias2, bias2_t, Q_ptrs + at * stride_qs, DO_ptrs + at * stride_dos,
+                dk, dv, k, v, q_lo, q_hi, bias2, bias2_t, plain, plain_t, Q_ptrs + at * stride_qs,
+                DO_ptrs + at * stride_dos,
                 M_ptrs + at, L_ptrs + at, DELTA_ptrs + at, stride_qs, stride_dos,
                 offs_m, d_ok, dv_ok, start, full_start, Sq, qk_scale, Q, DO, b32, h32, drop,
                 MASKED=True, LEFT=LEFT, PAD_D=PAD_D, BLOCK_M=BLOCK_M, BLOCK_D=BLOCK_D,
@@ -231,7 +240,8 @@ def _dkdv_kernel(
                 DROPOUT=DROPOUT, PAD_DV=PAD_DV, BLOCK_DV=BLOCK_DV)
         at = full_start.to(tl.int64)  # query blocks that see every key of the tile: no mask
         dk, dv = _dkdv_q_range(
-            dk, dv, k, v, q_lo, q_hi, bias2, bias2_t, Q_ptrs + at * stride_qs, DO_ptrs + at * stride_dos,
+            dk, dv, k, v, q_lo, q_hi, bias2, bias2_t, plain, plain_t, Q_ptrs + at * stride_qs,
+            DO_ptrs + at * stride_dos,
             M_ptrs + at, L_ptrs + at, DELTA_ptrs + at, stride_qs, stride_dos,
             offs_m, d_ok, dv_ok, full_start, full_end, Sq, qk_scale, Q, DO, b32, h32, drop,
             MASKED=False, LEFT=LEFT, PAD_D=PAD_D, BLOCK_M=BLOCK_M, BLOCK_D=BLOCK_D,
@@ -239,7 +249,8 @@ def _dkdv_kernel(
                 DROPOUT=DROPOUT, PAD_DV=PAD_DV, BLOCK_DV=BLOCK_DV)
         at = full_end.to(tl.int64)  # masked: a window's other edge, the ragged end of the queries
         dk, dv = _dkdv_q_range(
-            dk, dv, k, v, q_lo, q_hi, bias2, bias2_t, Q_ptrs + at * stride_qs, DO_ptrs + at * stride_dos,
+            dk, dv, k, v, q_lo, q_hi, bias2, bias2_t, plain, plain_t, Q_ptrs + at * stride_qs,
+            DO_ptrs + at * stride_dos,
             M_ptrs + at, L_ptrs + at, DELTA_ptrs + at, stride_qs, stride_dos,
             offs_m, d_ok, dv_ok, full_end, end, Sq, qk_scale, Q, DO, b32, h32, drop,
             MASKED=True, LEFT=LEFT, PAD_D=PAD_D, BLOCK_M=BLOCK_M, BLOCK_D=BLOCK_D,
@@ -255,7 +266,7 @@ def _dkdv_kernel(
 @triton.jit
 def _dq_k_range(
     dq, q, do, m, delta, lo_i, hi_i, K_ptrs, V_ptrs, BIAS_ptrs, stride_ks, stride_vs, offs_n, d_ok, dv_ok,
-    start, end, Sk, qk_scale, K_desc, V_desc, b32, hk32, h32, drop,
+    start, end, Sk, qk_scale, K_desc, V_desc, b32, hk32, h32, drop, span,
     MASKED: tl.constexpr, LEFT: tl.constexpr, PAD_D: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr, TMA: tl.constexpr, PRESCALE: tl.constexpr,
     DROPOUT: tl.constexpr, PAD_DV: tl.constexpr, BLOCK_DV: tl.constexpr,
@@ -263,13 +274,14 @@ def _dq_k_range(
     """Add the key blocks [start, end) to the query tile's dQ (times l: 1/l is applied at the
     end); MASKED: each row sees only its keys [lo_i, hi_i) (tiles.in_bounds). K_ptrs / V_ptrs (pointer path) and
     BIAS_ptrs point at key row `start` on entry. DROPOUT: drop as the forward's (dS takes the
-    kept dP scaled)."""
+    kept dP scaled). span: the batch row's zero-bias keys (tiles.plain_span)."""
     for start_n in range(start, end, BLOCK_N):
         cols = start_n + offs_n
         k = load_tile(K_ptrs, K_desc, b32, start_n, hk32, cols, Sk, d_ok, MASKED, PAD_D, TMA, BLOCK_N, BLOCK_D)
         v = load_tile(V_ptrs, V_desc, b32, start_n, hk32, cols, Sk, dv_ok, MASKED, PAD_DV, TMA, BLOCK_N, BLOCK_DV)
         bias2 = key_bias2(BIAS_ptrs, cols, Sk, MASKED, HAS_BIAS)
-        s, scale = base2_scores(tl.dot(q, tl.trans(k), input_precision=PRECISION), qk_scale, bias2, PRESCALE)
+        s, scale = base2_scores(tl.dot(q, tl.trans(k), input_precision=PRECISION), qk_scale, bias2, PRESCALE,
+                                plain_keys(cols[None, :], span))  # fmt: skip
         # exp2(s2 - m): the probabilities times l; dq's 1/l is applied once per row at the end
         p = exp2_shifted(s, scale, m)
         if MASKED:
@@ -290,7 +302,7 @@ def _dq_k_range(
 
 @triton.jit(do_not_specialize=_NOT_SPECIALIZED)
 def _dq_kernel(
-    Q, K, V, DO, M, L, DELTA, DQ, BIAS, KLO, KHI,
+    Q, K, V, DO, M, L, DELTA, DQ, BIAS, SPANS, KLO, KHI,
     stride_qb, stride_qs, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
@@ -311,7 +323,7 @@ def _dq_kernel(
     [1, BLOCK_N, 1, BLOCK_D] and [1, BLOCK_N, 1, BLOCK_DV] when TMA. M, L, DELTA: (B, Hq, Sq)
     float32 with equal strides. MASK, LEFT, win_left,
     win_right, KLO, KHI: as the forward's. SCALE_SIGN: the sign of qk_scale (1, 0 or -1).
-    DROPOUT, drop_*: as the forward's."""
+    DROPOUT, drop_*: as the forward's. BIAS, SPANS: as the forward's."""
     PRESCALE: tl.constexpr = HAS_BIAS or SCALE_SIGN == 0
     pid_m, b, h, hk = query_program(Hq, GROUP, MASK != MASK_NONE)
     PAD_D: tl.constexpr = BLOCK_D != HEAD_DIM
@@ -347,6 +359,7 @@ def _dq_kernel(
         V_ptrs = V + b * stride_vb + hk * stride_vh + offs_n[:, None] * stride_vs + offs_dv[None, :]
     b32, hk32, h32 = b.to(tl.int32), hk.to(tl.int32), h.to(tl.int32) + drop_h0  # h32: dropout's head
     drop = (drop_seed_lo, drop_seed_hi, drop_thr, drop_q0 + offs_m, drop_k0, drop_scale)
+    span = plain_span(SPANS, b, Sk, HAS_BIAS)
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     for part in tl.static_range(3):  # masked, unmasked, masked
         if part == 0:
@@ -359,7 +372,7 @@ def _dq_kernel(
             at = lo.to(tl.int64)
             dq = _dq_k_range(
                 dq, q, do, m, delta, lo_i, hi_i, K_ptrs + at * stride_ks, V_ptrs + at * stride_vs, BIAS_ptrs + at,
-                stride_ks, stride_vs, offs_n, d_ok, dv_ok, lo, hi, Sk, qk_scale, K, V, b32, hk32, h32, drop,
+                stride_ks, stride_vs, offs_n, d_ok, dv_ok, lo, hi, Sk, qk_scale, K, V, b32, hk32, h32, drop, span,
                 MASKED=part != 1, LEFT=LEFT, PAD_D=PAD_D, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D,
                 HAS_BIAS=HAS_BIAS, PRECISION=PRECISION, TMA=TMA, PRESCALE=PRESCALE, DROPOUT=DROPOUT,
                 PAD_DV=PAD_DV, BLOCK_DV=BLOCK_DV)

@@ -227,11 +227,17 @@ GLUON_BWD_SHORT_CALL_PAIRS = 32 * 4096 * 4096
 # has not run yet. False: the Triton kernels take a key bias.
 GLUON_KEY_BIAS = True
 # ...and the key blocks past a batch row's last key its bias does not hide (a key padding
-# mask's trailing padding) skipped by both kernels (gluon_forward.key_limits). Compiled without
+# mask's trailing padding) skipped by both kernels (key_bias.key_spans). Compiled without
 # spills at the defaults; off until its GPU test has passed (tests/test_gpu_local.py -k
 # gluon_key_bias, tests/test_gpu_ring.py -k key_padding): a tile the producer and the consumers
 # cut differently would stop the kernel. Off, the kernels get every row's Sk and cut nothing.
 GLUON_CUT_KEY_PADDING = False
+# Keys of a batch row's zero-bias span (key_bias.key_spans: its run of keys a key padding mask
+# does not hide, in multiples of 384) computed as if there were no bias, in every kernel alike:
+# the Gluon forward's blocks there take one FMA a score instead of the bias's two (and no bias
+# read). Off until its GPU test has passed (tests/test_gpu_local.py -k gluon_key_bias): the
+# Triton kernels are checked on the CPU; the Gluon ones compile without spills.
+PLAIN_ZERO_BIAS_KEYS = False
 # Packed documents (per-row bounds) in the fused backward: checked against float64 on one H200
 # (tests/test_gpu_local.py -k documents). One H200, bf16, H=32, D=128, causal documents,
 # forward+backward over the two Triton passes (python -m benchmarks.packed --variants

@@ -25,6 +25,8 @@ from .tiles import (
     in_bounds,
     key_bias2,
     load_tile,
+    plain_keys,
+    plain_span,
     query_program,
     row_key_bounds,
     row_max,
@@ -34,7 +36,7 @@ from .tiles import (
 @triton.jit
 def _fwd_block_range(
     acc, l_i, m_i, q, lo_i, hi_i, K_ptrs, V_ptrs, BIAS_ptrs, stride_ks, stride_vs, offs_n, offs_d, offs_dv,
-    start, end, Sk, qk_scale, K_desc, V_desc, b32, hk32, h32, drop,
+    start, end, Sk, qk_scale, K_desc, V_desc, b32, hk32, h32, drop, span,
     MASKED: tl.constexpr, LEFT: tl.constexpr, PAD_D: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr, TMA: tl.constexpr,
     WARP_SPECIALIZE: tl.constexpr, PRESCALE: tl.constexpr, NEGATIVE: tl.constexpr, DROPOUT: tl.constexpr,
@@ -46,21 +48,23 @@ def _fwd_block_range(
     DROPOUT: drop = (seed low, seed high, threshold, the rows' query indices, the key index of
     key row 0, 1 / (1 - p)) (tiles.dropout_keep) and h32 the query head's dropout index; l
     sums every probability, the values are weighed by the kept ones scaled. K tiles are
-    (BLOCK_N, BLOCK_D) over q/k's head dim, V tiles (BLOCK_N, BLOCK_DV) over v's (offs_dv)."""
+    (BLOCK_N, BLOCK_D) over q/k's head dim, V tiles (BLOCK_N, BLOCK_DV) over v's (offs_dv).
+    span: the batch row's zero-bias keys (tiles.plain_span), scored as without a bias."""
     d_ok = offs_d[None, :] < HEAD_DIM
     dv_ok = offs_dv[None, :] < HEAD_DIM_V
     for start_n in tl.range(start, end, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
         cols = start_n + offs_n
         k = load_tile(K_ptrs, K_desc, b32, start_n, hk32, cols, Sk, d_ok, MASKED, PAD_D, TMA, BLOCK_N, BLOCK_D)
         bias2 = key_bias2(BIAS_ptrs, cols, Sk, MASKED, HAS_BIAS)
-        s, scale = base2_scores(tl.dot(q, tl.trans(k), input_precision=PRECISION), qk_scale, bias2, PRESCALE)
+        s, scale = base2_scores(tl.dot(q, tl.trans(k), input_precision=PRECISION), qk_scale, bias2, PRESCALE,
+                                plain_keys(cols[None, :], span))  # fmt: skip
         if MASKED:  # invisible scores become what the row max ignores (+inf for min(s) * scale)
             seen = in_bounds(cols[None, :], lo_i[:, None], hi_i[:, None], LEFT)
             if NEGATIVE:
                 s = tl.where(seen, s, float("inf"))
             else:
                 s = tl.where(seen, s, float("-inf"))
-        m_new = tl.maximum(m_i, row_max(s, scale, NEGATIVE))
+        m_new = tl.maximum(m_i, row_max(s, scale, NEGATIVE, PRESCALE))
         # A row that has seen no key yet keeps m = -inf; pivot on 0 so exp2 gives 0, not NaN.
         m_pivot = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = exp2_shifted(s, scale, m_pivot)
@@ -86,7 +90,7 @@ def _fwd_block_range(
 @triton.jit(do_not_specialize=["Sq", "Sk", "q_start", "k_start", "win_left", "win_right", "drop_seed_lo",
                                "drop_seed_hi", "drop_thr", "drop_q0", "drop_k0", "drop_h0"])
 def _fwd_kernel(
-    Q, K, V, O, M, L, BIAS, KLO, KHI,
+    Q, K, V, O, M, L, BIAS, SPANS, KLO, KHI,
     stride_qb, stride_qs, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
@@ -110,7 +114,9 @@ def _fwd_kernel(
     (tiles.UNBOUNDED for an open side), KLO / KHI (Sq,) int32 global key bounds for MASK_ROWS.
     LEFT: some row's keys start after key 0 (a window's left side, documents), which adds a
     masked range before the unmasked one. SCALE_SIGN: the sign of qk_scale (1, 0 or -1).
-    DROPOUT: attention dropout, drop_*: ringflash.dropout.Dropout.kernel_args()."""
+    DROPOUT: attention dropout, drop_*: ringflash.dropout.Dropout.kernel_args(). HAS_BIAS:
+    BIAS (B, Sk) float32 rows stride_bias_b apart, added to each key's scores (natural-log
+    units), and SPANS its key_bias.key_spans (B, 3) int32; else any pointers."""
     PRESCALE: tl.constexpr = HAS_BIAS or SCALE_SIGN == 0
     NEGATIVE: tl.constexpr = SCALE_SIGN < 0 and not PRESCALE
     pid_m, b, h, hk = query_program(Hq, GROUP, MASK != MASK_NONE)
@@ -155,11 +161,13 @@ def _fwd_kernel(
         V_ptrs = V + b * stride_vb + hk * stride_vh + offs_n[:, None] * stride_vs + offs_dv[None, :]
     b32, hk32, h32 = b.to(tl.int32), hk.to(tl.int32), h.to(tl.int32) + drop_h0
     drop = (drop_seed_lo, drop_seed_hi, drop_thr, drop_q0 + offs_m, drop_k0, drop_scale)
+    span = plain_span(SPANS, b, Sk, HAS_BIAS)
     if LEFT:
         at = start.to(tl.int64)
         acc, l_i, m_i = _fwd_block_range(
             acc, l_i, m_i, q, lo_i, hi_i, K_ptrs + at * stride_ks, V_ptrs + at * stride_vs, BIAS_ptrs + at,
             stride_ks, stride_vs, offs_n, offs_d, offs_dv, start, full_start, Sk, qk_scale, K, V, b32, hk32, h32, drop,
+            span,
             MASKED=True, LEFT=LEFT, PAD_D=PAD_D, HEAD_DIM=HEAD_DIM, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D,
             HAS_BIAS=HAS_BIAS, PRECISION=PRECISION, TMA=TMA, WARP_SPECIALIZE=False, PRESCALE=PRESCALE,
             NEGATIVE=NEGATIVE, DROPOUT=DROPOUT, PAD_DV=PAD_DV, HEAD_DIM_V=HEAD_DIM_V, BLOCK_DV=BLOCK_DV)
@@ -168,6 +176,7 @@ def _fwd_kernel(
     acc, l_i, m_i = _fwd_block_range(
         acc, l_i, m_i, q, lo_i, hi_i, K_ptrs + at * stride_ks, V_ptrs + at * stride_vs, BIAS_ptrs + at,
         stride_ks, stride_vs, offs_n, offs_d, offs_dv, full_start, full_end, Sk, qk_scale, K, V, b32, hk32, h32, drop,
+            span,
         MASKED=False, LEFT=LEFT, PAD_D=PAD_D, HEAD_DIM=HEAD_DIM, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D,
         HAS_BIAS=HAS_BIAS, PRECISION=PRECISION, TMA=TMA, WARP_SPECIALIZE=WARP_SPECIALIZE, PRESCALE=PRESCALE,
         NEGATIVE=NEGATIVE, DROPOUT=DROPOUT, PAD_DV=PAD_DV, HEAD_DIM_V=HEAD_DIM_V, BLOCK_DV=BLOCK_DV)
@@ -176,6 +185,7 @@ def _fwd_kernel(
     acc, l_i, m_i = _fwd_block_range(
         acc, l_i, m_i, q, lo_i, hi_i, K_ptrs + at * stride_ks, V_ptrs + at * stride_vs, BIAS_ptrs + at,
         stride_ks, stride_vs, offs_n, offs_d, offs_dv, full_end, end, Sk, qk_scale, K, V, b32, hk32, h32, drop,
+            span,
         MASKED=True, LEFT=LEFT, PAD_D=PAD_D, HEAD_DIM=HEAD_DIM, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D,
         HAS_BIAS=HAS_BIAS, PRECISION=PRECISION, TMA=TMA, WARP_SPECIALIZE=False, PRESCALE=PRESCALE,
         NEGATIVE=NEGATIVE, DROPOUT=DROPOUT, PAD_DV=PAD_DV, HEAD_DIM_V=HEAD_DIM_V, BLOCK_DV=BLOCK_DV)

@@ -51,12 +51,12 @@ from .gluon_forward import (
     compiled_report,
     device_capability,
     heads_within_l2,
-    key_limits,
     multiprocessors,
     padded_head_dim,
     timed_compile,
 )
 from .gluon_forward import report_problems as forward_report_problems
+from .key_bias import key_spans
 from .launcher import launch_kept, on_device
 from .plans import Plan, Plans, alias_pattern, record, tensor_key
 
@@ -637,7 +637,7 @@ def ordered_key_blocks(cfg: GluonBwdConfig, persistent: bool, bounds, key_blocks
 
 def launch_plan(
     q, k, v, stats, do, dq32, dk, dv, *, q_start, k_start, causal, scale, accumulate, cfg, window=None, bounds=None,
-    tile_counter=None, key_bias=None, key_hi=None,
+    tile_counter=None, key_bias=None, spans=None,
 ):  # fmt: skip
     """(kernel, grid, args, kwargs) of one launch for checked inputs; dq32: the float32 buffer
     the kernel adds dQ to; stats: row_stats(). Any device (the CPU compile binds CPU tensors).
@@ -646,8 +646,8 @@ def launch_plan(
     qp' <= kp + left + right). bounds: packed documents' masks.RowBounds (its key rows' q_lo /
     q_hi decide alone), without causal or a window. tile_counter: a zeroed int32 (1,) tensor that
     a persistent launch takes its key blocks from (None: a new one). key_bias: None or the
-    forward's (B, Sk) float32 key bias; key_hi: gluon_forward.key_limits of it (computed here
-    when not given)."""
+    forward's (B, Sk) float32 key bias; spans: key_spans(key_bias, scale) (computed here when
+    not given)."""
     B, Sq, Hq, D = q.shape
     Dv = v.shape[3]
     block_dv = padded_head_dim(Dv)
@@ -720,7 +720,7 @@ def launch_plan(
         dq32 if bounds is None else bounds.q_hi,
         dq32 if key_bias is None else key_bias,  # (unused without a key bias)
         0 if key_bias is None else key_bias.stride(0),
-        dq32 if key_bias is None else (key_limits(key_bias) if key_hi is None else key_hi),
+        dq32 if key_bias is None else (key_spans(key_bias, scale) if spans is None else spans),
         float(scale) * LOG2E,
         float(scale),
     )
@@ -903,10 +903,10 @@ def _prepared(
             delta = delta.value(do, torch_delta)  # torch ops, any strides
         stats = row_stats(m, l, delta, cfg)
     zeroed = one_launch and counter is not None
-    key_hi = None if key_bias is None else key_limits(key_bias)
+    spans = None if key_bias is None else key_spans(key_bias, scale)
     tensors = (q, k, v, stats, do, dq32, dk, dv,
                *((None, None, None) if bounds is None else (bounds.q_lo, bounds.q_hi, bounds.key_order)),
-               counter, key_bias, key_hi)  # fmt: skip
+               counter, key_bias, spans)  # fmt: skip
     if plan is not None:
         return Prepared(
             plan.kernel, plan.grid, plan.args_for(tensors), plan.kwargs, dq32, finish, counter, zeroed, plan.launch
@@ -930,7 +930,7 @@ def _prepared(
         bounds=bounds,
         tile_counter=counter,
         key_bias=key_bias,
-        key_hi=key_hi,
+        spans=spans,
     )
     if _PLANS.wants(signature):
         plan = Plan(kernel, grid, args, kwargs, tensors, extra=cfg)

@@ -34,7 +34,8 @@ import torch
 from ..masks import CAUSAL
 from . import _block_d as padded_head_dim  # the tile width a head dim runs at (a power of two)
 from . import _tma_ok as _descriptor_aligned
-from . import configs, head_dim_pieces
+from . import head_dim_pieces
+from .key_bias import key_spans
 from .launcher import launch, on_device
 from .plans import Plan, Plans, alias_pattern, record, tensor_key
 from .tiles import MASK_ROWS, MASK_WINDOW
@@ -264,18 +265,6 @@ def _bias_smem_layout(keys: int):
     return _gl.NVMMASharedLayout.get_default_for([1, keys], _gl.float32)
 
 
-def key_limits(key_bias: torch.Tensor) -> torch.Tensor:
-    """(B,) int32: each batch row's last key that a (B, Sk) key bias does not hide (-inf), plus
-    one (0: every key hidden). The kernels skip the key blocks past it, whose keys add exactly
-    nothing (a key padding mask's trailing padding). A few small device ops, no host sync. With
-    configs.GLUON_CUT_KEY_PADDING off every row's is Sk: nothing skipped."""
-    B, Sk = key_bias.shape
-    if not configs.GLUON_CUT_KEY_PADDING:
-        return torch.full((B,), Sk, dtype=torch.int32, device=key_bias.device)
-    keys = torch.arange(1, Sk + 1, device=key_bias.device, dtype=torch.int32)
-    return torch.where(key_bias > float("-inf"), keys, 0).amax(dim=1).to(torch.int32)
-
-
 def _tma_rows(key_bias: torch.Tensor) -> torch.Tensor:
     """A copy of a (B, Sk) float32 key bias whose rows a TMA descriptor can read: 16-byte
     aligned (rows padded to a multiple of 4 keys; B x Sk floats copied)."""
@@ -399,8 +388,8 @@ def forward(
     k_lo, k_hi = (None, None) if bounds is None else (bounds.k_lo, bounds.k_hi)
     if key_bias is not None and key_bias.dtype == torch.float32 and not _tma_ok(key_bias):
         key_bias = _tma_rows(key_bias)
-    key_hi = None if key_bias is None or key_bias.shape[1] == 0 else key_limits(key_bias)
-    tensors = (q, k, v, out_o, out_m, out_l, k_lo, k_hi, key_bias, key_hi)  # every tensor the launch reads
+    spans = None if key_bias is None or key_bias.shape[1] == 0 else key_spans(key_bias, scale)
+    tensors = (q, k, v, out_o, out_m, out_l, k_lo, k_hi, key_bias, spans)  # every tensor the launch reads
     signature = (
         alias_pattern(tensors),
         *map(tensor_key, tensors),
@@ -447,7 +436,7 @@ def forward(
         fold=fold,
         cfg=cfg,
         key_bias=key_bias,
-        key_hi=key_hi,
+        spans=spans,
     )
     if _PLANS.wants(signature):
         # (a dynamic launch's counter is the device's: launch_planned puts it in)
@@ -460,7 +449,7 @@ def forward(
 
 def launch_planned(plan: Plan, tensors) -> None:
     """forward()'s launch from a kept plan, for tensors (q, k, v, out_o, out_m, out_l, k_lo,
-    k_hi, key_bias, key_limits(key_bias)) of the signature the plan was kept for (forward()
+    k_hi, key_bias, key_spans(key_bias, scale)) of the signature the plan was kept for (forward()
     checked that one; a caller replaying a recorded plans.PlanUse checks that its tensors are
     alike)."""
     if plan.kwargs["DYNAMIC"]:  # tiles from the device's counter
@@ -481,11 +470,11 @@ def _resolve(q, v, config) -> GluonConfig:
 
 def launch_plan(
     q, k, v, *, q_start, k_start, scale, out_o, out_m, out_l, normalize, fold, cfg, causal=False, window=None,
-    bounds=None, key_bias=None, key_hi=None,
+    bounds=None, key_bias=None, spans=None,
 ):  # fmt: skip
     """(kernel, grid, args, kwargs) of one launch, for checked inputs (any device: the CPU
-    compile check binds CPU tensors through the same arguments). key_hi: key_limits(key_bias)
-    (computed here when not given)."""
+    compile check binds CPU tensors through the same arguments). spans: key_spans(key_bias,
+    scale) (computed here when not given)."""
     from . import _mask_args
 
     B, Sq, Hq, D = q.shape
@@ -548,7 +537,7 @@ def launch_plan(
         _descriptor(q, cfg.q_rows, block_dt) if block_dt else None,
         *_second_pieces(k, v, cfg, block_d, block_dt, block_dv, block_dvt),
         None if key_bias is None else _bias_descriptor(key_bias, cfg.block_n),
-        None if key_bias is None else (key_limits(key_bias) if key_hi is None else key_hi),
+        None if key_bias is None else (key_spans(key_bias, scale) if spans is None else spans),
         out_o,
         out_m,
         out_l,

@@ -10,29 +10,52 @@ LN2: tl.constexpr = tl.constexpr(0.6931471805599453)
 
 
 @triton.jit
-def base2_scores(dot, qk_scale, bias2, PRESCALE: tl.constexpr):
+def base2_scores(dot, qk_scale, bias2, PRESCALE: tl.constexpr, plain):
     """Raw scores q.k -> (s, scale) with fma(s, scale, -m) the base-2 scores minus a row offset
     m (exp2_shifted). Without PRESCALE the scale enters inside exp2's argument, one FMA per
-    score, and the row max of the scaled scores is row_max(s, scale, NEGATIVE). With PRESCALE
-    (a key bias follows, or the scale is 0) the scores are fma(q.k, scale, bias2) now, bias2
-    the bias in base-2 units (0.0 without one). Every product of a scale here is an explicit
-    FMA, in the forward and in both backward passes alike: the compiler's own contraction of
-    a multiply and an add may differ between kernels, and the backward must rebuild the
-    forward's probabilities to the last bit."""
+    score, and the row max of the scaled scores is row_max(s, scale, NEGATIVE, False). With
+    PRESCALE (a key bias follows, or the scale is 0) the scores are fma(q.k, scale, bias2) now,
+    bias2 the bias in base-2 units (0.0 without one), and scale 1; except the keys where
+    `plain` (bool, broadcastable to the scores: a zero-bias span's keys, plain_keys) keep q.k
+    and the scale, as without a bias. Every product of a scale here is an explicit FMA, in the
+    forward and in both backward passes alike: the compiler's own contraction of a multiply and
+    an add may differ between kernels, and the backward must rebuild the forward's
+    probabilities to the last bit."""
     if PRESCALE:
-        return tl.fma(dot, qk_scale, bias2), 1.0
+        return (tl.fma(dot, tl.where(plain, 1.0, qk_scale), tl.where(plain, 0.0, bias2)),
+                tl.where(plain, qk_scale, 1.0))  # fmt: skip
     else:
         return dot, qk_scale
 
 
 @triton.jit
-def row_max(s, scale, NEGATIVE: tl.constexpr):
+def row_max(s, scale, NEGATIVE: tl.constexpr, PRESCALE: tl.constexpr):
     """The row max of the scaled scores s * scale: max(s) * scale, or min(s) * scale for a
-    negative scale (without PRESCALE)."""
-    if NEGATIVE:
+    negative scale (without PRESCALE); with PRESCALE, max(s * scale) of a scale per key
+    (base2_scores: 1 or, on plain keys, the positive scale; the same bits as the max times it)."""
+    if PRESCALE:
+        return tl.max(s * scale, 1)
+    elif NEGATIVE:
         return tl.min(s, 1) * scale
     else:
         return tl.max(s, 1) * scale
+
+
+@triton.jit
+def plain_span(SPANS, b, Sk, HAS_BIAS: tl.constexpr):
+    """(lo, hi): batch row b's keys of zero bias below Sk (SPANS (B, 3) int32,
+    key_bias.key_spans), which every kernel computes without the bias; (0, 0) without one."""
+    if HAS_BIAS:
+        return tl.load(SPANS + 3 * b + 1), tl.minimum(tl.load(SPANS + 3 * b + 2), Sk)
+    else:
+        return 0, 0
+
+
+@triton.jit
+def plain_keys(keys, span):
+    """Which of the key indices `keys` (any shape) lie in span = plain_span(..)."""
+    lo, hi = span
+    return (keys >= lo) & (keys < hi)
 
 
 @triton.jit
