@@ -1,19 +1,19 @@
 """Key padding masks' cost: ringflash with a key padding mask on the Gluon kernels
-(configs.GLUON_KEY_BIAS; gluon_cut: with the trailing padding's key blocks skipped too,
-configs.GLUON_CUT_KEY_PADDING) and on the Triton ones, beside ringflash without a mask and SDPA
-with the same mask as a boolean attn_mask (its memory-efficient backend, the one that takes
-a mask; cuDNN's takes none), in the same run.
+(configs.GLUON_KEY_BIAS), alone and with each of its two savings: _plain, each row's zero-bias
+span computed without the bias (configs.PLAIN_ZERO_BIAS_KEYS); _cut, the trailing padding's key
+blocks skipped (configs.GLUON_CUT_KEY_PADDING); _cut_plain, both. Beside them the Triton kernels
+with the mask, ringflash without a mask and SDPA with the same mask as a boolean attn_mask (its
+memory-efficient backend, the one that takes a mask; cuDNN's takes none), in the same run.
 
     python -m benchmarks.key_padding --json benchmarks/results/key_padding_h200.json
     python -m benchmarks.key_padding --smoke        # tiny CPU run (CI keeps it working)
 
 A right-padded batch: B rows, row b holding S - b * S / (2 B) real keys (the rest padding,
 hidden from every query). Prints TFLOP/s of the attention as if every pair were computed
-(forward 4*B*H*S*S*D, half for causal; forward+backward 3.5x) and the ratios: the padding cut
-over the Gluon path without it, the Gluon path over the Triton one, over ringflash without a
-mask, and over SDPA with the mask. Medians of
-triton.testing.do_bench on the GPU.
-"""
+(forward 4*B*H*S*S*D, half for causal; forward+backward 3.5x) and time ratios (above 1: the
+second is faster): each saving over the plain Gluon path, the Gluon path over the Triton one,
+over ringflash without a mask (also with the spans: the mask's own cost) and over SDPA with the
+mask. Medians of triton.testing.do_bench on the GPU."""
 
 from __future__ import annotations
 
@@ -58,7 +58,8 @@ def runner(impl, tensors, causal, mask, mode):
     def run():  # (the backward too: it decides by the flags when it runs)
         with (
             mock.patch.object(configs, "GLUON_KEY_BIAS", impl.startswith("gluon")),
-            mock.patch.object(configs, "GLUON_CUT_KEY_PADDING", impl == "gluon_cut"),
+            mock.patch.object(configs, "GLUON_CUT_KEY_PADDING", "cut" in impl),
+            mock.patch.object(configs, "PLAIN_ZERO_BIAS_KEYS", "plain" in impl),
         ):
             step()
 
@@ -72,10 +73,19 @@ def main():
     args = ap.parse_args()
     device, dtype = bench_device(args.smoke)
     B, seqlens, dims, H = (2, [64], [16], 2) if args.smoke else (args.batch, args.seqlens, args.head_dims, args.heads)
-    impls = ("gluon", "gluon_cut", "triton", "no_mask", "sdpa")
+    impls = ("gluon", "gluon_plain", "gluon_cut", "gluon_cut_plain", "triton", "no_mask", "sdpa")
+    ratios = dict(  # name: (numerator's time, denominator's, column): above 1, the second is faster
+        plain_over_gluon=("gluon", "gluon_plain", "plain/g"),
+        cut_over_gluon=("gluon", "gluon_cut", "cut/g"),
+        both_over_gluon=("gluon", "gluon_cut_plain", "both/g"),
+        gluon_over_triton=("triton", "gluon", "g/triton"),
+        gluon_over_no_mask=("no_mask", "gluon", "g/nomask"),
+        plain_over_no_mask=("no_mask", "gluon_plain", "plain/nomask"),
+        gluon_over_sdpa=("sdpa", "gluon", "g/sdpa"),
+    )
     rows = []
-    print(f"{'D':>4} {'S':>6} {'causal':>6} {'mode':>8} " + " ".join(f"{i:>8}" for i in impls)
-          + f" {'cut/g':>6} {'g/triton':>8} {'g/nomask':>8} {'g/sdpa':>7}")  # fmt: skip
+    print(f"{'D':>4} {'S':>6} {'causal':>6} {'mode':>8} " + " ".join(f"{i:>15}" for i in impls)
+          + "".join(f" {c:>12}" for _, _, c in ratios.values()))  # fmt: skip
     for D in dims:
         for S in seqlens:
             mask = right_padding(B, S, device)
@@ -86,17 +96,12 @@ def main():
                     ms = {i: bench_ms(runner(i, sdpa if i == "sdpa" else ours, causal, mask, mode), device)
                           for i in impls}  # fmt: skip
                     tf = {name: flops / (t * 1e-3) / 1e12 for name, t in ms.items()}
-                    row = dict(B=B, D=D, S=S, H=H, causal=causal, mode=mode, ms=ms, tflops=tf,
-                               cut_over_gluon=ms["gluon"] / ms["gluon_cut"],
-                               gluon_over_triton=ms["triton"] / ms["gluon"],
-                               gluon_over_no_mask=ms["no_mask"] / ms["gluon"],
-                               gluon_over_sdpa=ms["sdpa"] / ms["gluon"])  # fmt: skip
+                    row = dict(B=B, D=D, S=S, H=H, causal=causal, mode=mode, ms=ms, tflops=tf)
+                    row.update({r: ms[a] / ms[b] for r, (a, b, _) in ratios.items()})
                     rows.append(row)
                     print(
-                        f"{D:>4} {S:>6} {causal!s:>6} {mode:>8} " + " ".join(f"{tf[i]:8.1f}" for i in impls)
-                        + f" {row['cut_over_gluon']:6.2f} {row['gluon_over_triton']:8.2f}"
-                        f" {row['gluon_over_no_mask']:8.2f}"
-                        f" {row['gluon_over_sdpa']:7.2f}",
+                        f"{D:>4} {S:>6} {causal!s:>6} {mode:>8} " + " ".join(f"{tf[i]:15.1f}" for i in impls)
+                        + "".join(f" {row[r]:12.3f}" for r in ratios),
                         flush=True,
                     )  # fmt: skip
     write_json(args.json, dict(device=device_name(device), dtype=str(dtype), rows=rows))
