@@ -953,3 +953,35 @@ def test_key_spans_cut_trailing_padding_and_zero_bias_runs(monkeypatch):
     monkeypatch.setattr(configs, "GLUON_CUT_KEY_PADDING", False)
     monkeypatch.setattr(configs, "PLAIN_ZERO_BIAS_KEYS", False)
     assert key_spans(bias, 0.125).tolist() == [[Sk, 0, 0]] * 7
+
+
+def test_key_spans_agree_with_their_definition_across_blocks(monkeypatch):
+    """key_spans' one-pass kernel (1024 keys a block, the first zero and the nonzero after it
+    carried across blocks) against the definition written out row by row, on random padding
+    masks and biases of 2500 keys: zeros that start, stop and restart in any block."""
+    from ringflash.kernels import configs
+
+    monkeypatch.setattr(configs, "GLUON_CUT_KEY_PADDING", True)
+    monkeypatch.setattr(configs, "PLAIN_ZERO_BIAS_KEYS", True)
+    g = torch.Generator().manual_seed(3)
+    Sk, a = 2500, 384
+    rows = []
+    for r in range(16):
+        row = torch.zeros(Sk)
+        if r % 2:  # a leading run: the first zero in a later block, or none
+            row[: int(torch.randint(1, Sk + 1, (1,), generator=g))] = float("-inf") if r % 4 == 1 else -1.5
+        for _ in range(int(torch.randint(0, 4, (1,), generator=g))):  # a few runs of hidden or biased keys
+            lo = int(torch.randint(0, Sk, (1,), generator=g))
+            hi = min(Sk, lo + int(torch.randint(1, 1500, (1,), generator=g)))
+            row[lo:hi] = float("-inf") if torch.rand(1, generator=g) < 0.7 else 0.25
+        rows.append(row)
+    bias = torch.stack(rows)
+    got = key_spans(bias, 0.5).tolist()
+    for r, row in enumerate(bias.tolist()):
+        visible = [i for i, x in enumerate(row) if x > float("-inf")]
+        zeros = [i for i, x in enumerate(row) if x == 0.0]
+        first_zero = zeros[0] if zeros else Sk
+        first_after = next((i for i in range(first_zero, Sk) if row[i] != 0.0), Sk)
+        lo = -(-first_zero // a) * a
+        hi = -(-Sk // a) * a if first_after == Sk else first_after // a * a
+        assert got[r] == [visible[-1] + 1 if visible else 0, lo, max(hi, lo)], (r, got[r])

@@ -35,7 +35,7 @@ from ..masks import CAUSAL
 from . import _block_d as padded_head_dim  # the tile width a head dim runs at (a power of two)
 from . import _tma_ok as _descriptor_aligned
 from . import head_dim_pieces
-from .key_bias import key_spans
+from .key_bias import key_spans, spans_stand_in
 from .launcher import launch, on_device
 from .plans import Plan, Plans, alias_pattern, record, tensor_key
 from .tiles import MASK_ROWS, MASK_WINDOW
@@ -748,6 +748,7 @@ def compile_launch(
         fold=fold,
         cfg=cfg,
         key_bias=key_bias,
+        spans=None if key_bias is None else spans_stand_in(key_bias),  # (no kernel runs here)
     )
     return compile_plan(kernel, args, kwargs, key_only)
 

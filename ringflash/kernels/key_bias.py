@@ -11,8 +11,11 @@ block); the Triton kernels choose key by key. The Gluon forward pays one FMA a s
 span's blocks instead of two: a key padding mask costs nothing where it hides nothing."""
 
 import torch
+import triton
+import triton.language as tl
 
 from . import configs
+from .launcher import launch, on_device
 
 # 64-, 128- and 192-key blocks all divide it
 PLAIN_ALIGN = 384
@@ -26,25 +29,56 @@ def key_spans(key_bias: torch.Tensor, scale: float) -> torch.Tensor:
     first such key up to the next nonzero one, shrunk to multiples of PLAIN_ALIGN (plain_hi
     rounded up past Sk when the zeros run to the end: keys past Sk are masked by position
     anyway); empty (0, 0) for a scale <= 0 (the unbiased arithmetic takes the max of the raw
-    scores times a positive scale) or with configs.PLAIN_ZERO_BIAS_KEYS off. Small device ops,
-    no host sync."""
+    scores times a positive scale) or with configs.PLAIN_ZERO_BIAS_KEYS off. One small launch
+    (a program a row), no host sync."""
     B, Sk = key_bias.shape
-    device = key_bias.device
-    spans = torch.zeros(B, 3, dtype=torch.int32, device=device)
-    if Sk == 0:
-        return spans
-    keys = torch.arange(Sk, device=device, dtype=torch.int32)
-    if configs.GLUON_CUT_KEY_PADDING:
-        spans[:, 0] = torch.where(key_bias > float("-inf"), keys + 1, 0).amax(dim=1)
-    else:
-        spans[:, 0] = Sk
-    if configs.PLAIN_ZERO_BIAS_KEYS and scale > 0:
-        zero = key_bias == 0
-        first_zero = torch.where(zero, keys, Sk).amin(dim=1)
-        first_after = torch.where(~zero & (keys >= first_zero[:, None]), keys, Sk).amin(dim=1)
-        a = PLAIN_ALIGN
-        lo = (first_zero + a - 1) // a * a
-        hi = torch.where(first_after == Sk, (Sk + a - 1) // a * a, first_after // a * a)
-        spans[:, 1] = lo
-        spans[:, 2] = torch.maximum(hi, lo)
+    spans = torch.empty(B, 3, dtype=torch.int32, device=key_bias.device)
+    if B == 0 or Sk == 0:
+        return spans.zero_()
+    with on_device(key_bias):
+        launch(
+            _key_spans_kernel, (B,), key_bias, spans, Sk, key_bias.stride(0), key_bias.stride(1),
+            CUT=configs.GLUON_CUT_KEY_PADDING, PLAIN=configs.PLAIN_ZERO_BIAS_KEYS and scale > 0, ALIGN=PLAIN_ALIGN,
+            BLOCK=1024,
+        )  # fmt: skip
     return spans
+
+
+def spans_stand_in(key_bias: torch.Tensor) -> torch.Tensor:
+    """A (B, 3) int32 tensor of key_spans' shape for a compile-only launch plan (the kernels are
+    specialized by dtypes and alignment, not values; a CPU tensor, as the compile check binds)."""
+    return torch.zeros(key_bias.shape[0], 3, dtype=torch.int32, device=key_bias.device)
+
+
+@triton.jit(do_not_specialize=["Sk"])
+def _key_spans_kernel(
+    BIAS, SPANS, Sk, stride_b, stride_k, CUT: tl.constexpr, PLAIN: tl.constexpr, ALIGN: tl.constexpr,
+    BLOCK: tl.constexpr,
+):  # fmt: skip
+    """key_spans' row program_id(0): one pass over its keys in blocks, in order, keeping the last
+    visible key, the first zero-bias key and the first nonzero one after it."""
+    b = tl.program_id(0).to(tl.int64)
+    row = BIAS + b * stride_b
+    hi = Sk * 0  # (loop-carried int32 scalars)
+    first_zero = Sk + 0
+    first_after = Sk + 0
+    for start in range(0, Sk, BLOCK):
+        keys = start + tl.arange(0, BLOCK)
+        ok = keys < Sk
+        x = tl.load(row + keys.to(tl.int64) * stride_k, mask=ok, other=float("-inf"))
+        hi = tl.maximum(hi, tl.max(tl.where(x > float("-inf"), keys + 1, 0), 0))
+        # the first zero found is final: later blocks' keys are larger
+        first_zero = tl.minimum(first_zero, tl.min(tl.where(ok & (x == 0.0), keys, Sk), 0))
+        after = ok & (x != 0.0) & (keys >= first_zero)
+        first_after = tl.minimum(first_after, tl.min(tl.where(after, keys, Sk), 0))
+    if not CUT:
+        hi = Sk + 0
+    lo = (first_zero + ALIGN - 1) // ALIGN * ALIGN
+    up = tl.where(first_after >= Sk, (Sk + ALIGN - 1) // ALIGN * ALIGN, first_after // ALIGN * ALIGN)
+    up = tl.maximum(up, lo)
+    if not PLAIN:
+        lo = Sk * 0
+        up = Sk * 0
+    tl.store(SPANS + 3 * b, hi)
+    tl.store(SPANS + 3 * b + 1, lo)
+    tl.store(SPANS + 3 * b + 2, up)
