@@ -532,6 +532,38 @@ def test_gluon_key_bias(tier, D, Dv, causal, monkeypatch):
             assert_within(f"{name} {kind}", got, r, p)
 
 
+@pytest.mark.parametrize("D", [64, 128])
+def test_key_padding_that_hides_nothing_is_free_bitwise(D, monkeypatch):
+    """configs.PLAIN_ZERO_BIAS_KEYS: a key padding mask that hides no key has one zero-bias span
+    over every key (key_bias.key_spans), so every kernel computes exactly what it does without a
+    mask: out and lse bit for bit on the Gluon forward, dK and dV on the fused backward (its dQ
+    adds come in any order), and all five on the Triton kernels (deterministic two passes).
+    Without the spans the bias's FMA rounds every score apart. Causal (a dense call's variant
+    differs with a bias), 2 x 1031 keys (a ragged last block)."""
+    from ringflash.kernels import configs
+
+    fwd_calls, bwd_calls = key_bias_on_gluon(monkeypatch)
+    g = torch.Generator(device="cuda").manual_seed(D)
+    mk = lambda H: torch.randn(2, 1031, H, D, device="cuda", generator=g, dtype=torch.bfloat16).requires_grad_()  # noqa: E731
+    q, k, v = mk(4), mk(2), mk(2)
+    do = torch.randn(2, 1031, 4, D, device="cuda", generator=g, dtype=torch.bfloat16)
+    nothing = torch.zeros(2, 1031, dtype=torch.bool, device="cuda")
+
+    def run(mask, **kw):
+        out, lse = flash_attn_func(q, k, v, causal=True, key_padding_mask=mask, return_lse=True, **kw)
+        return [out, lse, *torch.autograd.grad(out, (q, k, v), do)]
+
+    masked = run(nothing)
+    assert fwd_calls and bwd_calls
+    plain = run(None)
+    for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), masked, plain):
+        assert name == "dq" or torch.equal(a, b), name
+    with configs.override(gluon=None):
+        masked, plain = run(nothing, deterministic=True), run(None, deterministic=True)
+    for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), masked, plain):
+        assert torch.equal(a, b), f"triton {name}"
+
+
 # the key-count thresholds that put a 1031-key block in each tier of the Gluon forward's choice:
 # (GLUON_PERSISTENT_MAX_KEYS, GLUON_LONG_MIN_KEYS, GLUON_DENSE_MIN_KEYS)
 KEY_TIERS = {
