@@ -374,6 +374,14 @@ def _plain_span(KEY_SPANS, b, HAS_BIAS: gl.constexpr):
 
 
 @gluon.jit
+def _span_holds(start, width, plain_lo, plain_hi):
+    """Whether the key block [start, start + width) lies in the zero-bias span [plain_lo,
+    plain_hi) (_plain_span; its ends are multiples of PLAIN_ALIGN, which the block divides, so
+    a block is wholly inside or outside it)."""
+    return (start >= plain_lo) & (start + width <= plain_hi)
+
+
+@gluon.jit
 def _biased_scores(
     s, bias_bufs, i, start, plain_lo, plain_hi, qk_scale, HAS_BIAS: gl.constexpr, STAGES: gl.constexpr,
     s_layout: gl.constexpr,
@@ -389,7 +397,7 @@ def _biased_scores(
     scale2 = qk_scale
     if HAS_BIAS:
         width: gl.constexpr = bias_bufs.shape[2]
-        plain = (start >= plain_lo) & (start + width <= plain_hi)
+        plain = _span_holds(start, width, plain_lo, plain_hi)
         scale2 = gl.where(plain, qk_scale, 1.0)
         if not plain:
             bias2 = bias_bufs.index(i % STAGES).reshape([width]).load(gl.SliceLayout(0, s_layout)) * LOG2E
