@@ -408,7 +408,8 @@ def test_gluon_key_bias_compiles_for_hopper(tmp_path):
     (persistent) and long (three consumers) variants, and MLA's head dims in pieces; the fused
     backward's defaults at D=128 (accumulating) and MLA's 192 / 128. The forward's bias rides
     in a TMA ring beside K: its shared memory is the same case's without a bias plus STAGES x
-    128 keys x 4 bytes, within the H200's limit."""
+    128 keys x 4 bytes, within the H200's limit. The backward's zero-bias blocks branch around
+    the bias instead of selecting."""
     from ringflash.kernels.configs import GLUON_BWD, GLUON_FWD, GLUON_FWD_LONG, GLUON_FWD_SHORT
     from ringflash.kernels.gluon_forward import HOPPER_SHARED_BYTES, config_for
 
@@ -440,3 +441,12 @@ def test_gluon_key_bias_compiles_for_hopper(tmp_path):
     assert len(rows) == 2 and all(r["key_bias"] for r in rows)
     for r in rows:
         assert not r["problems"] and r["spill_bytes"] == 0 and r["sass_waits"].get("1", 0) > 0, r
+    # a block in its row's zero-bias span skips the bias's FMA by a branch: made into selects
+    # (both sides computed), it costs one FSEL a score (32 a thread a step at D=128) over the
+    # same case without a bias; the branch itself, a select or two
+    plain = tmp_path / "p.json"
+    run([sys.executable, "benchmarks/gluon_bwd_report.py", "--variants", GLUON_BWD[128], "--head-dims", "128",
+         "--causal", "1", "--dtypes", "bf16", "--accumulate", "1", "--jobs", "1", "--json", str(plain)],
+        tmp_path)  # fmt: skip
+    (without,) = json.loads(plain.read_text())
+    assert rows[0]["fsel"] - without["fsel"] <= 8, (without["fsel"], rows[0]["fsel"])

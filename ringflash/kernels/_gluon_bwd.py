@@ -476,7 +476,9 @@ def _probs_t(st, offset, bias2, plain, qk_scale, HAS_BIAS: gl.constexpr):
     if HAS_BIAS:
         scale2 = gl.where(plain, qk_scale, 1.0)
         if not plain:
-            st = gl.fma(st, qk_scale, bias2[:, None])
+            # bias2 through _opaque: a branch of arithmetic alone became selects, the FMA done
+            # and thrown away on plain blocks (one FMA and one select a score)
+            st = gl.fma(st, qk_scale, _opaque(bias2)[:, None])
     return gl.exp2(gl.fma(st, scale2, -offset[None, :]))
 
 

@@ -407,9 +407,11 @@ def _biased_scores(
 
 @gluon.jit
 def _opaque(x):
-    """x, through a non-pure move the compiler cannot hoist out of a loop: loop-invariant index
-    vectors are cheap to recompute but expensive to keep (LLVM hoists them, ptxas then spills)."""
-    return gl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [x], gl.int32, is_pure=False, pack=1)
+    """x (32-bit elements), through a non-pure move the compiler can neither hoist out of a loop
+    nor run ahead of a branch: loop-invariant index vectors are cheap to recompute but expensive
+    to keep (LLVM hoists them, ptxas then spills); a branch whose body is plain arithmetic on
+    values at hand becomes selects, both sides computed (_probs_t)."""
+    return gl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [x], x.dtype, is_pure=False, pack=1)
 
 
 @gluon.jit

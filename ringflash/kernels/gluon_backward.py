@@ -1152,7 +1152,8 @@ def hopper_report(
     """gluon_forward.compiled_report of one case compiled by compile_for_hopper, with the dQ
     atomics counted in the SASS: red_v2 / red_v4 (vectorized float32 adds), red_scalar; and
     stg_16, global stores of 16 bits (dK / dV element by element: their pointers' alignment was
-    not known)."""
+    not known); fsel, the selects (a key bias's branch made into selects has one a score more
+    than the same case without a bias: _probs_t)."""
     kern = compile_for_hopper(
         cfg, head_dim, causal=causal, dtype=dtype, accumulate=accumulate, group=group, window_left=window_left,
         rows=rows, head_dim_v=head_dim_v, key_bias=key_bias,
@@ -1171,6 +1172,7 @@ def hopper_report(
             "red_v4": r"\bREDG?\.E\.ADD\.F32x4\b",
             "red_scalar": r"\b(?:REDG?|ATOMG?)\.E\.ADD\.F32\.",
             "stg_16": r"\bSTG\.E\.(?:U16|S16)\b",
+            "fsel": r"\bFSEL\b",
         },
     )
 
