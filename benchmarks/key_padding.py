@@ -6,11 +6,14 @@ with the mask, ringflash without a mask and SDPA with the same mask as a boolean
 memory-efficient backend, the one that takes a mask; cuDNN's takes none), in the same run.
 
     python -m benchmarks.key_padding --json benchmarks/results/key_padding_h200.json
+    python -m benchmarks.key_padding --modes bwd --hides-nothing   # the mask's own cost, backward alone
     python -m benchmarks.key_padding --smoke        # tiny CPU run (CI keeps it working)
 
 A right-padded batch: B rows, row b holding S - b * S / (2 B) real keys (the rest padding,
-hidden from every query). Prints TFLOP/s of the attention as if every pair were computed
-(forward 4*B*H*S*S*D, half for causal; forward+backward 3.5x) and time ratios (above 1: the
+hidden from every query); --hides-nothing: a mask of B x S False (every key visible, each
+row's bias all zeros). Modes: fwd, fwd+bwd, bwd (the backward alone, of one forward kept).
+Prints TFLOP/s of the attention as if every pair were computed
+(forward 4*B*H*S*S*D, half for causal; forward+backward 3.5x, backward 2.5x) and time ratios (above 1: the
 second is faster): each saving over the plain Gluon path, the Gluon path over the Triton one,
 over ringflash without a mask (also with the spans: the mask's own cost) and over SDPA with the
 mask. Medians of triton.testing.do_bench on the GPU."""
@@ -38,6 +41,19 @@ def right_padding(B: int, S: int, device) -> torch.Tensor:
 def runner(impl, tensors, causal, mask, mode):
     q, k, v = tensors
     do = torch.randn_like(q)
+    flags = dict(
+        GLUON_KEY_BIAS=impl.startswith("gluon"),
+        GLUON_CUT_KEY_PADDING="cut" in impl,
+        PLAIN_ZERO_BIAS_KEYS="plain" in impl,
+    )
+
+    def flagged(fn):  # (the backward too: it decides by the flags when it runs)
+        def run():
+            with mock.patch.multiple(configs, **flags):
+                return fn()
+
+        return run
+
     if impl == "sdpa":
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -51,24 +67,20 @@ def runner(impl, tensors, causal, mask, mode):
             with sdpa_kernel(backend):
                 return F.scaled_dot_product_attention(q, k, v, attn_mask=keep)
 
-        return step_fn(call, (q, k, v), do, mode)
-    kpm = None if impl == "no_mask" else mask
-    step = step_fn(lambda: flash_attn_func(q, k, v, causal=causal, key_padding_mask=kpm), (q, k, v), do, mode)
-
-    def run():  # (the backward too: it decides by the flags when it runs)
-        with (
-            mock.patch.object(configs, "GLUON_KEY_BIAS", impl.startswith("gluon")),
-            mock.patch.object(configs, "GLUON_CUT_KEY_PADDING", "cut" in impl),
-            mock.patch.object(configs, "PLAIN_ZERO_BIAS_KEYS", "plain" in impl),
-        ):
-            step()
-
-    return run
+    else:
+        kpm = None if impl == "no_mask" else mask
+        call = flagged(lambda: flash_attn_func(q, k, v, causal=causal, key_padding_mask=kpm))
+    if mode == "bwd":
+        out = call()  # one forward; its graph kept for every timed backward
+        return flagged(lambda: torch.autograd.grad(out, (q, k, v), do, retain_graph=True))
+    return flagged(step_fn(call, (q, k, v), do, mode))
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--modes", nargs="+", choices=("fwd", "fwd+bwd", "bwd"), default=["fwd", "fwd+bwd"])
+    ap.add_argument("--hides-nothing", action="store_true", help="a mask of all False: the mask's own cost")
     add_local_args(ap, [4096, 8192])
     args = ap.parse_args()
     device, dtype = bench_device(args.smoke)
@@ -89,14 +101,17 @@ def main():
     for D in dims:
         for S in seqlens:
             mask = right_padding(B, S, device)
+            if args.hides_nothing:
+                mask = torch.zeros_like(mask)
             for causal in (False, True):
-                for mode in ("fwd", "fwd+bwd"):
+                for mode in args.modes:
                     ours, sdpa = make_inputs(B, S, H, D, dtype, device)
                     flops = attention_flops(B, H, S, D, causal, mode)
                     ms = {i: bench_ms(runner(i, sdpa if i == "sdpa" else ours, causal, mask, mode), device)
                           for i in impls}  # fmt: skip
                     tf = {name: flops / (t * 1e-3) / 1e12 for name, t in ms.items()}
-                    row = dict(B=B, D=D, S=S, H=H, causal=causal, mode=mode, ms=ms, tflops=tf)
+                    row = dict(B=B, D=D, S=S, H=H, causal=causal, mode=mode, ms=ms, tflops=tf,
+                               hides_nothing=args.hides_nothing)  # fmt: skip
                     row.update({r: ms[a] / ms[b] for r, (a, b, _) in ratios.items()})
                     rows.append(row)
                     print(

@@ -195,6 +195,11 @@ def test_bench_key_padding_smoke(tmp_path):
     impls = {"gluon", "gluon_plain", "gluon_cut", "gluon_cut_plain", "triton", "no_mask", "sdpa"}
     assert len(rows) == 4 and all(r["ms"].keys() == impls for r in rows)
     assert all(r["plain_over_gluon"] == r["ms"]["gluon"] / r["ms"]["gluon_plain"] for r in rows)
+    # the backward alone, under a mask that hides nothing
+    cmd = [sys.executable, "-m", "benchmarks.key_padding", "--smoke", "--modes", "bwd", "--hides-nothing", "--json"]
+    run(cmd + [str(tmp_path / "b.json")], tmp_path)
+    rows = json.loads((tmp_path / "b.json").read_text())["rows"]
+    assert [(r["causal"], r["mode"], r["hides_nothing"]) for r in rows] == [(False, "bwd", True), (True, "bwd", True)]
 
 
 def test_bench_dropout_smoke(tmp_path):
