@@ -1,9 +1,11 @@
 """Key padding masks' cost: ringflash with a key padding mask on the Gluon kernels
 (configs.GLUON_KEY_BIAS), alone and with each of its two savings: _plain, each row's zero-bias
 span computed without the bias (configs.PLAIN_ZERO_BIAS_KEYS); _cut, the trailing padding's key
-blocks skipped (configs.GLUON_CUT_KEY_PADDING); _cut_plain, both. Beside them the Triton kernels
-with the mask, ringflash without a mask and SDPA with the same mask as a boolean attn_mask (its
-memory-efficient backend, the one that takes a mask; cuDNN's takes none), in the same run.
+blocks skipped (configs.GLUON_CUT_KEY_PADDING); _cut_plain, both; _early, both and the fused
+backward's producer copying before it reads the cut (configs.GLUON_BWD_COPIES_FIRST). Beside
+them the Triton kernels with the mask, ringflash without a mask and SDPA with the same mask as a
+boolean attn_mask (its memory-efficient backend, the one that takes a mask; cuDNN's takes
+none), in the same run.
 
     python -m benchmarks.key_padding --json benchmarks/results/key_padding_h200.json
     python -m benchmarks.key_padding --modes bwd --hides-nothing   # the mask's own cost, backward alone
@@ -43,8 +45,9 @@ def runner(impl, tensors, causal, mask, mode):
     do = torch.randn_like(q)
     flags = dict(
         GLUON_KEY_BIAS=impl.startswith("gluon"),
-        GLUON_CUT_KEY_PADDING="cut" in impl,
-        PLAIN_ZERO_BIAS_KEYS="plain" in impl,
+        GLUON_CUT_KEY_PADDING="cut" in impl or impl == "gluon_early",
+        PLAIN_ZERO_BIAS_KEYS="plain" in impl or impl == "gluon_early",
+        GLUON_BWD_COPIES_FIRST=impl == "gluon_early",
     )
 
     def flagged(fn):  # (the backward too: it decides by the flags when it runs)
@@ -85,11 +88,12 @@ def main():
     args = ap.parse_args()
     device, dtype = bench_device(args.smoke)
     B, seqlens, dims, H = (2, [64], [16], 2) if args.smoke else (args.batch, args.seqlens, args.head_dims, args.heads)
-    impls = ("gluon", "gluon_plain", "gluon_cut", "gluon_cut_plain", "triton", "no_mask", "sdpa")
+    impls = ("gluon", "gluon_plain", "gluon_cut", "gluon_cut_plain", "gluon_early", "triton", "no_mask", "sdpa")
     ratios = dict(  # name: (numerator's time, denominator's, column): above 1, the second is faster
         plain_over_gluon=("gluon", "gluon_plain", "plain/g"),
         cut_over_gluon=("gluon", "gluon_cut", "cut/g"),
         both_over_gluon=("gluon", "gluon_cut_plain", "both/g"),
+        early_over_both=("gluon_cut_plain", "gluon_early", "early/both"),
         gluon_over_triton=("triton", "gluon", "g/triton"),
         gluon_over_no_mask=("no_mask", "gluon", "g/nomask"),
         plain_over_no_mask=("no_mask", "gluon_plain", "plain/nomask"),

@@ -350,19 +350,25 @@ def _produce_key_block(
     kv_bar, kv_empty, ready, empty, CAUSAL: gl.constexpr, HAS_LEFT: gl.constexpr, ROWS: gl.constexpr,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, BLOCK_DT: gl.constexpr,
     STAGES: gl.constexpr, WALK: gl.constexpr, GROUPED_HEADS: gl.constexpr, KEY_SPANS, HAS_BIAS: gl.constexpr,
-    PERSISTENT: gl.constexpr,
+    COPIES_FIRST: gl.constexpr, PERSISTENT: gl.constexpr,
 ):  # fmt: skip
     """The loads of the key block at grid coordinates (p0, p1, p2) (_plan), after the `it` steps
     and `uses` K / V loads of the program's earlier blocks; returns its steps. With BLOCK_DT > 0
     (q/k's head dim in two pieces) also the tail pieces of K (columns BLOCK_D ..) and of every Q
-    block, on the same barriers. block_rows: as _consume_key_block's."""
+    block, on the same barriers. block_rows: as _consume_key_block's. COPIES_FIRST (one block a
+    program, a key bias): K, V and the first STAGES stages go out before the padding cut is read
+    (_unpadded's load then waits under the copies, not before them); a block the cut leaves
+    without steps waits for them here, since no consumer will and none may be in flight when
+    the program ends."""
     if PERSISTENT:  # packed documents: this block's query blocks (_block_rows; else the kernel's)
         rows_first, rows_n = block_rows[0], block_rows[1]
     b, hk, n0, m_first, n_m, _, _, _ = _plan(
         p0, p1, p2, dim0, Hkv, Sq, Sk, q_start, k_start, left, rows_first, rows_n, CAUSAL, HAS_LEFT, ROWS, BLOCK_M,
         BLOCK_N, GROUPED_HEADS,
     )  # fmt: skip
-    n_m = _unpadded(n_m, n0, b, KEY_SPANS, HAS_BIAS)
+    gl.static_assert(not (COPIES_FIRST and PERSISTENT), "copies before the cut: one block a program")
+    if not COPIES_FIRST:
+        n_m = _unpadded(n_m, n0, b, KEY_SPANS, HAS_BIAS)
     n_iter = group * n_m
     # K and V are loaded only when the consumers will wait for them (n_iter > 0): no copy may
     # still be in flight when the program ends
@@ -383,6 +389,19 @@ def _produce_key_block(
         first = 0
         if n_iter > 0:
             _produce_kv(b, hk, n0, k_desc, v_desc, kt_desc, k_smem, v_smem, kt_smem, kv_bar, BLOCK_D, BLOCK_DT)
+        if COPIES_FIRST:
+            first = gl.minimum(n_iter, STAGES)
+            for i in range(first):
+                _produce_stage(
+                    it + i, i, b, hk, group, m_first, n_m, p0, q_desc, do_desc, st_desc, qt_desc, q_bufs, do_bufs,
+                    st_bufs, qt_bufs, ready, empty, Hq, Sq_pad, BLOCK_M, BLOCK_D, BLOCK_DT, STAGES, WALK,
+                )  # fmt: skip
+            if _unpadded(n_m, n0, b, KEY_SPANS, HAS_BIAS) == 0:  # cut (the consumers read the same)
+                if n_iter > 0:
+                    mbarrier.wait(kv_bar.index(0), uses & 1)
+                for i in range(first):  # (it = 0: stage i's first fill, phase 0)
+                    mbarrier.wait(ready.index(i), 0)
+                n_iter = n_iter * 0
     for i in range(first, n_iter):
         _produce_stage(
             it + i, i, b, hk, group, m_first, n_m, p0, q_desc, do_desc, st_desc, qt_desc, q_bufs, do_bufs, st_bufs,
@@ -1279,6 +1298,7 @@ def _bwd_ws2(
     PERSISTENT: gl.constexpr,
     ORDERED: gl.constexpr,
     HAS_BIAS: gl.constexpr,
+    COPIES_FIRST: gl.constexpr,
     PRODUCER_REGS: gl.constexpr,
     CONSUMER_REGS: gl.constexpr,
     num_warps: gl.constexpr,
@@ -1301,7 +1321,8 @@ def _bwd_ws2(
     apart, the forward's key bias (natural-log units; -inf hides a key), and KEY_SPANS (B, 3)
     int32, key_bias.key_spans: each batch row's last key it does not hide, plus one (key blocks
     past it do nothing but store zeros: _unpadded), and its keys of zero bias (rebuilt without
-    it: _plain_block); else any pointers."""
+    it: _plain_block); else any pointers. COPIES_FIRST (with HAS_BIAS, not PERSISTENT): the
+    producer reads the cut after its first copies (_produce_key_block)."""
     gl.static_assert(num_warps == 4, "the default partition is one consumer warpgroup")
     gl.static_assert(q_desc.block_type.shape[1] == BLOCK_M)
     gl.static_assert(k_desc.block_type.shape[1] == BLOCK_N)
@@ -1434,7 +1455,7 @@ def _bwd_ws2(
         Hq, Hkv, group, Sq, Sk, Sq_pad, q_start, k_start, left, rows_first, rows_n, q_desc, do_desc, k_desc, v_desc,
         st_desc, qt_desc, kt_desc, q_bufs, do_bufs, st_bufs, qt_bufs, k_smem, v_smem, kt_smem, kv_bar, kv_empty, ready,
         empty, CAUSAL, HAS_LEFT, ROWS, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DT, STAGES, WALK, GROUPED_HEADS, KEY_SPANS,
-        HAS_BIAS,
+        HAS_BIAS, COPIES_FIRST,
     )  # fmt: skip
     rows_args: gl.constexpr = (Sq, Sk, q_start, k_start, QLO, QHI, BLOCK_M, BLOCK_N)  # (_block_rows)
     # both drivers' arguments after their own: the key blocks handed out and the slots passing them
