@@ -147,15 +147,16 @@ def _unpadded(n_m, n0, b, KEY_SPANS, HAS_BIAS: gl.constexpr):
 
 
 @gluon.jit
-def _plain_block(KEY_SPANS, b, n0, BLOCK_N: gl.constexpr, HAS_BIAS: gl.constexpr):
+def _plain_block(KEY_SPANS, b, n0, BLOCK_N: gl.constexpr, HAS_BIAS: gl.constexpr, IN_ORDER: gl.constexpr = False):
     """Whether the key block [n0, n0 + BLOCK_N) lies in its batch row's zero-bias span
     (KEY_SPANS[b, 1:], key_bias.key_spans; multiples of PLAIN_ALIGN, which BLOCK_N divides): its
     probabilities are rebuilt without the bias, as every kernel computed them (_probs_t).
-    False without HAS_BIAS."""
+    False without HAS_BIAS. IN_ORDER: the span's loads issued here, beside the cut's
+    (_plain_span), not after the block's first wait."""
     plain = n0 < 0
     if HAS_BIAS:
         gl.static_assert(PLAIN_ALIGN % BLOCK_N == 0, "a zero-bias span holds whole key blocks")
-        plain_lo, plain_hi = _plain_span(KEY_SPANS, b, HAS_BIAS)
+        plain_lo, plain_hi = _plain_span(KEY_SPANS, b, HAS_BIAS, IN_ORDER)
         plain = _span_holds(n0, BLOCK_N, plain_lo, plain_hi)
     return plain
 
@@ -656,6 +657,7 @@ def _consume_key_block(
     stride_bias_b,
     KEY_SPANS,
     HAS_BIAS: gl.constexpr,
+    COPIES_FIRST: gl.constexpr,
     p0,
     p1,
     p2,
@@ -704,7 +706,7 @@ def _consume_key_block(
     bias2 = qk_scale  # (a stand-in without a key bias, never read)
     if HAS_BIAS:  # this warpgroup's keys' bias, for every step of the block
         bias2 = _key_bias2(BIAS, b, stride_bias_b, key_idx, Sk)
-    plain = _plain_block(KEY_SPANS, b, n0, BLOCK_N, HAS_BIAS)
+    plain = _plain_block(KEY_SPANS, b, n0, BLOCK_N, HAS_BIAS, COPIES_FIRST)
     q_idx = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
     dq_rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, dq_layout))
     dq_cols = WG * DQ_COLS + gl.arange(0, DQ_COLS, layout=gl.SliceLayout(0, dq_layout))
@@ -1119,6 +1121,7 @@ def _consumer_split_d(
     stride_bias_b,
     KEY_SPANS,
     HAS_BIAS: gl.constexpr,
+    COPIES_FIRST: gl.constexpr,
 ):
     """The wide head dims' consumer (SPLIT_D): both warpgroups share the 64 keys of the block and
     own half of the head-dim columns each (dK, dV of 64 keys x 256 would need 256 registers a
@@ -1172,7 +1175,7 @@ def _consumer_split_d(
     bias2 = qk_scale  # (a stand-in without a key bias, never read)
     if HAS_BIAS:  # the block's keys' bias, for every step
         bias2 = _key_bias2(BIAS, b, stride_bias_b, key_idx, Sk)
-    plain = _plain_block(KEY_SPANS, b, n0, BLOCK_N, HAS_BIAS)
+    plain = _plain_block(KEY_SPANS, b, n0, BLOCK_N, HAS_BIAS, COPIES_FIRST)
     q_idx = WG * QROWS + gl.arange(0, QROWS, layout=gl.SliceLayout(0, s_layout))
     dq_rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, dq_layout))
     dq_cols = DQ_COL0 + gl.arange(0, DQ_COLS, layout=gl.SliceLayout(0, dq_layout))
@@ -1322,7 +1325,8 @@ def _bwd_ws2(
     int32, key_bias.key_spans: each batch row's last key it does not hide, plus one (key blocks
     past it do nothing but store zeros: _unpadded), and its keys of zero bias (rebuilt without
     it: _plain_block); else any pointers. COPIES_FIRST (with HAS_BIAS, not PERSISTENT): the
-    producer reads the cut after its first copies (_produce_key_block)."""
+    producer reads the cut after its first copies (_produce_key_block), and the consumers issue
+    the span's loads beside the cut's (_plain_block)."""
     gl.static_assert(num_warps == 4, "the default partition is one consumer warpgroup")
     gl.static_assert(q_desc.block_type.shape[1] == BLOCK_M)
     gl.static_assert(k_desc.block_type.shape[1] == BLOCK_N)
@@ -1449,6 +1453,7 @@ def _bwd_ws2(
         stride_bias_b,
         KEY_SPANS,
         HAS_BIAS,
+        COPIES_FIRST,
     )
     # _produce_key_block's arguments between the block's `uses` and PERSISTENT
     producer_args: gl.constexpr = (

@@ -242,9 +242,11 @@ GLUON_CUT_KEY_PADDING = True
 PLAIN_ZERO_BIAS_KEYS = True
 # The fused backward's producer (one program a key block) sends K, V and its first stages before
 # it reads the padding cut's key_hi, and waits for those copies itself when the block turns out
-# cut. Built for the causal backward with a key bias, which takes ~1.14x the time without one
-# even when nothing is hidden, the cost being the kernel's per-block loads (benchmarks/NOTES.md
-# "The backward's zero-bias branch"); not yet run on a GPU: off.
+# cut; its consumers issue the zero-bias span's loads with the cut's (ptxas had put them after
+# the wait for the cut: two latencies in a row). Built for the causal backward with a key bias,
+# which takes ~1.14x the time without one even when nothing is hidden, the cost being the
+# kernel's per-block loads (benchmarks/NOTES.md "The backward's zero-bias branch"); not yet run
+# on a GPU: off.
 GLUON_BWD_COPIES_FIRST = False
 # Packed documents (per-row bounds) in the fused backward: checked against float64 on one H200
 # (tests/test_gpu_local.py -k documents). One H200, bf16, H=32, D=128, causal documents,
