@@ -373,30 +373,25 @@ def _produce_key_block(
     n_iter = group * n_m
     # K and V are loaded only when the consumers will wait for them (n_iter > 0): no copy may
     # still be in flight when the program ends
-    if PERSISTENT:
-        # the first stages before K and V: their slots free up as the previous block's last
-        # steps end, K's and V's buffer only once both consumers are done with it (kv_empty:
-        # count 2, its use-th phase; a fresh barrier passes parity 1)
+    first = 0
+    if PERSISTENT or COPIES_FIRST:
+        # the first stages before K and V: PERSISTENT, their slots free up as the previous
+        # block's last steps end, K's and V's buffer only once both consumers are done with it;
+        # COPIES_FIRST, all before the cut's load
         first = gl.minimum(n_iter, STAGES)
         for i in range(first):
             _produce_stage(
                 it + i, i, b, hk, group, m_first, n_m, p0, q_desc, do_desc, st_desc, qt_desc, q_bufs, do_bufs,
                 st_bufs, qt_bufs, ready, empty, Hq, Sq_pad, BLOCK_M, BLOCK_D, BLOCK_DT, STAGES, WALK,
             )  # fmt: skip
-        if n_iter > 0:
+    if PERSISTENT:
+        if n_iter > 0:  # (kv_empty: count 2, its use-th phase; a fresh barrier passes parity 1)
             mbarrier.wait(kv_empty.index(0), (uses & 1) ^ 1)
             _produce_kv(b, hk, n0, k_desc, v_desc, kt_desc, k_smem, v_smem, kt_smem, kv_bar, BLOCK_D, BLOCK_DT)
     else:
-        first = 0
         if n_iter > 0:
             _produce_kv(b, hk, n0, k_desc, v_desc, kt_desc, k_smem, v_smem, kt_smem, kv_bar, BLOCK_D, BLOCK_DT)
         if COPIES_FIRST:
-            first = gl.minimum(n_iter, STAGES)
-            for i in range(first):
-                _produce_stage(
-                    it + i, i, b, hk, group, m_first, n_m, p0, q_desc, do_desc, st_desc, qt_desc, q_bufs, do_bufs,
-                    st_bufs, qt_bufs, ready, empty, Hq, Sq_pad, BLOCK_M, BLOCK_D, BLOCK_DT, STAGES, WALK,
-                )  # fmt: skip
             if _unpadded(n_m, n0, b, KEY_SPANS, HAS_BIAS) == 0:  # cut (the consumers read the same)
                 if n_iter > 0:
                     mbarrier.wait(kv_bar.index(0), uses & 1)
