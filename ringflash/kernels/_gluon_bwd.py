@@ -395,8 +395,8 @@ def _produce_key_block(
             if _unpadded(n_m, n0, b, KEY_SPANS, HAS_BIAS) == 0:  # cut (the consumers read the same)
                 if n_iter > 0:
                     mbarrier.wait(kv_bar.index(0), uses & 1)
-                for i in range(first):  # (it = 0: stage i's first fill, phase 0)
-                    mbarrier.wait(ready.index(i), 0)
+                for i in range(first):  # (the stages and phases _produce_stage filled)
+                    mbarrier.wait(ready.index((it + i) % STAGES), ((it + i) // STAGES) & 1)
                 n_iter = n_iter * 0
     for i in range(first, n_iter):
         _produce_stage(
