@@ -139,8 +139,10 @@ def _plan(
 def _unpadded(n_m, n0, b, KEY_SPANS, HAS_BIAS: gl.constexpr):
     """n_m, or with HAS_BIAS 0 where the key block from n0 starts past its batch row's last key
     the bias does not hide (KEY_SPANS[b, 0]: that key + 1, key_bias.key_spans): its keys add
-    exactly nothing, its dK and dV are zeros. The producer and both consumers cut a block here
-    alike."""
+    exactly nothing, its dK and dV are zeros. The producer and both consumers cut a block's
+    steps here alike; the walk over its query blocks (_query_block) keeps _plan's n_m (a cut
+    block takes no step): fed the cut count, a select of a loaded value, it made the causal
+    loop slower (benchmarks/NOTES.md, "The cut's step count")."""
     if HAS_BIAS:
         n_m = gl.where(n0 < gl.load(KEY_SPANS + 3 * b), n_m, 0)
     return n_m
@@ -368,9 +370,9 @@ def _produce_key_block(
         BLOCK_N, GROUPED_HEADS,
     )  # fmt: skip
     gl.static_assert(not (COPIES_FIRST and PERSISTENT), "copies before the cut: one block a program")
-    if not COPIES_FIRST:
-        n_m = _unpadded(n_m, n0, b, KEY_SPANS, HAS_BIAS)
     n_iter = group * n_m
+    if not COPIES_FIRST:
+        n_iter = group * _unpadded(n_m, n0, b, KEY_SPANS, HAS_BIAS)
     # K and V are loaded only when the consumers will wait for them (n_iter > 0): no copy may
     # still be in flight when the program ends
     first = 0
@@ -688,8 +690,7 @@ def _consume_key_block(
         p0, p1, p2, dim0, Hkv, Sq, Sk, q_start, k_start, left, rows_first, rows_n, CAUSAL, HAS_LEFT, ROWS, BLOCK_M,
         BLOCK_N, GROUPED_HEADS,
     )  # fmt: skip
-    n_m = _unpadded(n_m, n0, b, KEY_SPANS, HAS_BIAS)
-    n_iter = group * n_m
+    n_iter = group * _unpadded(n_m, n0, b, KEY_SPANS, HAS_BIAS)
     dk = gl.zeros([KEYS, BLOCK_D], gl.float32, kv_layout)
     dv = gl.zeros([KEYS, BLOCK_D], gl.float32, kv_layout)
     s_zero = gl.zeros([KEYS, BLOCK_M], gl.float32, s_layout)
@@ -1160,8 +1161,7 @@ def _consumer_split_d(
         p0, gl.program_id(1), gl.program_id(2), gl.num_programs(0), Hkv, Sq, Sk, q_start, k_start, left, rows_first,
         rows_n, CAUSAL, HAS_LEFT, ROWS, BLOCK_M, BLOCK_N, GROUPED_HEADS,
     )  # fmt: skip
-    n_m = _unpadded(n_m, n0, b, KEY_SPANS, HAS_BIAS)
-    n_iter = group * n_m
+    n_iter = group * _unpadded(n_m, n0, b, KEY_SPANS, HAS_BIAS)
     dk = gl.zeros([BLOCK_N, DK_COLS], gl.float32, acc_layout)
     dv = gl.zeros([BLOCK_N, COLS_V], gl.float32, v_layout)
     s_zero = gl.zeros([BLOCK_N, QROWS], gl.float32, s_layout)
