@@ -19,34 +19,30 @@ import os
 import sys
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
-from unittest import mock
 
 os.environ.pop("TRITON_INTERPRET", None)
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from ringflash.kernels import configs  # noqa: E402
 from ringflash.kernels import gluon_backward as gb  # noqa: E402
 
 
 def one(case: tuple, dump: str | None = None) -> dict:
-    variant, D, causal, dtype, accumulate, group, window_left, rows, Dv, key_bias, copies_first = case
+    variant, D, causal, dtype, accumulate, group, window_left, rows, Dv, key_bias = case
     try:
-        with mock.patch.object(configs, "GLUON_BWD_COPIES_FIRST", copies_first):
-            row = gb.hopper_report(
-                gb.config_for(D, variant),
-                D,
-                causal=causal,
-                dtype=dtype,
-                accumulate=accumulate,
-                group=group,
-                dump=Path(dump) / variant if dump else None,
-                window_left=window_left,
-                rows=rows,
-                head_dim_v=Dv,
-                key_bias=key_bias,
-            )
-        row["copies_first"] = copies_first
+        row = gb.hopper_report(
+            gb.config_for(D, variant),
+            D,
+            causal=causal,
+            dtype=dtype,
+            accumulate=accumulate,
+            group=group,
+            dump=Path(dump) / variant if dump else None,
+            window_left=window_left,
+            rows=rows,
+            head_dim_v=Dv,
+            key_bias=key_bias,
+        )
         row["problems"] = gb.report_problems(row)
     except Exception as e:  # reported as a row: the caller decides
         row = {"error": f"{type(e).__name__}: {e}"[:4000], "D": D, "Dv": Dv or D, "causal": causal, "dtype": dtype}
@@ -91,7 +87,6 @@ def main():
     ap.add_argument("--window-left", type=int, help="a sliding window of this left reach (right: 0 if causal)")
     ap.add_argument("--rows", action="store_true", help="packed documents' per-row bounds (--causal then unused)")
     ap.add_argument("--key-bias", action="store_true", help="with a key bias (a key padding mask's)")
-    ap.add_argument("--copies-first", action="store_true", help="configs.GLUON_BWD_COPIES_FIRST on (with --key-bias)")
     ap.add_argument("--jobs", type=int, default=1, help="compile processes (the CPU machine is shared: 1-2)")
     ap.add_argument("--dump", help="write PTX, TTGIR, SASS and ptxas's log here")
     ap.add_argument("--json", type=Path)
@@ -99,19 +94,7 @@ def main():
     if not gb.HAS_GLUON:
         sys.exit(f"Gluon not importable: {gb.GLUON_ERROR}")
     cases = [
-        (
-            v,
-            D,
-            bool(c),
-            dt,
-            bool(a),
-            args.group,
-            args.window_left,
-            args.rows,
-            args.v_head_dim,
-            args.key_bias,
-            args.copies_first,
-        )
+        (v, D, bool(c), dt, bool(a), args.group, args.window_left, args.rows, args.v_head_dim, args.key_bias)
         for v in args.variants
         for D in args.head_dims
         if gb.padded_head_dim(D) in gb.VARIANTS[v]

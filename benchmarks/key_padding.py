@@ -1,11 +1,9 @@
 """Key padding masks' cost: ringflash with a key padding mask on the Gluon kernels
 (configs.GLUON_KEY_BIAS), alone and with each of its two savings: _plain, each row's zero-bias
 span computed without the bias (configs.PLAIN_ZERO_BIAS_KEYS); _cut, the trailing padding's key
-blocks skipped (configs.GLUON_CUT_KEY_PADDING); _cut_plain, both; _cut_plain_early, both and
-the fused backward's producer copying before it reads the cut (configs.GLUON_BWD_COPIES_FIRST).
-Beside them the Triton kernels with the mask, ringflash without a mask and SDPA with the same
-mask as a boolean attn_mask (its memory-efficient backend, the one that takes a mask; cuDNN's
-takes none), in the same run.
+blocks skipped (configs.GLUON_CUT_KEY_PADDING); _cut_plain, both. Beside them the Triton kernels
+with the mask, ringflash without a mask and SDPA with the same mask as a boolean attn_mask (its
+memory-efficient backend, the one that takes a mask; cuDNN's takes none), in the same run.
 
     python -m benchmarks.key_padding --json benchmarks/results/key_padding_h200.json
     python -m benchmarks.key_padding --modes bwd --hides-nothing   # the mask's own cost, backward alone
@@ -14,10 +12,10 @@ takes none), in the same run.
 A right-padded batch: B rows, row b holding S - b * S / (2 B) real keys (the rest padding,
 hidden from every query); --hides-nothing: a mask of B x S False (every key visible, each
 row's bias all zeros). Modes: fwd, fwd+bwd, bwd (the backward alone, of one forward kept).
-Prints TFLOP/s of the attention as if every pair were computed (forward 4*B*H*S*S*D, half for
-causal; forward+backward 3.5x, backward 2.5x) and time ratios (above 1: the second is
-faster): each saving over the plain Gluon path, the Gluon path over the Triton one, over
-ringflash without a mask (also with the spans: the mask's own cost) and over SDPA with the
+Prints TFLOP/s of the attention as if every pair were computed
+(forward 4*B*H*S*S*D, half for causal; forward+backward 3.5x, backward 2.5x) and time ratios (above 1: the
+second is faster): each saving over the plain Gluon path, the Gluon path over the Triton one,
+over ringflash without a mask (also with the spans: the mask's own cost) and over SDPA with the
 mask. Medians of triton.testing.do_bench on the GPU."""
 
 from __future__ import annotations
@@ -47,7 +45,6 @@ def runner(impl, tensors, causal, mask, mode):
         GLUON_KEY_BIAS=impl.startswith("gluon"),
         GLUON_CUT_KEY_PADDING="cut" in impl,
         PLAIN_ZERO_BIAS_KEYS="plain" in impl,
-        GLUON_BWD_COPIES_FIRST="early" in impl,
     )
 
     def flagged(fn):  # (the backward too: it decides by the flags when it runs)
@@ -88,29 +85,18 @@ def main():
     args = ap.parse_args()
     device, dtype = bench_device(args.smoke)
     B, seqlens, dims, H = (2, [64], [16], 2) if args.smoke else (args.batch, args.seqlens, args.head_dims, args.heads)
-    impls = (
-        "gluon",
-        "gluon_plain",
-        "gluon_cut",
-        "gluon_cut_plain",
-        "gluon_cut_plain_early",
-        "triton",
-        "no_mask",
-        "sdpa",
-    )
+    impls = ("gluon", "gluon_plain", "gluon_cut", "gluon_cut_plain", "triton", "no_mask", "sdpa")
     ratios = dict(  # name: (numerator's time, denominator's, column): above 1, the second is faster
         plain_over_gluon=("gluon", "gluon_plain", "plain/g"),
         cut_over_gluon=("gluon", "gluon_cut", "cut/g"),
         both_over_gluon=("gluon", "gluon_cut_plain", "both/g"),
-        early_over_both=("gluon_cut_plain", "gluon_cut_plain_early", "early/both"),
         gluon_over_triton=("triton", "gluon", "g/triton"),
         gluon_over_no_mask=("no_mask", "gluon", "g/nomask"),
         plain_over_no_mask=("no_mask", "gluon_plain", "plain/nomask"),
         gluon_over_sdpa=("sdpa", "gluon", "g/sdpa"),
     )
     rows = []
-    width = max(15, *map(len, impls))
-    print(f"{'D':>4} {'S':>6} {'causal':>6} {'mode':>8} " + " ".join(f"{i:>{width}}" for i in impls)
+    print(f"{'D':>4} {'S':>6} {'causal':>6} {'mode':>8} " + " ".join(f"{i:>15}" for i in impls)
           + "".join(f" {c:>12}" for _, _, c in ratios.values()))  # fmt: skip
     for D in dims:
         for S in seqlens:
@@ -129,7 +115,7 @@ def main():
                     row.update({r: ms[a] / ms[b] for r, (a, b, _) in ratios.items()})
                     rows.append(row)
                     print(
-                        f"{D:>4} {S:>6} {causal!s:>6} {mode:>8} " + " ".join(f"{tf[i]:{width}.1f}" for i in impls)
+                        f"{D:>4} {S:>6} {causal!s:>6} {mode:>8} " + " ".join(f"{tf[i]:15.1f}" for i in impls)
                         + "".join(f" {row[r]:12.3f}" for r in ratios),
                         flush=True,
                     )  # fmt: skip

@@ -409,8 +409,7 @@ def test_gluon_key_bias_compiles_for_hopper(tmp_path):
     backward's defaults at D=128 (accumulating) and MLA's 192 / 128. The forward's bias rides
     in a TMA ring beside K: its shared memory is the same case's without a bias plus STAGES x
     128 keys x 4 bytes, within the H200's limit. The backward's zero-bias blocks branch around
-    the bias instead of selecting; with its producer's copies sent before the padding cut's load
-    (configs.GLUON_BWD_COPIES_FIRST) it compiles too."""
+    the bias instead of selecting."""
     from ringflash.kernels.configs import GLUON_BWD, GLUON_FWD, GLUON_FWD_LONG, GLUON_FWD_SHORT
     from ringflash.kernels.gluon_forward import HOPPER_SHARED_BYTES, config_for
 
@@ -451,11 +450,3 @@ def test_gluon_key_bias_compiles_for_hopper(tmp_path):
         tmp_path)  # fmt: skip
     (without,) = json.loads(plain.read_text())
     assert rows[0]["fsel"] - without["fsel"] <= 8, (without["fsel"], rows[0]["fsel"])
-    # configs.GLUON_BWD_COPIES_FIRST (off by default): the producer's copies before the cut's load
-    early = tmp_path / "e.json"
-    run([sys.executable, "benchmarks/gluon_bwd_report.py", "--variants", GLUON_BWD[128], "--head-dims", "128",
-         "--causal", "1", "--dtypes", "bf16", "--accumulate", "1", "--key-bias", "--copies-first", "--jobs", "1",
-         "--json", str(early)], tmp_path)  # fmt: skip
-    (r,) = json.loads(early.read_text())
-    assert r["copies_first"] and not r["problems"] and r["spill_bytes"] == 0, r
-    assert r["sass_lines"] != rows[0]["sass_lines"], "the flag changed nothing"

@@ -498,24 +498,6 @@ def test_gluon_key_bias(tier, D, Dv, causal, monkeypatch):
     ran. Keys 1031 a row (the bias copied to 16-byte rows for its TMA descriptor); the key blocks
     past a row's last visible key are skipped (configs.GLUON_CUT_KEY_PADDING), and those of a
     zero-bias span computed without the bias (configs.PLAIN_ZERO_BIAS_KEYS; "runs")."""
-    _check_gluon_key_bias(tier, D, Dv, causal, monkeypatch)
-
-
-@pytest.mark.parametrize("D,Dv", [(64, 64), (128, 128), (192, 128), (256, 256)])
-@pytest.mark.parametrize("causal", [False, True])
-def test_gluon_key_bias_copies_first(D, Dv, causal, monkeypatch):
-    """test_gluon_key_bias's checks with configs.GLUON_BWD_COPIES_FIRST: the fused backward's
-    producer sends K, V and its first stages before it reads the padding cut, and waits for them
-    itself in a block the cut leaves empty (the "bool" and "float" masks hide a row's last keys:
-    such blocks occur; a wrong wait hangs, a missing one may end a program with copies in
-    flight)."""
-    from ringflash.kernels import configs
-
-    monkeypatch.setattr(configs, "GLUON_BWD_COPIES_FIRST", True)
-    _check_gluon_key_bias("middle", D, Dv, causal, monkeypatch)
-
-
-def _check_gluon_key_bias(tier, D, Dv, causal, monkeypatch):
     from ringflash.kernels import configs
 
     fwd_calls, bwd_calls = key_bias_on_gluon(monkeypatch)

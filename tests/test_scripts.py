@@ -192,16 +192,7 @@ def test_bench_packed_smoke(tmp_path):
 def test_bench_key_padding_smoke(tmp_path):
     run([sys.executable, "-m", "benchmarks.key_padding", "--smoke", "--json", str(tmp_path / "k.json")], tmp_path)
     rows = json.loads((tmp_path / "k.json").read_text())["rows"]
-    impls = {
-        "gluon",
-        "gluon_plain",
-        "gluon_cut",
-        "gluon_cut_plain",
-        "gluon_cut_plain_early",
-        "triton",
-        "no_mask",
-        "sdpa",
-    }
+    impls = {"gluon", "gluon_plain", "gluon_cut", "gluon_cut_plain", "triton", "no_mask", "sdpa"}
     assert len(rows) == 4 and all(r["ms"].keys() == impls for r in rows)
     assert all(r["plain_over_gluon"] == r["ms"]["gluon"] / r["ms"]["gluon_plain"] for r in rows)
     # the backward alone, under a mask that hides nothing

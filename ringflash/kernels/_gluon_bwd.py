@@ -149,16 +149,15 @@ def _unpadded(n_m, n0, b, KEY_SPANS, HAS_BIAS: gl.constexpr):
 
 
 @gluon.jit
-def _plain_block(KEY_SPANS, b, n0, BLOCK_N: gl.constexpr, HAS_BIAS: gl.constexpr, IN_ORDER: gl.constexpr = False):
+def _plain_block(KEY_SPANS, b, n0, BLOCK_N: gl.constexpr, HAS_BIAS: gl.constexpr):
     """Whether the key block [n0, n0 + BLOCK_N) lies in its batch row's zero-bias span
     (KEY_SPANS[b, 1:], key_bias.key_spans; multiples of PLAIN_ALIGN, which BLOCK_N divides): its
     probabilities are rebuilt without the bias, as every kernel computed them (_probs_t).
-    False without HAS_BIAS. IN_ORDER: the span's loads issued here, beside the cut's
-    (_plain_span), not after the block's first wait."""
+    False without HAS_BIAS."""
     plain = n0 < 0
     if HAS_BIAS:
         gl.static_assert(PLAIN_ALIGN % BLOCK_N == 0, "a zero-bias span holds whole key blocks")
-        plain_lo, plain_hi = _plain_span(KEY_SPANS, b, HAS_BIAS, IN_ORDER)
+        plain_lo, plain_hi = _plain_span(KEY_SPANS, b, HAS_BIAS)
         plain = _span_holds(n0, BLOCK_N, plain_lo, plain_hi)
     return plain
 
@@ -353,53 +352,38 @@ def _produce_key_block(
     kv_bar, kv_empty, ready, empty, CAUSAL: gl.constexpr, HAS_LEFT: gl.constexpr, ROWS: gl.constexpr,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, BLOCK_DT: gl.constexpr,
     STAGES: gl.constexpr, WALK: gl.constexpr, GROUPED_HEADS: gl.constexpr, KEY_SPANS, HAS_BIAS: gl.constexpr,
-    COPIES_FIRST: gl.constexpr, PERSISTENT: gl.constexpr,
+    PERSISTENT: gl.constexpr,
 ):  # fmt: skip
     """The loads of the key block at grid coordinates (p0, p1, p2) (_plan), after the `it` steps
     and `uses` K / V loads of the program's earlier blocks; returns its steps. With BLOCK_DT > 0
     (q/k's head dim in two pieces) also the tail pieces of K (columns BLOCK_D ..) and of every Q
-    block, on the same barriers. block_rows: as _consume_key_block's. COPIES_FIRST (one block a
-    program, a key bias): K, V and the first STAGES stages go out before the padding cut is read
-    (_unpadded's load then waits under the copies, not before them); a block the cut leaves
-    without steps waits for them here, since no consumer will and none may be in flight when
-    the program ends."""
+    block, on the same barriers. block_rows: as _consume_key_block's."""
     if PERSISTENT:  # packed documents: this block's query blocks (_block_rows; else the kernel's)
         rows_first, rows_n = block_rows[0], block_rows[1]
     b, hk, n0, m_first, n_m, _, _, _ = _plan(
         p0, p1, p2, dim0, Hkv, Sq, Sk, q_start, k_start, left, rows_first, rows_n, CAUSAL, HAS_LEFT, ROWS, BLOCK_M,
         BLOCK_N, GROUPED_HEADS,
     )  # fmt: skip
-    gl.static_assert(not (COPIES_FIRST and PERSISTENT), "copies before the cut: one block a program")
-    n_iter = group * n_m
-    if not COPIES_FIRST:
-        n_iter = group * _unpadded(n_m, n0, b, KEY_SPANS, HAS_BIAS)
+    n_iter = group * _unpadded(n_m, n0, b, KEY_SPANS, HAS_BIAS)
     # K and V are loaded only when the consumers will wait for them (n_iter > 0): no copy may
     # still be in flight when the program ends
-    first = 0
-    if PERSISTENT or COPIES_FIRST:
-        # the first stages before K and V: PERSISTENT, their slots free up as the previous
-        # block's last steps end, K's and V's buffer only once both consumers are done with it;
-        # COPIES_FIRST, all before the cut's load
+    if PERSISTENT:
+        # the first stages before K and V: their slots free up as the previous block's last
+        # steps end, K's and V's buffer only once both consumers are done with it (kv_empty:
+        # count 2, its use-th phase; a fresh barrier passes parity 1)
         first = gl.minimum(n_iter, STAGES)
         for i in range(first):
             _produce_stage(
                 it + i, i, b, hk, group, m_first, n_m, p0, q_desc, do_desc, st_desc, qt_desc, q_bufs, do_bufs,
                 st_bufs, qt_bufs, ready, empty, Hq, Sq_pad, BLOCK_M, BLOCK_D, BLOCK_DT, STAGES, WALK,
             )  # fmt: skip
-    if PERSISTENT:
-        if n_iter > 0:  # (kv_empty: count 2, its use-th phase; a fresh barrier passes parity 1)
+        if n_iter > 0:
             mbarrier.wait(kv_empty.index(0), (uses & 1) ^ 1)
             _produce_kv(b, hk, n0, k_desc, v_desc, kt_desc, k_smem, v_smem, kt_smem, kv_bar, BLOCK_D, BLOCK_DT)
     else:
+        first = 0
         if n_iter > 0:
             _produce_kv(b, hk, n0, k_desc, v_desc, kt_desc, k_smem, v_smem, kt_smem, kv_bar, BLOCK_D, BLOCK_DT)
-        if COPIES_FIRST:
-            if _unpadded(n_m, n0, b, KEY_SPANS, HAS_BIAS) == 0:  # cut (the consumers read the same)
-                if n_iter > 0:
-                    mbarrier.wait(kv_bar.index(0), uses & 1)
-                for i in range(first):  # (the stages and phases _produce_stage filled)
-                    mbarrier.wait(ready.index((it + i) % STAGES), ((it + i) // STAGES) & 1)
-                n_iter = n_iter * 0
     for i in range(first, n_iter):
         _produce_stage(
             it + i, i, b, hk, group, m_first, n_m, p0, q_desc, do_desc, st_desc, qt_desc, q_bufs, do_bufs, st_bufs,
@@ -654,7 +638,6 @@ def _consume_key_block(
     stride_bias_b,
     KEY_SPANS,
     HAS_BIAS: gl.constexpr,
-    COPIES_FIRST: gl.constexpr,
     p0,
     p1,
     p2,
@@ -702,7 +685,7 @@ def _consume_key_block(
     bias2 = qk_scale  # (a stand-in without a key bias, never read)
     if HAS_BIAS:  # this warpgroup's keys' bias, for every step of the block
         bias2 = _key_bias2(BIAS, b, stride_bias_b, key_idx, Sk)
-    plain = _plain_block(KEY_SPANS, b, n0, BLOCK_N, HAS_BIAS, COPIES_FIRST)
+    plain = _plain_block(KEY_SPANS, b, n0, BLOCK_N, HAS_BIAS)
     q_idx = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
     dq_rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, dq_layout))
     dq_cols = WG * DQ_COLS + gl.arange(0, DQ_COLS, layout=gl.SliceLayout(0, dq_layout))
@@ -1117,7 +1100,6 @@ def _consumer_split_d(
     stride_bias_b,
     KEY_SPANS,
     HAS_BIAS: gl.constexpr,
-    COPIES_FIRST: gl.constexpr,
 ):
     """The wide head dims' consumer (SPLIT_D): both warpgroups share the 64 keys of the block and
     own half of the head-dim columns each (dK, dV of 64 keys x 256 would need 256 registers a
@@ -1170,7 +1152,7 @@ def _consumer_split_d(
     bias2 = qk_scale  # (a stand-in without a key bias, never read)
     if HAS_BIAS:  # the block's keys' bias, for every step
         bias2 = _key_bias2(BIAS, b, stride_bias_b, key_idx, Sk)
-    plain = _plain_block(KEY_SPANS, b, n0, BLOCK_N, HAS_BIAS, COPIES_FIRST)
+    plain = _plain_block(KEY_SPANS, b, n0, BLOCK_N, HAS_BIAS)
     q_idx = WG * QROWS + gl.arange(0, QROWS, layout=gl.SliceLayout(0, s_layout))
     dq_rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, dq_layout))
     dq_cols = DQ_COL0 + gl.arange(0, DQ_COLS, layout=gl.SliceLayout(0, dq_layout))
@@ -1296,7 +1278,6 @@ def _bwd_ws2(
     PERSISTENT: gl.constexpr,
     ORDERED: gl.constexpr,
     HAS_BIAS: gl.constexpr,
-    COPIES_FIRST: gl.constexpr,
     PRODUCER_REGS: gl.constexpr,
     CONSUMER_REGS: gl.constexpr,
     num_warps: gl.constexpr,
@@ -1319,9 +1300,7 @@ def _bwd_ws2(
     apart, the forward's key bias (natural-log units; -inf hides a key), and KEY_SPANS (B, 3)
     int32, key_bias.key_spans: each batch row's last key it does not hide, plus one (key blocks
     past it do nothing but store zeros: _unpadded), and its keys of zero bias (rebuilt without
-    it: _plain_block); else any pointers. COPIES_FIRST (with HAS_BIAS, not PERSISTENT): the
-    producer reads the cut after its first copies (_produce_key_block), and the consumers issue
-    the span's loads beside the cut's (_plain_block)."""
+    it: _plain_block); else any pointers."""
     gl.static_assert(num_warps == 4, "the default partition is one consumer warpgroup")
     gl.static_assert(q_desc.block_type.shape[1] == BLOCK_M)
     gl.static_assert(k_desc.block_type.shape[1] == BLOCK_N)
@@ -1448,14 +1427,13 @@ def _bwd_ws2(
         stride_bias_b,
         KEY_SPANS,
         HAS_BIAS,
-        COPIES_FIRST,
     )
     # _produce_key_block's arguments between the block's `uses` and PERSISTENT
     producer_args: gl.constexpr = (
         Hq, Hkv, group, Sq, Sk, Sq_pad, q_start, k_start, left, rows_first, rows_n, q_desc, do_desc, k_desc, v_desc,
         st_desc, qt_desc, kt_desc, q_bufs, do_bufs, st_bufs, qt_bufs, k_smem, v_smem, kt_smem, kv_bar, kv_empty, ready,
         empty, CAUSAL, HAS_LEFT, ROWS, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DT, STAGES, WALK, GROUPED_HEADS, KEY_SPANS,
-        HAS_BIAS, COPIES_FIRST,
+        HAS_BIAS,
     )  # fmt: skip
     rows_args: gl.constexpr = (Sq, Sk, q_start, k_start, QLO, QHI, BLOCK_M, BLOCK_N)  # (_block_rows)
     # both drivers' arguments after their own: the key blocks handed out and the slots passing them

@@ -361,17 +361,15 @@ def _unpadded_blocks(n, lo, b, KEY_SPANS, KEYS: gl.constexpr, HAS_BIAS: gl.const
 
 
 @gluon.jit
-def _plain_span(KEY_SPANS, b, HAS_BIAS: gl.constexpr, IN_ORDER: gl.constexpr = False):
+def _plain_span(KEY_SPANS, b, HAS_BIAS: gl.constexpr):
     """(lo, hi): batch row b's keys of zero bias, multiples of key_bias.PLAIN_ALIGN
     (KEY_SPANS[b, 1:], key_bias.key_spans), which take the unbiased arithmetic (_biased_scores);
-    an empty span without HAS_BIAS. IN_ORDER: volatile loads, issued where they stand (ptxas
-    moves plain loads into the branch that first uses them: after any load that branch waits
-    on, one latency after another)."""
+    an empty span without HAS_BIAS."""
     lo = b * 0
     hi = lo
     if HAS_BIAS:
-        lo = gl.load(KEY_SPANS + 3 * b + 1, volatile=IN_ORDER)
-        hi = gl.load(KEY_SPANS + 3 * b + 2, volatile=IN_ORDER)
+        lo = gl.load(KEY_SPANS + 3 * b + 1)
+        hi = gl.load(KEY_SPANS + 3 * b + 2)
     return lo, hi
 
 

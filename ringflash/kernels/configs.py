@@ -240,14 +240,6 @@ GLUON_CUT_KEY_PADDING = True
 # the spans 1.00-1.30x forward, 1.00-1.07x forward+backward over the bias everywhere; with the
 # cut 1.07-1.67x / 1.07-1.28x. False: every span empty, the bias on every key.
 PLAIN_ZERO_BIAS_KEYS = True
-# The fused backward's producer (one program a key block) sends K, V and its first stages before
-# it reads the padding cut's key_hi, and waits for those copies itself when the block turns out
-# cut; its consumers issue the zero-bias span's loads with the cut's (ptxas had put them after
-# the wait for the cut: two latencies in a row). Built for the causal backward with a key bias,
-# which takes ~1.14x the time without one even when nothing is hidden, the cost being the
-# kernel's per-block loads (benchmarks/NOTES.md "The backward's zero-bias branch"); not yet run
-# on a GPU: off.
-GLUON_BWD_COPIES_FIRST = False
 # Packed documents (per-row bounds) in the fused backward: checked against float64 on one H200
 # (tests/test_gpu_local.py -k documents). One H200, bf16, H=32, D=128, causal documents,
 # forward+backward over the two Triton passes (python -m benchmarks.packed --variants

@@ -40,7 +40,7 @@ import triton.language as tl
 from ..masks import KEY_ORDER_BLOCK
 from ..merge import DeltaOf
 from ..reference import delta as torch_delta
-from . import configs, head_dim_pieces
+from . import head_dim_pieces
 from .gluon_forward import (
     HOPPER_SHARED_BYTES,
     LOG2E,
@@ -688,7 +688,6 @@ def launch_plan(
         GROUPED_HEADS=False,
         PERSISTENT=False,
         HAS_BIAS=key_bias is not None,
-        COPIES_FIRST=False,
         PRODUCER_REGS=cfg.producer_regs,
         CONSUMER_REGS=cfg.consumer_regs,
         num_warps=cfg.num_warps,
@@ -745,8 +744,6 @@ def launch_plan(
     if persistent:
         kwargs["PERSISTENT"] = True
         grid = (min(num_tiles, multiprocessors(q.device)),)
-    else:
-        kwargs["COPIES_FIRST"] = key_bias is not None and configs.GLUON_BWD_COPIES_FIRST
     return _k.KERNELS[cfg.schedule], grid, args, kwargs
 
 
