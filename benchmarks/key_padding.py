@@ -16,11 +16,14 @@ Prints TFLOP/s of the attention as if every pair were computed
 (forward 4*B*H*S*S*D, half for causal; forward+backward 3.5x, backward 2.5x) and time ratios (above 1: the
 second is faster): each saving over the plain Gluon path, the Gluon path over the Triton one,
 over ringflash without a mask (also with the spans: the mask's own cost) and over SDPA with the
-mask. Medians of triton.testing.do_bench on the GPU."""
+mask. Medians of triton.testing.do_bench on the GPU, each impl timed --rounds times round-robin
+(each round starting one impl later: the GPU's clocks drift over a run) and the median kept;
+spread: the largest max / min of one impl's rounds in the row."""
 
 from __future__ import annotations
 
 import argparse
+import statistics
 from unittest import mock
 
 import torch
@@ -81,10 +84,12 @@ def main():
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--modes", nargs="+", choices=("fwd", "fwd+bwd", "bwd"), default=["fwd", "fwd+bwd"])
     ap.add_argument("--hides-nothing", action="store_true", help="a mask of all False: the mask's own cost")
+    ap.add_argument("--rounds", type=int, default=3, help="timings of each impl, round-robin; the median is reported")
     add_local_args(ap, [4096, 8192])
     args = ap.parse_args()
     device, dtype = bench_device(args.smoke)
     B, seqlens, dims, H = (2, [64], [16], 2) if args.smoke else (args.batch, args.seqlens, args.head_dims, args.heads)
+    rounds = args.rounds
     impls = ("gluon", "gluon_plain", "gluon_cut", "gluon_cut_plain", "triton", "no_mask", "sdpa")
     ratios = dict(  # name: (numerator's time, denominator's, column): above 1, the second is faster
         plain_over_gluon=("gluon", "gluon_plain", "plain/g"),
@@ -93,11 +98,12 @@ def main():
         gluon_over_triton=("triton", "gluon", "g/triton"),
         gluon_over_no_mask=("no_mask", "gluon", "g/nomask"),
         plain_over_no_mask=("no_mask", "gluon_plain", "plain/nomask"),
+        both_over_no_mask=("no_mask", "gluon_cut_plain", "both/nomask"),
         gluon_over_sdpa=("sdpa", "gluon", "g/sdpa"),
     )
     rows = []
     print(f"{'D':>4} {'S':>6} {'causal':>6} {'mode':>8} " + " ".join(f"{i:>15}" for i in impls)
-          + "".join(f" {c:>12}" for _, _, c in ratios.values()))  # fmt: skip
+          + "".join(f" {c:>12}" for _, _, c in ratios.values()) + f" {'spread':>8}")  # fmt: skip
     for D in dims:
         for S in seqlens:
             mask = right_padding(B, S, device)
@@ -107,16 +113,21 @@ def main():
                 for mode in args.modes:
                     ours, sdpa = make_inputs(B, S, H, D, dtype, device)
                     flops = attention_flops(B, H, S, D, causal, mode)
-                    ms = {i: bench_ms(runner(i, sdpa if i == "sdpa" else ours, causal, mask, mode), device)
-                          for i in impls}  # fmt: skip
+                    fns = {i: runner(i, sdpa if i == "sdpa" else ours, causal, mask, mode) for i in impls}
+                    times = {i: [] for i in impls}
+                    for r in range(rounds):  # round-robin, each round from the next impl: clocks drift
+                        for i in impls[r % len(impls) :] + impls[: r % len(impls)]:
+                            times[i].append(bench_ms(fns[i], device))
+                    ms = {i: statistics.median(t) for i, t in times.items()}
+                    spread = max(max(t) / min(t) for t in times.values())
                     tf = {name: flops / (t * 1e-3) / 1e12 for name, t in ms.items()}
-                    row = dict(B=B, D=D, S=S, H=H, causal=causal, mode=mode, ms=ms, tflops=tf,
-                               hides_nothing=args.hides_nothing)  # fmt: skip
+                    row = dict(B=B, D=D, S=S, H=H, causal=causal, mode=mode, ms=ms, tflops=tf, rounds=times,
+                               spread=spread, hides_nothing=args.hides_nothing)  # fmt: skip
                     row.update({r: ms[a] / ms[b] for r, (a, b, _) in ratios.items()})
                     rows.append(row)
                     print(
                         f"{D:>4} {S:>6} {causal!s:>6} {mode:>8} " + " ".join(f"{tf[i]:15.1f}" for i in impls)
-                        + "".join(f" {row[r]:12.3f}" for r in ratios),
+                        + "".join(f" {row[r]:12.3f}" for r in ratios) + f" {spread:8.3f}",
                         flush=True,
                     )  # fmt: skip
     write_json(args.json, dict(device=device_name(device), dtype=str(dtype), rows=rows))
