@@ -190,16 +190,31 @@ def test_bench_packed_smoke(tmp_path):
 
 
 def test_bench_key_padding_smoke(tmp_path):
-    run([sys.executable, "-m", "benchmarks.key_padding", "--smoke", "--json", str(tmp_path / "k.json")], tmp_path)
+    cmd = [sys.executable, "-m", "benchmarks.key_padding", "--smoke", "--rounds", "1", "--json"]
+    run(cmd + [str(tmp_path / "k.json")], tmp_path)
     rows = json.loads((tmp_path / "k.json").read_text())["rows"]
     impls = {"gluon", "gluon_plain", "gluon_cut", "gluon_cut_plain", "triton", "no_mask", "sdpa"}
     assert len(rows) == 4 and all(r["ms"].keys() == impls for r in rows)
     assert all(r["plain_over_gluon"] == r["ms"]["gluon"] / r["ms"]["gluon_plain"] for r in rows)
-    # the backward alone, under a mask that hides nothing
-    cmd = [sys.executable, "-m", "benchmarks.key_padding", "--smoke", "--modes", "bwd", "--hides-nothing", "--json"]
-    run(cmd + [str(tmp_path / "b.json")], tmp_path)
+    # the backward alone, under a mask that hides nothing; each impl timed in two rounds, the
+    # median (of two: their mean) reported
+    cmd = [sys.executable, "-m", "benchmarks.key_padding", "--smoke", "--modes", "bwd", "--hides-nothing"]
+    run(cmd + ["--rounds", "2", "--json", str(tmp_path / "b.json")], tmp_path)
     rows = json.loads((tmp_path / "b.json").read_text())["rows"]
     assert [(r["causal"], r["mode"], r["hides_nothing"]) for r in rows] == [(False, "bwd", True), (True, "bwd", True)]
+    for r in rows:
+        assert all(len(t) == 2 and r["ms"][i] == sum(t) / 2 for i, t in r["rounds"].items()), r
+        assert r["spread"] == max(max(t) / min(t) for t in r["rounds"].values()) >= 1, r
+
+
+def test_bench_mask_cost_smoke(tmp_path):
+    cmd = [sys.executable, "-m", "benchmarks.mask_cost", "--smoke", "--pairs", "2", "--modes", "bwd", "fwd+bwd"]
+    run(cmd + ["--json", str(tmp_path / "m.json")], tmp_path)
+    rows = json.loads((tmp_path / "m.json").read_text())["rows"]
+    assert [(r["causal"], r["mode"]) for r in rows] == [(c, m) for c in (False, True) for m in ("bwd", "fwd+bwd")]
+    for r in rows:  # each pair timed both ways; the ratio their median
+        assert len(r["ms"]) == 2 and all(t.keys() == {"none", "mask"} and min(t.values()) > 0 for t in r["ms"])
+        assert r["ratios"] == [t["mask"] / t["none"] for t in r["ms"]] and r["ratio"] == sum(r["ratios"]) / 2, r
 
 
 def test_bench_dropout_smoke(tmp_path):
