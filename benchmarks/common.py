@@ -208,7 +208,9 @@ def documents_forward(name: str):
 
 
 def step_fn(call, inputs, do, mode):
-    """fn() running call() without gradients (mode "fwd") or forward + backward with dO = do."""
+    """fn() running call() without gradients (mode "fwd"), forward + backward with dO = do
+    ("fwd+bwd"), or the backward alone ("bwd"): call() runs once here and fn() takes the
+    gradients of inputs from its output, the graph kept for the next fn()."""
 
     def fwd():
         with torch.no_grad():
@@ -219,6 +221,9 @@ def step_fn(call, inputs, do, mode):
             t.grad = None
         call().backward(do)
 
+    if mode == "bwd":
+        out = call()
+        return lambda: torch.autograd.grad(out, inputs, do, retain_graph=True)
     return fwd if mode == "fwd" else fwd_bwd
 
 

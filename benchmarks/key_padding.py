@@ -73,10 +73,7 @@ def runner(impl, tensors, causal, mask, mode):
     else:
         kpm = None if impl == "no_mask" else mask
         call = flagged(lambda: flash_attn_func(q, k, v, causal=causal, key_padding_mask=kpm))
-    if mode == "bwd":
-        out = call()  # one forward; its graph kept for every timed backward
-        return flagged(lambda: torch.autograd.grad(out, (q, k, v), do, retain_graph=True))
-    return flagged(step_fn(call, (q, k, v), do, mode))
+    return flagged(step_fn(call, (q, k, v), do, mode))  # ("bwd": its forward runs here, flagged)
 
 
 def main():
@@ -89,7 +86,6 @@ def main():
     args = ap.parse_args()
     device, dtype = bench_device(args.smoke)
     B, seqlens, dims, H = (2, [64], [16], 2) if args.smoke else (args.batch, args.seqlens, args.head_dims, args.heads)
-    rounds = args.rounds
     impls = ("gluon", "gluon_plain", "gluon_cut", "gluon_cut_plain", "triton", "no_mask", "sdpa")
     ratios = dict(  # name: (numerator's time, denominator's, column): above 1, the second is faster
         plain_over_gluon=("gluon", "gluon_plain", "plain/g"),
@@ -115,7 +111,7 @@ def main():
                     flops = attention_flops(B, H, S, D, causal, mode)
                     fns = {i: runner(i, sdpa if i == "sdpa" else ours, causal, mask, mode) for i in impls}
                     times = {i: [] for i in impls}
-                    for r in range(rounds):  # round-robin, each round from the next impl: clocks drift
+                    for r in range(args.rounds):  # round-robin, each round from the next impl: clocks drift
                         for i in impls[r % len(impls) :] + impls[: r % len(impls)]:
                             times[i].append(bench_ms(fns[i], device))
                     ms = {i: statistics.median(t) for i, t in times.items()}
