@@ -23,7 +23,6 @@ from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
-from torch.autograd.function import once_differentiable
 
 from ._checks import AttnDims, check_bool, key_bias_from_mask
 from .balance import pad_rows
@@ -36,7 +35,7 @@ from .comm import (
     warn_placement,
 )
 from .dropout import all_dropped, check_dropout, operator_dropout
-from .local import packed_outputs, without_autocast
+from .local import first_order_only, packed_outputs, without_autocast
 from .merge import state_dtype
 from .ops import _Saved
 from .schedule import chunks_per_rank, is_balanced
@@ -189,7 +188,7 @@ class _HybridAttn(torch.autograd.Function):
         return out, lse
 
     @staticmethod
-    @once_differentiable  # as the ring's: its gradients are not differentiable again
+    @first_order_only
     @without_autocast
     def backward(ctx, dout, dlse):
         """dq, dk, dv (this rank's tokens, as the forward's q, k, v) given the gradients of out

@@ -16,7 +16,6 @@ import os
 from typing import NamedTuple
 
 import torch
-from torch.autograd.function import once_differentiable
 
 from . import reference
 from ._checks import (
@@ -219,6 +218,31 @@ def without_autocast(method):
     return wrapper
 
 
+_SECOND_ORDER = (
+    b"ringflash: attention gradients are first order only; differentiating them again (create_graph=True, "
+    b"e.g. a gradient penalty) is not supported"
+)
+
+
+def first_order_only(backward):
+    """For autograd Function backward: its gradients computed without a graph and, under
+    create_graph=True, returned through a node that raises when differentiated. torch's
+    once_differentiable adds that node only when the incoming gradients require grad; with a
+    loss such as out.sum() they do not, and the gradients would come back as constants that
+    silently drop a gradient penalty's term."""
+
+    @functools.wraps(backward)
+    def wrapper(ctx, *args):
+        with torch.no_grad():
+            grads = backward(ctx, *args)
+        if not torch.is_grad_enabled():
+            return grads
+        raises = torch._C._functions.DelayedError(_SECOND_ORDER, len(grads))
+        return raises(*[None if g is None else g.detach().requires_grad_() for g in grads])
+
+    return wrapper
+
+
 def output_grad(out, do):
     """dO for the backward of (out, lse), contiguous: zeros when only lse was used (do None)."""
     return torch.zeros_like(out) if do is None else do.contiguous()
@@ -311,7 +335,7 @@ class _FlashAttn(torch.autograd.Function):
         return state.o, state.lse() if spec.want_lse else None
 
     @staticmethod
-    @once_differentiable  # its gradients are not differentiable again: an error, not a wrong answer
+    @first_order_only
     @without_autocast
     def backward(ctx, do, dlse):
         q, k, v, out, m, l, key_bias = ctx.saved_tensors

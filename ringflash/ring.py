@@ -15,7 +15,6 @@ import struct
 from dataclasses import dataclass
 
 import torch
-from torch.autograd.function import once_differentiable
 
 from . import balance, ops
 from ._checks import (
@@ -49,6 +48,7 @@ from .local import (
     backward_inputs,
     block_backward,
     block_forward,
+    first_order_only,
     fuses_backward,
     local_backward,
     local_forward,
@@ -268,7 +268,7 @@ class _RingAttn(torch.autograd.Function):
         return out, lse
 
     @staticmethod
-    @once_differentiable  # its gradients are not differentiable again: an error, not a wrong answer
+    @first_order_only
     @without_autocast
     def backward(ctx, do, dlse):
         q, k, v, out, m, l, key_bias = ctx.saved_tensors

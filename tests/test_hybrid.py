@@ -328,6 +328,23 @@ def test_module_with_head_group(worlds):
     worlds(4, **TORCH).run(_module)
 
 
+def _second_order(rank, world):
+    """A gradient penalty through the ring and through heads by all-to-all: the first-order
+    gradients come back, differentiating them raises on every rank."""
+    q, k, v, _ = full_inputs(1, 4 * world, 4 * world, 4, 2, 8, torch.float64, 3)
+    for group, head_group in ((dist.group.WORLD, None), grid(1, world)):
+        leaf = shard(q, group=group, head_group=head_group).clone().requires_grad_()
+        kv = [shard(t, group=group, head_group=head_group) for t in (k, v)]
+        out = ring_flash_attn_func(leaf, *kv, causal=True, group=group, head_group=head_group)
+        (dq,) = torch.autograd.grad(out.sum(), leaf, create_graph=True)
+        with pytest.raises(RuntimeError, match="first order only"):
+            (dq.square().sum() + out.sum()).backward()
+
+
+def test_second_order_gradients_raise_on_every_rank(worlds):
+    worlds(2, **TORCH).run(_second_order)
+
+
 def _hybrid_dropout(rank, world, R, U, layout):
     """Dropout with a head_group: the pairs one device drops (global query heads), every rank of
     the grid on the first rank's seed although their generators differ."""

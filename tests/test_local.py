@@ -157,15 +157,31 @@ def test_lse_is_differentiable(backend):
 
 
 @pytest.mark.parametrize("backend", ["torch"], indirect=True)
-def test_second_order_gradients_raise(backend):
+@pytest.mark.parametrize("seed_loss", ["sum", "square"])
+def test_second_order_gradients_raise(backend, seed_loss):
     """Gradients of the gradients (create_graph=True, e.g. a gradient penalty) are not supported:
-    differentiating the backward raises instead of returning a partial, wrong graph (the torch
-    backend's backward is made of differentiable torch ops, which would otherwise record one)."""
+    differentiating the first-order gradients raises, whether or not the gradient reaching the
+    backward requires grad (out.sum() gives one that does not; torch's once_differentiable let
+    those gradients through as constants and a penalty's term was silently lost), and the
+    first-order gradients are the same as without create_graph."""
+    from ringflash import flash_attn_varlen_func, ring_flash_attn_func
+
     q, k, v = _inputs(1, 7, 6, 2, 1, 8, torch.float64, seed=1)
-    for kw in ({"causal": True}, {"key_padding_mask": torch.tensor([[True] * 5 + [False]])}):
-        (dq,) = torch.autograd.grad(flash_attn_func(q, k, v, **kw).square().sum(), q, create_graph=True)
-        with pytest.raises(RuntimeError, match="once_differentiable"):
-            dq.square().sum().backward()
+    cu = torch.tensor([0, 3, 6], dtype=torch.int32)
+    calls = {
+        "causal": lambda q: flash_attn_func(q, k, v, causal=True),
+        "key_padding_mask": lambda q: flash_attn_func(q, k, v, key_padding_mask=torch.tensor([[True] * 5 + [False]])),
+        "varlen": lambda q: flash_attn_varlen_func(q[0, :6], k[0], v[0], cu, cu, 3, 3, causal=True),
+        "ring": lambda q: ring_flash_attn_func(q[:, :6], k, v, causal=True),
+    }
+    loss = (lambda o: o.sum()) if seed_loss == "sum" else (lambda o: o.square().sum())
+    for name, call in calls.items():
+        out = call(q)
+        (dq,) = torch.autograd.grad(loss(out), q, create_graph=True)
+        (plain,) = torch.autograd.grad(loss(call(q)), q)
+        assert torch.equal(dq.detach(), plain), name
+        with pytest.raises(RuntimeError, match="first order only"):
+            (dq.square().sum() + out.sum()).backward()
 
 
 @pytest.mark.parametrize("backend", ["torch"], indirect=True)
