@@ -502,14 +502,19 @@ def _runs_work(runs, world: int, window: Window) -> dict[int, list[int]]:
                 if pairs:
                     out.setdefault(step, [0] * world)[rank] += pairs
         return out
+    if not bounded:  # a run's queries see the runs on its own rank only: O(runs), not O(runs^2)
+        own: dict[int, list] = {}
+        for run in runs:
+            own.setdefault(run[2], []).append(run)
+        for qa, qb, qr in runs:
+            out[0][qr] += sum(_pairs(qa, qb - qa, ka, kb - ka, window) for ka, kb, _ in own[qr])
+        return out
     for j, (qa, qb, qr) in enumerate(runs):
         for order in (range(j, -1, -1), range(j + 1, len(runs))):  # itself and back, then ahead
             for i in order:
                 ka, kb, kr = runs[i]
-                if not bounded and kr != qr:
-                    continue
                 pairs = _pairs(qa, qb - qa, ka, kb - ka, window)
-                if bounded and pairs == 0:
+                if pairs == 0:
                     break
                 out.setdefault((qr - kr) % world, [0] * world)[qr] += pairs
     return out
@@ -561,6 +566,26 @@ def _window_cut(start: int, n: int, world: int, window: Window, load, parts: int
     return runs
 
 
+def _peak_extras(extra: list[int], n: int) -> list[int]:
+    """For each offset o, max over ranks q of extra[q] + n * (P - 1 - (q - o) mod P): the largest
+    extra once a document of n tokens is cut at offset o (_place_cut), for every o in O(P), not
+    O(P^2). With a[q] = extra[q] - n q, the ranks q >= o give a[q] + n (P - 1 + o) and the ranks
+    q < o give a[q] + n (o - 1): suffix and prefix maxima of a."""
+    world = len(extra)
+    a = [e - n * q for q, e in enumerate(extra)]
+    suffix = a[:]
+    for q in range(world - 2, -1, -1):
+        suffix[q] = max(suffix[q], suffix[q + 1])
+    peaks, prefix = [], None  # prefix: max of a over the ranks before o
+    for o in range(world):
+        peak = suffix[o] + n * (world - 1 + o)
+        if prefix is not None:
+            peak = max(peak, prefix + n * (o - 1))
+        peaks.append(peak)
+        prefix = a[o] if prefix is None else max(prefix, a[o])
+    return peaks
+
+
 def _place_cut(
     start: int, n: int, world: int, window: Window, load, least: int, turn: int, extra: list[int], piece: int
 ):
@@ -599,12 +624,9 @@ def _place_cut(
     if window.left is None or window.right is None or world == 1:
         offset = turn % world
         if window.left is None and window.right == 0:  # causal
-
-            def extra_at(o):  # each rank's extra with this document at offset o
-                return [extra[q] + n * (world - 1 - (q - o) % world) for q in range(world)]
-
-            offset = min(range(world), key=lambda o: (max(extra_at(o)), (o - turn) % world))
-            extra[:] = extra_at(offset)
+            peaks = _peak_extras(extra, n)
+            offset = min(range(world), key=lambda o: (peaks[o], (o - turn) % world))
+            extra[:] = [extra[q] + n * (world - 1 - (q - offset) % world) for q in range(world)]
         return _cut(start, n, world, window, offset)
     top = min(world, n // piece)
     candidates = [[(start, start + n, least)]]
