@@ -18,6 +18,7 @@ SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 # changes no score and no output column; the softmax scale stays that of q/k's true head dim
 # (resolve_scale).
 MIN_HEAD_DIM, MAX_HEAD_DIM = 1, 256
+MAX_SCALE = torch.finfo(torch.float32).max / math.log2(math.e)
 
 
 class AttnDims(NamedTuple):
@@ -44,11 +45,22 @@ def check_tensor(name: str, t, api: str) -> None:
         raise TypeError(f"{api}: {name} must be a torch.Tensor, got {type(t).__name__}")
 
 
+def check_dense(name: str, t: torch.Tensor, api: str) -> None:
+    """A tensor whose elements the kernels address by strides: not sparse, not nested."""
+    if t.is_nested or t.layout != torch.strided:
+        got = "a nested tensor" if t.is_nested else f"layout {t.layout}"
+        raise TypeError(
+            f"{api}: {name} must be a dense (strided) tensor, got {got}; documents of several lengths go "
+            "packed to flash_attn_varlen_func"
+        )
+
+
 def check_qkv(q, k, v, api: str) -> AttnDims:
     """Validate q (B, Sq, Hq, D), k (B, Sk, Hkv, D) and v (B, Sk, Hkv, Dv); return the dimensions.
     D and Dv may differ (e.g. 192 and 128), each from MIN_HEAD_DIM to MAX_HEAD_DIM."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         check_tensor(name, t, api)
+        check_dense(name, t, api)
         if t.dim() != 4:
             raise ValueError(f"{api}: {name} must be 4-D (batch, seqlen, heads, head_dim), got shape {_shape(t)}")
         if t.dtype not in SUPPORTED_DTYPES:
@@ -60,6 +72,14 @@ def check_qkv(q, k, v, api: str) -> AttnDims:
         raise TypeError(f"{api}: q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     if not (q.device == k.device == v.device):
         raise ValueError(f"{api}: q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
+    if q.dtype == torch.float64:
+        from .local import backend_name  # local imports this module
+
+        if backend_name(q.device) == "triton":  # before any collective: the kernels would refuse it later
+            raise TypeError(
+                f"{api}: q, k, v have dtype torch.float64, which the Triton backend ({q.device.type} tensors) does "
+                'not take; float16, bfloat16 and float32 do (float64 runs on ringflash.local.use_backend("torch"))'
+            )
     B, Sq, Hq, D = q.shape
     Bk, Sk, Hkv, Dk = k.shape
     if v.shape[:3] != k.shape[:3]:
@@ -88,6 +108,11 @@ def resolve_scale(softmax_scale, head_dim: int, api: str) -> float:
         raise TypeError(f"{api}: softmax_scale must be a float or None, got {type(softmax_scale).__name__}")
     if not math.isfinite(softmax_scale):
         raise ValueError(f"{api}: softmax_scale must be finite, got {softmax_scale}")
+    if abs(softmax_scale) > MAX_SCALE:  # the Triton kernels take scale * log2(e) as a float32
+        raise ValueError(
+            f"{api}: softmax_scale {softmax_scale:g} overflows float32, in which the kernels apply it "
+            f"(|softmax_scale| <= {MAX_SCALE:.3g})"
+        )
     return float(softmax_scale)
 
 
@@ -148,6 +173,7 @@ def key_bias_from_mask(mask, dims: AttnDims, device, api: str, dtype=torch.float
     if mask is None:
         return None
     check_tensor("key_padding_mask", mask, api)
+    check_dense("key_padding_mask", mask, api)
     want = (dims.batch, dims.seqlen_k)
     if tuple(mask.shape) != want:
         raise ValueError(f"{api}: key_padding_mask must have shape (batch, k seqlen) = {want}, got {_shape(mask)}")

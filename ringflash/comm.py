@@ -302,6 +302,22 @@ def is_mesh(x) -> bool:
     return isinstance(x, DeviceMesh)
 
 
+def check_group_types(group, head_group, api: str) -> None:
+    """group and head_group must each be None, a process group or a DeviceMesh: anything else
+    (a typo, another library's group) would otherwise run as a ring of one rank when no process
+    group is initialized."""
+    for name, value in (("group", group), ("head_group", head_group)):
+        if value is None or is_mesh(value):
+            continue
+        # new_group's answer on the ranks outside the group (an int): refused by _check_member, in
+        # the agreement, so that the ranks inside raise too
+        if dist.is_available() and (isinstance(value, dist.ProcessGroup) or value is dist.GroupMember.NON_GROUP_MEMBER):
+            continue
+        raise TypeError(
+            f"{api}: {name} must be None, a torch.distributed ProcessGroup or a DeviceMesh, got {type(value).__name__}"
+        )
+
+
 def resolve_groups(group, head_group, api: str):
     """(ring group, head group or None) from what a call was given.
 
@@ -311,7 +327,9 @@ def resolve_groups(group, head_group, api: str):
     head_group may be a process group, a 1-D DeviceMesh, or None (the plain ring). A head
     group without a ring group is a ValueError (the ring over the rest would be a guess), and
     so is, with a head group, a group or head_group that is no process group this rank is in
-    (new_group gives the ranks outside a group GroupMember.NON_GROUP_MEMBER)."""
+    (new_group gives the ranks outside a group GroupMember.NON_GROUP_MEMBER); any other type is
+    a TypeError."""
+    check_group_types(group, head_group, api)
     if is_mesh(head_group):
         if head_group.ndim != 1:
             raise ValueError(f"{api}: head_group as a DeviceMesh must be 1-D, got {head_group.ndim}-D")

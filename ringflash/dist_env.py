@@ -20,11 +20,22 @@ def init_from_env(*, timeout_s: float = 300.0, backend: str | None = None) -> tu
     Without torchrun's variables (RANK unset) nothing is initialized: one process, world 1.
     Returns (rank, world_size, device).
     """
+    api = "init_from_env"
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
+        raise ValueError(f"{api}: timeout_s must be a positive number of seconds, got {timeout_s!r}")
+    source = "backend" if backend else "RINGFLASH_DIST_BACKEND"
     backend = backend or os.environ.get("RINGFLASH_DIST_BACKEND") or ("nccl" if torch.cuda.is_available() else "gloo")
+    if backend not in ("nccl", "gloo"):
+        raise ValueError(f"{api}: {source} must be 'nccl' or 'gloo', got {backend!r}")
     if backend == "nccl":
+        if not torch.cuda.is_available():
+            raise ValueError(f"{api}: {source} 'nccl' needs CUDA, which is not available here (use 'gloo')")
         backend = "cpu:gloo,cuda:nccl"
     use_cuda = "nccl" in backend
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    local_rank = os.environ.get("LOCAL_RANK", "0")
+    if not local_rank.isdigit():
+        raise ValueError(f"{api}: LOCAL_RANK must be a non-negative int, got {local_rank!r}")
+    local_rank = int(local_rank)
     device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
     if use_cuda:
         torch.cuda.set_device(device)

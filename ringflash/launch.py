@@ -43,7 +43,17 @@ def torchrun_command(argv: list[str], environ: dict, gpus: int, cores: int) -> t
     if backend not in ("nccl", "gloo"):
         ap.error(f"backend must be nccl or gloo, got {backend!r}")
     usable_gpus = gpus if backend == "nccl" else 0
-    nproc = opts.nproc or int(environ.get("RINGFLASH_NPROC") or (usable_gpus or 2))
+    if opts.nproc is not None:
+        nproc = opts.nproc
+    elif environ.get("RINGFLASH_NPROC"):
+        nproc = environ["RINGFLASH_NPROC"]
+        if not nproc.strip().isdigit():
+            ap.error(f"RINGFLASH_NPROC must be a positive int, got {nproc!r}")
+        nproc = int(nproc)
+    else:
+        nproc = usable_gpus or 2
+    if nproc < 1:
+        ap.error(f"--nproc / RINGFLASH_NPROC must be a positive int, got {nproc}")
     if backend == "nccl" and nproc > gpus:
         ap.error(f"NCCL needs one GPU per process: {nproc} processes, {gpus} GPUs (use --backend gloo for CPUs)")
     env = dict(environ)

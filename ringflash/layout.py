@@ -33,7 +33,9 @@ from .schedule import check_divisible, check_layout, is_balanced, layout_code, s
 
 
 def _norm_dim(x: torch.Tensor, dim: int, api: str) -> int:
-    if not isinstance(dim, int) or not -x.dim() <= dim < x.dim():
+    if isinstance(dim, bool) or not isinstance(dim, int):
+        raise TypeError(f"{api}: dim must be an int, got {type(dim).__name__}")
+    if not -x.dim() <= dim < x.dim():
         raise ValueError(f"{api}: dim {dim} out of range for a tensor of shape {tuple(x.shape)}")
     return dim % x.dim()
 
@@ -76,10 +78,13 @@ def _balanced_positions(layout, rank: int, u: int, U: int, device) -> torch.Tens
     return pos[:0] if piece is None else pos[piece.global_start : piece.global_start + piece.length]
 
 
-def _check_balanced(layout, seq_len: int, world: int, api: str, what: str = "the tensor has") -> None:
-    """what: how the caller's length reads in the error ("the tensor has", "seq_len is")."""
+def _check_balanced(
+    layout, seq_len: int, world: int, api: str, what: str = "the tensor has", ranks: str = "the group has"
+) -> None:
+    """what, ranks: how the caller's length and world size read in the error ("the tensor has",
+    "seq_len is"; "the group has", "world is")."""
     if layout.world != world:
-        raise ValueError(f"{api}: the layout was built for {layout.world} ranks, the group has {world}")
+        raise ValueError(f"{api}: the layout was built for {layout.world} ranks, {ranks} {world}")
     if seq_len != layout.total:
         raise ValueError(f"{api}: the layout covers {layout.total} tokens, {what} {seq_len}")
 

@@ -8,15 +8,31 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ._checks import MAX_HEAD_DIM, SUPPORTED_DTYPES, AttnDims, check_bool, key_bias_from_mask, resolve_scale
-from .comm import INPUT_ERRORS, agree_across_grid, group_rank_world, is_mesh, resolve_groups, resolve_groups_or_error
+from ._checks import (
+    MAX_HEAD_DIM,
+    SUPPORTED_DTYPES,
+    AttnDims,
+    check_bool,
+    check_tensor,
+    key_bias_from_mask,
+    resolve_scale,
+)
+from .comm import (
+    INPUT_ERRORS,
+    agree_across_grid,
+    check_group_types,
+    group_rank_world,
+    is_mesh,
+    resolve_groups,
+    resolve_groups_or_error,
+)
 from .dense import dense_attention, gather_sequence, pair_bias
 from .dropout import seed_tensor
 from .layout import local_positions
 from .local import flash_attn_func, flash_attn_varlen_func
 from .merge import merge_attn_states, state_dtype
 from .ring import CALLER_FIELDS, _agreed_names, _ring_flash_attn
-from .schedule import check_layout
+from .schedule import check_layout, is_balanced
 from .weights import attention_weights
 
 
@@ -105,6 +121,11 @@ class RingMultiheadAttention(nn.MultiheadAttention):
         _check_construction(embed_dim, num_heads, dropout, kdim, vdim, grad_accum_dtype)
         check_bool("deterministic", deterministic, "RingMultiheadAttention")
         check_layout(layout, "RingMultiheadAttention")
+        if is_balanced(layout):
+            raise ValueError(
+                "RingMultiheadAttention: layout must be 'zigzag' or 'contiguous'; a balanced_layout (packed "
+                "documents) goes with ring_flash_attn_varlen_func"
+            )
         super().__init__(
             embed_dim,
             num_heads,
@@ -118,6 +139,7 @@ class RingMultiheadAttention(nn.MultiheadAttention):
             device=device,
             dtype=dtype,
         )
+        check_group_types(group, head_group, "RingMultiheadAttention")
         if is_mesh(group) or is_mesh(head_group):  # the process groups the functions would take from it
             group, head_group = resolve_groups(group, head_group, "RingMultiheadAttention")
         self.group = group
@@ -177,6 +199,14 @@ class RingMultiheadAttention(nn.MultiheadAttention):
         if any(getattr(t, "is_nested", False) for t in (query, key, value)):
             return self._nested(query, key, value, key_padding_mask, attn_mask, is_causal, api)
         try:
+            for name, t in (("query", query), ("key", key), ("value", value)):
+                check_tensor(name, t, api)
+            for name, t in (("key_padding_mask", key_padding_mask), ("attn_mask", attn_mask)):
+                if t is not None:
+                    check_tensor(name, t, api)
+            check_bool("is_causal", is_causal, api)
+            if self.training:  # the attribute is public: a schedule may have set it since construction
+                _check_dropout(self.dropout, api)
             unbatched = not _batched(query, key, value, key_padding_mask, attn_mask, self.num_heads, api)
             self._check_projected(key, value, query, api)
             if unbatched:
@@ -466,6 +496,11 @@ def _positive_int(name, value, api):
         raise ValueError(f"{api}: {name} must be a positive int, got {value!r}")
 
 
+def _check_dropout(dropout, api):
+    if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0.0 <= dropout <= 1.0:
+        raise ValueError(f"{api}: dropout must be a probability in [0, 1], got {dropout!r}")
+
+
 def _check_construction(embed_dim, num_heads, dropout, kdim, vdim, grad_accum_dtype):
     """What can never work, found when the module is built, in the module's own terms."""
     api = "RingMultiheadAttention"
@@ -481,8 +516,7 @@ def _check_construction(embed_dim, num_heads, dropout, kdim, vdim, grad_accum_dt
             f"{api}: embed_dim / num_heads = {embed_dim} / {num_heads} = {embed_dim // num_heads} per head; "
             f"at most {MAX_HEAD_DIM} is supported (use num_heads >= {-(-embed_dim // MAX_HEAD_DIM)})"
         )
-    if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0.0 <= dropout <= 1.0:
-        raise ValueError(f"{api}: dropout must be a probability in [0, 1], got {dropout!r}")
+    _check_dropout(dropout, api)
     if grad_accum_dtype is not None and grad_accum_dtype not in SUPPORTED_DTYPES:
         raise ValueError(f"{api}: grad_accum_dtype must be None or a floating dtype, got {grad_accum_dtype!r}")
 
@@ -496,6 +530,8 @@ def _check_causal_hint(mask, length, api):
     is_causal=True only if it looks like the causal mask of the local length (shape, and a
     spot check of its first and last rows), as torch's hint.
     Under torch.compile only the shape is checked: reading the values would end the graph."""
+    if mask.dtype != torch.bool and not mask.is_floating_point():
+        raise TypeError(f"{api}: attn_mask must be bool or floating point, got {mask.dtype}")
     if mask.shape[-2:] != (length, length):
         raise ValueError(
             f"{api}: is_causal=True with an attn_mask of shape {tuple(mask.shape)}; expected the "

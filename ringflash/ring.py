@@ -32,6 +32,7 @@ from .balance import checked_cu_seqlens, named_layout
 from .comm import (
     INPUT_ERRORS,
     check_backend_device,
+    check_group_types,
     group_rank_world,
     is_mesh,
     resolve_groups_or_error,
@@ -605,6 +606,7 @@ def _ring_flash_attn(
     api: the name its errors start with (the caller's: a module's)."""
     # a group or head_group this rank cannot use is an error of its input, carried into the
     # agreement over `group` (comm.resolve_groups_or_error): the ranks waiting there raise it too
+    check_group_types(group, head_group, api)  # not a group at all: no group to carry the error over
     resolve_error = None
     if head_group is not None or is_mesh(group):
         group, head_group, resolve_error = resolve_groups_or_error(group, head_group, api)
@@ -807,6 +809,7 @@ def ring_flash_attn_varlen_func(
     """
     api = "ring_flash_attn_varlen_func"
     check_not_capturing(api, _PACKED_ON_HOST)
+    check_group_types(group, head_group, api)
     resolve_error = None
     if head_group is not None or is_mesh(group):  # an error carried as ring_flash_attn_func's
         group, head_group, resolve_error = resolve_groups_or_error(group, head_group, api)

@@ -20,10 +20,10 @@ import math
 import torch
 
 from .comm import LocalComm
-from .layout import _place, _split
+from .layout import _check_balanced, _place, _split
 from .merge import state_dtype
 from .ring import _RingAttn, ring_call_spec
-from .schedule import is_balanced
+from .schedule import check_divisible, is_balanced
 
 
 class ReplayComm:
@@ -111,6 +111,13 @@ def replay_ring(
         q, k, v, causal, softmax_scale, layout, key_padding_mask, grad_accum_dtype, grad_chunks, "replay_ring",
         window_size, deterministic,
     )  # fmt: skip
+    if isinstance(world, bool) or not isinstance(world, int) or world < 1:
+        raise ValueError(f"replay_ring: world must be a positive int, got {world!r}")
+    for name, t in (("q", q), ("k", k)):  # the shards are cut from the full tensors: none may lose rows
+        if is_balanced(layout):
+            _check_balanced(layout, t.shape[1], world, "replay_ring", f"{name} has", "world is")
+        else:
+            check_divisible(t.shape[1], world, layout, "replay_ring", f"{name}'s sequence length")
     k_shards, v_shards = _split(k, world, layout), _split(v, world, layout)
     kv_rows = [t.shape[1] for t in k_shards]  # before any padding
     if is_balanced(layout):  # as the ring call pads them: to the longest shard where they travel

@@ -293,6 +293,7 @@ def test_init_from_env_sets_nccl_up_beside_gloo(monkeypatch):
     monkeypatch.setattr(dist_env.dist, "get_rank", lambda: 0)
     monkeypatch.setattr(dist_env.dist, "get_world_size", lambda: 1)
     monkeypatch.setattr(dist_env.torch.cuda, "set_device", lambda device: None)
+    monkeypatch.setattr(dist_env.torch.cuda, "is_available", lambda: True)
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("LOCAL_RANK", "0")
     dist_env.init_from_env(backend="nccl")
@@ -473,3 +474,91 @@ def _head_group_on_one_rank(rank, world):
 
 def test_head_group_on_one_rank_raises_on_every_rank(worlds):
     worlds(2, timeout=60, **TORCH).run(_head_group_on_one_rank)
+
+
+def _bad_calls():
+    """(call, exception, message) of arguments that used to pass unchecked: each run silently
+    wrong (a scale beyond float32, a group of the wrong type taken for no group, a replay that
+    dropped rows, a module dropout above 1) or failed inside torch with an error naming neither
+    ringflash nor the argument."""
+    import ringflash
+    from ringflash import balanced_layout, dist_env, shard
+    from ringflash.launch import torchrun_command
+    from ringflash.nn import RingMultiheadAttention
+    from ringflash.testing import replay_ring
+
+    q = _t(1, 8, 2, 16)
+    x = _t(2, 8, 32)
+
+    def module(**kw):
+        m = RingMultiheadAttention(32, 4, batch_first=True, **kw)
+        return m
+
+    def dropout_set_later():
+        m = module(dropout=0.1).train()
+        m.dropout = 1.5
+        m(x, x, x)
+
+    def replay(world, layout, S):
+        t = _t(1, S, 2, 16)
+        replay_ring(t, t, t, t, world=world, layout=layout)
+
+    int_causal_mask = torch.ones(8, 8, dtype=torch.long).triu(1)
+    return {
+        "scale beyond float32": (lambda: flash_attn_func(q, q, q, softmax_scale=1e39), ValueError, "overflows float32"),
+        "sparse q": (lambda: flash_attn_func(q.to_sparse(), q, q), TypeError, "q must be a dense"),
+        "sparse key padding mask": (
+            lambda: flash_attn_func(q, q, q, key_padding_mask=torch.ones(1, 8, dtype=torch.bool).to_sparse()),
+            TypeError,
+            "key_padding_mask must be a dense",
+        ),
+        "group a string": (lambda: ring_flash_attn_func(q, q, q, group="g"), TypeError, "group must be None, a"),
+        "head_group a string": (
+            lambda: ring_flash_attn_func(q, q, q, head_group="h"),
+            TypeError,
+            "head_group must be None, a",
+        ),
+        "shard group an int": (lambda: shard(q, group=7), TypeError, "group must be None, a"),
+        "shard dim a bool": (lambda: shard(q, dim=True), TypeError, "dim must be an int, got bool"),
+        "module group a string": (lambda: module(group="g"), TypeError, "group must be None, a"),
+        "module balanced layout": (
+            lambda: module(layout=balanced_layout([0, 16], 1)),
+            ValueError,
+            "goes with ring_flash_attn_varlen_func",
+        ),
+        "module dropout set above 1": (dropout_set_later, ValueError, "dropout must be a probability"),
+        "module is_causal an int": (lambda: module()(x, x, x, is_causal=1), TypeError, "is_causal must be a bool"),
+        "module int causal mask": (
+            lambda: module()(x, x, x, attn_mask=int_causal_mask, is_causal=True, need_weights=False),
+            TypeError,
+            "attn_mask must be bool or floating point",
+        ),
+        "module mask a list": (
+            lambda: module()(x, x, x, key_padding_mask=[[False] * 8] * 2),
+            TypeError,
+            "key_padding_mask must be a torch.Tensor",
+        ),
+        "replay rows lost": (lambda: replay(2, "zigzag", 63), ValueError, "63 does not divide into 4"),
+        "replay layout of another world": (
+            lambda: replay(4, balanced_layout([0, 16], 2), 16),
+            ValueError,
+            "built for 2 ranks, world is 4",
+        ),
+        "init timeout": (lambda: dist_env.init_from_env(timeout_s=-5), ValueError, "timeout_s must be a positive"),
+        "init backend": (lambda: dist_env.init_from_env(backend="bogus"), ValueError, "must be 'nccl' or 'gloo'"),
+        "run nproc 0": (lambda: torchrun_command(["--nproc", "0", "x.py"], {}, gpus=0, cores=2), SystemExit, "2"),
+        "run nproc env": (
+            lambda: torchrun_command(["x.py"], {"RINGFLASH_NPROC": "abc"}, gpus=0, cores=2),
+            SystemExit,
+            "2",
+        ),
+        "shard dim a float": (lambda: ringflash.shard(q, layout="zigzag", dim=1.0), TypeError, "dim must be an int"),
+    }
+
+
+@pytest.mark.parametrize("case", list(_bad_calls()))
+def test_bad_arguments_named(case, monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)  # ringflash-run makes its log folder in the current one
+    call, exc, pattern = _bad_calls()[case]
+    with pytest.raises(exc, match=pattern):
+        call()

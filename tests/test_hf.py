@@ -857,7 +857,9 @@ def test_argument_errors_name_the_argument(torch_backend):
     with pytest.raises(NotImplementedError, match="a balanced layout .* is not supported: pass layout"):
         rhf.shard_inputs(ids, layout=packed)
     with pytest.raises(ValueError, match="head_group given without group"):
-        rhf.shard_inputs(ids, head_group=object())
+        rhf.shard_inputs(ids, head_group=torch.distributed.GroupMember.NON_GROUP_MEMBER)
+    with pytest.raises(TypeError, match="group must be None, a torch.distributed ProcessGroup"):
+        rhf.shard_inputs(ids, group="world")
     gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=32))
     with pytest.raises(NotImplementedError, match="model_type 'gpt2' is not among the tested families"):
         rhf.apply(gpt2)

@@ -116,12 +116,16 @@ def test_head_plan():
 
 def test_head_group_without_group():
     q = torch.randn(1, 8, 2, 16)
+    # a stand-in of a group's type without a process group: what new_group gives outside its ranks
+    head_group = dist.GroupMember.NON_GROUP_MEMBER
     with pytest.raises(ValueError, match="head_group given without group"):
-        ring_flash_attn_func(q, q, q, head_group=object())
+        ring_flash_attn_func(q, q, q, head_group=head_group)
     for fn in (shard, unshard):
         with pytest.raises(ValueError, match="head_group given without group"):
-            fn(q, head_group=object())
+            fn(q, head_group=head_group)
     with pytest.raises(ValueError, match="head_group given without group"):
+        local_positions(8, head_group=head_group)
+    with pytest.raises(TypeError, match="head_group must be None, a torch.distributed ProcessGroup"):
         local_positions(8, head_group=object())
 
 

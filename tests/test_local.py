@@ -194,8 +194,12 @@ def test_gradcheck_float64(backend):
 @pytest.mark.parametrize("backend", ["triton"], indirect=True)
 def test_triton_rejects_float64(backend):
     q, k, v = _inputs(1, 8, 8, 1, 1, 16, torch.float64, seed=1)
-    with pytest.raises(TypeError, match=r"ringflash.kernels.forward: q \(and k, v\) has dtype torch.float64"):
-        flash_attn_func(q, k, v)
+    from ringflash import ring_flash_attn_func
+
+    # named by the call's own check, before any kernel or (on a ring) collective
+    for api, call in (("flash_attn_func", flash_attn_func), ("ring_flash_attn_func", ring_flash_attn_func)):
+        with pytest.raises(TypeError, match=rf"^{api}: q, k, v have dtype torch.float64, which the Triton"):
+            call(q, k, v)
 
 
 @pytest.mark.parametrize("backend", ["triton"], indirect=True)
