@@ -792,3 +792,39 @@ def test_ring_time_model_on_a_replay(tmp_path):
     assert modelled(gathered["rows"][1], meta, [400.0]) is None and modelled(gathered["rows"][0], meta, [400.0])
     out = run([sys.executable, "-m", "benchmarks.ring_time_model", str(p4), "--link-gb-s", "200"], tmp_path)
     assert len(re.findall(r"forward_group_steps=\d.*: [\d.]+ \([\d.]+\) \| [\d.]+ \([\d.]+\)", out)) == 2, out
+
+
+def test_sass_loops_finds_a_loop_and_its_stalls(tmp_path):
+    """benchmarks/sass_loops.py on a hand-written dump: one loop (a backward branch) with its
+    stall sum from the control words, a retry stub's branch back over an EXIT left out."""
+    from benchmarks import sass_loops
+
+    def line(address, text, stall, wait=0):
+        upper = ((wait << 11) | stall) << 41
+        return f"        /*{address:04x}*/  {text} ;  /* 0x{0:016x} */\n{' ' * 100}/* 0x{upper:016x} */"
+
+    dump = "\n".join([
+        line(0x00, "MOV R1, c[0x0][0x28]", 1),
+        line(0x10, "HGMMA.64x64x16.F32.BF16 R24, gdesc[UR4], RZ, !UPT", 2),
+        line(0x20, "WARPGROUP.DEPBAR.LE gsb0, 0x0", 5, wait=1),
+        line(0x30, "MUFU.EX2 R2, R2", 8),
+        line(0x40, "@P0 BRA 0x10", 3),
+        line(0x50, "EXIT", 1),
+        line(0x60, "SYNCS.PHASECHK.TRANS64.TRYWAIT P1, [UR4], R7", 1),
+        line(0x70, "@!P1 BRA 0x20", 1),
+    ])  # fmt: skip
+    instructions = sass_loops.parse(dump)
+    assert len(instructions) == 8 and instructions[2][2] & 0xF == 5
+    assert sass_loops.loops(instructions) == [(0x10, 0x40)]
+    s = sass_loops.summary(instructions, 0x10, 0x40)
+    assert s["count"] == 4 and s["stall_sum"] == 18 and s["opcodes"]["HGMMA"] == 1
+    assert [e.split()[1] for e in sass_loops.events(instructions, 0x10, 0x40)] == [
+        "0x0010",
+        "0x0020",
+        "0x0030",
+        "0x0040",
+    ]
+    path = tmp_path / "k.sass"
+    path.write_text(dump)
+    out = run([sys.executable, "benchmarks/sass_loops.py", str(path), "--min", "1"], tmp_path)
+    assert "loop 0x0010-0x0040 instructions=4 stall_sum=18" in out
