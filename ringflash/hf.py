@@ -70,6 +70,7 @@ try:
 except ImportError as e:  # pragma: no cover - the extra is not installed
     raise ImportError("ringflash.hf needs transformers: pip install 'ringflash[hf]'") from e
 
+from ._checks import check_bool
 from .balance import balanced_layout
 from .comm import (
     INPUT_ERRORS,
@@ -679,6 +680,7 @@ def shard_inputs(
     api = "ringflash.hf.shard_inputs"
     _check_named_layout(layout, api)
     _check_sliding_window(sliding_window, api)
+    check_bool("pad", pad, api)
     group, head_group = resolve_groups(group, head_group, api)
     _check_2d("input_ids", input_ids, None, api)
     B, S = input_ids.shape
@@ -698,6 +700,8 @@ def shard_inputs(
         ):
             got = tuple(position_ids.shape) if isinstance(position_ids, torch.Tensor) else type(position_ids).__name__
             raise ValueError(f"{api}: position_ids must have shape ({B}, {S}) or (1, {S}), got {got}")
+        if position_ids.is_floating_point() or position_ids.is_complex():
+            raise TypeError(f"{api}: position_ids must be an integer tensor, got {position_ids.dtype}")
         position_ids = position_ids.to(device)
     packed = None
     if cu_seqlens is not None or (attention_mask is None and position_ids is not None and _restarts(position_ids)):

@@ -860,6 +860,10 @@ def test_argument_errors_name_the_argument(torch_backend):
         rhf.shard_inputs(ids, head_group=torch.distributed.GroupMember.NON_GROUP_MEMBER)
     with pytest.raises(TypeError, match="group must be None, a torch.distributed ProcessGroup"):
         rhf.shard_inputs(ids, group="world")
+    with pytest.raises(TypeError, match="pad must be a bool"):
+        rhf.shard_inputs(ids, pad="yes")
+    with pytest.raises(TypeError, match="position_ids must be an integer tensor"):
+        rhf.shard_inputs(ids, position_ids=torch.arange(ids.shape[1], dtype=torch.float32)[None])
     gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=32))
     with pytest.raises(NotImplementedError, match="model_type 'gpt2' is not among the tested families"):
         rhf.apply(gpt2)
