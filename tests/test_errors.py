@@ -114,10 +114,16 @@ def test_remembered_calls_are_still_checked():
     finally:
         torch.use_deterministic_algorithms(False)
     assert signature() == plain
-    # a backend that cannot run here raises after a hit of the same shapes
-    if not local._INTERPRETER:
-        with local.use_backend("triton"), pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
-            flash_attn_func(q, q, q, causal=True, window_size=(1, 0), softmax_scale=0.5)
+    # a backend that cannot run raises after a hit of the same shapes: Triton on CPU tensors
+    # without its interpreter, in a fresh process (this one runs the interpreter)
+    code = (
+        "import torch, ringflash\nfrom ringflash import local\nq = torch.randn(1, 8, 2, 16)\n"
+        "kw = dict(causal=True, window_size=(1, 0), softmax_scale=0.5)\nringflash.flash_attn_func(q, q, q, **kw)\n"
+        "try:\n    with local.use_backend('triton'):\n        ringflash.flash_attn_func(q, q, q, **kw)\n"
+        "except RuntimeError as e:\n    print('raised:', e)\n"
+    )
+    result = _python(code)
+    assert "raised:" in result.stdout and "TRITON_INTERPRET=1" in result.stdout, result.stdout + result.stderr
 
 
 def _python(code: str, **env) -> subprocess.CompletedProcess:

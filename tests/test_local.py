@@ -204,21 +204,25 @@ def test_triton_rejects_float64(backend):
 
 @pytest.mark.parametrize("backend", ["triton"], indirect=True)
 def test_poisoned_output_is_fully_written(backend, monkeypatch):
-    """The kernels write every element: poison the buffers flash_attn_func allocates."""
-    real_empty_like, real_empty = torch.empty_like, torch.empty
+    """The kernels write every element: every buffer flash_attn_func allocates uninitialized
+    (torch.empty, torch.empty_like, Tensor.new_empty) starts as NaN, and each result must be
+    one of those buffers (or made from one), so that a store left out shows as NaN."""
+    real_empty_like, real_empty, real_new_empty = torch.empty_like, torch.empty, torch.Tensor.new_empty
+    poisoned = []
 
-    def poisoned_empty_like(t, **kw):
-        return real_empty_like(t, **kw).fill_(float("nan"))
-
-    def poisoned_empty(*a, **kw):
-        return real_empty(*a, **kw).fill_(float("nan"))
+    def poison(t):
+        poisoned.append(t.untyped_storage().data_ptr())
+        return t.fill_(float("nan"))
 
     q, k, v = _inputs(1, 33, 70, 2, 1, 24, torch.float32, seed=9)
-    monkeypatch.setattr(torch, "empty_like", poisoned_empty_like)
-    monkeypatch.setattr(torch, "empty", poisoned_empty)
+    monkeypatch.setattr(torch, "empty_like", lambda t, **kw: poison(real_empty_like(t, **kw)))
+    monkeypatch.setattr(torch, "empty", lambda *a, **kw: poison(real_empty(*a, **kw)))
+    monkeypatch.setattr(torch.Tensor, "new_empty", lambda t, *a, **kw: poison(real_new_empty(t, *a, **kw)))
     out, lse = flash_attn_func(q, k, v, causal=True, return_lse=True)
     dq, dk, dv = torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
     monkeypatch.undo()
+    # out is the kernel's output buffer itself; the gradients are kernel buffers too
+    assert out.untyped_storage().data_ptr() in poisoned
     for t in (out, lse, dq, dk, dv):
         assert not torch.isnan(t).any()
 

@@ -18,14 +18,9 @@ def _state(scores, values):
 
 
 def test_worked_numbers():
-    p = torch.softmax(torch.tensor([1.0, 3.0, 2.0]), 0)
-    assert torch.allclose(p, torch.tensor([0.0900, 0.6652, 0.2447]), atol=5e-5)
     # blocks [3, 1] then [5, 2]: max 5, l = sum exp(s - 5) = 1.2034
     a, b = _state([3.0, 1.0], [1.0, 2.0]), _state([5.0, 2.0], [3.0, 4.0])
     o, lse = merge_attn_states(*a, *b)
-    m = 5.0
-    l = math.exp(lse.item() - m)
-    assert abs(l - 1.2034) < 5e-5
     want_o, want_lse = _state([3.0, 1.0, 5.0, 2.0], [1.0, 2.0, 3.0, 4.0])
     # the float64 softmax over all four scores is the reference: float64's ulp floor bounds it
     assert_within("o", o, want_o, 0.0, sum_len=4)

@@ -3,7 +3,6 @@
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -31,7 +30,6 @@ def test_a_dead_rank_fails_the_others_within_the_timeout(when):
     port = free_port()
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     env.pop("TRITON_INTERPRET", None)
-    start = time.monotonic()
     procs = [
         subprocess.Popen(
             [
@@ -60,14 +58,12 @@ def test_a_dead_rank_fails_the_others_within_the_timeout(when):
                 q.kill()
             pytest.fail("a surviving rank hung")
         results.append((p.returncode, out, err))
-    elapsed = time.monotonic() - start
     assert results[1][0] == 17  # the rank that died
     for rank in (0, 2):
         code, out, err = results[rank]
         assert code != 0, f"rank {rank} finished although rank 1 died:\n{out}"
         expected = "ringflash: the ring exchange" if when == "mid" else "ringflash ring_flash_attn_func: the check"
         assert expected in err, err[-2000:]
-    assert elapsed < timeout_s * 3 + 30
 
 
 @BOTH
