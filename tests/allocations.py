@@ -48,3 +48,34 @@ def ring_allocations():
     finally:
         for name, fn in real.items():
             setattr(torch, name, fn)
+
+
+# Tensor methods that return new memory: the copies a per-step allocation most often hides in
+METHODS = ("clone", "new_empty", "new_zeros", "new_full", "contiguous", "to")
+
+
+@contextlib.contextmanager
+def ring_copies():
+    """Record the Tensor method name of every floating-point tensor that ringflash code outside
+    the block operations' backends makes with a METHODS call that returns new memory (not
+    `contiguous` or `to` returning their input)."""
+    made = []
+    real = {name: getattr(torch.Tensor, name) for name in METHODS}
+
+    def wrap(name):
+        def method(self, *a, **kw):
+            t = real[name](self, *a, **kw)
+            new = isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() != self.untyped_storage().data_ptr()
+            if new and t.is_floating_point() and _made_by_the_engine(sys._getframe(1)):
+                made.append(name)
+            return t
+
+        return method
+
+    for name in real:
+        setattr(torch.Tensor, name, wrap(name))
+    try:
+        yield made
+    finally:
+        for name, fn in real.items():
+            setattr(torch.Tensor, name, fn)

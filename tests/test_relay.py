@@ -11,7 +11,7 @@ from ringflash.comm import RingComm
 from ringflash.relay import DEFAULT_GRAD_CHUNKS, GRAD_CHUNK_MIN_BYTES, default_grad_chunks, head_chunks
 from ringflash.testing import ReplayComm, replay_ring
 
-from allocations import ring_allocations
+from allocations import ring_allocations, ring_copies
 from oracle import assert_within, plain_errors, reference
 from ring_cases import TORCH, Case, full_inputs, ring_vs_oracle
 
@@ -166,6 +166,24 @@ def test_no_allocation_per_ring_step(worlds, world):
     (k, v), the dk and dv outputs = 10."""
     made = worlds(world, **TORCH).run(_allocations, 2)[0]
     assert len(made) == 17, [name for name, _, _ in made]
+
+
+def _copies(rank, world):
+    """The Tensor-method copies (allocations.ring_copies) the engine makes in one causal forward +
+    backward, 8 tokens per rank."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (shard(torch.randn(1, 8 * world, 2, 16, generator=g)).requires_grad_() for _ in range(3))
+    with ring_copies() as made:
+        out = ring_flash_attn_func(q, k, v, causal=True, grad_chunks=2)
+        out.sum().backward()
+    return sorted(made)
+
+
+def test_no_copy_per_ring_step(worlds):
+    """Nor does it copy through Tensor methods (clone, new_empty, .to, ...) once per step: the
+    same copies for 3 steps or 6."""
+    at3, at6 = worlds(3, **TORCH).run(_copies)[0], worlds(6, **TORCH).run(_copies)[0]
+    assert at3 == at6, (at3, at6)
 
 
 def _float32_bytes(rank, world):
