@@ -32,7 +32,7 @@ from .layout import local_positions
 from .local import flash_attn_func, flash_attn_varlen_func
 from .merge import merge_attn_states, state_dtype
 from .ring import CALLER_FIELDS, _agreed_names, _ring_flash_attn
-from .schedule import check_layout, is_balanced
+from .schedule import check_named_layout
 from .weights import attention_weights
 
 
@@ -120,12 +120,7 @@ class RingMultiheadAttention(nn.MultiheadAttention):
     ):
         _check_construction(embed_dim, num_heads, dropout, kdim, vdim, grad_accum_dtype)
         check_bool("deterministic", deterministic, "RingMultiheadAttention")
-        check_layout(layout, "RingMultiheadAttention")
-        if is_balanced(layout):
-            raise ValueError(
-                "RingMultiheadAttention: layout must be 'zigzag' or 'contiguous'; a balanced_layout (packed "
-                "documents) goes with ring_flash_attn_varlen_func"
-            )
+        check_named_layout(layout, "RingMultiheadAttention")
         super().__init__(
             embed_dim,
             num_heads,

@@ -62,6 +62,7 @@ from .relay import GradRelay, default_grad_chunks
 from .schedule import (
     LAYOUTS,
     check_layout,
+    check_named_layout,
     chunks_per_rank,
     is_balanced,
     layout_code,
@@ -639,8 +640,7 @@ def _ring_flash_attn(
             raise resolve_error
         check_bool("return_lse", return_lse, api)
         p = check_dropout(dropout_p, generator, api)
-        if is_balanced(layout):
-            raise ValueError(f"{api}: a balanced layout (packed documents) goes with ring_flash_attn_varlen_func")
+        check_named_layout(layout, api)
         dims, spec, key_bias = ring_call_spec(
             q, k, v, causal, softmax_scale, layout, key_padding_mask, grad_accum_dtype, grad_chunks, api, window_size,
             deterministic,

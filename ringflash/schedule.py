@@ -61,6 +61,14 @@ def check_layout(layout, api: str) -> None:
         raise ValueError(f"{api}: layout must be one of {LAYOUTS} or a balanced_layout(), got {layout!r}")
 
 
+def check_named_layout(layout, api: str) -> None:
+    """A layout of one sequence in equal chunks, one of LAYOUTS: a balanced layout lays out packed
+    documents, for ring_flash_attn_varlen_func."""
+    check_layout(layout, api)
+    if is_balanced(layout):
+        raise ValueError(f"{api}: a balanced layout (packed documents) goes with ring_flash_attn_varlen_func")
+
+
 def chunks_per_rank(layout) -> int:
     return 2 if layout == "zigzag" else 1
 
