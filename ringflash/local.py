@@ -580,6 +580,7 @@ def _call_signature(q, k, v, causal, softmax_scale, window_size, key_padding_mas
         or type(window_size[0]) is not int
         or type(window_size[1]) is not int
         or torch.compiler.is_compiling()
+        or q.is_meta
     ):
         return None
     return (
@@ -660,7 +661,7 @@ def _op_backend(q) -> str:
     """The backend name for an operator call: resolved now in eager calls, so the backward runs
     on the forward's backend; "" under torch.compile, which cannot read use_backend's context
     (the operators then resolve it when they run)."""
-    return "" if torch.compiler.is_compiling() else backend_name(q.device)
+    return "" if ops.shapes_only(q) else backend_name(q.device)
 
 
 from . import ops  # noqa: E402  (ops runs this module's autograd Function: imported once it exists)

@@ -74,6 +74,14 @@ def _backend(name: str, device) -> str:
     return name or local.backend_name(device)
 
 
+def shapes_only(q: torch.Tensor) -> bool:
+    """Whether a call computes shapes only: traced by torch.compile (fake tensors), or on the
+    meta device (no values, as torch's own attention and nn.MultiheadAttention allow: deferred
+    initialization, FLOP counting). Such a call runs the operator, whose fake implementation
+    gives the outputs' shapes and dtypes; nothing runs and no rank is contacted."""
+    return torch.compiler.is_compiling() or q.is_meta
+
+
 def _mask(q_start, k_start, left, right, cu_values=None, device=None) -> BlockMask:
     """cu_values: packed documents' (cu_q, cu_k) as tuples of ints (check_cu_seqlens), or None."""
     window = _window(left, right)
@@ -177,7 +185,7 @@ def flash(
     torch.compile: the operator. Eager: the same forward and backward (local._FlashAttn)
     without the operator's dispatch, whose host time per call matters at short sequences
     (benchmarks.host_overhead); there lse is None unless want_lse."""
-    if torch.compiler.is_compiling():
+    if shapes_only(q):
         out, lse, _, _ = flash_fwd(
             q, k, v, key_bias, cu_q, cu_k, q_start, k_start, left, right, scale, dropout_p, seed, backend,
             deterministic, max_q, max_k,
@@ -391,7 +399,7 @@ def ring(
     the operator. Eager: the same check, forward and backward (ring._RingAttn) without the
     operator's dispatch, whose handling of the arguments costs host time on every call (torch
     rebuilds the schema's argument list for each argument it fills in)."""
-    if torch.compiler.is_compiling():
+    if shapes_only(q):
         out, lse, _, _, _ = ring_fwd(
             q, k, v, key_bias, cu_seqlens, group_name, left, right, scale, dropout_p, seed, layout, grad_chunks,
             grad_accum, backend, deterministic, agree,
@@ -648,7 +656,7 @@ def hybrid(
     a head group. Traced by torch.compile: the operator. Eager: the same check, forward and
     backward (hybrid._HybridAttn) without the operator's dispatch, whose handling of its 22
     arguments costs host time on every call, as ring()'s."""
-    if torch.compiler.is_compiling():
+    if shapes_only(q):
         out, lse, *_ = hybrid_fwd(
             q, k, v, key_padding_mask, cu_seqlens, group_name, head_group_name, left, right, scale, dropout_p, seed,
             layout, grad_chunks, grad_accum, backend, deterministic, lens_q, lens_k, ring_len, return_lse, agree,

@@ -270,6 +270,54 @@ def test_cross_rank_mismatch_raises_on_every_rank(worlds):
     worlds(2, **TORCH).run(_mismatch)
 
 
+def test_meta_tensors_give_shapes():
+    """On the meta device (no values: deferred initialization, FLOP counting) the functions give
+    the outputs' shapes and dtypes as torch's attention does, also under autocast (the inputs'
+    dtypes decide, as in any call), and the backward gives gradients of the inputs' shapes."""
+    from ringflash import flash_attn_varlen_func
+
+    q = torch.randn(2, 40, 4, 16, device="meta", requires_grad=True)
+    k = torch.randn(2, 24, 2, 16, device="meta", requires_grad=True)
+    v = torch.randn(2, 24, 2, 8, device="meta", requires_grad=True)
+    for autocast in (False, True):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            out, lse = flash_attn_func(q, k, v, causal=True, return_lse=True)
+        assert (out.shape, out.dtype, out.device.type) == ((2, 40, 4, 8), torch.float32, "meta")
+        assert (lse.shape, lse.dtype, lse.device.type) == ((2, 4, 40), torch.float32, "meta")
+    out.sum().backward()
+    assert [(t.grad.shape, t.grad.device.type) for t in (q, k, v)] == [(t.shape, "meta") for t in (q, k, v)]
+    packed = torch.randn(40, 4, 16, device="meta", dtype=torch.bfloat16)
+    cu = torch.tensor([0, 15, 40], dtype=torch.int32, device="meta")
+    out = flash_attn_varlen_func(packed, packed, packed, cu, cu, 25, 25, window_size=(8, 0))
+    assert (out.shape, out.dtype, out.device.type) == ((40, 4, 16), torch.bfloat16, "meta")
+
+
+def _meta_ring(rank, world):
+    """A ring of one rank and RingMultiheadAttention on it give meta shapes, as
+    nn.MultiheadAttention does (a ring over several ranks refuses meta tensors: _mismatch)."""
+    import torch.distributed as dist
+
+    from ringflash.nn import RingMultiheadAttention
+
+    alone = [dist.new_group([r]) for r in range(world)][rank]
+    q = torch.randn(1, 32, 2, 16, device="meta", requires_grad=True)
+    out, lse = ring_flash_attn_func(q, q, q, causal=True, return_lse=True, group=alone)
+    out.sum().backward()
+    assert [t.shape for t in (out, lse, q.grad)] == [(1, 32, 2, 16), (1, 2, 32), (1, 32, 2, 16)]
+    x = torch.randn(3, 32, 32, device="meta")
+    ours = RingMultiheadAttention(32, 2, batch_first=True, device="meta", group=alone)
+    theirs = torch.nn.MultiheadAttention(32, 2, batch_first=True, device="meta")
+    for kw in (dict(need_weights=False), dict(), dict(average_attn_weights=False)):
+        got, want = ours(x, x, x, **kw), theirs(x, x, x, **kw)
+        assert [None if t is None else (t.shape, t.device.type) for t in got] == [
+            None if t is None else (t.shape, t.device.type) for t in want
+        ], kw
+
+
+def test_meta_tensors_on_a_ring_of_one(worlds):
+    worlds(2, **TORCH).run(_meta_ring)
+
+
 def test_device_mismatch_named():
     q = _t(1, 4, 2, 16)
     with pytest.raises(ValueError, match="one device.*meta"):
