@@ -458,13 +458,22 @@ def test_gluon_forward_choice(monkeypatch):
     for d, name in configs.GLUON_FWD_SHORT.items():
         assert configs.gluon_forward_variant(d, keys=most) == name and gluon_forward.config_for(d, name).persistent
         assert configs.gluon_forward_variant(d, keys=most + 1) == configs.GLUON_FWD[d]
-        # causal blocks: GLUON_FWD_SHORT_CAUSAL where it has the head dim, else the one-tile GLUON_FWD
-        causal = configs.GLUON_FWD_SHORT_CAUSAL.get(d, configs.GLUON_FWD[d])
-        assert configs.gluon_forward_variant(d, keys=most, causal=True) == causal
-        assert configs.gluon_forward_variant(d, keys=most + 1, causal=True) == configs.GLUON_FWD[d]
+        # causal blocks: GLUON_FWD_LONG from GLUON_LONG_MIN_KEYS_CAUSAL keys where it has the head
+        # dim; below, GLUON_FWD_SHORT_CAUSAL where it has the head dim, else the one-tile GLUON_FWD
+        for keys in (most - 1, most, most + 1):
+            if d in configs.GLUON_FWD_LONG and keys >= configs.GLUON_LONG_MIN_KEYS_CAUSAL:
+                causal = configs.GLUON_FWD_LONG[d]
+            elif keys <= most:
+                causal = configs.GLUON_FWD_SHORT_CAUSAL.get(d, configs.GLUON_FWD[d])
+            else:
+                causal = configs.GLUON_FWD[d]
+            assert configs.gluon_forward_variant(d, keys=keys, causal=True) == causal, (d, keys)
         assert (
             configs.gluon_forward_variant(d, documents=True, keys_per_row=1e9, keys=1) == configs.GLUON_FWD_DOCUMENTS[d]
         )
+    # D=64: causal blocks of 4K keys take ws3, shorter ones ws2_p, dense blocks of 4K ws2_p
+    assert [configs.gluon_forward_variant(64, keys=n, causal=True) for n in (4095, 4096)] == ["ws2_p", "ws3"]
+    assert configs.gluon_forward_variant(64, keys=4096) == "ws2_p"
     assert set(configs.GLUON_FWD_SHORT_CAUSAL) <= set(configs.GLUON_FWD_SHORT)
     assert configs.GLUON_FWD_SHORT_CAUSAL != configs.GLUON_FWD_SHORT  # (else the table is not needed)
     assert configs.gluon_forward_variant(256, keys=1) == configs.GLUON_FWD[256]

@@ -127,6 +127,13 @@ GLUON_FWD_SHORT_CAUSAL = {64: "ws2_p"}
 # 1.02-1.05, 32K 1.13 / 1.05, 64K 1.10-1.11 / 1.06-1.09.
 GLUON_FWD_LONG = {64: "ws3"}
 GLUON_LONG_MIN_KEYS = 8192
+# Causal blocks take GLUON_FWD_LONG from fewer keys: since the causal tiles' launch order (heaviest
+# first, a few heads together) ws3 leads at 4K too. bf16, B=1, H=32, D=64, S=4096, causal, ws3
+# over ws2_p (this size's default before): one H100 1.041 and 1.042, the order swapped (python3
+# benchmarks/gluon_check.py --head-dims 64 --seqlens 4096 --variants ws2_p ws3 --skip-correctness,
+# then ws3 ws2_p; results/gluon_check_ws3_4k_h100{,_swapped}.log); one H200 ~1.04 in two earlier runs
+# (results/gluon_rescale_early{,_swapped}_h200.txt). Non-causal 4K stays with ws2_p (ws3 0.93-0.95x).
+GLUON_LONG_MIN_KEYS_CAUSAL = 4096
 # Dense blocks (no mask, head dims of one piece each) from GLUON_DENSE_MIN_KEYS keys: 192-key
 # blocks in two pieces (ws2_k192e: 128 + 64 keys, two stages, P made 16-bit early; 20 bytes
 # spilled), the loop's fixed work (barriers, row reductions, waits) spread over 1.5x the keys.
@@ -394,7 +401,8 @@ def gluon_forward_variant(
     """The Gluon forward variant for this head dim (documents: a block masked by per-row
     bounds whose rows see keys_per_row keys on average, where known; keys: the block's key
     count, where known (None for sliding windows): GLUON_FWD_SHORT up to
-    GLUON_PERSISTENT_MAX_KEYS, GLUON_FWD_LONG from GLUON_LONG_MIN_KEYS; dense: a block with no
+    GLUON_PERSISTENT_MAX_KEYS, GLUON_FWD_LONG from GLUON_LONG_MIN_KEYS (causal blocks from
+    GLUON_LONG_MIN_KEYS_CAUSAL, before the short ones); dense: a block with no
     mask whose head dims are block_d, one piece each: GLUON_FWD_DENSE from
     GLUON_DENSE_MIN_KEYS, before GLUON_FWD_LONG; causal: a window with no left bound, whose
     short key ranges take GLUON_FWD_SHORT_CAUSAL instead of GLUON_FWD_SHORT), or None: none is
@@ -407,6 +415,8 @@ def gluon_forward_variant(
     if INTERPRETING or "fwd" in overrides or block_d in _FILE_CONFIGS.get("fwd", {}):
         return None
     if not documents:
+        if causal and keys is not None and keys >= GLUON_LONG_MIN_KEYS_CAUSAL and block_d in GLUON_FWD_LONG:
+            return GLUON_FWD_LONG[block_d]
         short = GLUON_FWD_SHORT_CAUSAL if causal else GLUON_FWD_SHORT
         if keys is not None and keys <= GLUON_PERSISTENT_MAX_KEYS and block_d in short:
             return short[block_d]
