@@ -77,7 +77,7 @@ def _backend(name: str, device) -> str:
 def shapes_only(q: torch.Tensor) -> bool:
     """Whether a call computes shapes only: traced by torch.compile (fake tensors), or on the
     meta device (no values, as torch's own attention and nn.MultiheadAttention allow: deferred
-    initialization, FLOP counting). Such a call runs the operator, whose fake implementation
+    initialization, shape inference). Such a call runs the operator, whose fake implementation
     gives the outputs' shapes and dtypes; nothing runs and no rank is contacted."""
     return torch.compiler.is_compiling() or q.is_meta
 

@@ -271,7 +271,7 @@ def test_cross_rank_mismatch_raises_on_every_rank(worlds):
 
 
 def test_meta_tensors_give_shapes():
-    """On the meta device (no values: deferred initialization, FLOP counting) the functions give
+    """On the meta device (no values: deferred initialization, shape inference) the functions give
     the outputs' shapes and dtypes as torch's attention does, also under autocast (the inputs'
     dtypes decide, as in any call), and the backward gives gradients of the inputs' shapes."""
     from ringflash import flash_attn_varlen_func
