@@ -31,6 +31,7 @@ from .dropout import seed_tensor
 from .layout import local_positions
 from .local import flash_attn_func, flash_attn_varlen_func
 from .merge import merge_attn_states, state_dtype
+from .ops import shapes_only
 from .ring import CALLER_FIELDS, _agreed_names, _ring_flash_attn
 from .schedule import check_named_layout
 from .weights import attention_weights
@@ -524,7 +525,8 @@ def _check_causal_hint(mask, length, api):
     """Accept attn_mask (length, length) or (N, length, length), bool or float, with
     is_causal=True only if it looks like the causal mask of the local length (shape, and a
     spot check of its first and last rows), as torch's hint.
-    Under torch.compile only the shape is checked: reading the values would end the graph."""
+    Under torch.compile only the shape is checked: reading the values would end the graph; on
+    the meta device there are none."""
     if mask.dtype != torch.bool and not mask.is_floating_point():
         raise TypeError(f"{api}: attn_mask must be bool or floating point, got {mask.dtype}")
     if mask.shape[-2:] != (length, length):
@@ -532,8 +534,8 @@ def _check_causal_hint(mask, length, api):
             f"{api}: is_causal=True with an attn_mask of shape {tuple(mask.shape)}; expected the "
             f"causal mask ({length}, {length}) or None"
         )
-    if torch.compiler.is_compiling():
-        return  # traced: the values are data, unknown until run; the shape above is checked
+    if shapes_only(mask):
+        return  # traced or meta: no values to read; the shape above is checked
     m = mask.reshape(-1, length, length)[0]
     # a float mask hides a key with -inf (torch's causal masks) or its dtype's lowest value
     # (transformers' masks): added to a score, either gives the key weight exactly 0

@@ -74,12 +74,13 @@ def _backend(name: str, device) -> str:
     return name or local.backend_name(device)
 
 
-def shapes_only(q: torch.Tensor) -> bool:
-    """Whether a call computes shapes only: traced by torch.compile (fake tensors), or on the
-    meta device (no values, as torch's own attention and nn.MultiheadAttention allow: deferred
-    initialization, shape inference). Such a call runs the operator, whose fake implementation
-    gives the outputs' shapes and dtypes; nothing runs and no rank is contacted."""
-    return torch.compiler.is_compiling() or q.is_meta
+def shapes_only(t: torch.Tensor) -> bool:
+    """Whether a call with tensor t computes shapes only: traced by torch.compile (fake tensors),
+    or on the meta device (no values, as torch's own attention and nn.MultiheadAttention allow:
+    deferred initialization, shape inference). Such a call runs the operator, whose fake
+    implementation gives the outputs' shapes and dtypes, and checks no values; nothing runs and
+    no rank is contacted."""
+    return torch.compiler.is_compiling() or t.is_meta
 
 
 def _mask(q_start, k_start, left, right, cu_values=None, device=None) -> BlockMask:

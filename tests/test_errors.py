@@ -307,7 +307,13 @@ def _meta_ring(rank, world):
     x = torch.randn(3, 32, 32, device="meta")
     ours = RingMultiheadAttention(32, 2, batch_first=True, device="meta", group=alone)
     theirs = torch.nn.MultiheadAttention(32, 2, batch_first=True, device="meta")
-    for kw in (dict(need_weights=False), dict(), dict(average_attn_weights=False)):
+    causal = torch.nn.Transformer.generate_square_subsequent_mask(32, device="meta")
+    for kw in (
+        dict(need_weights=False),
+        dict(),
+        dict(average_attn_weights=False),
+        dict(attn_mask=causal, is_causal=True),
+    ):
         got, want = ours(x, x, x, **kw), theirs(x, x, x, **kw)
         assert [None if t is None else (t.shape, t.device.type) for t in got] == [
             None if t is None else (t.shape, t.device.type) for t in want
