@@ -25,29 +25,37 @@ def _made_by_the_engine(frame) -> bool:
 
 
 @contextlib.contextmanager
+def _wrapped(owner, names, wrap):
+    """Inside the block, owner.<name> is wrap(name, real) for each of names (real: the original),
+    restored after."""
+    real = {name: getattr(owner, name) for name in names}
+    for name, fn in real.items():
+        setattr(owner, name, wrap(name, fn))
+    try:
+        yield
+    finally:
+        for name, fn in real.items():
+            setattr(owner, name, fn)
+
+
+@contextlib.contextmanager
 def ring_allocations():
     """Record (factory, dtype, bytes) of every floating-point tensor (the memory that matters;
     not the rank check's small integer rows) that ringflash code outside the block operations'
     backends allocates with torch's factory functions inside the block."""
     made = []
-    real = {name: getattr(torch, name) for name in FACTORIES}
 
-    def wrap(name):
+    def wrap(name, real):
         def alloc(*a, **kw):
-            t = real[name](*a, **kw)
+            t = real(*a, **kw)
             if t.is_floating_point() and _made_by_the_engine(sys._getframe(1)):
                 made.append((name, t.dtype, t.numel() * t.element_size()))
             return t
 
         return alloc
 
-    for name in real:
-        setattr(torch, name, wrap(name))
-    try:
+    with _wrapped(torch, FACTORIES, wrap):
         yield made
-    finally:
-        for name, fn in real.items():
-            setattr(torch, name, fn)
 
 
 # Tensor methods that return new memory: the copies a per-step allocation most often hides in
@@ -60,11 +68,10 @@ def ring_copies():
     the block operations' backends makes with a METHODS call that returns new memory (not
     `contiguous` or `to` returning their input)."""
     made = []
-    real = {name: getattr(torch.Tensor, name) for name in METHODS}
 
-    def wrap(name):
+    def wrap(name, real):
         def method(self, *a, **kw):
-            t = real[name](self, *a, **kw)
+            t = real(self, *a, **kw)
             new = isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() != self.untyped_storage().data_ptr()
             if new and t.is_floating_point() and _made_by_the_engine(sys._getframe(1)):
                 made.append(name)
@@ -72,10 +79,5 @@ def ring_copies():
 
         return method
 
-    for name in real:
-        setattr(torch.Tensor, name, wrap(name))
-    try:
+    with _wrapped(torch.Tensor, METHODS, wrap):
         yield made
-    finally:
-        for name, fn in real.items():
-            setattr(torch.Tensor, name, fn)
