@@ -579,7 +579,7 @@ def _call_signature(q, k, v, causal, softmax_scale, window_size, key_padding_mas
         or len(window_size) != 2
         or type(window_size[0]) is not int
         or type(window_size[1]) is not int
-        or ops.shapes_only(q)
+        or ops.through_operator(q)
     ):
         return None
     return (

@@ -43,6 +43,11 @@ FULL = Window()
 CAUSAL = Window(None, 0)
 
 
+def window_of_args(left: int, right: int) -> Window:
+    """The operators' two ints (-1: unbounded on that side) as a Window (ops.window_args' inverse)."""
+    return Window(None if left < 0 else left, None if right < 0 else right)
+
+
 def window_from(causal: bool, window_size, api: str) -> Window:
     """flash-attn's (causal, window_size=(left, right)) as a Window: -1 is unbounded; causal
     means right = 0, so with causal=True right must be -1 or 0."""

@@ -20,7 +20,8 @@ Inside, the operators run the same engine as everywhere else: the autograd Funct
 forward and backward (local._FlashAttn, ring._RingAttn, hybrid._HybridAttn), called as plain
 functions with a _Saved object in place of autograd's context, so there is one engine and no
 copy of it. Eager calls skip the operators' dispatch (flash(), ring(), hybrid()) and run the
-same engine through its autograd Functions.
+same engine through its autograd Functions, except under a torch dispatch mode, which should see
+the operators (through_operator; their FLOP counts: ringflash.flops).
 
 Which backend runs (Triton or torch) is decided when the operator runs, by the device and
 use_backend / RINGFLASH_BACKEND, as in eager calls; the eager wrappers pass the name they
@@ -34,12 +35,13 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 
-from . import local
+from . import flops, local
 from ._checks import check_cu_seqlens, check_max_seqlen, cu_values
 from .balance import CODE_PREFIX, layout_from_code
 from .dropout import Dropout, first_ranks_seed, keep_mask
-from .masks import BlockMask, Window, packed_bounds
+from .masks import BlockMask, Window, packed_bounds, window_of_args
 from .merge import state_dtype
 
 # The operators' namespace is the package's import name: a copy of the package imported under
@@ -61,10 +63,6 @@ class _Saved(SimpleNamespace):
         pass
 
 
-def _window(left: int, right: int) -> Window:
-    return Window(None if left < 0 else left, None if right < 0 else right)
-
-
 def window_args(window: Window) -> tuple[int, int]:
     """A Window as the operators' two ints (-1: unbounded)."""
     return (-1 if window.left is None else window.left, -1 if window.right is None else window.right)
@@ -76,16 +74,28 @@ def _backend(name: str, device) -> str:
 
 def shapes_only(t: torch.Tensor) -> bool:
     """Whether a call with tensor t computes shapes only: traced by torch.compile (fake tensors),
-    or on the meta device (no values, as torch's own attention and nn.MultiheadAttention allow:
-    deferred initialization, shape inference). Such a call runs the operator, whose fake
-    implementation gives the outputs' shapes and dtypes, and checks no values; nothing runs and
-    no rank is contacted."""
-    return torch.compiler.is_compiling() or t.is_meta
+    a fake tensor under torch's FakeTensorMode, or on the meta device (no values, as torch's own
+    attention and nn.MultiheadAttention allow: deferred initialization, shape inference). Such a
+    call runs the operator, whose fake implementation gives the outputs' shapes and dtypes, and
+    checks no values; nothing runs and no rank is contacted."""
+    return torch.compiler.is_compiling() or t.is_meta or (_dispatch_mode_on() and is_fake(t))
+
+
+def _dispatch_mode_on() -> bool:
+    return torch._C._len_torch_dispatch_stack() > 0  # a C call: the eager path's cost stays ~0.2 us
+
+
+def through_operator(t: torch.Tensor) -> bool:
+    """Whether an eager call runs its operator rather than the engine alone: shapes only
+    (shapes_only), or a torch dispatch mode on, which should see the call as one operator:
+    FlopCounterMode counts its FLOPs (ringflash.flops), selective activation checkpointing
+    chooses whether to save it, FakeTensorMode gets its fake implementation."""
+    return shapes_only(t) or _dispatch_mode_on()
 
 
 def _mask(q_start, k_start, left, right, cu_values=None, device=None) -> BlockMask:
     """cu_values: packed documents' (cu_q, cu_k) as tuples of ints (check_cu_seqlens), or None."""
-    window = _window(left, right)
+    window = window_of_args(left, right)
     bounds = None if cu_values is None else packed_bounds(*cu_values, window, device)
     return BlockMask(q_start, k_start, window, bounds)
 
@@ -186,7 +196,7 @@ def flash(
     torch.compile: the operator. Eager: the same forward and backward (local._FlashAttn)
     without the operator's dispatch, whose host time per call matters at short sequences
     (benchmarks.host_overhead); there lse is None unless want_lse."""
-    if shapes_only(q):
+    if through_operator(q):
         out, lse, _, _ = flash_fwd(
             q, k, v, key_bias, cu_q, cu_k, q_start, k_start, left, right, scale, dropout_p, seed, backend,
             deterministic, max_q, max_k,
@@ -300,7 +310,8 @@ def _ring_spec(left, right, scale, dropout, layout, grad_chunks, grad_accum, det
     from .ring import RingSpec
 
     grad_chunks = None if grad_chunks < 0 else grad_chunks
-    return RingSpec(_window(left, right), scale, _layout(layout), grad_chunks, grad_accum, dropout, deterministic)
+    window = window_of_args(left, right)
+    return RingSpec(window, scale, _layout(layout), grad_chunks, grad_accum, dropout, deterministic)
 
 
 def _cu_seqlens_error(cu_seqlens, layout: str, api: str):
@@ -400,7 +411,7 @@ def ring(
     the operator. Eager: the same check, forward and backward (ring._RingAttn) without the
     operator's dispatch, whose handling of the arguments costs host time on every call (torch
     rebuilds the schema's argument list for each argument it fills in)."""
-    if shapes_only(q):
+    if through_operator(q):
         out, lse, _, _, _ = ring_fwd(
             q, k, v, key_bias, cu_seqlens, group_name, left, right, scale, dropout_p, seed, layout, grad_chunks,
             grad_accum, backend, deterministic, agree,
@@ -657,7 +668,7 @@ def hybrid(
     a head group. Traced by torch.compile: the operator. Eager: the same check, forward and
     backward (hybrid._HybridAttn) without the operator's dispatch, whose handling of its 22
     arguments costs host time on every call, as ring()'s."""
-    if shapes_only(q):
+    if through_operator(q):
         out, lse, *_ = hybrid_fwd(
             q, k, v, key_padding_mask, cu_seqlens, group_name, head_group_name, left, right, scale, dropout_p, seed,
             layout, grad_chunks, grad_accum, backend, deterministic, lens_q, lens_k, ring_len, return_lse, agree,
@@ -781,3 +792,5 @@ def _hybrid_backward(ctx, dout, dlse, *unused):
 
 
 hybrid_fwd.register_autograd(_hybrid_backward, setup_context=_hybrid_setup)
+
+flops.register(NAMESPACE)

@@ -1151,3 +1151,28 @@ def test_call_plan_replays_under_compile(D, monkeypatch):
     q, k, v, do = first
     ref = reference(q, k, v, do, causal=True)
     assert_within("dq", replayed[1], ref[2], plain_errors(q, k, v, do, ref, causal=True)["dq"])
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_flop_counter_runs_the_same_kernels(causal):
+    """Under FlopCounterMode a call runs as its operators (ringflash.flops): the same kernels as
+    the eager call, so outputs and (deterministic) gradients bitwise equal, and counted."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    B, S, H, D = 1, 2048, 4, 128
+    g = torch.Generator(device="cuda").manual_seed(7)
+    q, k, v = (torch.randn(B, S, H, D, device="cuda", generator=g, dtype=torch.bfloat16) for _ in range(3))
+    do = torch.randn_like(q)
+
+    def run():
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = flash_attn_func(*leaves, causal=causal, deterministic=True)
+        return (out, *torch.autograd.grad(out, leaves, do))
+
+    eager = run()
+    with FlopCounterMode(display=False) as counter:
+        counted = run()
+    assert all(torch.equal(a, b) for a, b in zip(counted, eager))
+    pairs = B * (S * (S + 1) // 2 if causal else S * S)
+    got = {str(op): n for op, n in counter.get_flop_counts()["Global"].items()}
+    assert got == {"ringflash.flash_fwd": 2 * pairs * H * 2 * D, "ringflash.flash_bwd": 2 * pairs * H * 5 * D}

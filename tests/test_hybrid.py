@@ -402,3 +402,64 @@ def test_hybrid_packed_documents_on_a_named_layout(worlds, R, U, named):
     lengths = [3, 0, 90, 1, 7, 20, 7]
     got = worlds(4, **TORCH).run(hybrid_varlen_vs_oracle, R, U, lengths, True, (-1, -1), 4, 2, torch.float64, 3, named)
     assert [n for n, _ in got] == [128 // (R * U)] * 4
+
+
+def counted_calls(rank, world, cases):
+    """{case: {operator: FLOPs}} of this rank's ring and hybrid calls under FlopCounterMode, forward
+    and backward: (name, R, U, layout, causal, window_size, packed document lengths or None)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from ringflash import ring_flash_attn_varlen_func
+
+    results = {}
+    for name, R, U, layout, causal, window_size, lengths in cases:
+        group, head_group = grid(R, U)
+        H, D, Dv = 4, 8, 16
+        kw = dict(causal=causal, window_size=window_size, group=group, head_group=head_group if U > 1 else None)
+        if lengths is None:
+            S = 32
+            q, k, _, _ = full_inputs(2, S, S, H, 2, D, torch.float32, 0)
+            v = torch.randn(2, S, 2, Dv)
+            sh = lambda t: shard(t, layout=layout, **{a: kw[a] for a in ("group", "head_group")})  # noqa: E731
+            ql, kl, vl = (sh(t).requires_grad_() for t in (q, k, v))
+            call = lambda: ring_flash_attn_func(ql, kl, vl, layout=layout, **kw)  # noqa: E731
+        else:
+            cu = [0, *itertools.accumulate(lengths)]
+            layout = balanced_layout(cu, R, causal=causal, window_size=window_size)
+            sh = lambda t: shard(t, dim=0, layout=layout, **{a: kw[a] for a in ("group", "head_group")})  # noqa: E731
+            ql, kl = (sh(torch.randn(cu[-1], H, D)).requires_grad_() for _ in range(2))
+            vl = sh(torch.randn(cu[-1], H, Dv)).requires_grad_()
+            cu_t = torch.tensor(cu, dtype=torch.int32)
+            call = lambda: ring_flash_attn_varlen_func(ql, kl, vl, cu_t, layout=layout, **kw)  # noqa: E731
+        with FlopCounterMode(display=False) as counter:
+            call().sum().backward()
+        results[name] = {str(op).split(".")[1]: n for op, n in counter.get_flop_counts()["Global"].items()}
+    return results
+
+
+def test_ring_and_hybrid_flops_add_up_to_the_sequence(worlds):
+    """Each rank counts its queries against every key; the ranks' counts add up to the whole
+    sequence's (the pairs counted one by one from a boolean mask), heads split by the head group."""
+    from test_dispatch_modes import mask_pairs
+
+    lengths = [11, 3, 0, 9, 13]
+    cases = [
+        ("ring-zigzag-causal", 4, 1, "zigzag", True, (-1, -1), None),
+        ("ring-contiguous-window", 4, 1, "contiguous", False, (5, 2), None),
+        ("hybrid-zigzag-causal", 2, 2, "zigzag", True, (-1, -1), None),
+        ("ring-packed-window", 4, 1, None, True, (6, -1), lengths),
+        ("hybrid-packed", 2, 2, None, True, (-1, -1), lengths),
+    ]
+    by_rank = worlds(4, **TORCH).run(counted_calls, cases)
+    H, D, Dv = 4, 8, 16
+    for name, _, U, _, causal, (left, right), lengths in cases:
+        right = 0 if causal else right
+        if lengths is None:
+            pairs = 2 * mask_pairs(range(32), range(32), left, right)
+        else:
+            docs = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+            pairs = mask_pairs(range(sum(lengths)), range(sum(lengths)), left, right, docs, docs)
+        op = "ring" if U == 1 else "hybrid"
+        got = {key: sum(counts[name][key] for counts in by_rank) for key in by_rank[0][name]}
+        want = {f"{op}_fwd": 2 * pairs * H * (D + Dv), f"{op}_bwd": 2 * pairs * H * (3 * D + 2 * Dv)}
+        assert got == want, (name, [counts[name] for counts in by_rank])
