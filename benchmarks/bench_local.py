@@ -46,32 +46,42 @@ def make_inputs(B, S, H, D, dtype, device, seed=0, Dv=None):
     return qkv, sdpa
 
 
-def runner(impl, tensors, causal, mode):
+def call_of(impl, tensors, causal):
+    """The zero-argument forward call of `impl` on q, k, v (B, S, H, D; SDPA's impls take them
+    (B, H, S, D)). ringflash_nothing_hidden: ours with a key padding mask of all False, the
+    mask's own cost."""
     q, k, v = tensors
-    do = q.new_empty(*q.shape[:-1], v.shape[-1]).normal_()  # the output's shape (v's head dim)
-
     if impl == "ringflash":
-        call = lambda: flash_attn_func(q, k, v, causal=causal)
-    elif impl == "ringflash_triton_fwd":  # the portable Triton forward in place of the Gluon one
+        return lambda: flash_attn_func(q, k, v, causal=causal)
+    if impl == "ringflash_nothing_hidden":
+        mask = torch.zeros(k.shape[0], k.shape[1], dtype=torch.bool, device=k.device)
+        return lambda: flash_attn_func(q, k, v, causal=causal, key_padding_mask=mask)
+    if impl == "ringflash_triton_fwd":  # the portable Triton forward in place of the Gluon one
 
         def call():
             with configs.override(gluon=None):
                 return flash_attn_func(q, k, v, causal=causal)
 
-    else:
-        from torch.nn.attention import SDPBackend, sdpa_kernel
+        return call
+    from torch.nn.attention import SDPBackend, sdpa_kernel
 
-        backend = {
-            "sdpa_flash": SDPBackend.FLASH_ATTENTION,
-            "sdpa_cudnn": SDPBackend.CUDNN_ATTENTION,
-            "sdpa_math": SDPBackend.MATH,
-        }[impl]
+    backend = {
+        "sdpa_flash": SDPBackend.FLASH_ATTENTION,
+        "sdpa_cudnn": SDPBackend.CUDNN_ATTENTION,
+        "sdpa_math": SDPBackend.MATH,
+    }[impl]
 
-        def call():
-            with sdpa_kernel(backend):
-                return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    def call():
+        with sdpa_kernel(backend):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
 
-    return step_fn(call, (q, k, v), do, mode)
+    return call
+
+
+def runner(impl, tensors, causal, mode):
+    q, _, v = tensors
+    do = q.new_empty(*q.shape[:-1], v.shape[-1]).normal_()  # the output's shape (v's head dim)
+    return step_fn(call_of(impl, tensors, causal), tensors, do, mode)
 
 
 def measure(impl, tensors, B, H, S, D, causal, mode, device, steady=0, graphs=False):

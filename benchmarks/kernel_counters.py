@@ -7,6 +7,8 @@ share, issue slots, warp stall reasons).
     python -m benchmarks.kernel_counters --out DIR --head-dims 192 --v-head-dim 128 --modes bwd   # MLA's dims
     python -m benchmarks.kernel_counters --out DIR --head-dims 128 --seqlen 4096 --causal yes --modes bwd --source \
         --impls gluon_bwd=ws2_lag_grouped_down gluon_bwd=ws2_lag_grouped_down_pc   # stalls per SASS instruction
+    python -m benchmarks.kernel_counters --out DIR --head-dims 64 --seqlen 8192 --causal no --modes bwd \
+        --impls ringflash ringflash_nothing_hidden   # a key padding mask's own cost (all False)
 
 runs `ncu` once per (implementation, head dim, causal, mode) on this script's --call mode (one
 warmed-up call between cudaProfilerStart and Stop; for "bwd" only the backward of a forward made
@@ -26,6 +28,7 @@ import sys
 from pathlib import Path
 
 IMPLS = ("ringflash", "sdpa_cudnn")  # and gluon=VARIANT / gluon_bwd=VARIANT: ours with that Gluon kernel variant
+MORE_IMPLS = ("ringflash_nothing_hidden",)  # ours with an all-False key padding mask (bench_local.call_of)
 SECTIONS = (
     "SpeedOfLight", "ComputeWorkloadAnalysis", "MemoryWorkloadAnalysis", "SchedulerStats", "WarpStateStats",
     "Occupancy", "LaunchStats",
@@ -49,7 +52,7 @@ def one_call(impl, D, S, causal, mode, heads, batch, Dv=None):
     from benchmarks.bench_local import make_inputs, runner
 
     qkv, sdpa = make_inputs(batch, S, heads, D, torch.bfloat16, "cuda", Dv=Dv)
-    tensors = qkv if impl == "ringflash" else sdpa
+    tensors = qkv if impl.startswith("ringflash") else sdpa
     fwd_bwd = runner(impl, tensors, causal, "fwd+bwd")
     for _ in range(3):
         fwd_bwd()
@@ -72,16 +75,9 @@ def one_call(impl, D, S, causal, mode, heads, batch, Dv=None):
 
 
 def _forward(impl, tensors, causal):
-    import torch.nn.functional as F
-    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from benchmarks.bench_local import call_of
 
-    from ringflash import flash_attn_func
-
-    q, k, v = tensors
-    if impl == "ringflash":
-        return flash_attn_func(q, k, v, causal=causal)
-    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-        return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    return call_of(impl, tensors, causal)()
 
 
 def read_raw(csv_path):
@@ -254,9 +250,9 @@ def main():
         return
     if args.out is None:
         ap.error("--out is required (the folder for the reports)")
-    bad = [i for i in args.impls if i not in IMPLS and not i.startswith(("gluon=", "gluon_bwd="))]
+    bad = [i for i in args.impls if i not in IMPLS + MORE_IMPLS and not i.startswith(("gluon=", "gluon_bwd="))]
     if bad:
-        ap.error(f"--impls: unknown {bad}; take {' '.join(IMPLS)}, gluon=VARIANT or gluon_bwd=VARIANT")
+        ap.error(f"--impls: unknown {bad}; take {' '.join(IMPLS + MORE_IMPLS)}, gluon=VARIANT or gluon_bwd=VARIANT")
     run_all(args)
 
 

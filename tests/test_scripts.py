@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from commands import ROOT, TWO_RANKS, run
 
@@ -642,6 +643,18 @@ def test_kernel_counters_names_an_unknown_implementation(tmp_path):
     out = subprocess.run([sys.executable, "-m", "benchmarks.kernel_counters", "--out", str(tmp_path), "--impls",
                           "gluon=ws2_p", "sdpa_flash"], capture_output=True, text=True, cwd=ROOT)  # fmt: skip
     assert out.returncode == 2 and "unknown ['sdpa_flash']" in out.stderr, out.stderr
+
+
+def test_nothing_hidden_impl_is_the_plain_call():
+    """bench_local.call_of's ringflash_nothing_hidden (kernel_counters' mask-cost impl): an
+    all-False key padding mask, which changes no output."""
+    from benchmarks.bench_local import call_of
+
+    g = torch.Generator().manual_seed(0)
+    tensors = [torch.randn(2, 24, 2, 16, generator=g) for _ in range(3)]
+    for causal in (False, True):
+        plain = call_of("ringflash", tensors, causal)()
+        assert torch.equal(call_of("ringflash_nothing_hidden", tensors, causal)(), plain)
 
 
 def test_tile_order_model():
