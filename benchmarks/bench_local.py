@@ -17,20 +17,29 @@ as a model captured with torch.cuda.graph runs it; a table of its own.
     python -m benchmarks.bench_local --seqlens 4096 --steady 20
     python -m benchmarks.bench_local --seqlens 4096 8192 --graphs
     python -m benchmarks.bench_local --head-dims 192 --v-head-dim 128 --triton-forward   # MLA's dims
+
+--clocks samples the SM clock and power draw (nvidia-smi, every 50 ms) while each impl is timed
+and prints their medians in a table of their own; --idle-gap SECONDS idles before each timing,
+so that no impl starts on the heat of the one before:
+
+    python -m benchmarks.bench_local --seqlens 65536 --head-dims 128 --clocks --idle-gap 1
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import math
 import platform
+import shutil
 import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from benchmarks.common import attention_flops, bench_ms, host_seconds, step_fn, write_json
+from benchmarks.common import ClockSampler, attention_flops, bench_ms, host_seconds, step_fn, write_json
 from ringflash import flash_attn_func
 from ringflash.kernels import configs
 from ringflash.kernels.configs import KernelConfig
@@ -84,17 +93,22 @@ def runner(impl, tensors, causal, mode):
     return step_fn(call_of(impl, tensors, causal), tensors, do, mode)
 
 
-def measure(impl, tensors, B, H, S, D, causal, mode, device, steady=0, graphs=False):
+def measure(impl, tensors, B, H, S, D, causal, mode, device, steady=0, graphs=False, clocks=False, idle_gap=0.0):
     """do_bench's median (ms, tflops); with steady=N also steady_ms / steady_tflops: N calls in
     a row on the host clock, per call (median of 5 repeats); with graphs also graph_ms /
     graph_tflops: do_bench's median of the call captured in a CUDA graph and replayed (a
     capture that fails gives graph_error). D: the head dim FLOPs are counted at ((D + Dv) / 2
-    when v's differs: exact for the forward's two matmuls)."""
+    when v's differs: exact for the forward's two matmuls). clocks: also sm_mhz, power_w, the
+    medians sampled during do_bench (ClockSampler); idle_gap: seconds idle before it."""
     flops = attention_flops(B, H, S, D, causal, mode)
     try:
         step = runner(impl, tensors, causal, mode)
-        ms = bench_ms(step, device)
+        time.sleep(idle_gap)
+        with ClockSampler(torch.cuda.current_device()) if clocks else contextlib.nullcontext() as sampler:
+            ms = bench_ms(step, device)
         result = {"impl": impl, "ms": ms, "tflops": flops / ms / 1e9}
+        if clocks:
+            result.update(sm_mhz=sampler.result["sm_mhz"], power_w=sampler.result["power_w"])
         if steady:
             steady_ms = host_seconds(step, device, calls=steady, repeats=5, warmup=3) * 1e3
             result.update(steady_ms=steady_ms, steady_tflops=flops / steady_ms / 1e9)
@@ -121,7 +135,8 @@ def run_table(args, device, dtype):
             for causal in (False, True):
                 for mode in ("fwd", "fwd+bwd"):
                     res = {"D": D, "Dv": Dv, "S": S, "causal": causal, "mode": mode}
-                    shape = (args.batch, args.heads, S, (D + Dv) / 2, causal, mode, device, args.steady, args.graphs)
+                    shape = (args.batch, args.heads, S, (D + Dv) / 2, causal, mode, device, args.steady, args.graphs,
+                             args.clocks, args.idle_gap)  # fmt: skip
                     res["ringflash"] = measure("ringflash", qkv, *shape)
                     for p in peers:
                         res[p] = measure(p, qkv if p.startswith("ringflash") else sdpa, *shape)
@@ -255,6 +270,16 @@ def print_table(rows, key="tflops"):
         print(line)
 
 
+def print_clocks(rows):
+    """--clocks' table: each impl's median SM clock (MHz) and power draw (W) while timed."""
+    impls = [i for i in ("ringflash", "sdpa_flash", "sdpa_cudnn") if any(i in r for r in rows)]
+    print(f"\n{'D':>7} {'S':>6} {'causal':>6} {'mode':>8} | " + " | ".join(f"{i + ' MHz, W':>24}" for i in impls))
+    for r in rows:
+        cells = [f"{r.get(i, {}).get('sm_mhz', math.nan):>14.0f} {r.get(i, {}).get('power_w', math.nan):9.0f}"
+                 for i in impls]  # fmt: skip
+        print(f"{r['D']:>7} {r['S']:>6} {str(r['causal']):>6} {r['mode']:>8} | " + " | ".join(cells))
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seqlens", type=int, nargs="+", default=[4096, 16384, 65536])
@@ -272,10 +297,16 @@ def main():
     ap.add_argument("--smoke", action="store_true", help="tiny CPU sizes")
     ap.add_argument("--steady", type=int, default=0, metavar="N", help="also time N calls in a row (host clock)")
     ap.add_argument("--graphs", action="store_true", help="also time each call replayed from a CUDA graph (GPU)")
+    ap.add_argument("--clocks", action="store_true", help="sample the SM clock and power while timing (nvidia-smi)")
+    ap.add_argument("--idle-gap", type=float, default=0.0, metavar="S", help="seconds idle before each timing")
     args = ap.parse_args()
     device = "cuda" if torch.cuda.is_available() and not args.smoke else "cpu"
     if args.graphs and device != "cuda":
         ap.error("--graphs needs a GPU (CUDA graphs)")
+    if args.clocks and (device != "cuda" or shutil.which("nvidia-smi") is None):
+        ap.error("--clocks needs a GPU and nvidia-smi")
+    if args.idle_gap < 0:
+        ap.error(f"--idle-gap must be >= 0 seconds, got {args.idle_gap}")
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
     if args.smoke:
         args.seqlens, args.head_dims, args.heads, dtype = [64], [32], 2, torch.float32
@@ -305,6 +336,8 @@ def main():
             print_table(out["rows"], "steady_tflops")
         if args.graphs:
             print_table(out["rows"], "graph_tflops")
+        if args.clocks:
+            print_clocks(out["rows"])
 
 
 if __name__ == "__main__":

@@ -18,6 +18,46 @@ import torch.distributed as dist
 from ringflash.dist_env import init_from_env
 
 
+def parse_clock_samples(text: str) -> dict:
+    """nvidia-smi's lines "SM MHz, power W" (--format=csv,noheader,nounits) as their medians and
+    count: {"sm_mhz", "power_w", "samples"}; lines that are not two numbers ("[N/A]") are left
+    out, and with none left the medians are NaN."""
+    samples = []
+    for line in text.splitlines():
+        parts = [p.strip() for p in line.split(",")]
+        try:
+            samples.append((float(parts[0]), float(parts[1])))
+        except (ValueError, IndexError):
+            continue
+    if not samples:
+        return {"sm_mhz": math.nan, "power_w": math.nan, "samples": 0}
+    clocks, watts = zip(*samples)
+    return {"sm_mhz": statistics.median(clocks), "power_w": statistics.median(watts), "samples": len(samples)}
+
+
+class ClockSampler:
+    """The SM clock and power draw of GPU `index`, sampled by nvidia-smi every `period_ms` while
+    the block runs; .result is parse_clock_samples' dict once it ends. A timing's clock: what
+    sustained power or heat leaves a kernel, which a kernel's own counters do not show."""
+
+    def __init__(self, index: int = 0, period_ms: int = 50):
+        self.command = ["nvidia-smi", "-i", str(index), "--query-gpu=clocks.sm,power.draw",
+                        "--format=csv,noheader,nounits", "-lms", str(period_ms)]  # fmt: skip
+        self.result = None
+
+    def __enter__(self):
+        import subprocess
+
+        self.process = subprocess.Popen(self.command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        time.sleep(0.1)  # nvidia-smi's first sample, before the timed work starts
+        return self
+
+    def __exit__(self, *exc):
+        self.process.terminate()
+        self.result = parse_clock_samples(self.process.communicate()[0])
+        return False
+
+
 def attention_flops(B, H, S, D, causal, mode, Sk=None):
     """FLOPs of attention over S queries and Sk (default S) keys: forward 4*B*H*S*Sk*D, half for
     causal; forward+backward 3.5x, the backward alone ("bwd") 2.5x."""

@@ -5,6 +5,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -655,6 +656,31 @@ def test_nothing_hidden_impl_is_the_plain_call():
     for causal in (False, True):
         plain = call_of("ringflash", tensors, causal)()
         assert torch.equal(call_of("ringflash_nothing_hidden", tensors, causal)(), plain)
+
+
+def test_clock_sampler_medians(capsys, tmp_path):
+    """benchmarks.common.ClockSampler (bench_local --clocks): the medians of the sampled lines,
+    "[N/A]" lines left out; bench_local prints them per impl."""
+    from benchmarks.bench_local import print_clocks
+    from benchmarks.common import ClockSampler, parse_clock_samples
+
+    assert parse_clock_samples("1755, 600.5\n[N/A], 3\n1800, 700\n1500, 650.0\n") == {
+        "sm_mhz": 1755.0, "power_w": 650.0, "samples": 3
+    }  # fmt: skip
+    assert parse_clock_samples("[N/A], [N/A]\n")["samples"] == 0
+    sampler, printed = ClockSampler(), tmp_path / "printed"
+    sampler.command = [sys.executable, "-c", "print('1650, 690'); print('1700, 700', flush=True); "
+                       f"open({str(printed)!r}, 'w').close(); import time; time.sleep(60)"]  # fmt: skip
+    with sampler:  # stopped once it has printed (a stand-in for nvidia-smi, which samples until stopped)
+        deadline = time.monotonic() + 60
+        while not printed.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+    assert sampler.result == {"sm_mhz": 1675.0, "power_w": 695.0, "samples": 2}
+    row = {"D": 128, "S": 65536, "causal": True, "mode": "fwd", "ringflash": {"sm_mhz": 1650.0, "power_w": 690.0},
+           "sdpa_cudnn": {"sm_mhz": 1700.0, "power_w": 700.0}}  # fmt: skip
+    print_clocks([row])
+    out = capsys.readouterr().out
+    assert "ringflash MHz, W" in out and "1650       690" in out and "1700       700" in out, out
 
 
 def test_tile_order_model():
