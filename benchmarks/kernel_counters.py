@@ -8,7 +8,7 @@ share, issue slots, warp stall reasons).
     python -m benchmarks.kernel_counters --out DIR --head-dims 128 --seqlen 4096 --causal yes --modes bwd --source \
         --impls gluon_bwd=ws2_lag_grouped_down gluon_bwd=ws2_lag_grouped_down_pc   # stalls per SASS instruction
     python -m benchmarks.kernel_counters --out DIR --head-dims 64 --seqlen 8192 --causal no --modes bwd \
-        --impls ringflash ringflash_nothing_hidden   # a key padding mask's own cost (all False)
+        --batch 4 --impls ringflash ringflash_nothing_hidden   # a key padding mask's own cost (all False)
 
 runs `ncu` once per (implementation, head dim, causal, mode) on this script's --call mode (one
 warmed-up call between cudaProfilerStart and Stop; for "bwd" only the backward of a forward made
@@ -202,7 +202,8 @@ def run_all(args):
                     for s in SECTIONS + (("SourceCounters",) if args.source else ()):
                         cmd += ["--section", s]
                     call = [impl, str(D), str(args.seqlen), "causal" if causal else "full", mode]
-                    cmd += [sys.executable, "-m", "benchmarks.kernel_counters", "--heads", str(args.heads)]
+                    cmd += [sys.executable, "-m", "benchmarks.kernel_counters", "--heads", str(args.heads),
+                            "--batch", str(args.batch)]  # fmt: skip
                     if args.v_head_dim is not None:
                         cmd += ["--v-head-dim", str(args.v_head_dim)]
                     cmd += ["--call", *call]
@@ -234,6 +235,7 @@ def main():
     ap.add_argument("--v-head-dim", type=int, help="v's head dim (default: each --head-dims'), e.g. 128 beside 192")
     ap.add_argument("--seqlen", type=int, default=16384)
     ap.add_argument("--heads", type=int, default=32)
+    ap.add_argument("--batch", type=int, default=1, help="B (benchmarks.mask_cost and key_padding time B=4)")
     ap.add_argument("--causal", choices=["yes", "no", "both"], default="both")
     ap.add_argument("--modes", nargs="+", choices=["fwd", "bwd"], default=["fwd", "bwd"])
     ap.add_argument(
@@ -246,7 +248,7 @@ def main():
     args = ap.parse_args()
     if args.call:
         impl, D, S, causal, mode = args.call
-        one_call(impl, int(D), int(S), causal == "causal", mode, args.heads, 1, args.v_head_dim)
+        one_call(impl, int(D), int(S), causal == "causal", mode, args.heads, args.batch, args.v_head_dim)
         return
     if args.out is None:
         ap.error("--out is required (the folder for the reports)")

@@ -683,6 +683,32 @@ def test_clock_sampler_medians(capsys, tmp_path):
     assert "ringflash MHz, W" in out and "1650       690" in out and "1700       700" in out, out
 
 
+def test_kernel_counters_profiles_the_batch_asked(tmp_path, monkeypatch):
+    """--batch reaches the profiled call (ncu's command line), so a profile can match
+    benchmarks.mask_cost's B=4; a failed ncu is reported per case, not raised."""
+    import argparse
+    import types
+
+    from benchmarks import kernel_counters
+
+    commands = []
+
+    def fake_run(cmd, **kwargs):
+        commands.append(cmd)
+        return types.SimpleNamespace(returncode=1, stdout="", stderr="no GPU")
+
+    monkeypatch.setattr(kernel_counters.subprocess, "run", fake_run)
+    args = argparse.Namespace(out=tmp_path, head_dims=[64], causal="no", modes=["bwd"], v_head_dim=None,
+                              impls=["ringflash", "ringflash_nothing_hidden"], seqlen=8192, source=False, heads=32,
+                              batch=4)  # fmt: skip
+    kernel_counters.run_all(args)
+    assert len(commands) == 2
+    for cmd, impl in zip(commands, args.impls):
+        call = cmd[cmd.index("--call") + 1 :]
+        assert cmd[cmd.index("--batch") + 1] == "4" and call == [impl, "64", "8192", "full", "bwd"], cmd
+    assert "ncu failed (rc 1)" in (tmp_path / "table.txt").read_text()
+
+
 def test_tile_order_model():
     """benchmarks.tile_order_model: list scheduling in launch order (a long cost last waits
     for a free processor), tile costs heaviest first per group of heads, and the figures it
