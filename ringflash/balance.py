@@ -55,7 +55,7 @@ from typing import NamedTuple
 import torch
 
 from ._checks import check_bool
-from .masks import RowBounds, Window, held_bounds, window_from
+from .masks import RowBounds, Window, held_bounds, window_from, window_of_args
 from .schedule import BlockTask, Segment, check_divisible, check_layout, segments, step_tasks, steps_needed
 
 BALANCE_SLACK = 0.02  # how far above an equal share of the work a whole document may leave a rank
@@ -430,8 +430,7 @@ def layout_from_code(code: str) -> BalancedLayout:
             segs.append(Segment(local, start, n, doc))
             local += n
         pieces.append(tuple(segs))
-    window = Window(None if left < 0 else left, None if right < 0 else right)
-    return BalancedLayout(tuple(cu), world, window, tuple(pieces))
+    return BalancedLayout(tuple(cu), world, window_of_args(left, right), tuple(pieces))
 
 
 def _pairs(q0: int, nq: int, k0: int, nk: int, window: Window) -> int:

@@ -14,10 +14,11 @@ and a key bias or key padding mask, whose hidden keys are data (the call counts 
 On a ring every rank counts its own queries against every key of the sequence (what its steps
 compute, whichever rank holds the keys); with a head group, its heads after the exchange.
 Packed documents whose cu_seqlens hold no values (meta or fake tensors) count as one
-document: an upper bound.
+sequence.
 
-The counts are closed forms over runs of positions, in Python integers: no tensor is made, so
-they hold under torch's FakeTensorMode too.
+The counts are closed forms over runs of positions (balance._pairs), in Python integers; the
+only values read are cu_seqlens', as the operator read them (_checks.cu_values). Meta and fake
+calls read none, so the counts hold under torch's FakeTensorMode too.
 """
 
 from __future__ import annotations
@@ -25,56 +26,35 @@ from __future__ import annotations
 import torch
 from torch.utils.flop_counter import register_flop_formula
 
+from ._checks import cu_values
+from .balance import _pairs
 from .masks import Window, window_of_args
 
 
-def _pairs_within(q_lo: int, q_hi: int, k_lo: int, k_hi: int, c: int | None) -> int:
-    """How many (p, k) with q_lo <= p < q_hi, k_lo <= k < k_hi have p - k <= c (None: all)."""
-    n_q, n_k = q_hi - q_lo, k_hi - k_lo
-    if n_q <= 0 or n_k <= 0:
-        return 0
-    if c is None:
-        return n_q * n_k
-    # query p sees the keys k >= p - c: clamp(x, 0, n_k) of them, x = k_hi + c - p, and x takes
-    # the consecutive values x_lo..x_hi as p runs over the queries
-
-    def up_to(x):  # sum of clamp(t, 0, n_k) for t = 1..x: the triangle 1..x less the part above n_k
-        triangle = lambda y: y * (y + 1) // 2 if y > 0 else 0  # noqa: E731
-        return triangle(x) - triangle(x - n_k)
-
-    x_hi, x_lo = k_hi + c - q_lo, k_hi + c - q_hi + 1
-    return up_to(x_hi) - up_to(x_lo - 1)
-
-
-def span_pairs(q_lo: int, q_hi: int, k_lo: int, k_hi: int, window: Window) -> int:
-    """Pairs of query positions [q_lo, q_hi) and key positions [k_lo, k_hi) that `window` lets
-    attend: key kp is seen by query qp iff qp - left <= kp <= qp + right."""
-    seen_left = _pairs_within(q_lo, q_hi, k_lo, k_hi, window.left)  # p - k <= left
-    if window.right is None:
-        return seen_left
-    return seen_left - _pairs_within(q_lo, q_hi, k_lo, k_hi, -window.right - 1)  # less p - k < -right
-
-
-def _values(cu: torch.Tensor) -> list[int] | None:
-    """cu_seqlens' values, or None where a tensor holds none (meta, fake)."""
+def _values(cu_q: torch.Tensor, cu_k: torch.Tensor) -> tuple[tuple, tuple] | None:
+    """Packed documents' boundaries as the operator read them (_checks.cu_values: no second
+    read of a GPU tensor), or None where a tensor holds no values (meta, fake)."""
     from torch._subclasses.fake_tensor import is_fake
 
-    return None if cu.is_meta or is_fake(cu) else [int(x) for x in cu.tolist()]
+    if any(cu.is_meta or is_fake(cu) for cu in (cu_q, cu_k)):
+        return None
+    return cu_values(cu_q, cu_k, "flash_attn_varlen_func")
 
 
 def local_pairs(q, k, cu_q, cu_k, q_start: int, k_start: int, window: Window) -> int:
     """Pairs of a one-device call (flash_fwd's arguments): B x the window's pairs of query
     positions q_start.. against key positions k_start.., or, packed, each document's query rows
     against its keys, aligned bottom-right (ringflash.masks.document_bounds)."""
-    values_q = None if cu_q is None else _values(cu_q)
-    values_k = None if cu_k is None else _values(cu_k)
-    if values_q is None or values_k is None:
+    values = None if cu_q is None else _values(cu_q, cu_k)
+    if values is None:
         n_q, n_k = q.shape[1], k.shape[1]
-        return q.shape[0] * span_pairs(q_start, q_start + n_q, k_start, k_start + n_k, window)
+        return q.shape[0] * _pairs(q_start, n_q, k_start, n_k, window)
+    values_q, values_k = values
     total = 0
     for d in range(len(values_q) - 1):
         shift = values_k[d + 1] - values_q[d + 1]  # query row i sits at key position i + shift
-        total += span_pairs(values_q[d] + shift, values_q[d + 1] + shift, values_k[d], values_k[d + 1], window)
+        total += _pairs(values_q[d] + shift, values_q[d + 1] - values_q[d], values_k[d], values_k[d + 1] - values_k[d],
+                        window)  # fmt: skip
     return total
 
 
@@ -86,8 +66,8 @@ def ring_pairs(layout, rank: int, world: int, q_rows: int, k_total: int, window:
 
     count = 0
     for seg in segments(layout, rank, world, q_rows):
-        keys = (layout.cu_seqlens[seg.doc], layout.cu_seqlens[seg.doc + 1]) if is_balanced(layout) else (0, k_total)
-        count += span_pairs(seg.global_start, seg.global_start + seg.length, *keys, window)
+        lo, hi = (layout.cu_seqlens[seg.doc], layout.cu_seqlens[seg.doc + 1]) if is_balanced(layout) else (0, k_total)
+        count += _pairs(seg.global_start, seg.length, lo, hi - lo, window)
     return count
 
 

@@ -90,7 +90,7 @@ def through_operator(t: torch.Tensor) -> bool:
     (shapes_only), or a torch dispatch mode on, which should see the call as one operator:
     FlopCounterMode counts its FLOPs (ringflash.flops), selective activation checkpointing
     chooses whether to save it, FakeTensorMode gets its fake implementation."""
-    return shapes_only(t) or _dispatch_mode_on()
+    return torch.compiler.is_compiling() or t.is_meta or _dispatch_mode_on()  # shapes_only's cases, or a mode
 
 
 def _mask(q_start, k_start, left, right, cu_values=None, device=None) -> BlockMask:
