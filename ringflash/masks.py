@@ -246,9 +246,3 @@ def held_bounds(q_pos: torch.Tensor, k_pos: torch.Tensor, n_k: int, cu: torch.Te
     pad = torch.full((n_k - len(k_pos),), int(q_hi[-1]) if len(k_pos) else 0, dtype=torch.int64)
     q_lo, q_hi = torch.cat([q_lo, pad]), torch.cat([q_hi, pad])
     return RowBounds(*(t.to(torch.int32) for t in (k_lo, k_hi, q_lo, q_hi)))
-
-
-def visible_pairs(cu_q, cu_k, window: Window) -> int:
-    """How many (query, key) pairs packed documents with `window` let attend (the FLOP count)."""
-    b = document_bounds(cu_q, cu_k, window)
-    return int((b.k_hi - b.k_lo).long().sum())
