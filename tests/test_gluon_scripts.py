@@ -409,7 +409,10 @@ def test_gluon_key_bias_compiles_for_hopper(tmp_path):
     backward's defaults at D=128 (accumulating) and MLA's 192 / 128. The forward's bias rides
     in a TMA ring beside K: its shared memory is the same case's without a bias plus STAGES x
     128 keys x 4 bytes, within the H200's limit. The backward's zero-bias blocks branch around
-    the bias instead of selecting."""
+    the bias instead of selecting. A forward with head dims of one piece holds two copies of
+    its key loop (a tile's zero-bias blocks run the one compiled without the bias), so twice
+    the case's tensor-core instructions; MLA's, in pieces, one; likewise the non-causal
+    backward at D=64 (two copies of the consumer) and the causal one at D=128 (one)."""
     from ringflash.kernels.configs import GLUON_BWD, GLUON_FWD, GLUON_FWD_LONG, GLUON_FWD_SHORT
     from ringflash.kernels.gluon_forward import HOPPER_SHARED_BYTES, config_for
 
@@ -429,6 +432,8 @@ def test_gluon_key_bias_compiles_for_hopper(tmp_path):
         ring = cfg.stages * cfg.block_n * 4  # (allocations are aligned: a few bytes more)
         assert ring <= with_bias["shared"] - without["shared"] <= ring + 128, (without, with_bias)
         assert with_bias["shared"] <= HOPPER_SHARED_BYTES, with_bias
+        copies = 1 if with_bias.get("Dv") else 2
+        assert with_bias["hgmma"] == copies * without["hgmma"], (without, with_bias)
     bwd = tmp_path / "b.json"
     run([sys.executable, "benchmarks/gluon_bwd_report.py", "--variants", GLUON_BWD[128], "--head-dims", "128",
          "--causal", "1", "--dtypes", "bf16", "--accumulate", "1", "--key-bias", "--jobs", "1", "--json", str(bwd)],
@@ -450,3 +455,12 @@ def test_gluon_key_bias_compiles_for_hopper(tmp_path):
         tmp_path)  # fmt: skip
     (without,) = json.loads(plain.read_text())
     assert rows[0]["fsel"] - without["fsel"] <= 8, (without["fsel"], rows[0]["fsel"])
+    assert rows[0]["hgmma"] == without["hgmma"], (without, rows[0])
+    d64 = []
+    for i, flag in enumerate(([], ["--key-bias"])):
+        run([sys.executable, "benchmarks/gluon_bwd_report.py", "--variants", GLUON_BWD[64], "--head-dims", "64",
+             "--causal", "0", "--dtypes", "bf16", "--accumulate", "0", *flag, "--jobs", "1", "--json",
+             str(tmp_path / f"d64_{i}.json")], tmp_path)  # fmt: skip
+        d64 += json.loads((tmp_path / f"d64_{i}.json").read_text())
+    assert d64[1]["key_bias"] and d64[1]["spill_bytes"] == 0 and not d64[1]["problems"], d64[1]
+    assert d64[1]["hgmma"] == 2 * d64[0]["hgmma"], d64

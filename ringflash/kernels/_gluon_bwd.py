@@ -74,6 +74,19 @@ from .tiles import LOG2E, MASK_ROWS, in_bounds, key_query_bounds
 
 
 @gluon.jit
+def _block_coords(p0, p1, p2, dim0, Hkv, BLOCK_N: gl.constexpr, GROUPED_HEADS: gl.constexpr):
+    """(b, hk, n0): batch, kv head and first key of the key block at grid coordinates (p0, p1,
+    p2) (_plan)."""
+    if GROUPED_HEADS:
+        n0 = p1 * BLOCK_N
+        pid_bh = p2 * dim0 + p0
+    else:
+        n0 = p0 * BLOCK_N
+        pid_bh = p1
+    return pid_bh // Hkv, pid_bh % Hkv, n0
+
+
+@gluon.jit
 def _plan(
     p0,
     p1,
@@ -106,14 +119,7 @@ def _plan(
     grid is (heads a group, key blocks, groups), so that every head of a group takes its key
     block j (heaviest first when causal) before any takes block j + 1; else (key blocks,
     B * Hkv), head by head."""
-    if GROUPED_HEADS:
-        n0 = p1 * BLOCK_N
-        pid_bh = p2 * dim0 + p0
-    else:
-        n0 = p0 * BLOCK_N
-        pid_bh = p1
-    b = pid_bh // Hkv
-    hk = pid_bh % Hkv
+    b, hk, n0 = _block_coords(p0, p1, p2, dim0, Hkv, BLOCK_N, GROUPED_HEADS)
     n_last = gl.minimum(n0 + BLOCK_N, Sk) - 1  # last valid key of the block
     n_mblocks = (Sq + BLOCK_M - 1) // BLOCK_M
     m_first = 0
@@ -892,6 +898,11 @@ def _consume_key_block(
 def _consumer(
     WG: gl.constexpr,
     block_args,
+    plain_args,
+    bias_test,
+    BLOCK_N: gl.constexpr,
+    GROUPED_HEADS: gl.constexpr,
+    VERSIONED: gl.constexpr,
     kv_empty,
     num_tiles,
     grid0,
@@ -904,7 +915,8 @@ def _consumer(
 ):
     """Consumer warpgroup WG: the program's key block (PERSISTENT: those the producer passes
     through tile_ids), planned here as the producer plans it. block_args: _consume_key_block's
-    arguments up to the block's coordinates (the kernel's consumer_args)."""
+    arguments up to the block's coordinates (the kernel's consumer_args); plain_args and
+    bias_test: _consume_versioned's."""
     if PERSISTENT:
         it = 0  # (as _producer)
         uses = 0
@@ -912,16 +924,40 @@ def _consumer(
         t, rows = _receive_tile(tile_ids, tile_full, tile_empty, k, ROWS)
         while t < num_tiles:
             p0, p1, p2 = _grid_coords(t, grid0, grid1)
-            n_iter = _consume_key_block(WG, *block_args, p0, p1, p2, grid0, it, uses, rows, kv_empty, PERSISTENT)
+            n_iter = _consume_versioned(WG, block_args, plain_args, bias_test, p0, p1, p2, grid0, it, uses, rows,
+                                        kv_empty, PERSISTENT, BLOCK_N, GROUPED_HEADS, VERSIONED)  # fmt: skip
             it += n_iter
             uses += gl.minimum(n_iter, 1)
             k += 1
             t, rows = _receive_tile(tile_ids, tile_full, tile_empty, k, ROWS)
     else:
-        _consume_key_block(
-            WG, *block_args, gl.program_id(0), gl.program_id(1), gl.program_id(2), gl.num_programs(0), 0, 0,
-            (0, 0, 0, 0, 0, 0), kv_empty, PERSISTENT,
+        _consume_versioned(
+            WG, block_args, plain_args, bias_test, gl.program_id(0), gl.program_id(1), gl.program_id(2),
+            gl.num_programs(0), 0, 0, (0, 0, 0, 0, 0, 0), kv_empty, PERSISTENT, BLOCK_N, GROUPED_HEADS, VERSIONED,
         )  # fmt: skip
+
+
+@gluon.jit
+def _consume_versioned(
+    WG: gl.constexpr, block_args, plain_args, bias_test, p0, p1, p2, dim0, it, uses, rows, kv_empty,
+    PERSISTENT: gl.constexpr, BLOCK_N: gl.constexpr, GROUPED_HEADS: gl.constexpr, VERSIONED: gl.constexpr,
+):  # fmt: skip
+    """_consume_key_block on the key block at (p0, p1, p2); with VERSIONED, a block of zero bias
+    (_plain_block) through its copy compiled without a bias (plain_args: block_args with
+    HAS_BIAS off; bias_test: (Hkv, KEY_SPANS)): its steps are then the unbiased kernel's, not
+    behind a branch a step (a mask that hides nothing cost non-causal D=64 4-9%). The two rebuild
+    the same probabilities (_probs_t), and such a block is never cut (_unpadded: its keys are
+    visible)."""
+    if VERSIONED:
+        Hkv, KEY_SPANS = bias_test
+        b, _, n0 = _block_coords(p0, p1, p2, dim0, Hkv, BLOCK_N, GROUPED_HEADS)
+        if _plain_block(KEY_SPANS, b, n0, BLOCK_N, True):
+            n_iter = _consume_key_block(WG, *plain_args, p0, p1, p2, dim0, it, uses, rows, kv_empty, PERSISTENT)
+        else:
+            n_iter = _consume_key_block(WG, *block_args, p0, p1, p2, dim0, it, uses, rows, kv_empty, PERSISTENT)
+    else:
+        n_iter = _consume_key_block(WG, *block_args, p0, p1, p2, dim0, it, uses, rows, kv_empty, PERSISTENT)
+    return n_iter
 
 
 @gluon.jit
@@ -1440,6 +1476,15 @@ def _bwd_ws2(
     handout: gl.constexpr = (num_tiles, grid0, grid1, tile_ids, tile_full, tile_empty, ROWS, PERSISTENT)
     producer_rest: gl.constexpr = (gl.tuple(rows_args), TILE_COUNTER, KEY_ORDER, ORDERED) + handout
     persistent_args: gl.constexpr = (kv_empty,) + handout
+    # a key block of zero bias runs a copy of the consumer compiled without the bias
+    # (_consume_versioned) at D <= 64, whose half-size matmuls do not hide a branch a step;
+    # at D=128 the two copies spill (the accumulating causal case: 232 bytes), and the causal
+    # D=64 backward measured slower with them (mask/none 1.041-1.050 against 1.019-1.027)
+    plain_args: gl.constexpr = consumer_args[:-1] + (False,)
+    VERSIONED: gl.constexpr = HAS_BIAS and BLOCK_D <= 64 and not CAUSAL
+    versions: gl.constexpr = (
+        gl.tuple(consumer_args), gl.tuple(plain_args), gl.tuple((Hkv, KEY_SPANS)), BLOCK_N, GROUPED_HEADS, VERSIONED
+    )  # fmt: skip
     if SPLIT_D:
         gl.warp_specialize(
             [
@@ -1453,8 +1498,8 @@ def _bwd_ws2(
     else:
         gl.warp_specialize(
             [
-                (_consumer, (0, gl.tuple(consumer_args)) + persistent_args),
-                (_consumer, (1, gl.tuple(consumer_args)) + persistent_args),
+                (_consumer, (0,) + versions + persistent_args),
+                (_consumer, (1,) + versions + persistent_args),
                 (_producer, (gl.tuple(producer_args),) + producer_rest),
             ],
             [4, 1],

@@ -7,8 +7,11 @@ kernel, forward and backward alike, and every other key fma(q.k, scale, bias) fi
 backward rebuilds each key's probabilities with the forward's arithmetic whichever kernels ran
 the two. The span's ends are multiples of PLAIN_ALIGN, which every key block of the Gluon
 kernels divides, so that each of their blocks lies wholly inside or outside it (one branch a
-block); the Triton kernels choose key by key. The Gluon forward pays one FMA a score on a
-span's blocks instead of two: a key padding mask costs nothing where it hides nothing."""
+block); the Triton kernels choose key by key. The Gluon forward runs a tile's leading blocks
+in the span through a copy of its key loop compiled without the bias, and the Gluon backward
+(non-causal, head dims up to 64) a key block in the span through a copy of its consumer
+likewise, so that such blocks pay no branch either: a key padding mask costs nothing
+measurable where it hides nothing, but at D=64 the causal calls' 2-5%."""
 
 import torch
 import triton
