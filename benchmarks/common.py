@@ -4,6 +4,7 @@ benchmarks' shape options, process-group start, inputs and result metadata."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import math
 import statistics
@@ -35,13 +36,30 @@ def parse_clock_samples(text: str) -> dict:
     return {"sm_mhz": statistics.median(clocks), "power_w": statistics.median(watts), "samples": len(samples)}
 
 
+@functools.cache
+def power_field(index: int = 0) -> str:
+    """nvidia-smi's instantaneous power reading, "power.draw.instant", where this driver has
+    it; else "power.draw", a one-second average (a timing of a second or two then reads
+    mostly the idle before it). Asked once per GPU."""
+    import subprocess
+
+    command = ["nvidia-smi", "-i", str(index), "--query-gpu=power.draw.instant", "--format=csv,noheader,nounits"]
+    try:
+        probe = subprocess.run(command, capture_output=True, text=True, timeout=30)
+        float(probe.stdout.strip().splitlines()[0])
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError):
+        return "power.draw"
+    return "power.draw.instant" if probe.returncode == 0 else "power.draw"
+
+
 class ClockSampler:
-    """The SM clock and power draw of GPU `index`, sampled by nvidia-smi every `period_ms` while
-    the block runs; .result is parse_clock_samples' dict once it ends. A timing's clock: what
-    sustained power or heat leaves a kernel, which a kernel's own counters do not show."""
+    """The SM clock and power draw (power_field) of GPU `index`, sampled by nvidia-smi every
+    `period_ms` while the block runs; .result is parse_clock_samples' dict once it ends. A
+    timing's clock: what sustained power or heat leaves a kernel, which a kernel's own counters
+    do not show."""
 
     def __init__(self, index: int = 0, period_ms: int = 50):
-        self.command = ["nvidia-smi", "-i", str(index), "--query-gpu=clocks.sm,power.draw",
+        self.command = ["nvidia-smi", "-i", str(index), f"--query-gpu=clocks.sm,{power_field(index)}",
                         "--format=csv,noheader,nounits", "-lms", str(period_ms)]  # fmt: skip
         self.result = None
 

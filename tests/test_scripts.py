@@ -683,6 +683,37 @@ def test_clock_sampler_medians(capsys, tmp_path):
     assert "ringflash MHz, W" in out and "1650       690" in out and "1700       700" in out, out
 
 
+def test_clock_sampler_reads_instant_power_where_the_driver_has_it(monkeypatch):
+    """ClockSampler samples nvidia-smi's power.draw.instant where the probe reads a number from
+    it, else the one-second power.draw: an unknown field, "[N/A]", or no nvidia-smi at all."""
+    import subprocess
+    import types
+
+    from benchmarks import common
+
+    answers = {}
+
+    def fake_run(cmd, **kwargs):
+        answer = answers["probe"]
+        if isinstance(answer, Exception):
+            raise answer
+        return types.SimpleNamespace(returncode=answer[0], stdout=answer[1], stderr="")
+
+    monkeypatch.setattr(subprocess, "run", fake_run)
+    cases = [
+        ((0, "412.37\n"), "power.draw.instant"),
+        ((2, 'Field "power.draw.instant" is not a valid field'), "power.draw"),
+        ((0, "[N/A]\n"), "power.draw"),
+        (FileNotFoundError("nvidia-smi"), "power.draw"),
+    ]
+    for probe, field in cases:
+        answers["probe"] = probe
+        common.power_field.cache_clear()
+        assert common.power_field(0) == field, probe
+        assert f"--query-gpu=clocks.sm,{field}" in common.ClockSampler().command
+    common.power_field.cache_clear()
+
+
 def test_kernel_counters_profiles_the_batch_asked(tmp_path, monkeypatch):
     """--batch reaches the profiled call (ncu's command line), so a profile can match
     benchmarks.mask_cost's B=4; a failed ncu is reported per case, not raised."""
