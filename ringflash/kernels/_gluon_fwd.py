@@ -982,6 +982,7 @@ def _consume_tile(
         acc_loop_t = acc  # (a stand-in: a None acc_t cannot cross a runtime branch)
         if BLOCK_DVT > 0:
             acc_loop_t = acc_t
+        n_plain = 0
         if HAS_BIAS and BLOCK_DT + BLOCK_DVT == 0:
             # the tile's leading blocks of zero bias run the loop compiled without a bias (as a
             # kernel without one, POSITIVE_SCALE's arithmetic: the span is empty for a scale
@@ -995,17 +996,11 @@ def _consume_tile(
                     MASK, LEFT, True, ROWS, BLOCK_N, BLOCK_NT, BLOCK_D, BLOCK_DT, BLOCK_DV, BLOCK_DVT, s_layout,
                     st_layout, o_layout, ot_layout, P_EARLY, False,
                 )  # fmt: skip
-            if n_plain < n:
-                acc, acc_loop_t, m_i, l_i = _overlap_loop(
-                    q2, k_bufs, q_tail, *rings, acc, acc_loop_t, m_i, l_i, my_m, lo + n_plain * BLOCK_N, n - n_plain,
-                    it + n_plain, *bounds, STAGES, MASK, LEFT, POSITIVE_SCALE, ROWS, BLOCK_N, BLOCK_NT, BLOCK_D,
-                    BLOCK_DT, BLOCK_DV, BLOCK_DVT, s_layout, st_layout, o_layout, ot_layout, P_EARLY, True,
-                )  # fmt: skip
-        else:
+        if n_plain < n:  # (every block without the versioning above)
             acc, acc_loop_t, m_i, l_i = _overlap_loop(
-                q2, k_bufs, q_tail, *rings, acc, acc_loop_t, m_i, l_i, my_m, lo, n, it, *bounds, STAGES, MASK, LEFT,
-                POSITIVE_SCALE, ROWS, BLOCK_N, BLOCK_NT, BLOCK_D, BLOCK_DT, BLOCK_DV, BLOCK_DVT, s_layout, st_layout,
-                o_layout, ot_layout, P_EARLY, HAS_BIAS,
+                q2, k_bufs, q_tail, *rings, acc, acc_loop_t, m_i, l_i, my_m, lo + n_plain * (BLOCK_N + BLOCK_NT),
+                n - n_plain, it + n_plain, *bounds, STAGES, MASK, LEFT, POSITIVE_SCALE, ROWS, BLOCK_N, BLOCK_NT,
+                BLOCK_D, BLOCK_DT, BLOCK_DV, BLOCK_DVT, s_layout, st_layout, o_layout, ot_layout, P_EARLY, HAS_BIAS,
             )  # fmt: skip
         if PERSISTENT:  # this warpgroup is done with Q: the producer may load the next tile's
             mbarrier.arrive(q_empty.index(0))
