@@ -78,7 +78,12 @@ def shapes_only(t: torch.Tensor) -> bool:
     attention and nn.MultiheadAttention allow: deferred initialization, shape inference). Such a
     call runs the operator, whose fake implementation gives the outputs' shapes and dtypes, and
     checks no values; nothing runs and no rank is contacted."""
-    return torch.compiler.is_compiling() or t.is_meta or (_dispatch_mode_on() and is_fake(t))
+    return _valueless(t) or (_dispatch_mode_on() and is_fake(t))
+
+
+def _valueless(t: torch.Tensor) -> bool:
+    # traced by torch.compile or on the meta device: shapes only, with or without a mode
+    return torch.compiler.is_compiling() or t.is_meta
 
 
 def _dispatch_mode_on() -> bool:
@@ -90,7 +95,7 @@ def through_operator(t: torch.Tensor) -> bool:
     (shapes_only), or a torch dispatch mode on, which should see the call as one operator:
     FlopCounterMode counts its FLOPs (ringflash.flops), selective activation checkpointing
     chooses whether to save it, FakeTensorMode gets its fake implementation."""
-    return torch.compiler.is_compiling() or t.is_meta or _dispatch_mode_on()  # shapes_only's cases, or a mode
+    return _valueless(t) or _dispatch_mode_on()  # (a fake tensor, shapes_only's other case, comes under a mode)
 
 
 def _mask(q_start, k_start, left, right, cu_values=None, device=None) -> BlockMask:
