@@ -217,7 +217,7 @@ def plain_backward(q, k, v, m, l, do, delta, *, q_start, k_start, causal, scale)
     Sk, Hkv, Dv = k.shape[1], k.shape[2], v.shape[3]
     G = Hq // Hkv
     kk, vv = k.repeat_interleave(G, dim=2), v.repeat_interleave(G, dim=2)
-    s = torch.einsum("bihd,bjhd->bhij", q, kk)
+    s = gc.plain_einsum("bihd,bjhd->bhij", q, kk)
     off = torch.where(l > 0, m + torch.log2(torch.where(l > 0, l, 1.0)), float("inf"))
     p = torch.exp2(s.float() * (scale * LOG2E) - off[..., None])
     if causal:
@@ -225,11 +225,11 @@ def plain_backward(q, k, v, m, l, do, delta, *, q_start, k_start, causal, scale)
         k_pos = k_start + torch.arange(Sk, device=q.device)
         p = p.masked_fill(q_pos[:, None] < k_pos[None, :], 0.0)
     p = p.to(dt)
-    dp = torch.einsum("bihd,bjhd->bhij", do, vv)
+    dp = gc.plain_einsum("bihd,bjhd->bhij", do, vv)
     ds = (p.float() * (dp.float() - delta[..., None])).to(dt)
-    dq = torch.einsum("bhij,bjhd->bihd", ds, kk) * scale
-    dk = (torch.einsum("bhij,bihd->bjhd", ds, q).float() * scale).view(B, Sk, Hkv, G, D).sum(3).to(dt)
-    dv = torch.einsum("bhij,bihd->bjhd", p, do).float().view(B, Sk, Hkv, G, Dv).sum(3).to(dt)
+    dq = gc.plain_einsum("bhij,bjhd->bihd", ds, kk) * scale
+    dk = (gc.plain_einsum("bhij,bihd->bjhd", ds, q).float() * scale).view(B, Sk, Hkv, G, D).sum(3).to(dt)
+    dv = gc.plain_einsum("bhij,bihd->bjhd", p, do).float().view(B, Sk, Hkv, G, Dv).sum(3).to(dt)
     return dq, dk, dv
 
 

@@ -259,6 +259,15 @@ def _max_abs(a, b, where=None):
     return d.max().item() if d.numel() else 0.0
 
 
+def plain_einsum(eq, *operands):
+    """torch.einsum in the operands' dtype, as a plain 16-bit implementation computes it
+    (float32 accumulation, the result rounded once). On a CPU (the dry runs), whose 16-bit
+    matmuls run ~30x slower than float32 ones, the same: in float32, then rounded."""
+    if operands[0].device.type == "cpu":
+        return torch.einsum(eq, *(x.float() for x in operands)).to(operands[0].dtype)
+    return torch.einsum(eq, *operands)
+
+
 def _plain(q, k, v, *, q_start, k_start, causal, scale):
     """Attention the obvious way in the inputs' dtype (scores, softmax and p @ v rounded to it,
     the log-sum-exp in float32), as a test's error yardstick. Returns (o, m, l) with m, l in
@@ -267,7 +276,7 @@ def _plain(q, k, v, *, q_start, k_start, causal, scale):
     G = q.shape[2] // k.shape[2]
     kk = k.repeat_interleave(G, dim=2)
     vv = v.repeat_interleave(G, dim=2)
-    s = torch.einsum("bihd,bjhd->bhij", q, kk) * scale  # in dtype
+    s = plain_einsum("bihd,bjhd->bhij", q, kk) * scale  # in dtype
     if causal:
         qp = q_start + torch.arange(q.shape[1], device=q.device)
         kp = k_start + torch.arange(k.shape[1], device=q.device)
@@ -276,7 +285,7 @@ def _plain(q, k, v, *, q_start, k_start, causal, scale):
     s = s.masked_fill(empty, 0.0)
     lse = torch.logsumexp(s.float(), dim=-1)
     p = torch.exp(s - lse[..., None].to(dt)).masked_fill(empty, 0.0)
-    o = torch.einsum("bhij,bjhd->bihd", p, vv)
+    o = plain_einsum("bhij,bjhd->bihd", p, vv)
     s2 = s.float() * 1.4426950408889634
     m = s2.amax(-1)
     l = torch.exp2(s2 - m[..., None]).sum(-1)
