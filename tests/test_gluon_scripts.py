@@ -411,7 +411,8 @@ def test_gluon_key_bias_compiles_for_hopper(tmp_path):
     128 keys x 4 bytes, within the H200's limit. The backward's zero-bias blocks branch around
     the bias instead of selecting. A forward with head dims of one piece holds two copies of
     its key loop (a tile's zero-bias blocks run the one compiled without the bias), so twice
-    the case's tensor-core instructions; MLA's, in pieces, one; likewise the non-causal
+    the case's tensor-core instructions, and its producer loads no bias for those blocks (a
+    second copy of its K/V loads); MLA's, in pieces, one; likewise the non-causal
     backward at D=64 (two copies of the consumer) and the causal one at D=128 (one)."""
     from ringflash.kernels.configs import GLUON_BWD, GLUON_FWD, GLUON_FWD_LONG, GLUON_FWD_SHORT
     from ringflash.kernels.gluon_forward import HOPPER_SHARED_BYTES, config_for
@@ -434,6 +435,13 @@ def test_gluon_key_bias_compiles_for_hopper(tmp_path):
         assert with_bias["shared"] <= HOPPER_SHARED_BYTES, with_bias
         copies = 1 if with_bias.get("Dv") else 2
         assert with_bias["hgmma"] == copies * without["hgmma"], (without, with_bias)
+        # the producer: one more TMA load a K block for the bias; where versioned, a second
+        # copy of its K/V loads (the zero-bias blocks', without the bias's) beside that (ptxas
+        # may peel either loop, so at least that many)
+        if copies == 1:
+            assert with_bias["tma_loads"] == without["tma_loads"] + 1, (without, with_bias)
+        else:
+            assert with_bias["tma_loads"] >= without["tma_loads"] + 3, (without, with_bias)
     bwd = tmp_path / "b.json"
     run([sys.executable, "benchmarks/gluon_bwd_report.py", "--variants", GLUON_BWD[128], "--head-dims", "128",
          "--causal", "1", "--dtypes", "bf16", "--accumulate", "1", "--key-bias", "--jobs", "1", "--json", str(bwd)],

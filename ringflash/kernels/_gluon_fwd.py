@@ -382,11 +382,16 @@ def _span_holds(start, width, plain_lo, plain_hi):
 
 
 @gluon.jit
-def _plain_prefix(lo, n, plain_lo, plain_hi, BLOCK_N: gl.constexpr):
-    """How many of a tile's n key blocks of one piece from key lo, counted from its first, lie
-    in the zero-bias span [plain_lo, plain_hi) (_plain_span): 0 unless the span holds key lo."""
-    held = gl.minimum(gl.maximum(plain_hi - lo, 0) // BLOCK_N, n)
-    return gl.where(lo >= plain_lo, held, 0)
+def _plain_lead(lo, n, b, KEY_SPANS, BLOCK_N: gl.constexpr, VERSIONED: gl.constexpr):
+    """With VERSIONED, how many of a tile's n key blocks of one piece from key lo, counted from
+    its first, lie in batch row b's zero-bias span (_plain_span): 0 unless the span holds key
+    lo, and 0 without VERSIONED. The consumers run them through the key loop compiled without
+    the bias and the producer loads no bias for them, so both count them here alike."""
+    held = n * 0
+    if VERSIONED:
+        plain_lo, plain_hi = _plain_span(KEY_SPANS, b, True)
+        held = gl.where(lo >= plain_lo, gl.minimum(gl.maximum(plain_hi - lo, 0) // BLOCK_N, n), 0)
+    return held
 
 
 @gluon.jit
@@ -851,16 +856,37 @@ def _produce_tile(
             tma.async_copy_global_to_shared(q_desc, [b, row, h, 0], q_bar.index(0), q_bufs.index(part))
             if TAIL_COL > 0:
                 tma.async_copy_global_to_shared(qt_desc, [b, row, h, TAIL_COL], q_bar.index(0), qt_bufs.index(part))
-    for i in range(it, it + n):
+    # the leading blocks the consumers take through the loop without a bias (_consume_tile's
+    # VERSIONED) get no bias load: a second TMA a block, on K's barrier, that nobody reads
+    VERSIONED: gl.constexpr = HAS_BIAS and BLOCK_DT + BLOCK_DVT == 0
+    n_plain = _plain_lead(lo, n, b, KEY_SPANS, BLOCK_N, VERSIONED)
+    if VERSIONED:
+        _produce_blocks(k_desc, v_desc, kt_desc, vt_desc, k_bufs, v_bufs, kt_bufs, vt_bufs, k_ready, v_ready,
+                        k_empty, v_empty, b, hk, lo - it * KEYS, it, it + n_plain, STAGES, KEYS, TAIL_ROW, TAIL_COL,
+                        TAIL_COL_V, bias_desc, bias_bufs, False)  # fmt: skip
+    _produce_blocks(k_desc, v_desc, kt_desc, vt_desc, k_bufs, v_bufs, kt_bufs, vt_bufs, k_ready, v_ready, k_empty,
+                    v_empty, b, hk, lo - it * KEYS, it + n_plain, it + n, STAGES, KEYS, TAIL_ROW, TAIL_COL,
+                    TAIL_COL_V, bias_desc, bias_bufs, HAS_BIAS)  # fmt: skip
+    return n
+
+
+@gluon.jit
+def _produce_blocks(
+    k_desc, v_desc, kt_desc, vt_desc, k_bufs, v_bufs, kt_bufs, vt_bufs, k_ready, v_ready, k_empty, v_empty, b, hk,
+    base, first, last, STAGES: gl.constexpr, KEYS: gl.constexpr, TAIL_ROW: gl.constexpr, TAIL_COL: gl.constexpr,
+    TAIL_COL_V: gl.constexpr, bias_desc, bias_bufs, HAS_BIAS: gl.constexpr,
+):  # fmt: skip
+    """The K/V loads (_load_kv) of the program's key blocks first .. last - 1 (block i's keys
+    from base + i * KEYS), each once both consumer warpgroups released its stage; with HAS_BIAS
+    each K block's key bias too."""
+    for i in range(first, last):
         # a fresh barrier counts as having completed the phase before 0, so the first
         # STAGES waits (parity 1) pass at once
         mbarrier.wait(k_empty.index(i % STAGES), ((i // STAGES) & 1) ^ 1)
-        _load_kv(k_desc, k_bufs, k_ready, i, b, hk, lo - it * KEYS, STAGES, KEYS, kt_desc, kt_bufs, TAIL_ROW,
-                 TAIL_COL, bias_desc, bias_bufs, HAS_BIAS)  # fmt: skip
+        _load_kv(k_desc, k_bufs, k_ready, i, b, hk, base, STAGES, KEYS, kt_desc, kt_bufs, TAIL_ROW, TAIL_COL,
+                 bias_desc, bias_bufs, HAS_BIAS)  # fmt: skip
         mbarrier.wait(v_empty.index(i % STAGES), ((i // STAGES) & 1) ^ 1)
-        _load_kv(v_desc, v_bufs, v_ready, i, b, hk, lo - it * KEYS, STAGES, KEYS, vt_desc, vt_bufs, TAIL_ROW,
-                 TAIL_COL_V)  # fmt: skip
-    return n
+        _load_kv(v_desc, v_bufs, v_ready, i, b, hk, base, STAGES, KEYS, vt_desc, vt_bufs, TAIL_ROW, TAIL_COL_V)
 
 
 @gluon.jit
@@ -982,14 +1008,14 @@ def _consume_tile(
         acc_loop_t = acc  # (a stand-in: a None acc_t cannot cross a runtime branch)
         if BLOCK_DVT > 0:
             acc_loop_t = acc_t
-        n_plain = 0
-        if HAS_BIAS and BLOCK_DT + BLOCK_DVT == 0:
-            # the tile's leading blocks of zero bias run the loop compiled without a bias (as a
-            # kernel without one, POSITIVE_SCALE's arithmetic: the span is empty for a scale
-            # <= 0), the rest the biased loop: a branch per block in the scores -> exp2
-            # stream cost D=64 up to ~9% on a mask that hides nothing. Head dims in pieces
-            # (MLA's) keep one loop: two spill there, and their larger matmuls hide the branch
-            n_plain = _plain_prefix(lo, n, plain_lo, plain_hi, BLOCK_N)
+        # the tile's leading blocks of zero bias run the loop compiled without a bias (as a
+        # kernel without one, POSITIVE_SCALE's arithmetic: the span is empty for a scale <= 0),
+        # the rest the biased loop: a branch per block in the scores -> exp2 stream cost D=64
+        # up to ~9% on a mask that hides nothing. Head dims in pieces (MLA's) keep one loop:
+        # two spill there, and their larger matmuls hide the branch
+        VERSIONED: gl.constexpr = HAS_BIAS and BLOCK_DT + BLOCK_DVT == 0
+        n_plain = _plain_lead(lo, n, b, KEY_SPANS, BLOCK_N, VERSIONED)
+        if VERSIONED:
             if n_plain > 0:
                 acc, acc_loop_t, m_i, l_i = _overlap_loop(
                     q2, k_bufs, q_tail, *rings, acc, acc_loop_t, m_i, l_i, my_m, lo, n_plain, it, *bounds, STAGES,

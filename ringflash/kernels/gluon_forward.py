@@ -843,7 +843,8 @@ def compiled_report(kern, cfg, case: dict, *, dump: Path | None = None, stem: st
     SASS names (with warp specialization: what the busiest partition uses of its budget),
     spill_bytes and stack_bytes (must be 0), shared (bytes; must be <= 232448), ptx_waits /
     sass_waits: {N: count} of wgmma waits that leave N groups in flight (N > 0: a matmul
-    overlapping other work), hgmma: count of Hopper tensor-core instructions, sass_lines,
+    overlapping other work), hgmma: count of Hopper tensor-core instructions, tma_loads: of
+    TMA loads (UTMALDG), sass_lines,
     warnings: ptxas's C7xxx codes (C7510-C7515: wgmma serialized, C7508: setmaxnreg ignored),
     and for each {name: regex} of sass_counts its count in the SASS. dump: a folder for the
     PTX, TTGIR, SASS and ptxas's log, named by `stem`."""
@@ -877,6 +878,7 @@ def compiled_report(kern, cfg, case: dict, *, dump: Path | None = None, stem: st
         "ptx_waits": count(re.findall(r"wgmma\.wait_group\.sync\.aligned\s+(\d+)", ptx)),
         "sass_waits": count(re.findall(r"WARPGROUP\.DEPBAR\.LE\s+gsb0,\s*(0x[0-9a-f]+)", sass)),
         "hgmma": len(re.findall(r"\bHGMMA\.", sass)),
+        "tma_loads": len(re.findall(r"\bUTMALDG\b", sass)),
         # highest register any instruction names + 1: with warp specialization, what the
         # busiest partition really uses under its setmaxnreg budget
         "sass_regs": 1 + max((int(x) for x in re.findall(r"\bR(\d+)\b", sass)), default=-1),
