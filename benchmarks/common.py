@@ -54,7 +54,8 @@ def power_field(index: int = 0) -> str:
 
 class ClockSampler:
     """The SM clock and power draw (power_field) of GPU `index`, sampled by nvidia-smi every
-    `period_ms` while the block runs; .result is parse_clock_samples' dict once it ends. A
+    `period_ms` while the block runs (the block starts once nvidia-smi has sampled once); .result
+    is parse_clock_samples' dict of the samples after that first one, once the block ends. A
     timing's clock: what sustained power or heat leaves a kernel, which a kernel's own counters
     do not show."""
 
@@ -67,7 +68,10 @@ class ClockSampler:
         import subprocess
 
         self.process = subprocess.Popen(self.command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-        time.sleep(0.1)  # nvidia-smi's first sample, before the timed work starts
+        # wait for nvidia-smi's first sample (its start takes longer than a short timing: a
+        # fixed 0.1 s wait left most samples after the work, at idle) and drop it: taken before
+        # the timed work starts
+        self.process.stdout.readline()
         return self
 
     def __exit__(self, *exc):

@@ -659,8 +659,9 @@ def test_nothing_hidden_impl_is_the_plain_call():
 
 
 def test_clock_sampler_medians(capsys, tmp_path):
-    """benchmarks.common.ClockSampler (bench_local --clocks): the medians of the sampled lines,
-    "[N/A]" lines left out; bench_local prints them per impl."""
+    """benchmarks.common.ClockSampler (bench_local --clocks): the block starts after nvidia-smi's
+    first sample, which is left out; the medians of the lines sampled after it, "[N/A]" lines
+    left out; bench_local prints them per impl."""
     from benchmarks.bench_local import print_clocks
     from benchmarks.common import ClockSampler, parse_clock_samples
 
@@ -669,9 +670,15 @@ def test_clock_sampler_medians(capsys, tmp_path):
     }  # fmt: skip
     assert parse_clock_samples("[N/A], [N/A]\n")["samples"] == 0
     sampler, printed = ClockSampler(), tmp_path / "printed"
-    sampler.command = [sys.executable, "-c", "print('1650, 690'); print('1700, 700', flush=True); "
-                       f"open({str(printed)!r}, 'w').close(); import time; time.sleep(60)"]  # fmt: skip
-    with sampler:  # stopped once it has printed (a stand-in for nvidia-smi, which samples until stopped)
+    # a stand-in for nvidia-smi, which samples until stopped: its first sample, taken before the
+    # block, waits for the block to start, so it is never counted
+    started = tmp_path / "started"
+    sampler.command = [sys.executable, "-c", "import os, time; print('900, 80', flush=True); "
+                       f"[time.sleep(0.05) for _ in range(1200) if not os.path.exists({str(started)!r})]; "
+                       "print('1650, 690'); print('1700, 700', flush=True); "
+                       f"open({str(printed)!r}, 'w').close(); time.sleep(60)"]  # fmt: skip
+    with sampler:  # stopped once it has printed
+        started.touch()
         deadline = time.monotonic() + 60
         while not printed.exists() and time.monotonic() < deadline:
             time.sleep(0.05)
