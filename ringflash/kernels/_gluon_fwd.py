@@ -833,9 +833,9 @@ def _produce_tile(
     CONSUMERS: gl.constexpr, bias_desc, bias_bufs, KEY_SPANS, HAS_BIAS: gl.constexpr,
 ):  # fmt: skip
     """One query tile's loads: its Q (the program's `uses`-th, when n > 0) and its n K/V blocks
-    (with HAS_BIAS each K block's key bias, up to the batch row's trailing padding:
-    _unpadded_blocks) into the rings after the `it` this program loaded before. Returns the
-    blocks loaded."""
+    (with HAS_BIAS up to the batch row's trailing padding, _unpadded_blocks, and each K block's
+    key bias but the leading zero-bias blocks', _plain_lead) into the rings after the `it` this
+    program loaded before. Returns the blocks loaded."""
     # the column offsets of q/k's and v's tail pieces (0: no tail)
     TAIL_COL: gl.constexpr = BLOCK_D if BLOCK_DT > 0 else 0
     TAIL_COL_V: gl.constexpr = BLOCK_DV if BLOCK_DVT > 0 else 0
