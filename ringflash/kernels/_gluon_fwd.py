@@ -381,6 +381,17 @@ def _span_holds(start, width, plain_lo, plain_hi):
     return (start >= plain_lo) & (start + width <= plain_hi)
 
 
+@gluon.constexpr_function
+def _versioned(has_bias, block_dt, block_dvt):
+    # whether a tile's leading blocks of zero bias run the key loop compiled without a bias
+    # (as a kernel without one, POSITIVE_SCALE's arithmetic: the span is empty for a scale
+    # <= 0) and the rest the biased loop, the producer loading no bias for the former: a branch
+    # per block in the scores -> exp2 stream cost D=64 up to ~9% on a mask that hides nothing.
+    # Head dims in pieces (MLA's) keep one loop: two spill there, and their larger matmuls hide
+    # the branch
+    return bool(has_bias) and block_dt + block_dvt == 0
+
+
 @gluon.jit
 def _plain_lead(lo, n, b, KEY_SPANS, BLOCK_N: gl.constexpr, VERSIONED: gl.constexpr):
     """With VERSIONED, how many of a tile's n key blocks of one piece from key lo, counted from
@@ -856,9 +867,9 @@ def _produce_tile(
             tma.async_copy_global_to_shared(q_desc, [b, row, h, 0], q_bar.index(0), q_bufs.index(part))
             if TAIL_COL > 0:
                 tma.async_copy_global_to_shared(qt_desc, [b, row, h, TAIL_COL], q_bar.index(0), qt_bufs.index(part))
-    # the leading blocks the consumers take through the loop without a bias (_consume_tile's
-    # VERSIONED) get no bias load: a second TMA a block, on K's barrier, that nobody reads
-    VERSIONED: gl.constexpr = HAS_BIAS and BLOCK_DT + BLOCK_DVT == 0
+    # the leading blocks the consumers take through the loop without a bias get no bias load:
+    # a second TMA a block, on K's barrier, that nobody reads
+    VERSIONED: gl.constexpr = _versioned(HAS_BIAS, BLOCK_DT, BLOCK_DVT)
     n_plain = _plain_lead(lo, n, b, KEY_SPANS, BLOCK_N, VERSIONED)
     if VERSIONED:
         _produce_blocks(k_desc, v_desc, kt_desc, vt_desc, k_bufs, v_bufs, kt_bufs, vt_bufs, k_ready, v_ready,
@@ -1008,12 +1019,7 @@ def _consume_tile(
         acc_loop_t = acc  # (a stand-in: a None acc_t cannot cross a runtime branch)
         if BLOCK_DVT > 0:
             acc_loop_t = acc_t
-        # the tile's leading blocks of zero bias run the loop compiled without a bias (as a
-        # kernel without one, POSITIVE_SCALE's arithmetic: the span is empty for a scale <= 0),
-        # the rest the biased loop: a branch per block in the scores -> exp2 stream cost D=64
-        # up to ~9% on a mask that hides nothing. Head dims in pieces (MLA's) keep one loop:
-        # two spill there, and their larger matmuls hide the branch
-        VERSIONED: gl.constexpr = HAS_BIAS and BLOCK_DT + BLOCK_DVT == 0
+        VERSIONED: gl.constexpr = _versioned(HAS_BIAS, BLOCK_DT, BLOCK_DVT)
         n_plain = _plain_lead(lo, n, b, KEY_SPANS, BLOCK_N, VERSIONED)
         if VERSIONED:
             if n_plain > 0:
