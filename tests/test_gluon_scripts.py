@@ -412,7 +412,8 @@ def test_gluon_key_bias_compiles_for_hopper(tmp_path):
     the bias instead of selecting. A forward with head dims of one piece holds two copies of
     its key loop (a tile's zero-bias blocks run the one compiled without the bias), so twice
     the case's tensor-core instructions, and its producer loads no bias for those blocks (a
-    second copy of its K/V loads); MLA's, in pieces, one; likewise the non-causal
+    second copy of its K/V loads), its loads of the row's key spans issued together before its
+    first TMA load; MLA's, in pieces, one; likewise the non-causal
     backward at D=64 (two copies of the consumer) and the causal one at D=128 (one)."""
     from ringflash.kernels.configs import GLUON_BWD, GLUON_FWD, GLUON_FWD_LONG, GLUON_FWD_SHORT
     from ringflash.kernels.gluon_forward import HOPPER_SHARED_BYTES, config_for
@@ -442,6 +443,11 @@ def test_gluon_key_bias_compiles_for_hopper(tmp_path):
             assert with_bias["tma_loads"] == without["tma_loads"] + 1, (without, with_bias)
         else:
             assert with_bias["tma_loads"] >= without["tma_loads"] + 3, (without, with_bias)
+        # the producer's loads of its row's spans (where the padding starts; where versioned
+        # the zero-bias span too) go out together before its first TMA, which waits for them:
+        # one load's latency a tile, not two in a row
+        assert without["loads_before_tma"] == 0, without
+        assert with_bias["loads_before_tma"] == (1 if copies == 1 else 3), with_bias
     bwd = tmp_path / "b.json"
     run([sys.executable, "benchmarks/gluon_bwd_report.py", "--variants", GLUON_BWD[128], "--head-dims", "128",
          "--causal", "1", "--dtypes", "bf16", "--accumulate", "1", "--key-bias", "--jobs", "1", "--json", str(bwd)],

@@ -65,7 +65,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from ._gluon_counter import TILE_WORDS, _fetch_tile, _max_combine, _publish_tile, _receive_tile
-from ._gluon_fwd import PLAIN_ALIGN, _alloc_bars, _hull_and_core, _mma_layout, _opaque, _plain_span, _span_holds
+from ._gluon_fwd import PLAIN_ALIGN, _alloc_bars, _hull_and_core, _key_spans, _mma_layout, _opaque, _span_holds
 from .tiles import LOG2E, MASK_ROWS, in_bounds, key_query_bounds
 
 # ----------------------------------------------------------------------------------------------
@@ -163,7 +163,7 @@ def _plain_block(KEY_SPANS, b, n0, BLOCK_N: gl.constexpr, HAS_BIAS: gl.constexpr
     plain = n0 < 0
     if HAS_BIAS:
         gl.static_assert(PLAIN_ALIGN % BLOCK_N == 0, "a zero-bias span holds whole key blocks")
-        plain_lo, plain_hi = _plain_span(KEY_SPANS, b, HAS_BIAS)
+        _, plain_lo, plain_hi = _key_spans(KEY_SPANS, b, HAS_BIAS)
         plain = _span_holds(n0, BLOCK_N, plain_lo, plain_hi)
     return plain
 

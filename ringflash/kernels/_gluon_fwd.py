@@ -349,34 +349,38 @@ def _probabilities(s, m_use, qk_scale, POSITIVE_SCALE: gl.constexpr):
 
 
 @gluon.jit
-def _unpadded_blocks(n, lo, b, KEY_SPANS, KEYS: gl.constexpr, HAS_BIAS: gl.constexpr):
-    """n, or with HAS_BIAS the first of a tile's n key blocks from lo up to its batch row's last
-    key the bias does not hide (KEY_SPANS[b, 0]: that key + 1, key_bias.key_spans): the blocks
-    after it hold only hidden keys, which add exactly nothing. The producer and the consumers
-    each cut a tile here alike: a block one of them skips and another waits for would stop the
-    rings."""
+def _key_spans(KEY_SPANS, b, HAS_BIAS: gl.constexpr):
+    """(pad_end, plain_lo, plain_hi): batch row b's row of key_bias.key_spans, its last key the
+    bias does not hide + 1 (_unpadded_blocks) and its keys of zero bias [plain_lo, plain_hi),
+    multiples of key_bias.PLAIN_ALIGN, which take the unbiased arithmetic (_biased_scores);
+    zeros (an empty span) without HAS_BIAS. Loaded together, before any branch: a tile's first
+    loads wait for them, so they cost one load's latency a tile, not a chain of two."""
+    pad_end = b * 0
+    plain_lo = pad_end
+    plain_hi = pad_end
     if HAS_BIAS:
-        n = gl.minimum(n, gl.maximum(gl.load(KEY_SPANS + 3 * b) - lo + KEYS - 1, 0) // KEYS)
-    return n
+        row = KEY_SPANS + 3 * b
+        pad_end = gl.load(row)
+        plain_lo = gl.load(row + 1)
+        plain_hi = gl.load(row + 2)
+    return pad_end, plain_lo, plain_hi
 
 
 @gluon.jit
-def _plain_span(KEY_SPANS, b, HAS_BIAS: gl.constexpr):
-    """(lo, hi): batch row b's keys of zero bias, multiples of key_bias.PLAIN_ALIGN
-    (KEY_SPANS[b, 1:], key_bias.key_spans), which take the unbiased arithmetic (_biased_scores);
-    an empty span without HAS_BIAS."""
-    lo = b * 0
-    hi = lo
+def _unpadded_blocks(n, lo, pad_end, KEYS: gl.constexpr, HAS_BIAS: gl.constexpr):
+    """n, or with HAS_BIAS the first of a tile's n key blocks from lo up to its batch row's last
+    key the bias does not hide (pad_end, _key_spans: that key + 1): the blocks after it hold
+    only hidden keys, which add exactly nothing. The producer and the consumers each cut a tile
+    here alike: a block one of them skips and another waits for would stop the rings."""
     if HAS_BIAS:
-        lo = gl.load(KEY_SPANS + 3 * b + 1)
-        hi = gl.load(KEY_SPANS + 3 * b + 2)
-    return lo, hi
+        n = gl.minimum(n, gl.maximum(pad_end - lo + KEYS - 1, 0) // KEYS)
+    return n
 
 
 @gluon.jit
 def _span_holds(start, width, plain_lo, plain_hi):
     """Whether the key block [start, start + width) lies in the zero-bias span [plain_lo,
-    plain_hi) (_plain_span; its ends are multiples of PLAIN_ALIGN, which the block divides, so
+    plain_hi) (_key_spans; its ends are multiples of PLAIN_ALIGN, which the block divides, so
     a block is wholly inside or outside it)."""
     return (start >= plain_lo) & (start + width <= plain_hi)
 
@@ -393,14 +397,14 @@ def _versioned(has_bias, block_dt, block_dvt):
 
 
 @gluon.jit
-def _plain_lead(lo, n, b, KEY_SPANS, BLOCK_N: gl.constexpr, VERSIONED: gl.constexpr):
+def _plain_lead(lo, n, plain_lo, plain_hi, BLOCK_N: gl.constexpr, VERSIONED: gl.constexpr):
     """With VERSIONED, how many of a tile's n key blocks of one piece from key lo, counted from
-    its first, lie in batch row b's zero-bias span (_plain_span): 0 unless the span holds key
-    lo, and 0 without VERSIONED. The consumers run them through the key loop compiled without
-    the bias and the producer loads no bias for them, so both count them here alike."""
+    its first, lie in its batch row's zero-bias span [plain_lo, plain_hi) (_key_spans): 0 unless
+    the span holds key lo, and 0 without VERSIONED. The consumers run them through the key loop
+    compiled without the bias and the producer loads no bias for them, so both count them here
+    alike."""
     held = n * 0
     if VERSIONED:
-        plain_lo, plain_hi = _plain_span(KEY_SPANS, b, True)
         held = gl.where(lo >= plain_lo, gl.minimum(gl.maximum(plain_hi - lo, 0) // BLOCK_N, n), 0)
     return held
 
@@ -411,7 +415,7 @@ def _biased_scores(
     s_layout: gl.constexpr,
 ):  # fmt: skip
     """(s, scale2) for key block i's raw scores s (its keys from start): with HAS_BIAS, a block
-    inside its row's zero-bias span [plain_lo, plain_hi) (_plain_span; PLAIN_ALIGN is a multiple
+    inside its row's zero-bias span [plain_lo, plain_hi) (_key_spans; PLAIN_ALIGN is a multiple
     of the block) keeps s with scale2 = qk_scale, the unbiased arithmetic (one FMA a score, in
     exp2's argument); any other takes fma(s, qk_scale, bias) with scale2 = 1, as the Triton
     kernels' base2_scores: either way key by key what the backward rebuilds. The bias (base 2,
@@ -853,7 +857,8 @@ def _produce_tile(
     # the key tail's first row in its block (0: none); K's and V's alike
     TAIL_ROW: gl.constexpr = BLOCK_N if BLOCK_NT > 0 else 0
     KEYS: gl.constexpr = BLOCK_N + BLOCK_NT
-    n = _unpadded_blocks(n, lo, b, KEY_SPANS, KEYS, HAS_BIAS)
+    pad_end, plain_lo, plain_hi = _key_spans(KEY_SPANS, b, HAS_BIAS)
+    n = _unpadded_blocks(n, lo, pad_end, KEYS, HAS_BIAS)
     if n > 0:  # one Q buffer per consumer warpgroup (and one per tail piece), all on one barrier
         if PERSISTENT:  # every consumer warpgroup done with the previous tile's Q
             mbarrier.wait(q_empty.index(0), (uses & 1) ^ 1)
@@ -870,7 +875,7 @@ def _produce_tile(
     # the leading blocks the consumers take through the loop without a bias get no bias load:
     # a second TMA a block, on K's barrier, that nobody reads
     VERSIONED: gl.constexpr = _versioned(HAS_BIAS, BLOCK_DT, BLOCK_DVT)
-    n_plain = _plain_lead(lo, n, b, KEY_SPANS, BLOCK_N, VERSIONED)
+    n_plain = _plain_lead(lo, n, plain_lo, plain_hi, BLOCK_N, VERSIONED)
     if VERSIONED:
         _produce_blocks(k_desc, v_desc, kt_desc, vt_desc, k_bufs, v_bufs, kt_bufs, vt_bufs, k_ready, v_ready,
                         k_empty, v_empty, b, hk, lo - it * KEYS, it, it + n_plain, STAGES, KEYS, TAIL_ROW, TAIL_COL,
@@ -994,7 +999,8 @@ def _consume_tile(
     (_biased_scores), the tile cut at its batch row's trailing padding (_unpadded_blocks, as the
     producer cuts it). Returns the key blocks consumed."""
     ROWS: gl.constexpr = BLOCK_M // CONSUMERS
-    n = _unpadded_blocks(n, lo, b, KEY_SPANS, BLOCK_N + BLOCK_NT, HAS_BIAS)
+    pad_end, plain_lo, plain_hi = _key_spans(KEY_SPANS, b, HAS_BIAS)
+    n = _unpadded_blocks(n, lo, pad_end, BLOCK_N + BLOCK_NT, HAS_BIAS)
     s_layout: gl.constexpr = _mma_layout(4, BLOCK_N)
     st_layout: gl.constexpr = _mma_layout(4, BLOCK_NT if BLOCK_NT > 0 else BLOCK_N)  # (unused without a key tail)
     o_layout: gl.constexpr = _mma_layout(4, BLOCK_DV)
@@ -1007,7 +1013,6 @@ def _consume_tile(
     if BLOCK_DVT > 0:
         acc_t = gl.zeros([ROWS, BLOCK_DVT], gl.float32, ot_layout)
     if n > 0:
-        plain_lo, plain_hi = _plain_span(KEY_SPANS, b, HAS_BIAS)
         mbarrier.wait(q_bar.index(0), uses & 1)
         q_tail = None
         if BLOCK_DT > 0:
@@ -1020,7 +1025,7 @@ def _consume_tile(
         if BLOCK_DVT > 0:
             acc_loop_t = acc_t
         VERSIONED: gl.constexpr = _versioned(HAS_BIAS, BLOCK_DT, BLOCK_DVT)
-        n_plain = _plain_lead(lo, n, b, KEY_SPANS, BLOCK_N, VERSIONED)
+        n_plain = _plain_lead(lo, n, plain_lo, plain_hi, BLOCK_N, VERSIONED)
         if VERSIONED:
             if n_plain > 0:
                 acc, acc_loop_t, m_i, l_i = _overlap_loop(

@@ -833,6 +833,16 @@ def _tool(name: str) -> str:
     return str(Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / name)
 
 
+def _loads_before_first_tma(sass: str) -> int:
+    """LDGs between the first TMA load (UTMALDG) of the SASS and the start of the partition
+    that issues it (its register reallocation, the USETMAXREG before it); 0 without TMA."""
+    first = re.search(r"\bUTMALDG\b", sass)
+    if first is None:
+        return 0
+    head = sass[: first.start()]
+    return len(re.findall(r"\bLDG\b", head[max(head.rfind("USETMAXREG"), 0) :]))
+
+
 def compiled_report(kern, cfg, case: dict, *, dump: Path | None = None, stem: str = "k", sass_counts=None) -> dict:
     """What ptxas and the SASS say about `kern` (a Gluon kernel compiled for sm_90a) of config
     `cfg` (a dataclass with schedule and consumer_regs): `case` (the compiled case's own
@@ -844,7 +854,8 @@ def compiled_report(kern, cfg, case: dict, *, dump: Path | None = None, stem: st
     spill_bytes and stack_bytes (must be 0), shared (bytes; must be <= 232448), ptx_waits /
     sass_waits: {N: count} of wgmma waits that leave N groups in flight (N > 0: a matmul
     overlapping other work), hgmma: count of Hopper tensor-core instructions, tma_loads: of
-    TMA loads (UTMALDG), sass_lines,
+    TMA loads (UTMALDG), loads_before_tma: global loads (LDG) that the partition issuing the
+    first TMA load makes before it (its values gate that load), sass_lines,
     warnings: ptxas's C7xxx codes (C7510-C7515: wgmma serialized, C7508: setmaxnreg ignored),
     and for each {name: regex} of sass_counts its count in the SASS. dump: a folder for the
     PTX, TTGIR, SASS and ptxas's log, named by `stem`."""
@@ -879,6 +890,7 @@ def compiled_report(kern, cfg, case: dict, *, dump: Path | None = None, stem: st
         "sass_waits": count(re.findall(r"WARPGROUP\.DEPBAR\.LE\s+gsb0,\s*(0x[0-9a-f]+)", sass)),
         "hgmma": len(re.findall(r"\bHGMMA\.", sass)),
         "tma_loads": len(re.findall(r"\bUTMALDG\b", sass)),
+        "loads_before_tma": _loads_before_first_tma(sass),
         # highest register any instruction names + 1: with warp specialization, what the
         # busiest partition really uses under its setmaxnreg budget
         "sass_regs": 1 + max((int(x) for x in re.findall(r"\bR(\d+)\b", sass)), default=-1),
