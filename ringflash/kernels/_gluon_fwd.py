@@ -353,8 +353,9 @@ def _key_spans(KEY_SPANS, b, HAS_BIAS: gl.constexpr):
     """(pad_end, plain_lo, plain_hi): batch row b's row of key_bias.key_spans, its last key the
     bias does not hide + 1 (_unpadded_blocks) and its keys of zero bias [plain_lo, plain_hi),
     multiples of key_bias.PLAIN_ALIGN, which take the unbiased arithmetic (_biased_scores);
-    zeros (an empty span) without HAS_BIAS. Loaded together, before any branch: a tile's first
-    loads wait for them, so they cost one load's latency a tile, not a chain of two."""
+    zeros (an empty span) without HAS_BIAS. Loaded together, before any branch: what waits for
+    them waits one load's latency, not a chain of two (a one-tile producer loads them after its
+    first copies, which then wait for nothing, _produce_tile)."""
     pad_end = b * 0
     plain_lo = pad_end
     plain_hi = pad_end
