@@ -100,10 +100,15 @@ def measure(impl, tensors, B, H, S, D, causal, mode, device, steady=0, graphs=Fa
     graph_tflops: do_bench's median of the call captured in a CUDA graph and replayed (a
     capture that fails gives graph_error). D: the head dim FLOPs are counted at ((D + Dv) / 2
     when v's differs: exact for the forward's two matmuls). clocks: also sm_mhz, power_w, the
-    medians sampled during do_bench (ClockSampler); idle_gap: seconds idle before it."""
+    medians sampled during do_bench (ClockSampler), after a first call outside the samples (a
+    compile on the host leaves the GPU idle for seconds); idle_gap: seconds idle before it."""
     flops = attention_flops(B, H, S, D, causal, mode)
     try:
         step = runner(impl, tensors, causal, mode)
+        if clocks or idle_gap:  # the first call (a kernel's compile, a cuDNN plan) neither sampled nor in the idle gap
+            step()
+            if torch.device(device).type == "cuda":
+                torch.cuda.synchronize()
         time.sleep(idle_gap)
         with ClockSampler(torch.cuda.current_device()) if clocks else contextlib.nullcontext() as sampler:
             ms = bench_ms(step, device)

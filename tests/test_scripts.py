@@ -690,6 +690,39 @@ def test_clock_sampler_medians(capsys, tmp_path):
     assert "ringflash MHz, W" in out and "1650       690" in out and "1700       700" in out, out
 
 
+def test_bench_local_samples_clocks_after_the_first_call(monkeypatch):
+    """bench_local --clocks: each impl's first call (a kernel's compile, a cuDNN plan: seconds of
+    an idle GPU) runs before the sampler starts, so the medians are of the timed calls; without
+    --clocks or --idle-gap nothing runs ahead of the timing."""
+    from benchmarks import bench_local
+
+    calls, log = [], []
+
+    class Sampler:
+        result = {"sm_mhz": 1700.0, "power_w": 690.0}
+
+        def __init__(self, index):
+            pass
+
+        def __enter__(self):
+            log.append(("sampler", len(calls)))
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+    monkeypatch.setattr(bench_local, "runner", lambda *a: lambda: calls.append(1))
+    monkeypatch.setattr(bench_local, "ClockSampler", Sampler)
+    monkeypatch.setattr(bench_local, "bench_ms", lambda fn, device: log.append(("timed", len(calls))) or 2.0)
+    monkeypatch.setattr(bench_local.torch.cuda, "current_device", lambda: 0)
+    res = bench_local.measure("ringflash", None, 1, 2, 64, 32, True, "fwd", "cpu", clocks=True)
+    assert "error" not in res and res["sm_mhz"] == 1700.0, res
+    assert log == [("sampler", 1), ("timed", 1)], log
+    log.clear(), calls.clear()
+    bench_local.measure("ringflash", None, 1, 2, 64, 32, True, "fwd", "cpu")
+    assert log == [("timed", 0)], log
+
+
 def test_clock_sampler_reads_instant_power_where_the_driver_has_it(monkeypatch):
     """ClockSampler samples nvidia-smi's power.draw.instant where the probe reads a number from
     it, else the one-second power.draw: an unknown field, "[N/A]", or no nvidia-smi at all."""
