@@ -354,8 +354,7 @@ def _key_spans(KEY_SPANS, b, HAS_BIAS: gl.constexpr):
     bias does not hide + 1 (_unpadded_blocks) and its keys of zero bias [plain_lo, plain_hi),
     multiples of key_bias.PLAIN_ALIGN, which take the unbiased arithmetic (_biased_scores);
     zeros (an empty span) without HAS_BIAS. Loaded together, before any branch: what waits for
-    them waits one load's latency, not a chain of two (a one-tile producer loads them after its
-    first copies, which then wait for nothing, _produce_tile)."""
+    them waits one load's latency, not a chain of two."""
     pad_end = b * 0
     plain_lo = pad_end
     plain_hi = pad_end
@@ -858,63 +857,33 @@ def _produce_tile(
     # the key tail's first row in its block (0: none); K's and V's alike
     TAIL_ROW: gl.constexpr = BLOCK_N if BLOCK_NT > 0 else 0
     KEYS: gl.constexpr = BLOCK_N + BLOCK_NT
-    # a one-tile program with a key bias issues its Q and first K/V block (with its bias, which
-    # the loop without one ignores) before it loads its row's spans: else its first copies wait
-    # a global load's latency, a fixed cost a tile
-    EARLY: gl.constexpr = HAS_BIAS and not PERSISTENT
-    if EARLY:
-        if n > 0:
-            _load_q(q_desc, qt_desc, q_bufs, qt_bufs, q_bar, b, h, off_m, BLOCK_M, CONSUMERS, TAIL_COL)
-            _load_kv(k_desc, k_bufs, k_ready, it, b, hk, lo - it * KEYS, STAGES, KEYS, kt_desc, kt_bufs, TAIL_ROW,
-                     TAIL_COL, bias_desc, bias_bufs, True)  # fmt: skip
-            _load_kv(v_desc, v_bufs, v_ready, it, b, hk, lo - it * KEYS, STAGES, KEYS, vt_desc, vt_bufs, TAIL_ROW,
-                     TAIL_COL_V)  # fmt: skip
     pad_end, plain_lo, plain_hi = _key_spans(KEY_SPANS, b, HAS_BIAS)
-    n_all = n
     n = _unpadded_blocks(n, lo, pad_end, KEYS, HAS_BIAS)
-    early = n * 0
-    if EARLY:
-        if n_all > 0:
-            if n == 0:  # a tile of padding alone: its copies land before the program ends
-                mbarrier.wait(q_bar.index(0), 0)
-                mbarrier.wait(k_ready.index(it % STAGES), 0)
-                mbarrier.wait(v_ready.index(it % STAGES), 0)
-        early = gl.minimum(n, 1)
-    elif n > 0:  # one Q buffer per consumer warpgroup (and one per tail piece), all on one barrier
+    if n > 0:  # one Q buffer per consumer warpgroup (and one per tail piece), all on one barrier
         if PERSISTENT:  # every consumer warpgroup done with the previous tile's Q
             mbarrier.wait(q_empty.index(0), (uses & 1) ^ 1)
-        _load_q(q_desc, qt_desc, q_bufs, qt_bufs, q_bar, b, h, off_m, BLOCK_M, CONSUMERS, TAIL_COL)
+        q_rows: gl.constexpr = BLOCK_M // CONSUMERS
+        if TAIL_COL > 0:
+            mbarrier.expect(q_bar.index(0), CONSUMERS * (q_desc.block_type.nbytes + qt_desc.block_type.nbytes))
+        else:
+            mbarrier.expect(q_bar.index(0), CONSUMERS * q_desc.block_type.nbytes)
+        for part in gl.static_range(CONSUMERS):
+            row = off_m + part * q_rows
+            tma.async_copy_global_to_shared(q_desc, [b, row, h, 0], q_bar.index(0), q_bufs.index(part))
+            if TAIL_COL > 0:
+                tma.async_copy_global_to_shared(qt_desc, [b, row, h, TAIL_COL], q_bar.index(0), qt_bufs.index(part))
     # the leading blocks the consumers take through the loop without a bias get no bias load:
     # a second TMA a block, on K's barrier, that nobody reads
     VERSIONED: gl.constexpr = _versioned(HAS_BIAS, BLOCK_DT, BLOCK_DVT)
     n_plain = _plain_lead(lo, n, plain_lo, plain_hi, BLOCK_N, VERSIONED)
-    if EARLY:  # (the first block is loaded already, its bias with it)
-        n_plain = gl.maximum(n_plain, early)
     if VERSIONED:
         _produce_blocks(k_desc, v_desc, kt_desc, vt_desc, k_bufs, v_bufs, kt_bufs, vt_bufs, k_ready, v_ready,
-                        k_empty, v_empty, b, hk, lo - it * KEYS, it + early, it + n_plain, STAGES, KEYS, TAIL_ROW,
-                        TAIL_COL, TAIL_COL_V, bias_desc, bias_bufs, False)  # fmt: skip
+                        k_empty, v_empty, b, hk, lo - it * KEYS, it, it + n_plain, STAGES, KEYS, TAIL_ROW, TAIL_COL,
+                        TAIL_COL_V, bias_desc, bias_bufs, False)  # fmt: skip
     _produce_blocks(k_desc, v_desc, kt_desc, vt_desc, k_bufs, v_bufs, kt_bufs, vt_bufs, k_ready, v_ready, k_empty,
                     v_empty, b, hk, lo - it * KEYS, it + n_plain, it + n, STAGES, KEYS, TAIL_ROW, TAIL_COL,
                     TAIL_COL_V, bias_desc, bias_bufs, HAS_BIAS)  # fmt: skip
     return n
-
-
-@gluon.jit
-def _load_q(q_desc, qt_desc, q_bufs, qt_bufs, q_bar, b, h, off_m, BLOCK_M: gl.constexpr, CONSUMERS: gl.constexpr,
-            TAIL_COL: gl.constexpr):  # fmt: skip
-    """A query tile's Q into one buffer per consumer warpgroup (and one per head-dim tail piece,
-    TAIL_COL > 0: its first column), all on q_bar."""
-    q_rows: gl.constexpr = BLOCK_M // CONSUMERS
-    if TAIL_COL > 0:
-        mbarrier.expect(q_bar.index(0), CONSUMERS * (q_desc.block_type.nbytes + qt_desc.block_type.nbytes))
-    else:
-        mbarrier.expect(q_bar.index(0), CONSUMERS * q_desc.block_type.nbytes)
-    for part in gl.static_range(CONSUMERS):
-        row = off_m + part * q_rows
-        tma.async_copy_global_to_shared(q_desc, [b, row, h, 0], q_bar.index(0), q_bufs.index(part))
-        if TAIL_COL > 0:
-            tma.async_copy_global_to_shared(qt_desc, [b, row, h, TAIL_COL], q_bar.index(0), qt_bufs.index(part))
 
 
 @gluon.jit

@@ -833,39 +833,6 @@ def _tool(name: str) -> str:
     return str(Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / name)
 
 
-def _producer_head(sass: str) -> list[str]:
-    """The instructions (opcode and operands) of the partition that issues the SASS's first TMA
-    load (UTMALDG), from its start (its register reallocation, the USETMAXREG before that
-    load) on; [] without TMA."""
-    code = [m.group(1).strip() for m in re.finditer(r"/\*[0-9a-f]{4,}\*/([^;]*);", sass)]
-    first = next((i for i, c in enumerate(code) if re.search(r"\bUTMALDG\b", c)), None)
-    if first is None:
-        return []
-    start = max((i for i in range(first) if "USETMAXREG" in code[i]), default=0)
-    return code[start:]
-
-
-def _loads_before_first_tma(sass: str) -> int:
-    """Global loads (LDG) of that partition before its first TMA load."""
-    head = _producer_head(sass)
-    first = next((i for i, c in enumerate(head) if re.search(r"\bUTMALDG\b", c)), 0)
-    return sum(1 for c in head[:first] if re.search(r"\bLDG\b", c))
-
-
-def _tma_ahead_of_loads(sass: str) -> int:
-    """TMA loads that partition issues before any instruction names a register one of its
-    global loads wrote: copies that do not wait for those loads' latency (0 without a load)."""
-    loaded, ahead = set(), 0
-    for c in _producer_head(sass):
-        if re.search(r"\bLDG\b", c):
-            loaded.add(c.split()[1].rstrip(","))
-        elif any(re.search(rf"\b{r}\b", c) for r in loaded):
-            return ahead
-        elif re.search(r"\bUTMALDG\b", c):
-            ahead += 1
-    return 0
-
-
 def compiled_report(kern, cfg, case: dict, *, dump: Path | None = None, stem: str = "k", sass_counts=None) -> dict:
     """What ptxas and the SASS say about `kern` (a Gluon kernel compiled for sm_90a) of config
     `cfg` (a dataclass with schedule and consumer_regs): `case` (the compiled case's own
@@ -877,9 +844,7 @@ def compiled_report(kern, cfg, case: dict, *, dump: Path | None = None, stem: st
     spill_bytes and stack_bytes (must be 0), shared (bytes; must be <= 232448), ptx_waits /
     sass_waits: {N: count} of wgmma waits that leave N groups in flight (N > 0: a matmul
     overlapping other work), hgmma: count of Hopper tensor-core instructions, tma_loads: of
-    TMA loads (UTMALDG), loads_before_tma: global loads (LDG) that the partition issuing the
-    first TMA load makes before it, tma_ahead_of_loads: its TMA loads that go out before any
-    instruction uses those loads' values, sass_lines,
+    TMA loads (UTMALDG), sass_lines,
     warnings: ptxas's C7xxx codes (C7510-C7515: wgmma serialized, C7508: setmaxnreg ignored),
     and for each {name: regex} of sass_counts its count in the SASS. dump: a folder for the
     PTX, TTGIR, SASS and ptxas's log, named by `stem`."""
@@ -914,8 +879,6 @@ def compiled_report(kern, cfg, case: dict, *, dump: Path | None = None, stem: st
         "sass_waits": count(re.findall(r"WARPGROUP\.DEPBAR\.LE\s+gsb0,\s*(0x[0-9a-f]+)", sass)),
         "hgmma": len(re.findall(r"\bHGMMA\.", sass)),
         "tma_loads": len(re.findall(r"\bUTMALDG\b", sass)),
-        "loads_before_tma": _loads_before_first_tma(sass),
-        "tma_ahead_of_loads": _tma_ahead_of_loads(sass),
         # highest register any instruction names + 1: with warp specialization, what the
         # busiest partition really uses under its setmaxnreg budget
         "sass_regs": 1 + max((int(x) for x in re.findall(r"\bR(\d+)\b", sass)), default=-1),
