@@ -6,6 +6,12 @@ barriers, shared loads and atomics in order, with each one's scoreboard wait mas
 
     python benchmarks/sass_loops.py DUMP.sass [--min 100]
     python benchmarks/sass_loops.py DUMP.sass --events 0x0f40 [--all]
+    python benchmarks/sass_loops.py DIR/TAG_sass.csv --samples [--min 100] [--max 800]
+
+--samples reads a measured profile instead: ncu's per-instruction source page as
+`benchmarks.kernel_counters --source` keeps it, and lists each loop's warp samples and executed
+instructions, most samples first (addresses from the kernel's first instruction): two builds'
+copies of a loop side by side tell whether a loop itself got slower or ran more often.
 
 Control word (the upper 64 bits' top 23, as Volta and later encode it): stall bits 0-3, yield
 bit 4, write barrier 5-7, read barrier 8-10, wait mask 11-16, register reuse 17-20.
@@ -15,6 +21,8 @@ from __future__ import annotations
 
 import argparse
 import collections
+import csv
+import io
 import re
 from pathlib import Path
 
@@ -34,6 +42,24 @@ def parse(text: str) -> list[tuple[int, str, int]]:
             upper = _UPPER.match(lines[i + 1]) if i + 1 < len(lines) else None
             out.append((int(m.group(1), 16), m.group(2), int(upper.group(1), 16) >> 41 if upper else 0))
     return out
+
+
+def parse_samples(text: str) -> tuple[list[tuple[int, str, int]], dict[int, tuple[int, int]]]:
+    """ncu's source page (csv, one row per SASS instruction): the instructions as parse gives
+    them (control words 0: the page has none) and {address: (warp samples, executed)}."""
+    rows = list(csv.reader(io.StringIO(text)))
+    at = next((i for i, r in enumerate(rows) if "Address" in r and "Source" in r), None)
+    if at is None:
+        raise ValueError("no ncu source page: no header row with Address and Source")
+    names = ("Address", "Source", "Warp Stall Sampling (All Samples)", "Instructions Executed")
+    cols = [rows[at].index(n) for n in names]
+    instructions, counts = [], {}
+    for r in rows[at + 1 :]:
+        if len(r) > max(cols) and r[cols[0]].startswith("0x"):
+            address = int(r[cols[0]], 16)
+            instructions.append((address, r[cols[1]].strip(), 0))
+            counts[address] = (int(r[cols[2]] or 0), int(r[cols[3]] or 0))
+    return instructions, counts
 
 
 def opcode(text: str) -> str:
@@ -79,11 +105,26 @@ def events(instructions, first: int, last: int, every: bool = False) -> list[str
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("sass", type=Path)
+    ap.add_argument("sass", type=Path, help="a SASS dump, or with --samples ncu's source page (csv)")
     ap.add_argument("--min", type=int, default=100, help="loops of fewer instructions are left out")
+    ap.add_argument("--max", type=int, default=None, help="loops of more instructions are left out")
     ap.add_argument("--events", help="the loop starting at this address (hex): its events in order")
     ap.add_argument("--all", action="store_true", help="with --events: every instruction")
+    ap.add_argument("--samples", action="store_true", help="the file is ncu's source page: loops by warp samples")
     args = ap.parse_args(argv)
+    if args.samples:
+        instructions, counts = parse_samples(args.sass.read_text())
+        base = instructions[0][0] if instructions else 0
+        rows = []
+        for first, last in loops(instructions):
+            body = [a for a, _, _ in instructions if first <= a <= last]
+            if args.min <= len(body) <= (args.max or len(body)):
+                rows.append((sum(counts[a][0] for a in body), len(body), sum(counts[a][1] for a in body), first, last))
+        print(f"{sum(c[0] for c in counts.values())} warp samples, {len(instructions)} instructions")
+        for samples, n, executed, first, last in sorted(rows, reverse=True):
+            span = f"+{first - base:#07x}-+{last - base:#07x}"
+            print(f"loop {span} instructions={n} samples={samples} executed={executed}")
+        return
     instructions = parse(args.sass.read_text())
     if args.events:
         first = int(args.events, 16)
@@ -94,7 +135,7 @@ def main(argv=None):
         return
     for first, last in loops(instructions):
         s = summary(instructions, first, last)
-        if s["count"] >= args.min:
+        if args.min <= s["count"] <= (args.max or s["count"]):
             top = " ".join(f"{k}:{v}" for k, v in s["opcodes"].most_common(16))
             print(f"loop {first:#06x}-{last:#06x} instructions={s['count']} stall_sum={s['stall_sum']} {top}")
 

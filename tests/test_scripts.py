@@ -964,3 +964,32 @@ def test_sass_loops_finds_a_loop_and_its_stalls(tmp_path):
     path.write_text(dump)
     out = run([sys.executable, "benchmarks/sass_loops.py", str(path), "--min", "1"], tmp_path)
     assert "loop 0x0010-0x0040 instructions=4 stall_sum=18" in out
+
+
+def test_sass_loops_reads_a_profiles_samples_per_loop(tmp_path):
+    """sass_loops.py --samples on a hand-written ncu source page (kernel_counters --source's
+    csv: a title row, then a header): each loop's warp samples and executed instructions, most
+    samples first, addresses from the kernel's first instruction; a retry stub's loop over an
+    EXIT left out; --min / --max bound a loop's size."""
+    from benchmarks import sass_loops
+
+    head = '"Kernel Name","_fwd_ws2",\n"Address","Source","Warp Stall Sampling (All Samples)","Instructions Executed"\n'
+    rows = [(0x7F00, "MOV R1, c[0x0][0x28]", 3, 10), (0x7F10, "HGMMA.64x64x16.F32.BF16 R24, gdesc[UR4], RZ", 50, 400),
+            (0x7F20, "@P0 BRA 0x7f10", 7, 400), (0x7F30, "MUFU.EX2 R2, R2", 20, 200),
+            (0x7F40, "FADD R2, R2, R3", 5, 200), (0x7F50, "@P1 BRA 0x7f30", 9, 200), (0x7F60, "EXIT", 1, 10),
+            (0x7F70, "@!P1 BRA 0x7f40", 4, 4)]  # fmt: skip
+    page = head + "".join(f'"{a:#x}","{t}","{n}","{x}"\n' for a, t, n, x in rows)
+    instructions, counts = sass_loops.parse_samples(page)
+    assert len(instructions) == 8 and counts[0x7F30] == (20, 200)
+    path = tmp_path / "k_sass.csv"
+    path.write_text(page)
+    out = run([sys.executable, "benchmarks/sass_loops.py", str(path), "--samples", "--min", "1"], tmp_path)
+    lines = out.strip().splitlines()
+    assert lines[0] == "99 warp samples, 8 instructions", out
+    assert lines[1:] == ["loop +0x00010-+0x00020 instructions=2 samples=57 executed=800",
+                         "loop +0x00030-+0x00050 instructions=3 samples=34 executed=600"], out  # fmt: skip
+    loops_of = lambda *a: run([sys.executable, "benchmarks/sass_loops.py", str(path), "--samples", *a], tmp_path)  # noqa: E731
+    out = loops_of("--min", "3")
+    assert out.strip().splitlines()[1:] == ["loop +0x00030-+0x00050 instructions=3 samples=34 executed=600"], out
+    out = loops_of("--min", "1", "--max", "2")
+    assert out.strip().splitlines()[1:] == ["loop +0x00010-+0x00020 instructions=2 samples=57 executed=800"], out
