@@ -19,9 +19,10 @@ as a model captured with torch.cuda.graph runs it; a table of its own.
     python -m benchmarks.bench_local --head-dims 192 --v-head-dim 128 --triton-forward   # MLA's dims
 
 --clocks samples the SM clock and power draw (nvidia-smi, every 50 ms; the instantaneous power
-reading where the driver has it) while each impl is timed and prints their medians in a table
-of their own; --idle-gap SECONDS idles before each timing,
-so that no impl starts on the heat of the one before:
+reading where the driver has it) while each impl is timed, after a first call outside the
+samples (a compile or a cuDNN plan), and prints their medians in a table of their own;
+--idle-gap SECONDS idles before each timing, so that no impl starts on the heat of the one
+before:
 
     python -m benchmarks.bench_local --seqlens 65536 --head-dims 128 --clocks --idle-gap 1
 """
