@@ -150,7 +150,8 @@ def _unpadded(n_m, n0, b, KEY_SPANS, HAS_BIAS: gl.constexpr):
     block takes no step): fed the cut count, a select of a loaded value, it made the causal
     loop slower (benchmarks/NOTES.md, "The cut's step count")."""
     if HAS_BIAS:
-        n_m = gl.where(n0 < gl.load(KEY_SPANS + 3 * b), n_m, 0)
+        pad_end, _, _ = _key_spans(KEY_SPANS, b, HAS_BIAS)
+        n_m = gl.where(n0 < pad_end, n_m, 0)
     return n_m
 
 

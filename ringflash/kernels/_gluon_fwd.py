@@ -353,8 +353,8 @@ def _key_spans(KEY_SPANS, b, HAS_BIAS: gl.constexpr):
     """(pad_end, plain_lo, plain_hi): batch row b's row of key_bias.key_spans, its last key the
     bias does not hide + 1 (_unpadded_blocks) and its keys of zero bias [plain_lo, plain_hi),
     multiples of key_bias.PLAIN_ALIGN, which take the unbiased arithmetic (_biased_scores);
-    zeros (an empty span) without HAS_BIAS. Loaded together, before any branch: what waits for
-    them waits one load's latency, not a chain of two."""
+    zeros (an empty span) without HAS_BIAS. The one reader of that table in the Gluon kernels,
+    each entry loaded once a tile (the entries a caller does not use are never loaded)."""
     pad_end = b * 0
     plain_lo = pad_end
     plain_hi = pad_end
