@@ -264,15 +264,17 @@ def test_key_padding_zero_bias_spans(backend, causal, monkeypatch):
 
     key_spans = kernels.key_spans
     monkeypatch.setattr(kernels, "key_spans", spy)
-    q, k, v = _inputs(3, 24, 800, 2, 1, 16, torch.float32, seed=8)
-    mask = torch.zeros(3, 800, dtype=torch.bool)  # True: a padded key
-    mask[0, 700:] = True  # span [0, 384)
-    mask[1, :30] = True  # span [384, 1152): past Sk, to the end
+    # (the fewest keys past one PLAIN_ALIGN of 384 that hold the three rows: the interpreter's
+    # time goes as the keys)
+    q, k, v = _inputs(3, 24, 400, 2, 1, 16, torch.float32, seed=8)
+    mask = torch.zeros(3, 400, dtype=torch.bool)  # True: a padded key
+    mask[0, 390:] = True  # span [0, 384), then biased keys 384..389
+    mask[1, :30] = True  # span [384, 768): past Sk, to the end
     mask[2, 100:110] = True  # zeros [0, 100): no span
     _check(q, k, v, causal, key_padding_mask=mask)
     assert len(spans) == 2  # the forward; the backward, whose two passes share one
     for s in spans:
-        assert s[:, 1:].tolist() == [[0, 384], [384, 1152], [0, 0]]
+        assert s[:, 1:].tolist() == [[0, 384], [384, 768], [0, 0]]
 
 
 def test_key_padding_mask_errors():
