@@ -66,6 +66,7 @@ def line(r: dict) -> str:
     return (
         f"{head} {c['block_m']}x{c['block_n']} s{c['stages']} regs={r['regs']} "
         f"setmaxnreg={r['setmaxnreg'] or '-'} sass_regs={r['sass_regs']} spills={r['spill_bytes']} "
+        f"loop_spills={r['loop_spills']} "
         f"stack={r['stack_bytes']} shared={r['shared']} waits={r['sass_waits']} hgmma={r['hgmma']} "
         f"red.v2={r['red_v2']} red.v4={r.get('red_v4', 0)} sass_lines={r['sass_lines']} "
         f"warnings={r['warnings'] or '-'} "

@@ -88,6 +88,7 @@ def line(r: dict) -> str:
     return (
         f"{head} {c['block_m']}x{c['block_n']} w{c['num_warps']} s{c['stages']} regs={r['regs']} "
         f"setmaxnreg={r['setmaxnreg'] or '-'} sass_regs={r['sass_regs']} spills={r['spill_bytes']} "
+        f"loop_spills={r['loop_spills']} "
         f"shared={r['shared']} "
         f"waits={r['sass_waits']} hgmma={r['hgmma']} warnings={r['warnings'] or '-'} "
         f"{'OK' if not r['problems'] else 'PROBLEMS ' + '; '.join(r['problems'])}"

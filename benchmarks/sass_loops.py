@@ -23,25 +23,13 @@ import argparse
 import collections
 import csv
 import io
-import re
+import sys
 from pathlib import Path
 
-_INSTRUCTION = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;\s*/\* (0x[0-9a-f]{16}) \*/")
-_UPPER = re.compile(r"^\s+/\* (0x[0-9a-f]{16}) \*/\s*$")
-_BRANCH = re.compile(r"\bBRA\b(?:.*?,)?\s*(0x[0-9a-f]+)")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from ringflash.kernels.sass import loops, opcode, parse  # noqa: E402
+
 EVENTS = ("HGMMA", "WARPGROUP", "SYNCS", "BAR", "LDS", "LDG", "REDG", "STSM", "BRA", "FENCE", "MUFU")
-
-
-def parse(text: str) -> list[tuple[int, str, int]]:
-    """(address, instruction text, control word) of every instruction in a cuobjdump -sass text."""
-    lines = text.splitlines()
-    out = []
-    for i, line in enumerate(lines):
-        m = _INSTRUCTION.search(line)
-        if m:
-            upper = _UPPER.match(lines[i + 1]) if i + 1 < len(lines) else None
-            out.append((int(m.group(1), 16), m.group(2), int(upper.group(1), 16) >> 41 if upper else 0))
-    return out
 
 
 def parse_samples(text: str) -> tuple[list[tuple[int, str, int]], dict[int, tuple[int, int]]]:
@@ -60,25 +48,6 @@ def parse_samples(text: str) -> tuple[list[tuple[int, str, int]], dict[int, tupl
             instructions.append((address, r[cols[1]].strip(), 0))
             counts[address] = (int(r[cols[2]] or 0), int(r[cols[3]] or 0))
     return instructions, counts
-
-
-def opcode(text: str) -> str:
-    """The opcode without its predicate and modifiers: "@!P0 HGMMA.64x64x16.F32" -> "HGMMA"."""
-    return re.sub(r"^@!?U?P[T0-9]+\s+", "", text).split()[0].split(".")[0]
-
-
-def loops(instructions) -> list[tuple[int, int]]:
-    """(first, last address) of each backward branch's body. A body holding an EXIT is left out:
-    the branch back from an out-of-line retry stub (an mbarrier wait's), placed after the code."""
-    exits = [a for a, t, _ in instructions if opcode(t) == "EXIT"]
-    found = []
-    for address, text, _ in instructions:
-        m = _BRANCH.search(text)
-        if m and int(m.group(1), 16) <= address:
-            first = int(m.group(1), 16)
-            if not any(first <= e <= address for e in exits):
-                found.append((first, address))
-    return found
 
 
 def summary(instructions, first: int, last: int) -> dict:

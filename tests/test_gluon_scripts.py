@@ -24,7 +24,10 @@ def test_gluon_forward_compiles_for_hopper(tmp_path):
     stored before it and loaded after it: SASS), as when measured; and the long key ranges'
     variants (configs.GLUON_FWD_LONG, dense and causal, local and folded) without spills; and
     the dense blocks' wide key blocks (configs.GLUON_FWD_DENSE, local and folded, in two pieces:
-    a second wgmma group of scores), at most DENSE_SPILL_BYTES, as when measured."""
+    a second wgmma group of scores), at most DENSE_SPILL_BYTES, as when measured. Whatever
+    spills, none inside a key loop (those run once a key block), but one reload a block with
+    per-row bounds at D=128 and in MLA's dense and causal cases (ROWS_LOOP_SPILLS,
+    MLA_LOOP_SPILLS, as when measured)."""
     from ringflash.kernels.configs import (
         GLUON_FWD,
         GLUON_FWD_DENSE,
@@ -35,6 +38,8 @@ def test_gluon_forward_compiles_for_hopper(tmp_path):
 
     ROWS_SPILL_BYTES = 40
     MLA_SPILL_BYTES, MLA_WINDOW_SPILL_BYTES = 8, 48
+    # spills inside a key loop, run once a key block: a reload of one register (SASS: one LDL)
+    ROWS_LOOP_SPILLS = MLA_LOOP_SPILLS = 1
     PERSISTENT_SPILL_BYTES = 32
     DENSE_SPILL_BYTES = 20
 
@@ -61,8 +66,9 @@ def test_gluon_forward_compiles_for_hopper(tmp_path):
     assert len(rows) == len(cases)
     for r in rows:
         assert "error" not in r, r
+        loop_allowed = 0
         if r["mask"] == "rows":
-            allowed = ROWS_SPILL_BYTES
+            allowed, loop_allowed = ROWS_SPILL_BYTES, ROWS_LOOP_SPILLS
         elif r["config"]["persistent"]:
             allowed = PERSISTENT_SPILL_BYTES
         elif r["config"]["block_nt"]:
@@ -70,10 +76,11 @@ def test_gluon_forward_compiles_for_hopper(tmp_path):
             assert r["sass_waits"].get("2"), r  # the scores land with PV's two groups in flight
         elif (r["D"], r.get("Dv")) == (192, 128):
             allowed = MLA_WINDOW_SPILL_BYTES if r["mask"] == "window" else MLA_SPILL_BYTES
+            loop_allowed = 0 if r["mask"] == "window" else MLA_LOOP_SPILLS
         else:
             allowed = 0
-        assert r["spill_bytes"] <= allowed and any(int(n) > 0 for n in r["sass_waits"]), r
-        assert all(p.startswith("spills") for p in r["problems"]), r
+        assert r["spill_bytes"] <= allowed and r["loop_spills"] <= loop_allowed, r
+        assert any(int(n) > 0 for n in r["sass_waits"]) and all(p.startswith("spills") for p in r["problems"]), r
 
 
 def test_gluon_forward_early_p_frees_registers(tmp_path):
@@ -413,13 +420,19 @@ def test_gluon_key_bias_compiles_for_hopper(tmp_path):
     its key loop (a tile's zero-bias blocks run the one compiled without the bias), so twice
     the case's tensor-core instructions, and its producer loads no bias for those blocks (a
     second copy of its K/V loads); MLA's, in pieces, one; likewise the non-causal
-    backward at D=64 (two copies of the consumer) and the causal one at D=128 (one)."""
+    backward at D=64 (two copies of the consumer) and the causal one at D=128 (one). No spills,
+    but in the persistent programs at D=128 (the default for short non-causal key ranges),
+    which spill at most PERSISTENT_BIAS_SPILL_BYTES, as when measured, none of it inside a key
+    loop: tile scalars stored before a tile's key loops and loaded after them (SASS), as the
+    same kernel without a bias spills 16 bytes."""
     from ringflash.kernels.configs import GLUON_BWD, GLUON_FWD, GLUON_FWD_LONG, GLUON_FWD_SHORT
     from ringflash.kernels.gluon_forward import HOPPER_SHARED_BYTES, config_for
 
+    PERSISTENT_BIAS_SPILL_BYTES = 120
     v = GLUON_FWD[128]
     plain = [f"{v}:128:1:bf16:1:0", f"{v}:128:0:fp16:0:1", f"{GLUON_FWD_SHORT[64]}:64:1:bf16:1:0",
-             f"{GLUON_FWD_LONG[64]}:64:0:bf16:1:0", f"{GLUON_FWD[256]}:192/128:1:bf16:1:0"]  # fmt: skip
+             f"{GLUON_FWD_LONG[64]}:64:0:bf16:1:0", f"{GLUON_FWD[256]}:192/128:1:bf16:1:0",
+             f"{GLUON_FWD_SHORT[128]}:128:0:bf16:1:0"]  # fmt: skip
     cases = plain + [f"{c}:bias" for c in plain]
     # (exits 1: MLA's plain case spills its known few bytes, test_gluon_forward_compiles_for_hopper)
     run([sys.executable, "benchmarks/gluon_report.py", "--jobs", "2", "--json", str(tmp_path / "f.json")]
@@ -428,7 +441,10 @@ def test_gluon_key_bias_compiles_for_hopper(tmp_path):
     assert len(rows) == len(cases) and not any("error" in r for r in rows), rows
     for without, with_bias in zip(rows[: len(plain)], rows[len(plain) :]):
         assert with_bias.get("key_bias") and not without.get("key_bias"), (without, with_bias)
-        assert not with_bias["problems"] and with_bias["spill_bytes"] == 0, with_bias
+        persistent_128 = with_bias["config"]["persistent"] and with_bias["D"] == 128
+        allowed = PERSISTENT_BIAS_SPILL_BYTES if persistent_128 else 0
+        assert with_bias["spill_bytes"] <= allowed and with_bias["loop_spills"] == 0, with_bias
+        assert all(p.startswith("spills") for p in with_bias["problems"]), with_bias
         cfg = config_for(with_bias["D"], with_bias["name"], head_dim_v=with_bias.get("Dv"))
         ring = cfg.stages * cfg.block_n * 4  # (allocations are aligned: a few bytes more)
         assert ring <= with_bias["shared"] - without["shared"] <= ring + 128, (without, with_bias)

@@ -930,15 +930,18 @@ def test_ring_time_model_on_a_replay(tmp_path):
     assert len(re.findall(r"forward_group_steps=\d.*: [\d.]+ \([\d.]+\) \| [\d.]+ \([\d.]+\)", out)) == 2, out
 
 
+def _sass_line(address, text, stall=1, wait=0):
+    """One instruction as cuobjdump -sass prints it: the text, then the control word's line."""
+    upper = ((wait << 11) | stall) << 41
+    return f"        /*{address:04x}*/  {text} ;  /* 0x{0:016x} */\n{' ' * 100}/* 0x{upper:016x} */"
+
+
 def test_sass_loops_finds_a_loop_and_its_stalls(tmp_path):
     """benchmarks/sass_loops.py on a hand-written dump: one loop (a backward branch) with its
     stall sum from the control words, a retry stub's branch back over an EXIT left out."""
     from benchmarks import sass_loops
 
-    def line(address, text, stall, wait=0):
-        upper = ((wait << 11) | stall) << 41
-        return f"        /*{address:04x}*/  {text} ;  /* 0x{0:016x} */\n{' ' * 100}/* 0x{upper:016x} */"
-
+    line = _sass_line
     dump = "\n".join([
         line(0x00, "MOV R1, c[0x0][0x28]", 1),
         line(0x10, "HGMMA.64x64x16.F32.BF16 R24, gdesc[UR4], RZ, !UPT", 2),
@@ -964,6 +967,30 @@ def test_sass_loops_finds_a_loop_and_its_stalls(tmp_path):
     path.write_text(dump)
     out = run([sys.executable, "benchmarks/sass_loops.py", str(path), "--min", "1"], tmp_path)
     assert "loop 0x0010-0x0040 instructions=4 stall_sum=18" in out
+
+
+def test_matmul_loop_spills_counts_the_key_loops_only():
+    """The compile reports' loop_spills on a hand-written dump of a persistent program: a tile
+    loop around a key loop. Of its spills (LDL / STL) only the key loop's reload counts: not the
+    stores before the loops, the tile loop's own load and store around its key loop, nor one
+    in a loop without a matmul (a wait's spin)."""
+    from ringflash.kernels.sass import matmul_loop_spills, parse
+
+    dump = "\n".join(_sass_line(a, t) for a, t in [
+        (0x00, "STL [R1], R2"),
+        (0x10, "HGMMA.64x64x16.F32.BF16 R24, gdesc[UR4], RZ, !UPT"),  # the tile loop's own matmul
+        (0x20, "LDL R3, [R1]"),
+        (0x30, "HGMMA.64x64x16.F32.BF16 R24, gdesc[UR8], R24"),  # the key loop
+        (0x40, "LDL R4, [R1+0x4]"),
+        (0x50, "FADD R4, R4, R3"),
+        (0x60, "@P0 BRA 0x30"),
+        (0x70, "STL [R1+0x8], R4"),
+        (0x80, "@P1 BRA 0x10"),
+        (0x90, "LDL R5, [R1+0x8]"),
+        (0xA0, "@P2 BRA 0x90"),
+        (0xB0, "EXIT"),
+    ])  # fmt: skip
+    assert matmul_loop_spills(parse(dump)) == 1
 
 
 def test_sass_loops_reads_a_profiles_samples_per_loop(tmp_path):

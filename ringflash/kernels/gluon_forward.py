@@ -38,6 +38,8 @@ from . import head_dim_pieces
 from .key_bias import key_spans, spans_stand_in
 from .launcher import launch, on_device
 from .plans import Plan, Plans, alias_pattern, record, tensor_key
+from .sass import matmul_loop_spills
+from .sass import parse as parse_sass
 from .tiles import MASK_ROWS, MASK_WINDOW
 
 try:  # Gluon exists from triton 3.6 on; the rest of the package must not depend on it
@@ -841,10 +843,11 @@ def compiled_report(kern, cfg, case: dict, *, dump: Path | None = None, stem: st
     regs: registers per thread at entry (ptxas; with warp specialization the entry cap),
     setmaxnreg: the per-partition budgets the kernel switches to, sass_regs: registers the
     SASS names (with warp specialization: what the busiest partition uses of its budget),
-    spill_bytes and stack_bytes (must be 0), shared (bytes; must be <= 232448), ptx_waits /
-    sass_waits: {N: count} of wgmma waits that leave N groups in flight (N > 0: a matmul
-    overlapping other work), hgmma: count of Hopper tensor-core instructions, tma_loads: of
-    TMA loads (UTMALDG), sass_lines,
+    spill_bytes and stack_bytes (must be 0), loop_spills: local-memory instructions inside the
+    key loops (sass.matmul_loop_spills: spills that run once a key block), shared (bytes; must
+    be <= 232448), ptx_waits / sass_waits: {N: count} of wgmma waits that leave N groups in
+    flight (N > 0: a matmul overlapping other work), hgmma: count of Hopper tensor-core
+    instructions, tma_loads: of TMA loads (UTMALDG), sass_lines,
     warnings: ptxas's C7xxx codes (C7510-C7515: wgmma serialized, C7508: setmaxnreg ignored),
     and for each {name: regex} of sass_counts its count in the SASS. dump: a folder for the
     PTX, TTGIR, SASS and ptxas's log, named by `stem`."""
@@ -877,6 +880,7 @@ def compiled_report(kern, cfg, case: dict, *, dump: Path | None = None, stem: st
         "shared": kern.metadata.shared,
         "ptx_waits": count(re.findall(r"wgmma\.wait_group\.sync\.aligned\s+(\d+)", ptx)),
         "sass_waits": count(re.findall(r"WARPGROUP\.DEPBAR\.LE\s+gsb0,\s*(0x[0-9a-f]+)", sass)),
+        "loop_spills": matmul_loop_spills(parse_sass(sass)),
         "hgmma": len(re.findall(r"\bHGMMA\.", sass)),
         "tma_loads": len(re.findall(r"\bUTMALDG\b", sass)),
         # highest register any instruction names + 1: with warp specialization, what the
@@ -947,7 +951,7 @@ def report_problems(row: dict) -> list[str]:
     the config's."""
     bad = []
     if row["spill_bytes"] or row["stack_bytes"]:
-        bad.append(f"spills {row['spill_bytes']} bytes, stack {row['stack_bytes']}")
+        bad.append(f"spills {row['spill_bytes']} bytes, stack {row['stack_bytes']}, {row['loop_spills']} in key loops")
     if not row["fits"]:
         bad.append(f"shared memory {row['shared']} > {HOPPER_SHARED_BYTES}")
     if row["hgmma"] == 0:
