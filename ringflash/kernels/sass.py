@@ -46,11 +46,9 @@ def matmul_loop_spills(instructions) -> int:
     tensor-core instruction (HGMMA), i.e. the key loops, run once a key block. Spills outside
     them (a tile's or program's scalars stored before its key loop and loaded after it) run
     once a tile."""
-    with_mma = [
-        (first, last)
-        for first, last in loops(instructions)
-        if any(first <= a <= last and opcode(t) == "HGMMA" for a, t, _ in instructions)
-    ]
+    ops = [(a, opcode(t)) for a, t, _ in instructions]
+    mma = [a for a, op in ops if op == "HGMMA"]
+    with_mma = [(f, l) for f, l in loops(instructions) if any(f <= a <= l for a in mma)]
     # a loop holding another matmul loop (a persistent program's tile loop) is not innermost
     inner = [(f, l) for f, l in with_mma if not any((f2, l2) != (f, l) and f <= f2 and l2 <= l for f2, l2 in with_mma)]
-    return sum(1 for a, t, _ in instructions if opcode(t) in ("LDL", "STL") and any(f <= a <= l for f, l in inner))
+    return sum(1 for a, op in ops if op in ("LDL", "STL") and any(f <= a <= l for f, l in inner))
