@@ -219,6 +219,29 @@ def test_bench_mask_cost_smoke(tmp_path):
         assert r["ratios"] == [t["mask"] / t["none"] for t in r["ms"]] and r["ratio"] == sum(r["ratios"]) / 2, r
 
 
+def test_bench_placement_smoke(tmp_path):
+    run([sys.executable, "-m", "benchmarks.placement", "--smoke", "--json", str(tmp_path / "p.json")], tmp_path)
+    rows = json.loads((tmp_path / "p.json").read_text())["rows"]
+    assert [r["part"] for r in rows] == ["fwd:out", "fwd:in", "bwd:in", "bwd:grads"]
+    for r in rows:  # two addresses, one round each; the spread is of their medians
+        assert len(r["ms"]) == 2 and all(len(t) == 1 and t[0] > 0 for t in r["ms"])
+        assert r["between"] == max(t[0] for t in r["ms"]) / min(t[0] for t in r["ms"]), r
+
+
+def test_placement_candidates_hold_the_same_data_elsewhere():
+    import torch
+
+    from benchmarks.placement import placed
+
+    x = torch.randn(3, 5, 7)
+    cands = placed(x, 5)
+    assert all(torch.equal(c, x) for c in cands)
+    spans = sorted((c.data_ptr(), c.data_ptr() + c.numel() * c.element_size()) for c in cands)
+    assert all(a_end <= b for (_, a_end), (b, _) in zip(spans, spans[1:])), spans  # none overlaps another
+    odd = [c.data_ptr() for c in cands[1::2]]
+    assert len(odd) == 2 and (odd[1] - odd[0]) % 4096 != 0  # views not a page multiple apart
+
+
 def test_bench_dropout_smoke(tmp_path):
     run([sys.executable, "-m", "benchmarks.dropout", "--smoke", "--json", str(tmp_path / "d.json")], tmp_path)
     rows = json.loads((tmp_path / "d.json").read_text())["rows"]
