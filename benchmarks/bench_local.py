@@ -25,6 +25,13 @@ samples (a compile or a cuDNN plan), and prints their medians in a table of thei
 before:
 
     python -m benchmarks.bench_local --seqlens 65536 --head-dims 128 --clocks --idle-gap 1
+
+--rounds N times every impl N times, round-robin with the order reversed every other round, and
+keeps each one's median (with each round's ms and the slowest over the fastest, `spread`, in
+the JSON and a table): one do_bench holds only rep / call-time calls (one at 64K
+forward+backward), and our timings have moved by up to 8-12% between runs where cuDNN's held.
+
+    python -m benchmarks.bench_local --seqlens 16384 --head-dims 128 --rounds 5
 """
 
 from __future__ import annotations
@@ -35,6 +42,7 @@ import json
 import math
 import platform
 import shutil
+import statistics
 import time
 from pathlib import Path
 
@@ -130,6 +138,26 @@ def measure(impl, tensors, B, H, S, D, causal, mode, device, steady=0, graphs=Fa
     return result
 
 
+def over_rounds(results: list[dict]) -> dict:
+    """One impl's measure() results over --rounds: the first's, with each time (ms, steady_ms,
+    graph_ms) and clock reading the median over the rounds, its TFLOP/s from that median, and
+    rounds_ms / spread (the slowest round's ms over the fastest's); a round's error wins."""
+    first = results[0]
+    if len(results) == 1 or any("error" in r for r in results):
+        return next((r for r in results if "error" in r), first)
+    out = dict(first)
+    for key in ("ms", "steady_ms", "graph_ms", "sm_mhz", "power_w"):
+        values = [r[key] for r in results if key in r]
+        if len(values) == len(results):
+            out[key] = statistics.median(values)
+            if key.endswith("ms"):  # the same FLOPs each round
+                rate = key[: -len("ms")] + "tflops"
+                out[rate] = first[rate] * first[key] / out[key]
+    out["rounds_ms"] = [r["ms"] for r in results]
+    out["spread"] = max(out["rounds_ms"]) / min(out["rounds_ms"])
+    return out
+
+
 def run_table(args, device, dtype):
     rows = []
     peers = ["sdpa_flash", "sdpa_cudnn"] if device == "cuda" else ["sdpa_math"]
@@ -144,9 +172,12 @@ def run_table(args, device, dtype):
                     res = {"D": D, "Dv": Dv, "S": S, "causal": causal, "mode": mode}
                     shape = (args.batch, args.heads, S, (D + Dv) / 2, causal, mode, device, args.steady, args.graphs,
                              args.clocks, args.idle_gap)  # fmt: skip
-                    res["ringflash"] = measure("ringflash", qkv, *shape)
-                    for p in peers:
-                        res[p] = measure(p, qkv if p.startswith("ringflash") else sdpa, *shape)
+                    impls = ["ringflash", *peers]
+                    runs = {impl: [] for impl in impls}
+                    for r in range(args.rounds):  # round-robin, the order reversed every other round
+                        for impl in impls if r % 2 == 0 else impls[::-1]:
+                            runs[impl].append(measure(impl, qkv if impl.startswith("ringflash") else sdpa, *shape))
+                    res.update((impl, over_rounds(runs[impl])) for impl in impls)
                     rows.append(res)
                     print(json.dumps(res), flush=True)
             del qkv, sdpa
@@ -287,6 +318,15 @@ def print_clocks(rows):
         print(f"{r['D']:>7} {r['S']:>6} {str(r['causal']):>6} {r['mode']:>8} | " + " | ".join(cells))
 
 
+def print_spreads(rows):
+    """--rounds' table: each impl's slowest round over its fastest (1.00: every round alike)."""
+    impls = [i for i in ("ringflash", "sdpa_flash", "sdpa_cudnn", "sdpa_math") if any(i in r for r in rows)]
+    print(f"\n{'D':>7} {'S':>6} {'causal':>6} {'mode':>8} | " + " ".join(f"{i:>10}" for i in impls) + "   (spread)")
+    for r in rows:
+        cells = [f"{r.get(i, {}).get('spread', math.nan):10.3f}" for i in impls]
+        print(f"{r['D']:>7} {r['S']:>6} {str(r['causal']):>6} {r['mode']:>8} | " + " ".join(cells))
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seqlens", type=int, nargs="+", default=[4096, 16384, 65536])
@@ -306,7 +346,10 @@ def main():
     ap.add_argument("--graphs", action="store_true", help="also time each call replayed from a CUDA graph (GPU)")
     ap.add_argument("--clocks", action="store_true", help="sample the SM clock and power while timing (nvidia-smi)")
     ap.add_argument("--idle-gap", type=float, default=0.0, metavar="S", help="seconds idle before each timing")
+    ap.add_argument("--rounds", type=int, default=1, help="time each impl this many times, round-robin (medians)")
     args = ap.parse_args()
+    if args.rounds < 1:
+        ap.error(f"--rounds must be >= 1, got {args.rounds}")
     device = "cuda" if torch.cuda.is_available() and not args.smoke else "cpu"
     if args.graphs and device != "cuda":
         ap.error("--graphs needs a GPU (CUDA graphs)")
@@ -345,6 +388,8 @@ def main():
             print_table(out["rows"], "graph_tflops")
         if args.clocks:
             print_clocks(out["rows"])
+        if args.rounds > 1:
+            print_spreads(out["rows"])
 
 
 if __name__ == "__main__":

@@ -14,13 +14,31 @@ from commands import ROOT, TWO_RANKS, run
 
 
 def test_bench_local_smoke(tmp_path):
-    cmd = [sys.executable, "-m", "benchmarks.bench_local", "--smoke", "--steady", "2"]
+    cmd = [sys.executable, "-m", "benchmarks.bench_local", "--smoke", "--steady", "2", "--rounds", "2"]
     cmd += ["--json", str(tmp_path / "l.json")]
     out = run(cmd, tmp_path)
     data = json.loads((tmp_path / "l.json").read_text())
     assert len(data["rows"]) == 4 and all(r["ringflash"]["tflops"] > 0 for r in data["rows"])
     assert all(r["ringflash"]["steady_tflops"] > 0 and r["sdpa_math"]["steady_ms"] > 0 for r in data["rows"])
-    assert "vs flash" in out and "(calls in a row)" in out
+    for r in (r[impl] for r in data["rows"] for impl in ("ringflash", "sdpa_math")):  # two rounds, their median
+        assert len(r["rounds_ms"]) == 2 and r["ms"] == sum(r["rounds_ms"]) / 2, r
+        assert r["spread"] == max(r["rounds_ms"]) / min(r["rounds_ms"]), r
+    assert "vs flash" in out and "(calls in a row)" in out and "(spread)" in out
+
+
+def test_bench_local_rounds_keep_medians_and_errors():
+    """bench_local --rounds: each time and its TFLOP/s from the median round; a failed round is
+    reported, not averaged away."""
+    from benchmarks.bench_local import over_rounds
+
+    runs = [{"impl": "x", "ms": ms, "tflops": 12.0 / ms, "steady_ms": 2 * ms, "steady_tflops": 6.0 / ms}
+            for ms in (4.0, 1.0, 2.0)]  # fmt: skip
+    out = over_rounds(runs)
+    assert out["ms"] == 2.0 and out["tflops"] == 6.0 and out["steady_ms"] == 4.0 and out["steady_tflops"] == 3.0
+    assert out["rounds_ms"] == [4.0, 1.0, 2.0] and out["spread"] == 4.0
+    assert over_rounds(runs[:1]) == runs[0]
+    failed = {"impl": "x", "error": "RuntimeError: no"}
+    assert over_rounds([runs[0], failed]) is failed
 
 
 def test_packed_ring_tiles_counts(tmp_path):
