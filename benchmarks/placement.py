@@ -12,6 +12,9 @@ Parts, each timed at --candidates addresses (the others held at their first):
   fwd:in      q, k, v
   bwd:in      q, k, v, dO, the row statistics and delta
   bwd:grads   dK, dV and the blocked float32 dQ accumulator (ringflash.dq_sum)
+The backward is the fused kernel's accumulating form (dQ into a caller's accumulator, dK and
+dV added to), as a ring step runs it. Memory: about 7 + 12 x --candidates copies of q (21 GB
+at the defaults).
 A part's even candidates are allocations of their own; its odd ones views into one larger
 buffer at offsets that are not multiples of a page (1 KiB steps). The table gives each
 candidate's median over the rounds, its range, and its address modulo 2 MiB; a part's line
@@ -74,6 +77,8 @@ def main():
     ap.add_argument("--json", type=Path)
     ap.add_argument("--smoke", action="store_true", help="tiny sizes on the CPU")
     args = ap.parse_args()
+    if args.candidates < 2 or args.rounds < 1:
+        ap.error(f"--candidates must be >= 2 and --rounds >= 1, got {args.candidates} and {args.rounds}")
     device, dtype = bench_device(args.smoke)
     B, S, H, dims = (1, 64, 2, [16]) if args.smoke else (args.batch, args.seqlen, args.heads, args.head_dims)
     n, rounds = (2, 1) if args.smoke else (args.candidates, args.rounds)
