@@ -29,31 +29,7 @@ def _share_cores_among_workers() -> None:
 _share_cores_among_workers()
 
 
-# The CPU suite's longest files on a 2-core machine (pytest --durations=0, longest first), run
-# first: under --dist loadfile a worker takes whole files, and xdist's default order (most tests
-# first) left the longest file, few tests, to the end, one worker running it alone for minutes
-# (1307 s against ~1210 s the longest-first order allows). A file missing here only runs later.
-LONGEST_FILES = (
-    "test_gluon_scripts.py",
-    "test_local.py",
-    "test_scripts.py",
-    "test_compile.py",
-    "test_examples.py",
-    "test_ring.py",
-    "test_ring_varlen.py",
-    "test_hf.py",
-    "test_varlen.py",
-)
-
-
-def pytest_configure(config):
-    if hasattr(config.option, "loadscopereorder"):  # (pytest-xdist: files in the order collected)
-        config.option.loadscopereorder = False
-
-
 def pytest_collection_modifyitems(config, items):
-    rank = {name: i for i, name in enumerate(LONGEST_FILES)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(LONGEST_FILES)))  # (stable: files stay whole)
     if HAS_CUDA:
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
