@@ -49,7 +49,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from benchmarks.common import ClockSampler, attention_flops, bench_ms, host_seconds, step_fn, write_json
+from benchmarks.common import ClockSampler, attention_flops, bench_ms, host_seconds, in_rounds, step_fn, write_json
 from ringflash import flash_attn_func
 from ringflash.kernels import configs
 from ringflash.kernels.configs import KernelConfig
@@ -174,9 +174,8 @@ def run_table(args, device, dtype):
                              args.clocks, args.idle_gap)  # fmt: skip
                     impls = ["ringflash", *peers]
                     runs = {impl: [] for impl in impls}
-                    for r in range(args.rounds):  # round-robin, the order reversed every other round
-                        for impl in impls if r % 2 == 0 else impls[::-1]:
-                            runs[impl].append(measure(impl, qkv if impl.startswith("ringflash") else sdpa, *shape))
+                    for _, impl in in_rounds(impls, args.rounds):
+                        runs[impl].append(measure(impl, qkv if impl.startswith("ringflash") else sdpa, *shape))
                     res.update((impl, over_rounds(runs[impl])) for impl in impls)
                     rows.append(res)
                     print(json.dumps(res), flush=True)

@@ -87,6 +87,13 @@ def attention_flops(B, H, S, D, causal, mode, Sk=None):
     return f * {"fwd+bwd": 3.5, "bwd": 2.5}.get(mode, 1.0)
 
 
+def in_rounds(items, rounds: int) -> list:
+    """(round, item) in timing order: each item once a round, the order reversed every other
+    round, so that a clock drifting during a shape's timings falls on each alike."""
+    items = list(items)
+    return [(r, i) for r in range(rounds) for i in (items if r % 2 == 0 else items[::-1])]
+
+
 def bench_ms(fn, device) -> float:
     """Milliseconds of fn(): the median of triton.testing.do_bench on a GPU, the median of 3
     runs after one warm-up on CPU."""

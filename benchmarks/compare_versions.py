@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common import attention_flops, bench_ms, device_name, step_fn, write_json
+from benchmarks.common import attention_flops, bench_ms, device_name, in_rounds, step_fn, write_json
 
 
 def load_baseline(root: Path, name: str):
@@ -148,12 +148,10 @@ def main():
                             name,
                         )
                     times = {name: [] for name in impls}
-                    order = list(impls)
-                    for rep in range(args.repeats):
-                        for name in order if rep % 2 == 0 else order[::-1]:
-                            call, inputs, grad, variant = impls[name]
-                            with variant_context(variant, D):
-                                times[name].append(bench_ms(step_fn(call, inputs, grad, mode), device))
+                    for _, name in in_rounds(impls, args.repeats):
+                        call, inputs, grad, variant = impls[name]
+                        with variant_context(variant, D):
+                            times[name].append(bench_ms(step_fn(call, inputs, grad, mode), device))
                     flop = attention_flops(1, args.heads, S, D, causal, mode)
                     row = {
                         "D": D,

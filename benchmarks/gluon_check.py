@@ -46,6 +46,8 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
+from benchmarks.common import in_rounds  # noqa: E402  (gluon_bwd_check's rounds too)
+
 START, RESULT = "@@START ", "@@RESULT "
 F32_EPS = 2.0**-23
 
@@ -134,12 +136,6 @@ def correctness_cases(variant: str, lite: bool, head_dims) -> list[dict]:
         for row, extras in table:
             add(**dict(zip(cols, row)), **extras)
     return cases
-
-
-def in_rounds(impls: list[str], rounds: int) -> list[tuple[int, str]]:
-    """(round, impl) in timing order: each implementation once a round, the order reversed every
-    other round, so that a clock drifting during a shape's timings falls on each alike."""
-    return [(r, i) for r in range(rounds) for i in (impls if r % 2 == 0 else impls[::-1])]
 
 
 def timing_medians(rows, shape) -> dict:

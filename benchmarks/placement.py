@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common import bench_device, bench_ms, device_name, write_json
+from benchmarks.common import bench_device, bench_ms, device_name, in_rounds, write_json
 from ringflash.dq_sum import DQSum
 from ringflash.local import attention_delta, block_backward, block_forward
 from ringflash.masks import CAUSAL, FULL, BlockMask
@@ -126,10 +126,8 @@ def main():
                 ]
             for part, cands in calls.items():
                 times = [[] for _ in cands]
-                for r in range(rounds):
-                    order = range(len(cands)) if r % 2 == 0 else reversed(range(len(cands)))
-                    for i in order:
-                        times[i].append(bench_ms(cands[i][0], device))
+                for _, i in in_rounds(range(len(cands)), rounds):
+                    times[i].append(bench_ms(cands[i][0], device))
                 medians = [statistics.median(t) for t in times]
                 for i, t in enumerate(times):
                     print(f"{D:>4} {causal!s:>6} {part:>9} {i:>4} {page_offset(cands[i][1]):>8x} {medians[i]:10.3f} "
