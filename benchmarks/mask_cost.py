@@ -18,7 +18,7 @@ import statistics
 import torch
 
 from benchmarks.bench_local import make_inputs
-from benchmarks.common import add_local_args, bench_device, bench_ms, device_name, step_fn, write_json
+from benchmarks.common import add_local_args, bench_device, bench_ms, device_name, in_rounds, step_fn, write_json
 from ringflash import flash_attn_func
 
 
@@ -48,13 +48,10 @@ def main():
             for causal in map(bool, args.causal):
                 for mode in args.modes:
                     timing(tensors, causal, hides_nothing, mode, device)  # (compiled before the pairs)
-                    ratios, ms = [], []
-                    for p in range(args.pairs):
-                        t = {}
-                        for name in ("none", "mask") if p % 2 == 0 else ("mask", "none"):
-                            t[name] = timing(tensors, causal, hides_nothing if name == "mask" else None, mode, device)
-                        ratios.append(t["mask"] / t["none"])
-                        ms.append(t)
+                    ms = [{} for _ in range(args.pairs)]
+                    for p, name in in_rounds(("none", "mask"), args.pairs):
+                        ms[p][name] = timing(tensors, causal, hides_nothing if name == "mask" else None, mode, device)
+                    ratios = [t["mask"] / t["none"] for t in ms]
                     ratio = statistics.median(ratios)
                     rows.append(dict(B=B, D=D, S=S, H=H, causal=causal, mode=mode, ratio=ratio, ratios=ratios,
                                      ms=ms))  # fmt: skip

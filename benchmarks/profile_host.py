@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 import ringflash
-from benchmarks.common import DOCUMENTS_BACKWARDS, documents_backward, host_seconds, kernel_times, step_fn
+from benchmarks.common import DOCUMENTS_BACKWARDS, documents_backward, host_seconds, in_rounds, kernel_times, step_fn
 from benchmarks.packed import document_lengths
 from benchmarks.packed_ring_replay import replay_rank
 
@@ -328,10 +328,9 @@ def compare_plain_launch(name, fn, calls, rounds):
     difference): medians over the rounds, and their ratio."""
     times = {"kept": [], "plain": []}
     arms = {"kept": contextlib.nullcontext, "plain": plain_launch}
-    for r in range(rounds):
-        for arm in ("kept", "plain") if r % 2 == 0 else ("plain", "kept"):
-            with arms[arm]():
-                times[arm].append(per_call_us(fn, calls))
+    for _, arm in in_rounds(("kept", "plain"), rounds):
+        with arms[arm]():
+            times[arm].append(per_call_us(fn, calls))
     kept, plain = (float(np.median(times[a])) for a in ("kept", "plain"))
     print(
         f"{name}: kept {kept:.1f} us, plain {plain:.1f} us per call (medians of {rounds}); "
