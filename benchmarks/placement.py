@@ -18,7 +18,10 @@ at the defaults).
 A part's even candidates are allocations of their own; its odd ones views into one larger
 buffer at offsets that are not multiples of a page (1 KiB steps). The table gives each
 candidate's median over the rounds, its range, and its address modulo 2 MiB; a part's line
-ends with the spread of the medians (max / min) beside the median spread within a candidate.
+ends with the spread of the medians (max / min) beside the median spread within a candidate,
+and a second line gives every timing in the order it ran, over the part's median. On one H100
+the slow timings came in phases a few timings apart, fading over the run, whichever address
+was timed: time, not placement (benchmarks/NOTES.md, "Our timings move between runs").
 """
 
 from __future__ import annotations
@@ -126,8 +129,10 @@ def main():
                 ]
             for part, cands in calls.items():
                 times = [[] for _ in cands]
-                for _, i in in_rounds(range(len(cands)), rounds):
+                in_order = []  # (round, candidate, ms) as timed: a slow phase in time shows here
+                for r, i in in_rounds(range(len(cands)), rounds):
                     times[i].append(bench_ms(cands[i][0], device))
+                    in_order.append((r, i, times[i][-1]))
                 medians = [statistics.median(t) for t in times]
                 for i, t in enumerate(times):
                     print(f"{D:>4} {causal!s:>6} {part:>9} {i:>4} {page_offset(cands[i][1]):>8x} {medians[i]:10.3f} "
@@ -136,9 +141,12 @@ def main():
                 within = statistics.median(max(t) / min(t) for t in times)
                 print(f"{D:>4} {causal!s:>6} {part:>9}  medians' spread {between:.3f}, within a candidate {within:.3f}",
                       flush=True)  # fmt: skip
+                overall = statistics.median(ms for _, _, ms in in_order)
+                print(f"{D:>4} {causal!s:>6} {part:>9}  in timing order, x the median: "
+                      + " ".join(f"{ms / overall:.2f}" for _, _, ms in in_order), flush=True)  # fmt: skip
                 offsets = [page_offset(c[1]) for c in cands]
                 rows.append(dict(D=D, S=S, B=B, H=H, causal=causal, part=part, ms=times, page_offsets=offsets,
-                                 between=between, within=within))  # fmt: skip
+                                 between=between, within=within, in_order=in_order))  # fmt: skip
     write_json(args.json, dict(device=device_name(device), dtype=str(dtype), rows=rows))
 
 

@@ -244,6 +244,7 @@ def test_bench_placement_smoke(tmp_path):
     for r in rows:  # two addresses, one round each; the spread is of their medians
         assert len(r["ms"]) == 2 and all(len(t) == 1 and t[0] > 0 for t in r["ms"])
         assert r["between"] == max(t[0] for t in r["ms"]) / min(t[0] for t in r["ms"]), r
+        assert r["in_order"] == [[0, i, r["ms"][i][0]] for i in range(2)], r  # one round: as listed
 
 
 def test_placement_candidates_hold_the_same_data_elsewhere():
