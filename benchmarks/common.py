@@ -55,7 +55,8 @@ def power_field(index: int = 0) -> str:
 class ClockSampler:
     """The SM clock and power draw (power_field) of GPU `index`, sampled by nvidia-smi every
     `period_ms` while the block runs (the block starts once nvidia-smi has sampled once); .result
-    is parse_clock_samples' dict of the samples after that first one, once the block ends. A
+    is parse_clock_samples' dict of the samples after that first one, once the block ends, and
+    .between(t0, t1) the same of those that arrived between two time.perf_counter() readings. A
     timing's clock: what sustained power or heat leaves a kernel, which a kernel's own counters
     do not show."""
 
@@ -63,21 +64,34 @@ class ClockSampler:
         self.command = ["nvidia-smi", "-i", str(index), f"--query-gpu=clocks.sm,{power_field(index)}",
                         "--format=csv,noheader,nounits", "-lms", str(period_ms)]  # fmt: skip
         self.result = None
+        self.samples = []  # (time.perf_counter() at arrival, nvidia-smi's line)
 
     def __enter__(self):
         import subprocess
+        import threading
 
         self.process = subprocess.Popen(self.command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
         # wait for nvidia-smi's first sample (its start takes longer than a short timing: a
         # fixed 0.1 s wait left most samples after the work, at idle) and drop it: taken before
         # the timed work starts
         self.process.stdout.readline()
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
         return self
+
+    def _read(self):
+        for line in self.process.stdout:
+            self.samples.append((time.perf_counter(), line))
 
     def __exit__(self, *exc):
         self.process.terminate()
-        self.result = parse_clock_samples(self.process.communicate()[0])
+        self.process.wait()
+        self.reader.join()
+        self.result = self.between(-math.inf, math.inf)
         return False
+
+    def between(self, t0: float, t1: float) -> dict:
+        return parse_clock_samples("".join(line for t, line in self.samples if t0 <= t <= t1))
 
 
 def attention_flops(B, H, S, D, causal, mode, Sk=None):

@@ -22,18 +22,25 @@ ends with the spread of the medians (max / min) beside the median spread within 
 and a second line gives every timing in the order it ran, over the part's median. On one H100
 the slow timings came in phases a few timings apart, fading over the run, whichever address
 was timed: time, not placement (benchmarks/NOTES.md, "Our timings move between runs").
+--clocks adds each timing's SM clock and power (nvidia-smi every 50 ms, one sampler a part),
+the clocks in timing order, and the correlation of the ms with the clock's period:
+
+    python -m benchmarks.placement --head-dims 128 --seqlen 8192 --batch 4 --causal 0 --clocks
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
+import shutil
 import statistics
+import time
 from pathlib import Path
 
 import torch
 
-from benchmarks.common import bench_device, bench_ms, device_name, in_rounds, write_json
+from benchmarks.common import ClockSampler, bench_device, bench_ms, device_name, in_rounds, write_json
 from ringflash.dq_sum import DQSum
 from ringflash.local import attention_delta, block_backward, block_forward
 from ringflash.masks import CAUSAL, FULL, BlockMask
@@ -67,6 +74,18 @@ def page_offset(t: torch.Tensor) -> int:
     return t.data_ptr() % PAGE
 
 
+def clock_correlation(in_order: list[dict]) -> float:
+    """Pearson's r between the timings' ms and their SM clocks' periods (1 / MHz): near 1 when
+    the slow timings are the low-clock ones; NaN where a timing had no sample or nothing varied."""
+    pairs = [(t["ms"], 1 / t["sm_mhz"]) for t in in_order if t["sm_mhz"] > 0]
+    if len(pairs) < 3 or len(pairs) < len(in_order):
+        return math.nan
+    try:
+        return statistics.correlation(*zip(*pairs))
+    except statistics.StatisticsError:  # a constant column
+        return math.nan
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--head-dims", type=int, nargs="+", default=[128])
@@ -78,11 +97,14 @@ def main():
     ap.add_argument("--candidates", type=int, default=6)
     ap.add_argument("--rounds", type=int, default=4, help="each times every candidate (the order reversed every other)")
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--clocks", action="store_true", help="the SM clock and power during each timing (nvidia-smi)")
     ap.add_argument("--smoke", action="store_true", help="tiny sizes on the CPU")
     args = ap.parse_args()
     if args.candidates < 2 or args.rounds < 1:
         ap.error(f"--candidates must be >= 2 and --rounds >= 1, got {args.candidates} and {args.rounds}")
     device, dtype = bench_device(args.smoke)
+    if args.clocks and (device.type != "cuda" or shutil.which("nvidia-smi") is None):
+        ap.error("--clocks needs a GPU and nvidia-smi")
     B, S, H, dims = (1, 64, 2, [16]) if args.smoke else (args.batch, args.seqlen, args.heads, args.head_dims)
     n, rounds = (2, 1) if args.smoke else (args.candidates, args.rounds)
     rows = []
@@ -129,10 +151,17 @@ def main():
                 ]
             for part, cands in calls.items():
                 times = [[] for _ in cands]
-                in_order = []  # (round, candidate, ms) as timed: a slow phase in time shows here
-                for r, i in in_rounds(range(len(cands)), rounds):
-                    times[i].append(bench_ms(cands[i][0], device))
-                    in_order.append((r, i, times[i][-1]))
+                in_order = []  # each timing as it ran: a slow phase in time shows here
+                sampler = ClockSampler(device.index or 0) if args.clocks else contextlib.nullcontext()
+                with sampler:
+                    for r, i in in_rounds(range(len(cands)), rounds):
+                        t0 = time.perf_counter()
+                        times[i].append(bench_ms(cands[i][0], device))
+                        in_order.append(dict(round=r, candidate=i, ms=times[i][-1], span=(t0, time.perf_counter())))
+                for timing in in_order:
+                    span = timing.pop("span")
+                    if args.clocks:
+                        timing.update({k: sampler.between(*span)[k] for k in ("sm_mhz", "power_w")})
                 medians = [statistics.median(t) for t in times]
                 for i, t in enumerate(times):
                     print(f"{D:>4} {causal!s:>6} {part:>9} {i:>4} {page_offset(cands[i][1]):>8x} {medians[i]:10.3f} "
@@ -141,9 +170,14 @@ def main():
                 within = statistics.median(max(t) / min(t) for t in times)
                 print(f"{D:>4} {causal!s:>6} {part:>9}  medians' spread {between:.3f}, within a candidate {within:.3f}",
                       flush=True)  # fmt: skip
-                overall = statistics.median(ms for _, _, ms in in_order)
+                overall = statistics.median(t["ms"] for t in in_order)
                 print(f"{D:>4} {causal!s:>6} {part:>9}  in timing order, x the median: "
-                      + " ".join(f"{ms / overall:.2f}" for _, _, ms in in_order), flush=True)  # fmt: skip
+                      + " ".join(f"{t['ms'] / overall:.2f}" for t in in_order), flush=True)  # fmt: skip
+                if args.clocks:
+                    print(f"{D:>4} {causal!s:>6} {part:>9}  SM MHz in timing order: "
+                          + " ".join(f"{t['sm_mhz']:.0f}" for t in in_order), flush=True)  # fmt: skip
+                    print(f"{D:>4} {causal!s:>6} {part:>9}  ms against 1 / MHz, correlation "
+                          f"{clock_correlation(in_order):.2f}", flush=True)  # fmt: skip
                 offsets = [page_offset(c[1]) for c in cands]
                 rows.append(dict(D=D, S=S, B=B, H=H, causal=causal, part=part, ms=times, page_offsets=offsets,
                                  between=between, within=within, in_order=in_order))  # fmt: skip

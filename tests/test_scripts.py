@@ -1,6 +1,7 @@
 """The benchmarks, examples and launch scripts keep working (toy sizes, CPU, gloo)."""
 
 import json
+import math
 import os
 import re
 import subprocess
@@ -244,7 +245,23 @@ def test_bench_placement_smoke(tmp_path):
     for r in rows:  # two addresses, one round each; the spread is of their medians
         assert len(r["ms"]) == 2 and all(len(t) == 1 and t[0] > 0 for t in r["ms"])
         assert r["between"] == max(t[0] for t in r["ms"]) / min(t[0] for t in r["ms"]), r
-        assert r["in_order"] == [[0, i, r["ms"][i][0]] for i in range(2)], r  # one round: as listed
+        assert r["in_order"] == [dict(round=0, candidate=i, ms=r["ms"][i][0]) for i in range(2)], r  # as listed
+
+
+def test_placement_clock_correlation():
+    """placement --clocks: r between ms and 1 / MHz; NaN where a timing has no sample (nvidia-smi's
+    "[N/A]") or a column is constant, rather than a figure from part of the timings."""
+    import math
+
+    from benchmarks.placement import clock_correlation
+
+    def timings(ms, mhz):
+        return [dict(ms=a, sm_mhz=b) for a, b in zip(ms, mhz)]
+
+    assert clock_correlation(timings([7.0, 7.5, 7.0, 8.0], [1980, 1850, 1980, 1730])) > 0.99
+    assert clock_correlation(timings([7.0, 7.5, 7.0, 8.0], [1730, 1980, 1850, 1980])) < 0
+    assert math.isnan(clock_correlation(timings([7.0, 7.5, 8.0], [1980, math.nan, 1730])))
+    assert math.isnan(clock_correlation(timings([7.0, 7.5, 8.0], [1980, 1980, 1980])))
 
 
 def test_placement_candidates_hold_the_same_data_elsewhere():
@@ -720,11 +737,15 @@ def test_clock_sampler_medians(capsys, tmp_path):
                        "print('1650, 690'); print('1700, 700', flush=True); "
                        f"open({str(printed)!r}, 'w').close(); time.sleep(60)"]  # fmt: skip
     with sampler:  # stopped once it has printed
+        t_started = time.perf_counter()
         started.touch()
         deadline = time.monotonic() + 60
         while not printed.exists() and time.monotonic() < deadline:
             time.sleep(0.05)
     assert sampler.result == {"sm_mhz": 1675.0, "power_w": 695.0, "samples": 2}
+    # each sample stamped as it arrived: both after the block started (placement --clocks)
+    assert sampler.between(t_started, time.perf_counter()) == sampler.result
+    assert sampler.between(-math.inf, t_started)["samples"] == 0
     row = {"D": 128, "S": 65536, "causal": True, "mode": "fwd", "ringflash": {"sm_mhz": 1650.0, "power_w": 690.0},
            "sdpa_cudnn": {"sm_mhz": 1700.0, "power_w": 700.0}}  # fmt: skip
     print_clocks([row])
