@@ -1,7 +1,7 @@
 """A key padding mask's own cost: ringflash's call with a mask that hides nothing (B x S False)
-over the same call without one, timed in alternating pairs. Each timing takes a fresh forward
-(its buffers land elsewhere: a placement that happens to be slow is not kept for a whole
-column), the order flips every pair (the GPU's clocks drift over a run), and the median of the
+over the same call without one, timed in alternating pairs. Each timing takes a fresh forward,
+the order flips every pair (the GPU's clock swings over a run: on one H100 at its 700 W limit
+timings ran 5-15% slow in its dips, benchmarks.placement --clocks), and the median of the
 pairs' ratios is printed with their range. Finer than benchmarks.key_padding, whose columns
 run one after another: there two identical kernels on identical data have differed by 7-15%.
 
