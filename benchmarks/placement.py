@@ -21,7 +21,8 @@ candidate's median over the rounds, its range, and its address modulo 2 MiB; a p
 ends with the spread of the medians (max / min) beside the median spread within a candidate,
 and a second line gives every timing in the order it ran, over the part's median. On one H100
 the slow timings came in phases a few timings apart, fading over the run, whichever address
-was timed: time, not placement (benchmarks/NOTES.md, "Our timings move between runs").
+was timed: time, not placement, and --clocks showed the phases to be the SM clock's dips
+(benchmarks/NOTES.md, "Our timings move between runs").
 --clocks adds each timing's SM clock and power (nvidia-smi every 50 ms, one sampler a part),
 the clocks in timing order, and the correlation of the ms with the clock's period:
 
@@ -161,7 +162,8 @@ def main():
                 for timing in in_order:
                     span = timing.pop("span")
                     if args.clocks:
-                        timing.update({k: sampler.between(*span)[k] for k in ("sm_mhz", "power_w")})
+                        clocks = sampler.between(*span)
+                        timing.update(sm_mhz=clocks["sm_mhz"], power_w=clocks["power_w"])
                 medians = [statistics.median(t) for t in times]
                 for i, t in enumerate(times):
                     print(f"{D:>4} {causal!s:>6} {part:>9} {i:>4} {page_offset(cands[i][1]):>8x} {medians[i]:10.3f} "

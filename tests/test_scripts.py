@@ -251,8 +251,6 @@ def test_bench_placement_smoke(tmp_path):
 def test_placement_clock_correlation():
     """placement --clocks: r between ms and 1 / MHz; NaN where a timing has no sample (nvidia-smi's
     "[N/A]") or a column is constant, rather than a figure from part of the timings."""
-    import math
-
     from benchmarks.placement import clock_correlation
 
     def timings(ms, mhz):
