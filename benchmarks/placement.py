@@ -151,35 +151,33 @@ def main():
                     (lambda g=g: backward(q, k, v, state.m, state.l, do, delta, *g), g[1]) for g in grads
                 ]
             for part, cands in calls.items():
-                times = [[] for _ in cands]
-                in_order = []  # each timing as it ran: a slow phase in time shows here
+                in_order, spans = [], []  # each timing as it ran: a slow phase in time shows here
                 sampler = ClockSampler(device.index or 0) if args.clocks else contextlib.nullcontext()
                 with sampler:
                     for r, i in in_rounds(range(len(cands)), rounds):
                         t0 = time.perf_counter()
-                        times[i].append(bench_ms(cands[i][0], device))
-                        in_order.append(dict(round=r, candidate=i, ms=times[i][-1], span=(t0, time.perf_counter())))
-                for timing in in_order:
-                    span = timing.pop("span")
-                    if args.clocks:
+                        in_order.append(dict(round=r, candidate=i, ms=bench_ms(cands[i][0], device)))
+                        spans.append((t0, time.perf_counter()))
+                if args.clocks:
+                    for timing, span in zip(in_order, spans):
                         clocks = sampler.between(*span)
                         timing.update(sm_mhz=clocks["sm_mhz"], power_w=clocks["power_w"])
+                times = [[t["ms"] for t in in_order if t["candidate"] == i] for i in range(len(cands))]
                 medians = [statistics.median(t) for t in times]
+                head = f"{D:>4} {causal!s:>6} {part:>9}"
                 for i, t in enumerate(times):
-                    print(f"{D:>4} {causal!s:>6} {part:>9} {i:>4} {page_offset(cands[i][1]):>8x} {medians[i]:10.3f} "
-                          f"{min(t):8.3f} {max(t):8.3f}", flush=True)  # fmt: skip
+                    print(f"{head} {i:>4} {page_offset(cands[i][1]):>8x} {medians[i]:10.3f} {min(t):8.3f} "
+                          f"{max(t):8.3f}", flush=True)  # fmt: skip
                 between = max(medians) / min(medians)
                 within = statistics.median(max(t) / min(t) for t in times)
-                print(f"{D:>4} {causal!s:>6} {part:>9}  medians' spread {between:.3f}, within a candidate {within:.3f}",
-                      flush=True)  # fmt: skip
+                print(f"{head}  medians' spread {between:.3f}, within a candidate {within:.3f}", flush=True)
                 overall = statistics.median(t["ms"] for t in in_order)
-                print(f"{D:>4} {causal!s:>6} {part:>9}  in timing order, x the median: "
-                      + " ".join(f"{t['ms'] / overall:.2f}" for t in in_order), flush=True)  # fmt: skip
+                relative = " ".join(f"{t['ms'] / overall:.2f}" for t in in_order)
+                print(f"{head}  in timing order, x the median: {relative}", flush=True)
                 if args.clocks:
-                    print(f"{D:>4} {causal!s:>6} {part:>9}  SM MHz in timing order: "
-                          + " ".join(f"{t['sm_mhz']:.0f}" for t in in_order), flush=True)  # fmt: skip
-                    print(f"{D:>4} {causal!s:>6} {part:>9}  ms against 1 / MHz, correlation "
-                          f"{clock_correlation(in_order):.2f}", flush=True)  # fmt: skip
+                    print(f"{head}  SM MHz in timing order: " + " ".join(f"{t['sm_mhz']:.0f}" for t in in_order),
+                          flush=True)  # fmt: skip
+                    print(f"{head}  ms against 1 / MHz, correlation {clock_correlation(in_order):.2f}", flush=True)
                 offsets = [page_offset(c[1]) for c in cands]
                 rows.append(dict(D=D, S=S, B=B, H=H, causal=causal, part=part, ms=times, page_offsets=offsets,
                                  between=between, within=within, in_order=in_order))  # fmt: skip
