@@ -29,7 +29,8 @@ before:
 --rounds N times every impl N times, round-robin with the order reversed every other round, and
 keeps each one's median (with each round's ms and the slowest over the fastest, `spread`, in
 the JSON and a table): one do_bench holds only rep / call-time calls (one at 64K
-forward+backward), and our timings have moved by up to 8-12% between runs where cuDNN's held.
+forward+backward), and a GPU at its power limit swings its clock over a run (one H100: timings
+5-15% slow in the dips, cuDNN's as much as ours; benchmarks.placement --clocks).
 
     python -m benchmarks.bench_local --seqlens 16384 --head-dims 128 --rounds 5
 """
